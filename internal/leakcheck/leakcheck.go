@@ -1,0 +1,167 @@
+// Package leakcheck finds what a test leaves behind: descriptors the
+// process did not hold before, and this session's segments still present
+// in the shared-memory directory. Tests that share memory call Check
+// first; it fails the test at its end if anything leaked.
+package leakcheck
+
+import (
+	"fmt"
+	"os"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/tensormp/tensormp/mmapalloc"
+)
+
+// settle is how long Check waits for cleanups (GC safety nets, exiting
+// helpers) before it calls something a leak.
+const settle = 3 * time.Second
+
+var warmUp = sync.OnceFunc(func() {
+	// The runtime opens its poller's descriptors on first use; make
+	// that happen before any snapshot so they are not taken for leaks.
+	r, w, err := os.Pipe()
+	if err == nil {
+		_ = r.Close()
+		_ = w.Close()
+	}
+})
+
+// Check snapshots the process's descriptors and mappings of segments and
+// registers a cleanup that fails t if, once the test is over, a descriptor
+// is open that was not before, a segment is mapped more often than before,
+// or a segment of this session is left in the shared-memory directory.
+func Check(t testing.TB) {
+	t.Helper()
+	warmUp()
+	before, err := FDs()
+	if err != nil {
+		t.Fatalf("leakcheck: %v", err)
+	}
+	mapsBefore, err := Mappings()
+	if err != nil {
+		t.Fatalf("leakcheck: %v", err)
+	}
+	t.Cleanup(func() {
+		deadline := time.Now().Add(settle)
+		for {
+			runtime.GC()
+			after, err := FDs()
+			if err != nil {
+				t.Errorf("leakcheck: %v", err)
+				return
+			}
+			leaked := newFDs(before, after)
+			segs, err := Segments()
+			if err != nil {
+				t.Errorf("leakcheck: %v", err)
+				return
+			}
+			mapsAfter, err := Mappings()
+			if err != nil {
+				t.Errorf("leakcheck: %v", err)
+				return
+			}
+			mapped := mapsAfter - mapsBefore
+			if len(leaked) == 0 && len(segs) == 0 && mapped <= 0 {
+				return
+			}
+			if time.Now().After(deadline) {
+				if len(leaked) > 0 {
+					t.Errorf("leakcheck: descriptors leaked: %s", strings.Join(leaked, ", "))
+				}
+				if mapped > 0 {
+					t.Errorf("leakcheck: %d more segment mappings than before the test", mapped)
+				}
+				if len(segs) > 0 {
+					t.Errorf("leakcheck: segments left in %s: %s", mmapalloc.Dir(), strings.Join(segs, ", "))
+				}
+				return
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	})
+}
+
+// FDs returns the process's open descriptors and what each refers to,
+// leaving out the one FDs itself uses to read the list.
+func FDs() (map[int]string, error) {
+	entries, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		return nil, fmt.Errorf("listing descriptors: %w", err)
+	}
+	fds := make(map[int]string, len(entries))
+	for _, e := range entries {
+		n, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		target, err := os.Readlink("/proc/self/fd/" + e.Name())
+		if err != nil {
+			continue // the directory descriptor, closed by now
+		}
+		fds[n] = target
+	}
+	return fds, nil
+}
+
+// Count returns how many descriptors the process holds.
+func Count() int {
+	fds, err := FDs()
+	if err != nil {
+		return -1
+	}
+	return len(fds)
+}
+
+func newFDs(before, after map[int]string) []string {
+	var out []string
+	for fd, target := range after {
+		if old, ok := before[fd]; ok && old == target {
+			continue
+		}
+		if strings.HasSuffix(target, "/fd") && strings.HasPrefix(target, "/proc/") {
+			continue
+		}
+		out = append(out, fmt.Sprintf("%d -> %s", fd, target))
+	}
+	slices.Sort(out)
+	return out
+}
+
+// Segments lists this session's segments present in the shared-memory
+// directory.
+func Segments() ([]string, error) {
+	entries, err := os.ReadDir(mmapalloc.Dir())
+	if err != nil {
+		return nil, fmt.Errorf("listing %s: %w", mmapalloc.Dir(), err)
+	}
+	var out []string
+	for _, e := range entries {
+		if strings.HasPrefix(e.Name(), mmapalloc.SessionPrefix()) {
+			out = append(out, e.Name())
+		}
+	}
+	return out, nil
+}
+
+// Mappings counts the process's mappings of tensormp segments, unlinked
+// ones included.
+func Mappings() (int, error) {
+	data, err := os.ReadFile("/proc/self/maps")
+	if err != nil {
+		return 0, fmt.Errorf("reading mappings: %w", err)
+	}
+	n := 0
+	for line := range strings.Lines(string(data)) {
+		if strings.Contains(line, "/"+mmapalloc.NamePrefix) {
+			n++
+		}
+	}
+	return n, nil
+}

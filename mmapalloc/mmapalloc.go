@@ -1,0 +1,295 @@
+package mmapalloc
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+)
+
+// Flags say how a segment is created or opened and who keeps what. They
+// follow the flags of torch's MapAllocator and Paddle's MemoryMapAllocation.
+type Flags uint32
+
+const (
+	// SharedMem: the segment lives in the shared-memory directory
+	// (Dir). Create always sets it.
+	SharedMem Flags = 1 << iota
+	// Exclusive: creating fails if the name exists (O_EXCL). Create
+	// always sets it.
+	Exclusive
+	// NoCreate: open an existing segment, never create one. OpenName
+	// always sets it.
+	NoCreate
+	// KeepFD: keep the descriptor open after mapping, owned by the
+	// Allocation, so that the segment can be passed on by descriptor.
+	KeepFD
+	// FromFD: map a descriptor the caller hands over. OpenFD always
+	// sets it.
+	FromFD
+	// Unlink: remove the segment's name once it is mapped. With KeepFD
+	// this is the file_descriptor strategy: the segment lives exactly as
+	// long as some process holds a descriptor or a mapping of it.
+	Unlink
+	// RefCount: the segment starts with a 64-byte header holding a
+	// reference count of the processes that have it mapped; the last
+	// Close unlinks the name. This is the file_system strategy.
+	RefCount
+)
+
+var flagNames = []string{"SharedMem", "Exclusive", "NoCreate", "KeepFD", "FromFD", "Unlink", "RefCount"}
+
+func (f Flags) String() string {
+	if f == 0 {
+		return "0"
+	}
+	var parts []string
+	for i, n := range flagNames {
+		if f&(1<<i) != 0 {
+			parts = append(parts, n)
+		}
+	}
+	if rest := f &^ (1<<len(flagNames) - 1); rest != 0 {
+		parts = append(parts, fmt.Sprintf("%#x", uint32(rest)))
+	}
+	return strings.Join(parts, "|")
+}
+
+// HeaderSize is the size of the reference-count header that RefCount
+// segments carry in front of their data.
+const HeaderSize = 64
+
+const (
+	headerMagic   = 0x53504d54 // "TMPS" little-endian
+	headerVersion = 1
+)
+
+// header is the layout of the first HeaderSize bytes of a RefCount
+// segment. refs is only touched with atomic operations: every process that
+// maps the segment shares it.
+type header struct {
+	magic   uint32
+	version uint32
+	refs    atomic.Int32
+	_       int32
+	size    int64
+	_       [HeaderSize - 24]byte
+}
+
+var _ [HeaderSize - unsafe.Sizeof(header{})]byte // header fills HeaderSize exactly
+
+// Sentinel errors. Errors returned by this package wrap them where they
+// apply, so callers test with errors.Is.
+var (
+	// ErrNoSpace: the shared-memory directory cannot hold the segment.
+	// The error also wraps the ENOSPC the system returned.
+	ErrNoSpace = errors.New("no space left in the shared-memory directory")
+	// ErrBadName: a segment name that tensormp did not make.
+	ErrBadName = errors.New("not a tensormp segment name")
+	// ErrReleased: a RefCount segment whose last holder already released
+	// it.
+	ErrReleased = errors.New("segment already released by its last holder")
+	// ErrUnsupported: shared segments are not implemented on this system.
+	ErrUnsupported = errors.New("shared-memory segments are not supported on this system")
+	// ErrClosed: the Allocation was closed.
+	ErrClosed = errors.New("allocation closed")
+)
+
+// Error records a failed operation on a segment.
+type Error struct {
+	Op   string // "create", "open", "map", ...
+	Path string // the segment's path, or "fd N"
+	Err  error
+}
+
+func (e *Error) Error() string {
+	msg := "mmapalloc: " + e.Op + " " + e.Path + ": " + e.Err.Error()
+	if errors.Is(e.Err, errTooManyFiles) {
+		msg += " (the process is out of file descriptors: raise the limit with `ulimit -n` or RLIMIT_NOFILE)"
+	}
+	return msg
+}
+
+func (e *Error) Unwrap() error { return e.Err }
+
+// Is makes a no-space error match ErrNoSpace as well as ENOSPC.
+func (e *Error) Is(target error) bool {
+	return target == ErrNoSpace && errors.Is(e.Err, errNoSpaceErrno)
+}
+
+// EnvDir names the environment variable that overrides the directory
+// segments live in.
+const EnvDir = "TENSORMP_SHM_DIR"
+
+// EnvSession names the environment variable that carries the session id
+// from a parent to the processes it starts.
+const EnvSession = "TENSORMP_SESSION"
+
+// DefaultDir is where segments live unless TENSORMP_SHM_DIR says otherwise;
+// it is where glibc's shm_open puts them.
+const DefaultDir = "/dev/shm"
+
+// NamePrefix starts every segment name tensormp makes.
+const NamePrefix = "tensormp_"
+
+// Dir returns the directory segments are created in and opened from.
+func Dir() string {
+	if d := os.Getenv(EnvDir); d != "" {
+		return d
+	}
+	return DefaultDir
+}
+
+var session = sync.OnceValue(func() string {
+	if s := os.Getenv(EnvSession); validSession(s) {
+		return s
+	}
+	return randomHex(6)
+})
+
+// Session returns this process's session id: inherited from
+// TENSORMP_SESSION when a parent set it, else made at first use. It is
+// part of every segment name, so that a session's segments can be found
+// and removed together.
+func Session() string { return session() }
+
+// SessionPrefix returns the prefix of every segment name of this session.
+func SessionPrefix() string { return NamePrefix + Session() + "_" }
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b) // crypto/rand.Read never fails on Linux
+	return hex.EncodeToString(b)
+}
+
+func newName() string {
+	return fmt.Sprintf("%s%s_%d_%s", NamePrefix, Session(), os.Getpid(), randomHex(8))
+}
+
+func validSession(s string) bool {
+	if s == "" || len(s) > 32 {
+		return false
+	}
+	for _, c := range s {
+		if !(c >= '0' && c <= '9' || c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z') {
+			return false
+		}
+	}
+	return true
+}
+
+// ValidName reports whether name has the form of the segment names
+// tensormp makes: tensormp_<session>_<pid>_<16 hex digits>. Anything else
+// (a path, "..", another program's segment) is refused before it reaches
+// the file system.
+func ValidName(name string) bool {
+	rest, ok := strings.CutPrefix(name, NamePrefix)
+	if !ok || len(name) > 96 {
+		return false
+	}
+	parts := strings.Split(rest, "_")
+	if len(parts) != 3 || !validSession(parts[0]) {
+		return false
+	}
+	pid, rnd := parts[1], parts[2]
+	if pid == "" || len(pid) > 10 || len(rnd) != 16 {
+		return false
+	}
+	for _, c := range pid {
+		if c < '0' || c > '9' {
+			return false
+		}
+	}
+	for _, c := range rnd {
+		if !(c >= '0' && c <= '9' || c >= 'a' && c <= 'f') {
+			return false
+		}
+	}
+	return true
+}
+
+// ID identifies a segment's file within this machine: device and inode.
+// Two descriptors of one segment have the same ID.
+type ID struct {
+	Dev, Ino uint64
+}
+
+// Allocation is one mapping of a shared segment. It owns the mapping, the
+// descriptor when KeepFD is set, and, for RefCount segments, one reference;
+// Close releases all three exactly once. An Allocation may be used from
+// several goroutines; its Bytes are invalid after Close.
+type Allocation struct {
+	mapping []byte // the whole mapping, header included
+	data    []byte // the caller's bytes
+	fd      int    // -1 unless KeepFD
+	path    string // "" for a segment opened from a bare descriptor
+	flags   Flags
+	id      ID
+
+	closed   atomic.Bool
+	closeErr error
+}
+
+// Bytes returns the segment's data (after the header of a RefCount
+// segment). The slice aliases the shared mapping: writes are seen by every
+// process that maps the segment. It is nil after Close.
+func (a *Allocation) Bytes() []byte {
+	if a.closed.Load() {
+		return nil
+	}
+	return a.data
+}
+
+// Size returns the number of data bytes.
+func (a *Allocation) Size() int64 { return int64(len(a.data)) }
+
+// Name returns the segment's name in Dir, or "" for one opened from a bare
+// descriptor. A name that was unlinked is still reported.
+func (a *Allocation) Name() string {
+	if a.path == "" {
+		return ""
+	}
+	return a.path[strings.LastIndexByte(a.path, '/')+1:]
+}
+
+// FD returns the descriptor the Allocation keeps (KeepFD), or -1. The
+// descriptor stays owned by the Allocation; callers that need one of
+// their own dup it.
+func (a *Allocation) FD() int {
+	if a.closed.Load() {
+		return -1
+	}
+	return a.fd
+}
+
+// Flags returns the flags the Allocation was made with.
+func (a *Allocation) Flags() Flags { return a.flags }
+
+// ID returns the device and inode of the segment's file.
+func (a *Allocation) ID() ID { return a.id }
+
+// Refs returns the reference count of a RefCount segment: how many
+// mappings across all processes hold it. It is 0 for other segments.
+func (a *Allocation) Refs() int32 {
+	if a.flags&RefCount == 0 || a.closed.Load() {
+		return 0
+	}
+	return a.hdr().refs.Load()
+}
+
+func (a *Allocation) hdr() *header {
+	return (*header)(unsafe.Pointer(&a.mapping[0]))
+}
+
+func (a *Allocation) String() string {
+	where := a.path
+	if where == "" {
+		where = fmt.Sprintf("fd %d", a.fd)
+	}
+	return fmt.Sprintf("segment %s (%d bytes, %v)", where, len(a.data), a.flags)
+}

@@ -1,0 +1,379 @@
+package mmapalloc_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"syscall"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/mmapalloc"
+)
+
+func TestMain(m *testing.M) {
+	reexec.Register("write-by-name", helperWriteByName)
+	reexec.Register("tmpfs-full", helperTmpfsFull)
+	reexec.Main()
+	os.Exit(m.Run())
+}
+
+func inDir(name string) bool {
+	_, err := os.Lstat(filepath.Join(mmapalloc.Dir(), name))
+	return err == nil
+}
+
+func TestCreateFileDescriptor(t *testing.T) {
+	leakcheck.Check(t)
+	a, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
+	require.NoError(t, err)
+	defer a.Close()
+
+	assert.True(t, mmapalloc.ValidName(a.Name()), a.Name())
+	assert.Contains(t, a.Name(), mmapalloc.SessionPrefix())
+	assert.False(t, inDir(a.Name()), "the name is unlinked before Create returns")
+	assert.Equal(t, int64(4096), a.Size())
+	require.GreaterOrEqual(t, a.FD(), 0)
+	flags, err := unix.FcntlInt(uintptr(a.FD()), unix.F_GETFD, 0)
+	require.NoError(t, err)
+	assert.NotZero(t, flags&unix.FD_CLOEXEC, "descriptors are close-on-exec")
+	var st unix.Stat_t
+	require.NoError(t, unix.Fstat(a.FD(), &st))
+	assert.Equal(t, uint32(0o600), st.Mode&0o777)
+	assert.Equal(t, int64(4096), st.Size)
+
+	copy(a.Bytes(), "hello")
+	dup, err := unix.FcntlInt(uintptr(a.FD()), unix.F_DUPFD_CLOEXEC, 0)
+	require.NoError(t, err)
+	b, err := mmapalloc.OpenFD(dup, 4096, 0)
+	require.NoError(t, err)
+	assert.Equal(t, -1, b.FD(), "without KeepFD the descriptor is closed after mapping")
+	assert.Equal(t, "hello", string(b.Bytes()[:5]))
+	assert.Equal(t, a.ID(), b.ID())
+	b.Bytes()[0] = 'j'
+	assert.Equal(t, byte('j'), a.Bytes()[0], "both mappings see the same pages")
+	require.NoError(t, b.Close())
+	require.NoError(t, a.Close())
+	require.NoError(t, a.Close(), "closing twice is harmless")
+	assert.Nil(t, a.Bytes())
+	assert.Equal(t, -1, a.FD())
+}
+
+func TestCreateFileSystemRefCount(t *testing.T) {
+	leakcheck.Check(t)
+	a, err := mmapalloc.Create(1<<20, mmapalloc.RefCount)
+	require.NoError(t, err)
+	assert.True(t, inDir(a.Name()), "file_system segments keep their name")
+	assert.Equal(t, int32(1), a.Refs())
+	assert.Equal(t, -1, a.FD())
+	assert.Len(t, a.Bytes(), 1<<20)
+
+	b, err := mmapalloc.OpenName(a.Name(), 1<<20, mmapalloc.RefCount)
+	require.NoError(t, err)
+	assert.Equal(t, int32(2), a.Refs())
+	a.Bytes()[1<<20-1] = 42
+	assert.Equal(t, byte(42), b.Bytes()[1<<20-1])
+
+	require.NoError(t, a.Close())
+	assert.True(t, inDir(b.Name()), "a holder remains, so the name stays")
+	assert.Equal(t, int32(1), b.Refs())
+	require.NoError(t, b.Close())
+	assert.False(t, inDir(b.Name()), "the last closer unlinks")
+
+	_, err = mmapalloc.OpenName(b.Name(), 1<<20, mmapalloc.RefCount)
+	assert.ErrorIs(t, err, os.ErrNotExist)
+}
+
+func TestOpenNameReleased(t *testing.T) {
+	leakcheck.Check(t)
+	a, err := mmapalloc.Create(4096, mmapalloc.RefCount)
+	require.NoError(t, err)
+	mmapalloc.SetRefsForTest(a, 0)
+	_, err = mmapalloc.OpenName(a.Name(), 4096, mmapalloc.RefCount)
+	assert.ErrorIs(t, err, mmapalloc.ErrReleased)
+	mmapalloc.SetRefsForTest(a, 1)
+	require.NoError(t, a.Close())
+}
+
+func TestOpenNameUnlink(t *testing.T) {
+	leakcheck.Check(t)
+	a, err := mmapalloc.Create(4096, mmapalloc.RefCount)
+	require.NoError(t, err)
+	defer a.Close()
+	b, err := mmapalloc.OpenName(a.Name(), 4096, mmapalloc.RefCount|mmapalloc.Unlink|mmapalloc.KeepFD)
+	require.NoError(t, err)
+	assert.False(t, inDir(a.Name()))
+	assert.GreaterOrEqual(t, b.FD(), 0)
+	require.NoError(t, b.Close())
+}
+
+func TestHostileNames(t *testing.T) {
+	leakcheck.Check(t)
+	dir := mmapalloc.Dir()
+	good := mmapalloc.SessionPrefix() + "1_0123456789abcdef"
+	require.True(t, mmapalloc.ValidName(good))
+
+	// Valid names that point at things other than a segment.
+	link := mmapalloc.SessionPrefix() + "2_0123456789abcdef"
+	require.NoError(t, os.Symlink("/etc/passwd", filepath.Join(dir, link)))
+	defer os.Remove(filepath.Join(dir, link))
+	fifo := mmapalloc.SessionPrefix() + "3_0123456789abcdef"
+	require.NoError(t, unix.Mkfifo(filepath.Join(dir, fifo), 0o600))
+	defer os.Remove(filepath.Join(dir, fifo))
+	sub := mmapalloc.SessionPrefix() + "4_0123456789abcdef"
+	require.NoError(t, os.Mkdir(filepath.Join(dir, sub), 0o700))
+	defer os.Remove(filepath.Join(dir, sub))
+
+	cases := []struct {
+		name string
+		is   error
+	}{
+		{"", mmapalloc.ErrBadName},
+		{"../../etc/passwd", mmapalloc.ErrBadName},
+		{"tensormp_abc/../../etc/passwd", mmapalloc.ErrBadName},
+		{"/dev/shm/" + good, mmapalloc.ErrBadName},
+		{"other_abc_1_0123456789abcdef", mmapalloc.ErrBadName},
+		{"tensormp_abc_1_0123456789ABCDEF", mmapalloc.ErrBadName},
+		{"tensormp_abc_1_0123456789abcde", mmapalloc.ErrBadName},
+		{"tensormp_a-c_1_0123456789abcdef", mmapalloc.ErrBadName},
+		{"tensormp_abc_x_0123456789abcdef", mmapalloc.ErrBadName},
+		{"tensormp_abc_1_0123456789abcdef_x", mmapalloc.ErrBadName},
+		{"tensormp_.._1_0123456789abcdef", mmapalloc.ErrBadName},
+		{good, os.ErrNotExist},
+		{link, syscall.ELOOP},
+		{fifo, nil},
+		{sub, nil},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := mmapalloc.OpenName(c.name, 4096, mmapalloc.RefCount)
+			require.Error(t, err)
+			if c.is != nil {
+				assert.ErrorIs(t, err, c.is)
+			}
+			t.Log(err)
+		})
+	}
+}
+
+func TestSizeChecks(t *testing.T) {
+	leakcheck.Check(t)
+	for _, n := range []int64{0, -1, 1 << 62} {
+		_, err := mmapalloc.Create(n, mmapalloc.KeepFD|mmapalloc.Unlink)
+		assert.Error(t, err, "size %d", n)
+	}
+	segs, err := leakcheck.Segments()
+	require.NoError(t, err)
+	assert.Empty(t, segs, "a failed Create leaves nothing")
+
+	a, err := mmapalloc.Create(4096, mmapalloc.RefCount)
+	require.NoError(t, err)
+	defer a.Close()
+	_, err = mmapalloc.OpenName(a.Name(), 8192, mmapalloc.RefCount)
+	assert.ErrorContains(t, err, "fewer than")
+	plain, err := mmapalloc.OpenName(a.Name(), 4096, 0)
+	require.NoError(t, err, "fstat covers the claim when the header is not counted")
+	assert.Equal(t, int32(1), a.Refs(), "opening without RefCount takes no reference")
+	require.NoError(t, plain.Close())
+
+	b, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
+	require.NoError(t, err)
+	defer b.Close()
+	for _, size := range []int64{4097, 0, -5} {
+		dup, err := unix.FcntlInt(uintptr(b.FD()), unix.F_DUPFD_CLOEXEC, 0)
+		require.NoError(t, err)
+		_, err = mmapalloc.OpenFD(dup, size, 0)
+		assert.Error(t, err, "size %d", size)
+		assert.ErrorIs(t, unix.Close(dup), unix.EBADF, "OpenFD closed the descriptor it owned")
+	}
+}
+
+func TestOpenFDNotAFile(t *testing.T) {
+	leakcheck.Check(t)
+	var p [2]int
+	require.NoError(t, unix.Pipe2(p[:], unix.O_CLOEXEC))
+	defer unix.Close(p[1])
+	_, err := mmapalloc.OpenFD(p[0], 4096, mmapalloc.KeepFD)
+	assert.ErrorContains(t, err, "not a regular file")
+	assert.ErrorIs(t, unix.Close(p[0]), unix.EBADF)
+
+	_, _, err = mmapalloc.Stat(p[1])
+	assert.ErrorContains(t, err, "not a regular file")
+	_, _, err = mmapalloc.Stat(-1)
+	assert.Error(t, err)
+}
+
+func TestFlagRules(t *testing.T) {
+	leakcheck.Check(t)
+	bad := []mmapalloc.Flags{
+		mmapalloc.Unlink,
+		mmapalloc.NoCreate,
+		mmapalloc.FromFD | mmapalloc.KeepFD,
+		mmapalloc.KeepFD | mmapalloc.Unlink | mmapalloc.RefCount,
+	}
+	for _, f := range bad {
+		_, err := mmapalloc.Create(4096, f)
+		assert.Error(t, err, "Create with %v", f)
+	}
+	_, err := mmapalloc.OpenName(mmapalloc.SessionPrefix()+"1_0123456789abcdef", 10, mmapalloc.Exclusive)
+	assert.ErrorContains(t, err, "not allowed")
+	assert.Equal(t, "KeepFD|Unlink", (mmapalloc.KeepFD | mmapalloc.Unlink).String())
+	assert.Equal(t, "0", mmapalloc.Flags(0).String())
+}
+
+func TestConcurrentOpenClose(t *testing.T) {
+	leakcheck.Check(t)
+	a, err := mmapalloc.Create(4096, mmapalloc.RefCount)
+	require.NoError(t, err)
+	var wg sync.WaitGroup
+	for range 16 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range 100 {
+				b, err := mmapalloc.OpenName(a.Name(), 4096, mmapalloc.RefCount)
+				if !assert.NoError(t, err) {
+					return
+				}
+				b.Bytes()[0]++
+				assert.NoError(t, b.Close())
+			}
+		}()
+	}
+	wg.Wait()
+	assert.Equal(t, int32(1), a.Refs())
+	require.NoError(t, a.Close())
+}
+
+// helperWriteByName maps the segment named in argv, writes its pid into
+// it and exits without closing: the kernel unmaps, but its reference is
+// the parent's to account for.
+func helperWriteByName() int {
+	a, err := mmapalloc.OpenName(os.Args[1], 4096, mmapalloc.RefCount)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	copy(a.Bytes(), strconv.Itoa(os.Getpid()))
+	if err := a.Close(); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	return 0
+}
+
+func TestCrossProcessByName(t *testing.T) {
+	leakcheck.Check(t)
+	a, err := mmapalloc.Create(4096, mmapalloc.RefCount)
+	require.NoError(t, err)
+	defer a.Close()
+	cmd, err := reexec.Command(context.Background(), "write-by-name", a.Name())
+	require.NoError(t, err)
+	require.NoError(t, cmd.Run())
+	assert.Equal(t, strconv.Itoa(cmd.Process.Pid), string(a.Bytes()[:len(strconv.Itoa(cmd.Process.Pid))]))
+	assert.Equal(t, int32(1), a.Refs(), "the child's Close gave its reference back")
+}
+
+// helperTmpfsFull runs in a private mount namespace: it mounts a 1 MiB
+// tmpfs, points TENSORMP_SHM_DIR at it and checks that a segment that does
+// not fit is an ENOSPC error, leaves nothing behind, and that a segment
+// that fits can be written to its last byte.
+func helperTmpfsFull() int {
+	dir := os.Args[1]
+	if err := unix.Mount("tensormp-test", dir, "tmpfs", 0, "size=1m,mode=0700"); err != nil {
+		fmt.Printf("SKIP mounting tmpfs: %v\n", err)
+		return 0
+	}
+	defer unix.Unmount(dir, 0)
+	os.Setenv(mmapalloc.EnvDir, dir)
+
+	fail := func(format string, args ...any) int {
+		fmt.Printf("FAIL "+format+"\n", args...)
+		return 1
+	}
+	for _, flags := range []mmapalloc.Flags{mmapalloc.KeepFD | mmapalloc.Unlink, mmapalloc.RefCount} {
+		_, err := mmapalloc.Create(2<<20, flags)
+		if !errors.Is(err, mmapalloc.ErrNoSpace) || !errors.Is(err, unix.ENOSPC) {
+			return fail("Create(2 MiB, %v) = %v, want ErrNoSpace wrapping ENOSPC", flags, err)
+		}
+		if entries, _ := os.ReadDir(dir); len(entries) != 0 {
+			return fail("a failed Create left %d entries", len(entries))
+		}
+	}
+	a, err := mmapalloc.Create(640<<10, mmapalloc.RefCount)
+	if err != nil {
+		return fail("Create(640 KiB) = %v", err)
+	}
+	_, err = mmapalloc.Create(640<<10, mmapalloc.KeepFD|mmapalloc.Unlink)
+	if !errors.Is(err, mmapalloc.ErrNoSpace) {
+		return fail("second Create(640 KiB) = %v, want ErrNoSpace", err)
+	}
+	b := a.Bytes()
+	for i := range b {
+		b[i] = byte(i) // no SIGBUS: the pages were reserved
+	}
+	if err := a.Close(); err != nil {
+		return fail("Close = %v", err)
+	}
+	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
+		return fail("%d entries left after Close", len(entries))
+	}
+	fmt.Printf("OK %v\n", err)
+	return 0
+}
+
+func TestFullTmpfsIsENOSPC(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to mount a small tmpfs in a private mount namespace")
+	}
+	leakcheck.Check(t)
+	dir := t.TempDir()
+	cmd, err := reexec.Command(context.Background(), "tmpfs-full", dir)
+	require.NoError(t, err)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Unshareflags: syscall.CLONE_NEWNS}
+	out, err := cmd.Output()
+	if errors.Is(err, syscall.EPERM) {
+		t.Skipf("cannot make a private mount namespace here: %v", err)
+	}
+	require.NoError(t, err, "helper output: %s", out)
+	if s := string(out); len(s) > 4 && s[:4] == "SKIP" {
+		t.Skip(s)
+	}
+	assert.Contains(t, string(out), "OK")
+	t.Log(string(out))
+}
+
+func BenchmarkCreate(b *testing.B) {
+	for _, size := range []int64{4 << 10, 64 << 20} {
+		for _, mode := range []struct {
+			name  string
+			flags mmapalloc.Flags
+		}{
+			{"file_descriptor", mmapalloc.KeepFD | mmapalloc.Unlink},
+			{"file_system", mmapalloc.RefCount},
+		} {
+			b.Run(fmt.Sprintf("%s/%dKiB", mode.name, size>>10), func(b *testing.B) {
+				b.SetBytes(size)
+				b.ReportAllocs()
+				for b.Loop() {
+					a, err := mmapalloc.Create(size, mode.flags)
+					if err != nil {
+						b.Fatal(err)
+					}
+					if err := a.Close(); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		}
+	}
+}

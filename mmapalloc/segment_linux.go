@@ -1,0 +1,294 @@
+package mmapalloc
+
+import (
+	"errors"
+	"fmt"
+	"path/filepath"
+
+	"golang.org/x/sys/unix"
+)
+
+var (
+	errNoSpaceErrno = unix.ENOSPC
+	errTooManyFiles = unix.EMFILE
+)
+
+const (
+	createFlags = KeepFD | Unlink | RefCount | SharedMem | Exclusive
+	openFDFlags = KeepFD | FromFD | SharedMem
+	openFlags   = KeepFD | Unlink | RefCount | NoCreate | SharedMem
+)
+
+// Create makes a new segment of size data bytes in Dir under a fresh,
+// unpredictable name, reserves its pages, and maps it. flags may add
+// KeepFD, Unlink (with KeepFD) and RefCount. A directory that cannot hold
+// the segment gives an error matching ErrNoSpace, and nothing is left
+// behind on any error.
+func Create(size int64, flags Flags) (*Allocation, error) {
+	flags |= SharedMem | Exclusive
+	if flags&^createFlags != 0 {
+		return nil, fmt.Errorf("mmapalloc: create: flags %v not allowed (use OpenFD or OpenName)", flags&^createFlags)
+	}
+	if flags&Unlink != 0 && flags&KeepFD == 0 {
+		return nil, errors.New("mmapalloc: create: Unlink without KeepFD would leave the segment unreachable")
+	}
+	if flags&Unlink != 0 && flags&RefCount != 0 {
+		return nil, errors.New("mmapalloc: create: RefCount segments are shared by name and cannot be unlinked at once")
+	}
+	total, err := totalSize(size, flags)
+	if err != nil {
+		return nil, err
+	}
+
+	dir := Dir()
+	var fd int
+	var path string
+	for tries := 0; ; tries++ {
+		path = filepath.Join(dir, newName())
+		fd, err = unix.Open(path, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+		if err == nil {
+			break
+		}
+		if err == unix.EEXIST && tries < 8 {
+			continue
+		}
+		return nil, &Error{Op: "create", Path: path, Err: err}
+	}
+	a, err := setUp(fd, path, total, flags, true)
+	if err != nil {
+		_ = unix.Unlink(path)
+		return nil, err
+	}
+	if flags&Unlink != 0 {
+		if err := unix.Unlink(path); err != nil {
+			a.closeMapping()
+			return nil, &Error{Op: "unlink", Path: path, Err: err}
+		}
+	}
+	return a, nil
+}
+
+// OpenFD maps the segment behind fd, which must be a regular file holding
+// at least size bytes. OpenFD takes ownership of fd in every case: it
+// keeps it when flags has KeepFD and the call succeeds, and closes it
+// otherwise.
+func OpenFD(fd int, size int64, flags Flags) (*Allocation, error) {
+	flags |= FromFD | SharedMem
+	if flags&^openFDFlags != 0 {
+		_ = unix.Close(fd)
+		return nil, fmt.Errorf("mmapalloc: open fd %d: flags %v not allowed", fd, flags&^openFDFlags)
+	}
+	total, err := totalSize(size, flags)
+	if err != nil {
+		_ = unix.Close(fd)
+		return nil, err
+	}
+	return setUp(fd, "", total, flags, false)
+}
+
+// OpenName maps the existing segment name in Dir, which must hold at least
+// size data bytes. name must be one tensormp made (ValidName); a path, a
+// link or another program's file is refused. With RefCount it takes a
+// reference that Close gives back, and fails with ErrReleased when the
+// segment's last holder already let it go.
+func OpenName(name string, size int64, flags Flags) (*Allocation, error) {
+	flags |= NoCreate | SharedMem
+	if flags&^openFlags != 0 {
+		return nil, fmt.Errorf("mmapalloc: open %q: flags %v not allowed", name, flags&^openFlags)
+	}
+	if !ValidName(name) {
+		return nil, &Error{Op: "open", Path: fmt.Sprintf("%q", name), Err: ErrBadName}
+	}
+	total, err := totalSize(size, flags)
+	if err != nil {
+		return nil, err
+	}
+	path := filepath.Join(Dir(), name)
+	fd, err := unix.Open(path, unix.O_RDWR|unix.O_NOFOLLOW|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, &Error{Op: "open", Path: path, Err: err}
+	}
+	a, err := setUp(fd, path, total, flags, false)
+	if err != nil {
+		return nil, err
+	}
+	if flags&Unlink != 0 {
+		if err := unix.Unlink(path); err != nil && err != unix.ENOENT {
+			_ = a.Close()
+			return nil, &Error{Op: "unlink", Path: path, Err: err}
+		}
+	}
+	return a, nil
+}
+
+func totalSize(size int64, flags Flags) (int64, error) {
+	if size <= 0 {
+		return 0, fmt.Errorf("mmapalloc: segment size %d: must be positive", size)
+	}
+	total := size
+	if flags&RefCount != 0 {
+		total += HeaderSize
+	}
+	if total < size || total > maxSegment {
+		return 0, fmt.Errorf("mmapalloc: segment size %d exceeds the limit of %d bytes", size, int64(maxSegment))
+	}
+	return total, nil
+}
+
+// maxSegment bounds a segment's size to what a slice can address.
+const maxSegment = 1<<47 - 1
+
+// setUp checks, reserves (create) and maps fd, and builds the Allocation.
+// It owns fd: on error it is closed; on success it is kept or closed as
+// flags say.
+func setUp(fd int, path string, total int64, flags Flags, create bool) (a *Allocation, err error) {
+	where := path
+	if where == "" {
+		where = fmt.Sprintf("fd %d", fd)
+	}
+	defer func() {
+		if err != nil {
+			_ = unix.Close(fd)
+		}
+	}()
+
+	if create {
+		if err := reserve(fd, total); err != nil {
+			return nil, &Error{Op: "reserve", Path: where, Err: err}
+		}
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return nil, &Error{Op: "stat", Path: where, Err: err}
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return nil, &Error{Op: "open", Path: where, Err: fmt.Errorf("not a regular file (mode %#o)", st.Mode)}
+	}
+	if st.Size < total {
+		return nil, &Error{Op: "open", Path: where, Err: fmt.Errorf("file holds %d bytes, fewer than the %d claimed", st.Size, total)}
+	}
+
+	mapping, err := unix.Mmap(fd, 0, int(total), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return nil, &Error{Op: "map", Path: where, Err: err}
+	}
+	a = &Allocation{
+		mapping: mapping,
+		data:    mapping,
+		fd:      -1,
+		path:    path,
+		flags:   flags,
+		id:      ID{Dev: st.Dev, Ino: st.Ino},
+	}
+	if flags&RefCount != 0 {
+		a.data = mapping[HeaderSize:]
+		if err := a.takeRef(create, total-HeaderSize); err != nil {
+			_ = unix.Munmap(mapping)
+			return nil, &Error{Op: "open", Path: where, Err: err}
+		}
+	}
+	if flags&KeepFD != 0 {
+		a.fd = fd
+	} else {
+		_ = unix.Close(fd)
+	}
+	return a, nil
+}
+
+// reserve gives the file its pages now, so that a full tmpfs fails here
+// with ENOSPC instead of raising SIGBUS at the first write.
+func reserve(fd int, size int64) error {
+	for {
+		err := unix.Fallocate(fd, 0, 0, size)
+		switch err {
+		case nil:
+			return nil
+		case unix.EINTR:
+			continue
+		case unix.EOPNOTSUPP:
+			// A file system without fallocate (not tmpfs): size the file;
+			// its pages are allocated on first touch.
+			return unix.Ftruncate(fd, size)
+		}
+		return err
+	}
+}
+
+// takeRef initialises the header of a new RefCount segment, or takes a
+// reference on an existing one unless it already dropped to zero.
+func (a *Allocation) takeRef(create bool, size int64) error {
+	h := a.hdr()
+	if create {
+		h.magic = headerMagic
+		h.version = headerVersion
+		h.size = size
+		h.refs.Store(1)
+		return nil
+	}
+	if h.magic != headerMagic || h.version != headerVersion {
+		return errors.New("no tensormp segment header")
+	}
+	if h.size < size {
+		return fmt.Errorf("segment header says %d bytes, fewer than the %d claimed", h.size, size)
+	}
+	for {
+		n := h.refs.Load()
+		if n <= 0 {
+			return ErrReleased
+		}
+		if h.refs.CompareAndSwap(n, n+1) {
+			return nil
+		}
+	}
+}
+
+// Close releases the mapping, the kept descriptor and, for a RefCount
+// segment, this mapping's reference; the last reference unlinks the name.
+// Closing twice returns nil.
+func (a *Allocation) Close() error {
+	if !a.closed.CompareAndSwap(false, true) {
+		return nil
+	}
+	var errs []error
+	if a.flags&RefCount != 0 {
+		if a.hdr().refs.Add(-1) == 0 && a.path != "" {
+			if err := unix.Unlink(a.path); err != nil && err != unix.ENOENT {
+				errs = append(errs, &Error{Op: "unlink", Path: a.path, Err: err})
+			}
+		}
+	}
+	if err := a.closeMapping(); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+// closeMapping unmaps and closes the kept descriptor. The fields stay as
+// they are, so that readers racing with Close see a consistent (closed)
+// Allocation rather than torn fields.
+func (a *Allocation) closeMapping() error {
+	var errs []error
+	if err := unix.Munmap(a.mapping); err != nil {
+		errs = append(errs, &Error{Op: "unmap", Path: a.path, Err: err})
+	}
+	if a.fd >= 0 {
+		if err := unix.Close(a.fd); err != nil {
+			errs = append(errs, &Error{Op: "close", Path: a.path, Err: err})
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Stat returns the ID and size of the file behind fd, checking that it is
+// a regular file. It lets a receiver find out whether it already maps a
+// segment before mapping it again.
+func Stat(fd int) (ID, int64, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return ID{}, 0, &Error{Op: "stat", Path: fmt.Sprintf("fd %d", fd), Err: err}
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return ID{}, 0, &Error{Op: "stat", Path: fmt.Sprintf("fd %d", fd), Err: fmt.Errorf("not a regular file (mode %#o)", st.Mode)}
+	}
+	return ID{Dev: st.Dev, Ino: st.Ino}, st.Size, nil
+}

@@ -1,0 +1,33 @@
+//go:build !linux
+
+package mmapalloc
+
+import "syscall"
+
+var (
+	errNoSpaceErrno error = syscall.ENOSPC
+	errTooManyFiles error = syscall.EMFILE
+)
+
+// Create is not supported on this system.
+func Create(size int64, flags Flags) (*Allocation, error) { return nil, ErrUnsupported }
+
+// OpenFD is not supported on this system; it closes fd, which it owns.
+func OpenFD(fd int, size int64, flags Flags) (*Allocation, error) {
+	_ = syscall.Close(fd)
+	return nil, ErrUnsupported
+}
+
+// OpenName is not supported on this system.
+func OpenName(name string, size int64, flags Flags) (*Allocation, error) {
+	return nil, ErrUnsupported
+}
+
+// Stat is not supported on this system.
+func Stat(fd int) (ID, int64, error) { return ID{}, 0, ErrUnsupported }
+
+// Close marks the Allocation closed; none can be made on this system.
+func (a *Allocation) Close() error {
+	a.closed.Store(true)
+	return nil
+}
