@@ -1,0 +1,114 @@
+package tensor
+
+import (
+	"fmt"
+)
+
+// Data returns the elements of a contiguous CPU tensor as a []T that
+// aliases the tensor's memory: no copy is made, and writes through the
+// slice are seen by every process sharing the storage. T must match the
+// tensor's dtype.
+//
+// The slice is valid while t's storage is reachable and not released: keep
+// t alive (runtime.KeepAlive) for as long as the slice is used, since an
+// unreachable storage's shared memory is unmapped by its cleanup.
+func Data[T Element](t *Tensor) ([]T, error) {
+	b, err := elemBytes[T](t)
+	if err != nil {
+		return nil, err
+	}
+	if !t.IsContiguous() {
+		return nil, fmt.Errorf("tensor: Data of a non-contiguous %v: use At/Set, or Contiguous first", t)
+	}
+	return asSlice[T](b[t.offset : t.offset+t.Nbytes()]), nil
+}
+
+// At returns the element at index idx (one index per dimension).
+func At[T Element](t *Tensor, idx ...int) (T, error) {
+	var zero T
+	b, err := elemBytes[T](t)
+	if err != nil {
+		return zero, err
+	}
+	i, err := t.index(idx)
+	if err != nil {
+		return zero, err
+	}
+	return asSlice[T](b)[i], nil
+}
+
+// Set stores v at index idx (one index per dimension).
+func Set[T Element](t *Tensor, v T, idx ...int) error {
+	b, err := elemBytes[T](t)
+	if err != nil {
+		return err
+	}
+	i, err := t.index(idx)
+	if err != nil {
+		return err
+	}
+	asSlice[T](b)[i] = v
+	return nil
+}
+
+// Fill sets every element of t, contiguous or not, to the value fn returns
+// for its row-major position.
+func Fill[T Element](t *Tensor, fn func(i int) T) error {
+	b, err := elemBytes[T](t)
+	if err != nil {
+		return err
+	}
+	s := asSlice[T](b)
+	base := t.offset / int64(t.dtype.Size())
+	i := 0
+	t.forEach(func(elem int64) {
+		s[base+elem] = fn(i)
+		i++
+	})
+	return nil
+}
+
+// Values returns a copy of t's elements in row-major order, whatever its
+// layout.
+func Values[T Element](t *Tensor) ([]T, error) {
+	b, err := elemBytes[T](t)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]T, 0, t.Numel())
+	s := asSlice[T](b)
+	base := t.offset / int64(t.dtype.Size())
+	t.forEach(func(elem int64) { out = append(out, s[base+elem]) })
+	return out, nil
+}
+
+// elemBytes checks that T matches t's dtype and that t's memory is on the
+// host, and returns the storage's bytes.
+func elemBytes[T Element](t *Tensor) ([]byte, error) {
+	if want := DTypeOf[T](); want != t.dtype {
+		return nil, fmt.Errorf("tensor: %v elements read as %v", t.dtype, want)
+	}
+	if !t.Place().IsCPU() {
+		return nil, fmt.Errorf("tensor: %v is not in host memory: copy it with To(device.CPU())", t)
+	}
+	m := t.storage.mem.Load()
+	if m.released {
+		return nil, ErrReleased
+	}
+	return m.bytes, nil
+}
+
+// index returns the storage element index of idx.
+func (t *Tensor) index(idx []int) (int64, error) {
+	if len(idx) != len(t.shape) {
+		return 0, fmt.Errorf("tensor: %d indices for %d dimensions", len(idx), len(t.shape))
+	}
+	pos := t.offset / int64(t.dtype.Size())
+	for d, i := range idx {
+		if i < 0 || i >= t.shape[d] {
+			return 0, fmt.Errorf("tensor: index %d out of range for size %d of dimension %d", i, t.shape[d], d)
+		}
+		pos += int64(i) * int64(t.strides[d])
+	}
+	return pos, nil
+}

@@ -1,0 +1,258 @@
+package tensor
+
+import (
+	"errors"
+	"fmt"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+
+	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/strategy"
+)
+
+// ErrReleased is returned for any use of a tensor whose storage was
+// released.
+var ErrReleased = errors.New("tensor: storage released")
+
+// Buffer is device memory handed out by a Backend. The Storage that holds
+// it owns it and frees it once.
+type Buffer interface {
+	// Read copies len(dst) bytes starting at off into host memory.
+	Read(dst []byte, off int64) error
+	// Write copies src into the buffer starting at off.
+	Write(src []byte, off int64) error
+	// Free releases the memory. It is called exactly once.
+	Free() error
+}
+
+// Backend allocates memory on the devices of one device.Type. The cuda
+// package registers the backend of device.TypeGPU; CPU memory needs none.
+type Backend interface {
+	// Alloc returns nbytes of zeroed memory on p.
+	Alloc(p device.Place, nbytes int64) (Buffer, error)
+}
+
+var backends sync.Map // device.Type -> Backend
+
+// RegisterBackend makes b the allocator of every place of type t, replacing
+// any earlier one. It may be called at any time, from any goroutine.
+func RegisterBackend(t device.Type, b Backend) {
+	if t == device.TypeCPU {
+		panic("tensor: the CPU needs no backend")
+	}
+	backends.Store(t, b)
+}
+
+func backendFor(p device.Place) (Backend, error) {
+	if b, ok := backends.Load(p.Type()); ok {
+		return b.(Backend), nil
+	}
+	if p.IsGPU() {
+		return nil, fmt.Errorf("tensor: no backend for %s: GPU storage needs the cuda package and a driver", p)
+	}
+	return nil, fmt.Errorf("tensor: no backend registered for device type %s", p.Kind())
+}
+
+// memory is one state of a Storage's backing. A Storage swaps whole
+// memory values atomically, so readers never see a half-made state.
+type memory struct {
+	bytes    []byte                // host memory; nil on a device or once released
+	alloc    *mmapalloc.Allocation // the shared segment behind bytes, if any
+	buf      Buffer                // device memory, if not on the CPU
+	shared   bool                  // in shared memory (an empty storage counts once shared)
+	released bool
+}
+
+var releasedMemory = &memory{released: true}
+
+// Storage is the memory behind one or more tensors: host bytes, a shared
+// segment, or a device buffer. Views made from a tensor share its Storage.
+//
+// A Storage owns its segment or buffer. Release gives it back; a Storage
+// that becomes unreachable without Release gives it back through a
+// runtime cleanup, so memory is never lost, but only Release says when.
+type Storage struct {
+	place  device.Place
+	nbytes int64
+
+	mu      sync.Mutex // serialises changes of mem and cleanup
+	mem     atomic.Pointer[memory]
+	cleanup runtime.Cleanup
+	hasSafe bool // cleanup is armed
+}
+
+// newHeapStorage allocates nbytes of zeroed host memory, aligned for every
+// element type.
+func newHeapStorage(nbytes int64) *Storage {
+	words := make([]uint64, (nbytes+7)/8)
+	var b []byte
+	if nbytes > 0 {
+		b = unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(words))), nbytes)
+	} else {
+		b = []byte{}
+	}
+	s := &Storage{place: device.CPU(), nbytes: nbytes}
+	s.mem.Store(&memory{bytes: b})
+	return s
+}
+
+func newStorage(p device.Place, nbytes int64) (*Storage, error) {
+	if nbytes < 0 {
+		return nil, fmt.Errorf("tensor: negative storage size %d", nbytes)
+	}
+	if p.IsCPU() {
+		return newHeapStorage(nbytes), nil
+	}
+	if !p.Valid() {
+		return nil, fmt.Errorf("tensor: cannot allocate on invalid place %s", p)
+	}
+	b, err := backendFor(p)
+	if err != nil {
+		return nil, err
+	}
+	buf, err := b.Alloc(p, nbytes)
+	if err != nil {
+		return nil, fmt.Errorf("tensor: allocating %d bytes on %s: %w", nbytes, p, err)
+	}
+	s := &Storage{place: p, nbytes: nbytes}
+	s.mem.Store(&memory{buf: buf})
+	s.arm(func() { _ = buf.Free() })
+	return s, nil
+}
+
+// NewSharedStorage wraps a shared segment as CPU storage. The Storage takes
+// ownership of a: Release, or the cleanup of an unreachable Storage, closes
+// it.
+func NewSharedStorage(a *mmapalloc.Allocation) *Storage {
+	s := &Storage{place: device.CPU(), nbytes: a.Size()}
+	s.mem.Store(&memory{bytes: a.Bytes(), alloc: a, shared: true})
+	s.arm(func() { _ = a.Close() })
+	return s
+}
+
+// NewEmptySharedStorage returns an empty storage that counts as shared: the
+// storage of an empty tensor received from another process.
+func NewEmptySharedStorage() *Storage {
+	s := &Storage{place: device.CPU()}
+	s.mem.Store(&memory{bytes: []byte{}, shared: true})
+	return s
+}
+
+// arm registers release as the safety net run when s becomes unreachable.
+// release must not refer to s. Callers hold s.mu or own s exclusively.
+func (s *Storage) arm(release func()) {
+	s.cleanup = runtime.AddCleanup(s, func(f func()) { f() }, release)
+	s.hasSafe = true
+}
+
+func (s *Storage) disarm() {
+	if s.hasSafe {
+		s.cleanup.Stop()
+		s.hasSafe = false
+	}
+}
+
+// Place returns where the storage's memory lives.
+func (s *Storage) Place() device.Place { return s.place }
+
+// Size returns the storage's size in bytes.
+func (s *Storage) Size() int64 { return s.nbytes }
+
+// Bytes returns the host bytes of a CPU storage. The slice aliases the
+// storage (and, once shared, the memory other processes see); it is valid
+// while the Storage is reachable and not released. It is nil for device
+// storage and after Release.
+func (s *Storage) Bytes() []byte { return s.mem.Load().bytes }
+
+// Allocation returns the shared segment behind the storage, or nil. The
+// Storage keeps ownership.
+func (s *Storage) Allocation() *mmapalloc.Allocation { return s.mem.Load().alloc }
+
+// Buffer returns the device memory behind a non-CPU storage, or nil. The
+// Storage keeps ownership.
+func (s *Storage) Buffer() Buffer { return s.mem.Load().buf }
+
+// IsShared reports whether the storage lives in shared memory.
+func (s *Storage) IsShared() bool { return s.mem.Load().shared }
+
+// Released reports whether Release was called.
+func (s *Storage) Released() bool { return s.mem.Load().released }
+
+// ShareMemory moves the storage into a new shared segment made under
+// strategy st, copying its bytes, unless it is shared already. Every tensor
+// on the storage sees the shared memory from then on; slices taken from it
+// before keep pointing at the old, private memory.
+func (s *Storage) ShareMemory(st strategy.Strategy) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	m := s.mem.Load()
+	switch {
+	case m.released:
+		return ErrReleased
+	case m.shared:
+		return nil
+	case !s.place.IsCPU():
+		return fmt.Errorf("tensor: cannot share storage on %s through host shared memory: device tensors cross processes by IPC handles", s.place)
+	case s.nbytes == 0:
+		s.mem.Store(&memory{bytes: m.bytes, shared: true})
+		return nil
+	}
+	var flags mmapalloc.Flags
+	switch st {
+	case strategy.FileDescriptor:
+		flags = mmapalloc.KeepFD | mmapalloc.Unlink
+	case strategy.FileSystem:
+		flags = mmapalloc.RefCount
+	default:
+		return fmt.Errorf("tensor: share memory: unknown strategy %q", st)
+	}
+	a, err := mmapalloc.Create(s.nbytes, flags)
+	if err != nil {
+		return fmt.Errorf("tensor: share memory (%d bytes, %s): %w", s.nbytes, st, err)
+	}
+	copy(a.Bytes(), m.bytes)
+	s.mem.Store(&memory{bytes: a.Bytes(), alloc: a, shared: true})
+	s.arm(func() { _ = a.Close() })
+	return nil
+}
+
+// Release gives the storage's memory back now: it unmaps a shared segment
+// (dropping this process's reference), frees a device buffer, or drops
+// host memory. Every tensor on the storage becomes unusable. Releasing
+// twice returns nil.
+func (s *Storage) Release() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	m := s.mem.Load()
+	if m.released {
+		return nil
+	}
+	s.mem.Store(releasedMemory)
+	s.disarm()
+	switch {
+	case m.alloc != nil:
+		return m.alloc.Close()
+	case m.buf != nil:
+		return m.buf.Free()
+	}
+	return nil
+}
+
+func (s *Storage) String() string {
+	m := s.mem.Load()
+	state := "heap"
+	switch {
+	case m.released:
+		state = "released"
+	case m.alloc != nil:
+		state = m.alloc.String()
+	case m.shared:
+		state = "shared"
+	case m.buf != nil:
+		state = "device"
+	}
+	return fmt.Sprintf("storage(%d bytes on %s, %s)", s.nbytes, s.place, state)
+}

@@ -1,0 +1,543 @@
+package tensor
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"math/bits"
+	"slices"
+	"strings"
+
+	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/strategy"
+)
+
+// MaxDims bounds the number of dimensions of a tensor.
+const MaxDims = 64
+
+// Tensor is a typed, strided view of a Storage: element (i0, i1, ...) lives
+// at byte Offset() + (i0*stride0 + i1*stride1 + ...) * DType().Size().
+// A Tensor's shape and strides never change; views are new Tensors on the
+// same Storage. Tensors may be read from several goroutines; writes to the
+// elements are the caller's to synchronise, as with any slice.
+type Tensor struct {
+	storage *Storage
+	offset  int64 // bytes
+	dtype   DType
+	shape   []int
+	strides []int // elements
+	lod     [][]int
+}
+
+// Factory makes tensors on one place. In and On return one; the
+// package-level constructors use the process default place.
+type Factory struct {
+	place device.Place
+}
+
+// In returns a Factory for the current place of ctx: its device scope, or
+// the process default.
+func In(ctx context.Context) Factory { return Factory{place: device.Current(ctx)} }
+
+// On returns a Factory for place p.
+func On(p device.Place) Factory { return Factory{place: p} }
+
+// Place returns where the Factory puts tensors.
+func (f Factory) Place() device.Place { return f.place }
+
+// Zeros returns a tensor of zeros.
+func (f Factory) Zeros(dt DType, shape ...int) (*Tensor, error) {
+	if err := checkNewShape(dt, shape); err != nil {
+		return nil, err
+	}
+	n := numel(shape)
+	s, err := newStorage(f.place, int64(n)*int64(dt.Size()))
+	if err != nil {
+		return nil, err
+	}
+	return &Tensor{storage: s, dtype: dt, shape: slices.Clone(shape), strides: contiguousStrides(shape)}, nil
+}
+
+// Full returns a tensor with every element v, converted to dt.
+func (f Factory) Full(dt DType, v float64, shape ...int) (*Tensor, error) {
+	return f.fill(dt, shape, func(int) float64 { return v })
+}
+
+// Arange returns a one-dimensional tensor holding 0, 1, ..., n-1 converted
+// to dt.
+func (f Factory) Arange(dt DType, n int) (*Tensor, error) {
+	return f.fill(dt, []int{n}, func(i int) float64 { return float64(i) })
+}
+
+func (f Factory) fill(dt DType, shape []int, at func(int) float64) (*Tensor, error) {
+	host, err := On(device.CPU()).Zeros(dt, shape...)
+	if err != nil {
+		return nil, err
+	}
+	b := host.storage.Bytes()
+	for i := range host.Numel() {
+		setFloat(dt, b, i, at(i))
+	}
+	return host.To(f.place)
+}
+
+// Zeros returns a tensor of zeros on the process default place.
+func Zeros(dt DType, shape ...int) (*Tensor, error) { return On(device.Default()).Zeros(dt, shape...) }
+
+// Full returns a tensor filled with v on the process default place.
+func Full(dt DType, v float64, shape ...int) (*Tensor, error) {
+	return On(device.Default()).Full(dt, v, shape...)
+}
+
+// Arange returns 0..n-1 on the process default place.
+func Arange(dt DType, n int) (*Tensor, error) { return On(device.Default()).Arange(dt, n) }
+
+// FromSlice returns a tensor on the process default place holding a copy
+// of data, with the given shape (a vector of len(data) when shape is
+// empty).
+func FromSlice[T Element](data []T, shape ...int) (*Tensor, error) {
+	return FromSliceOn(device.Default(), data, shape...)
+}
+
+// FromSliceOn is FromSlice on place p.
+func FromSliceOn[T Element](p device.Place, data []T, shape ...int) (*Tensor, error) {
+	if len(shape) == 0 {
+		shape = []int{len(data)}
+	}
+	dt := DTypeOf[T]()
+	host, err := On(device.CPU()).Zeros(dt, shape...)
+	if err != nil {
+		return nil, err
+	}
+	if host.Numel() != len(data) {
+		return nil, fmt.Errorf("tensor: %d values do not fill shape %v (%d elements)", len(data), shape, host.Numel())
+	}
+	copy(asSlice[T](host.storage.Bytes()), data)
+	return host.To(p)
+}
+
+// FromStorage returns a tensor viewing s: dt elements from byte offset
+// with the given shape and strides (in elements). It checks that every
+// element lies inside s, so it is safe on metadata from another process.
+func FromStorage(s *Storage, dt DType, offset int64, shape, strides []int) (*Tensor, error) {
+	if err := checkView(dt, offset, shape, strides, s.Size()); err != nil {
+		return nil, err
+	}
+	return &Tensor{storage: s, offset: offset, dtype: dt, shape: slices.Clone(shape), strides: slices.Clone(strides)}, nil
+}
+
+func checkNewShape(dt DType, shape []int) error {
+	if !dt.Valid() {
+		return fmt.Errorf("tensor: invalid dtype %v", dt)
+	}
+	if len(shape) > MaxDims {
+		return fmt.Errorf("tensor: %d dimensions, more than %d", len(shape), MaxDims)
+	}
+	total := uint64(dt.Size())
+	for i, n := range shape {
+		if n < 0 {
+			return fmt.Errorf("tensor: negative size %d in dimension %d of shape %v", n, i, shape)
+		}
+		hi, lo := bits.Mul64(total, uint64(n))
+		if hi != 0 || lo > math.MaxInt64 {
+			return fmt.Errorf("tensor: shape %v of %v overflows", shape, dt)
+		}
+		total = lo
+	}
+	return nil
+}
+
+// checkView checks a view's metadata against a storage of size bytes:
+// sizes and strides non-negative, no overflow, offset aligned, and the
+// furthest element inside the storage.
+func checkView(dt DType, offset int64, shape, strides []int, size int64) error {
+	if err := checkNewShape(dt, shape); err != nil {
+		return err
+	}
+	if len(strides) != len(shape) {
+		return fmt.Errorf("tensor: %d strides for %d dimensions", len(strides), len(shape))
+	}
+	item := int64(dt.Size())
+	if offset < 0 || offset%item != 0 {
+		return fmt.Errorf("tensor: byte offset %d is negative or not a multiple of the %v size %d", offset, dt, item)
+	}
+	if offset > size {
+		return fmt.Errorf("tensor: byte offset %d beyond the storage's %d bytes", offset, size)
+	}
+	if numel(shape) == 0 {
+		return nil
+	}
+	var last uint64 // index of the furthest element, in elements
+	for i, n := range shape {
+		st := strides[i]
+		if st < 0 {
+			return fmt.Errorf("tensor: negative stride %d in dimension %d", st, i)
+		}
+		hi, lo := bits.Mul64(uint64(n-1), uint64(st))
+		sum, carry := bits.Add64(last, lo, 0)
+		if hi != 0 || carry != 0 || sum > math.MaxInt64 {
+			return fmt.Errorf("tensor: strides %v with shape %v overflow", strides, shape)
+		}
+		last = sum
+	}
+	hi, endElems := bits.Mul64(last+1, uint64(item))
+	end, carry := bits.Add64(endElems, uint64(offset), 0)
+	if hi != 0 || carry != 0 || end > uint64(size) {
+		return fmt.Errorf("tensor: shape %v, strides %v and offset %d reach past the storage's %d bytes", shape, strides, offset, size)
+	}
+	return nil
+}
+
+func numel(shape []int) int {
+	n := 1
+	for _, d := range shape {
+		n *= d
+	}
+	return n
+}
+
+func contiguousStrides(shape []int) []int {
+	st := make([]int, len(shape))
+	acc := 1
+	for i := len(shape) - 1; i >= 0; i-- {
+		st[i] = acc
+		acc *= max(shape[i], 1)
+	}
+	return st
+}
+
+// DType returns the element type.
+func (t *Tensor) DType() DType { return t.dtype }
+
+// Shape returns a copy of the sizes of the dimensions.
+func (t *Tensor) Shape() []int { return slices.Clone(t.shape) }
+
+// Strides returns a copy of the strides, in elements.
+func (t *Tensor) Strides() []int { return slices.Clone(t.strides) }
+
+// Dim returns the number of dimensions.
+func (t *Tensor) Dim() int { return len(t.shape) }
+
+// Numel returns the number of elements.
+func (t *Tensor) Numel() int { return numel(t.shape) }
+
+// Offset returns the byte offset of the first element in the storage.
+func (t *Tensor) Offset() int64 { return t.offset }
+
+// Nbytes returns the number of bytes the elements take when contiguous.
+func (t *Tensor) Nbytes() int64 { return int64(t.Numel()) * int64(t.dtype.Size()) }
+
+// Storage returns the storage the tensor views.
+func (t *Tensor) Storage() *Storage { return t.storage }
+
+// Place returns where the tensor's memory lives.
+func (t *Tensor) Place() device.Place { return t.storage.place }
+
+// LoD returns the tensor's level-of-detail offsets (Paddle's sequence
+// boundaries), or nil. The result must not be modified.
+func (t *Tensor) LoD() [][]int { return t.lod }
+
+// WithLoD returns a view of t carrying lod. Each level must be
+// non-decreasing and start at 0.
+func (t *Tensor) WithLoD(lod [][]int) (*Tensor, error) {
+	if err := checkLoD(lod); err != nil {
+		return nil, err
+	}
+	v := *t
+	v.lod = cloneLoD(lod)
+	return &v, nil
+}
+
+func checkLoD(lod [][]int) error {
+	for l, level := range lod {
+		for i, x := range level {
+			if i == 0 && x != 0 || i > 0 && x < level[i-1] {
+				return fmt.Errorf("tensor: LoD level %d is not non-decreasing from 0: %v", l, level)
+			}
+		}
+	}
+	return nil
+}
+
+func cloneLoD(lod [][]int) [][]int {
+	if lod == nil {
+		return nil
+	}
+	out := make([][]int, len(lod))
+	for i, l := range lod {
+		out[i] = slices.Clone(l)
+	}
+	return out
+}
+
+// IsContiguous reports whether the elements are laid out densely in
+// row-major order.
+func (t *Tensor) IsContiguous() bool {
+	acc := 1
+	for i := len(t.shape) - 1; i >= 0; i-- {
+		if t.shape[i] != 1 && t.strides[i] != acc {
+			return false
+		}
+		acc *= t.shape[i]
+	}
+	return true
+}
+
+// IsShared reports whether the tensor's storage is in shared memory.
+func (t *Tensor) IsShared() bool { return t.storage.IsShared() }
+
+// ShareMemory moves the tensor's storage into shared memory under the
+// process's sharing strategy, in place: t and every view of its storage
+// keep working and become shared. A storage that is shared already is left
+// as it is.
+func (t *Tensor) ShareMemory() error { return t.storage.ShareMemory(strategy.Get()) }
+
+// Release gives back the memory of the tensor's storage now, for every
+// view of it. See Storage.Release.
+func (t *Tensor) Release() error { return t.storage.Release() }
+
+func (t *Tensor) checkDim(dim int) error {
+	if dim < 0 || dim >= len(t.shape) {
+		return fmt.Errorf("tensor: dimension %d out of range for %d dimensions", dim, len(t.shape))
+	}
+	return nil
+}
+
+func (t *Tensor) view(offset int64, shape, strides []int) *Tensor {
+	return &Tensor{storage: t.storage, offset: offset, dtype: t.dtype, shape: shape, strides: strides}
+}
+
+// Narrow returns a view of length elements of dimension dim starting at
+// start.
+func (t *Tensor) Narrow(dim, start, length int) (*Tensor, error) {
+	if err := t.checkDim(dim); err != nil {
+		return nil, err
+	}
+	if start < 0 || length < 0 || start > t.shape[dim]-length {
+		return nil, fmt.Errorf("tensor: narrow [%d, %d+%d) out of range for size %d of dimension %d", start, start, length, t.shape[dim], dim)
+	}
+	shape := slices.Clone(t.shape)
+	shape[dim] = length
+	off := t.offset
+	if length > 0 {
+		off += int64(start) * int64(t.strides[dim]) * int64(t.dtype.Size())
+	}
+	return t.view(off, shape, slices.Clone(t.strides)), nil
+}
+
+// Slice returns a view of elements [start, end) of dimension dim.
+func (t *Tensor) Slice(dim, start, end int) (*Tensor, error) {
+	if end < start {
+		return nil, fmt.Errorf("tensor: slice [%d, %d) has end before start", start, end)
+	}
+	return t.Narrow(dim, start, end-start)
+}
+
+// Transpose returns a view with dimensions d0 and d1 swapped.
+func (t *Tensor) Transpose(d0, d1 int) (*Tensor, error) {
+	if err := errors.Join(t.checkDim(d0), t.checkDim(d1)); err != nil {
+		return nil, err
+	}
+	shape, strides := slices.Clone(t.shape), slices.Clone(t.strides)
+	shape[d0], shape[d1] = shape[d1], shape[d0]
+	strides[d0], strides[d1] = strides[d1], strides[d0]
+	return t.view(t.offset, shape, strides), nil
+}
+
+// Reshape returns a tensor with the same elements and a new shape; one
+// size may be -1 and is inferred. A contiguous tensor gives a view on the
+// same storage; any other is copied first, as torch.reshape does.
+func (t *Tensor) Reshape(shape ...int) (*Tensor, error) {
+	shape = slices.Clone(shape)
+	infer, known := -1, 1
+	for i, n := range shape {
+		switch {
+		case n == -1 && infer < 0:
+			infer = i
+		case n < 0:
+			return nil, fmt.Errorf("tensor: bad size %d in shape %v", n, shape)
+		default:
+			known *= n
+		}
+	}
+	if infer >= 0 {
+		if known == 0 || t.Numel()%known != 0 {
+			return nil, fmt.Errorf("tensor: cannot infer -1 in shape %v for %d elements", shape, t.Numel())
+		}
+		shape[infer] = t.Numel() / known
+	}
+	if err := checkNewShape(t.dtype, shape); err != nil {
+		return nil, err
+	}
+	if numel(shape) != t.Numel() {
+		return nil, fmt.Errorf("tensor: cannot reshape %v (%d elements) to %v", t.shape, t.Numel(), shape)
+	}
+	src := t
+	if !t.IsContiguous() {
+		c, err := t.Contiguous()
+		if err != nil {
+			return nil, err
+		}
+		src = c
+	}
+	return src.view(src.offset, shape, contiguousStrides(shape)), nil
+}
+
+// Contiguous returns t if it is contiguous, else a contiguous copy.
+func (t *Tensor) Contiguous() (*Tensor, error) {
+	if t.IsContiguous() {
+		return t, nil
+	}
+	return t.Clone()
+}
+
+// Clone returns a contiguous copy of t in new storage on the same place.
+func (t *Tensor) Clone() (*Tensor, error) {
+	host, err := t.hostBytes()
+	if err != nil {
+		return nil, err
+	}
+	c := &Tensor{storage: newHeapStorage(t.Nbytes()), dtype: t.dtype, shape: slices.Clone(t.shape), strides: contiguousStrides(t.shape), lod: cloneLoD(t.lod)}
+	t.gather(host, c.storage.Bytes())
+	if t.Place().IsCPU() {
+		return c, nil
+	}
+	return c.To(t.Place())
+}
+
+// hostBytes returns the bytes of t's storage in host memory: the storage
+// itself on the CPU, a copy read from the device otherwise.
+func (t *Tensor) hostBytes() ([]byte, error) {
+	m := t.storage.mem.Load()
+	switch {
+	case m.released:
+		return nil, ErrReleased
+	case m.buf == nil:
+		return m.bytes, nil
+	}
+	b := make([]byte, t.storage.nbytes)
+	if err := m.buf.Read(b, 0); err != nil {
+		return nil, fmt.Errorf("tensor: reading %d bytes from %s: %w", len(b), t.Place(), err)
+	}
+	return b, nil
+}
+
+// denseHost returns t's elements densely in host memory: a slice of the
+// storage when t is a contiguous CPU tensor, else a copy.
+func (t *Tensor) denseHost() ([]byte, error) {
+	host, err := t.hostBytes()
+	if err != nil {
+		return nil, err
+	}
+	if t.IsContiguous() {
+		return host[t.offset : t.offset+t.Nbytes()], nil
+	}
+	dense := make([]byte, t.Nbytes())
+	t.gather(host, dense)
+	return dense, nil
+}
+
+// gather copies t's elements, read from its storage bytes src, densely
+// into dst.
+func (t *Tensor) gather(src, dst []byte) {
+	item := t.dtype.Size()
+	if t.IsContiguous() {
+		copy(dst, src[t.offset:t.offset+t.Nbytes()])
+		return
+	}
+	i := 0
+	t.forEach(func(elem int64) {
+		at := t.offset + elem*int64(item)
+		copy(dst[i:i+item], src[at:at+int64(item)])
+		i += item
+	})
+}
+
+// forEach calls fn with the storage index (in elements, relative to the
+// offset) of every element in row-major order.
+func (t *Tensor) forEach(fn func(elem int64)) {
+	n := t.Numel()
+	if n == 0 {
+		return
+	}
+	idx := make([]int, len(t.shape))
+	var pos int64
+	for range n {
+		fn(pos)
+		for d := len(idx) - 1; d >= 0; d-- {
+			idx[d]++
+			pos += int64(t.strides[d])
+			if idx[d] < t.shape[d] {
+				break
+			}
+			pos -= int64(t.strides[d]) * int64(idx[d])
+			idx[d] = 0
+		}
+	}
+}
+
+// To returns t on place p: t itself when it is there already, else a
+// contiguous copy.
+func (t *Tensor) To(p device.Place) (*Tensor, error) {
+	if p == t.Place() {
+		return t, nil
+	}
+	dense, err := t.denseHost()
+	if err != nil {
+		return nil, err
+	}
+	out := &Tensor{dtype: t.dtype, shape: slices.Clone(t.shape), strides: contiguousStrides(t.shape), lod: cloneLoD(t.lod)}
+	if p.IsCPU() {
+		out.storage = newHeapStorage(int64(len(dense)))
+		copy(out.storage.Bytes(), dense)
+		return out, nil
+	}
+	s, err := newStorage(p, int64(len(dense)))
+	if err != nil {
+		return nil, err
+	}
+	if err := s.mem.Load().buf.Write(dense, 0); err != nil {
+		_ = s.Release()
+		return nil, fmt.Errorf("tensor: copying %d bytes to %s: %w", len(dense), p, err)
+	}
+	out.storage = s
+	return out, nil
+}
+
+// Equal reports whether a and b have the same dtype, shape and element
+// values. Floating-point elements compare as numbers: 0 equals -0 and NaN
+// equals nothing.
+func Equal(a, b *Tensor) bool {
+	if a.dtype != b.dtype || !slices.Equal(a.shape, b.shape) {
+		return false
+	}
+	ba, errA := a.denseHost()
+	bb, errB := b.denseHost()
+	if errA != nil || errB != nil {
+		return false
+	}
+	switch a.dtype {
+	case Float16, BFloat16, Float32, Float64, Complex64, Complex128:
+		for i := range a.Numel() {
+			if value(a.dtype, ba, i) != value(a.dtype, bb, i) {
+				return false
+			}
+		}
+		return true
+	}
+	return string(ba) == string(bb)
+}
+
+func (t *Tensor) String() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "tensor(%v, %v, %v", t.dtype, t.shape, t.Place())
+	if t.IsShared() {
+		b.WriteString(", shared")
+	}
+	if t.storage.Released() {
+		b.WriteString(", released")
+	}
+	b.WriteString(")")
+	return b.String()
+}

@@ -1,0 +1,436 @@
+package tensor_test
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"runtime"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/strategy"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+func TestDTypes(t *testing.T) {
+	dts := tensor.DTypes()
+	require.Len(t, dts, 12)
+	sizes := map[tensor.DType]int{
+		tensor.Bool: 1, tensor.Uint8: 1, tensor.Int8: 1, tensor.Int16: 2, tensor.Int32: 4, tensor.Int64: 8,
+		tensor.Float16: 2, tensor.BFloat16: 2, tensor.Float32: 4, tensor.Float64: 8, tensor.Complex64: 8, tensor.Complex128: 16,
+	}
+	for _, d := range dts {
+		assert.Equal(t, sizes[d], d.Size(), d.String())
+		p, err := tensor.ParseDType(d.String())
+		require.NoError(t, err)
+		assert.Equal(t, d, p)
+	}
+	_, err := tensor.ParseDType("float8")
+	assert.ErrorContains(t, err, "valid: bool, uint8")
+	assert.False(t, tensor.Invalid.Valid())
+	assert.False(t, tensor.DType(200).Valid())
+	assert.Equal(t, 0, tensor.DType(200).Size())
+
+	assert.Equal(t, tensor.Bool, tensor.DTypeOf[bool]())
+	assert.Equal(t, tensor.Uint8, tensor.DTypeOf[uint8]())
+	assert.Equal(t, tensor.Int8, tensor.DTypeOf[int8]())
+	assert.Equal(t, tensor.Int16, tensor.DTypeOf[int16]())
+	assert.Equal(t, tensor.Int32, tensor.DTypeOf[int32]())
+	assert.Equal(t, tensor.Int64, tensor.DTypeOf[int64]())
+	assert.Equal(t, tensor.Float16, tensor.DTypeOf[tensor.Half]())
+	assert.Equal(t, tensor.BFloat16, tensor.DTypeOf[tensor.BHalf]())
+	assert.Equal(t, tensor.Float32, tensor.DTypeOf[float32]())
+	assert.Equal(t, tensor.Float64, tensor.DTypeOf[float64]())
+	assert.Equal(t, tensor.Complex64, tensor.DTypeOf[complex64]())
+	assert.Equal(t, tensor.Complex128, tensor.DTypeOf[complex128]())
+}
+
+func TestHalfConversions(t *testing.T) {
+	cases := []struct {
+		in   float32
+		bits uint16
+	}{
+		{0, 0x0000}, {1, 0x3c00}, {-2, 0xc000}, {0.5, 0x3800}, {65504, 0x7bff},
+		{65520, 0x7c00}, // rounds up to infinity
+		{float32(math.Inf(1)), 0x7c00}, {float32(math.Inf(-1)), 0xfc00},
+		{5.960464477539063e-08, 0x0001}, // smallest subnormal
+		{6.097555160522461e-05, 0x03ff}, // largest subnormal
+		{1e-9, 0x0000},
+		{1.0009765625, 0x3c01}, {1.00048828125, 0x3c00}, // a tie rounds to even
+	}
+	for _, c := range cases {
+		h := tensor.HalfFromFloat32(c.in)
+		assert.Equal(t, c.bits, uint16(h), "HalfFromFloat32(%g)", c.in)
+	}
+	for b := range uint32(0x7c00) {
+		h := tensor.Half(b)
+		assert.Equal(t, h, tensor.HalfFromFloat32(h.Float32()), "round trip of %#04x", b)
+	}
+	assert.True(t, math.IsNaN(float64(tensor.HalfFromFloat32(float32(math.NaN())).Float32())))
+
+	assert.Equal(t, float32(1), tensor.BHalfFromFloat32(1).Float32())
+	assert.Equal(t, float32(-3.140625), tensor.BHalfFromFloat32(-3.14159).Float32())
+	assert.Equal(t, uint16(0x3f80), uint16(tensor.BHalfFromFloat32(1.00390625)), "a tie rounds to even")
+	assert.True(t, math.IsNaN(float64(tensor.BHalfFromFloat32(float32(math.NaN())).Float32())))
+}
+
+func TestConstructors(t *testing.T) {
+	z, err := tensor.Zeros(tensor.Float32, 2, 3)
+	require.NoError(t, err)
+	assert.Equal(t, []int{2, 3}, z.Shape())
+	assert.Equal(t, []int{3, 1}, z.Strides())
+	assert.Equal(t, 6, z.Numel())
+	assert.Equal(t, int64(24), z.Nbytes())
+	assert.True(t, z.IsContiguous())
+	assert.False(t, z.IsShared())
+	assert.Equal(t, device.CPU(), z.Place())
+
+	f, err := tensor.Full(tensor.Int16, 7, 4)
+	require.NoError(t, err)
+	vals, err := tensor.Data[int16](f)
+	require.NoError(t, err)
+	assert.Equal(t, []int16{7, 7, 7, 7}, vals)
+
+	a, err := tensor.Arange(tensor.Float16, 5)
+	require.NoError(t, err)
+	hs, err := tensor.Data[tensor.Half](a)
+	require.NoError(t, err)
+	for i, h := range hs {
+		assert.Equal(t, float32(i), h.Float32())
+	}
+
+	s, err := tensor.FromSlice([]complex64{1, 2i, 3, 4}, 2, 2)
+	require.NoError(t, err)
+	v, err := tensor.At[complex64](s, 0, 1)
+	require.NoError(t, err)
+	assert.Equal(t, complex64(2i), v)
+
+	scalar, err := tensor.Zeros(tensor.Float64)
+	require.NoError(t, err)
+	assert.Equal(t, 1, scalar.Numel())
+	require.NoError(t, tensor.Set(scalar, 2.5))
+	x, err := tensor.At[float64](scalar)
+	require.NoError(t, err)
+	assert.Equal(t, 2.5, x)
+
+	_, err = tensor.FromSlice([]int32{1, 2, 3}, 2, 2)
+	assert.ErrorContains(t, err, "do not fill")
+	_, err = tensor.Zeros(tensor.Float32, 2, -1)
+	assert.ErrorContains(t, err, "negative size")
+	_, err = tensor.Zeros(tensor.Float32, math.MaxInt/2, 4)
+	assert.ErrorContains(t, err, "overflows")
+	_, err = tensor.Zeros(tensor.Invalid, 1)
+	assert.ErrorContains(t, err, "invalid dtype")
+}
+
+func TestTypedAccessChecksDType(t *testing.T) {
+	x, err := tensor.Zeros(tensor.Float32, 4)
+	require.NoError(t, err)
+	_, err = tensor.Data[float64](x)
+	assert.ErrorContains(t, err, "float32 elements read as float64")
+	_, err = tensor.At[int32](x, 0)
+	assert.Error(t, err)
+	assert.Error(t, tensor.Set[int64](x, 1, 0))
+	_, err = tensor.At[float32](x, 4)
+	assert.ErrorContains(t, err, "out of range")
+	_, err = tensor.At[float32](x, 0, 0)
+	assert.ErrorContains(t, err, "2 indices for 1 dimensions")
+}
+
+func TestViewsShareStorage(t *testing.T) {
+	base, err := tensor.Arange(tensor.Int64, 12)
+	require.NoError(t, err)
+	m, err := base.Reshape(3, 4)
+	require.NoError(t, err)
+	assert.Same(t, base.Storage(), m.Storage(), "a contiguous reshape is a view")
+
+	row, err := m.Narrow(0, 1, 1)
+	require.NoError(t, err)
+	require.NoError(t, tensor.Set[int64](row, 100, 0, 2))
+	v, err := tensor.At[int64](base, 6)
+	require.NoError(t, err)
+	assert.Equal(t, int64(100), v, "a write through a view lands in the shared storage")
+
+	tr, err := m.Transpose(0, 1)
+	require.NoError(t, err)
+	assert.Equal(t, []int{4, 3}, tr.Shape())
+	assert.Equal(t, []int{1, 4}, tr.Strides())
+	assert.False(t, tr.IsContiguous())
+	_, err = tensor.Data[int64](tr)
+	assert.ErrorContains(t, err, "non-contiguous")
+	vals, err := tensor.Values[int64](tr)
+	require.NoError(t, err)
+	assert.Equal(t, []int64{0, 4, 8, 1, 5, 9, 2, 100, 10, 3, 7, 11}, vals)
+
+	cols, err := m.Slice(1, 1, 3)
+	require.NoError(t, err)
+	assert.Equal(t, int64(8), cols.Offset())
+	vals, err = tensor.Values[int64](cols)
+	require.NoError(t, err)
+	assert.Equal(t, []int64{1, 2, 5, 100, 9, 10}, vals)
+
+	flat, err := tr.Reshape(-1)
+	require.NoError(t, err)
+	assert.NotSame(t, base.Storage(), flat.Storage(), "a non-contiguous reshape copies")
+	got, err := tensor.Data[int64](flat)
+	require.NoError(t, err)
+	assert.Equal(t, []int64{0, 4, 8, 1, 5, 9, 2, 100, 10, 3, 7, 11}, got)
+
+	require.NoError(t, tensor.Fill(tr, func(i int) int64 { return int64(-i) }))
+	vals, err = tensor.Values[int64](tr)
+	require.NoError(t, err)
+	assert.Equal(t, []int64{0, -1, -2, -3, -4, -5, -6, -7, -8, -9, -10, -11}, vals)
+
+	_, err = m.Narrow(0, 2, 2)
+	assert.Error(t, err)
+	_, err = m.Narrow(2, 0, 1)
+	assert.Error(t, err)
+	_, err = m.Slice(0, 2, 1)
+	assert.Error(t, err)
+	_, err = m.Transpose(0, 5)
+	assert.Error(t, err)
+	_, err = m.Reshape(5, -1)
+	assert.Error(t, err)
+	_, err = m.Reshape(-1, -1)
+	assert.Error(t, err)
+	_, err = m.Reshape(13)
+	assert.Error(t, err)
+}
+
+func TestCloneAndEqual(t *testing.T) {
+	a, err := tensor.FromSlice([]float32{1, 2, 3, 4, 5, 6}, 2, 3)
+	require.NoError(t, err)
+	tr, err := a.Transpose(0, 1)
+	require.NoError(t, err)
+	c, err := tr.Clone()
+	require.NoError(t, err)
+	assert.True(t, c.IsContiguous())
+	assert.True(t, tensor.Equal(tr, c))
+	require.NoError(t, tensor.Set[float32](c, 9, 0, 0))
+	assert.False(t, tensor.Equal(tr, c), "a clone has its own storage")
+
+	b, err := tensor.FromSlice([]float32{1, 2, 3, 4, 5, 6}, 3, 2)
+	require.NoError(t, err)
+	assert.False(t, tensor.Equal(a, b), "shapes differ")
+	i, err := tensor.FromSlice([]int32{1, 2, 3, 4, 5, 6}, 2, 3)
+	require.NoError(t, err)
+	assert.False(t, tensor.Equal(a, i), "dtypes differ")
+
+	nan, err := tensor.FromSlice([]float64{math.NaN()})
+	require.NoError(t, err)
+	assert.False(t, tensor.Equal(nan, nan), "NaN equals nothing")
+	pz, err := tensor.FromSlice([]float64{0})
+	require.NoError(t, err)
+	nz, err := tensor.FromSlice([]float64{math.Copysign(0, -1)})
+	require.NoError(t, err)
+	assert.True(t, tensor.Equal(pz, nz), "0 equals -0")
+}
+
+func TestLoD(t *testing.T) {
+	x, err := tensor.Zeros(tensor.Float32, 5, 2)
+	require.NoError(t, err)
+	y, err := x.WithLoD([][]int{{0, 2, 5}})
+	require.NoError(t, err)
+	assert.Equal(t, [][]int{{0, 2, 5}}, y.LoD())
+	assert.Nil(t, x.LoD(), "WithLoD makes a view; the original is unchanged")
+	_, err = x.WithLoD([][]int{{1, 2}})
+	assert.Error(t, err)
+	_, err = x.WithLoD([][]int{{0, 3, 2}})
+	assert.Error(t, err)
+}
+
+func TestShareMemoryInPlace(t *testing.T) {
+	for _, st := range strategy.All() {
+		t.Run(st.String(), func(t *testing.T) {
+			leakcheck.Check(t)
+			x, err := tensor.Arange(tensor.Float32, 1000)
+			require.NoError(t, err)
+			view, err := x.Narrow(0, 10, 5)
+			require.NoError(t, err)
+			require.NoError(t, x.Storage().ShareMemory(st))
+			assert.True(t, x.IsShared())
+			assert.True(t, view.IsShared(), "a view made before sharing is shared too")
+			vals, err := tensor.Values[float32](view)
+			require.NoError(t, err)
+			assert.Equal(t, []float32{10, 11, 12, 13, 14}, vals, "values survive the move")
+
+			a := x.Storage().Allocation()
+			require.NotNil(t, a)
+			require.NoError(t, tensor.Set[float32](view, -1, 0))
+			got := a.Bytes()[40:44]
+			assert.Equal(t, []byte{0, 0, 0x80, 0xbf}, got, "the view writes into the segment")
+
+			require.NoError(t, x.ShareMemory(), "sharing again is a no-op")
+			assert.Same(t, a, x.Storage().Allocation())
+
+			require.NoError(t, view.Release())
+			assert.True(t, x.Storage().Released())
+			_, err = tensor.Data[float32](x)
+			assert.ErrorIs(t, err, tensor.ErrReleased)
+			assert.ErrorIs(t, x.ShareMemory(), tensor.ErrReleased)
+			require.NoError(t, x.Release(), "releasing twice is harmless")
+		})
+	}
+}
+
+func TestShareEmpty(t *testing.T) {
+	leakcheck.Check(t)
+	e, err := tensor.Zeros(tensor.Float32, 0, 3)
+	require.NoError(t, err)
+	require.NoError(t, e.ShareMemory())
+	assert.True(t, e.IsShared())
+	assert.Nil(t, e.Storage().Allocation(), "an empty tensor needs no segment")
+}
+
+func TestCleanupReleasesUnreachable(t *testing.T) {
+	leakcheck.Check(t) // fails if the cleanup did not unmap the segments
+	for _, st := range strategy.All() {
+		x, err := tensor.Zeros(tensor.Uint8, 1<<16)
+		require.NoError(t, err)
+		require.NoError(t, x.Storage().ShareMemory(st))
+	}
+	runtime.GC()
+}
+
+func TestConcurrentShareMemory(t *testing.T) {
+	leakcheck.Check(t)
+	x, err := tensor.Arange(tensor.Int32, 4096)
+	require.NoError(t, err)
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			assert.NoError(t, x.ShareMemory())
+			_, err := tensor.Values[int32](x)
+			assert.NoError(t, err)
+		}()
+	}
+	wg.Wait()
+	assert.True(t, x.IsShared())
+	require.NoError(t, x.Release())
+}
+
+// hostBackend is a fake device backend that keeps "device" memory in Go
+// slices and counts live buffers.
+type hostBackend struct {
+	mu   sync.Mutex
+	live int
+}
+
+type hostBuffer struct {
+	b     []byte
+	owner *hostBackend
+}
+
+func (h *hostBackend) Alloc(p device.Place, n int64) (tensor.Buffer, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.live++
+	return &hostBuffer{b: make([]byte, n), owner: h}, nil
+}
+
+func (b *hostBuffer) Read(dst []byte, off int64) error  { copy(dst, b.b[off:]); return nil }
+func (b *hostBuffer) Write(src []byte, off int64) error { copy(b.b[off:], src); return nil }
+func (b *hostBuffer) Free() error {
+	b.owner.mu.Lock()
+	defer b.owner.mu.Unlock()
+	b.owner.live--
+	return nil
+}
+
+func TestPlaceFollowsContext(t *testing.T) {
+	typ, err := device.RegisterType("test_dev")
+	require.NoError(t, err)
+	be := &hostBackend{}
+	tensor.RegisterBackend(typ, be)
+	dev, err := device.Custom("test_dev", 1)
+	require.NoError(t, err)
+
+	ctx := device.With(context.Background(), dev)
+	x, err := tensor.In(ctx).Arange(tensor.Float32, 6)
+	require.NoError(t, err)
+	assert.Equal(t, dev, x.Place(), "new tensors go to the context's place")
+	assert.Equal(t, 1, be.live)
+	_, err = tensor.Data[float32](x)
+	assert.ErrorContains(t, err, "not in host memory")
+	assert.ErrorContains(t, x.ShareMemory(), "cannot share storage on test_dev:1")
+
+	back, err := x.To(device.CPU())
+	require.NoError(t, err)
+	vals, err := tensor.Data[float32](back)
+	require.NoError(t, err)
+	assert.Equal(t, []float32{0, 1, 2, 3, 4, 5}, vals)
+
+	m, err := x.Reshape(2, 3)
+	require.NoError(t, err)
+	tr, err := m.Transpose(0, 1)
+	require.NoError(t, err)
+	c, err := tr.Clone()
+	require.NoError(t, err)
+	assert.Equal(t, dev, c.Place())
+	assert.True(t, tensor.Equal(c, tr))
+	require.NoError(t, c.Release())
+	require.NoError(t, x.Release())
+	assert.Equal(t, 0, be.live, "Release frees device buffers")
+
+	y, err := tensor.On(device.CPU()).Zeros(tensor.Int8, 2)
+	require.NoError(t, err)
+	assert.Equal(t, device.CPU(), y.Place())
+	assert.Equal(t, device.CPU(), tensor.In(context.Background()).Place(), "no scope: the default")
+
+	_, err = tensor.On(device.GPU(0)).Zeros(tensor.Float32, 2)
+	assert.ErrorContains(t, err, "no backend for gpu:0")
+	_, err = y.To(device.GPU(0))
+	assert.Error(t, err)
+}
+
+func TestFromStorageChecksBounds(t *testing.T) {
+	x, err := tensor.Zeros(tensor.Float32, 16)
+	require.NoError(t, err)
+	s := x.Storage()
+	cases := []struct {
+		name    string
+		dt      tensor.DType
+		off     int64
+		shape   []int
+		strides []int
+	}{
+		{"unknown dtype", tensor.DType(99), 0, []int{1}, []int{1}},
+		{"negative size", tensor.Float32, 0, []int{-1}, []int{1}},
+		{"negative stride", tensor.Float32, 0, []int{2}, []int{-1}},
+		{"strides past end", tensor.Float32, 0, []int{4, 4}, []int{5, 1}},
+		{"offset plus size past end", tensor.Float32, 8, []int{16}, []int{1}},
+		{"misaligned offset", tensor.Float32, 2, []int{1}, []int{1}},
+		{"negative offset", tensor.Float32, -4, []int{1}, []int{1}},
+		{"offset past end, empty", tensor.Float32, 128, []int{0}, []int{1}},
+		{"rank mismatch", tensor.Float32, 0, []int{2, 2}, []int{1}},
+		{"overflowing shape", tensor.Float32, 0, []int{math.MaxInt / 2, 8}, []int{1, 1}},
+		{"overflowing stride", tensor.Float32, 0, []int{3}, []int{math.MaxInt / 2}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := tensor.FromStorage(s, c.dt, c.off, c.shape, c.strides)
+			assert.Error(t, err)
+		})
+	}
+	v, err := tensor.FromStorage(s, tensor.Float32, 4, []int{3, 5}, []int{5, 1})
+	require.NoError(t, err)
+	assert.Equal(t, 15, v.Numel())
+	_, err = tensor.FromStorage(s, tensor.Float32, 64, []int{0}, []int{1})
+	assert.NoError(t, err, "an empty view may sit at the end")
+}
+
+func ExampleTensor_ShareMemory() {
+	x, _ := tensor.Arange(tensor.Float32, 6)
+	m, _ := x.Reshape(2, 3)
+	_ = x.ShareMemory()
+	defer x.Release()
+	fmt.Println(m.IsShared(), m.Shape())
+	// Output: true [2 3]
+}
