@@ -2,6 +2,7 @@ package tensor
 
 import (
 	"fmt"
+	"slices"
 )
 
 // Data returns the elements of a contiguous CPU tensor as a []T that
@@ -111,4 +112,36 @@ func (t *Tensor) index(idx []int) (int64, error) {
 		pos += int64(i) * int64(t.strides[d])
 	}
 	return pos, nil
+}
+
+// Copy copies src's elements into dst, element by element in row-major
+// order, whatever the layouts of the two: the way to write into a view.
+// The tensors must have the same dtype and shape; dst must be in host
+// memory.
+func Copy(dst, src *Tensor) error {
+	if dst.dtype != src.dtype || !slices.Equal(dst.shape, src.shape) {
+		return fmt.Errorf("tensor: cannot copy %v %v into %v %v", src.dtype, src.shape, dst.dtype, dst.shape)
+	}
+	if !dst.Place().IsCPU() {
+		return fmt.Errorf("tensor: copy into %v: not in host memory", dst)
+	}
+	from, err := src.denseHost()
+	if err != nil {
+		return err
+	}
+	if src.storage == dst.storage {
+		from = slices.Clone(from) // the two may overlap
+	}
+	m := dst.storage.mem.Load()
+	if m.released {
+		return ErrReleased
+	}
+	item := int64(dst.dtype.Size())
+	var i int64
+	dst.forEach(func(elem int64) {
+		at := dst.offset + elem*item
+		copy(m.bytes[at:at+item], from[i:i+item])
+		i += item
+	})
+	return nil
 }

@@ -148,9 +148,14 @@ func checkNewShape(dt DType, shape []int) error {
 	return nil
 }
 
-// checkView checks a view's metadata against a storage of size bytes:
-// sizes and strides non-negative, no overflow, offset aligned, and the
-// furthest element inside the storage.
+// CheckView checks a view's metadata against a storage of size bytes:
+// a valid dtype, sizes and strides non-negative, no overflow, the byte
+// offset aligned, and the furthest element inside the storage. FromStorage
+// applies it; receivers call it on metadata before mapping anything.
+func CheckView(dt DType, offset int64, shape, strides []int, size int64) error {
+	return checkView(dt, offset, shape, strides, size)
+}
+
 func checkView(dt DType, offset int64, shape, strides []int, size int64) error {
 	if err := checkNewShape(dt, shape); err != nil {
 		return err

@@ -32,10 +32,11 @@ var warmUp = sync.OnceFunc(func() {
 	}
 })
 
-// Check snapshots the process's descriptors and mappings of segments and
-// registers a cleanup that fails t if, once the test is over, a descriptor
-// is open that was not before, a segment is mapped more often than before,
-// or a segment of this session is left in the shared-memory directory.
+// Check snapshots the process's descriptors, its mappings of segments and
+// this session's segments, and registers a cleanup that fails t if, once
+// the test is over, a descriptor is open that was not before, a segment is
+// mapped more often than before, or a segment of this session is in the
+// shared-memory directory that was not before.
 func Check(t testing.TB) {
 	t.Helper()
 	warmUp()
@@ -44,6 +45,10 @@ func Check(t testing.TB) {
 		t.Fatalf("leakcheck: %v", err)
 	}
 	mapsBefore, err := Mappings()
+	if err != nil {
+		t.Fatalf("leakcheck: %v", err)
+	}
+	segsBefore, err := Segments()
 	if err != nil {
 		t.Fatalf("leakcheck: %v", err)
 	}
@@ -62,6 +67,7 @@ func Check(t testing.TB) {
 				t.Errorf("leakcheck: %v", err)
 				return
 			}
+			segs = slices.DeleteFunc(segs, func(s string) bool { return slices.Contains(segsBefore, s) })
 			mapsAfter, err := Mappings()
 			if err != nil {
 				t.Errorf("leakcheck: %v", err)

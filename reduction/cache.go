@@ -1,0 +1,95 @@
+package reduction
+
+import (
+	"sync"
+	"weak"
+
+	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// cacheLimit bounds the number of segments the cache remembers. Going past
+// it drops entries, which costs a second mapping at worst, never
+// correctness.
+const cacheLimit = 4096
+
+// cacheKey names a segment: by device and inode for file_descriptor
+// segments, by name for file_system ones.
+type cacheKey struct {
+	id   mmapalloc.ID
+	name string
+}
+
+func idKey(id mmapalloc.ID) cacheKey { return cacheKey{id: id} }
+func nameKey(name string) cacheKey   { return cacheKey{name: name} }
+
+// storageCache maps segments to the Storage this process has for them, so
+// that one segment received twice is mapped once. It holds its storages
+// weakly: a Storage nobody uses is collected (and unmapped) as if the cache
+// did not exist.
+type storageCache struct {
+	mu sync.Mutex
+	m  map[cacheKey]weak.Pointer[tensor.Storage]
+}
+
+// storages is the process's cache, guarded by its mutex.
+var storages = &storageCache{m: make(map[cacheKey]weak.Pointer[tensor.Storage])}
+
+// get returns the live Storage cached under k if it has size bytes.
+func (c *storageCache) get(k cacheKey, size int64) *tensor.Storage {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	w, ok := c.m[k]
+	if !ok {
+		return nil
+	}
+	s := w.Value()
+	if s == nil || s.Released() {
+		delete(c.m, k)
+		return nil
+	}
+	if s.Size() != size {
+		return nil
+	}
+	return s
+}
+
+// put caches s under k unless a live Storage is cached there already, and
+// returns the one that is cached afterwards.
+func (c *storageCache) put(k cacheKey, s *tensor.Storage) *tensor.Storage {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if w, ok := c.m[k]; ok {
+		if old := w.Value(); old != nil && !old.Released() {
+			return old
+		}
+	}
+	if len(c.m) >= cacheLimit {
+		c.sweepLocked()
+	}
+	c.m[k] = weak.Make(s)
+	return s
+}
+
+// sweepLocked drops dead entries and, if the cache is still full, enough
+// live ones to make room.
+func (c *storageCache) sweepLocked() {
+	for k, w := range c.m {
+		if s := w.Value(); s == nil || s.Released() {
+			delete(c.m, k)
+		}
+	}
+	for k := range c.m {
+		if len(c.m) < cacheLimit*3/4 {
+			break
+		}
+		delete(c.m, k)
+	}
+}
+
+// len returns the number of entries, dead ones included.
+func (c *storageCache) len() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.m)
+}

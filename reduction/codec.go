@@ -1,0 +1,292 @@
+package reduction
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"reflect"
+
+	"github.com/vmihailenco/msgpack/v5"
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// tensorExt is the msgpack extension type that carries a tensor's Meta.
+const tensorExt int8 = 0x54 // 'T'
+
+func init() {
+	msgpack.RegisterExtEncoder(tensorExt, (*tensor.Tensor)(nil), encodeTensor)
+	msgpack.RegisterExtDecoder(tensorExt, (*tensor.Tensor)(nil), decodeTensor)
+}
+
+// Encoder turns values with tensors inside them (struct fields, slices,
+// maps, interfaces, at any depth) into msgpack bytes plus the descriptors
+// that must travel with them. Each tensor becomes a Meta; a storage that
+// appears several times in one value gets one descriptor, so the receiver
+// rebuilds tensors that share memory as tensors that share memory.
+//
+// An Encoder is not safe for concurrent use; make one per goroutine or use
+// Marshal.
+type Encoder struct {
+	w   fdWriter
+	enc *msgpack.Encoder
+}
+
+// NewEncoder returns an Encoder.
+func NewEncoder() *Encoder {
+	e := &Encoder{}
+	e.enc = msgpack.NewEncoder(&e.w)
+	return e
+}
+
+// Encode encodes v. The bytes are valid until the next Encode. The
+// descriptors are borrowed from the tensors' storages (see Reduce): the
+// Encoder keeps those storages reachable until the next Encode, so send
+// the message before then.
+func (e *Encoder) Encode(v any) (data []byte, fds []int, err error) {
+	e.w.reset()
+	e.enc.Reset(&e.w)
+	if err := e.enc.Encode(v); err != nil {
+		return nil, nil, err
+	}
+	return e.w.buf, e.w.fds, nil
+}
+
+// Marshal encodes v with a new Encoder. See Encoder.Encode; the storages
+// behind the descriptors must be kept reachable by the caller until the
+// message is sent.
+func Marshal(v any) (data []byte, fds []int, err error) {
+	return NewEncoder().Encode(v)
+}
+
+// fdWriter is the Encoder's writer: the per-call state of one Encode.
+// msgpack hands it back to encodeTensor through Encoder.Writer, so the
+// descriptor list never lives in a package variable.
+type fdWriter struct {
+	buf   []byte
+	fds   []int
+	index map[int]int        // descriptor -> its position in fds
+	keep  []*tensor.Storage // storages whose descriptors are in fds
+}
+
+func (w *fdWriter) reset() {
+	w.buf = w.buf[:0]
+	w.fds = w.fds[:0]
+	clear(w.index)
+	clear(w.keep)
+	w.keep = w.keep[:0]
+}
+
+func (w *fdWriter) Write(p []byte) (int, error) {
+	w.buf = append(w.buf, p...)
+	return len(p), nil
+}
+
+func (w *fdWriter) WriteByte(c byte) error {
+	w.buf = append(w.buf, c)
+	return nil
+}
+
+func (w *fdWriter) addFD(fd int, s *tensor.Storage) int {
+	if i, ok := w.index[fd]; ok {
+		return i
+	}
+	if w.index == nil {
+		w.index = make(map[int]int)
+	}
+	w.index[fd] = len(w.fds)
+	w.fds = append(w.fds, fd)
+	w.keep = append(w.keep, s)
+	return len(w.fds) - 1
+}
+
+func encodeTensor(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {
+	w, ok := enc.Writer().(*fdWriter)
+	if !ok {
+		return nil, errors.New("reduction: tensors must be encoded with reduction.Marshal or an Encoder, which carry their descriptors")
+	}
+	t := v.Interface().(*tensor.Tensor)
+	m, fd, err := reduce(t)
+	if err != nil {
+		return nil, err
+	}
+	if fd >= 0 {
+		m.FD = w.addFD(fd, t.Storage())
+	}
+	return msgpack.Marshal(&m)
+}
+
+// Decoder rebuilds values encoded by an Encoder from the bytes and
+// descriptors of one message. It is not safe for concurrent use.
+type Decoder struct {
+	r   fdReader
+	dec *msgpack.Decoder
+}
+
+// NewDecoder returns a Decoder.
+func NewDecoder() *Decoder {
+	d := &Decoder{}
+	d.dec = msgpack.NewDecoder(&d.r)
+	return d
+}
+
+// Decode decodes data into v, which must be a non-nil pointer, rebuilding
+// every tensor with the descriptors fds that came with the message.
+//
+// Decode takes ownership of fds: the descriptors a new storage keeps
+// become that storage's, and all others are closed before Decode returns,
+// also on error. A message whose descriptors are not each used by some
+// tensor is an error. On error, storages mapped by this call are released
+// and v may hold partial results that must not be used.
+func (d *Decoder) Decode(data []byte, fds []int, v any) (err error) {
+	d.r.reset(data, fds)
+	d.dec.ResetReader(&d.r)
+	defer func() {
+		if err == nil {
+			err = d.r.checkUsed()
+		}
+		d.r.closeRest()
+		if err != nil {
+			for _, s := range d.r.made {
+				_ = s.Release()
+			}
+		}
+		d.r.reset(nil, nil)
+	}()
+	if err := d.dec.Decode(v); err != nil {
+		return err
+	}
+	if d.r.pos != len(d.r.data) {
+		return fmt.Errorf("reduction: %d bytes after the value", len(d.r.data)-d.r.pos)
+	}
+	return nil
+}
+
+// Unmarshal decodes one message with a new Decoder. See Decoder.Decode.
+func Unmarshal(data []byte, fds []int, v any) error {
+	return NewDecoder().Decode(data, fds, v)
+}
+
+// fdReader is the Decoder's reader and the per-call state of one Decode:
+// the message's bytes and descriptors, which descriptors were used and
+// taken, and the storages made. decodeTensor reaches it through
+// msgpack's Decoder.Buffered.
+type fdReader struct {
+	data []byte
+	pos  int
+	fds  []int
+	used []bool // referenced by some tensor
+	kept []bool // owned by a storage now
+	made []*tensor.Storage
+}
+
+func (r *fdReader) reset(data []byte, fds []int) {
+	r.data, r.pos, r.fds = data, 0, fds
+	r.used = make([]bool, len(fds))
+	r.kept = make([]bool, len(fds))
+	r.made = nil
+}
+
+func (r *fdReader) Read(p []byte) (int, error) {
+	if r.pos >= len(r.data) {
+		return 0, io.EOF
+	}
+	n := copy(p, r.data[r.pos:])
+	r.pos += n
+	return n, nil
+}
+
+func (r *fdReader) ReadByte() (byte, error) {
+	if r.pos >= len(r.data) {
+		return 0, io.EOF
+	}
+	c := r.data[r.pos]
+	r.pos++
+	return c, nil
+}
+
+func (r *fdReader) UnreadByte() error {
+	if r.pos == 0 {
+		return errors.New("reduction: unread at start of message")
+	}
+	r.pos--
+	return nil
+}
+
+// next returns the next n bytes of the message.
+func (r *fdReader) next(n int) ([]byte, error) {
+	if n < 0 || n > len(r.data)-r.pos {
+		return nil, fmt.Errorf("reduction: tensor metadata of %d bytes runs past the message", n)
+	}
+	b := r.data[r.pos : r.pos+n]
+	r.pos += n
+	return b, nil
+}
+
+func (r *fdReader) fd(i int) (int, error) {
+	if i < 0 || i >= len(r.fds) {
+		return -1, fmt.Errorf("descriptor index %d out of range: the message has %d", i, len(r.fds))
+	}
+	r.used[i] = true
+	return r.fds[i], nil
+}
+
+func (r *fdReader) take(i int) (int, error) {
+	fd, err := r.fd(i)
+	if err != nil {
+		return -1, err
+	}
+	if r.kept[i] {
+		// Already owned by a storage: map from a duplicate.
+		return borrowed(r.fds).take(i)
+	}
+	r.kept[i] = true
+	return fd, nil
+}
+
+func (r *fdReader) checkUsed() error {
+	unused := 0
+	for _, u := range r.used {
+		if !u {
+			unused++
+		}
+	}
+	if unused > 0 {
+		return fmt.Errorf("reduction: the message carried %d descriptors, %d of them not used by any tensor", len(r.fds), unused)
+	}
+	return nil
+}
+
+func (r *fdReader) closeRest() {
+	for i, fd := range r.fds {
+		if !r.kept[i] {
+			_ = unix.Close(fd)
+		}
+	}
+}
+
+func decodeTensor(dec *msgpack.Decoder, v reflect.Value, extLen int) error {
+	r, ok := dec.Buffered().(*fdReader)
+	if !ok {
+		return errors.New("reduction: tensors must be decoded with reduction.Unmarshal or a Decoder, which carry their descriptors")
+	}
+	payload, err := r.next(extLen)
+	if err != nil {
+		return err
+	}
+	var m Meta
+	if err := msgpack.Unmarshal(payload, &m); err != nil {
+		return fmt.Errorf("reduction: decoding tensor metadata: %w", err)
+	}
+	t, err := rebuild(m, r, &r.made)
+	if err != nil {
+		return err
+	}
+	if v.CanSet() {
+		v.Set(reflect.ValueOf(t))
+	} else {
+		*v.Interface().(*tensor.Tensor) = *t
+	}
+	return nil
+}

@@ -1,0 +1,286 @@
+package reduction_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"strconv"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/reduction"
+	"github.com/tensormp/tensormp/strategy"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// sample is one dtype's part of a batch: a 6x8 matrix of 0..47, a
+// non-contiguous view of it (rows 1..4, transposed), the matrix again, and
+// an empty tensor.
+type sample struct {
+	DType string
+	Base  *tensor.Tensor
+	View  *tensor.Tensor
+	Again *tensor.Tensor
+	Empty *tensor.Tensor
+}
+
+type batch struct {
+	Label   string
+	Samples []sample
+	ByName  map[string]any
+}
+
+// Values the helper writes: every element of Base, then every element of
+// View.
+const (
+	baseWrite = 0
+	viewWrite = 5
+)
+
+func viewOf(t *tensor.Tensor) (*tensor.Tensor, error) {
+	rows, err := t.Narrow(0, 1, 4)
+	if err != nil {
+		return nil, err
+	}
+	return rows.Transpose(0, 1)
+}
+
+func matrix(dt tensor.DType) (*tensor.Tensor, error) {
+	a, err := tensor.Arange(dt, 48)
+	if err != nil {
+		return nil, err
+	}
+	return a.Reshape(6, 8)
+}
+
+func newSample(dt tensor.DType) (sample, error) {
+	base, err := matrix(dt)
+	if err != nil {
+		return sample{}, err
+	}
+	view, err := viewOf(base)
+	if err != nil {
+		return sample{}, err
+	}
+	empty, err := tensor.Zeros(dt, 0, 3)
+	if err != nil {
+		return sample{}, err
+	}
+	return sample{DType: dt.String(), Base: base, View: view, Again: base, Empty: empty}, nil
+}
+
+// expectedAfterWrites is what Base holds once the helper has written.
+func expectedAfterWrites(dt tensor.DType) (*tensor.Tensor, error) {
+	want, err := tensor.Full(dt, baseWrite, 6, 8)
+	if err != nil {
+		return nil, err
+	}
+	view, err := viewOf(want)
+	if err != nil {
+		return nil, err
+	}
+	fill, err := tensor.Full(dt, viewWrite, 8, 4)
+	if err != nil {
+		return nil, err
+	}
+	return want, tensor.Copy(view, fill)
+}
+
+// helperRebuildCheck reads a batch from stdin and descriptors from fd 3
+// on, checks every value, checks that tensors on one storage came back on
+// one storage, writes through Base and View, and releases everything.
+func helperRebuildCheck() int {
+	if err := rebuildCheck(); err != nil {
+		fmt.Fprintln(os.Stderr, "rebuild-check:", err)
+		return 1
+	}
+	return 0
+}
+
+func rebuildCheck() error {
+	nfds, err := strconv.Atoi(os.Args[1])
+	if err != nil {
+		return err
+	}
+	data, err := io.ReadAll(os.Stdin)
+	if err != nil {
+		return err
+	}
+	fds := make([]int, nfds)
+	for i := range fds {
+		fds[i] = 3 + i
+	}
+	var b batch
+	if err := reduction.Unmarshal(data, fds, &b); err != nil {
+		return err
+	}
+	if b.Label != "batch" || len(b.Samples) != len(tensor.DTypes()) {
+		return fmt.Errorf("label %q with %d samples", b.Label, len(b.Samples))
+	}
+	for _, s := range b.Samples {
+		dt, err := tensor.ParseDType(s.DType)
+		if err != nil {
+			return err
+		}
+		want, err := matrix(dt)
+		if err != nil {
+			return err
+		}
+		wantView, err := viewOf(want)
+		if err != nil {
+			return err
+		}
+		switch {
+		case !tensor.Equal(s.Base, want):
+			return fmt.Errorf("%v: base differs", dt)
+		case !tensor.Equal(s.View, wantView):
+			return fmt.Errorf("%v: view differs", dt)
+		case !s.Base.IsShared():
+			return fmt.Errorf("%v: received tensor not shared", dt)
+		case s.Base.Storage() != s.View.Storage() || s.Base.Storage() != s.Again.Storage():
+			return fmt.Errorf("%v: one storage came back as several", dt)
+		case s.Empty.Numel() != 0 || s.Empty.Dim() != 2 || s.Empty.DType() != dt:
+			return fmt.Errorf("%v: empty tensor came back as %v", dt, s.Empty)
+		}
+		full, err := tensor.Full(dt, baseWrite, 6, 8)
+		if err != nil {
+			return err
+		}
+		if err := tensor.Copy(s.Base, full); err != nil {
+			return err
+		}
+		fill, err := tensor.Full(dt, viewWrite, 8, 4)
+		if err != nil {
+			return err
+		}
+		if err := tensor.Copy(s.View, fill); err != nil {
+			return err
+		}
+	}
+	if x, ok := b.ByName["f32"].(*tensor.Tensor); !ok || x.DType() != tensor.Float32 {
+		return fmt.Errorf("tensor inside map[string]any came back as %T", b.ByName["f32"])
+	}
+	// Release what was received: under file_system a process that exits
+	// holding a segment keeps its reference counted.
+	for _, s := range b.Samples {
+		if err := s.Base.Release(); err != nil {
+			return err
+		}
+	}
+	for _, v := range b.ByName {
+		if err := v.(*tensor.Tensor).Release(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// runHelper sends data and fds to a new rebuild-check process and waits
+// for it.
+func runHelper(t *testing.T, data []byte, fds []int) {
+	t.Helper()
+	cmd, err := reexec.Command(context.Background(), "rebuild-check", strconv.Itoa(len(fds)))
+	require.NoError(t, err)
+	for _, fd := range fds {
+		dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+		require.NoError(t, err)
+		f := os.NewFile(uintptr(dup), "segment")
+		defer f.Close()
+		cmd.ExtraFiles = append(cmd.ExtraFiles, f)
+	}
+	var stderr bytes.Buffer
+	cmd.Stdin = bytes.NewReader(data)
+	cmd.Stderr = &stderr
+	require.NoError(t, cmd.Run(), "helper: %s", stderr.String())
+}
+
+// TestCrossProcessAllDTypes sends every dtype under both strategies to a
+// helper process, which checks the values and writes through the tensor
+// and a non-contiguous view; the parent must see the writes.
+func TestCrossProcessAllDTypes(t *testing.T) {
+	withStrategy(t, func(t *testing.T, st strategy.Strategy) {
+		b := batch{Label: "batch", ByName: map[string]any{}}
+		for _, dt := range tensor.DTypes() {
+			s, err := newSample(dt)
+			require.NoError(t, err)
+			b.Samples = append(b.Samples, s)
+		}
+		f32, err := tensor.Full(tensor.Float32, 1.5, 3)
+		require.NoError(t, err)
+		b.ByName["f32"] = f32
+		defer func() {
+			for _, s := range b.Samples {
+				s.Base.Release()
+			}
+			f32.Release()
+		}()
+
+		data, fds, err := reduction.Marshal(&b)
+		require.NoError(t, err)
+		if st == strategy.FileDescriptor {
+			assert.Len(t, fds, len(tensor.DTypes())+1, "one descriptor per storage, however often it appears")
+		} else {
+			assert.Empty(t, fds)
+		}
+		runHelper(t, data, fds)
+
+		for _, s := range b.Samples {
+			dt, err := tensor.ParseDType(s.DType)
+			require.NoError(t, err)
+			want, err := expectedAfterWrites(dt)
+			require.NoError(t, err)
+			assert.True(t, tensor.Equal(s.Base, want), "%v: the parent sees the helper's writes", dt)
+		}
+		for _, s := range b.Samples {
+			if st == strategy.FileSystem {
+				assert.Equal(t, int32(1), s.Base.Storage().Allocation().Refs(), "the helper gave its reference back")
+			}
+		}
+	})
+}
+
+// TestCrossProcessLarge moves the four common dtypes at a size where a
+// copy would be noticed, and checks the writes come back.
+func TestCrossProcessLarge(t *testing.T) {
+	withStrategy(t, func(t *testing.T, st strategy.Strategy) {
+		for _, dt := range []tensor.DType{tensor.Float32, tensor.Float64, tensor.Int32, tensor.Int64} {
+			t.Run(dt.String(), func(t *testing.T) {
+				b := batch{Label: "batch", ByName: map[string]any{}}
+				for _, d := range tensor.DTypes() {
+					s, err := newSample(d)
+					require.NoError(t, err)
+					b.Samples = append(b.Samples, s)
+				}
+				big, err := tensor.Arange(dt, 1<<20)
+				require.NoError(t, err)
+				require.NoError(t, big.ShareMemory())
+				b.ByName["f32"] = mustFull(t, tensor.Float32)
+				b.ByName["big"] = big
+				data, fds, err := reduction.Marshal(&b)
+				require.NoError(t, err)
+				assert.Less(t, len(data), 16<<10, "metadata only: the data stays in the segment")
+				runHelper(t, data, fds)
+				want, err := tensor.Arange(dt, 1<<20)
+				require.NoError(t, err)
+				assert.True(t, tensor.Equal(big, want))
+				for _, s := range b.Samples {
+					s.Base.Release()
+				}
+				b.ByName["f32"].(*tensor.Tensor).Release()
+				big.Release()
+			})
+		}
+	})
+}
+
+func mustFull(t *testing.T, dt tensor.DType) *tensor.Tensor {
+	x, err := tensor.Full(dt, 1, 2)
+	require.NoError(t, err)
+	return x
+}

@@ -1,0 +1,275 @@
+package reduction
+
+import (
+	"errors"
+	"fmt"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/strategy"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// Version is the version of Meta this package writes and reads.
+const Version = 1
+
+// ErrDeviceTensor is returned for a tensor whose memory is not on the
+// CPU: device tensors cross processes through CUDA IPC, which this
+// package does not do yet.
+var ErrDeviceTensor = errors.New("reduction: only CPU tensors can be shared so far; GPU tensors need CUDA IPC")
+
+// Meta describes a shared tensor to the process that rebuilds it. It
+// travels as a msgpack array, Version first.
+type Meta struct {
+	_msgpack struct{} `msgpack:",as_array"`
+
+	Version  uint8
+	Strategy string // "file_descriptor", "file_system", or "" for an empty tensor
+	FD       int    // file_descriptor: index of the segment's descriptor in the message; else -1
+	Name     string // file_system: the segment's name in the shared-memory directory
+	Size     int64  // the segment's data bytes
+	Offset   int64  // byte offset of the first element
+	DType    tensor.DType
+	Shape    []int
+	Strides  []int // in elements
+	LoD      [][]int
+	Place    string
+}
+
+// Reduce turns t into metadata and the descriptors that must travel with
+// it, moving its storage into shared memory first if it is not there yet
+// (under the process's strategy). A tensor already shared is not copied,
+// and a view keeps its offset and strides. An empty tensor needs no
+// segment and no descriptor.
+//
+// The returned descriptors are borrowed: they belong to t's storage and
+// stay valid while it is reachable and not released. Send them (sendmsg
+// duplicates them in flight) or dup them; never close them.
+func Reduce(t *tensor.Tensor) (Meta, []int, error) {
+	m, fd, err := reduce(t)
+	if err != nil || fd < 0 {
+		return m, nil, err
+	}
+	m.FD = 0
+	return m, []int{fd}, nil
+}
+
+// reduce is Reduce returning the storage's descriptor itself, or -1.
+func reduce(t *tensor.Tensor) (Meta, int, error) {
+	if !t.Place().IsCPU() {
+		return Meta{}, -1, fmt.Errorf("reduce %v: %w", t, ErrDeviceTensor)
+	}
+	s := t.Storage()
+	m := Meta{
+		Version: Version,
+		FD:      -1,
+		Offset:  t.Offset(),
+		DType:   t.DType(),
+		Shape:   t.Shape(),
+		Strides: t.Strides(),
+		LoD:     t.LoD(),
+		Place:   t.Place().String(),
+	}
+	if s.Released() {
+		return Meta{}, -1, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
+	}
+	if t.Numel() == 0 {
+		m.Offset = 0
+		m.Strides = make([]int, len(m.Shape))
+		return m, -1, nil
+	}
+	if err := s.ShareMemory(strategy.Get()); err != nil {
+		return Meta{}, -1, fmt.Errorf("reduction: reduce %v: %w", t, err)
+	}
+	a := s.Allocation()
+	if a == nil {
+		return Meta{}, -1, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
+	}
+	m.Size = a.Size()
+	if a.Flags()&mmapalloc.RefCount != 0 {
+		m.Strategy = string(strategy.FileSystem)
+		m.Name = a.Name()
+		storages.put(nameKey(m.Name), s)
+		return m, -1, nil
+	}
+	fd := a.FD()
+	if fd < 0 {
+		return Meta{}, -1, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
+	}
+	m.Strategy = string(strategy.FileDescriptor)
+	storages.put(idKey(a.ID()), s)
+	return m, fd, nil
+}
+
+// Rebuild makes a tensor from metadata and the descriptors that came with
+// it. It checks the metadata against the segment before mapping anything,
+// and a segment this process maps already (received before, or its own)
+// yields a tensor on the same Storage.
+//
+// The descriptors stay the caller's: Rebuild duplicates the one it keeps.
+func Rebuild(m Meta, fds []int) (*tensor.Tensor, error) {
+	return rebuild(m, borrowed(fds), nil)
+}
+
+// fdSource gives rebuild access to a message's descriptors.
+type fdSource interface {
+	// fd returns descriptor i for inspection, marking it referenced.
+	fd(i int) (int, error)
+	// take returns descriptor i for the rebuilt storage to own.
+	take(i int) (int, error)
+}
+
+type borrowed []int
+
+func (b borrowed) fd(i int) (int, error) {
+	if i < 0 || i >= len(b) {
+		return -1, fmt.Errorf("descriptor index %d out of range: the message has %d", i, len(b))
+	}
+	return b[i], nil
+}
+
+func (b borrowed) take(i int) (int, error) {
+	fd, err := b.fd(i)
+	if err != nil {
+		return -1, err
+	}
+	dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("duplicating descriptor %d: %w", fd, err)
+	}
+	return dup, nil
+}
+
+// rebuild builds a tensor from m. Storages it maps afresh are appended to
+// *made (when made is non-nil), so that a failed decode can release them.
+func rebuild(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tensor, error) {
+	t, err := rebuildTensor(m, fds, made)
+	if err != nil {
+		return nil, fmt.Errorf("reduction: rebuild %s tensor %v: %w", m.DType, m.Shape, err)
+	}
+	return t, nil
+}
+
+func rebuildTensor(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tensor, error) {
+	if m.Version != Version {
+		return nil, fmt.Errorf("metadata version %d, want %d", m.Version, Version)
+	}
+	p, err := device.Parse(m.Place)
+	if err != nil {
+		return nil, err
+	}
+	if !p.IsCPU() {
+		return nil, fmt.Errorf("place %s: %w", p, ErrDeviceTensor)
+	}
+	if m.Size < 0 {
+		return nil, fmt.Errorf("negative segment size %d", m.Size)
+	}
+	if err := tensor.CheckView(m.DType, m.Offset, m.Shape, m.Strides, m.Size); err != nil {
+		return nil, err
+	}
+
+	var s *tensor.Storage
+	switch strategy.Strategy(m.Strategy) {
+	case "":
+		if m.Size != 0 || m.FD != -1 || m.Name != "" {
+			return nil, errors.New("an empty tensor carries no segment")
+		}
+		if len(m.Shape) == 0 || productNonZero(m.Shape) {
+			return nil, fmt.Errorf("no segment for a tensor of shape %v that has elements", m.Shape)
+		}
+		s = tensor.NewEmptySharedStorage()
+	case strategy.FileDescriptor:
+		if m.Name != "" {
+			return nil, errors.New("file_descriptor metadata carries a name")
+		}
+		s, err = openFD(m, fds, made)
+	case strategy.FileSystem:
+		if m.FD != -1 {
+			return nil, errors.New("file_system metadata refers to a descriptor")
+		}
+		s, err = openName(m, made)
+	default:
+		return nil, fmt.Errorf("unknown strategy %q", m.Strategy)
+	}
+	if err != nil {
+		return nil, err
+	}
+	t, err := tensor.FromStorage(s, m.DType, m.Offset, m.Shape, m.Strides)
+	if err != nil {
+		return nil, err
+	}
+	if m.LoD != nil {
+		return t.WithLoD(m.LoD)
+	}
+	return t, nil
+}
+
+func productNonZero(shape []int) bool {
+	for _, n := range shape {
+		if n == 0 {
+			return false
+		}
+	}
+	return true
+}
+
+func openFD(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
+	fd, err := fds.fd(m.FD)
+	if err != nil {
+		return nil, err
+	}
+	id, size, err := mmapalloc.Stat(fd)
+	if err != nil {
+		return nil, err
+	}
+	if size < m.Size {
+		return nil, fmt.Errorf("segment holds %d bytes, fewer than the %d claimed", size, m.Size)
+	}
+	key := idKey(id)
+	if s := storages.get(key, m.Size); s != nil {
+		return s, nil
+	}
+	own, err := fds.take(m.FD)
+	if err != nil {
+		return nil, err
+	}
+	a, err := mmapalloc.OpenFD(own, m.Size, mmapalloc.KeepFD)
+	if err != nil {
+		return nil, err
+	}
+	return adopt(key, a, made)
+}
+
+func openName(m Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {
+	if !mmapalloc.ValidName(m.Name) {
+		return nil, fmt.Errorf("segment name %q: %w", m.Name, mmapalloc.ErrBadName)
+	}
+	key := nameKey(m.Name)
+	if s := storages.get(key, m.Size); s != nil {
+		return s, nil
+	}
+	a, err := mmapalloc.OpenName(m.Name, m.Size, mmapalloc.RefCount)
+	if err != nil {
+		return nil, err
+	}
+	return adopt(key, a, made)
+}
+
+// adopt wraps a new mapping in a Storage and caches it, unless another
+// goroutine cached the same segment meanwhile: then that Storage wins and
+// the new mapping is closed, so the process keeps one mapping.
+func adopt(key cacheKey, a *mmapalloc.Allocation, made *[]*tensor.Storage) (*tensor.Storage, error) {
+	s := tensor.NewSharedStorage(a)
+	if won := storages.put(key, s); won != s {
+		if err := s.Release(); err != nil {
+			return nil, err
+		}
+		return won, nil
+	}
+	if made != nil {
+		*made = append(*made, s)
+	}
+	return s, nil
+}

@@ -1,0 +1,232 @@
+package reduction_test
+
+import (
+	"os"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/reduction"
+	"github.com/tensormp/tensormp/strategy"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+func TestMain(m *testing.M) {
+	reexec.Register("rebuild-check", helperRebuildCheck)
+	reexec.Main()
+	os.Exit(m.Run())
+}
+
+// withStrategy runs fn once per sharing strategy, with the process
+// strategy set to it.
+func withStrategy(t *testing.T, fn func(t *testing.T, st strategy.Strategy)) {
+	for _, st := range strategy.All() {
+		t.Run(st.String(), func(t *testing.T) {
+			old := strategy.Get()
+			require.NoError(t, strategy.Set(st))
+			defer strategy.Set(old)
+			leakcheck.Check(t)
+			fn(t, st)
+		})
+	}
+}
+
+func TestReduceSharesInPlaceAndCopiesOnce(t *testing.T) {
+	withStrategy(t, func(t *testing.T, st strategy.Strategy) {
+		x, err := tensor.Arange(tensor.Float32, 64)
+		require.NoError(t, err)
+		defer x.Release()
+		require.False(t, x.IsShared())
+
+		m, fds, err := reduction.Reduce(x)
+		require.NoError(t, err)
+		assert.True(t, x.IsShared(), "sending shares the tensor in place")
+		a := x.Storage().Allocation()
+		require.NotNil(t, a)
+		assert.Equal(t, st.String(), m.Strategy)
+		assert.Equal(t, int64(256), m.Size)
+		assert.Equal(t, reduction.Version, int(m.Version))
+		if st == strategy.FileDescriptor {
+			assert.Equal(t, []int{a.FD()}, fds)
+			assert.Equal(t, 0, m.FD)
+			assert.Empty(t, m.Name)
+		} else {
+			assert.Empty(t, fds)
+			assert.Equal(t, -1, m.FD)
+			assert.Equal(t, a.Name(), m.Name)
+		}
+
+		maps, err := leakcheck.Mappings()
+		require.NoError(t, err)
+		_, _, err = reduction.Reduce(x)
+		require.NoError(t, err)
+		assert.Same(t, a, x.Storage().Allocation(), "reducing a shared tensor copies nothing")
+		after, err := leakcheck.Mappings()
+		require.NoError(t, err)
+		assert.Equal(t, maps, after, "and maps nothing new")
+
+		back, err := reduction.Rebuild(m, fds)
+		require.NoError(t, err)
+		assert.Same(t, x.Storage(), back.Storage(), "this process's own segment comes back as the same storage")
+		assert.True(t, tensor.Equal(x, back))
+	})
+}
+
+func TestViewKeepsOffsetAndStrides(t *testing.T) {
+	withStrategy(t, func(t *testing.T, st strategy.Strategy) {
+		base, err := tensor.Arange(tensor.Int64, 48)
+		require.NoError(t, err)
+		defer base.Release()
+		m2, err := base.Reshape(6, 8)
+		require.NoError(t, err)
+		rows, err := m2.Narrow(0, 2, 3)
+		require.NoError(t, err)
+		view, err := rows.Transpose(0, 1)
+		require.NoError(t, err)
+
+		m, fds, err := reduction.Reduce(view)
+		require.NoError(t, err)
+		assert.Equal(t, int64(2*8*8), m.Offset)
+		assert.Equal(t, []int{8, 3}, m.Shape)
+		assert.Equal(t, []int{1, 8}, m.Strides)
+		assert.Equal(t, int64(48*8), m.Size, "the whole storage travels")
+
+		back, err := reduction.Rebuild(m, fds)
+		require.NoError(t, err)
+		assert.True(t, tensor.Equal(view, back))
+	})
+}
+
+func TestEmptyTensorTravelsWithoutSegment(t *testing.T) {
+	withStrategy(t, func(t *testing.T, st strategy.Strategy) {
+		e, err := tensor.Zeros(tensor.Float64, 4, 0)
+		require.NoError(t, err)
+		m, fds, err := reduction.Reduce(e)
+		require.NoError(t, err)
+		assert.Empty(t, fds)
+		assert.Empty(t, m.Strategy)
+		assert.Zero(t, m.Size)
+		assert.Nil(t, e.Storage().Allocation())
+
+		back, err := reduction.Rebuild(m, nil)
+		require.NoError(t, err)
+		assert.Equal(t, []int{4, 0}, back.Shape())
+		assert.True(t, back.IsShared())
+		assert.Equal(t, 0, back.Numel())
+	})
+}
+
+// deviceBackend is a stand-in for GPU memory, enough to make a tensor whose
+// place is gpu:0.
+type deviceBackend struct{}
+type deviceBuffer []byte
+
+func (deviceBackend) Alloc(p device.Place, n int64) (tensor.Buffer, error) {
+	b := make(deviceBuffer, n)
+	return &b, nil
+}
+func (b *deviceBuffer) Read(dst []byte, off int64) error  { copy(dst, (*b)[off:]); return nil }
+func (b *deviceBuffer) Write(src []byte, off int64) error { copy((*b)[off:], src); return nil }
+func (b *deviceBuffer) Free() error                       { return nil }
+
+func TestGPUTensorRefused(t *testing.T) {
+	tensor.RegisterBackend(device.TypeGPU, deviceBackend{})
+	g, err := tensor.On(device.GPU(0)).Zeros(tensor.Float32, 4)
+	require.NoError(t, err)
+	_, _, err = reduction.Reduce(g)
+	assert.ErrorIs(t, err, reduction.ErrDeviceTensor)
+	_, _, err = reduction.Marshal(map[string]*tensor.Tensor{"g": g})
+	assert.ErrorIs(t, err, reduction.ErrDeviceTensor)
+}
+
+func TestReleasedTensorRefused(t *testing.T) {
+	x, err := tensor.Zeros(tensor.Int8, 3)
+	require.NoError(t, err)
+	require.NoError(t, x.Release())
+	_, _, err = reduction.Reduce(x)
+	assert.ErrorIs(t, err, tensor.ErrReleased)
+}
+
+// receivedSegment makes a file_descriptor segment this process did not
+// share itself, as if it had come from another process, and its Meta.
+func receivedSegment(t *testing.T, n int) (*mmapalloc.Allocation, reduction.Meta) {
+	t.Helper()
+	a, err := mmapalloc.Create(int64(n)*4, mmapalloc.KeepFD|mmapalloc.Unlink)
+	require.NoError(t, err)
+	t.Cleanup(func() { a.Close() })
+	return a, reduction.Meta{
+		Version: reduction.Version, Strategy: "file_descriptor", FD: 0, Size: int64(n) * 4,
+		DType: tensor.Float32, Shape: []int{n}, Strides: []int{1}, Place: "cpu",
+	}
+}
+
+func TestSameSegmentMapsOnce(t *testing.T) {
+	leakcheck.Check(t)
+	a, m := receivedSegment(t, 1024)
+	before, err := leakcheck.Mappings()
+	require.NoError(t, err)
+
+	first, err := reduction.Rebuild(m, []int{a.FD()})
+	require.NoError(t, err)
+	half := m
+	half.Shape, half.Offset = []int{512}, 2048
+	second, err := reduction.Rebuild(half, []int{a.FD()})
+	require.NoError(t, err)
+	assert.Same(t, first.Storage(), second.Storage())
+	after, err := leakcheck.Mappings()
+	require.NoError(t, err)
+	assert.Equal(t, before+1, after, "one new mapping for two receipts")
+
+	require.NoError(t, tensor.Set[float32](second, 7, 0))
+	v, err := tensor.At[float32](first, 512)
+	require.NoError(t, err)
+	assert.Equal(t, float32(7), v)
+	require.NoError(t, first.Release())
+
+	third, err := reduction.Rebuild(m, []int{a.FD()})
+	require.NoError(t, err, "a released storage is not served from the cache")
+	assert.NotSame(t, first.Storage(), third.Storage())
+	require.NoError(t, third.Release())
+}
+
+func TestConcurrentRebuildSharesOneStorage(t *testing.T) {
+	leakcheck.Check(t)
+	a, m := receivedSegment(t, 4096)
+	const n = 16
+	got := make([]*tensor.Tensor, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			x, err := reduction.Rebuild(m, []int{a.FD()})
+			if assert.NoError(t, err) {
+				got[i] = x
+			}
+		}()
+	}
+	wg.Wait()
+	for _, x := range got {
+		require.NotNil(t, x)
+		assert.Same(t, got[0].Storage(), x.Storage())
+	}
+	require.NoError(t, got[0].Release())
+}
+
+func TestRebuildBorrowsDescriptors(t *testing.T) {
+	leakcheck.Check(t)
+	a, m := receivedSegment(t, 16)
+	x, err := reduction.Rebuild(m, []int{a.FD()})
+	require.NoError(t, err)
+	require.NoError(t, a.Close())
+	_, err = unix.FcntlInt(uintptr(x.Storage().Allocation().FD()), unix.F_GETFD, 0)
+	assert.NoError(t, err, "the rebuilt storage holds its own duplicate")
+	require.NoError(t, x.Release())
+}
