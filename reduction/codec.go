@@ -66,7 +66,7 @@ func Marshal(v any) (data []byte, fds []int, err error) {
 type fdWriter struct {
 	buf   []byte
 	fds   []int
-	index map[int]int        // descriptor -> its position in fds
+	index map[int]int       // descriptor -> its position in fds
 	keep  []*tensor.Storage // storages whose descriptors are in fds
 }
 
