@@ -143,6 +143,9 @@ func (d *Decoder) Decode(data []byte, fds []int, v any) (err error) {
 	d.r.reset(data, fds)
 	d.dec.ResetReader(&d.r)
 	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("reduction: malformed message: %v", p)
+		}
 		if err == nil {
 			err = d.r.checkUsed()
 		}
@@ -154,13 +157,10 @@ func (d *Decoder) Decode(data []byte, fds []int, v any) (err error) {
 		}
 		d.r.reset(nil, nil)
 	}()
-	if err := d.dec.Decode(v); err != nil {
+	if err := checkWellFormed(data); err != nil {
 		return err
 	}
-	if d.r.pos != len(d.r.data) {
-		return fmt.Errorf("reduction: %d bytes after the value", len(d.r.data)-d.r.pos)
-	}
-	return nil
+	return d.dec.Decode(v)
 }
 
 // Unmarshal decodes one message with a new Decoder. See Decoder.Decode.

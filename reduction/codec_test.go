@@ -1,0 +1,201 @@
+package reduction_test
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"github.com/vmihailenco/msgpack/v5"
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/reduction"
+	"github.com/tensormp/tensormp/strategy"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+type inner struct {
+	W     *tensor.Tensor
+	Scale float64
+}
+
+type nested struct {
+	Name    string
+	Inputs  []*tensor.Tensor
+	Layers  map[string]inner
+	Any     any
+	Ptr     *inner
+	Missing *tensor.Tensor
+	Steps   []int
+}
+
+func TestCodecNestedValues(t *testing.T) {
+	withStrategy(t, func(t *testing.T, st strategy.Strategy) {
+		a, err := tensor.FromSlice([]float32{1, 2, 3, 4}, 2, 2)
+		require.NoError(t, err)
+		b, err := tensor.Arange(tensor.Int64, 5)
+		require.NoError(t, err)
+		aT, err := a.Transpose(0, 1)
+		require.NoError(t, err)
+		defer a.Release()
+		defer b.Release()
+
+		in := nested{
+			Name:   "model",
+			Inputs: []*tensor.Tensor{a, b},
+			Layers: map[string]inner{"fc": {W: aT, Scale: 0.5}},
+			Any:    b,
+			Ptr:    &inner{W: a, Scale: 2},
+			Steps:  []int{1, 2, 3},
+		}
+		data, fds, err := reduction.Marshal(&in)
+		require.NoError(t, err)
+		if st == strategy.FileDescriptor {
+			assert.Len(t, fds, 2, "two storages, one descriptor each")
+		}
+		// Give the decoder descriptors of its own, as a receiver has.
+		own := make([]int, len(fds))
+		for i, fd := range fds {
+			own[i], err = unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+			require.NoError(t, err)
+		}
+
+		var out nested
+		require.NoError(t, reduction.Unmarshal(data, own, &out))
+		assert.Equal(t, "model", out.Name)
+		assert.Equal(t, []int{1, 2, 3}, out.Steps)
+		require.Len(t, out.Inputs, 2)
+		assert.True(t, tensor.Equal(a, out.Inputs[0]))
+		assert.True(t, tensor.Equal(b, out.Inputs[1]))
+		assert.True(t, tensor.Equal(aT, out.Layers["fc"].W))
+		assert.Equal(t, 0.5, out.Layers["fc"].Scale)
+		anyT, ok := out.Any.(*tensor.Tensor)
+		require.True(t, ok, "a tensor in an interface comes back as *tensor.Tensor, got %T", out.Any)
+		assert.True(t, tensor.Equal(b, anyT))
+		assert.True(t, tensor.Equal(a, out.Ptr.W))
+		assert.Nil(t, out.Missing)
+		assert.Same(t, out.Inputs[0].Storage(), out.Layers["fc"].W.Storage())
+		assert.Same(t, out.Inputs[0].Storage(), out.Ptr.W.Storage())
+
+		var loose map[string]any
+		own2 := make([]int, len(fds))
+		for i, fd := range fds {
+			own2[i], err = unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+			require.NoError(t, err)
+		}
+		require.NoError(t, reduction.Unmarshal(data, own2, &loose))
+		inputs, ok := loose["Inputs"].([]any)
+		require.True(t, ok)
+		_, ok = inputs[0].(*tensor.Tensor)
+		assert.True(t, ok, "into map[string]any")
+	})
+}
+
+func TestEncoderReuse(t *testing.T) {
+	leakcheck.Check(t)
+	enc := reduction.NewEncoder()
+	dec := reduction.NewDecoder()
+	for i := range 3 {
+		x, err := tensor.Full(tensor.Int32, float64(i), 4)
+		require.NoError(t, err)
+		data, fds, err := enc.Encode(map[string]*tensor.Tensor{"x": x})
+		require.NoError(t, err)
+		require.Len(t, fds, 1)
+		dup, err := unix.FcntlInt(uintptr(fds[0]), unix.F_DUPFD_CLOEXEC, 0)
+		require.NoError(t, err)
+		var got map[string]*tensor.Tensor
+		require.NoError(t, dec.Decode(data, []int{dup}, &got))
+		v, err := tensor.At[int32](got["x"], 3)
+		require.NoError(t, err)
+		assert.Equal(t, int32(i), v)
+		require.NoError(t, x.Release())
+	}
+}
+
+func TestPlainMsgpackRefusesTensors(t *testing.T) {
+	x, err := tensor.Zeros(tensor.Float32, 2)
+	require.NoError(t, err)
+	_, err = msgpack.Marshal(map[string]*tensor.Tensor{"x": x})
+	assert.ErrorContains(t, err, "reduction.Marshal")
+	assert.False(t, x.IsShared(), "nothing was shared for a failed encode")
+
+	data, _, err := reduction.Marshal(map[string]*tensor.Tensor{"x": x})
+	require.NoError(t, err)
+	defer x.Release()
+	var got map[string]*tensor.Tensor
+	err = msgpack.Unmarshal(data, &got)
+	assert.ErrorContains(t, err, "reduction.Unmarshal")
+}
+
+func TestDecodeClosesUnusedDescriptors(t *testing.T) {
+	leakcheck.Check(t)
+	x, err := tensor.Zeros(tensor.Float32, 2)
+	require.NoError(t, err)
+	defer x.Release()
+	data, fds, err := reduction.Marshal([]*tensor.Tensor{x, x})
+	require.NoError(t, err)
+	require.Len(t, fds, 1)
+
+	dups := make([]int, 3)
+	for i := range dups {
+		dups[i], err = unix.FcntlInt(uintptr(fds[0]), unix.F_DUPFD_CLOEXEC, 0)
+		require.NoError(t, err)
+	}
+	var got []*tensor.Tensor
+	err = reduction.Unmarshal(data, dups, &got)
+	assert.ErrorContains(t, err, "2 of them not used")
+	for _, fd := range dups {
+		_, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0)
+		assert.ErrorIs(t, err, unix.EBADF, "descriptor %d closed", fd)
+	}
+}
+
+func BenchmarkReduceRebuildShared(b *testing.B) {
+	for _, st := range strategy.All() {
+		b.Run(st.String(), func(b *testing.B) {
+			old := strategy.Get()
+			_ = strategy.Set(st)
+			defer strategy.Set(old)
+			x, err := tensor.Zeros(tensor.Float32, 1<<20)
+			require.NoError(b, err)
+			require.NoError(b, x.ShareMemory())
+			defer x.Release()
+			b.ReportAllocs()
+			for b.Loop() {
+				m, fds, err := reduction.Reduce(x)
+				if err != nil {
+					b.Fatal(err)
+				}
+				y, err := reduction.Rebuild(m, fds)
+				if err != nil {
+					b.Fatal(err)
+				}
+				_ = y
+			}
+		})
+	}
+}
+
+func BenchmarkMarshalUnmarshal(b *testing.B) {
+	x, err := tensor.Zeros(tensor.Float32, 1<<20)
+	require.NoError(b, err)
+	require.NoError(b, x.ShareMemory())
+	defer x.Release()
+	enc, dec := reduction.NewEncoder(), reduction.NewDecoder()
+	v := map[string]*tensor.Tensor{"x": x}
+	b.ReportAllocs()
+	for b.Loop() {
+		data, fds, err := enc.Encode(v)
+		if err != nil {
+			b.Fatal(err)
+		}
+		dup, err := unix.FcntlInt(uintptr(fds[0]), unix.F_DUPFD_CLOEXEC, 0)
+		if err != nil {
+			b.Fatal(err)
+		}
+		var out map[string]*tensor.Tensor
+		if err := dec.Decode(data, []int{dup}, &out); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

@@ -1,0 +1,240 @@
+package reduction
+
+import (
+	"bytes"
+	"math"
+	"testing"
+	"weak"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"github.com/vmihailenco/msgpack/v5"
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// extMessage encodes m the way the codec does, as a one-tensor message.
+func extMessage(t testing.TB, m Meta) []byte {
+	t.Helper()
+	payload, err := msgpack.Marshal(&m)
+	require.NoError(t, err)
+	var buf bytes.Buffer
+	enc := msgpack.NewEncoder(&buf)
+	require.NoError(t, enc.EncodeExtHeader(tensorExt, len(payload)))
+	buf.Write(payload)
+	return buf.Bytes()
+}
+
+func dupFD(t testing.TB, fd int) int {
+	t.Helper()
+	d, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+	require.NoError(t, err)
+	return d
+}
+
+func validMeta() Meta {
+	return Meta{
+		Version: Version, Strategy: "file_descriptor", FD: 0, Size: 4096,
+		DType: tensor.Float32, Shape: []int{32, 32}, Strides: []int{32, 1}, Place: "cpu",
+	}
+}
+
+// TestHostileInput feeds the decoder malformed metadata and descriptor
+// lists. Each must be a clear error, close every descriptor, and leak
+// nothing.
+func TestHostileInput(t *testing.T) {
+	leakcheck.Check(t)
+	seg, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
+	require.NoError(t, err)
+	defer seg.Close()
+	var pipe [2]int
+	require.NoError(t, unix.Pipe2(pipe[:], unix.O_CLOEXEC))
+	defer unix.Close(pipe[0])
+	defer unix.Close(pipe[1])
+
+	with := func(f func(m *Meta)) []byte {
+		m := validMeta()
+		f(&m)
+		return extMessage(t, m)
+	}
+	segFD := func() []int { return []int{dupFD(t, seg.FD())} }
+	cases := []struct {
+		name string
+		data []byte
+		fds  func() []int
+		msg  string
+	}{
+		{"future version", with(func(m *Meta) { m.Version = 2 }), segFD, "version 2"},
+		{"unknown dtype", with(func(m *Meta) { m.DType = 99 }), segFD, "invalid dtype"},
+		{"invalid dtype", with(func(m *Meta) { m.DType = 0 }), segFD, "invalid dtype"},
+		{"negative shape", with(func(m *Meta) { m.Shape = []int{-32, 32} }), segFD, "negative size"},
+		{"overflowing shape", with(func(m *Meta) { m.Shape = []int{math.MaxInt / 2, 8}; m.Strides = []int{8, 1} }), segFD, "overflows"},
+		{"too many dims", with(func(m *Meta) { m.Shape = make([]int, 65); m.Strides = make([]int, 65) }), segFD, "dimensions"},
+		{"rank mismatch", with(func(m *Meta) { m.Strides = []int{1} }), segFD, "strides for"},
+		{"strides reach outside", with(func(m *Meta) { m.Strides = []int{33, 1} }), segFD, "reach past"},
+		{"overflowing stride", with(func(m *Meta) { m.Strides = []int{math.MaxInt / 4, 1} }), segFD, "overflow"},
+		{"negative stride", with(func(m *Meta) { m.Strides = []int{-32, 1} }), segFD, "negative stride"},
+		{"offset plus size beyond", with(func(m *Meta) { m.Offset = 4 }), segFD, "reach past"},
+		{"misaligned offset", with(func(m *Meta) { m.Offset = 2; m.Shape = []int{4}; m.Strides = []int{1} }), segFD, "not a multiple"},
+		{"size beyond segment", with(func(m *Meta) { m.Size = 8192 }), segFD, "fewer than"},
+		{"negative size", with(func(m *Meta) { m.Size = -1 }), segFD, "negative segment size"},
+		{"fd index out of range", with(func(m *Meta) { m.FD = 3 }), segFD, "out of range"},
+		{"fd index negative", with(func(m *Meta) { m.FD = -1 }), segFD, "out of range"},
+		{"no fds", validMetaMsg(t), func() []int { return nil }, "out of range"},
+		{"extra fds", validMetaMsg(t), func() []int { return []int{dupFD(t, seg.FD()), dupFD(t, seg.FD())} }, "not used"},
+		{"fd not a file", validMetaMsg(t), func() []int { return []int{dupFD(t, pipe[0])} }, "not a regular file"},
+		{"fd strategy with name", with(func(m *Meta) { m.Name = "x" }), segFD, "carries a name"},
+		{"name traversal", with(func(m *Meta) { m.Strategy = "file_system"; m.FD = -1; m.Name = "../../etc/passwd" }), nil, "not a tensormp segment name"},
+		{"absolute name", with(func(m *Meta) {
+			m.Strategy = "file_system"
+			m.FD = -1
+			m.Name = "/dev/shm/" + mmapalloc.SessionPrefix() + "1_0123456789abcdef"
+		}), nil, "not a tensormp segment name"},
+		{"missing segment", with(func(m *Meta) {
+			m.Strategy = "file_system"
+			m.FD = -1
+			m.Name = mmapalloc.SessionPrefix() + "1_0123456789abcdef"
+		}), nil, "no such file"},
+		{"fs with fd", with(func(m *Meta) { m.Strategy = "file_system"; m.Name = seg.Name() }), segFD, "refers to a descriptor"},
+		{"unknown strategy", with(func(m *Meta) { m.Strategy = "shared_pointer" }), segFD, "unknown strategy"},
+		{"empty with elements", with(func(m *Meta) {
+			m.Strategy = ""
+			m.FD = -1
+			m.Size = 0
+			m.Shape = []int{0}
+			m.Strides = []int{1}
+			m.Shape = []int{1}
+		}), nil, "reach past"},
+		{"empty with fd", with(func(m *Meta) { m.Strategy = ""; m.Size = 0; m.Shape = []int{0}; m.Strides = []int{1} }), segFD, "carries no segment"},
+		{"unregistered place", with(func(m *Meta) { m.Place = "tpu:0" }), segFD, "unknown device type"},
+		{"gpu place", with(func(m *Meta) { m.Place = "gpu:0" }), segFD, "GPU tensors need CUDA IPC"},
+		{"bad lod", with(func(m *Meta) { m.LoD = [][]int{{3, 1}} }), segFD, "LoD"},
+		{"truncated", validMetaMsg(t)[:10], segFD, ""},
+		{"trailing bytes", append(validMetaMsg(t), 0xc0), segFD, "bytes after the value"},
+		{"ext length past end", []byte{0xc7, 0xff, byte(tensorExt), 0x01}, segFD, "runs past the message"},
+		{"garbage payload", []byte{0xd4, byte(tensorExt), 0xc1}, segFD, "invalid code 0xc1"},
+		{"huge array header", []byte{0xdd, 0xdd, 0xdd, 0xdd, 0xdd, 0xc0}, segFD, "runs past the message"},
+		{"huge shape in metadata", hugeShapeMsg(t), segFD, "runs past the message"},
+		{"deep nesting", append(bytes.Repeat([]byte{0x91}, 100000), 0xc0), segFD, "nested deeper"},
+		{"wrong ext type", []byte{0xd4, 0x01, 0x00}, segFD, "ext"},
+		{"empty message", nil, segFD, "unexpected end"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			var fds []int
+			if c.fds != nil {
+				fds = c.fds()
+			}
+			var x *tensor.Tensor
+			err := Unmarshal(c.data, fds, &x)
+			require.Error(t, err)
+			if c.msg != "" {
+				assert.ErrorContains(t, err, c.msg)
+			}
+			t.Log(err)
+			for _, fd := range fds {
+				_, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0)
+				assert.ErrorIs(t, err, unix.EBADF, "descriptor %d closed after the error", fd)
+			}
+		})
+	}
+
+	// The baseline the cases vary is itself valid.
+	var x *tensor.Tensor
+	require.NoError(t, Unmarshal(validMetaMsg(t), []int{dupFD(t, seg.FD())}, &x))
+	assert.Equal(t, []int{32, 32}, x.Shape())
+	require.NoError(t, x.Release())
+}
+
+func validMetaMsg(t testing.TB) []byte { return extMessage(t, validMeta()) }
+
+// hugeShapeMsg is a tensor whose metadata claims a shape of 2^32-1
+// dimensions in a few bytes.
+func hugeShapeMsg(t testing.TB) []byte {
+	payload := []byte{0x9b, 0x01, 0xaf}
+	payload = append(payload, "file_descriptor"...)
+	payload = append(payload, 0x00, 0xa0, 0xcd, 0x10, 0x00, 0x00, 0x09, 0xdd, 0xff, 0xff, 0xff, 0xff)
+	return append([]byte{0xc7, byte(len(payload)), byte(tensorExt)}, payload...)
+}
+
+// FuzzUnmarshal decodes arbitrary bytes with a real segment's descriptor:
+// whatever the input, no panic, and every descriptor is either owned by a
+// rebuilt tensor or closed.
+func FuzzUnmarshal(f *testing.F) {
+	f.Add(validMetaMsg(f), uint8(1))
+	empty := validMeta()
+	empty.Strategy, empty.FD, empty.Size, empty.Shape, empty.Strides = "", -1, 0, []int{0, 3}, []int{0, 0}
+	f.Add(extMessage(f, empty), uint8(0))
+	view := validMeta()
+	view.Offset, view.Shape, view.Strides = 128, []int{8, 4}, []int{1, 32}
+	f.Add(extMessage(f, view), uint8(1))
+	fs := validMeta()
+	fs.Strategy, fs.FD, fs.Name = "file_system", -1, mmapalloc.SessionPrefix()+"1_0123456789abcdef"
+	f.Add(extMessage(f, fs), uint8(0))
+	f.Add([]byte{0x92, 0x01, 0xc0}, uint8(2))
+
+	seg, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
+	require.NoError(f, err)
+	f.Cleanup(func() { seg.Close() })
+	base := leakcheck.Count()
+
+	f.Fuzz(func(t *testing.T, data []byte, nfds uint8) {
+		fds := make([]int, int(nfds%4))
+		for i := range fds {
+			fds[i] = dupFD(t, seg.FD())
+		}
+		var v any
+		if err := Unmarshal(data, fds, &v); err == nil {
+			releaseAll(v)
+		}
+		if n := leakcheck.Count(); n != base {
+			t.Fatalf("descriptors: %d before, %d after", base, n)
+		}
+	})
+}
+
+// releaseAll releases every tensor inside a decoded value.
+func releaseAll(v any) {
+	switch x := v.(type) {
+	case *tensor.Tensor:
+		if x != nil {
+			_ = x.Release()
+		}
+	case []any:
+		for _, e := range x {
+			releaseAll(e)
+		}
+	case map[string]any:
+		for _, e := range x {
+			releaseAll(e)
+		}
+	case map[any]any:
+		for _, e := range x {
+			releaseAll(e)
+		}
+	}
+}
+
+func TestCacheIsBounded(t *testing.T) {
+	c := &storageCache{m: make(map[cacheKey]weak.Pointer[tensor.Storage])}
+	live := make([]*tensor.Storage, 0, cacheLimit+100)
+	for i := range cacheLimit + 100 {
+		s := tensor.NewEmptySharedStorage()
+		live = append(live, s)
+		c.put(cacheKey{id: mmapalloc.ID{Ino: uint64(i)}}, s)
+		require.LessOrEqual(t, c.len(), cacheLimit)
+	}
+	last := live[len(live)-1]
+	assert.Same(t, last, c.get(cacheKey{id: mmapalloc.ID{Ino: uint64(len(live) - 1)}}, 0))
+
+	require.NoError(t, last.Release())
+	assert.Nil(t, c.get(cacheKey{id: mmapalloc.ID{Ino: uint64(len(live) - 1)}}, 0), "released storages are not served")
+	other := tensor.NewEmptySharedStorage()
+	k := cacheKey{name: "n"}
+	assert.Same(t, other, c.put(k, other))
+	assert.Same(t, other, c.put(k, tensor.NewEmptySharedStorage()), "the first live storage wins")
+	assert.Nil(t, c.get(k, 10), "a size mismatch is a miss")
+}
