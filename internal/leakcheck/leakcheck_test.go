@@ -1,0 +1,59 @@
+package leakcheck_test
+
+import (
+	"fmt"
+	"os"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/mmapalloc"
+)
+
+// recorder stands in for a test: it collects cleanups and errors instead
+// of failing the real test.
+type recorder struct {
+	testing.TB
+	cleanups []func()
+	errs     []string
+}
+
+func (r *recorder) Helper()                           {}
+func (r *recorder) Cleanup(f func())                  { r.cleanups = append(r.cleanups, f) }
+func (r *recorder) Errorf(format string, args ...any) { r.errs = append(r.errs, fmt.Sprintf(format, args...)) }
+func (r *recorder) Fatalf(format string, args ...any) { r.Errorf(format, args...) }
+
+func (r *recorder) finish() {
+	for i := len(r.cleanups) - 1; i >= 0; i-- {
+		r.cleanups[i]()
+	}
+}
+
+func TestCleanRunPasses(t *testing.T) {
+	r := &recorder{TB: t}
+	leakcheck.Check(r)
+	f, err := os.Open(os.DevNull)
+	require.NoError(t, err)
+	require.NoError(t, f.Close())
+	r.finish()
+	assert.Empty(t, r.errs)
+}
+
+func TestFindsLeaks(t *testing.T) {
+	r := &recorder{TB: t}
+	leakcheck.Check(r)
+	f, err := os.Open(os.DevNull)
+	require.NoError(t, err)
+	a, err := mmapalloc.Create(4096, mmapalloc.RefCount)
+	require.NoError(t, err)
+	r.finish()
+	require.Len(t, r.errs, 3, "%q", r.errs)
+	assert.Contains(t, r.errs[0], "descriptors leaked")
+	assert.Contains(t, r.errs[0], os.DevNull)
+	assert.Contains(t, r.errs[1], "1 more segment mappings")
+	assert.Contains(t, r.errs[2], a.Name())
+	require.NoError(t, f.Close())
+	require.NoError(t, a.Close())
+}
