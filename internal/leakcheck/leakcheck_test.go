@@ -20,9 +20,11 @@ type recorder struct {
 	errs     []string
 }
 
-func (r *recorder) Helper()                           {}
-func (r *recorder) Cleanup(f func())                  { r.cleanups = append(r.cleanups, f) }
-func (r *recorder) Errorf(format string, args ...any) { r.errs = append(r.errs, fmt.Sprintf(format, args...)) }
+func (r *recorder) Helper()          {}
+func (r *recorder) Cleanup(f func()) { r.cleanups = append(r.cleanups, f) }
+func (r *recorder) Errorf(format string, args ...any) {
+	r.errs = append(r.errs, fmt.Sprintf(format, args...))
+}
 func (r *recorder) Fatalf(format string, args ...any) { r.Errorf(format, args...) }
 
 func (r *recorder) finish() {
