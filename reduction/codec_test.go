@@ -1,6 +1,7 @@
 package reduction_test
 
 import (
+	"fmt"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -9,6 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/reduction"
 	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
@@ -197,5 +199,33 @@ func BenchmarkMarshalUnmarshal(b *testing.B) {
 		if err := dec.Decode(data, []int{dup}, &out); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// BenchmarkRebuildFresh is the receiving side without the cache's help:
+// each iteration maps a segment this process does not hold yet, builds the
+// tensor, and releases it (dup, fstat, mmap, munmap, close).
+func BenchmarkRebuildFresh(b *testing.B) {
+	for _, size := range []int64{4 << 10, 64 << 20} {
+		b.Run(fmt.Sprintf("file_descriptor/%dKiB", size>>10), func(b *testing.B) {
+			a, err := mmapalloc.Create(size, mmapalloc.KeepFD|mmapalloc.Unlink)
+			require.NoError(b, err)
+			defer a.Close()
+			m := reduction.Meta{
+				Version: reduction.Version, Strategy: "file_descriptor", FD: 0, Size: size,
+				DType: tensor.Float32, Shape: []int{int(size / 4)}, Strides: []int{1}, Place: "cpu",
+			}
+			fds := []int{a.FD()}
+			b.ReportAllocs()
+			for b.Loop() {
+				x, err := reduction.Rebuild(m, fds)
+				if err != nil {
+					b.Fatal(err)
+				}
+				if err := x.Release(); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
 	}
 }
