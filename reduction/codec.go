@@ -66,8 +66,8 @@ func Marshal(v any) (data []byte, fds []int, err error) {
 type fdWriter struct {
 	buf   []byte
 	fds   []int
-	index map[int]int       // descriptor -> its position in fds
-	keep  []*tensor.Storage // storages whose descriptors are in fds
+	index map[int]int // descriptor -> its position in fds
+	keep  []any       // owners of the descriptors in fds, kept reachable
 }
 
 func (w *fdWriter) reset() {
@@ -88,7 +88,7 @@ func (w *fdWriter) WriteByte(c byte) error {
 	return nil
 }
 
-func (w *fdWriter) addFD(fd int, s *tensor.Storage) int {
+func (w *fdWriter) addFD(fd int, owner any) int {
 	if i, ok := w.index[fd]; ok {
 		return i
 	}
@@ -97,8 +97,41 @@ func (w *fdWriter) addFD(fd int, s *tensor.Storage) int {
 	}
 	w.index[fd] = len(w.fds)
 	w.fds = append(w.fds, fd)
-	w.keep = append(w.keep, s)
+	w.keep = append(w.keep, owner)
 	return len(w.fds) - 1
+}
+
+// AddFD adds fd to the descriptors of the message enc is encoding and
+// returns its index there. It is for msgpack encoders of other types that
+// travel as descriptors (queues and pipes in package mp), called during
+// Encoder.Encode; owner, which owns fd, is kept reachable until the next
+// Encode. The descriptor stays owner's.
+func AddFD(enc *msgpack.Encoder, fd int, owner any) (int, error) {
+	w, ok := enc.Writer().(*fdWriter)
+	if !ok {
+		return -1, errors.New("reduction: values with descriptors must be encoded with reduction.Marshal or an Encoder")
+	}
+	return w.addFD(fd, owner), nil
+}
+
+// TakeFD hands descriptor i of the message dec is decoding to the caller,
+// who owns it from then on. It is the decoding half of AddFD.
+func TakeFD(dec *msgpack.Decoder, i int) (int, error) {
+	r, ok := dec.Buffered().(*fdReader)
+	if !ok {
+		return -1, errors.New("reduction: values with descriptors must be decoded with reduction.Unmarshal or a Decoder")
+	}
+	return r.take(i)
+}
+
+// ReadExt returns the n payload bytes of an extension that dec is
+// decoding, for the decoders of types registered with RegisterExtDecoder.
+func ReadExt(dec *msgpack.Decoder, n int) ([]byte, error) {
+	r, ok := dec.Buffered().(*fdReader)
+	if !ok {
+		return nil, errors.New("reduction: values with descriptors must be decoded with reduction.Unmarshal or a Decoder")
+	}
+	return r.next(n)
 }
 
 func encodeTensor(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {

@@ -53,6 +53,14 @@ func Main() {
 	os.Exit(fn())
 }
 
+// Registered reports whether a function is registered under name.
+func Registered(name string) bool {
+	mu.RLock()
+	defer mu.RUnlock()
+	_, ok := funcs[name]
+	return ok
+}
+
 // Child reports whether this process was started by Command.
 func Child() bool {
 	_, ok := os.LookupEnv(EnvVar)

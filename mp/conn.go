@@ -1,0 +1,411 @@
+package mp
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/mmapalloc"
+)
+
+// Limits of one socket message.
+const (
+	// maxInline is the largest payload sent in the socket message itself;
+	// larger ones spill into a shared segment whose descriptor travels
+	// instead.
+	maxInline = 64 << 10
+	// maxFDs is SCM_MAX_FD, the most descriptors one sendmsg may carry.
+	maxFDs = 253
+	// headerLen is the size of the frame header.
+	headerLen = 17
+)
+
+// Frame header flags.
+const (
+	flagSpill   = 1 << 0 // the payload is in a segment; its descriptor comes first
+	flagCarrier = 1 << 1 // more descriptors wait in a carrier socket, sent next
+)
+
+// ErrClosed is returned by operations on a closed Queue, Pipe or
+// connection, and to callers blocked in one when it is closed.
+var ErrClosed = errors.New("mp: closed")
+
+// conn is one end of a SOCK_SEQPACKET socket. Each logical message is one
+// sendmsg, whatever its size or number of descriptors, so that several
+// processes writing and reading the same socket never see a message in
+// parts:
+//
+//	header: flags(1) | direct fds(4) | carried fds(4) | spilled bytes(8)
+//	rights: [spill segment] [carrier socket] direct fds...
+//
+// A payload over maxInline is copied into a segment (flagSpill); the
+// descriptors beyond what one message carries go through a private
+// socketpair whose reading end travels in the message (flagCarrier).
+type conn struct {
+	uc *net.UnixConn
+
+	rmu  chan struct{} // held by the one reader; carries read deadlines
+	wmu  chan struct{} // held by the one writer
+	buf  []byte        // read buffer, under rmu
+	oob  []byte        // control buffer, under rmu
+	once sync.Once
+}
+
+// newConn wraps fd, a SOCK_SEQPACKET socket, taking ownership of it.
+func newConn(fd int, name string) (*conn, error) {
+	if err := unix.SetNonblock(fd, true); err != nil {
+		_ = unix.Close(fd)
+		return nil, fmt.Errorf("mp: %s: %w", name, err)
+	}
+	f := os.NewFile(uintptr(fd), name)
+	nc, err := net.FileConn(f)
+	_ = f.Close() // FileConn made its own descriptor
+	if err != nil {
+		return nil, fmt.Errorf("mp: %s: %w", name, err)
+	}
+	uc, ok := nc.(*net.UnixConn)
+	if !ok {
+		_ = nc.Close()
+		return nil, fmt.Errorf("mp: %s: not a unix socket", name)
+	}
+	return &conn{
+		uc:  uc,
+		rmu: make(chan struct{}, 1),
+		wmu: make(chan struct{}, 1),
+		buf: make([]byte, headerLen+maxInline),
+		oob: make([]byte, unix.CmsgSpace(maxFDs*4)),
+	}, nil
+}
+
+// socketPair returns the two connected ends of a new SOCK_SEQPACKET
+// socket pair as raw descriptors, close-on-exec.
+func socketPair() ([2]int, error) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return fds, fmt.Errorf("mp: socketpair: %w%s", err, fdHint(err))
+	}
+	return fds, nil
+}
+
+func fdHint(err error) string {
+	if errors.Is(err, unix.EMFILE) || errors.Is(err, unix.ENFILE) {
+		return " (out of file descriptors: raise the limit with `ulimit -n` or RLIMIT_NOFILE)"
+	}
+	return ""
+}
+
+// fd returns the socket's descriptor for passing to another process. The
+// conn keeps ownership.
+func (c *conn) fd() (int, error) {
+	rc, err := c.uc.SyscallConn()
+	if err != nil {
+		return -1, err
+	}
+	fd := -1
+	if err := rc.Control(func(s uintptr) { fd = int(s) }); err != nil {
+		return -1, err
+	}
+	return fd, nil
+}
+
+func (c *conn) close() error {
+	var err error
+	c.once.Do(func() { err = c.uc.Close() })
+	return err
+}
+
+// lock takes sem, giving up when ctx ends.
+func lock(ctx context.Context, sem chan struct{}) error {
+	select {
+	case sem <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// withDeadline runs io with the connection's deadline following ctx: its
+// deadline, and an immediate one when ctx is cancelled. The caller holds
+// the direction's lock, so deadlines of concurrent callers never mix.
+func withDeadline(ctx context.Context, set func(time.Time) error, io func() error) error {
+	d, _ := ctx.Deadline() // zero: no deadline
+	if err := set(d); err != nil {
+		return connErr(err)
+	}
+	done := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		defer close(done)
+		_ = set(time.Unix(1, 0))
+	})
+	err := io()
+	if !stop() {
+		<-done // the cancellation is setting the deadline; let it finish
+	}
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if !d.IsZero() && !time.Now().Before(d) {
+			return context.DeadlineExceeded // the socket's timer beat ctx's
+		}
+	}
+	return connErr(err)
+}
+
+// connErr reports a use of a closed connection, or the end of the other
+// side, as ErrClosed.
+func connErr(err error) error {
+	if errors.Is(err, net.ErrClosed) || errors.Is(err, io.EOF) {
+		return fmt.Errorf("%w (%v)", ErrClosed, err)
+	}
+	return err
+}
+
+// send sends one message: data and the descriptors fds, which stay the
+// caller's.
+func (c *conn) send(ctx context.Context, data []byte, fds []int) error {
+	if err := lock(ctx, c.wmu); err != nil {
+		return err
+	}
+	defer func() { <-c.wmu }()
+
+	var hdr [headerLen]byte
+	var rights []int
+	var cleanup []func()
+	defer func() {
+		for _, f := range cleanup {
+			f()
+		}
+	}()
+	payload := data
+	if len(data) > maxInline {
+		seg, err := mmapalloc.Create(int64(len(data)), mmapalloc.KeepFD|mmapalloc.Unlink)
+		if err != nil {
+			return fmt.Errorf("mp: spilling a %d-byte message: %w", len(data), err)
+		}
+		cleanup = append(cleanup, func() { _ = seg.Close() })
+		copy(seg.Bytes(), data)
+		hdr[0] |= flagSpill
+		binary.LittleEndian.PutUint64(hdr[9:], uint64(len(data)))
+		rights = append(rights, seg.FD())
+		payload = nil
+	}
+	direct := fds
+	if room := maxFDs - len(rights) - 1; len(fds) > room+1 {
+		carrier, err := sendCarried(fds[room:])
+		if err != nil {
+			return err
+		}
+		cleanup = append(cleanup, func() { _ = unix.Close(carrier) })
+		hdr[0] |= flagCarrier
+		binary.LittleEndian.PutUint32(hdr[5:], uint32(len(fds)-room))
+		rights = append(rights, carrier)
+		direct = fds[:room]
+	}
+	binary.LittleEndian.PutUint32(hdr[1:], uint32(len(direct)))
+	rights = append(rights, direct...)
+
+	msg := make([]byte, 0, headerLen+len(payload))
+	msg = append(append(msg, hdr[:]...), payload...)
+	var oob []byte
+	if len(rights) > 0 {
+		oob = unix.UnixRights(rights...)
+	}
+	return withDeadline(ctx, c.uc.SetWriteDeadline, func() error {
+		n, oobn, err := c.uc.WriteMsgUnix(msg, oob, nil)
+		if err != nil {
+			return fmt.Errorf("mp: send: %w%s", err, fdHint(err))
+		}
+		if n != len(msg) || oobn != len(oob) {
+			return fmt.Errorf("mp: send: short write (%d of %d bytes)", n, len(msg))
+		}
+		return nil
+	})
+}
+
+// sendCarried puts fds into a new private socket, maxFDs at a time, and
+// returns the reading end, which the caller sends and then closes.
+func sendCarried(fds []int) (int, error) {
+	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("mp: carrier socket: %w%s", err, fdHint(err))
+	}
+	defer unix.Close(pair[0])
+	for len(fds) > 0 {
+		n := min(len(fds), maxFDs)
+		if err := unix.Sendmsg(pair[0], []byte{1}, unix.UnixRights(fds[:n]...), nil, 0); err != nil {
+			_ = unix.Close(pair[1])
+			return -1, fmt.Errorf("mp: carrying %d descriptors: %w%s", len(fds), err, fdHint(err))
+		}
+		fds = fds[n:]
+	}
+	return pair[1], nil
+}
+
+// recv receives one message. The caller owns the returned descriptors;
+// the data is valid until the next recv.
+func (c *conn) recv(ctx context.Context) (data []byte, fds []int, err error) {
+	if err := lock(ctx, c.rmu); err != nil {
+		return nil, nil, err
+	}
+	defer func() { <-c.rmu }()
+
+	var n, oobn, flags int
+	err = withDeadline(ctx, c.uc.SetReadDeadline, func() error {
+		var err error
+		n, oobn, flags, _, err = c.uc.ReadMsgUnix(c.buf, c.oob)
+		return err
+	})
+	if oobn > 0 {
+		got, perr := parseRights(c.oob[:oobn])
+		fds = got
+		if perr != nil && err == nil {
+			err = perr
+		}
+	}
+	defer func() {
+		if err != nil {
+			closeAll(fds)
+			fds = nil
+		}
+	}()
+	switch {
+	case err != nil:
+		return nil, fds, err
+	case flags&unix.MSG_CTRUNC != 0:
+		return nil, fds, fmt.Errorf("mp: receive: descriptors were dropped by the kernel (MSG_CTRUNC): the process is probably out of file descriptors; raise the limit with `ulimit -n` or RLIMIT_NOFILE")
+	case flags&unix.MSG_TRUNC != 0:
+		return nil, fds, fmt.Errorf("mp: receive: message larger than %d bytes was truncated (MSG_TRUNC)", len(c.buf))
+	case n == 0 && oobn == 0:
+		return nil, nil, ErrClosed
+	case n < headerLen:
+		return nil, fds, fmt.Errorf("mp: receive: %d-byte message is shorter than its header", n)
+	}
+	return c.unframe(c.buf[:n], fds)
+}
+
+// unframe undoes send's framing on a received message.
+func (c *conn) unframe(msg []byte, rights []int) ([]byte, []int, error) {
+	flags := msg[0]
+	direct := int(binary.LittleEndian.Uint32(msg[1:]))
+	carried := int(binary.LittleEndian.Uint32(msg[5:]))
+	spilled := binary.LittleEndian.Uint64(msg[9:])
+	payload := msg[headerLen:]
+
+	special := 0
+	if flags&flagSpill != 0 {
+		special++
+	}
+	if flags&flagCarrier != 0 {
+		special++
+	}
+	if flags&^(flagSpill|flagCarrier) != 0 || len(rights) != special+direct || flags&flagCarrier == 0 && carried != 0 {
+		return nil, rights, fmt.Errorf("mp: receive: frame says %d+%d descriptors, %d arrived", special, direct, len(rights))
+	}
+	next := 0
+	if flags&flagSpill != 0 {
+		if len(payload) != 0 || spilled > 1<<40 || spilled <= maxInline {
+			return nil, rights, fmt.Errorf("mp: receive: bad spill of %d bytes", spilled)
+		}
+		b, err := readSpill(rights[0], int64(spilled))
+		rights[0] = -1 // readSpill owned it
+		if err != nil {
+			return nil, rights, err
+		}
+		payload = b
+		next++
+	}
+	fds := append([]int(nil), rights[special:]...)
+	if flags&flagCarrier != 0 {
+		more, err := recvCarried(rights[next], carried)
+		rights[next] = -1
+		if err != nil {
+			return nil, fds, err
+		}
+		fds = append(fds, more...)
+	}
+	return payload, fds, nil
+}
+
+func readSpill(fd int, n int64) ([]byte, error) {
+	a, err := mmapalloc.OpenFD(fd, n, 0)
+	if err != nil {
+		return nil, fmt.Errorf("mp: receive: spilled message: %w", err)
+	}
+	defer a.Close()
+	return append([]byte(nil), a.Bytes()...), nil
+}
+
+// recvCarried reads want descriptors from a carrier socket and closes it.
+func recvCarried(fd, want int) (fds []int, err error) {
+	defer unix.Close(fd)
+	defer func() {
+		if err != nil {
+			closeAll(fds)
+			fds = nil
+		}
+	}()
+	if want <= 0 || want > 1<<20 {
+		return nil, fmt.Errorf("mp: receive: carrier of %d descriptors", want)
+	}
+	var b [1]byte
+	oob := make([]byte, unix.CmsgSpace(maxFDs*4))
+	for len(fds) < want {
+		_, oobn, flags, _, err := unix.Recvmsg(fd, b[:], oob, unix.MSG_CMSG_CLOEXEC|unix.MSG_DONTWAIT)
+		if oobn > 0 {
+			got, perr := parseRights(oob[:oobn])
+			fds = append(fds, got...)
+			if perr != nil && err == nil {
+				err = perr
+			}
+		}
+		if err != nil {
+			return fds, fmt.Errorf("mp: receive: carried descriptors: %w%s", err, fdHint(err))
+		}
+		if flags&unix.MSG_CTRUNC != 0 {
+			return fds, errors.New("mp: receive: carried descriptors were dropped by the kernel (MSG_CTRUNC): raise the limit with `ulimit -n` or RLIMIT_NOFILE")
+		}
+		if oobn == 0 {
+			return fds, fmt.Errorf("mp: receive: carrier ended after %d of %d descriptors", len(fds), want)
+		}
+	}
+	if len(fds) != want {
+		return fds, fmt.Errorf("mp: receive: carrier held %d descriptors, frame said %d", len(fds), want)
+	}
+	return fds, nil
+}
+
+// parseRights returns every descriptor in a control message.
+func parseRights(oob []byte) ([]int, error) {
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return nil, fmt.Errorf("mp: receive: control message: %w", err)
+	}
+	var fds []int
+	for i := range msgs {
+		got, err := unix.ParseUnixRights(&msgs[i])
+		if err != nil {
+			continue
+		}
+		fds = append(fds, got...)
+	}
+	return fds, nil
+}
+
+func closeAll(fds []int) {
+	for _, fd := range fds {
+		if fd >= 0 {
+			_ = unix.Close(fd)
+		}
+	}
+}
+
+func closeFD(fd int) error { return unix.Close(fd) }

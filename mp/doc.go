@@ -1,0 +1,25 @@
+// Package mp runs Go functions in worker processes and moves values with
+// tensors between them without copying: the Go counterpart of
+// torch.multiprocessing.
+//
+// Go cannot fork, so a worker is the program itself started again: Register
+// names a worker function, Init (first in main) runs it in the child, and
+// Spawn starts n of them, each with a control socket on fd 3. Join reports
+// the first failure as a *WorkerError (the worker returned an error) or an
+// *ExitError (it exited non-zero or was killed); the first failure stops the
+// others with SIGTERM and, after a grace period, SIGKILL. Workers die with
+// their parent (Pdeathsig, set from one locked OS thread, and EOF on the
+// control socket as a backstop).
+//
+// Queue and Pipe carry any value the reduction codec encodes over
+// SOCK_SEQPACKET sockets, each message in one sendmsg with its descriptors
+// (SCM_RIGHTS, received close-on-exec), so a sender may exit as soon as Put
+// returns. Large payloads spill into a shared segment and more than 253
+// descriptors travel through a carrier socket, still in that one message.
+//
+// Ownership: a Queue or Pipe owns its socket descriptors in each process
+// that holds it, until Close. Every process of a program belongs to one
+// session; its keeper removes the session's file_system segments once
+// every member has exited, however it died. Clean removes what sessions
+// with no live member left behind.
+package mp

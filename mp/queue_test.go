@@ -1,0 +1,136 @@
+package mp_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/mp"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+func TestMain(m *testing.M) {
+	registerWorkers()
+	mp.Init()
+	if _, err := mp.StartSession(); err != nil {
+		panic(err)
+	}
+	os.Exit(m.Run())
+}
+
+type message struct {
+	Step    int
+	Tensors []*tensor.Tensor
+	Blob    []byte
+}
+
+func TestQueueInProcess(t *testing.T) {
+	leakcheck.Check(t)
+	q, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer q.Close()
+	ctx := context.Background()
+
+	x, err := tensor.Arange(tensor.Float64, 10)
+	require.NoError(t, err)
+	defer x.Release()
+	require.NoError(t, q.Put(ctx, message{Step: 1, Tensors: []*tensor.Tensor{x}}))
+	var got message
+	require.NoError(t, q.Get(ctx, &got))
+	assert.Equal(t, 1, got.Step)
+	assert.Same(t, x.Storage(), got.Tensors[0].Storage(), "a tensor sent out and back is the same storage")
+}
+
+func TestQueueManyDescriptorsAndLargePayload(t *testing.T) {
+	leakcheck.Check(t)
+	q, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer q.Close()
+	ctx := context.Background()
+
+	var m message
+	for i := range 300 {
+		x, err := tensor.Full(tensor.Int32, float64(i), 4)
+		require.NoError(t, err)
+		m.Tensors = append(m.Tensors, x)
+	}
+	defer func() {
+		for _, x := range m.Tensors {
+			x.Release()
+		}
+	}()
+	m.Blob = make([]byte, 1<<20)
+	for i := range m.Blob {
+		m.Blob[i] = byte(i * 7)
+	}
+	require.NoError(t, q.Put(ctx, m))
+	var got message
+	require.NoError(t, q.Get(ctx, &got))
+	require.Len(t, got.Tensors, 300, "more than 253 descriptors in one message")
+	for i, x := range got.Tensors {
+		v, err := tensor.At[int32](x, 3)
+		require.NoError(t, err)
+		require.Equal(t, int32(i), v)
+	}
+	assert.Equal(t, m.Blob, got.Blob, "a payload larger than a socket message spills and comes back whole")
+}
+
+func TestQueueDeadlineAndClose(t *testing.T) {
+	leakcheck.Check(t)
+	q, err := mp.NewQueue()
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	var v int
+	assert.ErrorIs(t, q.Get(ctx, &v), context.DeadlineExceeded)
+
+	cctx, ccancel := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	go func() { errc <- q.Get(cctx, &v) }()
+	time.Sleep(20 * time.Millisecond)
+	ccancel()
+	assert.ErrorIs(t, <-errc, context.Canceled)
+
+	go func() { errc <- q.Get(context.Background(), &v) }()
+	time.Sleep(20 * time.Millisecond)
+	require.NoError(t, q.Close())
+	select {
+	case err := <-errc:
+		assert.ErrorIs(t, err, mp.ErrClosed, "Close wakes a blocked Get")
+	case <-time.After(5 * time.Second):
+		t.Fatal("Get still blocked after Close")
+	}
+	assert.ErrorIs(t, q.Put(context.Background(), 1), mp.ErrClosed)
+
+	// A deadline still works after an earlier call was cancelled.
+	q2, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer q2.Close()
+	require.NoError(t, q2.Put(context.Background(), 42))
+	require.NoError(t, q2.Get(context.Background(), &v))
+	assert.Equal(t, 42, v)
+}
+
+func TestPipeDuplex(t *testing.T) {
+	leakcheck.Check(t)
+	a, b, err := mp.NewPipe()
+	require.NoError(t, err)
+	ctx := context.Background()
+	require.NoError(t, a.Send(ctx, "ping"))
+	require.NoError(t, b.Send(ctx, "pong"))
+	var s string
+	require.NoError(t, b.Recv(ctx, &s))
+	assert.Equal(t, "ping", s)
+	require.NoError(t, a.Recv(ctx, &s))
+	assert.Equal(t, "pong", s)
+	require.NoError(t, a.Close())
+	err = b.Recv(ctx, &s)
+	assert.True(t, errors.Is(err, mp.ErrClosed), "the other end's close is EOF: %v", err)
+	require.NoError(t, b.Close())
+}

@@ -1,0 +1,302 @@
+package mp_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/mp"
+	"github.com/tensormp/tensormp/strategy"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+type spawnArgs struct {
+	Results *mp.Queue
+	Work    *mp.Queue
+	Pipe    *mp.Pipe
+	Weights *tensor.Tensor
+	Label   string
+	FailAt  int
+}
+
+type report struct {
+	Rank, World int
+	Place       string
+	Strategy    string
+	Label       string
+	Sum         float64
+}
+
+func registerWorkers() {
+	mp.Register("report", func(ctx context.Context, w *mp.Worker) error {
+		var a spawnArgs
+		if err := w.Args(&a); err != nil {
+			return err
+		}
+		rest, err := a.Weights.Narrow(0, 3, 5) // ranks write into [0, 3)
+		if err != nil {
+			return err
+		}
+		vals, err := tensor.Values[float32](rest)
+		if err != nil {
+			return err
+		}
+		var sum float64
+		for _, v := range vals {
+			sum += float64(v)
+		}
+		if err := tensor.Set[float32](a.Weights, float32(100+w.Rank()), w.Rank()); err != nil {
+			return err
+		}
+		if a.Pipe != nil && w.Rank() == 0 {
+			var hello string
+			if err := a.Pipe.Recv(ctx, &hello); err != nil {
+				return err
+			}
+			if err := a.Pipe.Send(ctx, hello+" back"); err != nil {
+				return err
+			}
+		}
+		w.Logger().Info("reporting", "sum", sum)
+		return a.Results.Put(ctx, report{
+			Rank: w.Rank(), World: w.WorldSize(), Place: device.Default().String(),
+			Strategy: strategy.Get().String(), Label: a.Label, Sum: sum,
+		})
+	})
+	mp.Register("fail", func(ctx context.Context, w *mp.Worker) error {
+		if w.Rank() == 1 {
+			return errors.New("rank one gives up")
+		}
+		time.Sleep(time.Minute) // stopped by the group
+		return nil
+	})
+	mp.Register("exit", func(ctx context.Context, w *mp.Worker) error {
+		if w.Rank() == 0 {
+			os.Exit(7)
+		}
+		time.Sleep(time.Minute)
+		return nil
+	})
+	mp.Register("signal", func(ctx context.Context, w *mp.Worker) error {
+		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+		time.Sleep(time.Minute)
+		return nil
+	})
+	mp.Register("panic", func(ctx context.Context, w *mp.Worker) error {
+		panic("worker panicked")
+	})
+	mp.Register("sleep", func(ctx context.Context, w *mp.Worker) error {
+		time.Sleep(time.Minute)
+		return nil
+	})
+	mp.Register("put-and-exit", func(ctx context.Context, w *mp.Worker) error {
+		var q *mp.Queue
+		if err := w.Args(&q); err != nil {
+			return err
+		}
+		x, err := tensor.Full(tensor.Float32, float64(w.Rank()+1), 1024)
+		if err != nil {
+			return err
+		}
+		return q.Put(ctx, x) // and exit at once: the descriptor is in flight
+	})
+	mp.Register("low-fd-limit", func(ctx context.Context, w *mp.Worker) error {
+		var q *mp.Queue
+		if err := w.Args(&q); err != nil {
+			return err
+		}
+		lim := unix.Rlimit{Cur: uint64(leakcheck.Count() + 20), Max: uint64(leakcheck.Count() + 20)}
+		if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+			return err
+		}
+		var got []*tensor.Tensor
+		err := q.Get(ctx, &got)
+		if err == nil {
+			return errors.New("receiving 100 descriptors under a limit of 20 succeeded")
+		}
+		return err
+	})
+}
+
+func TestSpawnSuccessArgsAndPlaces(t *testing.T) {
+	leakcheck.Check(t)
+	results, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer results.Close()
+	mine, theirs, err := mp.NewPipe()
+	require.NoError(t, err)
+	defer mine.Close()
+	weights, err := tensor.Full(tensor.Float32, 1, 8)
+	require.NoError(t, err)
+	defer weights.Release()
+
+	var logs bytes.Buffer
+	var mu sync.Mutex
+	out := writerFunc(func(p []byte) (int, error) { mu.Lock(); defer mu.Unlock(); return logs.Write(p) })
+	g, err := mp.Spawn(context.Background(), "report", 3,
+		mp.WithArgs(spawnArgs{Results: results, Pipe: theirs, Weights: weights, Label: "hello"}),
+		mp.WithPlace(func(r int) device.Place { return device.GPU(r) }),
+		mp.WithOutput(out, out))
+	require.NoError(t, err)
+	require.NoError(t, theirs.Close())
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	require.NoError(t, mine.Send(ctx, "hi"))
+	var back string
+	require.NoError(t, mine.Recv(ctx, &back))
+	assert.Equal(t, "hi back", back)
+	require.NoError(t, g.Join())
+
+	seen := map[int]report{}
+	for range 3 {
+		var r report
+		require.NoError(t, results.Get(ctx, &r))
+		seen[r.Rank] = r
+	}
+	for rank := range 3 {
+		r := seen[rank]
+		assert.Equal(t, 3, r.World)
+		assert.Equal(t, device.GPU(rank).String(), r.Place, "the per-rank place option")
+		assert.Equal(t, strategy.Get().String(), r.Strategy, "the parent's strategy")
+		assert.Equal(t, "hello", r.Label)
+		assert.Equal(t, 5.0, r.Sum)
+		v, err := tensor.At[float32](weights, rank)
+		require.NoError(t, err)
+		assert.Equal(t, float32(100+rank), v, "each worker wrote into the shared weights")
+	}
+	for rank := range 3 {
+		assert.Contains(t, logs.String(), fmt.Sprintf("worker.%d: reporting", rank), "a named logger per worker")
+	}
+	for _, line := range strings.Split(strings.TrimSpace(logs.String()), "\n") {
+		assert.Regexp(t, `worker\.\d: reporting: sum=5`, line, "whole lines, never interleaved")
+	}
+}
+
+type writerFunc func([]byte) (int, error)
+
+func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
+
+func TestSpawnInheritsDefaultPlace(t *testing.T) {
+	leakcheck.Check(t)
+	old := device.Default()
+	require.NoError(t, device.SetDefault(device.GPU(5)))
+	defer device.SetDefault(old)
+	results, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer results.Close()
+	w, err := tensor.On(device.CPU()).Full(tensor.Float32, 1, 8)
+	require.NoError(t, err)
+	defer w.Release()
+	require.NoError(t, mp.Run(context.Background(), "report", 1, mp.WithArgs(spawnArgs{Results: results, Weights: w})))
+	var r report
+	require.NoError(t, results.Get(context.Background(), &r))
+	assert.Equal(t, "gpu:5", r.Place)
+}
+
+func TestWorkerErrorStopsOthers(t *testing.T) {
+	leakcheck.Check(t)
+	start := time.Now()
+	err := mp.Run(context.Background(), "fail", 3, mp.WithGrace(time.Second))
+	var we *mp.WorkerError
+	require.ErrorAs(t, err, &we)
+	assert.Equal(t, 1, we.Rank)
+	assert.Equal(t, "rank one gives up", we.Err)
+	assert.NotZero(t, we.Pid)
+	assert.Less(t, time.Since(start), 30*time.Second, "the sleeping workers were stopped")
+}
+
+func TestExitCodeAndSignal(t *testing.T) {
+	leakcheck.Check(t)
+	err := mp.Run(context.Background(), "exit", 2)
+	var xe *mp.ExitError
+	require.ErrorAs(t, err, &xe)
+	assert.Equal(t, 0, xe.Rank)
+	assert.Equal(t, 7, xe.Code)
+
+	err = mp.Run(context.Background(), "signal", 1)
+	require.ErrorAs(t, err, &xe)
+	assert.Equal(t, syscall.SIGKILL, xe.Signal)
+	assert.Contains(t, err.Error(), "killed by signal")
+
+	err = mp.Run(context.Background(), "panic", 1)
+	var we *mp.WorkerError
+	require.ErrorAs(t, err, &we)
+	assert.Contains(t, we.Err, "panic: worker panicked")
+}
+
+func TestCancelStopsWorkers(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	g, err := mp.Spawn(ctx, "sleep", 2, mp.WithGrace(500*time.Millisecond))
+	require.NoError(t, err)
+	pids := g.Pids()
+	cancel()
+	err = g.Join()
+	assert.ErrorIs(t, err, context.Canceled)
+	for _, pid := range pids {
+		assert.ErrorIs(t, syscall.Kill(pid, 0), syscall.ESRCH, "worker %d reaped", pid)
+	}
+}
+
+func TestSpawnErrors(t *testing.T) {
+	_, err := mp.Spawn(context.Background(), "no-such-worker", 1)
+	assert.ErrorContains(t, err, "no worker registered")
+	_, err = mp.Spawn(context.Background(), "report", 0)
+	assert.Error(t, err)
+}
+
+func TestSenderMayExitAfterPut(t *testing.T) {
+	leakcheck.Check(t)
+	q, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer q.Close()
+	require.NoError(t, mp.Run(context.Background(), "put-and-exit", 2, mp.WithArgs(q)))
+	sum := float32(0)
+	for range 2 {
+		var x *tensor.Tensor
+		require.NoError(t, q.Get(context.Background(), &x), "the tensor outlives its sender")
+		v, err := tensor.At[float32](x, 1023)
+		require.NoError(t, err)
+		sum += v
+		require.NoError(t, x.Release())
+	}
+	assert.Equal(t, float32(3), sum)
+}
+
+func TestDescriptorLimitIsAnError(t *testing.T) {
+	leakcheck.Check(t)
+	q, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer q.Close()
+	var ts []*tensor.Tensor
+	for range 100 {
+		x, err := tensor.Zeros(tensor.Uint8, 16)
+		require.NoError(t, err)
+		ts = append(ts, x)
+	}
+	defer func() {
+		for _, x := range ts {
+			x.Release()
+		}
+	}()
+	g, err := mp.Spawn(context.Background(), "low-fd-limit", 1, mp.WithArgs(q))
+	require.NoError(t, err)
+	require.NoError(t, q.Put(context.Background(), ts))
+	err = g.Join()
+	var we *mp.WorkerError
+	require.ErrorAs(t, err, &we)
+	assert.Contains(t, we.Err, "ulimit -n", "the error says how to raise the limit")
+}

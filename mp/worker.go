@@ -1,0 +1,194 @@
+package mp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"runtime/debug"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/reduction"
+)
+
+// Environment a spawned worker starts with.
+const (
+	envRank   = "TENSORMP_RANK"
+	envWorld  = "TENSORMP_WORLD_SIZE"
+	envPlace  = "TENSORMP_PLACE"
+	envLockFD = "TENSORMP_LOCK_FD"
+	// EnvLog sets the level of tensormp's loggers: trace, debug, info,
+	// warn, error or off. The default is info.
+	EnvLog = "TENSORMP_LOG"
+)
+
+// Descriptors a worker inherits.
+const (
+	ctlFD  = 3 // control socket to the parent
+	lockFD = 4 // the session lock, held shared for the worker's life
+)
+
+const workerPrefix = "mp.worker."
+
+// WorkerFunc is the body of a worker process. It returns nil on success;
+// an error is reported to the parent's Join as a *WorkerError.
+type WorkerFunc func(ctx context.Context, w *Worker) error
+
+// Register makes fn available to Spawn under name. Call it from an init
+// function or from main before Init, in every process of the program: the
+// workers are the same binary. Registering a name twice panics.
+func Register(name string, fn WorkerFunc) {
+	reexec.Register(workerPrefix+name, func() int { return runWorker(name, fn) })
+}
+
+// Init must be the first thing main (or TestMain) does. In a process that
+// Spawn started, it runs the worker and exits; in a keeper process it
+// keeps the session and exits; in the program's own process it returns.
+func Init() {
+	reexec.Main()
+}
+
+// Worker is what a worker function knows about itself: its rank, the
+// number of workers, its arguments and its logger.
+type Worker struct {
+	rank, world int
+	log         hclog.Logger
+	ctl         *conn
+
+	argsOnce sync.Once
+	argsData []byte
+	argsFDs  []int
+	argsErr  error
+}
+
+// Rank returns the worker's index, 0 to WorldSize()-1.
+func (w *Worker) Rank() int { return w.rank }
+
+// WorldSize returns the number of workers Spawn started together.
+func (w *Worker) WorldSize() int { return w.world }
+
+// Logger returns the worker's logger, named after its rank.
+func (w *Worker) Logger() hclog.Logger { return w.log }
+
+// Args decodes the value given to Spawn with WithArgs into v, a pointer.
+// Tensors, queues and pipes inside it arrive ready to use. It may be
+// called once.
+func (w *Worker) Args(v any) error {
+	err := errors.New("mp: Args called twice")
+	w.argsOnce.Do(func() {
+		err = w.argsErr
+		if err == nil {
+			err = reduction.Unmarshal(w.argsData, w.argsFDs, v)
+		}
+		w.argsData, w.argsFDs = nil, nil
+	})
+	return err
+}
+
+// result is what a worker reports on its control socket before exiting.
+type result struct {
+	Failed bool
+	Err    string
+}
+
+// runWorker is a spawned process's main: it sets up the worker's state
+// from what the parent passed, runs fn and reports how it went.
+func runWorker(name string, fn WorkerFunc) int {
+	unix.CloseOnExec(ctlFD)
+	unix.CloseOnExec(lockFD)
+	keepSessionLock(lockFD)
+
+	rank, _ := strconv.Atoi(os.Getenv(envRank))
+	world, _ := strconv.Atoi(os.Getenv(envWorld))
+	log := newLogger(fmt.Sprintf("worker.%d", rank))
+	fail := func(err error) int {
+		log.Error("worker setup failed", "worker", name, "error", err)
+		return 2
+	}
+	if p := os.Getenv(envPlace); p != "" {
+		place, err := device.Parse(p)
+		if err != nil {
+			return fail(err)
+		}
+		if err := device.SetDefault(place); err != nil {
+			return fail(err)
+		}
+	}
+	ctl, err := newConn(ctlFD, "control")
+	if err != nil {
+		return fail(err)
+	}
+	w := &Worker{rank: rank, world: world, log: log, ctl: ctl}
+	setup, cancel := context.WithTimeout(context.Background(), time.Minute)
+	data, fds, err := ctl.recv(setup)
+	cancel()
+	if err != nil {
+		return fail(fmt.Errorf("receiving arguments: %w", err))
+	}
+	w.argsData, w.argsFDs = append([]byte(nil), data...), fds
+
+	// The backstop to Pdeathsig: the parent closing the control socket,
+	// or dying, ends the worker.
+	go func() {
+		var x struct{}
+		if err := get(context.Background(), ctl, &x); err != nil {
+			log.Debug("control socket closed: exiting", "error", err)
+			os.Exit(3)
+		}
+	}()
+
+	err = call(fn, w)
+	res := result{}
+	if err != nil {
+		res = result{Failed: true, Err: err.Error()}
+		log.Debug("worker failed", "error", err)
+	}
+	done, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := put(done, ctl, &res); err != nil {
+		log.Error("reporting the result", "error", err)
+	}
+	if res.Failed {
+		return 1
+	}
+	return 0
+}
+
+// call runs fn, turning a panic into an error with its stack.
+func call(fn WorkerFunc, w *Worker) (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("panic: %v\n%s", p, debug.Stack())
+		}
+	}()
+	return fn(context.Background(), w)
+}
+
+// newLogger returns a logger named name at the level TENSORMP_LOG sets.
+func newLogger(name string) hclog.Logger {
+	level := hclog.Info
+	if v := os.Getenv(EnvLog); v != "" {
+		if l := hclog.LevelFromString(v); l != hclog.NoLevel {
+			level = l
+		}
+	}
+	return hclog.New(&hclog.LoggerOptions{Name: name, Level: level, Output: os.Stderr})
+}
+
+var (
+	loggerOnce sync.Once
+	logger     hclog.Logger
+)
+
+// Logger returns the program's own tensormp logger.
+func Logger() hclog.Logger {
+	loggerOnce.Do(func() { logger = newLogger("tensormp") })
+	return logger
+}
