@@ -1,0 +1,77 @@
+package main
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"strconv"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/mp"
+)
+
+func TestMain(m *testing.M) {
+	mp.Init()
+	if _, err := mp.StartSession(); err != nil {
+		panic(err)
+	}
+	os.Exit(m.Run())
+}
+
+func TestDemo(t *testing.T) {
+	leakcheck.Check(t)
+	var out, errOut bytes.Buffer
+	code := run([]string{"demo", "-workers", "2", "-rounds", "1"}, &out, &errOut)
+	require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", out.String(), errOut.String())
+	assert.Regexp(t, `file_descriptor\s+8\s`, out.String())
+	assert.Regexp(t, `file_system\s+8\s`, out.String())
+	assert.Contains(t, out.String(), "residue:")
+	assert.Contains(t, out.String(), "ok: every value checked")
+}
+
+func TestHelp(t *testing.T) {
+	for _, args := range [][]string{{"help"}, {"-h"}} {
+		var out, errOut bytes.Buffer
+		assert.Equal(t, 0, run(args, &out, &errOut))
+		assert.Contains(t, out.String(), "demo")
+		assert.Contains(t, out.String(), "clean")
+	}
+	var out, errOut bytes.Buffer
+	assert.Equal(t, 0, run([]string{"help", "demo"}, &out, &errOut))
+	assert.Contains(t, errOut.String(), "-workers")
+	errOut.Reset()
+	assert.Equal(t, 0, run([]string{"clean", "-h"}, &out, &errOut))
+	assert.Contains(t, errOut.String(), "dry run")
+	errOut.Reset()
+	assert.Equal(t, 2, run([]string{"frobnicate"}, &out, &errOut))
+	assert.Contains(t, errOut.String(), `unknown command "frobnicate"`)
+	assert.Equal(t, 2, run([]string{"demo", "-strategy", "bogus"}, &out, &errOut))
+	assert.Equal(t, 2, run([]string{"demo", "-workers", "0"}, &out, &errOut))
+}
+
+func TestClean(t *testing.T) {
+	dir := t.TempDir()
+	dead := mmapalloc.NamePrefix + "deadbeef_999999999_0123456789abcdef" // no such pid
+	live := mmapalloc.NamePrefix + "cafe_" + strconv.Itoa(os.Getpid()) + "_0123456789abcdef"
+	other := "not_ours"
+	for _, n := range []string{dead, live, other} {
+		require.NoError(t, os.WriteFile(filepath.Join(dir, n), nil, 0o600))
+	}
+	var out, errOut bytes.Buffer
+	require.Equal(t, 0, run([]string{"clean", "-n", "-dir", dir}, &out, &errOut), errOut.String())
+	assert.Contains(t, out.String(), "would remove "+dead)
+	assert.NotContains(t, out.String(), live)
+	assert.FileExists(t, filepath.Join(dir, dead), "a dry run removes nothing")
+
+	out.Reset()
+	require.Equal(t, 0, run([]string{"clean", "-dir", dir}, &out, &errOut), errOut.String())
+	assert.Contains(t, out.String(), "removed "+dead)
+	assert.NoFileExists(t, filepath.Join(dir, dead))
+	assert.FileExists(t, filepath.Join(dir, live), "a live process's segment stays")
+	assert.FileExists(t, filepath.Join(dir, other), "what tensormp did not make stays")
+}
