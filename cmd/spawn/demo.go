@@ -174,9 +174,14 @@ func runDemo(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "spawn demo:", err)
 		return 1
 	}
-	fmt.Fprintf(stdout, "\nresidue: %d tensormp_ segments in %s before, %d after\n", before, mmapalloc.Dir(), after)
-	if after > before {
-		fmt.Fprintln(stderr, "spawn demo: segments were left behind")
+	mine, err := sessionSegments(mmapalloc.Dir())
+	if err != nil {
+		fmt.Fprintln(stderr, "spawn demo:", err)
+		return 1
+	}
+	fmt.Fprintf(stdout, "\nresidue: %d tensormp_ segments in %s before, %d after; %d of this run\n", before, mmapalloc.Dir(), after, len(mine))
+	if len(mine) > 0 {
+		fmt.Fprintf(stderr, "spawn demo: segments left behind: %s\n", strings.Join(mine, " "))
 		failed = true
 	}
 	if failed {
@@ -304,6 +309,21 @@ func countEntries(dir string) (int, error) {
 		}
 	}
 	return n, nil
+}
+
+// sessionSegments lists this run's segments still in dir.
+func sessionSegments(dir string) ([]string, error) {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, e := range entries {
+		if mmapalloc.ValidName(e.Name()) && strings.HasPrefix(e.Name(), mmapalloc.SessionPrefix()) {
+			out = append(out, e.Name())
+		}
+	}
+	return out, nil
 }
 
 func formatBytes(n int64) string {

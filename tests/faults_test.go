@@ -1,0 +1,255 @@
+package tests
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/mp"
+	"github.com/tensormp/tensormp/strategy"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// Faults: processes killed with SIGKILL at bad moments. Each test runs a
+// separate program (a session of its own), kills part or all of it, and
+// then checks that within a few seconds nothing of the session is left.
+
+type holdArgs struct {
+	Tasks, Status *mp.Queue
+}
+
+func registerFaultPrograms() {
+	// fault.hold receives tensors and keeps them, reporting each.
+	mp.Register("fault.hold", func(ctx context.Context, w *mp.Worker) error {
+		var a holdArgs
+		if err := w.Args(&a); err != nil {
+			return err
+		}
+		var held []*tensor.Tensor
+		for {
+			var x *tensor.Tensor
+			if err := a.Tasks.Get(ctx, &x); err != nil {
+				return err
+			}
+			if x == nil {
+				return nil
+			}
+			held = append(held, x)
+			if err := a.Status.Put(ctx, w.Rank()); err != nil {
+				return err
+			}
+		}
+	})
+	reexec.Register("program.kill-worker", programKillWorker)
+	reexec.Register("program.stream", programStream)
+	reexec.Register("program.hold-forever", programHoldForever)
+}
+
+// startHolders spawns n fault.hold workers and gives each k tensors, which
+// the program itself shares and releases again.
+func startHolders(ctx context.Context, n, k int) (*mp.Group, *mp.Queue, error) {
+	tasks, err := mp.NewQueue()
+	if err != nil {
+		return nil, nil, err
+	}
+	status, err := mp.NewQueue()
+	if err != nil {
+		return nil, nil, err
+	}
+	g, err := mp.Spawn(ctx, "fault.hold", n, mp.WithArgs(holdArgs{Tasks: tasks, Status: status}), mp.WithGrace(time.Second))
+	if err != nil {
+		return nil, nil, err
+	}
+	for range n * k {
+		x, err := tensor.Full(tensor.Float32, 1, 1<<16)
+		if err != nil {
+			return nil, nil, err
+		}
+		if err := tasks.Put(ctx, x); err != nil {
+			return nil, nil, err
+		}
+		var rank int
+		if err := status.Get(ctx, &rank); err != nil {
+			return nil, nil, err
+		}
+		if err := x.Release(); err != nil {
+			return nil, nil, err
+		}
+	}
+	return g, tasks, nil
+}
+
+func printPids(g *mp.Group) {
+	pids := make([]string, 0)
+	for _, p := range g.Pids() {
+		pids = append(pids, strconv.Itoa(p))
+	}
+	fmt.Printf("pids %s\n", strings.Join(pids, " "))
+}
+
+// programKillWorker: workers hold tensors; worker 0 is killed; Join must
+// report it; the program then exits normally.
+func programKillWorker() int {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	g, _, err := startHolders(ctx, 2, 3)
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	printPids(g)
+	_ = syscall.Kill(g.Pids()[0], syscall.SIGKILL)
+	err = g.Join()
+	var xe *mp.ExitError
+	if !errors.As(err, &xe) || xe.Signal != syscall.SIGKILL || xe.Rank != 0 {
+		fmt.Println("error unexpected join result:", err)
+		return 1
+	}
+	fmt.Println("joined", err)
+	return 0
+}
+
+// programStream: a worker is killed while tensors stream to it.
+func programStream() int {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	g, tasks, err := startHolders(ctx, 1, 5)
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	printPids(g)
+	// Under file_system a sender keeps what it sent alive until the
+	// receiver has opened it, as with torch.
+	var sent []*tensor.Tensor
+	defer func() {
+		for _, x := range sent {
+			_ = x.Release()
+		}
+	}()
+	for i := range 200 {
+		if i == 50 {
+			_ = syscall.Kill(g.Pids()[0], syscall.SIGKILL)
+		}
+		x, err := tensor.Full(tensor.Int64, float64(i), 1024)
+		if err != nil {
+			return 1
+		}
+		pctx, pcancel := context.WithTimeout(ctx, 100*time.Millisecond)
+		err = tasks.Put(pctx, x) // messages to a dead reader wait in the socket
+		pcancel()
+		sent = append(sent, x)
+		if err != nil {
+			break
+		}
+	}
+	err = g.Join()
+	var xe *mp.ExitError
+	if !errors.As(err, &xe) {
+		fmt.Println("error unexpected join result:", err)
+		return 1
+	}
+	fmt.Println("joined", err)
+	return 0
+}
+
+// programHoldForever: workers hold tensors and the program waits to be
+// killed.
+func programHoldForever() int {
+	ctx := context.Background()
+	g, _, err := startHolders(ctx, 2, 2)
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	printPids(g)
+	fmt.Println("ready")
+	time.Sleep(time.Minute)
+	return 1
+}
+
+func pidsFrom(t *testing.T, line string) []int {
+	var pids []int
+	for _, f := range strings.Fields(line) {
+		pid, err := strconv.Atoi(f)
+		require.NoError(t, err)
+		pids = append(pids, pid)
+	}
+	return pids
+}
+
+func TestKillWorkerHoldingTensors(t *testing.T) {
+	for _, st := range strategy.All() {
+		t.Run(st.String(), func(t *testing.T) {
+			leakcheck.Check(t)
+			p := startProgram(t, "program.kill-worker", st, false)
+			pids := pidsFrom(t, p.waitLine(t, "pids"))
+			assert.Len(t, pids, 2)
+			assert.Contains(t, p.waitLine(t, "joined"), "killed by signal killed")
+			assert.Equal(t, 0, p.wait(t))
+			p.expectGone(t)
+		})
+	}
+}
+
+func TestKillWorkerMidStream(t *testing.T) {
+	for _, st := range strategy.All() {
+		t.Run(st.String(), func(t *testing.T) {
+			leakcheck.Check(t)
+			p := startProgram(t, "program.stream", st, false)
+			p.waitLine(t, "pids")
+			assert.Contains(t, p.waitLine(t, "joined"), "killed by signal")
+			assert.Equal(t, 0, p.wait(t))
+			p.expectGone(t)
+		})
+	}
+}
+
+func TestKillParent(t *testing.T) {
+	for _, st := range strategy.All() {
+		t.Run(st.String(), func(t *testing.T) {
+			leakcheck.Check(t)
+			p := startProgram(t, "program.hold-forever", st, false)
+			workers := pidsFrom(t, p.waitLine(t, "pids"))
+			p.waitLine(t, "ready")
+			if st == strategy.FileSystem {
+				assert.NotEmpty(t, sessionEntries(p.session), "the workers hold named segments")
+			}
+			require.NoError(t, p.cmd.Process.Signal(syscall.SIGKILL))
+			p.wait(t)
+			p.expectGone(t)
+			for _, pid := range workers {
+				assert.False(t, alive(pid), "worker %d died with its parent", pid)
+			}
+		})
+	}
+}
+
+func TestKillProcessGroupFileSystem(t *testing.T) {
+	leakcheck.Check(t)
+	p := startProgram(t, "program.hold-forever", strategy.FileSystem, true)
+	p.waitLine(t, "pids")
+	p.waitLine(t, "ready")
+	assert.NotEmpty(t, sessionEntries(p.session))
+	require.NoError(t, syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL))
+	p.wait(t)
+	p.expectGone(t) // the keeper, in its own session, survived the kill and cleaned up
+}
+
+// alive reports whether pid runs; a zombie waiting for a reaper that
+// never comes (PID 1 in some containers) counts as dead.
+func alive(pid int) bool {
+	stat, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	return err == nil && !isZombie(stat)
+}

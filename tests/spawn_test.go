@@ -1,0 +1,105 @@
+package tests
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/mp"
+)
+
+// The behaviours of torch's test_multiprocessing_spawn.py.
+
+func registerSpawnWorkers() {
+	mp.Register("spawn.success", func(ctx context.Context, w *mp.Worker) error { return nil })
+	mp.Register("spawn.raise-rank1", func(ctx context.Context, w *mp.Worker) error {
+		if w.Rank() == 1 {
+			return errors.New("ValueError: legitimate failure")
+		}
+		time.Sleep(time.Minute)
+		return nil
+	})
+	mp.Register("spawn.raise-all", func(ctx context.Context, w *mp.Worker) error {
+		return fmt.Errorf("rank %d failed", w.Rank())
+	})
+	mp.Register("spawn.exit", func(ctx context.Context, w *mp.Worker) error {
+		os.Exit(123)
+		return nil
+	})
+	mp.Register("spawn.signal", func(ctx context.Context, w *mp.Worker) error {
+		if w.Rank() == 0 {
+			_ = syscall.Kill(os.Getpid(), syscall.SIGTERM)
+		}
+		time.Sleep(time.Minute)
+		return nil
+	})
+	mp.Register("spawn.later-failure", func(ctx context.Context, w *mp.Worker) error {
+		switch w.Rank() {
+		case 0:
+			return nil // succeeds at once
+		case 1:
+			time.Sleep(300 * time.Millisecond)
+			return errors.New("failed after another worker succeeded")
+		}
+		time.Sleep(time.Minute) // stopped by the group
+		return nil
+	})
+}
+
+func TestSpawnBehaviours(t *testing.T) {
+	cases := []struct {
+		name  string
+		check func(t *testing.T, err error)
+	}{
+		{"spawn.success", func(t *testing.T, err error) { assert.NoError(t, err) }},
+		{"spawn.raise-rank1", func(t *testing.T, err error) {
+			var we *mp.WorkerError
+			require.ErrorAs(t, err, &we)
+			assert.Equal(t, 1, we.Rank)
+			assert.Contains(t, we.Err, "ValueError: legitimate failure")
+		}},
+		{"spawn.raise-all", func(t *testing.T, err error) {
+			var we *mp.WorkerError
+			require.ErrorAs(t, err, &we)
+			assert.Equal(t, fmt.Sprintf("rank %d failed", we.Rank), we.Err, "the first failure, whichever rank")
+		}},
+		{"spawn.exit", func(t *testing.T, err error) {
+			var xe *mp.ExitError
+			require.ErrorAs(t, err, &xe)
+			assert.Equal(t, 123, xe.Code)
+		}},
+		{"spawn.signal", func(t *testing.T, err error) {
+			var xe *mp.ExitError
+			require.ErrorAs(t, err, &xe)
+			assert.Equal(t, 0, xe.Rank)
+			assert.Equal(t, syscall.SIGTERM, xe.Signal)
+		}},
+		{"spawn.later-failure", func(t *testing.T, err error) {
+			var we *mp.WorkerError
+			require.ErrorAs(t, err, &we)
+			assert.Equal(t, 1, we.Rank)
+		}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			leakcheck.Check(t)
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			g, err := mp.Spawn(ctx, c.name, 3, mp.WithGrace(time.Second))
+			require.NoError(t, err)
+			pids := g.Pids()
+			c.check(t, g.Join())
+			for _, pid := range pids {
+				assert.ErrorIs(t, syscall.Kill(pid, 0), syscall.ESRCH, "worker %d reaped", pid)
+			}
+		})
+	}
+}
