@@ -71,10 +71,15 @@ func registerWorkers() {
 			}
 		}
 		w.Logger().Info("reporting", "sum", sum)
-		return a.Results.Put(ctx, report{
+		err = a.Results.Put(ctx, report{
 			Rank: w.Rank(), World: w.WorldSize(), Place: device.Default().String(),
 			Strategy: strategy.Get().String(), Label: a.Label, Sum: sum,
 		})
+		// A worker's own device state is its own: changing it affects
+		// neither the parent nor the other workers.
+		_ = device.SetDefault(device.GPU(99))
+		_ = strategy.Set(strategy.FileSystem)
+		return err
 	})
 	mp.Register("fail", func(ctx context.Context, w *mp.Worker) error {
 		if w.Rank() == 1 {
@@ -180,6 +185,7 @@ func TestSpawnSuccessArgsAndPlaces(t *testing.T) {
 	for rank := range 3 {
 		assert.Contains(t, logs.String(), fmt.Sprintf("worker.%d: reporting", rank), "a named logger per worker")
 	}
+	assert.Equal(t, device.CPU(), device.Default(), "workers changing their default place leave the parent's alone")
 	for _, line := range strings.Split(strings.TrimSpace(logs.String()), "\n") {
 		assert.Regexp(t, `worker\.\d: reporting: sum=5`, line, "whole lines, never interleaved")
 	}
@@ -299,4 +305,23 @@ func TestDescriptorLimitIsAnError(t *testing.T) {
 	var we *mp.WorkerError
 	require.ErrorAs(t, err, &we)
 	assert.Contains(t, we.Err, "ulimit -n", "the error says how to raise the limit")
+}
+
+func TestLogLevelFromEnv(t *testing.T) {
+	leakcheck.Check(t)
+	results, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer results.Close()
+	w, err := tensor.Full(tensor.Float32, 1, 8)
+	require.NoError(t, err)
+	defer w.Release()
+	var logs bytes.Buffer
+	var mu sync.Mutex
+	out := writerFunc(func(p []byte) (int, error) { mu.Lock(); defer mu.Unlock(); return logs.Write(p) })
+	require.NoError(t, mp.Run(context.Background(), "report", 1,
+		mp.WithArgs(spawnArgs{Results: results, Weights: w}),
+		mp.WithEnv(mp.EnvLog+"=error"), mp.WithOutput(out, out)))
+	var r report
+	require.NoError(t, results.Get(context.Background(), &r))
+	assert.NotContains(t, logs.String(), "reporting", "info lines are off at level error")
 }

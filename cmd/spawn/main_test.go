@@ -9,6 +9,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/mmapalloc"
@@ -59,9 +60,19 @@ func TestClean(t *testing.T) {
 	dead := mmapalloc.NamePrefix + "deadbeef_999999999_0123456789abcdef" // no such pid
 	live := mmapalloc.NamePrefix + "cafe_" + strconv.Itoa(os.Getpid()) + "_0123456789abcdef"
 	other := "not_ours"
-	for _, n := range []string{dead, live, other} {
+	// A session whose lock nobody holds is dead, whatever its pids say;
+	// one whose lock is held is live.
+	unheld := mmapalloc.NamePrefix + "f00d_lock"
+	unheldSeg := mmapalloc.NamePrefix + "f00d_" + strconv.Itoa(os.Getpid()) + "_0123456789abcdef"
+	held := mmapalloc.NamePrefix + "beef_lock"
+	heldSeg := mmapalloc.NamePrefix + "beef_999999999_0123456789abcdef"
+	for _, n := range []string{dead, live, other, unheld, unheldSeg, held, heldSeg} {
 		require.NoError(t, os.WriteFile(filepath.Join(dir, n), nil, 0o600))
 	}
+	lock, err := os.Open(filepath.Join(dir, held))
+	require.NoError(t, err)
+	defer lock.Close()
+	require.NoError(t, unix.Flock(int(lock.Fd()), unix.LOCK_SH))
 	var out, errOut bytes.Buffer
 	require.Equal(t, 0, run([]string{"clean", "-n", "-dir", dir}, &out, &errOut), errOut.String())
 	assert.Contains(t, out.String(), "would remove "+dead)
@@ -74,4 +85,8 @@ func TestClean(t *testing.T) {
 	assert.NoFileExists(t, filepath.Join(dir, dead))
 	assert.FileExists(t, filepath.Join(dir, live), "a live process's segment stays")
 	assert.FileExists(t, filepath.Join(dir, other), "what tensormp did not make stays")
+	assert.NoFileExists(t, filepath.Join(dir, unheld))
+	assert.NoFileExists(t, filepath.Join(dir, unheldSeg), "an unheld lock means no live member")
+	assert.FileExists(t, filepath.Join(dir, held))
+	assert.FileExists(t, filepath.Join(dir, heldSeg), "a held lock keeps the session")
 }
