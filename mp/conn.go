@@ -88,7 +88,7 @@ func newConn(fd int, name string) (*conn, error) {
 // socketPair returns the two connected ends of a new SOCK_SEQPACKET
 // socket pair as raw descriptors, close-on-exec.
 func socketPair() ([2]int, error) {
-	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	fds, err := unix.Socketpair(unix.AF_UNIX, sockType, 0)
 	if err != nil {
 		return fds, fmt.Errorf("mp: socketpair: %w%s", err, fdHint(err))
 	}
@@ -234,7 +234,7 @@ func (c *conn) send(ctx context.Context, data []byte, fds []int) error {
 // sendCarried puts fds into a new private socket, maxFDs at a time, and
 // returns the reading end, which the caller sends and then closes.
 func sendCarried(fds []int) (int, error) {
-	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	pair, err := unix.Socketpair(unix.AF_UNIX, sockType, 0)
 	if err != nil {
 		return -1, fmt.Errorf("mp: carrier socket: %w%s", err, fdHint(err))
 	}
@@ -359,7 +359,7 @@ func recvCarried(fd, want int) (fds []int, err error) {
 	var b [1]byte
 	oob := make([]byte, unix.CmsgSpace(maxFDs*4))
 	for len(fds) < want {
-		_, oobn, flags, _, err := unix.Recvmsg(fd, b[:], oob, unix.MSG_CMSG_CLOEXEC|unix.MSG_DONTWAIT)
+		_, oobn, flags, _, err := unix.Recvmsg(fd, b[:], oob, recvFlags|unix.MSG_DONTWAIT)
 		if oobn > 0 {
 			got, perr := parseRights(oob[:oobn])
 			fds = append(fds, got...)

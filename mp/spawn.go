@@ -216,7 +216,7 @@ func start(ctx context.Context, name string, rank, world int, place device.Place
 	cmd.Env = append(cmd.Env, env...)
 	cmd.ExtraFiles = []*os.File{child, lock}
 	cmd.Stdout, cmd.Stderr = stdout, stderr
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	cmd.SysProcAttr = workerAttr()
 	cmd.WaitDelay = 2 * time.Second // a grandchild holding our pipes must not hang Wait
 	if err := startOnSpawnerThread(cmd); err != nil {
 		_ = ctl.close()
