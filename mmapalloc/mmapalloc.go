@@ -231,8 +231,8 @@ type Allocation struct {
 	flags   Flags
 	id      ID
 
-	closed   atomic.Bool
-	closeErr error
+	closed     atomic.Bool
+	refDropped atomic.Bool // the RefCount reference was given back
 }
 
 // Bytes returns the segment's data (after the header of a RefCount
@@ -292,4 +292,43 @@ func (a *Allocation) String() string {
 		where = fmt.Sprintf("fd %d", a.fd)
 	}
 	return fmt.Sprintf("segment %s (%d bytes, %v)", where, len(a.data), a.flags)
+}
+
+// refHolders tracks the open RefCount allocations of this process, so
+// that a process about to exit can give their references back.
+var refHolders = &allocSet{m: make(map[*Allocation]struct{})}
+
+type allocSet struct {
+	mu sync.Mutex
+	m  map[*Allocation]struct{}
+}
+
+func (s *allocSet) add(a *Allocation) {
+	s.mu.Lock()
+	s.m[a] = struct{}{}
+	s.mu.Unlock()
+}
+
+func (s *allocSet) remove(a *Allocation) {
+	s.mu.Lock()
+	delete(s.m, a)
+	s.mu.Unlock()
+}
+
+// DropRefsForExit gives back this process's reference to every RefCount
+// segment it still maps, unlinking those it was the last holder of, and
+// leaves the mappings in place for the exit to remove. A process calls it
+// just before it exits, so that file_system segments it received but never
+// released do not stay counted after it is gone; memory its goroutines
+// still touch stays valid.
+func DropRefsForExit() {
+	refHolders.mu.Lock()
+	open := make([]*Allocation, 0, len(refHolders.m))
+	for a := range refHolders.m {
+		open = append(open, a)
+	}
+	refHolders.mu.Unlock()
+	for _, a := range open {
+		a.dropRef()
+	}
 }

@@ -93,6 +93,25 @@ func TestCreateFileSystemRefCount(t *testing.T) {
 	assert.ErrorIs(t, err, os.ErrNotExist)
 }
 
+func TestDropRefsForExit(t *testing.T) {
+	leakcheck.Check(t)
+	a, err := mmapalloc.Create(4096, mmapalloc.RefCount)
+	require.NoError(t, err)
+	b, err := mmapalloc.OpenName(a.Name(), 4096, mmapalloc.RefCount)
+	require.NoError(t, err)
+	plain, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
+	require.NoError(t, err)
+	require.Equal(t, int32(2), a.Refs())
+
+	mmapalloc.DropRefsForExit()
+	assert.False(t, inDir(a.Name()), "the process held both references: the name is gone")
+	a.Bytes()[0] = 1
+	assert.Equal(t, byte(1), b.Bytes()[0], "the mappings stay usable until exit")
+	require.NoError(t, a.Close(), "a later Close does not count the reference twice")
+	require.NoError(t, b.Close())
+	require.NoError(t, plain.Close())
+}
+
 func TestOpenNameReleased(t *testing.T) {
 	leakcheck.Check(t)
 	a, err := mmapalloc.Create(4096, mmapalloc.RefCount)

@@ -186,6 +186,7 @@ func setUp(fd int, path string, total int64, flags Flags, create bool) (a *Alloc
 			_ = unix.Munmap(mapping)
 			return nil, &Error{Op: "open", Path: where, Err: err}
 		}
+		refHolders.add(a)
 	}
 	if flags&KeepFD != 0 {
 		a.fd = fd
@@ -250,17 +251,28 @@ func (a *Allocation) Close() error {
 		return nil
 	}
 	var errs []error
-	if a.flags&RefCount != 0 {
-		if a.hdr().refs.Add(-1) == 0 && a.path != "" {
-			if err := unix.Unlink(a.path); err != nil && err != unix.ENOENT {
-				errs = append(errs, &Error{Op: "unlink", Path: a.path, Err: err})
-			}
-		}
+	if err := a.dropRef(); err != nil {
+		errs = append(errs, err)
 	}
 	if err := a.closeMapping(); err != nil {
 		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
+}
+
+// dropRef gives back a RefCount segment's reference once; the last
+// reference unlinks the name.
+func (a *Allocation) dropRef() error {
+	if a.flags&RefCount == 0 || !a.refDropped.CompareAndSwap(false, true) {
+		return nil
+	}
+	refHolders.remove(a)
+	if a.hdr().refs.Add(-1) == 0 && a.path != "" {
+		if err := unix.Unlink(a.path); err != nil && err != unix.ENOENT {
+			return &Error{Op: "unlink", Path: a.path, Err: err}
+		}
+	}
+	return nil
 }
 
 // closeMapping unmaps and closes the kept descriptor. The fields stay as

@@ -31,3 +31,5 @@ func (a *Allocation) Close() error {
 	a.closed.Store(true)
 	return nil
 }
+
+func (a *Allocation) dropRef() error { return nil }

@@ -15,6 +15,7 @@ import (
 
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/reduction"
 )
 
@@ -150,6 +151,10 @@ func runWorker(name string, fn WorkerFunc) int {
 		res = result{Failed: true, Err: err.Error()}
 		log.Debug("worker failed", "error", err)
 	}
+	// The worker is done with what it received: give back its references
+	// to file_system segments, which an exiting process would otherwise
+	// keep counted until the session ends.
+	mmapalloc.DropRefsForExit()
 	done, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if err := put(done, ctl, &res); err != nil {

@@ -1,6 +1,7 @@
 // Command spawn runs tensormp's demonstration and housekeeping jobs.
 //
 //	spawn demo    spawn workers and hand them tensors under each strategy
+//	spawn bench   measure hand-off latency, throughput and descriptors held
 //	spawn clean   remove segments of sessions with no live process
 //	spawn help    explain the subcommands and their flags
 package main
@@ -33,6 +34,7 @@ const usage = `usage: spawn <command> [flags]
 
 commands:
   demo     share tensors with worker processes and verify them (default)
+  bench    measure hand-off latency, throughput and descriptors held
   clean    remove segments of sessions with no live process
   help     show this help, or a command's: spawn help demo
 
@@ -54,6 +56,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return runDemo(args[1:], stdout, stderr)
 	case "clean":
 		return runClean(args[1:], stdout, stderr)
+	case "bench":
+		return runBench(args[1:], stdout, stderr)
 	case "help", "-h", "-help", "--help":
 		if len(args) > 1 {
 			return run([]string{args[1], "-h"}, stdout, stderr)

@@ -2,9 +2,11 @@ package main
 
 import (
 	"bytes"
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -89,4 +91,31 @@ func TestClean(t *testing.T) {
 	assert.NoFileExists(t, filepath.Join(dir, unheldSeg), "an unheld lock means no live member")
 	assert.FileExists(t, filepath.Join(dir, held))
 	assert.FileExists(t, filepath.Join(dir, heldSeg), "a held lock keeps the session")
+}
+
+func TestBenchJSON(t *testing.T) {
+	leakcheck.Check(t)
+	var out, errOut bytes.Buffer
+	code := run([]string{"bench", "-json", "-trips", "20", "-stream", "200", "-hold", "100", "-max", "1048576"}, &out, &errOut)
+	require.Equal(t, 0, code, errOut.String())
+	cases := map[string]int{}
+	for _, line := range strings.Split(strings.TrimSpace(out.String()), "\n") {
+		var r benchResult
+		require.NoError(t, json.Unmarshal([]byte(line), &r), line)
+		assert.Contains(t, []string{"file_descriptor", "file_system"}, r.Strategy)
+		cases[r.Case]++
+		switch r.Case {
+		case "roundtrip", "first_share":
+			assert.Positive(t, r.P50us)
+			assert.GreaterOrEqual(t, r.P99us, r.P50us)
+			assert.Contains(t, []int64{4 << 10, 1 << 20}, r.Bytes)
+		case "stream":
+			assert.Positive(t, r.PerS)
+		case "fds":
+			assert.Positive(t, r.FDs)
+		default:
+			t.Errorf("unknown case %q", r.Case)
+		}
+	}
+	assert.Equal(t, map[string]int{"roundtrip": 4, "first_share": 4, "stream": 2, "fds": 2}, cases)
 }
