@@ -285,30 +285,37 @@ func benchCases(ctx context.Context, st strategy.Strategy, in, out *mp.Queue, tr
 	}
 
 	progress(fmt.Sprintf("%s: stream of 4 KiB tensors", st))
-	batch := make([]*tensor.Tensor, streamN)
-	for i := range batch {
-		x, err := cpu.Zeros(tensor.Uint8, 4<<10)
-		if err != nil {
-			return err
-		}
-		batch[i] = x
-	}
+	// The sender keeps the last streamWindow tensors alive (under
+	// file_system a receiver opens them by name after Put returns) and
+	// releases older ones, as a real producer would.
+	const streamWindow = 4096
+	window := make([]*tensor.Tensor, streamWindow)
 	start := time.Now()
 	if err := in.Put(ctx, benchMsg{Op: "count", N: streamN}); err != nil {
 		return err
 	}
-	for _, x := range batch {
+	for i := range streamN {
+		x, err := cpu.Zeros(tensor.Uint8, 4<<10)
+		if err != nil {
+			return err
+		}
 		if err := in.Put(ctx, x); err != nil {
 			return err
 		}
+		if old := window[i%streamWindow]; old != nil {
+			_ = old.Release()
+		}
+		window[i%streamWindow] = x
 	}
 	var got int
 	if err := out.Get(ctx, &got); err != nil {
 		return err
 	}
 	elapsed := time.Since(start)
-	for _, x := range batch {
-		_ = x.Release()
+	for _, x := range window {
+		if x != nil {
+			_ = x.Release()
+		}
 	}
 	emit(benchResult{Strategy: st.String(), Case: "stream", Bytes: 4 << 10, PerS: float64(streamN) / elapsed.Seconds()})
 
