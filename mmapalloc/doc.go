@@ -16,6 +16,10 @@
 //     all processes; receivers map it with OpenName, and the last Close
 //     unlinks it.
 //
+// When the directory cannot hold a file_descriptor segment (Docker's 64 MiB
+// /dev/shm, say), Create falls back to memfd_create, which that size does
+// not limit, and seals the file against shrinking (flag Memfd).
+//
 // Ownership: an Allocation owns its mapping, its descriptor (KeepFD) and its
 // reference (RefCount), and Close releases each exactly once. OpenFD takes
 // ownership of the descriptor it is given, also when it fails. Names and

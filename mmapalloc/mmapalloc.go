@@ -40,9 +40,13 @@ const (
 	// reference count of the processes that have it mapped; the last
 	// Close unlinks the name. This is the file_system strategy.
 	RefCount
+	// Memfd: the segment is anonymous shared memory (memfd_create),
+	// sealed against shrinking, because the directory was full. Create
+	// sets it; callers never pass it.
+	Memfd
 )
 
-var flagNames = []string{"SharedMem", "Exclusive", "NoCreate", "KeepFD", "FromFD", "Unlink", "RefCount"}
+var flagNames = []string{"SharedMem", "Exclusive", "NoCreate", "KeepFD", "FromFD", "Unlink", "RefCount", "Memfd"}
 
 func (f Flags) String() string {
 	if f == 0 {

@@ -303,9 +303,10 @@ func TestCrossProcessByName(t *testing.T) {
 }
 
 // helperTmpfsFull runs in a private mount namespace: it mounts a 1 MiB
-// tmpfs, points TENSORMP_SHM_DIR at it and checks that a segment that does
-// not fit is an ENOSPC error, leaves nothing behind, and that a segment
-// that fits can be written to its last byte.
+// tmpfs, points TENSORMP_SHM_DIR at it and checks that a named segment
+// that does not fit is an ENOSPC error that leaves nothing behind, that a
+// descriptor segment falls back to a sealed memfd, and that a segment that
+// fits can be written to its last byte.
 func helperTmpfsFull() int {
 	dir := os.Args[1]
 	if err := unix.Mount("tensormp-test", dir, "tmpfs", 0, "size=1m,mode=0700"); err != nil {
@@ -319,20 +320,43 @@ func helperTmpfsFull() int {
 		fmt.Printf("FAIL "+format+"\n", args...)
 		return 1
 	}
-	for _, flags := range []mmapalloc.Flags{mmapalloc.KeepFD | mmapalloc.Unlink, mmapalloc.RefCount} {
-		_, err := mmapalloc.Create(2<<20, flags)
-		if !errors.Is(err, mmapalloc.ErrNoSpace) || !errors.Is(err, unix.ENOSPC) {
-			return fail("Create(2 MiB, %v) = %v, want ErrNoSpace wrapping ENOSPC", flags, err)
-		}
-		if entries, _ := os.ReadDir(dir); len(entries) != 0 {
-			return fail("a failed Create left %d entries", len(entries))
-		}
+	_, err := mmapalloc.Create(2<<20, mmapalloc.RefCount)
+	if !errors.Is(err, mmapalloc.ErrNoSpace) || !errors.Is(err, unix.ENOSPC) {
+		return fail("Create(2 MiB, RefCount) = %v, want ErrNoSpace wrapping ENOSPC", err)
+	}
+	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
+		return fail("a failed Create left %d entries", len(entries))
+	}
+	// A segment that travels by descriptor falls back to memfd.
+	m, err := mmapalloc.Create(2<<20, mmapalloc.KeepFD|mmapalloc.Unlink)
+	if err != nil {
+		return fail("Create(2 MiB, KeepFD|Unlink) = %v, want a memfd segment", err)
+	}
+	if m.Flags()&mmapalloc.Memfd == 0 || m.Name() != "" {
+		return fail("fallback segment has flags %v and name %q", m.Flags(), m.Name())
+	}
+	m.Bytes()[2<<20-1] = 1
+	if err := unix.Ftruncate(m.FD(), 4096); err == nil {
+		return fail("a memfd segment could be shrunk under its mappings")
+	}
+	dup, err := unix.FcntlInt(uintptr(m.FD()), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return fail("dup: %v", err)
+	}
+	r, err := mmapalloc.OpenFD(dup, 2<<20, 0)
+	if err != nil || r.Bytes()[2<<20-1] != 1 {
+		return fail("a receiver cannot map the memfd segment: %v", err)
+	}
+	_ = r.Close()
+	_ = m.Close()
+	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
+		return fail("the fallback left %d entries", len(entries))
 	}
 	a, err := mmapalloc.Create(640<<10, mmapalloc.RefCount)
 	if err != nil {
 		return fail("Create(640 KiB) = %v", err)
 	}
-	_, err = mmapalloc.Create(640<<10, mmapalloc.KeepFD|mmapalloc.Unlink)
+	_, err = mmapalloc.Create(640<<10, mmapalloc.RefCount)
 	if !errors.Is(err, mmapalloc.ErrNoSpace) {
 		return fail("second Create(640 KiB) = %v, want ErrNoSpace", err)
 	}

@@ -57,6 +57,15 @@ func Create(size int64, flags Flags) (*Allocation, error) {
 	a, err := setUp(fd, path, total, flags, true)
 	if err != nil {
 		_ = unix.Unlink(path)
+		if flags&Unlink != 0 && errors.Is(err, ErrNoSpace) {
+			// A segment that travels by descriptor needs no name: when
+			// the directory is full (Docker's 64 MiB /dev/shm, say),
+			// take anonymous shared memory, which its size does not
+			// limit.
+			if m, merr := createMemfd(total, flags); merr == nil {
+				return m, nil
+			}
+		}
 		return nil, err
 	}
 	if flags&Unlink != 0 {
@@ -64,6 +73,25 @@ func Create(size int64, flags Flags) (*Allocation, error) {
 			a.closeMapping()
 			return nil, &Error{Op: "unlink", Path: path, Err: err}
 		}
+	}
+	return a, nil
+}
+
+// createMemfd makes a file_descriptor segment with memfd_create, sealed
+// against shrinking so that no holder can make another's mapping fault.
+func createMemfd(total int64, flags Flags) (*Allocation, error) {
+	name := newName()
+	fd, err := unix.MemfdCreate(name, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		return nil, &Error{Op: "memfd_create", Path: name, Err: err}
+	}
+	a, err := setUp(fd, "", total, flags|Memfd, true)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := unix.FcntlInt(uintptr(a.fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL); err != nil {
+		_ = a.closeMapping()
+		return nil, &Error{Op: "seal", Path: name, Err: err}
 	}
 	return a, nil
 }
