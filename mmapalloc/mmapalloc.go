@@ -320,12 +320,13 @@ func (s *allocSet) remove(a *Allocation) {
 }
 
 // DropRefsForExit gives back this process's reference to every RefCount
-// segment it still maps, unlinking those it was the last holder of, and
-// leaves the mappings in place for the exit to remove. A process calls it
-// just before it exits, so that file_system segments it received but never
-// released do not stay counted after it is gone; memory its goroutines
-// still touch stays valid.
+// segment it still maps, unlinking those it was the last holder of, and to
+// every pooled block it received and still holds, and leaves the mappings
+// in place for the exit to remove. A process calls it just before it
+// exits, so that what it received but never released does not stay
+// counted after it is gone; memory its goroutines still touch stays valid.
 func DropRefsForExit() {
+	attached.dropAttachedForExit()
 	refHolders.mu.Lock()
 	open := make([]*Allocation, 0, len(refHolders.m))
 	for a := range refHolders.m {

@@ -33,3 +33,5 @@ func (a *Allocation) Close() error {
 }
 
 func (a *Allocation) dropRef() error { return nil }
+
+func dupFD(fd int) (int, error) { return -1, ErrUnsupported }

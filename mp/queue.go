@@ -57,7 +57,11 @@ func put(ctx context.Context, c *conn, v any) error {
 	if err != nil {
 		return fmt.Errorf("mp: encoding %T: %w", v, err)
 	}
-	return c.send(ctx, data, fds)
+	if err := c.send(ctx, data, fds); err != nil {
+		enc.Discard() // the receiver will never adopt what Encode retained
+		return err
+	}
+	return nil
 }
 
 // get receives a message on c and decodes it into v.

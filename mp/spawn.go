@@ -127,11 +127,6 @@ func Spawn(ctx context.Context, name string, n int, opts ...Option) (*Group, err
 		return nil, err
 	}
 	enc := reduction.NewEncoder()
-	args, argFDs, err := enc.Encode(o.args)
-	if err != nil {
-		return nil, fmt.Errorf("mp: spawn %q: encoding arguments: %w", name, err)
-	}
-
 	g := &Group{grace: o.grace, done: make(chan struct{})}
 	stdout, stderr := o.stdout, o.stderr
 	if stdout == nil {
@@ -149,7 +144,15 @@ func Spawn(ctx context.Context, name string, n int, opts ...Option) (*Group, err
 		p, err := start(ctx, name, rank, n, place, lock, o.env, newLineWriter(stdout, outMu), newLineWriter(stderr, outMu))
 		if err == nil {
 			g.procs = append(g.procs, p)
-			err = p.ctl.send(ctx, args, argFDs)
+			// Encoded once per worker: each message carries its own
+			// references to the pooled blocks inside.
+			var args []byte
+			var fds []int
+			if args, fds, err = enc.Encode(o.args); err != nil {
+				err = fmt.Errorf("encoding arguments: %w", err)
+			} else if err = p.ctl.send(ctx, args, fds); err != nil {
+				enc.Discard()
+			}
 		}
 		if err != nil {
 			err = fmt.Errorf("mp: spawn %q: starting worker %d: %w", name, rank, err)

@@ -13,15 +13,21 @@ import (
 // correctness.
 const cacheLimit = 4096
 
-// cacheKey names a segment: by device and inode for file_descriptor
-// segments, by name for file_system ones.
+// cacheKey names a storage's memory: a pooled block by its segment's
+// device and inode, offset and generation; a whole file_descriptor
+// segment by device and inode; a file_system segment by name.
 type cacheKey struct {
 	id   mmapalloc.ID
 	name string
+	off  int64  // a pooled block's offset in its segment, else -1
+	gen  uint64 // a pooled block's generation
 }
 
-func idKey(id mmapalloc.ID) cacheKey { return cacheKey{id: id} }
-func nameKey(name string) cacheKey   { return cacheKey{name: name} }
+func idKey(id mmapalloc.ID) cacheKey { return cacheKey{id: id, off: -1} }
+func nameKey(name string) cacheKey   { return cacheKey{name: name, off: -1} }
+func blockKey(id mmapalloc.ID, off int64, gen uint64) cacheKey {
+	return cacheKey{id: id, off: off, gen: gen}
+}
 
 // storageCache maps segments to the Storage this process has for them, so
 // that one segment received twice is mapped once. It holds its storages

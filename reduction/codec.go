@@ -9,6 +9,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 	"golang.org/x/sys/unix"
 
+	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -48,9 +49,21 @@ func (e *Encoder) Encode(v any) (data []byte, fds []int, err error) {
 	e.w.reset()
 	e.enc.Reset(&e.w)
 	if err := e.enc.Encode(v); err != nil {
+		e.Discard()
 		return nil, nil, err
 	}
 	return e.w.buf, e.w.fds, nil
+}
+
+// Discard gives back the references the last Encode took on pooled
+// blocks for its receiver (see Reduce), for a message that will not be
+// sent after all.
+func (e *Encoder) Discard() {
+	for _, b := range e.w.retained {
+		b.Drop()
+	}
+	clear(e.w.retained)
+	e.w.retained = e.w.retained[:0]
 }
 
 // Marshal encodes v with a new Encoder. See Encoder.Encode; the storages
@@ -68,6 +81,8 @@ type fdWriter struct {
 	fds   []int
 	index map[int]int // descriptor -> its position in fds
 	keep  []any       // owners of the descriptors in fds, kept reachable
+
+	retained []*mmapalloc.Block // blocks referenced on the receiver's behalf
 }
 
 func (w *fdWriter) reset() {
@@ -76,6 +91,8 @@ func (w *fdWriter) reset() {
 	clear(w.index)
 	clear(w.keep)
 	w.keep = w.keep[:0]
+	clear(w.retained)
+	w.retained = w.retained[:0]
 }
 
 func (w *fdWriter) Write(p []byte) (int, error) {
@@ -140,9 +157,12 @@ func encodeTensor(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {
 		return nil, errors.New("reduction: tensors must be encoded with reduction.Marshal or an Encoder, which carry their descriptors")
 	}
 	t := v.Interface().(*tensor.Tensor)
-	m, fd, err := reduce(t)
+	m, fd, b, err := reduce(t)
 	if err != nil {
 		return nil, err
+	}
+	if b != nil {
+		w.retained = append(w.retained, b)
 	}
 	if fd >= 0 {
 		m.FD = w.addFD(fd, t.Storage())

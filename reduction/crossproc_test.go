@@ -224,7 +224,7 @@ func TestCrossProcessAllDTypes(t *testing.T) {
 		data, fds, err := reduction.Marshal(&b)
 		require.NoError(t, err)
 		if st == strategy.FileDescriptor {
-			assert.Len(t, fds, len(tensor.DTypes())+1, "one descriptor per storage, however often it appears")
+			assert.LessOrEqual(t, len(fds), 4, "one descriptor per pooled segment, however many storages it holds")
 		} else {
 			assert.Empty(t, fds)
 		}

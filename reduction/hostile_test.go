@@ -37,7 +37,7 @@ func dupFD(t testing.TB, fd int) int {
 
 func validMeta() Meta {
 	return Meta{
-		Version: Version, Strategy: "file_descriptor", FD: 0, Size: 4096,
+		Version: Version, Strategy: "file_descriptor", FD: 0, Size: 4096, Block: -1,
 		DType: tensor.Float32, Shape: []int{32, 32}, Strides: []int{32, 1}, Place: "cpu",
 	}
 }
@@ -67,7 +67,7 @@ func TestHostileInput(t *testing.T) {
 		fds  func() []int
 		msg  string
 	}{
-		{"future version", with(func(m *Meta) { m.Version = 2 }), segFD, "version 2"},
+		{"future version", with(func(m *Meta) { m.Version = Version + 1 }), segFD, "metadata version"},
 		{"unknown dtype", with(func(m *Meta) { m.DType = 99 }), segFD, "invalid dtype"},
 		{"invalid dtype", with(func(m *Meta) { m.DType = 0 }), segFD, "invalid dtype"},
 		{"negative shape", with(func(m *Meta) { m.Shape = []int{-32, 32} }), segFD, "negative size"},

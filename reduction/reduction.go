@@ -13,7 +13,7 @@ import (
 )
 
 // Version is the version of Meta this package writes and reads.
-const Version = 1
+const Version = 2
 
 // ErrDeviceTensor is returned for a tensor whose memory is not on the
 // CPU: device tensors cross processes through CUDA IPC, which this
@@ -29,8 +29,11 @@ type Meta struct {
 	Strategy string // "file_descriptor", "file_system", or "" for an empty tensor
 	FD       int    // file_descriptor: index of the segment's descriptor in the message; else -1
 	Name     string // file_system: the segment's name in the shared-memory directory
-	Size     int64  // the segment's data bytes
-	Offset   int64  // byte offset of the first element
+	Size     int64  // the storage's bytes
+	Segment  int64  // pooled file_descriptor block: the segment's size
+	Block    int64  // pooled file_descriptor block: its header's offset in the segment; else -1
+	Gen      uint64 // pooled file_descriptor block: its generation
+	Offset   int64  // byte offset of the first element in the storage
 	DType    tensor.DType
 	Shape    []int
 	Strides  []int // in elements
@@ -47,8 +50,13 @@ type Meta struct {
 // The returned descriptors are borrowed: they belong to t's storage and
 // stay valid while it is reachable and not released. Send them (sendmsg
 // duplicates them in flight) or dup them; never close them.
+//
+// Under file_descriptor the storage is a block of a pooled segment, and
+// Reduce takes a reference to it on behalf of the receiver, so that the
+// block cannot be recycled while the message is in flight; Rebuild adopts
+// it. Call Discard for metadata that will not be rebuilt.
 func Reduce(t *tensor.Tensor) (Meta, []int, error) {
-	m, fd, err := reduce(t)
+	m, fd, _, err := reduce(t)
 	if err != nil || fd < 0 {
 		return m, nil, err
 	}
@@ -56,15 +64,25 @@ func Reduce(t *tensor.Tensor) (Meta, []int, error) {
 	return m, []int{fd}, nil
 }
 
-// reduce is Reduce returning the storage's descriptor itself, or -1.
-func reduce(t *tensor.Tensor) (Meta, int, error) {
+// Discard gives back the reference Reduce took on t's storage for
+// metadata that will never be rebuilt.
+func Discard(t *tensor.Tensor) {
+	if b := t.Storage().Block(); b != nil {
+		b.Drop()
+	}
+}
+
+// reduce is Reduce returning the storage's descriptor itself, or -1, and
+// the block it took a reference on, if any.
+func reduce(t *tensor.Tensor) (Meta, int, *mmapalloc.Block, error) {
 	if !t.Place().IsCPU() {
-		return Meta{}, -1, fmt.Errorf("reduce %v: %w", t, ErrDeviceTensor)
+		return Meta{}, -1, nil, fmt.Errorf("reduce %v: %w", t, ErrDeviceTensor)
 	}
 	s := t.Storage()
 	m := Meta{
 		Version: Version,
 		FD:      -1,
+		Block:   -1,
 		Offset:  t.Offset(),
 		DType:   t.DType(),
 		Shape:   t.Shape(),
@@ -73,34 +91,49 @@ func reduce(t *tensor.Tensor) (Meta, int, error) {
 		Place:   t.Place().String(),
 	}
 	if s.Released() {
-		return Meta{}, -1, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
+		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
 	}
 	if t.Numel() == 0 {
 		m.Offset = 0
 		m.Strides = make([]int, len(m.Shape))
-		return m, -1, nil
+		return m, -1, nil, nil
 	}
 	if err := s.ShareMemory(strategy.Get()); err != nil {
-		return Meta{}, -1, fmt.Errorf("reduction: reduce %v: %w", t, err)
+		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
+	}
+	if b := s.Block(); b != nil {
+		if err := b.Retain(); err != nil {
+			return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
+		}
+		seg := b.Segment()
+		fd := seg.FD()
+		if fd < 0 {
+			b.Drop()
+			return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
+		}
+		m.Strategy = string(strategy.FileDescriptor)
+		m.Size, m.Segment, m.Block, m.Gen = b.Size(), seg.Size(), b.Offset(), b.Gen()
+		storages.put(blockKey(seg.ID(), b.Offset(), b.Gen()), s)
+		return m, fd, b, nil
 	}
 	a := s.Allocation()
 	if a == nil {
-		return Meta{}, -1, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
+		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
 	}
 	m.Size = a.Size()
 	if a.Flags()&mmapalloc.RefCount != 0 {
 		m.Strategy = string(strategy.FileSystem)
 		m.Name = a.Name()
 		storages.put(nameKey(m.Name), s)
-		return m, -1, nil
+		return m, -1, nil, nil
 	}
 	fd := a.FD()
 	if fd < 0 {
-		return Meta{}, -1, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
+		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
 	}
 	m.Strategy = string(strategy.FileDescriptor)
 	storages.put(idKey(a.ID()), s)
-	return m, fd, nil
+	return m, fd, nil, nil
 }
 
 // Rebuild makes a tensor from metadata and the descriptors that came with
@@ -173,7 +206,7 @@ func rebuildTensor(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tenso
 	var s *tensor.Storage
 	switch strategy.Strategy(m.Strategy) {
 	case "":
-		if m.Size != 0 || m.FD != -1 || m.Name != "" {
+		if m.Size != 0 || m.FD != -1 || m.Name != "" || m.Block != -1 {
 			return nil, errors.New("an empty tensor carries no segment")
 		}
 		if len(m.Shape) == 0 || productNonZero(m.Shape) {
@@ -184,10 +217,14 @@ func rebuildTensor(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tenso
 		if m.Name != "" {
 			return nil, errors.New("file_descriptor metadata carries a name")
 		}
-		s, err = openFD(m, fds, made)
+		if m.Block >= 0 {
+			s, err = openBlock(m, fds, made)
+		} else {
+			s, err = openFD(m, fds, made)
+		}
 	case strategy.FileSystem:
-		if m.FD != -1 {
-			return nil, errors.New("file_system metadata refers to a descriptor")
+		if m.FD != -1 || m.Block != -1 {
+			return nil, errors.New("file_system metadata refers to a descriptor or block")
 		}
 		s, err = openName(m, made)
 	default:
@@ -240,6 +277,42 @@ func openFD(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, err
 		return nil, err
 	}
 	return adopt(key, a, made)
+}
+
+// openBlock attaches the pooled block m describes, or finds the storage
+// this process has for it already; then the message's reference is given
+// back, since the storage holds one of its own.
+func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
+	fd, err := fds.fd(m.FD)
+	if err != nil {
+		return nil, err
+	}
+	id, _, err := mmapalloc.Stat(fd)
+	if err != nil {
+		return nil, err
+	}
+	key := blockKey(id, m.Block, m.Gen)
+	if s := storages.get(key, m.Size); s != nil {
+		if b := s.Block(); b != nil {
+			b.Drop()
+			return s, nil
+		}
+	}
+	b, err := mmapalloc.AttachBlock(fd, m.Segment, m.Block, m.Size, m.Gen)
+	if err != nil {
+		return nil, err
+	}
+	s := tensor.NewBlockStorage(b)
+	if won := storages.put(key, s); won != s {
+		if err := s.Release(); err != nil { // gives the message's reference back
+			return nil, err
+		}
+		return won, nil
+	}
+	if made != nil {
+		*made = append(*made, s)
+	}
+	return s, nil
 }
 
 func openName(m Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {

@@ -4,6 +4,7 @@ import (
 	"os"
 	"sync"
 	"testing"
+	"unsafe"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -48,16 +49,24 @@ func TestReduceSharesInPlaceAndCopiesOnce(t *testing.T) {
 		m, fds, err := reduction.Reduce(x)
 		require.NoError(t, err)
 		assert.True(t, x.IsShared(), "sending shares the tensor in place")
-		a := x.Storage().Allocation()
-		require.NotNil(t, a)
 		assert.Equal(t, st.String(), m.Strategy)
 		assert.Equal(t, int64(256), m.Size)
 		assert.Equal(t, reduction.Version, int(m.Version))
+		var mem []byte
 		if st == strategy.FileDescriptor {
-			assert.Equal(t, []int{a.FD()}, fds)
+			b := x.Storage().Block()
+			require.NotNil(t, b)
+			mem = b.Bytes()
+			assert.Equal(t, []int{b.Segment().FD()}, fds)
 			assert.Equal(t, 0, m.FD)
 			assert.Empty(t, m.Name)
+			assert.Equal(t, b.Offset(), m.Block)
+			assert.Equal(t, b.Gen(), m.Gen)
+			assert.Equal(t, int32(2), b.Refs(), "the producer's reference and the message's")
 		} else {
+			a := x.Storage().Allocation()
+			require.NotNil(t, a)
+			mem = a.Bytes()
 			assert.Empty(t, fds)
 			assert.Equal(t, -1, m.FD)
 			assert.Equal(t, a.Name(), m.Name)
@@ -67,7 +76,10 @@ func TestReduceSharesInPlaceAndCopiesOnce(t *testing.T) {
 		require.NoError(t, err)
 		_, _, err = reduction.Reduce(x)
 		require.NoError(t, err)
-		assert.Same(t, a, x.Storage().Allocation(), "reducing a shared tensor copies nothing")
+		reduction.Discard(x) // that metadata is never rebuilt
+		data, err := tensor.Data[float32](x)
+		require.NoError(t, err)
+		assert.Same(t, &mem[0], (*byte)(unsafe.Pointer(&data[0])), "reducing a shared tensor copies nothing")
 		after, err := leakcheck.Mappings()
 		require.NoError(t, err)
 		assert.Equal(t, maps, after, "and maps nothing new")
@@ -114,6 +126,7 @@ func TestEmptyTensorTravelsWithoutSegment(t *testing.T) {
 		assert.Empty(t, m.Strategy)
 		assert.Zero(t, m.Size)
 		assert.Nil(t, e.Storage().Allocation())
+		assert.Nil(t, e.Storage().Block())
 
 		back, err := reduction.Rebuild(m, nil)
 		require.NoError(t, err)
@@ -162,7 +175,7 @@ func receivedSegment(t *testing.T, n int) (*mmapalloc.Allocation, reduction.Meta
 	require.NoError(t, err)
 	t.Cleanup(func() { a.Close() })
 	return a, reduction.Meta{
-		Version: reduction.Version, Strategy: "file_descriptor", FD: 0, Size: int64(n) * 4,
+		Version: reduction.Version, Strategy: "file_descriptor", FD: 0, Size: int64(n) * 4, Block: -1,
 		DType: tensor.Float32, Shape: []int{n}, Strides: []int{1}, Place: "cpu",
 	}
 }

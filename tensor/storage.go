@@ -60,7 +60,8 @@ func backendFor(p device.Place) (Backend, error) {
 // memory values atomically, so readers never see a half-made state.
 type memory struct {
 	bytes    []byte                // host memory; nil on a device or once released
-	alloc    *mmapalloc.Allocation // the shared segment behind bytes, if any
+	alloc    *mmapalloc.Allocation // the file_system segment behind bytes, if any
+	block    *mmapalloc.Block      // the pooled file_descriptor block behind bytes, if any
 	buf      Buffer                // device memory, if not on the CPU
 	shared   bool                  // in shared memory (an empty storage counts once shared)
 	released bool
@@ -133,6 +134,16 @@ func NewSharedStorage(a *mmapalloc.Allocation) *Storage {
 	return s
 }
 
+// NewBlockStorage wraps a block of a pooled file_descriptor segment as CPU
+// storage. The Storage takes ownership of b: Release, or the cleanup of an
+// unreachable Storage, releases it.
+func NewBlockStorage(b *mmapalloc.Block) *Storage {
+	s := &Storage{place: device.CPU(), nbytes: b.Size()}
+	s.mem.Store(&memory{bytes: b.Bytes(), block: b, shared: true})
+	s.arm(func() { _ = b.Release() })
+	return s
+}
+
 // NewEmptySharedStorage returns an empty storage that counts as shared: the
 // storage of an empty tensor received from another process.
 func NewEmptySharedStorage() *Storage {
@@ -167,9 +178,13 @@ func (s *Storage) Size() int64 { return s.nbytes }
 // storage and after Release.
 func (s *Storage) Bytes() []byte { return s.mem.Load().bytes }
 
-// Allocation returns the shared segment behind the storage, or nil. The
-// Storage keeps ownership.
+// Allocation returns the file_system segment behind the storage, or nil.
+// The Storage keeps ownership.
 func (s *Storage) Allocation() *mmapalloc.Allocation { return s.mem.Load().alloc }
+
+// Block returns the pooled file_descriptor block behind the storage, or
+// nil. The Storage keeps ownership.
+func (s *Storage) Block() *mmapalloc.Block { return s.mem.Load().block }
 
 // Buffer returns the device memory behind a non-CPU storage, or nil. The
 // Storage keeps ownership.
@@ -200,22 +215,26 @@ func (s *Storage) ShareMemory(st strategy.Strategy) error {
 		s.mem.Store(&memory{bytes: m.bytes, shared: true})
 		return nil
 	}
-	var flags mmapalloc.Flags
 	switch st {
 	case strategy.FileDescriptor:
-		flags = mmapalloc.KeepFD | mmapalloc.Unlink
+		b, err := mmapalloc.DefaultPool().Alloc(s.nbytes)
+		if err != nil {
+			return fmt.Errorf("tensor: share memory (%d bytes, %s): %w", s.nbytes, st, err)
+		}
+		copy(b.Bytes(), m.bytes)
+		s.mem.Store(&memory{bytes: b.Bytes(), block: b, shared: true})
+		s.arm(func() { _ = b.Release() })
 	case strategy.FileSystem:
-		flags = mmapalloc.RefCount
+		a, err := mmapalloc.Create(s.nbytes, mmapalloc.RefCount)
+		if err != nil {
+			return fmt.Errorf("tensor: share memory (%d bytes, %s): %w", s.nbytes, st, err)
+		}
+		copy(a.Bytes(), m.bytes)
+		s.mem.Store(&memory{bytes: a.Bytes(), alloc: a, shared: true})
+		s.arm(func() { _ = a.Close() })
 	default:
 		return fmt.Errorf("tensor: share memory: unknown strategy %q", st)
 	}
-	a, err := mmapalloc.Create(s.nbytes, flags)
-	if err != nil {
-		return fmt.Errorf("tensor: share memory (%d bytes, %s): %w", s.nbytes, st, err)
-	}
-	copy(a.Bytes(), m.bytes)
-	s.mem.Store(&memory{bytes: a.Bytes(), alloc: a, shared: true})
-	s.arm(func() { _ = a.Close() })
 	return nil
 }
 
@@ -235,6 +254,8 @@ func (s *Storage) Release() error {
 	switch {
 	case m.alloc != nil:
 		return m.alloc.Close()
+	case m.block != nil:
+		return m.block.Release()
 	case m.buf != nil:
 		return m.buf.Free()
 	}
@@ -249,6 +270,8 @@ func (s *Storage) String() string {
 		state = "released"
 	case m.alloc != nil:
 		state = m.alloc.String()
+	case m.block != nil:
+		state = m.block.String()
 	case m.shared:
 		state = "shared"
 	case m.buf != nil:
