@@ -366,10 +366,20 @@ func (p *Pool) Stats() (segments int, bytes int64, freeBlocks int) {
 // they attach.
 var attached = &segmentTable{m: map[ID]*segment{}, blocks: map[*Block]struct{}{}}
 
+// A receiver keeps up to idleMax segments that no block of its uses any
+// more mapped, idleBytes at most, because the producer keeps recycling
+// their blocks: the next block from one costs no mmap and no page faults.
+const (
+	idleMax   = 64
+	idleBytes = 256 << 20
+)
+
 type segmentTable struct {
-	mu     sync.Mutex
-	m      map[ID]*segment
-	blocks map[*Block]struct{} // attached blocks not yet released
+	mu        sync.Mutex
+	m         map[ID]*segment
+	blocks    map[*Block]struct{} // attached blocks not yet released
+	idle      []*segment          // mapped, unused, oldest first
+	idleBytes int64
 }
 
 // dropAttachedForExit gives back the references of every attached block
@@ -436,6 +446,9 @@ func (t *segmentTable) attach(fd int, id ID, size int64) (*segment, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if seg, ok := t.m[id]; ok && seg.alloc.Size() >= size {
+		if seg.users == 0 {
+			t.unidleLocked(seg)
+		}
 		seg.users++
 		return seg, nil
 	}
@@ -462,8 +475,46 @@ func (t *segmentTable) detach(seg *segment, b *Block) error {
 	if seg.users > 0 {
 		return nil
 	}
-	if t.m[seg.alloc.ID()] == seg {
-		delete(t.m, seg.alloc.ID())
+	if t.m[seg.alloc.ID()] != seg {
+		return seg.alloc.Close() // superseded: nobody finds it any more
 	}
-	return seg.alloc.Close()
+	t.idle = append(t.idle, seg)
+	t.idleBytes += seg.alloc.Size()
+	return t.trimLocked(idleMax, idleBytes)
+}
+
+func (t *segmentTable) unidleLocked(seg *segment) {
+	for i, s := range t.idle {
+		if s == seg {
+			t.idle = append(t.idle[:i], t.idle[i+1:]...)
+			t.idleBytes -= seg.alloc.Size()
+			return
+		}
+	}
+}
+
+// trimLocked unmaps the oldest idle segments until at most n of them,
+// and bytes in all, are left.
+func (t *segmentTable) trimLocked(n int, bytes int64) error {
+	var errs []error
+	for len(t.idle) > 0 && (len(t.idle) > n || t.idleBytes > bytes) {
+		seg := t.idle[0]
+		t.idle = t.idle[1:]
+		t.idleBytes -= seg.alloc.Size()
+		delete(t.m, seg.alloc.ID())
+		if err := seg.alloc.Close(); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Trim gives back to the system what this process keeps only for reuse:
+// the default pool's unused segments and the mappings of received
+// segments no storage uses.
+func Trim() {
+	DefaultPool().Trim(0)
+	attached.mu.Lock()
+	defer attached.mu.Unlock()
+	_ = attached.trimLocked(0, 0)
 }

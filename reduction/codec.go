@@ -83,6 +83,7 @@ type fdWriter struct {
 	keep  []any       // owners of the descriptors in fds, kept reachable
 
 	retained []*mmapalloc.Block // blocks referenced on the receiver's behalf
+	meta     []byte             // scratch for one tensor's metadata
 }
 
 func (w *fdWriter) reset() {
@@ -167,7 +168,8 @@ func encodeTensor(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {
 	if fd >= 0 {
 		m.FD = w.addFD(fd, t.Storage())
 	}
-	return msgpack.Marshal(&m)
+	w.meta = appendMeta(w.meta[:0], &m)
+	return w.meta, nil // written out before the next tensor reuses it
 }
 
 // Decoder rebuilds values encoded by an Encoder from the bytes and
@@ -329,8 +331,8 @@ func decodeTensor(dec *msgpack.Decoder, v reflect.Value, extLen int) error {
 		return err
 	}
 	var m Meta
-	if err := msgpack.Unmarshal(payload, &m); err != nil {
-		return fmt.Errorf("reduction: decoding tensor metadata: %w", err)
+	if err := parseMeta(payload, &m); err != nil {
+		return fmt.Errorf("reduction: %w", err)
 	}
 	t, err := rebuild(m, r, &r.made)
 	if err != nil {

@@ -215,27 +215,67 @@ func (s *Storage) ShareMemory(st strategy.Strategy) error {
 		s.mem.Store(&memory{bytes: m.bytes, shared: true})
 		return nil
 	}
+	nm, err := newSharedMemory(s.nbytes, st, false)
+	if err != nil {
+		return err
+	}
+	copy(nm.bytes, m.bytes)
+	s.mem.Store(nm)
+	s.armFor(nm)
+	return nil
+}
+
+// newSharedStorage returns a storage of nbytes of zeroed shared memory.
+func newSharedStorage(nbytes int64, st strategy.Strategy) (*Storage, error) {
+	s := &Storage{place: device.CPU(), nbytes: nbytes}
+	if nbytes == 0 {
+		s.mem.Store(&memory{bytes: []byte{}, shared: true})
+		return s, nil
+	}
+	m, err := newSharedMemory(nbytes, st, true)
+	if err != nil {
+		return nil, err
+	}
+	s.mem.Store(m)
+	s.armFor(m)
+	return s, nil
+}
+
+// newSharedMemory returns nbytes of shared memory made under strategy st:
+// a pooled block for file_descriptor, a segment of its own for
+// file_system. With zero, a recycled block is cleared of its last user's
+// bytes; without, the caller overwrites all of it.
+func newSharedMemory(nbytes int64, st strategy.Strategy, zero bool) (*memory, error) {
 	switch st {
 	case strategy.FileDescriptor:
-		b, err := mmapalloc.DefaultPool().Alloc(s.nbytes)
+		b, err := mmapalloc.DefaultPool().Alloc(nbytes)
 		if err != nil {
-			return fmt.Errorf("tensor: share memory (%d bytes, %s): %w", s.nbytes, st, err)
+			return nil, fmt.Errorf("tensor: share memory (%d bytes, %s): %w", nbytes, st, err)
 		}
-		copy(b.Bytes(), m.bytes)
-		s.mem.Store(&memory{bytes: b.Bytes(), block: b, shared: true})
-		s.arm(func() { _ = b.Release() })
+		if zero {
+			clear(b.Bytes())
+		}
+		return &memory{bytes: b.Bytes(), block: b, shared: true}, nil
 	case strategy.FileSystem:
-		a, err := mmapalloc.Create(s.nbytes, mmapalloc.RefCount)
+		a, err := mmapalloc.Create(nbytes, mmapalloc.RefCount)
 		if err != nil {
-			return fmt.Errorf("tensor: share memory (%d bytes, %s): %w", s.nbytes, st, err)
+			return nil, fmt.Errorf("tensor: share memory (%d bytes, %s): %w", nbytes, st, err)
 		}
-		copy(a.Bytes(), m.bytes)
-		s.mem.Store(&memory{bytes: a.Bytes(), alloc: a, shared: true})
-		s.arm(func() { _ = a.Close() })
-	default:
-		return fmt.Errorf("tensor: share memory: unknown strategy %q", st)
+		return &memory{bytes: a.Bytes(), alloc: a, shared: true}, nil
 	}
-	return nil
+	return nil, fmt.Errorf("tensor: share memory: unknown strategy %q", st)
+}
+
+// armFor arms the safety net that releases m's segment or block.
+func (s *Storage) armFor(m *memory) {
+	switch {
+	case m.block != nil:
+		b := m.block
+		s.arm(func() { _ = b.Release() })
+	case m.alloc != nil:
+		a := m.alloc
+		s.arm(func() { _ = a.Close() })
+	}
 }
 
 // Release gives the storage's memory back now: it unmaps a shared segment

@@ -33,7 +33,8 @@ type Tensor struct {
 // Factory makes tensors on one place. In and On return one; the
 // package-level constructors use the process default place.
 type Factory struct {
-	place device.Place
+	place  device.Place
+	shared bool
 }
 
 // In returns a Factory for the current place of ctx: its device scope, or
@@ -46,13 +47,29 @@ func On(p device.Place) Factory { return Factory{place: p} }
 // Place returns where the Factory puts tensors.
 func (f Factory) Place() device.Place { return f.place }
 
+// Shared returns a Factory whose CPU tensors are born in shared memory,
+// under the process's sharing strategy: what a producer that hands every
+// tensor it makes to another process wants, since sending then copies
+// nothing, not even once.
+func (f Factory) Shared() Factory {
+	f.shared = true
+	return f
+}
+
 // Zeros returns a tensor of zeros.
 func (f Factory) Zeros(dt DType, shape ...int) (*Tensor, error) {
 	if err := checkNewShape(dt, shape); err != nil {
 		return nil, err
 	}
 	n := numel(shape)
-	s, err := newStorage(f.place, int64(n)*int64(dt.Size()))
+	nbytes := int64(n) * int64(dt.Size())
+	var s *Storage
+	var err error
+	if f.shared && f.place.IsCPU() {
+		s, err = newSharedStorage(nbytes, strategy.Get())
+	} else {
+		s, err = newStorage(f.place, nbytes)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -72,6 +89,9 @@ func (f Factory) Arange(dt DType, n int) (*Tensor, error) {
 
 func (f Factory) fill(dt DType, shape []int, at func(int) float64) (*Tensor, error) {
 	host, err := On(device.CPU()).Zeros(dt, shape...)
+	if f.shared && f.place.IsCPU() {
+		host, err = f.Zeros(dt, shape...)
+	}
 	if err != nil {
 		return nil, err
 	}

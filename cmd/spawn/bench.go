@@ -22,7 +22,8 @@ const benchHelp = `Measures tensor hand-off between processes, for each sharing 
   roundtrip    parent -> worker -> parent over two queues, a tensor already
                shared (p50, p99)
   first_share  the same round trip for a tensor not yet in shared memory
-  stream       4 KiB tensors sent one way, per second
+  stream       4 KiB tensors sent one way, per second (made in shared
+               memory with tensor.On(cpu).Shared(), as a producer would)
   fds          descriptors a receiver holds while it keeps 10,000 received
                4 KiB tensors alive
 Prints a table, or with -json one JSON object per line.`
@@ -294,8 +295,9 @@ func benchCases(ctx context.Context, st strategy.Strategy, in, out *mp.Queue, tr
 	if err := in.Put(ctx, benchMsg{Op: "count", N: streamN}); err != nil {
 		return err
 	}
+	born := cpu.Shared() // a producer streaming tensors makes them in shared memory
 	for i := range streamN {
-		x, err := cpu.Zeros(tensor.Uint8, 4<<10)
+		x, err := born.Zeros(tensor.Uint8, 4<<10)
 		if err != nil {
 			return err
 		}

@@ -40,7 +40,7 @@ var warmUp = sync.OnceFunc(func() {
 func Check(t testing.TB) {
 	t.Helper()
 	warmUp()
-	mmapalloc.DefaultPool().Trim(0)
+	mmapalloc.Trim()
 	before, err := FDs()
 	if err != nil {
 		t.Fatalf("leakcheck: %v", err)
@@ -57,9 +57,9 @@ func Check(t testing.TB) {
 		deadline := time.Now().Add(settle)
 		for {
 			runtime.GC()
-			// Segments the pool keeps for reuse are not leaks; blocks
-			// still counted by someone keep theirs from being trimmed.
-			mmapalloc.DefaultPool().Trim(0)
+			// Segments kept for reuse are not leaks; blocks still
+			// counted by someone keep theirs from being trimmed.
+			mmapalloc.Trim()
 			after, err := FDs()
 			if err != nil {
 				t.Errorf("leakcheck: %v", err)

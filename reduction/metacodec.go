@@ -1,0 +1,342 @@
+package reduction
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math"
+
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// Meta travels as a plain msgpack array of its fields in order. It is
+// written and read by hand rather than by reflection: it is on the path of
+// every tensor sent, and the reader is simpler to make strict.
+
+const metaFields = 14
+
+// appendMeta appends m's msgpack encoding to b.
+func appendMeta(b []byte, m *Meta) []byte {
+	b = append(b, 0x90|metaFields)
+	b = appendUint(b, uint64(m.Version))
+	b = appendString(b, m.Strategy)
+	b = appendInt(b, int64(m.FD))
+	b = appendString(b, m.Name)
+	b = appendInt(b, m.Size)
+	b = appendInt(b, m.Segment)
+	b = appendInt(b, m.Block)
+	b = appendUint(b, m.Gen)
+	b = appendInt(b, m.Offset)
+	b = appendUint(b, uint64(m.DType))
+	b = appendInts(b, m.Shape)
+	b = appendInts(b, m.Strides)
+	if m.LoD == nil {
+		b = append(b, 0xc0)
+	} else {
+		b = appendArrayLen(b, len(m.LoD))
+		for _, level := range m.LoD {
+			b = appendInts(b, level)
+		}
+	}
+	return appendString(b, m.Place)
+}
+
+func appendUint(b []byte, v uint64) []byte {
+	switch {
+	case v <= 0x7f:
+		return append(b, byte(v))
+	case v <= math.MaxUint8:
+		return append(b, 0xcc, byte(v))
+	case v <= math.MaxUint16:
+		return binary.BigEndian.AppendUint16(append(b, 0xcd), uint16(v))
+	case v <= math.MaxUint32:
+		return binary.BigEndian.AppendUint32(append(b, 0xce), uint32(v))
+	}
+	return binary.BigEndian.AppendUint64(append(b, 0xcf), v)
+}
+
+func appendInt(b []byte, v int64) []byte {
+	switch {
+	case v >= 0:
+		return appendUint(b, uint64(v))
+	case v >= -32:
+		return append(b, byte(v))
+	case v >= math.MinInt8:
+		return append(b, 0xd0, byte(v))
+	case v >= math.MinInt16:
+		return binary.BigEndian.AppendUint16(append(b, 0xd1), uint16(v))
+	case v >= math.MinInt32:
+		return binary.BigEndian.AppendUint32(append(b, 0xd2), uint32(v))
+	}
+	return binary.BigEndian.AppendUint64(append(b, 0xd3), uint64(v))
+}
+
+func appendString(b []byte, s string) []byte {
+	switch n := len(s); {
+	case n <= 31:
+		b = append(b, 0xa0|byte(n))
+	case n <= math.MaxUint8:
+		b = append(b, 0xd9, byte(n))
+	case n <= math.MaxUint16:
+		b = binary.BigEndian.AppendUint16(append(b, 0xda), uint16(n))
+	default:
+		b = binary.BigEndian.AppendUint32(append(b, 0xdb), uint32(n))
+	}
+	return append(b, s...)
+}
+
+func appendArrayLen(b []byte, n int) []byte {
+	switch {
+	case n <= 15:
+		return append(b, 0x90|byte(n))
+	case n <= math.MaxUint16:
+		return binary.BigEndian.AppendUint16(append(b, 0xdc), uint16(n))
+	}
+	return binary.BigEndian.AppendUint32(append(b, 0xdd), uint32(n))
+}
+
+func appendInts(b []byte, v []int) []byte {
+	b = appendArrayLen(b, len(v))
+	for _, x := range v {
+		b = appendInt(b, int64(x))
+	}
+	return b
+}
+
+var errShort = errors.New("unexpected end of tensor metadata")
+
+// metaReader reads msgpack values strictly: each read checks its type and
+// that its bytes are there; the first error sticks.
+type metaReader struct {
+	b   []byte
+	err error
+}
+
+func (r *metaReader) fail(err error) {
+	if r.err == nil {
+		r.err = err
+	}
+}
+
+func (r *metaReader) take(n int) []byte {
+	if r.err != nil {
+		return nil
+	}
+	if n < 0 || n > len(r.b) {
+		r.fail(errShort)
+		return nil
+	}
+	out := r.b[:n]
+	r.b = r.b[n:]
+	return out
+}
+
+func (r *metaReader) code() byte {
+	b := r.take(1)
+	if b == nil {
+		return 0xc1 // never used by msgpack
+	}
+	return b[0]
+}
+
+// int reads any msgpack integer that fits an int64.
+func (r *metaReader) int() int64 {
+	c := r.code()
+	switch {
+	case r.err != nil:
+		return 0
+	case c <= 0x7f:
+		return int64(c)
+	case c >= 0xe0:
+		return int64(int8(c))
+	}
+	switch c {
+	case 0xcc:
+		if b := r.take(1); b != nil {
+			return int64(b[0])
+		}
+	case 0xcd:
+		if b := r.take(2); b != nil {
+			return int64(binary.BigEndian.Uint16(b))
+		}
+	case 0xce:
+		if b := r.take(4); b != nil {
+			return int64(binary.BigEndian.Uint32(b))
+		}
+	case 0xcf:
+		if b := r.take(8); b != nil {
+			v := binary.BigEndian.Uint64(b)
+			if v > math.MaxInt64 {
+				r.fail(fmt.Errorf("integer %d out of range", v))
+				return 0
+			}
+			return int64(v)
+		}
+	case 0xd0:
+		if b := r.take(1); b != nil {
+			return int64(int8(b[0]))
+		}
+	case 0xd1:
+		if b := r.take(2); b != nil {
+			return int64(int16(binary.BigEndian.Uint16(b)))
+		}
+	case 0xd2:
+		if b := r.take(4); b != nil {
+			return int64(int32(binary.BigEndian.Uint32(b)))
+		}
+	case 0xd3:
+		if b := r.take(8); b != nil {
+			return int64(binary.BigEndian.Uint64(b))
+		}
+	default:
+		r.fail(fmt.Errorf("code %#x where an integer belongs", c))
+	}
+	return 0
+}
+
+// uint reads an integer that must not be negative; a uint64 above
+// MaxInt64 is allowed.
+func (r *metaReader) uint() uint64 {
+	if len(r.b) > 0 && r.b[0] == 0xcf {
+		r.code()
+		if b := r.take(8); b != nil {
+			return binary.BigEndian.Uint64(b)
+		}
+		return 0
+	}
+	v := r.int()
+	if v < 0 {
+		r.fail(fmt.Errorf("negative value %d where an unsigned one belongs", v))
+		return 0
+	}
+	return uint64(v)
+}
+
+// small reads an int that must fit an int (and a 32-bit one at that, for
+// counts and indexes).
+func (r *metaReader) small() int {
+	v := r.int()
+	if v < math.MinInt32 || v > math.MaxInt32 {
+		if v > math.MaxInt32 {
+			return math.MaxInt32 // out of range for any check that follows
+		}
+		return math.MinInt32
+	}
+	return int(v)
+}
+
+func (r *metaReader) str() string {
+	c := r.code()
+	n := 0
+	switch {
+	case r.err != nil:
+		return ""
+	case c >= 0xa0 && c <= 0xbf:
+		n = int(c & 0x1f)
+	case c == 0xd9:
+		if b := r.take(1); b != nil {
+			n = int(b[0])
+		}
+	case c == 0xda:
+		if b := r.take(2); b != nil {
+			n = int(binary.BigEndian.Uint16(b))
+		}
+	case c == 0xdb:
+		if b := r.take(4); b != nil {
+			n = int(binary.BigEndian.Uint32(b))
+		}
+	default:
+		r.fail(fmt.Errorf("code %#x where a string belongs", c))
+	}
+	return string(r.take(n))
+}
+
+// arrayLen reads an array header; nil reads as -1.
+func (r *metaReader) arrayLen() int {
+	c := r.code()
+	n := 0
+	switch {
+	case r.err != nil:
+		return 0
+	case c == 0xc0:
+		return -1
+	case c >= 0x90 && c <= 0x9f:
+		n = int(c & 0x0f)
+	case c == 0xdc:
+		if b := r.take(2); b != nil {
+			n = int(binary.BigEndian.Uint16(b))
+		}
+	case c == 0xdd:
+		if b := r.take(4); b != nil {
+			n = int(binary.BigEndian.Uint32(b))
+		}
+	default:
+		r.fail(fmt.Errorf("code %#x where an array belongs", c))
+	}
+	if n > len(r.b) { // every element takes a byte at least
+		r.fail(errShort)
+		return 0
+	}
+	return n
+}
+
+func (r *metaReader) ints() []int {
+	n := r.arrayLen()
+	if n <= 0 || r.err != nil {
+		if n == 0 {
+			return []int{}
+		}
+		return nil
+	}
+	out := make([]int, n)
+	for i := range out {
+		v := r.int()
+		if v > math.MaxInt || v < math.MinInt {
+			r.fail(fmt.Errorf("integer %d out of range", v))
+		}
+		out[i] = int(v)
+	}
+	return out
+}
+
+// parseMeta reads m from its encoding, which must be exactly one Meta.
+func parseMeta(b []byte, m *Meta) error {
+	r := &metaReader{b: b}
+	if n := r.arrayLen(); r.err == nil && n != metaFields {
+		return fmt.Errorf("tensor metadata has %d fields, want %d", n, metaFields)
+	}
+	version := r.uint()
+	if r.err == nil && version != Version {
+		return fmt.Errorf("metadata version %d, want %d", version, Version)
+	}
+	m.Version = uint8(version)
+	m.Strategy = r.str()
+	m.FD = r.small()
+	m.Name = r.str()
+	m.Size = r.int()
+	m.Segment = r.int()
+	m.Block = r.int()
+	m.Gen = r.uint()
+	m.Offset = r.int()
+	dt := r.uint()
+	if dt > math.MaxUint8 {
+		dt = 0
+	}
+	m.DType = tensor.DType(dt)
+	m.Shape = r.ints()
+	m.Strides = r.ints()
+	if n := r.arrayLen(); n >= 0 && r.err == nil {
+		m.LoD = make([][]int, n)
+		for i := range m.LoD {
+			m.LoD[i] = r.ints()
+		}
+	}
+	m.Place = r.str()
+	if r.err != nil {
+		return fmt.Errorf("decoding tensor metadata: %w", r.err)
+	}
+	if len(r.b) != 0 {
+		return fmt.Errorf("tensor metadata has %d trailing bytes", len(r.b))
+	}
+	return nil
+}

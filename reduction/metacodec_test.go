@@ -1,0 +1,71 @@
+package reduction
+
+import (
+	"math"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/tensormp/tensormp/tensor"
+)
+
+func TestMetaCodecRoundTrip(t *testing.T) {
+	cases := []Meta{
+		validMeta(),
+		{Version: Version, Strategy: "file_system", FD: -1, Name: "tensormp_abc_1_0123456789abcdef", Size: math.MaxInt64,
+			Segment: 1 << 40, Block: -1, Gen: math.MaxUint64, Offset: -300000, DType: tensor.Complex128,
+			Shape: []int{0, 70000, 3}, Strides: []int{math.MinInt32, 1, math.MaxInt64}, LoD: [][]int{{0, 2, 5}, {}}, Place: "gpu:3"},
+		{Version: Version, FD: -1, Block: -1, Shape: []int{}, Strides: []int{}, Place: "cpu"},
+	}
+	for _, m := range cases {
+		b := appendMeta(nil, &m)
+		var got Meta
+		require.NoError(t, parseMeta(b, &got))
+		assert.Equal(t, m, got)
+
+		// The hand-written form is ordinary msgpack, both ways.
+		var viaLib Meta
+		require.NoError(t, msgpack.Unmarshal(b, &viaLib))
+		assert.Equal(t, m, viaLib)
+		lib, err := msgpack.Marshal(&m)
+		require.NoError(t, err)
+		var fromLib Meta
+		require.NoError(t, parseMeta(lib, &fromLib))
+		assert.Equal(t, m.Shape, fromLib.Shape)
+		assert.Equal(t, m.Gen, fromLib.Gen)
+		assert.Equal(t, m.Offset, fromLib.Offset)
+	}
+}
+
+func TestMetaCodecRejects(t *testing.T) {
+	good := appendMeta(nil, &Meta{Version: Version, FD: -1, Block: -1, Shape: []int{2}, Strides: []int{1}, Place: "cpu"})
+	for name, b := range map[string][]byte{
+		"empty":          nil,
+		"not an array":   {0xc0},
+		"too few fields": {0x93, 0x02, 0xa0, 0x00},
+		"truncated":      good[:len(good)-2],
+		"trailing":       append(append([]byte(nil), good...), 0x00),
+		"string as int":  append([]byte{0x9e, 0xa1, 'x'}, good[2:]...),
+		"old version":    append([]byte{0x9e, 0x01}, good[2:]...),
+	} {
+		t.Run(name, func(t *testing.T) {
+			var m Meta
+			assert.Error(t, parseMeta(b, &m))
+		})
+	}
+}
+
+func BenchmarkMetaCodec(b *testing.B) {
+	m := validMeta()
+	var buf []byte
+	b.ReportAllocs()
+	for b.Loop() {
+		buf = appendMeta(buf[:0], &m)
+		var got Meta
+		if err := parseMeta(buf, &got); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
