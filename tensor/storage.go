@@ -219,7 +219,7 @@ func (s *Storage) ShareMemory(st strategy.Strategy) error {
 	if err != nil {
 		return err
 	}
-	copy(nm.bytes, m.bytes)
+	copyBytes(nm.bytes, m.bytes)
 	s.mem.Store(nm)
 	s.armFor(nm)
 	return nil

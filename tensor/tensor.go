@@ -468,7 +468,7 @@ func (t *Tensor) denseHost() ([]byte, error) {
 func (t *Tensor) gather(src, dst []byte) {
 	item := t.dtype.Size()
 	if t.IsContiguous() {
-		copy(dst, src[t.offset:t.offset+t.Nbytes()])
+		copyBytes(dst, src[t.offset:t.offset+t.Nbytes()])
 		return
 	}
 	i := 0

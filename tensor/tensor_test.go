@@ -443,3 +443,15 @@ func ExampleTensor_ShareMemory() {
 	fmt.Println(m.IsShared(), m.Shape())
 	// Output: true [2 3]
 }
+
+func TestShareMemoryLargeCopiesEverything(t *testing.T) {
+	leakcheck.Check(t)
+	// Above the size where the copy is split across cores.
+	x, err := tensor.Arange(tensor.Int32, 5<<20)
+	require.NoError(t, err)
+	want, err := x.Clone()
+	require.NoError(t, err)
+	require.NoError(t, x.ShareMemory())
+	assert.True(t, tensor.Equal(x, want))
+	require.NoError(t, x.Release())
+}

@@ -268,7 +268,8 @@ func benchCases(ctx context.Context, st strategy.Strategy, in, out *mp.Queue, tr
 		n := max(3, min(trips, int((2<<30)/size)))
 		ds = ds[:0]
 		for range n {
-			y, err := cpu.Zeros(tensor.Uint8, int(size))
+			// A new batch, written by its producer: its pages are there.
+			y, err := cpu.Full(tensor.Uint8, 1, int(size))
 			if err != nil {
 				return err
 			}
