@@ -69,7 +69,9 @@ type segment struct {
 }
 
 // Block is one storage's piece of a pooled segment. A Block holds one
-// reference to its piece; Release gives it back.
+// reference to its piece; Release gives it back, once: a producer's Block
+// is handed out again when its piece is reused, so it must not be touched
+// after Release.
 type Block struct {
 	seg      *segment
 	off      int64 // offset of the header in the segment
@@ -148,20 +150,13 @@ func (b *Block) String() string {
 	return fmt.Sprintf("block %d+%d of %v", b.off, b.size, b.seg.alloc)
 }
 
-// sizeClass holds the free and pending slots of one block capacity.
+// sizeClass holds the free and pending blocks of one capacity. A
+// producer's Block objects are made once per slot and handed out again at
+// every reuse, so that taking a recycled block allocates nothing.
 type sizeClass struct {
 	cap     int64
-	free    []slot
-	pending []slot // released by the producer, still held elsewhere
-}
-
-type slot struct {
-	seg *segment
-	off int64
-}
-
-func (s slot) hdr() *blockHdr {
-	return (*blockHdr)(unsafe.Pointer(&s.seg.alloc.mapping[s.off]))
+	free    []*Block
+	pending []*Block // released by the producer, still held elsewhere
 }
 
 // Pool hands out blocks of file_descriptor segments and recycles them. It
@@ -233,11 +228,13 @@ func (p *Pool) Alloc(size int64) (*Block, error) {
 			return nil, err
 		}
 	}
-	s := c.free[len(c.free)-1]
+	b := c.free[len(c.free)-1]
+	c.free[len(c.free)-1] = nil
 	c.free = c.free[:len(c.free)-1]
-	h := s.hdr()
+	h := b.hdr()
 	h.refs.Store(1)
-	b := &Block{seg: s.seg, off: s.off, size: size, gen: h.gen.Add(1), pool: p}
+	b.size, b.gen = size, h.gen.Add(1)
+	b.released.Store(false)
 	return b, nil
 }
 
@@ -245,12 +242,12 @@ func (p *Pool) Alloc(size int64) (*Block, error) {
 // more to its free list.
 func (p *Pool) reclaimLocked(c *sizeClass) {
 	kept := c.pending[:0]
-	for _, s := range c.pending {
-		if s.hdr().refs.Load() <= 0 {
-			c.free = append(c.free, s)
-			s.seg.inUse--
+	for _, b := range c.pending {
+		if b.hdr().refs.Load() <= 0 {
+			c.free = append(c.free, b)
+			b.seg.inUse--
 		} else {
-			kept = append(kept, s)
+			kept = append(kept, b)
 		}
 	}
 	clear(c.pending[len(kept):])
@@ -278,11 +275,11 @@ func (p *Pool) growLocked(c *sizeClass) error {
 	p.segs[seg] = struct{}{}
 	p.cached += segSize
 	for off := int64(0); off+stride <= segSize; off += stride {
-		s := slot{seg: seg, off: off}
-		h := s.hdr()
+		b := &Block{seg: seg, off: off, pool: p}
+		h := b.hdr()
 		h.magic = blockMagic
 		h.size = c.cap
-		c.free = append(c.free, s)
+		c.free = append(c.free, b)
 	}
 	return nil
 }
@@ -293,12 +290,11 @@ func (p *Pool) put(b *Block, left int32) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	c := b.seg.class
-	s := slot{seg: b.seg, off: b.off}
 	if left <= 0 {
-		c.free = append(c.free, s)
+		c.free = append(c.free, b)
 	} else {
-		c.pending = append(c.pending, s)
-		s.seg.inUse++
+		c.pending = append(c.pending, b)
+		b.seg.inUse++
 	}
 	if p.cached > p.limit {
 		p.trimLocked(p.limit)
@@ -324,8 +320,8 @@ func (p *Pool) trimLocked(keep int64) {
 	}
 	freeBySeg := map[*segment]int{}
 	for _, c := range p.classes {
-		for _, s := range c.free {
-			freeBySeg[s.seg]++
+		for _, b := range c.free {
+			freeBySeg[b.seg]++
 		}
 	}
 	for seg := range p.segs {
@@ -338,9 +334,9 @@ func (p *Pool) trimLocked(keep int64) {
 		}
 		c := seg.class
 		kept := c.free[:0]
-		for _, s := range c.free {
-			if s.seg != seg {
-				kept = append(kept, s)
+		for _, b := range c.free {
+			if b.seg != seg {
+				kept = append(kept, b)
 			}
 		}
 		clear(c.free[len(kept):])

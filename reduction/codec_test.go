@@ -178,6 +178,21 @@ func BenchmarkReduceRebuildShared(b *testing.B) {
 	}
 }
 
+// BenchmarkReduce is the sender's cost for a tensor already shared.
+func BenchmarkReduce(b *testing.B) {
+	x, err := tensor.Zeros(tensor.Float32, 1<<20)
+	require.NoError(b, err)
+	require.NoError(b, x.ShareMemory())
+	defer x.Release()
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, _, err := reduction.Reduce(x); err != nil {
+			b.Fatal(err)
+		}
+		reduction.Discard(x)
+	}
+}
+
 func BenchmarkMarshalUnmarshal(b *testing.B) {
 	x, err := tensor.Zeros(tensor.Float32, 1<<20)
 	require.NoError(b, err)
