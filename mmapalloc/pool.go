@@ -162,6 +162,7 @@ type sizeClass struct {
 // Pool hands out blocks of file_descriptor segments and recycles them. It
 // owns every segment it made and closes them in Trim once unused.
 type Pool struct {
+	named   bool // file_system: segments keep their names, receivers open them by name
 	mu      sync.Mutex
 	classes map[int64]*sizeClass
 	segs    map[*segment]struct{}
@@ -181,8 +182,33 @@ var defaultPool = sync.OnceValue(func() *Pool {
 	return NewPool(limit)
 })
 
-// DefaultPool returns the process's pool, the one shared tensors use.
+// DefaultPool returns the process's pool of file_descriptor segments, the
+// one shared tensors use under that strategy.
 func DefaultPool() *Pool { return defaultPool() }
+
+var (
+	namedPool = sync.OnceValue(func() *Pool {
+		p := NewPool(defaultPool().limit)
+		p.named = true
+		return p
+	})
+	namedEnabled atomic.Bool
+)
+
+// EnableNamedPool lets file_system storages come from a pool too. Named
+// segments that a pool keeps for reuse would outlive a process that dies,
+// so only a process whose session has a keeper to remove them at its end
+// enables it; package mp does so for the program and every worker.
+func EnableNamedPool() { namedEnabled.Store(true) }
+
+// NamedPool returns the process's pool of file_system segments, or nil
+// unless EnableNamedPool was called.
+func NamedPool() *Pool {
+	if !namedEnabled.Load() {
+		return nil
+	}
+	return namedPool()
+}
 
 // NewPool returns a pool that keeps at most limit bytes of unused
 // segments for reuse.
@@ -263,10 +289,14 @@ func (p *Pool) growLocked(c *sizeClass) error {
 	if c.cap <= smallMax {
 		segSize = slabSize / stride * stride
 	}
-	a, err := Create(segSize, KeepFD|Unlink)
+	flags := KeepFD | Unlink
+	if p.named {
+		flags = 0
+	}
+	a, err := Create(segSize, flags)
 	if err != nil {
 		p.trimLocked(0)
-		a, err = Create(segSize, KeepFD|Unlink)
+		a, err = Create(segSize, flags)
 	}
 	if err != nil {
 		return err
@@ -343,6 +373,7 @@ func (p *Pool) trimLocked(keep int64) {
 		c.free = kept
 		delete(p.segs, seg)
 		p.cached -= seg.alloc.Size()
+		_ = seg.alloc.Remove()
 		_ = seg.alloc.Close()
 	}
 }
@@ -360,7 +391,7 @@ func (p *Pool) Stats() (segments int, bytes int64, freeBlocks int) {
 
 // Receivers map each segment once and share the mapping among the blocks
 // they attach.
-var attached = &segmentTable{m: map[ID]*segment{}, blocks: map[*Block]struct{}{}}
+var attached = &segmentTable{m: map[ID]*segment{}, byName: map[string]*segment{}, blocks: map[*Block]struct{}{}}
 
 // A receiver keeps up to idleMax segments that no block of its uses any
 // more mapped, idleBytes at most, because the producer keeps recycling
@@ -373,6 +404,7 @@ const (
 type segmentTable struct {
 	mu        sync.Mutex
 	m         map[ID]*segment
+	byName    map[string]*segment // the named ones among m, by name
 	blocks    map[*Block]struct{} // attached blocks not yet released
 	idle      []*segment          // mapped, unused, oldest first
 	idleBytes int64
@@ -401,8 +433,8 @@ func (t *segmentTable) dropAttachedForExit() {
 // blocks attached from it. The block adopts the reference its sender took
 // with Retain. fd stays the caller's.
 func AttachBlock(fd int, segSize, off, size int64, gen uint64) (*Block, error) {
-	if off < 0 || size <= 0 || off > segSize-blockHeader || size > segSize-blockHeader-off {
-		return nil, fmt.Errorf("mmapalloc: block %d+%d outside a segment of %d bytes", off, size, segSize)
+	if err := checkBlockBounds(segSize, off, size); err != nil {
+		return nil, err
 	}
 	id, fsize, err := Stat(fd)
 	if err != nil {
@@ -415,6 +447,36 @@ func AttachBlock(fd int, segSize, off, size int64, gen uint64) (*Block, error) {
 	if err != nil {
 		return nil, err
 	}
+	return attachAt(seg, off, size, gen)
+}
+
+// AttachNamedBlock is AttachBlock for a block of a named (file_system)
+// segment in Dir. The name must be one tensormp made.
+func AttachNamedBlock(name string, segSize, off, size int64, gen uint64) (*Block, error) {
+	if err := checkBlockBounds(segSize, off, size); err != nil {
+		return nil, err
+	}
+	if !ValidName(name) {
+		return nil, &Error{Op: "open", Path: fmt.Sprintf("%q", name), Err: ErrBadName}
+	}
+	seg, err := attached.attachName(name, segSize)
+	if err != nil {
+		return nil, err
+	}
+	return attachAt(seg, off, size, gen)
+}
+
+func checkBlockBounds(segSize, off, size int64) error {
+	if off < 0 || size <= 0 || off > segSize-blockHeader || size > segSize-blockHeader-off {
+		return fmt.Errorf("mmapalloc: block %d+%d outside a segment of %d bytes", off, size, segSize)
+	}
+	return nil
+}
+
+// attachAt checks the block header at off of an attached segment and
+// returns the block, or detaches again.
+func attachAt(seg *segment, off, size int64, gen uint64) (*Block, error) {
+	var err error
 	b := &Block{seg: seg, off: off, size: size, gen: gen}
 	h := b.hdr()
 	switch {
@@ -463,6 +525,28 @@ func (t *segmentTable) attach(fd int, id ID, size int64) (*segment, error) {
 	return seg, nil
 }
 
+func (t *segmentTable) attachName(name string, size int64) (*segment, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if seg, ok := t.byName[name]; ok && seg.alloc.Size() >= size {
+		if seg.users == 0 {
+			t.unidleLocked(seg)
+		}
+		seg.users++
+		return seg, nil
+	}
+	a, err := OpenName(name, size, 0)
+	if err != nil {
+		return nil, err
+	}
+	seg := &segment{alloc: a, users: 1}
+	if _, ok := t.m[a.ID()]; !ok {
+		t.m[a.ID()] = seg
+		t.byName[name] = seg
+	}
+	return seg, nil
+}
+
 func (t *segmentTable) detach(seg *segment, b *Block) error {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -498,6 +582,9 @@ func (t *segmentTable) trimLocked(n int, bytes int64) error {
 		t.idle = t.idle[1:]
 		t.idleBytes -= seg.alloc.Size()
 		delete(t.m, seg.alloc.ID())
+		if n := seg.alloc.Name(); n != "" && t.byName[n] == seg {
+			delete(t.byName, n)
+		}
 		if err := seg.alloc.Close(); err != nil {
 			errs = append(errs, err)
 		}
@@ -506,10 +593,13 @@ func (t *segmentTable) trimLocked(n int, bytes int64) error {
 }
 
 // Trim gives back to the system what this process keeps only for reuse:
-// the default pool's unused segments and the mappings of received
-// segments no storage uses.
+// the pools' unused segments and the mappings of received segments no
+// storage uses.
 func Trim() {
 	DefaultPool().Trim(0)
+	if p := NamedPool(); p != nil {
+		p.Trim(0)
+	}
 	attached.mu.Lock()
 	defer attached.mu.Unlock()
 	_ = attached.trimLocked(0, 0)

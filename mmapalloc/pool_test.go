@@ -216,3 +216,29 @@ func TestPoolHitAllocatesNothing(t *testing.T) {
 	})
 	assert.Zero(t, allocs, "taking a recycled block allocates nothing")
 }
+
+func TestNamedPool(t *testing.T) {
+	leakcheck.Check(t)
+	mmapalloc.EnableNamedPool()
+	p := mmapalloc.NamedPool()
+	require.NotNil(t, p)
+	a, err := p.Alloc(4 << 10)
+	require.NoError(t, err)
+	seg := a.Segment()
+	require.NotEmpty(t, seg.Name())
+	assert.True(t, inDir(seg.Name()), "a named pool's segments keep their names")
+	assert.Equal(t, -1, seg.FD(), "and travel by name, not by descriptor")
+	copy(a.Bytes(), "named")
+	require.NoError(t, a.Retain())
+
+	r, err := mmapalloc.AttachNamedBlock(seg.Name(), seg.Size(), a.Offset(), 4<<10, a.Gen())
+	require.NoError(t, err)
+	assert.Equal(t, "named", string(r.Bytes()[:5]))
+	_, err = mmapalloc.AttachNamedBlock("../"+seg.Name(), seg.Size(), a.Offset(), 4<<10, a.Gen())
+	assert.ErrorIs(t, err, mmapalloc.ErrBadName)
+	require.NoError(t, r.Release())
+	require.NoError(t, a.Release())
+
+	mmapalloc.Trim()
+	assert.False(t, inDir(seg.Name()), "trimming a named segment removes its name")
+}

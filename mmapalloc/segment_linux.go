@@ -288,6 +288,18 @@ func (a *Allocation) Close() error {
 	return errors.Join(errs...)
 }
 
+// Remove unlinks the segment's name, if it has one still; the mapping
+// stays. A pool removes the named segments it made when it closes them.
+func (a *Allocation) Remove() error {
+	if a.path == "" || a.flags&Unlink != 0 {
+		return nil
+	}
+	if err := unix.Unlink(a.path); err != nil && err != unix.ENOENT {
+		return &Error{Op: "unlink", Path: a.path, Err: err}
+	}
+	return nil
+}
+
 // dropRef gives back a RefCount segment's reference once; the last
 // reference unlinks the name.
 func (a *Allocation) dropRef() error {

@@ -48,6 +48,7 @@ func keepSessionLock(fd int) {
 	session.mu.Lock()
 	defer session.mu.Unlock()
 	session.lock = os.NewFile(uintptr(fd), "session lock")
+	mmapalloc.EnableNamedPool() // the session's keeper removes what the pool keeps
 }
 
 // StartSession makes this process the first member of its session and
@@ -62,6 +63,11 @@ func StartSession() (*os.File, error) {
 		return session.lock, session.err
 	}
 	session.lock, session.err = startSession()
+	if session.err == nil {
+		// The keeper removes named segments a pool keeps for reuse if
+		// this process dies, so file_system storages may be pooled too.
+		mmapalloc.EnableNamedPool()
+	}
 	return session.lock, session.err
 }
 

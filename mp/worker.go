@@ -155,6 +155,7 @@ func runWorker(name string, fn WorkerFunc) int {
 	// to file_system segments, which an exiting process would otherwise
 	// keep counted until the session ends.
 	mmapalloc.DropRefsForExit()
+	mmapalloc.Trim() // named segments nobody holds go now, not at the session's end
 	done, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if err := put(done, ctl, &res); err != nil {

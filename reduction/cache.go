@@ -28,6 +28,9 @@ func nameKey(name string) cacheKey   { return cacheKey{name: name, off: -1} }
 func blockKey(id mmapalloc.ID, off int64, gen uint64) cacheKey {
 	return cacheKey{id: id, off: off, gen: gen}
 }
+func namedBlockKey(name string, off int64, gen uint64) cacheKey {
+	return cacheKey{name: name, off: off, gen: gen}
+}
 
 // storageCache maps segments to the Storage this process has for them, so
 // that one segment received twice is mapped once. It holds its storages

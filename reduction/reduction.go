@@ -106,14 +106,19 @@ func reduce(t *tensor.Tensor) (Meta, int, *mmapalloc.Block, error) {
 			return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
 		}
 		seg := b.Segment()
+		m.Size, m.Segment, m.Block, m.Gen = b.Size(), seg.Size(), b.Offset(), b.Gen()
+		if name := seg.Name(); name != "" && seg.FD() < 0 {
+			m.Strategy, m.Name = string(strategy.FileSystem), name
+			storages.put(namedBlockKey(name, b.Offset(), b.Gen()), s)
+			return m, -1, b, nil
+		}
+		storages.put(blockKey(seg.ID(), b.Offset(), b.Gen()), s)
 		fd := seg.FD()
 		if fd < 0 {
 			b.Drop()
 			return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
 		}
 		m.Strategy = string(strategy.FileDescriptor)
-		m.Size, m.Segment, m.Block, m.Gen = b.Size(), seg.Size(), b.Offset(), b.Gen()
-		storages.put(blockKey(seg.ID(), b.Offset(), b.Gen()), s)
 		return m, fd, b, nil
 	}
 	a := s.Allocation()
@@ -223,10 +228,14 @@ func rebuildTensor(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tenso
 			s, err = openFD(m, fds, made)
 		}
 	case strategy.FileSystem:
-		if m.FD != -1 || m.Block != -1 {
-			return nil, errors.New("file_system metadata refers to a descriptor or block")
+		if m.FD != -1 {
+			return nil, errors.New("file_system metadata refers to a descriptor")
 		}
-		s, err = openName(m, made)
+		if m.Block >= 0 {
+			s, err = openNamedBlock(m, made)
+		} else {
+			s, err = openName(m, made)
+		}
 	default:
 		return nil, fmt.Errorf("unknown strategy %q", m.Strategy)
 	}
@@ -291,14 +300,32 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 	if err != nil {
 		return nil, err
 	}
-	key := blockKey(id, m.Block, m.Gen)
+	return adoptBlock(blockKey(id, m.Block, m.Gen), m, made, func() (*mmapalloc.Block, error) {
+		return mmapalloc.AttachBlock(fd, m.Segment, m.Block, m.Size, m.Gen)
+	})
+}
+
+// openNamedBlock is openBlock for a block of a named segment.
+func openNamedBlock(m Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {
+	if !mmapalloc.ValidName(m.Name) {
+		return nil, fmt.Errorf("segment name %q: %w", m.Name, mmapalloc.ErrBadName)
+	}
+	return adoptBlock(namedBlockKey(m.Name, m.Block, m.Gen), m, made, func() (*mmapalloc.Block, error) {
+		return mmapalloc.AttachNamedBlock(m.Name, m.Segment, m.Block, m.Size, m.Gen)
+	})
+}
+
+// adoptBlock returns the storage this process has for the block under
+// key, giving back the message's reference, or attaches the block, whose
+// storage then owns that reference.
+func adoptBlock(key cacheKey, m Meta, made *[]*tensor.Storage, attach func() (*mmapalloc.Block, error)) (*tensor.Storage, error) {
 	if s := storages.get(key, m.Size); s != nil {
 		if b := s.Block(); b != nil {
 			b.Drop()
 			return s, nil
 		}
 	}
-	b, err := mmapalloc.AttachBlock(fd, m.Segment, m.Block, m.Size, m.Gen)
+	b, err := attach()
 	if err != nil {
 		return nil, err
 	}

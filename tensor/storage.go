@@ -242,8 +242,9 @@ func newSharedStorage(nbytes int64, st strategy.Strategy) (*Storage, error) {
 }
 
 // newSharedMemory returns nbytes of shared memory made under strategy st:
-// a pooled block for file_descriptor, a segment of its own for
-// file_system. With zero, a recycled block is cleared of its last user's
+// a pooled block for file_descriptor, and for file_system a pooled block
+// of a named segment in a process whose session has a keeper, else a
+// reference-counted segment of its own. With zero, a recycled block is cleared of its last user's
 // bytes; without, the caller overwrites all of it.
 func newSharedMemory(nbytes int64, st strategy.Strategy, zero bool) (*memory, error) {
 	switch st {
@@ -257,6 +258,16 @@ func newSharedMemory(nbytes int64, st strategy.Strategy, zero bool) (*memory, er
 		}
 		return &memory{bytes: b.Bytes(), block: b, shared: true}, nil
 	case strategy.FileSystem:
+		if pool := mmapalloc.NamedPool(); pool != nil {
+			b, err := pool.Alloc(nbytes)
+			if err != nil {
+				return nil, fmt.Errorf("tensor: share memory (%d bytes, %s): %w", nbytes, st, err)
+			}
+			if zero {
+				clear(b.Bytes())
+			}
+			return &memory{bytes: b.Bytes(), block: b, shared: true}, nil
+		}
 		a, err := mmapalloc.Create(nbytes, mmapalloc.RefCount)
 		if err != nil {
 			return nil, fmt.Errorf("tensor: share memory (%d bytes, %s): %w", nbytes, st, err)

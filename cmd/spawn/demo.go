@@ -169,6 +169,7 @@ func runDemo(args []string, stdout, stderr io.Writer) int {
 	for _, r := range rows {
 		fmt.Fprintf(stdout, "%-16s %8d %12s %14s\n", r.strategy, r.tensors, formatBytes(r.bytes), formatDuration(r.p50))
 	}
+	mmapalloc.Trim() // what the pools keep for reuse is not residue
 	after, err := countEntries(mmapalloc.Dir())
 	if err != nil {
 		fmt.Fprintln(stderr, "spawn demo:", err)
