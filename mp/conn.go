@@ -52,11 +52,14 @@ var ErrClosed = errors.New("mp: closed")
 type conn struct {
 	uc *net.UnixConn
 
-	rmu  chan struct{} // held by the one reader; carries read deadlines
-	wmu  chan struct{} // held by the one writer
-	buf  []byte        // read buffer, under rmu
-	oob  []byte        // control buffer, under rmu
-	once sync.Once
+	rmu chan struct{} // held by the one reader; carries read deadlines
+	wmu chan struct{} // held by the one writer
+	buf []byte        // read buffer, under rmu
+	oob []byte        // control buffer, under rmu
+	// rArmed and wArmed: a read or write deadline may be set; under rmu
+	// and wmu.
+	rArmed, wArmed bool
+	once           sync.Once
 }
 
 // newConn wraps fd, a SOCK_SEQPACKET socket, taking ownership of it.
@@ -134,11 +137,20 @@ func lock(ctx context.Context, sem chan struct{}) error {
 
 // withDeadline runs io with the connection's deadline following ctx: its
 // deadline, and an immediate one when ctx is cancelled. The caller holds
-// the direction's lock, so deadlines of concurrent callers never mix.
-func withDeadline(ctx context.Context, set func(time.Time) error, io func() error) error {
-	d, _ := ctx.Deadline() // zero: no deadline
-	if err := set(d); err != nil {
-		return connErr(err)
+// the direction's lock, so deadlines of concurrent callers never mix;
+// armed, guarded by that lock too, records whether a deadline may be set,
+// so that a call with a context that has none (the common case) costs no
+// deadline bookkeeping at all.
+func withDeadline(ctx context.Context, set func(time.Time) error, armed *bool, io func() error) error {
+	d, hasDeadline := ctx.Deadline()
+	if hasDeadline || *armed {
+		if err := set(d); err != nil { // zero d clears it
+			return connErr(err)
+		}
+		*armed = hasDeadline
+	}
+	if ctx.Done() == nil {
+		return connErr(io())
 	}
 	done := make(chan struct{})
 	stop := context.AfterFunc(ctx, func() {
@@ -148,12 +160,13 @@ func withDeadline(ctx context.Context, set func(time.Time) error, io func() erro
 	err := io()
 	if !stop() {
 		<-done // the cancellation is setting the deadline; let it finish
+		*armed = true
 	}
 	if errors.Is(err, os.ErrDeadlineExceeded) {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		if !d.IsZero() && !time.Now().Before(d) {
+		if hasDeadline && !time.Now().Before(d) {
 			return context.DeadlineExceeded // the socket's timer beat ctx's
 		}
 	}
@@ -219,7 +232,7 @@ func (c *conn) send(ctx context.Context, data []byte, fds []int) error {
 	if len(rights) > 0 {
 		oob = unix.UnixRights(rights...)
 	}
-	return withDeadline(ctx, c.uc.SetWriteDeadline, func() error {
+	return withDeadline(ctx, c.uc.SetWriteDeadline, &c.wArmed, func() error {
 		n, oobn, err := c.uc.WriteMsgUnix(msg, oob, nil)
 		if err != nil {
 			return fmt.Errorf("mp: send: %w%s", err, fdHint(err))
@@ -259,7 +272,7 @@ func (c *conn) recv(ctx context.Context) (data []byte, fds []int, err error) {
 	defer func() { <-c.rmu }()
 
 	var n, oobn, flags int
-	err = withDeadline(ctx, c.uc.SetReadDeadline, func() error {
+	err = withDeadline(ctx, c.uc.SetReadDeadline, &c.rArmed, func() error {
 		var err error
 		n, oobn, flags, _, err = c.uc.ReadMsgUnix(c.buf, c.oob)
 		return err

@@ -11,7 +11,7 @@ import (
 // cacheLimit bounds the number of segments the cache remembers. Going past
 // it drops entries, which costs a second mapping at worst, never
 // correctness.
-const cacheLimit = 4096
+const cacheLimit = 1 << 16
 
 // cacheKey names a storage's memory: a pooled block by its segment's
 // device and inode, offset and generation; a whole file_descriptor
@@ -70,7 +70,7 @@ func (c *storageCache) put(k cacheKey, s *tensor.Storage) *tensor.Storage {
 	defer c.mu.Unlock()
 	if w, ok := c.m[k]; ok {
 		if old := w.Value(); old != nil && !old.Released() {
-			return old
+			return old // s itself, when a sender registers again
 		}
 	}
 	if len(c.m) >= cacheLimit {
