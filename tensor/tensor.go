@@ -78,7 +78,18 @@ func (f Factory) Zeros(dt DType, shape ...int) (*Tensor, error) {
 
 // Full returns a tensor with every element v, converted to dt.
 func (f Factory) Full(dt DType, v float64, shape ...int) (*Tensor, error) {
-	return f.fill(dt, shape, func(int) float64 { return v })
+	host, err := f.hostZeros(dt, shape)
+	if err != nil {
+		return nil, err
+	}
+	b := host.storage.Bytes()
+	if len(b) > 0 {
+		setFloat(dt, b, 0, v)
+		for n := dt.Size(); n < len(b); n *= 2 { // fill by doubling
+			copy(b[n:], b[:n])
+		}
+	}
+	return host.To(f.place)
 }
 
 // Arange returns a one-dimensional tensor holding 0, 1, ..., n-1 converted
@@ -87,11 +98,17 @@ func (f Factory) Arange(dt DType, n int) (*Tensor, error) {
 	return f.fill(dt, []int{n}, func(i int) float64 { return float64(i) })
 }
 
-func (f Factory) fill(dt DType, shape []int, at func(int) float64) (*Tensor, error) {
-	host, err := On(device.CPU()).Zeros(dt, shape...)
+// hostZeros makes the host tensor a constructor fills before moving it to
+// f's place: in shared memory already when f makes shared tensors.
+func (f Factory) hostZeros(dt DType, shape []int) (*Tensor, error) {
 	if f.shared && f.place.IsCPU() {
-		host, err = f.Zeros(dt, shape...)
+		return f.Zeros(dt, shape...)
 	}
+	return On(device.CPU()).Zeros(dt, shape...)
+}
+
+func (f Factory) fill(dt DType, shape []int, at func(int) float64) (*Tensor, error) {
+	host, err := f.hostZeros(dt, shape)
 	if err != nil {
 		return nil, err
 	}

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"runtime"
 	"slices"
 	"strings"
 	"time"
@@ -130,7 +131,7 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	fs.SetOutput(stderr)
 	asJSON := fs.Bool("json", false, "print one JSON object per line instead of a table")
 	strategies := fs.String("strategy", "file_descriptor,file_system", "comma-separated sharing strategies to measure")
-	trips := fs.Int("trips", 2000, "round trips per size (fewer for large first shares)")
+	trips := fs.Int("trips", 5000, "round trips per size (fewer for large first shares)")
 	streamN := fs.Int("stream", 50000, "tensors sent in the stream case")
 	holdN := fs.Int("hold", 10000, "tensors held in the fds case")
 	maxSize := fs.Int64("max", 256<<20, "largest tensor size to measure, in bytes")
@@ -248,13 +249,14 @@ func benchCases(ctx context.Context, st strategy.Strategy, in, out *mp.Queue, tr
 		if err := x.ShareMemory(); err != nil {
 			return err
 		}
+		runtime.GC() // start each measurement without the last one's garbage
 		var ds []time.Duration
-		for i := range trips + 10 {
+		for i := range trips + 1000 {
 			d, err := roundTrip(x)
 			if err != nil {
 				return err
 			}
-			if i >= 10 { // warm-up
+			if i >= 1000 { // warm-up
 				ds = append(ds, d)
 			}
 		}
