@@ -13,11 +13,11 @@ import (
 // written and read by hand rather than by reflection: it is on the path of
 // every tensor sent, and the reader is simpler to make strict.
 
-const metaFields = 14
+const metaFields = 17
 
 // appendMeta appends m's msgpack encoding to b.
 func appendMeta(b []byte, m *Meta) []byte {
-	b = append(b, 0x90|metaFields)
+	b = appendArrayLen(b, metaFields)
 	b = appendUint(b, uint64(m.Version))
 	b = appendString(b, m.Strategy)
 	b = appendInt(b, int64(m.FD))
@@ -38,7 +38,25 @@ func appendMeta(b []byte, m *Meta) []byte {
 			b = appendInts(b, level)
 		}
 	}
-	return appendString(b, m.Place)
+	b = appendString(b, m.Place)
+	b = appendBytes(b, m.IPC)
+	b = appendBytes(b, m.IPCEvent)
+	return appendInt(b, m.DevOffset)
+}
+
+func appendBytes(b, v []byte) []byte {
+	if v == nil {
+		return append(b, 0xc0)
+	}
+	switch n := len(v); {
+	case n <= math.MaxUint8:
+		b = append(b, 0xc4, byte(n))
+	case n <= math.MaxUint16:
+		b = binary.BigEndian.AppendUint16(append(b, 0xc5), uint16(n))
+	default:
+		b = binary.BigEndian.AppendUint32(append(b, 0xc6), uint32(n))
+	}
+	return append(b, v...)
 }
 
 func appendUint(b []byte, v uint64) []byte {
@@ -251,6 +269,36 @@ func (r *metaReader) str() string {
 	return string(r.take(n))
 }
 
+// bytes reads a bin value; nil reads as nil.
+func (r *metaReader) bytes() []byte {
+	c := r.code()
+	n := 0
+	switch {
+	case r.err != nil:
+		return nil
+	case c == 0xc0:
+		return nil
+	case c == 0xc4:
+		if b := r.take(1); b != nil {
+			n = int(b[0])
+		}
+	case c == 0xc5:
+		if b := r.take(2); b != nil {
+			n = int(binary.BigEndian.Uint16(b))
+		}
+	case c == 0xc6:
+		if b := r.take(4); b != nil {
+			n = int(binary.BigEndian.Uint32(b))
+		}
+	default:
+		r.fail(fmt.Errorf("code %#x where bytes belong", c))
+	}
+	if b := r.take(n); b != nil {
+		return append([]byte{}, b...)
+	}
+	return nil
+}
+
 // arrayLen reads an array header; nil reads as -1.
 func (r *metaReader) arrayLen() int {
 	c := r.code()
@@ -332,6 +380,9 @@ func parseMeta(b []byte, m *Meta) error {
 		}
 	}
 	m.Place = r.str()
+	m.IPC = r.bytes()
+	m.IPCEvent = r.bytes()
+	m.DevOffset = r.int()
 	if r.err != nil {
 		return fmt.Errorf("decoding tensor metadata: %w", r.err)
 	}

@@ -16,7 +16,8 @@ func TestMetaCodecRoundTrip(t *testing.T) {
 		validMeta(),
 		{Version: Version, Strategy: "file_system", FD: -1, Name: "tensormp_abc_1_0123456789abcdef", Size: math.MaxInt64,
 			Segment: 1 << 40, Block: -1, Gen: math.MaxUint64, Offset: -300000, DType: tensor.Complex128,
-			Shape: []int{0, 70000, 3}, Strides: []int{math.MinInt32, 1, math.MaxInt64}, LoD: [][]int{{0, 2, 5}, {}}, Place: "gpu:3"},
+			Shape: []int{0, 70000, 3}, Strides: []int{math.MinInt32, 1, math.MaxInt64}, LoD: [][]int{{0, 2, 5}, {}}, Place: "gpu:3",
+			IPC: make([]byte, 64), IPCEvent: []byte{1, 2, 3}, DevOffset: 1 << 33},
 		{Version: Version, FD: -1, Block: -1, Shape: []int{}, Strides: []int{}, Place: "cpu"},
 	}
 	for _, m := range cases {
@@ -47,8 +48,8 @@ func TestMetaCodecRejects(t *testing.T) {
 		"too few fields": {0x93, 0x02, 0xa0, 0x00},
 		"truncated":      good[:len(good)-2],
 		"trailing":       append(append([]byte(nil), good...), 0x00),
-		"string as int":  append([]byte{0x9e, 0xa1, 'x'}, good[2:]...),
-		"old version":    append([]byte{0x9e, 0x01}, good[2:]...),
+		"string as int":  append([]byte{0xdc, 0x00, 0x11, 0xa1, 'x'}, good[4:]...),
+		"old version":    append([]byte{0xdc, 0x00, 0x11, 0x01}, good[4:]...),
 	} {
 		t.Run(name, func(t *testing.T) {
 			var m Meta

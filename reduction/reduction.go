@@ -13,12 +13,12 @@ import (
 )
 
 // Version is the version of Meta this package writes and reads.
-const Version = 2
+const Version = 3
 
 // ErrDeviceTensor is returned for a tensor whose memory is not on the
 // CPU: device tensors cross processes through CUDA IPC, which this
 // package does not do yet.
-var ErrDeviceTensor = errors.New("reduction: only CPU tensors can be shared so far; GPU tensors need CUDA IPC")
+var ErrDeviceTensor = errors.New("reduction: tensors on this device cannot be shared: only CPU and NVIDIA GPU memory can")
 
 // Meta describes a shared tensor to the process that rebuilds it. It
 // travels as a msgpack array, Version first.
@@ -39,7 +39,18 @@ type Meta struct {
 	Strides  []int // in elements
 	LoD      [][]int
 	Place    string
+
+	// cuda_ipc: the device allocation's IPC handle and event handle (64
+	// bytes each) and where the storage starts in the allocation. FD,
+	// Segment, Block and Gen then name the token block whose reference
+	// count keeps the producer's memory alive.
+	IPC       []byte
+	IPCEvent  []byte
+	DevOffset int64
 }
+
+// StrategyCUDAIPC is Meta.Strategy for a GPU tensor.
+const StrategyCUDAIPC = "cuda_ipc"
 
 // Reduce turns t into metadata and the descriptors that must travel with
 // it, moving its storage into shared memory first if it is not there yet
@@ -75,8 +86,11 @@ func Discard(t *tensor.Tensor) {
 // reduce is Reduce returning the storage's descriptor itself, or -1, and
 // the block it took a reference on, if any.
 func reduce(t *tensor.Tensor) (Meta, int, *mmapalloc.Block, error) {
+	if t.Place().IsGPU() {
+		return reduceGPU(t)
+	}
 	if !t.Place().IsCPU() {
-		return Meta{}, -1, nil, fmt.Errorf("reduce %v: %w", t, ErrDeviceTensor)
+		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, ErrDeviceTensor)
 	}
 	s := t.Storage()
 	m := Meta{
@@ -198,8 +212,11 @@ func rebuildTensor(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tenso
 	if err != nil {
 		return nil, err
 	}
-	if !p.IsCPU() {
+	if !p.IsCPU() && !p.IsGPU() {
 		return nil, fmt.Errorf("place %s: %w", p, ErrDeviceTensor)
+	}
+	if p.IsGPU() != (m.Strategy == StrategyCUDAIPC) && m.Strategy != "" {
+		return nil, fmt.Errorf("strategy %q for a tensor on %s", m.Strategy, p)
 	}
 	if m.Size < 0 {
 		return nil, fmt.Errorf("negative segment size %d", m.Size)
@@ -211,13 +228,18 @@ func rebuildTensor(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tenso
 	var s *tensor.Storage
 	switch strategy.Strategy(m.Strategy) {
 	case "":
-		if m.Size != 0 || m.FD != -1 || m.Name != "" || m.Block != -1 {
+		if m.Size != 0 || m.FD != -1 || m.Name != "" || m.Block != -1 || m.IPC != nil {
 			return nil, errors.New("an empty tensor carries no segment")
 		}
 		if len(m.Shape) == 0 || productNonZero(m.Shape) {
 			return nil, fmt.Errorf("no segment for a tensor of shape %v that has elements", m.Shape)
 		}
+		if p.IsGPU() {
+			return tensor.On(p).Zeros(m.DType, m.Shape...)
+		}
 		s = tensor.NewEmptySharedStorage()
+	case StrategyCUDAIPC:
+		s, err = openGPU(m, p, fds, made)
 	case strategy.FileDescriptor:
 		if m.Name != "" {
 			return nil, errors.New("file_descriptor metadata carries a name")

@@ -149,9 +149,13 @@ func (b *deviceBuffer) Read(dst []byte, off int64) error  { copy(dst, (*b)[off:]
 func (b *deviceBuffer) Write(src []byte, off int64) error { copy((*b)[off:], src); return nil }
 func (b *deviceBuffer) Free() error                       { return nil }
 
-func TestGPUTensorRefused(t *testing.T) {
-	tensor.RegisterBackend(device.TypeGPU, deviceBackend{})
-	g, err := tensor.On(device.GPU(0)).Zeros(tensor.Float32, 4)
+func TestOtherDeviceTensorRefused(t *testing.T) {
+	typ, err := device.RegisterType("test_npu")
+	require.NoError(t, err)
+	tensor.RegisterBackend(typ, deviceBackend{})
+	npu, err := device.Custom("test_npu", 0)
+	require.NoError(t, err)
+	g, err := tensor.On(npu).Zeros(tensor.Float32, 4)
 	require.NoError(t, err)
 	_, _, err = reduction.Reduce(g)
 	assert.ErrorIs(t, err, reduction.ErrDeviceTensor)

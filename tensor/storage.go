@@ -28,6 +28,14 @@ type Buffer interface {
 	Free() error
 }
 
+// DeviceCopier is a Buffer that can copy from another device's Buffer
+// directly. CopyFrom copies n bytes starting at srcOff of src to the start
+// of the receiver; done is false when it cannot copy from src (another
+// backend's buffer, say), and the caller copies through host memory.
+type DeviceCopier interface {
+	CopyFrom(src Buffer, srcOff, n int64) (done bool, err error)
+}
+
 // Backend allocates memory on the devices of one device.Type. The cuda
 // package registers the backend of device.TypeGPU; CPU memory needs none.
 type Backend interface {
@@ -131,6 +139,16 @@ func NewSharedStorage(a *mmapalloc.Allocation) *Storage {
 	s := &Storage{place: device.CPU(), nbytes: a.Size()}
 	s.mem.Store(&memory{bytes: a.Bytes(), alloc: a, shared: true})
 	s.arm(func() { _ = a.Close() })
+	return s
+}
+
+// NewDeviceStorage wraps device memory of nbytes on p, such as a buffer
+// received from another process, as storage. The Storage takes ownership
+// of b: Release, or the cleanup of an unreachable Storage, frees it once.
+func NewDeviceStorage(p device.Place, nbytes int64, b Buffer) *Storage {
+	s := &Storage{place: p, nbytes: nbytes}
+	s.mem.Store(&memory{buf: b, shared: true})
+	s.arm(func() { _ = b.Free() })
 	return s
 }
 

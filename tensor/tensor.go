@@ -525,6 +525,9 @@ func (t *Tensor) To(p device.Place) (*Tensor, error) {
 	if p == t.Place() {
 		return t, nil
 	}
+	if out, ok, err := t.copyOnDevices(p); ok || err != nil {
+		return out, err
+	}
 	dense, err := t.denseHost()
 	if err != nil {
 		return nil, err
@@ -545,6 +548,36 @@ func (t *Tensor) To(p device.Place) (*Tensor, error) {
 	}
 	out.storage = s
 	return out, nil
+}
+
+// copyOnDevices copies a contiguous device tensor to another device
+// without going through host memory, when the destination's Buffer can
+// (DeviceCopier). ok is false when it cannot, and the caller copies
+// through the host.
+func (t *Tensor) copyOnDevices(p device.Place) (out *Tensor, ok bool, err error) {
+	m := t.storage.mem.Load()
+	if p.IsCPU() || m.buf == nil || !t.IsContiguous() {
+		return nil, false, nil
+	}
+	s, err := newStorage(p, t.Nbytes())
+	if err != nil {
+		return nil, false, err
+	}
+	c, can := s.mem.Load().buf.(DeviceCopier)
+	if !can {
+		_ = s.Release()
+		return nil, false, nil
+	}
+	done, err := c.CopyFrom(m.buf, t.offset, t.Nbytes())
+	if err != nil || !done {
+		_ = s.Release()
+		if err != nil {
+			return nil, false, fmt.Errorf("tensor: copying %d bytes from %s to %s: %w", t.Nbytes(), t.Place(), p, err)
+		}
+		return nil, false, nil
+	}
+	out = &Tensor{storage: s, dtype: t.dtype, shape: slices.Clone(t.shape), strides: contiguousStrides(t.shape), lod: cloneLoD(t.lod)}
+	return out, true, nil
 }
 
 // Equal reports whether a and b have the same dtype, shape and element

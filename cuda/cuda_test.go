@@ -1,0 +1,250 @@
+package cuda_test
+
+import (
+	"errors"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/cuda"
+	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/cudafake"
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+var fake = cudafake.New(2)
+
+func TestMain(m *testing.M) {
+	cuda.UseDriver(fake) // every test here runs on the fake driver
+	os.Exit(m.Run())
+}
+
+func TestExecutorRunsOnOneThread(t *testing.T) {
+	e, err := cuda.NewExecutor(fake, 0)
+	require.NoError(t, err)
+	defer e.Stop()
+	tids := map[int]bool{}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range 50 {
+				assert.NoError(t, e.Do(func() error {
+					mu.Lock()
+					tids[unix.Gettid()] = true
+					mu.Unlock()
+					p, err := fake.MemAlloc(16) // needs the context current here
+					if err != nil {
+						return err
+					}
+					return fake.MemFree(p)
+				}))
+			}
+		}()
+	}
+	wg.Wait()
+	assert.Len(t, tids, 1, "every call ran on the executor's one thread")
+	assert.Equal(t, 1, fake.Contexts(0), "the primary context is retained once")
+}
+
+func TestExecutorReentrantCallRunsInline(t *testing.T) {
+	e, err := cuda.NewExecutor(fake, 1)
+	require.NoError(t, err)
+	defer e.Stop()
+	done := make(chan error, 1)
+	go func() {
+		done <- e.Do(func() error {
+			outer := unix.Gettid()
+			return e.Do(func() error { // would deadlock if queued
+				if unix.Gettid() != outer {
+					return errors.New("the inner call left the executor's thread")
+				}
+				return nil
+			})
+		})
+	}()
+	select {
+	case err := <-done:
+		assert.NoError(t, err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("a call from the executor's own thread deadlocked")
+	}
+}
+
+func TestExecutorPanicAndStop(t *testing.T) {
+	e, err := cuda.NewExecutor(fake, 0)
+	require.NoError(t, err)
+	err = e.Do(func() error { panic("kaboom") })
+	assert.ErrorContains(t, err, "kaboom")
+	assert.NoError(t, e.Do(func() error { return nil }), "the executor survives a panic")
+	before := fake.Contexts(0)
+	e.Stop()
+	e.Stop() // twice is fine
+	assert.ErrorIs(t, e.Do(func() error { return nil }), cuda.ErrStopped)
+	assert.Equal(t, before-1, fake.Contexts(0), "Stop releases the primary context")
+}
+
+func TestExecutorsStartLazilyOncePerDevice(t *testing.T) {
+	x := cuda.NewExecutors(fake)
+	defer x.Stop()
+	a, err := x.Get(1)
+	require.NoError(t, err)
+	b, err := x.Get(1)
+	require.NoError(t, err)
+	assert.Same(t, a, b)
+	c, err := x.Get(0)
+	require.NoError(t, err)
+	assert.NotSame(t, a, c)
+	_, err = x.Get(2)
+	assert.ErrorContains(t, err, "device 2 does not exist")
+}
+
+func TestTensorsOnGPU(t *testing.T) {
+	leakcheck.Check(t)
+	live := fake.Live()
+	x, err := tensor.On(device.GPU(0)).Arange(tensor.Float32, 6)
+	require.NoError(t, err)
+	assert.Equal(t, device.GPU(0), x.Place())
+	m, err := x.Reshape(2, 3)
+	require.NoError(t, err)
+	tr, err := m.Transpose(0, 1)
+	require.NoError(t, err)
+
+	back, err := tr.To(device.CPU())
+	require.NoError(t, err)
+	vals, err := tensor.Values[float32](back)
+	require.NoError(t, err)
+	assert.Equal(t, []float32{0, 3, 1, 4, 2, 5}, vals, "host -> device -> host, through a view")
+
+	y, err := x.To(device.GPU(1)) // device to device
+	require.NoError(t, err)
+	assert.Equal(t, device.GPU(1), y.Place())
+	assert.True(t, tensor.Equal(x, y))
+	assert.Len(t, fake.Threads[1], 1, "device 1's work ran on its own executor")
+	assert.NotEqual(t, fake.Threads[0], fake.Threads[1])
+
+	require.NoError(t, x.Release())
+	require.NoError(t, y.Release())
+	assert.Equal(t, live, fake.Live(), "Release frees device memory")
+}
+
+// TestIPCKeepsMemoryWhileConsumersHoldIt plays producer and consumer in
+// one process (the fake lets a process open its own handles): the
+// producer's memory lives exactly as long as a consumer uses it.
+func TestIPCKeepsMemoryWhileConsumersHoldIt(t *testing.T) {
+	leakcheck.Check(t)
+	rt, err := cuda.Default()
+	require.NoError(t, err)
+	live := fake.Live()
+
+	buf, err := rt.Alloc(0, 1024)
+	require.NoError(t, err)
+	require.NoError(t, buf.Write([]byte("weights"), 100))
+	h1, err := buf.Export()
+	require.NoError(t, err)
+	h2, err := buf.Export() // a second message
+	require.NoError(t, err)
+	assert.Equal(t, h1.Mem, h2.Mem)
+	assert.Equal(t, int32(3), h1.Token.Refs(), "the producer and two messages")
+
+	c1, err := rt.Import(received(t, h1))
+	require.NoError(t, err)
+	c2, err := rt.Import(received(t, h2))
+	require.NoError(t, err)
+	assert.Equal(t, 1, rt.Opened(), "a handle is opened once per process")
+	got := make([]byte, 7)
+	require.NoError(t, c1.Read(got, 100))
+	assert.Equal(t, "weights", string(got))
+	require.NoError(t, c2.Write([]byte("W"), 100))
+	require.NoError(t, buf.Read(got[:1], 100))
+	assert.Equal(t, "W", string(got[:1]), "the producer sees the consumer's write")
+
+	// A received buffer can be sent on to a third process.
+	h3, err := c1.Export()
+	require.NoError(t, err)
+	assert.Equal(t, h1.Mem, h3.Mem, "the third process opens the original allocation")
+	c3, err := rt.Import(received(t, h3))
+	require.NoError(t, err)
+
+	require.NoError(t, buf.Free())
+	assert.Equal(t, 1, rt.Limbo(), "freed by the producer, still used by consumers")
+	assert.Equal(t, live+1, fake.Live())
+	require.NoError(t, c1.Free())
+	require.NoError(t, c3.Free())
+	rt.CollectLimbo()
+	assert.Equal(t, 1, rt.Limbo(), "one consumer still holds it")
+	require.NoError(t, c2.Free())
+	assert.Equal(t, 0, rt.Opened(), "the last consumer closes the handle")
+	rt.CollectLimbo()
+	assert.Equal(t, 0, rt.Limbo())
+	assert.Equal(t, live, fake.Live(), "collected: the memory is freed")
+}
+
+func TestUnsentExportAndOOMCollectLimbo(t *testing.T) {
+	leakcheck.Check(t)
+	rt, err := cuda.Default()
+	require.NoError(t, err)
+	live := fake.Live()
+
+	a, err := rt.Alloc(0, 4096)
+	require.NoError(t, err)
+	h, err := a.Export()
+	require.NoError(t, err)
+	h.Token.Drop() // the message was never sent
+	require.NoError(t, a.Free())
+	assert.Equal(t, live, fake.Live(), "nobody else held it: freed at once")
+
+	fake.SetLimit(8 << 10)
+	defer fake.SetLimit(0)
+	b, err := rt.Alloc(0, 4096)
+	require.NoError(t, err)
+	h, err = b.Export()
+	require.NoError(t, err)
+	c, err := rt.Import(received(t, h))
+	require.NoError(t, err)
+	require.NoError(t, b.Free())
+	assert.Equal(t, 1, rt.Limbo())
+	// The consumer lets go, but nothing has looked at the limbo since.
+	require.NoError(t, c.Free())
+	big, err := rt.Alloc(0, 6<<10)
+	require.NoError(t, err, "out of memory: the limbo was collected and the allocation retried")
+	assert.Equal(t, 0, rt.Limbo())
+	require.NoError(t, big.Free())
+	assert.Equal(t, live, fake.Live())
+}
+
+// received is what a receiving process makes of h: the same description,
+// with a token block of its own attached from the token's segment (in a
+// real receiver, from the descriptor that came with the message).
+func received(t *testing.T, h cuda.Handle) cuda.Handle {
+	t.Helper()
+	seg := h.Token.Segment()
+	tok, err := mmapalloc.AttachBlock(seg.FD(), seg.Size(), h.Token.Offset(), 8, h.Token.Gen())
+	require.NoError(t, err)
+	h.Token = tok
+	return h
+}
+
+func TestBadRanges(t *testing.T) {
+	rt, err := cuda.Default()
+	require.NoError(t, err)
+	b, err := rt.Alloc(0, 16)
+	require.NoError(t, err)
+	defer b.Free()
+	assert.Error(t, b.Write(make([]byte, 17), 0))
+	assert.Error(t, b.Read(make([]byte, 4), 13))
+	assert.Error(t, b.Read(make([]byte, 4), -1))
+	_, err = rt.Import(cuda.Handle{Size: 16})
+	assert.ErrorContains(t, err, "without a reference token")
+	_, err = rt.Alloc(5, 16)
+	assert.ErrorContains(t, err, "does not exist")
+}

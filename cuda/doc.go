@@ -1,0 +1,27 @@
+// Package cuda puts tensors on NVIDIA GPUs and shares them between
+// processes with CUDA IPC.
+//
+// The driver, libcuda.so.1, is opened with dlopen at run time (cgo, no
+// link-time dependency): a machine without it, or a build without cgo,
+// builds and tests everything else, and GPU calls return ErrNoDriver.
+// Every failed driver call is an *Error naming the call and CUDA's own
+// description.
+//
+// The CUDA current context belongs to an OS thread, so each device has an
+// Executor: a goroutine locked to its own thread, with the device's primary
+// context current, that runs the device's work from a ready queue; work
+// that calls back into its own executor runs inline.
+//
+// Importing the package registers the gpu backend of package tensor:
+// tensor.On(device.GPU(0)).Zeros(...) allocates on the device, and To moves
+// tensors between host and devices.
+//
+// Ownership across processes: a producer's Buffer owns its allocation.
+// Export describes it with an IPC memory handle, an interprocess event and
+// a token, a block of shared memory whose reference count every process
+// shares. Each message holds a reference, each consumer's Buffer one; the
+// producer's Free puts an allocation still referenced elsewhere in the
+// limbo, and CollectLimbo (run on every Free) frees it once nobody else
+// holds it. A consumer opens each handle once per process and closes it
+// with its last buffer on it.
+package cuda

@@ -1,0 +1,105 @@
+package cuda
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+)
+
+// ErrNoDriver is returned when no CUDA driver can be used: the program was
+// built without cgo, libcuda.so.1 is not installed, or it reports no
+// device.
+var ErrNoDriver = errors.New("cuda: no CUDA driver available")
+
+// Error is a failed driver call.
+type Error struct {
+	Call string // the driver function, "cuMemAlloc_v2"
+	Code int    // its CUresult
+	Name string // "CUDA_ERROR_OUT_OF_MEMORY"
+	Msg  string // the driver's description
+}
+
+func (e *Error) Error() string {
+	return fmt.Sprintf("cuda: %s: %s (%d): %s", e.Call, e.Name, e.Code, e.Msg)
+}
+
+// DevicePtr is an address in a device's memory.
+type DevicePtr uint64
+
+// Context is a driver context (CUcontext).
+type Context uintptr
+
+// Event is a driver event (CUevent).
+type Event uintptr
+
+// IPCMemHandle names a device allocation to other processes.
+type IPCMemHandle [64]byte
+
+// IPCEventHandle names an interprocess event to other processes.
+type IPCEventHandle [64]byte
+
+// Driver is the part of the CUDA driver API tensormp uses. The real one is
+// libcuda.so.1, opened at run time; tests use a fake. Calls that act on
+// "the current context" must be made on a thread where the device's
+// context is current: an Executor's.
+type Driver interface {
+	DeviceCount() (int, error)
+	RetainPrimaryContext(dev int) (Context, error)
+	ReleasePrimaryContext(dev int) error
+	SetCurrent(ctx Context) error
+
+	MemAlloc(n int64) (DevicePtr, error)
+	MemFree(p DevicePtr) error
+	MemcpyHtoD(dst DevicePtr, src []byte) error
+	MemcpyDtoH(dst []byte, src DevicePtr) error
+	MemcpyDtoD(dst, src DevicePtr, n int64) error
+
+	IPCGetMemHandle(p DevicePtr) (IPCMemHandle, error)
+	IPCOpenMemHandle(h IPCMemHandle) (DevicePtr, error)
+	IPCCloseMemHandle(p DevicePtr) error
+
+	EventCreateInterprocess() (Event, error)
+	EventRecord(e Event) error
+	EventSynchronize(e Event) error
+	EventDestroy(e Event) error
+	IPCGetEventHandle(e Event) (IPCEventHandle, error)
+	IPCOpenEventHandle(h IPCEventHandle) (Event, error)
+}
+
+var (
+	driverMu  sync.Mutex
+	driver    Driver
+	driverErr error
+	opened    bool
+)
+
+// Load returns the process's driver, opening libcuda.so.1 the first time.
+// Without one it returns ErrNoDriver (wrapped with the reason).
+func Load() (Driver, error) {
+	driverMu.Lock()
+	defer driverMu.Unlock()
+	if !opened {
+		driver, driverErr = openLibcuda()
+		opened = true
+	}
+	return driver, driverErr
+}
+
+// UseDriver makes d the process's driver instead of libcuda, for tests
+// and for programs that bring their own. It must be called before any
+// GPU tensor is made.
+func UseDriver(d Driver) {
+	driverMu.Lock()
+	defer driverMu.Unlock()
+	driver, driverErr, opened = d, nil, true
+}
+
+// Available reports whether a driver with at least one device is usable.
+func Available() bool {
+	d, err := Load()
+	if err != nil {
+		return false
+	}
+	n, err := d.DeviceCount()
+	return err == nil && n > 0
+}

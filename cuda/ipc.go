@@ -1,0 +1,182 @@
+package cuda
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/tensormp/tensormp/mmapalloc"
+)
+
+// Handle describes a GPU buffer to another process: the allocation's IPC
+// handle, where the buffer starts in it, an interprocess event that marks
+// the work done on it before sending, and a token. The token is a block of
+// shared memory whose reference count all processes share (see
+// mmapalloc.Block): the producer frees the allocation only when no other
+// process holds the token, so the memory lives exactly as long as some
+// consumer uses it.
+type Handle struct {
+	Device int
+	Mem    IPCMemHandle
+	Event  IPCEventHandle
+	Offset int64 // from the allocation's start to the buffer's
+	Size   int64
+	Token  *mmapalloc.Block // retained for the receiver, who adopts it
+}
+
+// export is what a producer keeps for an allocation it has sent.
+type export struct {
+	mem   IPCMemHandle
+	event Event
+	evh   IPCEventHandle
+	token *mmapalloc.Block // the producer holds one reference for life
+}
+
+// openedMem is one IPC handle opened in this process, shared by every
+// buffer received on it.
+type openedMem struct {
+	dev   int
+	ptr   DevicePtr
+	event Event
+	users int // guarded by Runtime.mu
+}
+
+// Export describes b for another process and takes a reference on its
+// token for the receiver, who adopts it with Import; if the message is
+// never received, give it back with h.Token.Drop(). The work queued on b
+// so far is marked by an event the receiver waits for. A buffer received
+// from another process can be exported again: the third process opens
+// the original allocation.
+func (b *Buffer) Export() (Handle, error) {
+	if b.freed.Load() {
+		return Handle{}, errors.New("cuda: exporting a freed buffer")
+	}
+	if b.size == 0 {
+		return Handle{}, errors.New("cuda: exporting an empty buffer")
+	}
+	if b.from != nil {
+		if err := b.token.Retain(); err != nil {
+			return Handle{}, fmt.Errorf("cuda: exporting a received buffer: %w", err)
+		}
+		h := b.desc
+		h.Token = b.token
+		return h, nil
+	}
+	e, err := b.exec()
+	if err != nil {
+		return Handle{}, err
+	}
+	b.rt.mu.Lock()
+	defer b.rt.mu.Unlock()
+	if b.export == nil {
+		token, err := mmapalloc.DefaultPool().Alloc(8)
+		if err != nil {
+			return Handle{}, fmt.Errorf("cuda: making the reference token: %w", err)
+		}
+		x := &export{token: token}
+		err = e.Do(func() error {
+			var err error
+			if x.mem, err = b.rt.drv.IPCGetMemHandle(b.base); err != nil {
+				return err
+			}
+			if x.event, err = b.rt.drv.EventCreateInterprocess(); err != nil {
+				return err
+			}
+			if x.evh, err = b.rt.drv.IPCGetEventHandle(x.event); err != nil {
+				_ = b.rt.drv.EventDestroy(x.event)
+				return err
+			}
+			return nil
+		})
+		if err != nil {
+			_ = token.Release()
+			return Handle{}, err
+		}
+		b.export = x
+	}
+	x := b.export
+	if err := e.Do(func() error { return b.rt.drv.EventRecord(x.event) }); err != nil {
+		return Handle{}, err
+	}
+	if err := x.token.Retain(); err != nil {
+		return Handle{}, err
+	}
+	return Handle{Device: b.dev, Mem: x.mem, Event: x.evh, Offset: int64(b.ptr - b.base), Size: b.size, Token: x.token}, nil
+}
+
+// Import opens a buffer another process exported, once per allocation per
+// process, and waits for the work the producer queued on it. The buffer
+// adopts h.Token: its Free gives the reference back.
+func (r *Runtime) Import(h Handle) (*Buffer, error) {
+	if h.Token == nil {
+		return nil, errors.New("cuda: import without a reference token")
+	}
+	if h.Offset < 0 || h.Size <= 0 || h.Offset > 1<<50 || h.Size > 1<<50 {
+		return nil, fmt.Errorf("cuda: import of %d bytes at offset %d", h.Size, h.Offset)
+	}
+	e, err := r.execs.Get(h.Device)
+	if err != nil {
+		return nil, err
+	}
+	r.mu.Lock()
+	o := r.opened[h.Mem]
+	if o == nil {
+		o = &openedMem{dev: h.Device}
+		err = e.Do(func() error {
+			var err error
+			if o.ptr, err = r.drv.IPCOpenMemHandle(h.Mem); err != nil {
+				return err
+			}
+			if o.event, err = r.drv.IPCOpenEventHandle(h.Event); err != nil {
+				_ = r.drv.IPCCloseMemHandle(o.ptr)
+				return err
+			}
+			return nil
+		})
+		if err != nil {
+			r.mu.Unlock()
+			return nil, fmt.Errorf("cuda: opening an IPC handle on gpu:%d: %w", h.Device, err)
+		}
+		r.opened[h.Mem] = o
+	}
+	o.users++
+	r.mu.Unlock()
+
+	b := &Buffer{rt: r, dev: h.Device, ptr: o.ptr + DevicePtr(h.Offset), size: h.Size, from: o, token: h.Token, desc: h}
+	b.desc.Token = nil
+	if err := e.Do(func() error { return r.drv.EventSynchronize(o.event) }); err != nil {
+		_ = b.Free()
+		return nil, fmt.Errorf("cuda: waiting for the producer's work on gpu:%d: %w", h.Device, err)
+	}
+	return b, nil
+}
+
+// closeOpened gives back a received buffer's token and closes its IPC
+// handle when it was the last of this process's buffers on it.
+func (r *Runtime) closeOpened(b *Buffer) error {
+	err := b.token.Release()
+	r.mu.Lock()
+	o := b.from
+	o.users--
+	last := o.users == 0
+	if last {
+		delete(r.opened, b.desc.Mem)
+	}
+	r.mu.Unlock()
+	if !last {
+		return err
+	}
+	e, xerr := r.execs.Get(o.dev)
+	if xerr != nil {
+		return errors.Join(err, xerr)
+	}
+	return errors.Join(err, e.Do(func() error {
+		return errors.Join(r.drv.IPCCloseMemHandle(o.ptr), r.drv.EventDestroy(o.event))
+	}))
+}
+
+// Opened returns how many IPC handles this process has open.
+func (r *Runtime) Opened() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.opened)
+}

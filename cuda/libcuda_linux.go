@@ -1,0 +1,263 @@
+//go:build cgo && linux
+
+package cuda
+
+/*
+#cgo LDFLAGS: -ldl
+#include <dlfcn.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef void *CUcontext;
+typedef unsigned long long CUdeviceptr;
+typedef void *CUevent;
+typedef void *CUstream;
+typedef struct { char reserved[64]; } CUipcMemHandle;
+typedef struct { char reserved[64]; } CUipcEventHandle;
+
+enum {
+	F_INIT, F_DEVCOUNT, F_DEVGET, F_PCTXRETAIN, F_PCTXRELEASE, F_CTXSET,
+	F_MALLOC, F_FREE, F_HTOD, F_DTOH, F_DTOD,
+	F_IPCGETMEM, F_IPCOPENMEM, F_IPCCLOSEMEM,
+	F_EVCREATE, F_EVRECORD, F_EVSYNC, F_EVDESTROY, F_IPCGETEV, F_IPCOPENEV,
+	F_ERRNAME, F_ERRSTR, F_COUNT
+};
+
+static void *tm_fns[F_COUNT];
+
+static void *tm_dlopen(const char *name) { return dlopen(name, RTLD_NOW | RTLD_LOCAL); }
+static char *tm_dlerror(void) { return dlerror(); }
+static void *tm_dlsym(void *h, const char *name) { return dlsym(h, name); }
+static void tm_set(int i, void *p) { tm_fns[i] = p; }
+
+static CUresult tm_init(void) { return ((CUresult (*)(unsigned int))tm_fns[F_INIT])(0); }
+static CUresult tm_devcount(int *n) { return ((CUresult (*)(int *))tm_fns[F_DEVCOUNT])(n); }
+static CUresult tm_devget(CUdevice *d, int ordinal) { return ((CUresult (*)(CUdevice *, int))tm_fns[F_DEVGET])(d, ordinal); }
+static CUresult tm_pctxretain(CUcontext *c, CUdevice d) { return ((CUresult (*)(CUcontext *, CUdevice))tm_fns[F_PCTXRETAIN])(c, d); }
+static CUresult tm_pctxrelease(CUdevice d) { return ((CUresult (*)(CUdevice))tm_fns[F_PCTXRELEASE])(d); }
+static CUresult tm_ctxset(CUcontext c) { return ((CUresult (*)(CUcontext))tm_fns[F_CTXSET])(c); }
+static CUresult tm_malloc(CUdeviceptr *p, size_t n) { return ((CUresult (*)(CUdeviceptr *, size_t))tm_fns[F_MALLOC])(p, n); }
+static CUresult tm_free(CUdeviceptr p) { return ((CUresult (*)(CUdeviceptr))tm_fns[F_FREE])(p); }
+static CUresult tm_htod(CUdeviceptr dst, const void *src, size_t n) { return ((CUresult (*)(CUdeviceptr, const void *, size_t))tm_fns[F_HTOD])(dst, src, n); }
+static CUresult tm_dtoh(void *dst, CUdeviceptr src, size_t n) { return ((CUresult (*)(void *, CUdeviceptr, size_t))tm_fns[F_DTOH])(dst, src, n); }
+static CUresult tm_dtod(CUdeviceptr dst, CUdeviceptr src, size_t n) { return ((CUresult (*)(CUdeviceptr, CUdeviceptr, size_t))tm_fns[F_DTOD])(dst, src, n); }
+static CUresult tm_ipcgetmem(void *h, CUdeviceptr p) { return ((CUresult (*)(CUipcMemHandle *, CUdeviceptr))tm_fns[F_IPCGETMEM])((CUipcMemHandle *)h, p); }
+static CUresult tm_ipcopenmem(CUdeviceptr *p, const void *h) {
+	CUipcMemHandle handle;
+	memcpy(&handle, h, sizeof handle);
+	// CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+	return ((CUresult (*)(CUdeviceptr *, CUipcMemHandle, unsigned int))tm_fns[F_IPCOPENMEM])(p, handle, 1);
+}
+static CUresult tm_ipcclosemem(CUdeviceptr p) { return ((CUresult (*)(CUdeviceptr))tm_fns[F_IPCCLOSEMEM])(p); }
+static CUresult tm_evcreate(CUevent *e) {
+	// CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS
+	return ((CUresult (*)(CUevent *, unsigned int))tm_fns[F_EVCREATE])(e, 0x2 | 0x4);
+}
+static CUresult tm_evrecord(CUevent e) { return ((CUresult (*)(CUevent, CUstream))tm_fns[F_EVRECORD])(e, 0); }
+static CUresult tm_evsync(CUevent e) { return ((CUresult (*)(CUevent))tm_fns[F_EVSYNC])(e); }
+static CUresult tm_evdestroy(CUevent e) { return ((CUresult (*)(CUevent))tm_fns[F_EVDESTROY])(e); }
+static CUresult tm_ipcgetev(void *h, CUevent e) { return ((CUresult (*)(CUipcEventHandle *, CUevent))tm_fns[F_IPCGETEV])((CUipcEventHandle *)h, e); }
+static CUresult tm_ipcopenev(CUevent *e, const void *h) {
+	CUipcEventHandle handle;
+	memcpy(&handle, h, sizeof handle);
+	return ((CUresult (*)(CUevent *, CUipcEventHandle))tm_fns[F_IPCOPENEV])(e, handle);
+}
+static const char *tm_errname(CUresult r) {
+	const char *s = 0;
+	if (tm_fns[F_ERRNAME]) ((CUresult (*)(CUresult, const char **))tm_fns[F_ERRNAME])(r, &s);
+	return s;
+}
+static const char *tm_errstr(CUresult r) {
+	const char *s = 0;
+	if (tm_fns[F_ERRSTR]) ((CUresult (*)(CUresult, const char **))tm_fns[F_ERRSTR])(r, &s);
+	return s;
+}
+*/
+import "C"
+
+import (
+	"fmt"
+	"runtime"
+	"unsafe"
+)
+
+// symbols lists, per function slot, the names to try in libcuda, newest
+// ABI first.
+var symbols = [C.F_COUNT][]string{
+	C.F_INIT:        {"cuInit"},
+	C.F_DEVCOUNT:    {"cuDeviceGetCount"},
+	C.F_DEVGET:      {"cuDeviceGet"},
+	C.F_PCTXRETAIN:  {"cuDevicePrimaryCtxRetain"},
+	C.F_PCTXRELEASE: {"cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease"},
+	C.F_CTXSET:      {"cuCtxSetCurrent"},
+	C.F_MALLOC:      {"cuMemAlloc_v2"},
+	C.F_FREE:        {"cuMemFree_v2"},
+	C.F_HTOD:        {"cuMemcpyHtoD_v2"},
+	C.F_DTOH:        {"cuMemcpyDtoH_v2"},
+	C.F_DTOD:        {"cuMemcpyDtoD_v2"},
+	C.F_IPCGETMEM:   {"cuIpcGetMemHandle"},
+	C.F_IPCOPENMEM:  {"cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"},
+	C.F_IPCCLOSEMEM: {"cuIpcCloseMemHandle"},
+	C.F_EVCREATE:    {"cuEventCreate"},
+	C.F_EVRECORD:    {"cuEventRecord"},
+	C.F_EVSYNC:      {"cuEventSynchronize"},
+	C.F_EVDESTROY:   {"cuEventDestroy_v2", "cuEventDestroy"},
+	C.F_IPCGETEV:    {"cuIpcGetEventHandle"},
+	C.F_IPCOPENEV:   {"cuIpcOpenEventHandle"},
+	C.F_ERRNAME:     {"cuGetErrorName"},
+	C.F_ERRSTR:      {"cuGetErrorString"},
+}
+
+// libcuda is the real driver, reached through function pointers that
+// openLibcuda looked up once; it holds no other state.
+type libcuda struct{}
+
+// openLibcuda opens libcuda.so.1 and looks up every function tensormp
+// calls. dlerror's message is per thread, so the lookups run on one
+// locked OS thread.
+func openLibcuda() (Driver, error) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+
+	name := C.CString("libcuda.so.1")
+	defer C.free(unsafe.Pointer(name))
+	h := C.tm_dlopen(name)
+	if h == nil {
+		return nil, fmt.Errorf("%w: %s", ErrNoDriver, C.GoString(C.tm_dlerror()))
+	}
+	for slot, names := range symbols {
+		var fn unsafe.Pointer
+		for _, n := range names {
+			cn := C.CString(n)
+			fn = C.tm_dlsym(h, cn)
+			C.free(unsafe.Pointer(cn))
+			if fn != nil {
+				break
+			}
+		}
+		if fn == nil {
+			return nil, fmt.Errorf("%w: libcuda.so.1 lacks %s: %s", ErrNoDriver, names[0], C.GoString(C.tm_dlerror()))
+		}
+		C.tm_set(C.int(slot), fn)
+	}
+	d := libcuda{}
+	if err := check("cuInit", C.tm_init()); err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrNoDriver, err)
+	}
+	return d, nil
+}
+
+// handle turns an opaque driver handle kept as an integer back into the
+// pointer type C expects. The driver's handles never point into Go memory.
+func handle(u uintptr) unsafe.Pointer { return *(*unsafe.Pointer)(unsafe.Pointer(&u)) }
+
+func check(call string, r C.CUresult) error {
+	if r == 0 {
+		return nil
+	}
+	return &Error{Call: call, Code: int(r), Name: C.GoString(C.tm_errname(r)), Msg: C.GoString(C.tm_errstr(r))}
+}
+
+func (libcuda) DeviceCount() (int, error) {
+	var n C.int
+	err := check("cuDeviceGetCount", C.tm_devcount(&n))
+	return int(n), err
+}
+
+func (libcuda) RetainPrimaryContext(dev int) (Context, error) {
+	var d C.CUdevice
+	if err := check("cuDeviceGet", C.tm_devget(&d, C.int(dev))); err != nil {
+		return 0, err
+	}
+	var c C.CUcontext
+	err := check("cuDevicePrimaryCtxRetain", C.tm_pctxretain(&c, d))
+	return Context(unsafe.Pointer(c)), err
+}
+
+func (libcuda) ReleasePrimaryContext(dev int) error {
+	var d C.CUdevice
+	if err := check("cuDeviceGet", C.tm_devget(&d, C.int(dev))); err != nil {
+		return err
+	}
+	return check("cuDevicePrimaryCtxRelease", C.tm_pctxrelease(d))
+}
+
+func (libcuda) SetCurrent(ctx Context) error {
+	return check("cuCtxSetCurrent", C.tm_ctxset(C.CUcontext(handle(uintptr(ctx)))))
+}
+
+func (libcuda) MemAlloc(n int64) (DevicePtr, error) {
+	var p C.CUdeviceptr
+	err := check("cuMemAlloc_v2", C.tm_malloc(&p, C.size_t(n)))
+	return DevicePtr(p), err
+}
+
+func (libcuda) MemFree(p DevicePtr) error {
+	return check("cuMemFree_v2", C.tm_free(C.CUdeviceptr(p)))
+}
+
+func (libcuda) MemcpyHtoD(dst DevicePtr, src []byte) error {
+	if len(src) == 0 {
+		return nil
+	}
+	return check("cuMemcpyHtoD_v2", C.tm_htod(C.CUdeviceptr(dst), unsafe.Pointer(&src[0]), C.size_t(len(src))))
+}
+
+func (libcuda) MemcpyDtoH(dst []byte, src DevicePtr) error {
+	if len(dst) == 0 {
+		return nil
+	}
+	return check("cuMemcpyDtoH_v2", C.tm_dtoh(unsafe.Pointer(&dst[0]), C.CUdeviceptr(src), C.size_t(len(dst))))
+}
+
+func (libcuda) MemcpyDtoD(dst, src DevicePtr, n int64) error {
+	return check("cuMemcpyDtoD_v2", C.tm_dtod(C.CUdeviceptr(dst), C.CUdeviceptr(src), C.size_t(n)))
+}
+
+func (libcuda) IPCGetMemHandle(p DevicePtr) (IPCMemHandle, error) {
+	var h IPCMemHandle
+	err := check("cuIpcGetMemHandle", C.tm_ipcgetmem(unsafe.Pointer(&h[0]), C.CUdeviceptr(p)))
+	return h, err
+}
+
+func (libcuda) IPCOpenMemHandle(h IPCMemHandle) (DevicePtr, error) {
+	var p C.CUdeviceptr
+	err := check("cuIpcOpenMemHandle", C.tm_ipcopenmem(&p, unsafe.Pointer(&h[0])))
+	return DevicePtr(p), err
+}
+
+func (libcuda) IPCCloseMemHandle(p DevicePtr) error {
+	return check("cuIpcCloseMemHandle", C.tm_ipcclosemem(C.CUdeviceptr(p)))
+}
+
+func (libcuda) EventCreateInterprocess() (Event, error) {
+	var e C.CUevent
+	err := check("cuEventCreate", C.tm_evcreate(&e))
+	return Event(unsafe.Pointer(e)), err
+}
+
+func (libcuda) EventRecord(e Event) error {
+	return check("cuEventRecord", C.tm_evrecord(C.CUevent(handle(uintptr(e)))))
+}
+
+func (libcuda) EventSynchronize(e Event) error {
+	return check("cuEventSynchronize", C.tm_evsync(C.CUevent(handle(uintptr(e)))))
+}
+
+func (libcuda) EventDestroy(e Event) error {
+	return check("cuEventDestroy", C.tm_evdestroy(C.CUevent(handle(uintptr(e)))))
+}
+
+func (libcuda) IPCGetEventHandle(e Event) (IPCEventHandle, error) {
+	var h IPCEventHandle
+	err := check("cuIpcGetEventHandle", C.tm_ipcgetev(unsafe.Pointer(&h[0]), C.CUevent(handle(uintptr(e)))))
+	return h, err
+}
+
+func (libcuda) IPCOpenEventHandle(h IPCEventHandle) (Event, error) {
+	var e C.CUevent
+	err := check("cuIpcOpenEventHandle", C.tm_ipcopenev(&e, unsafe.Pointer(&h[0])))
+	return Event(unsafe.Pointer(e)), err
+}

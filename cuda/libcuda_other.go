@@ -1,0 +1,9 @@
+//go:build !cgo || !linux
+
+package cuda
+
+import "fmt"
+
+func openLibcuda() (Driver, error) {
+	return nil, fmt.Errorf("%w: built without cgo or not on Linux", ErrNoDriver)
+}

@@ -1,0 +1,260 @@
+package cuda
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+
+	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// Runtime is the process's GPU state: the driver, one executor per device,
+// the allocations exported to other processes, the handles opened from
+// them, and the limbo of freed allocations other processes still use.
+type Runtime struct {
+	drv   Driver
+	execs *Executors
+
+	mu     sync.Mutex
+	opened map[IPCMemHandle]*openedMem // handles this process opened
+	limbo  []*Buffer                   // freed here, still used elsewhere
+}
+
+var (
+	rtMu sync.Mutex
+	rt   *Runtime
+)
+
+// Default returns the process's Runtime, made on first use with the
+// driver Load returns.
+func Default() (*Runtime, error) {
+	rtMu.Lock()
+	defer rtMu.Unlock()
+	if rt != nil {
+		return rt, nil
+	}
+	d, err := Load()
+	if err != nil {
+		return nil, err
+	}
+	rt = NewRuntime(d)
+	return rt, nil
+}
+
+// NewRuntime returns a Runtime on driver d.
+func NewRuntime(d Driver) *Runtime {
+	return &Runtime{drv: d, execs: NewExecutors(d), opened: map[IPCMemHandle]*openedMem{}}
+}
+
+// Close stops the Runtime's executors.
+func (r *Runtime) Close() { r.execs.Stop() }
+
+func init() {
+	tensor.RegisterBackend(device.TypeGPU, backend{})
+}
+
+// backend is tensor's allocator for gpu places. It loads the driver on
+// the first allocation, so a program that never makes a GPU tensor never
+// touches CUDA.
+type backend struct{}
+
+func (backend) Alloc(p device.Place, n int64) (tensor.Buffer, error) {
+	r, err := Default()
+	if err != nil {
+		return nil, err
+	}
+	return r.Alloc(p.Index(), n)
+}
+
+// Buffer is device memory that a tensor's storage owns: allocated here,
+// or opened from another process's export.
+type Buffer struct {
+	rt   *Runtime
+	dev  int
+	ptr  DevicePtr // where the storage's bytes start
+	size int64
+
+	// Allocated here.
+	base   DevicePtr // the allocation's start; ptr == base
+	export *export   // set once the buffer has been sent to another process
+
+	// Opened from another process.
+	from  *openedMem
+	token *mmapalloc.Block // this process's hold on the producer's memory
+	desc  Handle           // how it was described to us, to send it on
+
+	freed atomic.Bool
+}
+
+// Alloc returns n bytes of zeroed memory on device dev. When the device is
+// out of memory it collects the limbo and tries once more.
+func (r *Runtime) Alloc(dev int, n int64) (*Buffer, error) {
+	if n < 0 {
+		return nil, fmt.Errorf("cuda: allocating %d bytes", n)
+	}
+	e, err := r.execs.Get(dev)
+	if err != nil {
+		return nil, err
+	}
+	b := &Buffer{rt: r, dev: dev, size: n}
+	if n == 0 {
+		return b, nil
+	}
+	alloc := func() error {
+		p, err := r.drv.MemAlloc(n)
+		if err != nil {
+			return err
+		}
+		b.ptr, b.base = p, p
+		zero := make([]byte, n)
+		if err := r.drv.MemcpyHtoD(p, zero); err != nil {
+			_ = r.drv.MemFree(p)
+			return err
+		}
+		return nil
+	}
+	err = e.Do(alloc)
+	if err != nil {
+		r.CollectLimbo()
+		err = e.Do(alloc)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("cuda: allocating %d bytes on gpu:%d: %w", n, dev, err)
+	}
+	return b, nil
+}
+
+func (b *Buffer) exec() (*Executor, error) { return b.rt.execs.Get(b.dev) }
+
+// Device returns the buffer's device ordinal.
+func (b *Buffer) Device() int { return b.dev }
+
+// Ptr returns the device address of the buffer's first byte.
+func (b *Buffer) Ptr() DevicePtr { return b.ptr }
+
+func (b *Buffer) check(off, n int64) error {
+	if b.freed.Load() {
+		return errors.New("cuda: buffer freed")
+	}
+	if off < 0 || n < 0 || off > b.size-n {
+		return fmt.Errorf("cuda: range %d+%d outside a buffer of %d bytes", off, n, b.size)
+	}
+	return nil
+}
+
+// Read copies len(dst) bytes from off into host memory.
+func (b *Buffer) Read(dst []byte, off int64) error {
+	if err := b.check(off, int64(len(dst))); err != nil || len(dst) == 0 {
+		return err
+	}
+	e, err := b.exec()
+	if err != nil {
+		return err
+	}
+	return e.Do(func() error { return b.rt.drv.MemcpyDtoH(dst, b.ptr+DevicePtr(off)) })
+}
+
+// Write copies src into the buffer at off.
+func (b *Buffer) Write(src []byte, off int64) error {
+	if err := b.check(off, int64(len(src))); err != nil || len(src) == 0 {
+		return err
+	}
+	e, err := b.exec()
+	if err != nil {
+		return err
+	}
+	return e.Do(func() error { return b.rt.drv.MemcpyHtoD(b.ptr+DevicePtr(off), src) })
+}
+
+// CopyFrom copies n bytes from another GPU buffer, starting at srcOff,
+// device to device (tensor.DeviceCopier).
+func (b *Buffer) CopyFrom(src tensor.Buffer, srcOff, n int64) (bool, error) {
+	s, ok := src.(*Buffer)
+	if !ok || s.rt != b.rt {
+		return false, nil
+	}
+	if err := s.check(srcOff, n); err != nil {
+		return false, err
+	}
+	if err := b.check(0, n); err != nil {
+		return false, err
+	}
+	e, err := b.exec()
+	if err != nil {
+		return false, err
+	}
+	return true, e.Do(func() error { return b.rt.drv.MemcpyDtoD(b.ptr, s.ptr+DevicePtr(srcOff), n) })
+}
+
+// Free gives the memory back, once. An allocation that other processes
+// still use waits in the limbo until they let go; an opened one is
+// closed when no storage of this process uses it.
+func (b *Buffer) Free() error {
+	if !b.freed.CompareAndSwap(false, true) || b.size == 0 && b.from == nil {
+		return nil
+	}
+	if b.from != nil {
+		return b.rt.closeOpened(b)
+	}
+	if b.export != nil && b.export.token.Refs() > 1 {
+		b.rt.mu.Lock()
+		b.rt.limbo = append(b.rt.limbo, b)
+		b.rt.mu.Unlock()
+		b.rt.CollectLimbo()
+		return nil
+	}
+	err := b.rt.release(b)
+	b.rt.CollectLimbo()
+	return err
+}
+
+// release frees an allocation made here for good: its memory, its event
+// and the producer's reference on its token.
+func (r *Runtime) release(b *Buffer) error {
+	e, err := b.exec()
+	if err != nil {
+		return err
+	}
+	err = e.Do(func() error {
+		errs := []error{r.drv.MemFree(b.base)}
+		if b.export != nil {
+			errs = append(errs, r.drv.EventDestroy(b.export.event))
+		}
+		return errors.Join(errs...)
+	})
+	if b.export != nil {
+		err = errors.Join(err, b.export.token.Release())
+	}
+	return err
+}
+
+// CollectLimbo frees the allocations in the limbo that no other process
+// holds any more. Free calls it; a program may call it at any time.
+func (r *Runtime) CollectLimbo() {
+	r.mu.Lock()
+	var ready []*Buffer
+	kept := r.limbo[:0]
+	for _, b := range r.limbo {
+		if b.export.token.Refs() <= 1 {
+			ready = append(ready, b)
+		} else {
+			kept = append(kept, b)
+		}
+	}
+	clear(r.limbo[len(kept):])
+	r.limbo = kept
+	r.mu.Unlock()
+	for _, b := range ready {
+		_ = r.release(b)
+	}
+}
+
+// Limbo returns how many freed allocations wait for other processes.
+func (r *Runtime) Limbo() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.limbo)
+}

@@ -1,0 +1,5 @@
+package cuda
+
+import "golang.org/x/sys/unix"
+
+func gettid() int { return unix.Gettid() }
