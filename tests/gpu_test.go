@@ -1,0 +1,120 @@
+package tests
+
+import (
+	"context"
+	"encoding/binary"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tensormp/tensormp/cuda"
+	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/mp"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// GPU tests run on the real driver and skip where there is none.
+
+func requireGPU(t *testing.T) *cuda.Runtime {
+	t.Helper()
+	if _, err := cuda.Load(); err != nil {
+		t.Skipf("no CUDA driver here: %v", err)
+	}
+	if !cuda.Available() {
+		t.Skip("the CUDA driver reports no device")
+	}
+	rt, err := cuda.Default()
+	require.NoError(t, err)
+	return rt
+}
+
+type gpuArgs struct {
+	Tensor *tensor.Tensor
+	Status *mp.Queue
+	Ack    *mp.Queue
+}
+
+func init() {
+	mp.Register("gpu.write", func(ctx context.Context, w *mp.Worker) error {
+		var a gpuArgs
+		if err := w.Args(&a); err != nil {
+			return err
+		}
+		if !a.Tensor.Place().IsGPU() {
+			return a.Status.Put(ctx, "arrived on "+a.Tensor.Place().String())
+		}
+		host, err := a.Tensor.To(device.CPU())
+		if err != nil {
+			return err
+		}
+		vals, err := tensor.Data[int32](host)
+		if err != nil {
+			return err
+		}
+		if vals[0] != 0 || vals[len(vals)-1] != int32(len(vals)-1) {
+			return a.Status.Put(ctx, "values differ")
+		}
+		var word [4]byte
+		binary.LittleEndian.PutUint32(word[:], 4242)
+		if err := a.Tensor.Storage().Buffer().Write(word[:], 0); err != nil {
+			return err
+		}
+		if err := a.Status.Put(ctx, "written"); err != nil {
+			return err
+		}
+		var ack string
+		return a.Ack.Get(ctx, &ack) // hold the memory until the parent has looked
+	})
+}
+
+func TestGPUAllocationAndCopies(t *testing.T) {
+	requireGPU(t)
+	x, err := tensor.On(device.GPU(0)).Arange(tensor.Float64, 1<<20)
+	require.NoError(t, err)
+	defer x.Release()
+	back, err := x.To(device.CPU())
+	require.NoError(t, err)
+	want, err := tensor.Arange(tensor.Float64, 1<<20)
+	require.NoError(t, err)
+	assert.True(t, tensor.Equal(back, want), "host -> device -> host")
+	c, err := x.Clone()
+	require.NoError(t, err)
+	defer c.Release()
+	assert.True(t, tensor.Equal(c, want), "device -> device")
+}
+
+func TestGPUIPCWorkerWritesParentSees(t *testing.T) {
+	rt := requireGPU(t)
+	leakcheck.Check(t)
+	status, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer status.Close()
+	ack, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer ack.Close()
+	x, err := tensor.On(device.GPU(0)).Arange(tensor.Int32, 1<<16)
+	require.NoError(t, err)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	g, err := mp.Spawn(ctx, "gpu.write", 1, mp.WithArgs(gpuArgs{Tensor: x, Status: status, Ack: ack}))
+	require.NoError(t, err)
+	var s string
+	require.NoError(t, status.Get(ctx, &s))
+	require.Equal(t, "written", s)
+	host, err := x.To(device.CPU())
+	require.NoError(t, err)
+	first, err := tensor.At[int32](host, 0)
+	require.NoError(t, err)
+	assert.Equal(t, int32(4242), first, "the parent sees the worker's write to its GPU memory")
+
+	require.NoError(t, x.Release())
+	assert.Equal(t, 1, rt.Limbo(), "the worker still holds the memory")
+	require.NoError(t, ack.Put(ctx, "seen"))
+	require.NoError(t, g.Join())
+	rt.CollectLimbo()
+	assert.Equal(t, 0, rt.Limbo(), "the worker is gone: the memory is freed")
+}
