@@ -1,6 +1,7 @@
 package cuda_test
 
 import (
+	"context"
 	"errors"
 	"os"
 	"sync"
@@ -132,8 +133,14 @@ func TestTensorsOnGPU(t *testing.T) {
 	assert.Len(t, fake.Threads[1], 1, "device 1's work ran on its own executor")
 	assert.NotEqual(t, fake.Threads[0], fake.Threads[1])
 
+	ctx := device.With(context.Background(), device.GPU(1))
+	z, err := tensor.In(ctx).Zeros(tensor.Int8, 3)
+	require.NoError(t, err)
+	assert.Equal(t, device.GPU(1), z.Place(), "new tensors follow the context's place")
+
 	require.NoError(t, x.Release())
 	require.NoError(t, y.Release())
+	require.NoError(t, z.Release())
 	assert.Equal(t, live, fake.Live(), "Release frees device memory")
 }
 
