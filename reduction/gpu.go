@@ -99,15 +99,5 @@ func openGPU(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*te
 		_ = token.Release()
 		return nil, err
 	}
-	s := tensor.NewDeviceStorage(p, m.Size, buf)
-	if won := storages.put(key, s); won != s {
-		if err := s.Release(); err != nil {
-			return nil, err
-		}
-		return won, nil
-	}
-	if made != nil {
-		*made = append(*made, s)
-	}
-	return s, nil
+	return keep(key, tensor.NewDeviceStorage(p, m.Size, buf), made)
 }

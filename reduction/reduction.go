@@ -351,17 +351,7 @@ func adoptBlock(key cacheKey, m Meta, made *[]*tensor.Storage, attach func() (*m
 	if err != nil {
 		return nil, err
 	}
-	s := tensor.NewBlockStorage(b)
-	if won := storages.put(key, s); won != s {
-		if err := s.Release(); err != nil { // gives the message's reference back
-			return nil, err
-		}
-		return won, nil
-	}
-	if made != nil {
-		*made = append(*made, s)
-	}
-	return s, nil
+	return keep(key, tensor.NewBlockStorage(b), made)
 }
 
 func openName(m Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {
@@ -383,12 +373,17 @@ func openName(m Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {
 // goroutine cached the same segment meanwhile: then that Storage wins and
 // the new mapping is closed, so the process keeps one mapping.
 func adopt(key cacheKey, a *mmapalloc.Allocation, made *[]*tensor.Storage) (*tensor.Storage, error) {
-	s := tensor.NewSharedStorage(a)
+	return keep(key, tensor.NewSharedStorage(a), made)
+}
+
+// keep caches s, a storage just made for what key names, and returns it,
+// unless another goroutine cached a storage for the same memory
+// meanwhile: then that one wins and s is released, which also gives back
+// whatever reference s held for the message. New storages are appended to
+// *made, so that a failed decode can release them.
+func keep(key cacheKey, s *tensor.Storage, made *[]*tensor.Storage) (*tensor.Storage, error) {
 	if won := storages.put(key, s); won != s {
-		if err := s.Release(); err != nil {
-			return nil, err
-		}
-		return won, nil
+		return won, s.Release()
 	}
 	if made != nil {
 		*made = append(*made, s)
