@@ -3,6 +3,7 @@ module github.com/tensormp/tensormp
 go 1.26.0
 
 require (
+	github.com/hashicorp/go-hclog v1.6.3
 	github.com/stretchr/testify v1.12.1
 	github.com/vmihailenco/msgpack/v5 v5.4.1
 	golang.org/x/sys v0.49.0
@@ -10,7 +11,6 @@ require (
 
 require (
 	github.com/fatih/color v1.13.0 // indirect
-	github.com/hashicorp/go-hclog v1.6.3 // indirect
 	github.com/mattn/go-colorable v0.1.12 // indirect
 	github.com/mattn/go-isatty v0.0.14 // indirect
 	github.com/vmihailenco/tagparser/v2 v2.0.0 // indirect
