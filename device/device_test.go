@@ -140,7 +140,7 @@ func TestDefaultAndScope(t *testing.T) {
 	ctx := context.Background()
 	assert.Equal(t, device.GPU(1), device.Current(ctx), "no scope: the default")
 	assert.False(t, device.Scoped(ctx))
-	//nolint:staticcheck // a nil context means no scope
+	//lint:ignore SA1012 Current documents what a nil context means
 	assert.Equal(t, device.GPU(1), device.Current(nil))
 
 	inner := device.With(ctx, device.CPU())

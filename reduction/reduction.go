@@ -23,6 +23,7 @@ var ErrDeviceTensor = errors.New("reduction: tensors on this device cannot be sh
 // Meta describes a shared tensor to the process that rebuilds it. It
 // travels as a msgpack array, Version first.
 type Meta struct {
+	//lint:ignore U1000 the tag tells msgpack to use the array form
 	_msgpack struct{} `msgpack:",as_array"`
 
 	Version  uint8

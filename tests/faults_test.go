@@ -43,6 +43,9 @@ func registerFaultPrograms() {
 				return err
 			}
 			if x == nil {
+				for _, h := range held {
+					_ = h.Release()
+				}
 				return nil
 			}
 			held = append(held, x)
