@@ -192,30 +192,20 @@ func pidsFrom(t *testing.T, line string) []int {
 	return pids
 }
 
-func TestKillWorkerHoldingTensors(t *testing.T) {
-	for _, st := range strategy.All() {
-		t.Run(st.String(), func(t *testing.T) {
-			leakcheck.Check(t)
-			p := startProgram(t, "program.kill-worker", st, false)
-			pids := pidsFrom(t, p.waitLine(t, "pids"))
-			assert.Len(t, pids, 2)
-			assert.Contains(t, p.waitLine(t, "joined"), "killed by signal killed")
-			assert.Equal(t, 0, p.wait(t))
-			p.expectGone(t)
-		})
-	}
-}
-
-func TestKillWorkerMidStream(t *testing.T) {
-	for _, st := range strategy.All() {
-		t.Run(st.String(), func(t *testing.T) {
-			leakcheck.Check(t)
-			p := startProgram(t, "program.stream", st, false)
-			p.waitLine(t, "pids")
-			assert.Contains(t, p.waitLine(t, "joined"), "killed by signal")
-			assert.Equal(t, 0, p.wait(t))
-			p.expectGone(t)
-		})
+// TestKillWorker kills a worker while it holds tensors, and while
+// tensors stream to it; the program's Join must report the kill.
+func TestKillWorker(t *testing.T) {
+	for _, program := range []string{"program.kill-worker", "program.stream"} {
+		for _, st := range strategy.All() {
+			t.Run(program+"/"+st.String(), func(t *testing.T) {
+				leakcheck.Check(t)
+				p := startProgram(t, program, st, false)
+				assert.NotEmpty(t, pidsFrom(t, p.waitLine(t, "pids")))
+				assert.Contains(t, p.waitLine(t, "joined"), "killed by signal killed")
+				assert.Equal(t, 0, p.wait(t))
+				p.expectGone(t)
+			})
+		}
 	}
 }
 
