@@ -252,6 +252,19 @@ func TestBadRanges(t *testing.T) {
 	assert.Error(t, b.Read(make([]byte, 4), -1))
 	_, err = rt.Import(cuda.Handle{Size: 16})
 	assert.ErrorContains(t, err, "without a reference token")
+
+	h, err := b.Export()
+	require.NoError(t, err)
+	for _, bad := range []struct{ off, size int64 }{{0, 17}, {8, 9}, {16, 1}} {
+		require.NoError(t, h.Token.Retain()) // each try is a message of its own
+		r := received(t, h)
+		r.Offset, r.Size = bad.off, bad.size
+		_, err := rt.Import(r)
+		assert.ErrorContains(t, err, "from an allocation of 16", "offset %d size %d", bad.off, bad.size)
+		require.NoError(t, r.Token.Release())
+	}
+	assert.Equal(t, 0, rt.Opened(), "a refused import closes what it opened")
+	h.Token.Drop()
 	_, err = rt.Alloc(5, 16)
 	assert.ErrorContains(t, err, "does not exist")
 }

@@ -53,6 +53,8 @@ type Driver interface {
 	MemcpyHtoD(dst DevicePtr, src []byte) error
 	MemcpyDtoH(dst []byte, src DevicePtr) error
 	MemcpyDtoD(dst, src DevicePtr, n int64) error
+	// MemGetAddressRange returns the allocation that contains p.
+	MemGetAddressRange(p DevicePtr) (base DevicePtr, size int64, err error)
 
 	IPCGetMemHandle(p DevicePtr) (IPCMemHandle, error)
 	IPCOpenMemHandle(h IPCMemHandle) (DevicePtr, error)

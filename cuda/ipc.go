@@ -36,6 +36,7 @@ type export struct {
 type openedMem struct {
 	dev   int
 	ptr   DevicePtr
+	size  int64 // the allocation's size, checked against every import
 	event Event
 	users int // guarded by Runtime.mu
 }
@@ -126,6 +127,10 @@ func (r *Runtime) Import(h Handle) (*Buffer, error) {
 			if o.ptr, err = r.drv.IPCOpenMemHandle(h.Mem); err != nil {
 				return err
 			}
+			if _, o.size, err = r.drv.MemGetAddressRange(o.ptr); err != nil {
+				_ = r.drv.IPCCloseMemHandle(o.ptr)
+				return err
+			}
 			if o.event, err = r.drv.IPCOpenEventHandle(h.Event); err != nil {
 				_ = r.drv.IPCCloseMemHandle(o.ptr)
 				return err
@@ -137,6 +142,16 @@ func (r *Runtime) Import(h Handle) (*Buffer, error) {
 			return nil, fmt.Errorf("cuda: opening an IPC handle on gpu:%d: %w", h.Device, err)
 		}
 		r.opened[h.Mem] = o
+	}
+	if h.Offset > o.size-h.Size {
+		if o.users == 0 {
+			delete(r.opened, h.Mem)
+			_ = e.Do(func() error {
+				return errors.Join(r.drv.IPCCloseMemHandle(o.ptr), r.drv.EventDestroy(o.event))
+			})
+		}
+		r.mu.Unlock()
+		return nil, fmt.Errorf("cuda: import of %d bytes at offset %d from an allocation of %d", h.Size, h.Offset, o.size)
 	}
 	o.users++
 	r.mu.Unlock()

@@ -19,7 +19,7 @@ typedef struct { char reserved[64]; } CUipcEventHandle;
 
 enum {
 	F_INIT, F_DEVCOUNT, F_DEVGET, F_PCTXRETAIN, F_PCTXRELEASE, F_CTXSET,
-	F_MALLOC, F_FREE, F_HTOD, F_DTOH, F_DTOD,
+	F_MALLOC, F_FREE, F_HTOD, F_DTOH, F_DTOD, F_ADDRRANGE,
 	F_IPCGETMEM, F_IPCOPENMEM, F_IPCCLOSEMEM,
 	F_EVCREATE, F_EVRECORD, F_EVSYNC, F_EVDESTROY, F_IPCGETEV, F_IPCOPENEV,
 	F_ERRNAME, F_ERRSTR, F_COUNT
@@ -43,6 +43,7 @@ static CUresult tm_free(CUdeviceptr p) { return ((CUresult (*)(CUdeviceptr))tm_f
 static CUresult tm_htod(CUdeviceptr dst, const void *src, size_t n) { return ((CUresult (*)(CUdeviceptr, const void *, size_t))tm_fns[F_HTOD])(dst, src, n); }
 static CUresult tm_dtoh(void *dst, CUdeviceptr src, size_t n) { return ((CUresult (*)(void *, CUdeviceptr, size_t))tm_fns[F_DTOH])(dst, src, n); }
 static CUresult tm_dtod(CUdeviceptr dst, CUdeviceptr src, size_t n) { return ((CUresult (*)(CUdeviceptr, CUdeviceptr, size_t))tm_fns[F_DTOD])(dst, src, n); }
+static CUresult tm_addrrange(CUdeviceptr *base, size_t *size, CUdeviceptr p) { return ((CUresult (*)(CUdeviceptr *, size_t *, CUdeviceptr))tm_fns[F_ADDRRANGE])(base, size, p); }
 static CUresult tm_ipcgetmem(void *h, CUdeviceptr p) { return ((CUresult (*)(CUipcMemHandle *, CUdeviceptr))tm_fns[F_IPCGETMEM])((CUipcMemHandle *)h, p); }
 static CUresult tm_ipcopenmem(CUdeviceptr *p, const void *h) {
 	CUipcMemHandle handle;
@@ -97,6 +98,7 @@ var symbols = [C.F_COUNT][]string{
 	C.F_HTOD:        {"cuMemcpyHtoD_v2"},
 	C.F_DTOH:        {"cuMemcpyDtoH_v2"},
 	C.F_DTOD:        {"cuMemcpyDtoD_v2"},
+	C.F_ADDRRANGE:   {"cuMemGetAddressRange_v2"},
 	C.F_IPCGETMEM:   {"cuIpcGetMemHandle"},
 	C.F_IPCOPENMEM:  {"cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"},
 	C.F_IPCCLOSEMEM: {"cuIpcCloseMemHandle"},
@@ -214,6 +216,13 @@ func (libcuda) MemcpyDtoH(dst []byte, src DevicePtr) error {
 
 func (libcuda) MemcpyDtoD(dst, src DevicePtr, n int64) error {
 	return check("cuMemcpyDtoD_v2", C.tm_dtod(C.CUdeviceptr(dst), C.CUdeviceptr(src), C.size_t(n)))
+}
+
+func (libcuda) MemGetAddressRange(p DevicePtr) (DevicePtr, int64, error) {
+	var base C.CUdeviceptr
+	var size C.size_t
+	err := check("cuMemGetAddressRange_v2", C.tm_addrrange(&base, &size, C.CUdeviceptr(p)))
+	return DevicePtr(base), int64(size), err
 }
 
 func (libcuda) IPCGetMemHandle(p DevicePtr) (IPCMemHandle, error) {

@@ -177,6 +177,20 @@ func (d *Driver) MemcpyDtoD(dst, src cuda.DevicePtr, n int64) error {
 	return nil
 }
 
+func (d *Driver) MemGetAddressRange(p cuda.DevicePtr) (cuda.DevicePtr, int64, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if _, err := d.ctxDev("cuMemGetAddressRange_v2"); err != nil {
+		return 0, 0, err
+	}
+	for base, a := range d.allocs {
+		if p >= base && int64(p-base) < int64(len(a.data)) {
+			return base, int64(len(a.data)), nil
+		}
+	}
+	return 0, 0, fail("cuMemGetAddressRange_v2", 1, "CUDA_ERROR_INVALID_VALUE")
+}
+
 func (d *Driver) IPCGetMemHandle(p cuda.DevicePtr) (cuda.IPCMemHandle, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
