@@ -74,19 +74,16 @@ func openGPU(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*te
 	if err != nil {
 		return nil, err
 	}
-	key := gpuKey(h.Mem, h.Offset)
-	if s := storages.get(key, m.Size); s != nil {
-		// The storage holds the memory already: give the message's
-		// reference on the token back through a block of our own.
-		token, err := mmapalloc.AttachBlock(fd, m.Segment, m.Block, tokenSize, m.Gen)
-		if err != nil {
-			return nil, err
-		}
-		return s, token.Release()
-	}
+	// The token block adopts the message's reference on the producer's
+	// memory; it is given back at once if this process holds the memory
+	// already.
 	token, err := mmapalloc.AttachBlock(fd, m.Segment, m.Block, tokenSize, m.Gen)
 	if err != nil {
 		return nil, err
+	}
+	key := gpuKey(h.Mem, h.Offset)
+	if s := storages.get(key, m.Size); s != nil {
+		return s, token.Release()
 	}
 	rt, err := cuda.Default()
 	if err != nil {
