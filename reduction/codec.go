@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"reflect"
+	"slices"
 
 	"github.com/vmihailenco/msgpack/v5"
 	"golang.org/x/sys/unix"
@@ -238,9 +239,12 @@ type fdReader struct {
 
 func (r *fdReader) reset(data []byte, fds []int) {
 	r.data, r.pos, r.fds = data, 0, fds
-	r.used = make([]bool, len(fds))
-	r.kept = make([]bool, len(fds))
-	r.made = nil
+	r.used = slices.Grow(r.used[:0], len(fds))[:len(fds)]
+	r.kept = slices.Grow(r.kept[:0], len(fds))[:len(fds)]
+	clear(r.used)
+	clear(r.kept)
+	clear(r.made)
+	r.made = r.made[:0]
 }
 
 func (r *fdReader) Read(p []byte) (int, error) {
