@@ -436,12 +436,15 @@ func (t *Tensor) Contiguous() (*Tensor, error) {
 
 // Clone returns a contiguous copy of t in new storage on the same place.
 func (t *Tensor) Clone() (*Tensor, error) {
-	host, err := t.hostBytes()
-	if err != nil {
-		return nil, err
+	if !t.Place().IsCPU() {
+		if out, ok, err := t.copyOnDevices(t.Place()); ok || err != nil {
+			return out, err
+		}
 	}
 	c := &Tensor{storage: newHeapStorage(t.Nbytes()), dtype: t.dtype, shape: slices.Clone(t.shape), strides: contiguousStrides(t.shape), lod: cloneLoD(t.lod)}
-	t.gather(host, c.storage.Bytes())
+	if err := t.readInto(c.storage.Bytes()); err != nil {
+		return nil, err
+	}
 	if t.Place().IsCPU() {
 		return c, nil
 	}
@@ -478,6 +481,25 @@ func (t *Tensor) denseHost() ([]byte, error) {
 	dense := make([]byte, t.Nbytes())
 	t.gather(host, dense)
 	return dense, nil
+}
+
+// readInto copies t's elements densely into dst, host memory of
+// t.Nbytes() bytes, in one copy: a contiguous device tensor reads just its
+// own bytes from the device.
+func (t *Tensor) readInto(dst []byte) error {
+	m := t.storage.mem.Load()
+	if m.buf != nil && !m.released && t.IsContiguous() {
+		if err := m.buf.Read(dst, t.offset); err != nil {
+			return fmt.Errorf("tensor: reading %d bytes from %s: %w", len(dst), t.Place(), err)
+		}
+		return nil
+	}
+	host, err := t.hostBytes()
+	if err != nil {
+		return err
+	}
+	t.gather(host, dst)
+	return nil
 }
 
 // gather copies t's elements, read from its storage bytes src, densely
@@ -528,15 +550,14 @@ func (t *Tensor) To(p device.Place) (*Tensor, error) {
 	if out, ok, err := t.copyOnDevices(p); ok || err != nil {
 		return out, err
 	}
+	out := &Tensor{dtype: t.dtype, shape: slices.Clone(t.shape), strides: contiguousStrides(t.shape), lod: cloneLoD(t.lod)}
+	if p.IsCPU() {
+		out.storage = newHeapStorage(t.Nbytes())
+		return out, t.readInto(out.storage.Bytes())
+	}
 	dense, err := t.denseHost()
 	if err != nil {
 		return nil, err
-	}
-	out := &Tensor{dtype: t.dtype, shape: slices.Clone(t.shape), strides: contiguousStrides(t.shape), lod: cloneLoD(t.lod)}
-	if p.IsCPU() {
-		out.storage = newHeapStorage(int64(len(dense)))
-		copy(out.storage.Bytes(), dense)
-		return out, nil
 	}
 	s, err := newStorage(p, int64(len(dense)))
 	if err != nil {
