@@ -137,6 +137,11 @@ func TestTensorsOnGPU(t *testing.T) {
 	z, err := tensor.In(ctx).Zeros(tensor.Int8, 3)
 	require.NoError(t, err)
 	assert.Equal(t, device.GPU(1), z.Place(), "new tensors follow the context's place")
+	zh, err := z.To(device.CPU())
+	require.NoError(t, err)
+	zv, err := tensor.Data[int8](zh)
+	require.NoError(t, err)
+	assert.Equal(t, []int8{0, 0, 0}, zv, "new device memory is zeroed")
 
 	require.NoError(t, x.Release())
 	require.NoError(t, y.Release())

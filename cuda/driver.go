@@ -50,6 +50,7 @@ type Driver interface {
 
 	MemAlloc(n int64) (DevicePtr, error)
 	MemFree(p DevicePtr) error
+	MemsetD8(p DevicePtr, n int64) error // zeroes n bytes
 	MemcpyHtoD(dst DevicePtr, src []byte) error
 	MemcpyDtoH(dst []byte, src DevicePtr) error
 	MemcpyDtoD(dst, src DevicePtr, n int64) error

@@ -19,7 +19,7 @@ typedef struct { char reserved[64]; } CUipcEventHandle;
 
 enum {
 	F_INIT, F_DEVCOUNT, F_DEVGET, F_PCTXRETAIN, F_PCTXRELEASE, F_CTXSET,
-	F_MALLOC, F_FREE, F_HTOD, F_DTOH, F_DTOD, F_ADDRRANGE,
+	F_MALLOC, F_FREE, F_MEMSET, F_HTOD, F_DTOH, F_DTOD, F_ADDRRANGE,
 	F_IPCGETMEM, F_IPCOPENMEM, F_IPCCLOSEMEM,
 	F_EVCREATE, F_EVRECORD, F_EVSYNC, F_EVDESTROY, F_IPCGETEV, F_IPCOPENEV,
 	F_ERRNAME, F_ERRSTR, F_COUNT
@@ -40,6 +40,7 @@ static CUresult tm_pctxrelease(CUdevice d) { return ((CUresult (*)(CUdevice))tm_
 static CUresult tm_ctxset(CUcontext c) { return ((CUresult (*)(CUcontext))tm_fns[F_CTXSET])(c); }
 static CUresult tm_malloc(CUdeviceptr *p, size_t n) { return ((CUresult (*)(CUdeviceptr *, size_t))tm_fns[F_MALLOC])(p, n); }
 static CUresult tm_free(CUdeviceptr p) { return ((CUresult (*)(CUdeviceptr))tm_fns[F_FREE])(p); }
+static CUresult tm_memset(CUdeviceptr p, size_t n) { return ((CUresult (*)(CUdeviceptr, unsigned char, size_t))tm_fns[F_MEMSET])(p, 0, n); }
 static CUresult tm_htod(CUdeviceptr dst, const void *src, size_t n) { return ((CUresult (*)(CUdeviceptr, const void *, size_t))tm_fns[F_HTOD])(dst, src, n); }
 static CUresult tm_dtoh(void *dst, CUdeviceptr src, size_t n) { return ((CUresult (*)(void *, CUdeviceptr, size_t))tm_fns[F_DTOH])(dst, src, n); }
 static CUresult tm_dtod(CUdeviceptr dst, CUdeviceptr src, size_t n) { return ((CUresult (*)(CUdeviceptr, CUdeviceptr, size_t))tm_fns[F_DTOD])(dst, src, n); }
@@ -95,6 +96,7 @@ var symbols = [C.F_COUNT][]string{
 	C.F_CTXSET:      {"cuCtxSetCurrent"},
 	C.F_MALLOC:      {"cuMemAlloc_v2"},
 	C.F_FREE:        {"cuMemFree_v2"},
+	C.F_MEMSET:      {"cuMemsetD8_v2"},
 	C.F_HTOD:        {"cuMemcpyHtoD_v2"},
 	C.F_DTOH:        {"cuMemcpyDtoH_v2"},
 	C.F_DTOD:        {"cuMemcpyDtoD_v2"},
@@ -198,6 +200,10 @@ func (libcuda) MemAlloc(n int64) (DevicePtr, error) {
 
 func (libcuda) MemFree(p DevicePtr) error {
 	return check("cuMemFree_v2", C.tm_free(C.CUdeviceptr(p)))
+}
+
+func (libcuda) MemsetD8(p DevicePtr, n int64) error {
+	return check("cuMemsetD8_v2", C.tm_memset(C.CUdeviceptr(p), C.size_t(n)))
 }
 
 func (libcuda) MemcpyHtoD(dst DevicePtr, src []byte) error {

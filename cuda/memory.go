@@ -109,8 +109,7 @@ func (r *Runtime) Alloc(dev int, n int64) (*Buffer, error) {
 			return err
 		}
 		b.ptr, b.base = p, p
-		zero := make([]byte, n)
-		if err := r.drv.MemcpyHtoD(p, zero); err != nil {
+		if err := r.drv.MemsetD8(p, n); err != nil {
 			_ = r.drv.MemFree(p)
 			return err
 		}

@@ -114,7 +114,11 @@ func (d *Driver) MemAlloc(n int64) (cuda.DevicePtr, error) {
 	}
 	p := d.next
 	d.next += cuda.DevicePtr(n+4095) &^ 4095
-	d.allocs[p] = &alloc{dev: dev, data: make([]byte, n)}
+	data := make([]byte, n)
+	for i := range data {
+		data[i] = 0xab // device memory starts as garbage, as on a real GPU
+	}
+	d.allocs[p] = &alloc{dev: dev, data: data}
 	d.used += n
 	return p, nil
 }
@@ -131,6 +135,20 @@ func (d *Driver) MemFree(p cuda.DevicePtr) error {
 	}
 	d.used -= int64(len(a.data))
 	delete(d.allocs, p)
+	return nil
+}
+
+func (d *Driver) MemsetD8(p cuda.DevicePtr, n int64) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if _, err := d.ctxDev("cuMemsetD8_v2"); err != nil {
+		return err
+	}
+	a, off, ok := d.find(p, n)
+	if !ok {
+		return fail("cuMemsetD8_v2", 1, "CUDA_ERROR_INVALID_VALUE")
+	}
+	clear(a.data[off : off+n])
 	return nil
 }
 
