@@ -148,7 +148,7 @@ func runDemo(args []string, stdout, stderr io.Writer) int {
 		sts = append(sts, st)
 	}
 
-	before, err := countEntries(mmapalloc.Dir())
+	before, _, err := segments(mmapalloc.Dir())
 	if err != nil {
 		fmt.Fprintln(stderr, "spawn demo:", err)
 		return 1
@@ -170,12 +170,7 @@ func runDemo(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stdout, "%-16s %8d %12s %14s\n", r.strategy, r.tensors, formatBytes(r.bytes), formatDuration(r.p50))
 	}
 	mmapalloc.Trim() // what the pools keep for reuse is not residue
-	after, err := countEntries(mmapalloc.Dir())
-	if err != nil {
-		fmt.Fprintln(stderr, "spawn demo:", err)
-		return 1
-	}
-	mine, err := sessionSegments(mmapalloc.Dir())
+	after, mine, err := segments(mmapalloc.Dir())
 	if err != nil {
 		fmt.Fprintln(stderr, "spawn demo:", err)
 		return 1
@@ -296,35 +291,23 @@ func product(shape []int) int {
 	return n
 }
 
-// countEntries counts the tensormp_ segments in dir, leaving out session
-// locks, which belong to live programs.
-func countEntries(dir string) (int, error) {
+// segments counts the tensormp_ segments in dir, leaving out session
+// locks, which belong to live programs, and lists those of this run.
+func segments(dir string) (count int, mine []string, err error) {
 	entries, err := os.ReadDir(dir)
 	if err != nil {
-		return 0, err
+		return 0, nil, err
 	}
-	n := 0
 	for _, e := range entries {
-		if mmapalloc.ValidName(e.Name()) {
-			n++
+		if !mmapalloc.ValidName(e.Name()) {
+			continue
+		}
+		count++
+		if strings.HasPrefix(e.Name(), mmapalloc.SessionPrefix()) {
+			mine = append(mine, e.Name())
 		}
 	}
-	return n, nil
-}
-
-// sessionSegments lists this run's segments still in dir.
-func sessionSegments(dir string) ([]string, error) {
-	entries, err := os.ReadDir(dir)
-	if err != nil {
-		return nil, err
-	}
-	var out []string
-	for _, e := range entries {
-		if mmapalloc.ValidName(e.Name()) && strings.HasPrefix(e.Name(), mmapalloc.SessionPrefix()) {
-			out = append(out, e.Name())
-		}
-	}
-	return out, nil
+	return count, mine, nil
 }
 
 func formatBytes(n int64) string {
