@@ -104,6 +104,9 @@ var (
 	ErrClosed = errors.New("allocation closed")
 )
 
+// FDLimitHint tells a user out of file descriptors what to do.
+const FDLimitHint = "raise the limit with `ulimit -n` or RLIMIT_NOFILE"
+
 // Error records a failed operation on a segment.
 type Error struct {
 	Op   string // "create", "open", "map", ...
@@ -114,7 +117,7 @@ type Error struct {
 func (e *Error) Error() string {
 	msg := "mmapalloc: " + e.Op + " " + e.Path + ": " + e.Err.Error()
 	if errors.Is(e.Err, errTooManyFiles) {
-		msg += " (the process is out of file descriptors: raise the limit with `ulimit -n` or RLIMIT_NOFILE)"
+		msg += " (the process is out of file descriptors: " + FDLimitHint + ")"
 	}
 	return msg
 }

@@ -510,7 +510,7 @@ func (t *segmentTable) attach(fd int, id ID, size int64) (*segment, error) {
 		seg.users++
 		return seg, nil
 	}
-	dup, err := dupFD(fd)
+	dup, err := Dup(fd)
 	if err != nil {
 		return nil, err
 	}

@@ -345,7 +345,8 @@ func Stat(fd int) (ID, int64, error) {
 	return ID{Dev: st.Dev, Ino: st.Ino}, st.Size, nil
 }
 
-func dupFD(fd int) (int, error) {
+// Dup returns a close-on-exec duplicate of fd, which the caller owns.
+func Dup(fd int) (int, error) {
 	d, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
 		return -1, &Error{Op: "dup", Path: fmt.Sprintf("fd %d", fd), Err: err}

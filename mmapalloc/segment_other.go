@@ -34,7 +34,8 @@ func (a *Allocation) Close() error {
 
 func (a *Allocation) dropRef() error { return nil }
 
-func dupFD(fd int) (int, error) { return -1, ErrUnsupported }
+// Dup is not supported on this system.
+func Dup(fd int) (int, error) { return -1, ErrUnsupported }
 
 // Remove does nothing on this system.
 func (a *Allocation) Remove() error { return nil }

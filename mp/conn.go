@@ -100,7 +100,7 @@ func socketPair() ([2]int, error) {
 
 func fdHint(err error) string {
 	if errors.Is(err, unix.EMFILE) || errors.Is(err, unix.ENFILE) {
-		return " (out of file descriptors: raise the limit with `ulimit -n` or RLIMIT_NOFILE)"
+		return " (out of file descriptors: " + mmapalloc.FDLimitHint + ")"
 	}
 	return ""
 }
@@ -294,7 +294,7 @@ func (c *conn) recv(ctx context.Context) (data []byte, fds []int, err error) {
 	case err != nil:
 		return nil, fds, err
 	case flags&unix.MSG_CTRUNC != 0:
-		return nil, fds, fmt.Errorf("mp: receive: descriptors were dropped by the kernel (MSG_CTRUNC): the process is probably out of file descriptors; raise the limit with `ulimit -n` or RLIMIT_NOFILE")
+		return nil, fds, errors.New("mp: receive: descriptors were dropped by the kernel (MSG_CTRUNC): the process is probably out of file descriptors; " + mmapalloc.FDLimitHint)
 	case flags&unix.MSG_TRUNC != 0:
 		return nil, fds, fmt.Errorf("mp: receive: message larger than %d bytes was truncated (MSG_TRUNC)", len(c.buf))
 	case n == 0 && oobn == 0:
@@ -384,7 +384,7 @@ func recvCarried(fd, want int) (fds []int, err error) {
 			return fds, fmt.Errorf("mp: receive: carried descriptors: %w%s", err, fdHint(err))
 		}
 		if flags&unix.MSG_CTRUNC != 0 {
-			return fds, errors.New("mp: receive: carried descriptors were dropped by the kernel (MSG_CTRUNC): raise the limit with `ulimit -n` or RLIMIT_NOFILE")
+			return fds, errors.New("mp: receive: carried descriptors were dropped by the kernel (MSG_CTRUNC): " + mmapalloc.FDLimitHint)
 		}
 		if oobn == 0 {
 			return fds, fmt.Errorf("mp: receive: carrier ended after %d of %d descriptors", len(fds), want)

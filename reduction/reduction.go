@@ -4,8 +4,6 @@ import (
 	"errors"
 	"fmt"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/strategy"
@@ -188,11 +186,7 @@ func (b borrowed) take(i int) (int, error) {
 	if err != nil {
 		return -1, err
 	}
-	dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
-	if err != nil {
-		return -1, fmt.Errorf("duplicating descriptor %d: %w", fd, err)
-	}
-	return dup, nil
+	return mmapalloc.Dup(fd)
 }
 
 // rebuild builds a tensor from m. Storages it maps afresh are appended to
