@@ -185,12 +185,9 @@ func setUp(fd int, path string, total int64, flags Flags, create bool) (a *Alloc
 			return nil, &Error{Op: "reserve", Path: where, Err: err}
 		}
 	}
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		return nil, &Error{Op: "stat", Path: where, Err: err}
-	}
-	if st.Mode&unix.S_IFMT != unix.S_IFREG {
-		return nil, &Error{Op: "open", Path: where, Err: fmt.Errorf("not a regular file (mode %#o)", st.Mode)}
+	st, err := statFile(fd, where)
+	if err != nil {
+		return nil, err
 	}
 	if st.Size < total {
 		return nil, &Error{Op: "open", Path: where, Err: fmt.Errorf("file holds %d bytes, fewer than the %d claimed", st.Size, total)}
@@ -335,14 +332,24 @@ func (a *Allocation) closeMapping() error {
 // a regular file. It lets a receiver find out whether it already maps a
 // segment before mapping it again.
 func Stat(fd int) (ID, int64, error) {
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		return ID{}, 0, &Error{Op: "stat", Path: fmt.Sprintf("fd %d", fd), Err: err}
-	}
-	if st.Mode&unix.S_IFMT != unix.S_IFREG {
-		return ID{}, 0, &Error{Op: "stat", Path: fmt.Sprintf("fd %d", fd), Err: fmt.Errorf("not a regular file (mode %#o)", st.Mode)}
+	st, err := statFile(fd, fmt.Sprintf("fd %d", fd))
+	if err != nil {
+		return ID{}, 0, err
 	}
 	return ID{Dev: st.Dev, Ino: st.Ino}, st.Size, nil
+}
+
+// statFile returns fd's status, checking that it is a regular file: a
+// segment, never a pipe, socket or device another process slipped us.
+func statFile(fd int, where string) (unix.Stat_t, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return st, &Error{Op: "stat", Path: where, Err: err}
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return st, &Error{Op: "stat", Path: where, Err: fmt.Errorf("not a regular file (mode %#o)", st.Mode)}
+	}
+	return st, nil
 }
 
 // Dup returns a close-on-exec duplicate of fd, which the caller owns.
