@@ -166,7 +166,7 @@ func TestIPCKeepsMemoryWhileConsumersHoldIt(t *testing.T) {
 	h2, err := buf.Export() // a second message
 	require.NoError(t, err)
 	assert.Equal(t, h1.Mem, h2.Mem)
-	assert.Equal(t, int32(3), h1.Token.Refs(), "the producer and two messages")
+	assert.True(t, h1.Token.Busy(), "two messages hold the token")
 
 	c1, err := rt.Import(received(t, h1))
 	require.NoError(t, err)
@@ -211,7 +211,7 @@ func TestUnsentExportAndOOMCollectLimbo(t *testing.T) {
 	require.NoError(t, err)
 	h, err := a.Export()
 	require.NoError(t, err)
-	h.Token.Drop() // the message was never sent
+	h.Ticket.Discard() // the message was never sent
 	require.NoError(t, a.Free())
 	assert.Equal(t, live, fake.Live(), "nobody else held it: freed at once")
 
@@ -235,14 +235,15 @@ func TestUnsentExportAndOOMCollectLimbo(t *testing.T) {
 }
 
 // received is what a receiving process makes of h: the same description,
-// with a token block of its own attached from the token's segment (in a
-// real receiver, from the descriptor that came with the message).
+// with a token block of its own attached through the ticket's descriptor,
+// the one the message carries; then the message is done.
 func received(t *testing.T, h cuda.Handle) cuda.Handle {
 	t.Helper()
 	seg := h.Token.Segment()
-	tok, err := mmapalloc.AttachBlock(seg.FD(), seg.Size(), h.Token.Offset(), 8, h.Token.Gen())
+	tok, err := mmapalloc.AttachBlock(h.Ticket.FD(), false, seg.Size(), h.Token.Offset(), 8, h.Token.Gen())
 	require.NoError(t, err)
-	h.Token = tok
+	h.Ticket.Done()
+	h.Token, h.Ticket = tok, nil
 	return h
 }
 
@@ -258,18 +259,16 @@ func TestBadRanges(t *testing.T) {
 	_, err = rt.Import(cuda.Handle{Size: 16})
 	assert.ErrorContains(t, err, "without a reference token")
 
-	h, err := b.Export()
-	require.NoError(t, err)
 	for _, bad := range []struct{ off, size int64 }{{0, 17}, {8, 9}, {16, 1}} {
-		require.NoError(t, h.Token.Retain()) // each try is a message of its own
+		h, err := b.Export() // each try is a message of its own
+		require.NoError(t, err)
 		r := received(t, h)
 		r.Offset, r.Size = bad.off, bad.size
-		_, err := rt.Import(r)
+		_, err = rt.Import(r)
 		assert.ErrorContains(t, err, "from an allocation of 16", "offset %d size %d", bad.off, bad.size)
 		require.NoError(t, r.Token.Release())
 	}
 	assert.Equal(t, 0, rt.Opened(), "a refused import closes what it opened")
-	h.Token.Drop()
 	_, err = rt.Alloc(5, 16)
 	assert.ErrorContains(t, err, "does not exist")
 }

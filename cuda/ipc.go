@@ -10,17 +10,22 @@ import (
 // Handle describes a GPU buffer to another process: the allocation's IPC
 // handle, where the buffer starts in it, an interprocess event that marks
 // the work done on it before sending, and a token. The token is a block of
-// shared memory whose reference count all processes share (see
+// shared memory that every process using the allocation holds (see
 // mmapalloc.Block): the producer frees the allocation only when no other
-// process holds the token, so the memory lives exactly as long as some
-// consumer uses it.
+// process, and no message in flight, holds the token, so the memory lives
+// exactly as long as some consumer uses it.
 type Handle struct {
 	Device int
 	Mem    IPCMemHandle
 	Event  IPCEventHandle
 	Offset int64 // from the allocation's start to the buffer's
 	Size   int64
-	Token  *mmapalloc.Block // retained for the receiver, who adopts it
+	// Token is the token block: the sender's in Export, the receiver's
+	// own (attached from the message's ticket) in Import.
+	Token *mmapalloc.Block
+	// Ticket, from Export, holds the token for the message: send its
+	// descriptor, then call Done (or Discard if it is never sent).
+	Ticket *mmapalloc.Ticket
 }
 
 // export is what a producer keeps for an allocation it has sent.
@@ -28,7 +33,7 @@ type export struct {
 	mem   IPCMemHandle
 	event Event
 	evh   IPCEventHandle
-	token *mmapalloc.Block // the producer holds one reference for life
+	token *mmapalloc.Block // the producer's own hold, for the allocation's life
 }
 
 // openedMem is one IPC handle opened in this process, shared by every
@@ -41,9 +46,9 @@ type openedMem struct {
 	users int // guarded by Runtime.mu
 }
 
-// Export describes b for another process and takes a reference on its
-// token for the receiver, who adopts it with Import; if the message is
-// never received, give it back with h.Token.Drop(). The work queued on b
+// Export describes b for another process and takes a ticket on its token
+// for the message (h.Ticket); the receiver attaches the token and imports
+// with it. The work queued on b
 // so far is marked by an event the receiver waits for. A buffer received
 // from another process can be exported again: the third process opens
 // the original allocation.
@@ -55,11 +60,12 @@ func (b *Buffer) Export() (Handle, error) {
 		return Handle{}, errors.New("cuda: exporting an empty buffer")
 	}
 	if b.from != nil {
-		if err := b.token.Retain(); err != nil {
+		tk, err := b.token.Ticket()
+		if err != nil {
 			return Handle{}, fmt.Errorf("cuda: exporting a received buffer: %w", err)
 		}
 		h := b.desc
-		h.Token = b.token
+		h.Token, h.Ticket = b.token, tk
 		return h, nil
 	}
 	e, err := b.exec()
@@ -98,15 +104,17 @@ func (b *Buffer) Export() (Handle, error) {
 	if err := e.Do(func() error { return b.rt.drv.EventRecord(x.event) }); err != nil {
 		return Handle{}, err
 	}
-	if err := x.token.Retain(); err != nil {
+	tk, err := x.token.Ticket()
+	if err != nil {
 		return Handle{}, err
 	}
-	return Handle{Device: b.dev, Mem: x.mem, Event: x.evh, Offset: int64(b.ptr - b.base), Size: b.size, Token: x.token}, nil
+	return Handle{Device: b.dev, Mem: x.mem, Event: x.evh, Offset: int64(b.ptr - b.base), Size: b.size, Token: x.token, Ticket: tk}, nil
 }
 
 // Import opens a buffer another process exported, once per allocation per
 // process, and waits for the work the producer queued on it. The buffer
-// adopts h.Token: its Free gives the reference back.
+// takes over h.Token, the receiver's own hold on the token: its Free
+// releases it.
 func (r *Runtime) Import(h Handle) (*Buffer, error) {
 	if h.Token == nil {
 		return nil, errors.New("cuda: import without a reference token")
@@ -157,7 +165,7 @@ func (r *Runtime) Import(h Handle) (*Buffer, error) {
 	r.mu.Unlock()
 
 	b := &Buffer{rt: r, dev: h.Device, ptr: o.ptr + DevicePtr(h.Offset), size: h.Size, from: o, token: h.Token, desc: h}
-	b.desc.Token = nil
+	b.desc.Token, b.desc.Ticket = nil, nil
 	if err := e.Do(func() error { return r.drv.EventSynchronize(o.event) }); err != nil {
 		_ = b.Free()
 		return nil, fmt.Errorf("cuda: waiting for the producer's work on gpu:%d: %w", h.Device, err)

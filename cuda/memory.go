@@ -198,7 +198,7 @@ func (b *Buffer) Free() error {
 	if b.from != nil {
 		return b.rt.closeOpened(b)
 	}
-	if b.export != nil && b.export.token.Refs() > 1 {
+	if b.export != nil && b.export.token.Busy() {
 		b.rt.mu.Lock()
 		b.rt.limbo = append(b.rt.limbo, b)
 		b.rt.mu.Unlock()
@@ -237,7 +237,7 @@ func (r *Runtime) CollectLimbo() {
 	var ready []*Buffer
 	kept := r.limbo[:0]
 	for _, b := range r.limbo {
-		if b.export.token.Refs() <= 1 {
+		if !b.export.token.Busy() {
 			ready = append(ready, b)
 		} else {
 			kept = append(kept, b)

@@ -41,8 +41,8 @@ const (
 	// Close unlinks the name. This is the file_system strategy.
 	RefCount
 	// Memfd: the segment is anonymous shared memory (memfd_create),
-	// sealed against shrinking, because the directory was full. Create
-	// sets it; callers never pass it.
+	// sealed against shrinking and growing: every segment made with
+	// Unlink is. Create sets it; callers never pass it.
 	Memfd
 )
 
@@ -320,23 +320,4 @@ func (s *allocSet) remove(a *Allocation) {
 	s.mu.Lock()
 	delete(s.m, a)
 	s.mu.Unlock()
-}
-
-// DropRefsForExit gives back this process's reference to every RefCount
-// segment it still maps, unlinking those it was the last holder of, and to
-// every pooled block it received and still holds, and leaves the mappings
-// in place for the exit to remove. A process calls it just before it
-// exits, so that what it received but never released does not stay
-// counted after it is gone; memory its goroutines still touch stays valid.
-func DropRefsForExit() {
-	attached.dropAttachedForExit()
-	refHolders.mu.Lock()
-	open := make([]*Allocation, 0, len(refHolders.m))
-	for a := range refHolders.m {
-		open = append(open, a)
-	}
-	refHolders.mu.Unlock()
-	for _, a := range open {
-		a.dropRef()
-	}
 }

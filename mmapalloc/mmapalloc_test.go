@@ -38,9 +38,11 @@ func TestCreateFileDescriptor(t *testing.T) {
 	require.NoError(t, err)
 	defer a.Close()
 
-	assert.True(t, mmapalloc.ValidName(a.Name()), a.Name())
-	assert.Contains(t, a.Name(), mmapalloc.SessionPrefix())
-	assert.False(t, inDir(a.Name()), "the name is unlinked before Create returns")
+	assert.Empty(t, a.Name(), "a segment that travels by descriptor has no name in the directory")
+	assert.NotZero(t, a.Flags()&mmapalloc.Memfd, "it is a memfd")
+	seals, err := unix.FcntlInt(uintptr(a.FD()), unix.F_GET_SEALS, 0)
+	require.NoError(t, err)
+	assert.Equal(t, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL, seals, "sealed against resizing")
 	assert.Equal(t, int64(4096), a.Size())
 	require.GreaterOrEqual(t, a.FD(), 0)
 	flags, err := unix.FcntlInt(uintptr(a.FD()), unix.F_GETFD, 0)
@@ -305,8 +307,8 @@ func TestCrossProcessByName(t *testing.T) {
 // helperTmpfsFull runs in a private mount namespace: it mounts a 1 MiB
 // tmpfs, points TENSORMP_SHM_DIR at it and checks that a named segment
 // that does not fit is an ENOSPC error that leaves nothing behind, that a
-// descriptor segment falls back to a sealed memfd, and that a segment that
-// fits can be written to its last byte.
+// descriptor segment (a sealed memfd) does not depend on the directory's
+// size, and that a segment that fits can be written to its last byte.
 func helperTmpfsFull() int {
 	dir := os.Args[1]
 	if err := unix.Mount("tensormp-test", dir, "tmpfs", 0, "size=1m,mode=0700"); err != nil {
@@ -327,13 +329,14 @@ func helperTmpfsFull() int {
 	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
 		return fail("a failed Create left %d entries", len(entries))
 	}
-	// A segment that travels by descriptor falls back to memfd.
+	// A segment that travels by descriptor is a memfd, whatever room the
+	// directory has.
 	m, err := mmapalloc.Create(2<<20, mmapalloc.KeepFD|mmapalloc.Unlink)
 	if err != nil {
 		return fail("Create(2 MiB, KeepFD|Unlink) = %v, want a memfd segment", err)
 	}
 	if m.Flags()&mmapalloc.Memfd == 0 || m.Name() != "" {
-		return fail("fallback segment has flags %v and name %q", m.Flags(), m.Name())
+		return fail("descriptor segment has flags %v and name %q", m.Flags(), m.Name())
 	}
 	m.Bytes()[2<<20-1] = 1
 	if err := unix.Ftruncate(m.FD(), 4096); err == nil {
@@ -350,7 +353,7 @@ func helperTmpfsFull() int {
 	_ = r.Close()
 	_ = m.Close()
 	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
-		return fail("the fallback left %d entries", len(entries))
+		return fail("the memfd segment left %d entries", len(entries))
 	}
 	a, err := mmapalloc.Create(640<<10, mmapalloc.RefCount)
 	if err != nil {

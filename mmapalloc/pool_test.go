@@ -4,9 +4,11 @@ import (
 	"fmt"
 	"sync"
 	"testing"
+	"unsafe"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/mmapalloc"
@@ -38,6 +40,18 @@ func TestPoolPacksSmallBlocks(t *testing.T) {
 	require.NoError(t, big.Release())
 }
 
+// send stands for a message carrying b: it takes a ticket and returns a
+// duplicate of its descriptor, as sendmsg would put one in flight.
+func send(t *testing.T, b *mmapalloc.Block) int {
+	t.Helper()
+	tk, err := b.Ticket()
+	require.NoError(t, err)
+	defer tk.Done()
+	fd, err := mmapalloc.Dup(tk.FD())
+	require.NoError(t, err)
+	return fd
+}
+
 func TestPoolRecyclesOnlyWhenNobodyHolds(t *testing.T) {
 	leakcheck.Check(t)
 	p := mmapalloc.NewPool(1 << 30)
@@ -45,26 +59,65 @@ func TestPoolRecyclesOnlyWhenNobodyHolds(t *testing.T) {
 	a, err := p.Alloc(1 << 20)
 	require.NoError(t, err)
 	seg, off, gen := a.Segment(), a.Offset(), a.Gen()
-	require.NoError(t, a.Retain()) // a message in flight
-	assert.Equal(t, int32(2), a.Refs())
+	msg := send(t, a) // a message in flight
 	require.NoError(t, a.Release())
 
 	b, err := p.Alloc(1 << 20)
 	require.NoError(t, err)
 	assert.False(t, b.Segment() == seg && b.Offset() == off, "a block a message still refers to is not reused")
+	assert.True(t, a.Busy(), "the message holds it")
 
-	// The receiver adopts the message's reference and releases it.
-	r, err := mmapalloc.AttachBlock(seg.FD(), seg.Size(), off, 1<<20, gen)
+	// The receiver takes its own hold, closes the message, and releases.
+	r, err := mmapalloc.AttachBlock(msg, false, seg.Size(), off, 1<<20, gen)
 	require.NoError(t, err)
+	require.NoError(t, unix.Close(msg))
 	require.NoError(t, r.Release())
 
 	c, err := p.Alloc(1 << 20)
 	require.NoError(t, err)
 	assert.True(t, c.Segment() == seg && c.Offset() == off, "once nobody holds it, the block is reused")
 	assert.Greater(t, c.Gen(), gen, "with a new generation")
-	_, err = mmapalloc.AttachBlock(seg.FD(), seg.Size(), off, 1<<20, gen)
+	stale := send(t, c)
+	_, err = mmapalloc.AttachBlock(stale, false, seg.Size(), off, 1<<20, gen)
 	assert.ErrorIs(t, err, mmapalloc.ErrStaleBlock)
+	require.NoError(t, unix.Close(stale))
 	require.NoError(t, b.Release())
+	require.NoError(t, c.Release())
+}
+
+func TestUnreceivedMessageDropsItsHold(t *testing.T) {
+	leakcheck.Check(t)
+	p := mmapalloc.NewPool(1 << 30)
+	defer p.Trim(0)
+	a, err := p.Alloc(1 << 20)
+	require.NoError(t, err)
+	seg, off := a.Segment(), a.Offset()
+	msg := send(t, a)
+	require.NoError(t, a.Release())
+	assert.Equal(t, 1, p.InUse(), "the message holds the block")
+	require.NoError(t, unix.Close(msg)) // lost in flight: the kernel closes it
+
+	c, err := p.Alloc(1 << 20)
+	require.NoError(t, err)
+	assert.True(t, c.Segment() == seg && c.Offset() == off, "the lost message's hold went with its descriptor")
+	require.NoError(t, c.Release())
+}
+
+func TestDiscardedTicketDropsItsHold(t *testing.T) {
+	leakcheck.Check(t)
+	p := mmapalloc.NewPool(1 << 30)
+	defer p.Trim(0)
+	a, err := p.Alloc(1 << 20)
+	require.NoError(t, err)
+	seg, off := a.Segment(), a.Offset()
+	tk, err := a.Ticket()
+	require.NoError(t, err)
+	tk.Discard() // never sent
+	require.NoError(t, a.Release())
+	assert.False(t, a.Busy())
+	c, err := p.Alloc(1 << 20)
+	require.NoError(t, err)
+	assert.True(t, c.Segment() == seg && c.Offset() == off)
 	require.NoError(t, c.Release())
 }
 
@@ -78,15 +131,16 @@ func TestAttachBlock(t *testing.T) {
 	require.NoError(t, err)
 	copy(a.Bytes(), "first")
 	copy(b.Bytes(), "second")
-	require.NoError(t, a.Retain())
-	require.NoError(t, b.Retain())
+	ma, mb := send(t, a), send(t, b)
+	defer unix.Close(ma)
+	defer unix.Close(mb)
 	seg := a.Segment()
 
 	before, err := leakcheck.Mappings()
 	require.NoError(t, err)
-	ra, err := mmapalloc.AttachBlock(seg.FD(), seg.Size(), a.Offset(), 4<<10, a.Gen())
+	ra, err := mmapalloc.AttachBlock(ma, false, seg.Size(), a.Offset(), 4<<10, a.Gen())
 	require.NoError(t, err)
-	rb, err := mmapalloc.AttachBlock(seg.FD(), seg.Size(), b.Offset(), 4<<10, b.Gen())
+	rb, err := mmapalloc.AttachBlock(mb, false, seg.Size(), b.Offset(), 4<<10, b.Gen())
 	require.NoError(t, err)
 	after, err := leakcheck.Mappings()
 	require.NoError(t, err)
@@ -95,27 +149,30 @@ func TestAttachBlock(t *testing.T) {
 	assert.Equal(t, "second", string(rb.Bytes()[:6]))
 	rb.Bytes()[0] = 'S'
 	assert.Equal(t, byte('S'), b.Bytes()[0])
-	assert.Equal(t, int32(2), ra.Refs(), "the receiver adopted the message's reference")
 
 	for name, f := range map[string]func() error{
 		"offset past the segment": func() error {
-			_, err := mmapalloc.AttachBlock(seg.FD(), seg.Size(), seg.Size(), 1, a.Gen())
+			_, err := mmapalloc.AttachBlock(ma, false, seg.Size(), seg.Size(), 1, a.Gen())
+			return err
+		},
+		"offset in the slot table": func() error {
+			_, err := mmapalloc.AttachBlock(ma, false, seg.Size(), 0, 16, a.Gen())
 			return err
 		},
 		"size past the segment": func() error {
-			_, err := mmapalloc.AttachBlock(seg.FD(), seg.Size(), a.Offset(), seg.Size(), a.Gen())
+			_, err := mmapalloc.AttachBlock(ma, false, seg.Size(), a.Offset(), seg.Size(), a.Gen())
 			return err
 		},
-		"not a header": func() error {
-			_, err := mmapalloc.AttachBlock(seg.FD(), seg.Size(), a.Offset()+64, 16, a.Gen())
+		"not a slot": func() error {
+			_, err := mmapalloc.AttachBlock(ma, false, seg.Size(), a.Offset()+64, 16, a.Gen())
 			return err
 		},
-		"larger than the block": func() error {
-			_, err := mmapalloc.AttachBlock(seg.FD(), seg.Size(), a.Offset(), 8<<10, a.Gen())
+		"larger than the slot": func() error {
+			_, err := mmapalloc.AttachBlock(ma, false, seg.Size(), a.Offset(), 8<<10, a.Gen())
 			return err
 		},
 		"segment larger than the file": func() error {
-			_, err := mmapalloc.AttachBlock(seg.FD(), seg.Size()*2, a.Offset(), 16, a.Gen())
+			_, err := mmapalloc.AttachBlock(ma, false, seg.Size()*2, a.Offset(), 16, a.Gen())
 			return err
 		},
 	} {
@@ -125,8 +182,79 @@ func TestAttachBlock(t *testing.T) {
 	require.NoError(t, rb.Release())
 	require.NoError(t, a.Release())
 	require.NoError(t, b.Release())
-	_, err = mmapalloc.AttachBlock(seg.FD(), seg.Size(), a.Offset(), 16, a.Gen())
-	assert.ErrorIs(t, err, mmapalloc.ErrReleased, "a block nobody holds cannot be attached")
+}
+
+// A native library in a worker writes past the end of its tensor: the
+// next tensor's bytes may suffer, its ownership may not.
+func TestOverrunCannotChangeOwnership(t *testing.T) {
+	leakcheck.Check(t)
+	p := mmapalloc.NewPool(1 << 30)
+	defer p.Trim(0)
+	x, err := p.Alloc(4 << 10)
+	require.NoError(t, err)
+	y, err := p.Alloc(4 << 10)
+	require.NoError(t, err)
+	writer, victim := x, y // the writer's slot comes first
+	if y.Offset() < x.Offset() {
+		writer, victim = y, x
+	}
+	require.Equal(t, writer.Offset()+4<<10, victim.Offset(), "neighbours")
+	seg, off := victim.Segment(), victim.Offset()
+	msg := send(t, victim)
+	held, err := mmapalloc.AttachBlock(msg, false, seg.Size(), off, 4<<10, victim.Gen())
+	require.NoError(t, err)
+	require.NoError(t, unix.Close(msg))
+	require.NoError(t, victim.Release()) // only the receiver holds it now
+
+	// 16 bytes past the end, then the whole next slot, with zeros and
+	// with ones, the way a stray memset would.
+	for _, fill := range []byte{0, 0xff} {
+		for _, n := range []int{4<<10 + 16, 8 << 10} {
+			over := unsafe.Slice(&writer.Bytes()[0], n)
+			for i := range over {
+				over[i] = fill
+			}
+		}
+	}
+	assert.True(t, held.Busy(), "the receiver still holds its block")
+	var got []*mmapalloc.Block
+	for range 1000 {
+		c, err := p.Alloc(4 << 10)
+		require.NoError(t, err)
+		assert.False(t, c.Segment() == seg && c.Offset() == off, "a held block is never handed out again")
+		got = append(got, c)
+	}
+	for _, c := range got {
+		require.NoError(t, c.Release())
+	}
+	require.NoError(t, held.Release())
+	require.NoError(t, writer.Release())
+
+	c, err := p.Alloc(4 << 10)
+	require.NoError(t, err)
+	assert.NoError(t, c.Release(), "once let go, the slot serves again")
+}
+
+func TestSegmentsAreSealed(t *testing.T) {
+	leakcheck.Check(t)
+	p := mmapalloc.NewPool(1 << 30)
+	defer p.Trim(0)
+	a, err := p.Alloc(4 << 10)
+	require.NoError(t, err)
+	defer a.Release()
+	msg := send(t, a)
+	defer unix.Close(msg)
+	assert.ErrorIs(t, unix.Ftruncate(msg, 0), unix.EPERM, "a holder cannot shrink the segment under the others")
+	assert.ErrorIs(t, unix.Ftruncate(msg, a.Segment().Size()*2), unix.EPERM, "nor grow it")
+	_, err = unix.FcntlInt(uintptr(msg), unix.F_ADD_SEALS, unix.F_SEAL_WRITE)
+	assert.Error(t, err, "nor change the seals")
+
+	// A descriptor of an unsealed file is refused before it is mapped.
+	raw, err := unix.MemfdCreate("unsealed", unix.MFD_CLOEXEC)
+	require.NoError(t, err)
+	require.NoError(t, unix.Ftruncate(raw, 1<<20))
+	_, err = mmapalloc.OpenFD(raw, 1<<20, 0)
+	assert.ErrorIs(t, err, mmapalloc.ErrUnsealed)
 }
 
 func TestPoolTrimAndLimit(t *testing.T) {
@@ -168,8 +296,10 @@ func TestPoolConcurrent(t *testing.T) {
 				b.Bytes()[0] = byte(g)
 				b.Bytes()[size-1] = byte(g)
 				if i%3 == 0 {
-					assert.NoError(t, b.Retain())
-					b.Drop()
+					tk, err := b.Ticket()
+					if assert.NoError(t, err) {
+						tk.Discard()
+					}
 				}
 				assert.Equal(t, byte(g), b.Bytes()[0])
 				assert.NoError(t, b.Release())
@@ -227,15 +357,21 @@ func TestNamedPool(t *testing.T) {
 	seg := a.Segment()
 	require.NotEmpty(t, seg.Name())
 	assert.True(t, inDir(seg.Name()), "a named pool's segments keep their names")
-	assert.Equal(t, -1, seg.FD(), "and travel by name, not by descriptor")
+	assert.True(t, a.Named(), "and travel by name")
 	copy(a.Bytes(), "named")
-	require.NoError(t, a.Retain())
+	msg := send(t, a)
 
-	r, err := mmapalloc.AttachNamedBlock(seg.Name(), seg.Size(), a.Offset(), 4<<10, a.Gen())
+	r, err := mmapalloc.AttachNamedBlock(seg.Name(), msg, false, seg.Size(), a.Offset(), 4<<10, a.Gen())
 	require.NoError(t, err)
 	assert.Equal(t, "named", string(r.Bytes()[:5]))
-	_, err = mmapalloc.AttachNamedBlock("../"+seg.Name(), seg.Size(), a.Offset(), 4<<10, a.Gen())
+	_, err = mmapalloc.AttachNamedBlock("../"+seg.Name(), msg, false, seg.Size(), a.Offset(), 4<<10, a.Gen())
 	assert.ErrorIs(t, err, mmapalloc.ErrBadName)
+	other, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
+	require.NoError(t, err)
+	defer other.Close()
+	_, err = mmapalloc.AttachNamedBlock(seg.Name(), other.FD(), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	assert.ErrorContains(t, err, "not the file", "the message's descriptor must be of the named segment")
+	require.NoError(t, unix.Close(msg)) // the receiver holds it now
 	require.NoError(t, r.Release())
 	require.NoError(t, a.Release())
 

@@ -40,6 +40,13 @@ func Create(size int64, flags Flags) (*Allocation, error) {
 		return nil, err
 	}
 
+	if flags&Unlink != 0 {
+		// A segment that travels by descriptor needs no name: anonymous
+		// shared memory, sealed so that no holder can resize it under
+		// the others' mappings, and not limited by the size of the
+		// shared-memory directory (Docker's 64 MiB /dev/shm, say).
+		return createMemfd(total, flags)
+	}
 	dir := Dir()
 	var fd int
 	var path string
@@ -57,33 +64,23 @@ func Create(size int64, flags Flags) (*Allocation, error) {
 	a, err := setUp(fd, path, total, flags, true)
 	if err != nil {
 		_ = unix.Unlink(path)
-		if flags&Unlink != 0 && errors.Is(err, ErrNoSpace) {
-			// A segment that travels by descriptor needs no name: when
-			// the directory is full (Docker's 64 MiB /dev/shm, say),
-			// take anonymous shared memory, which its size does not
-			// limit.
-			if m, merr := createMemfd(total, flags); merr == nil {
-				return m, nil
-			}
-		}
 		return nil, err
-	}
-	if flags&Unlink != 0 {
-		if err := unix.Unlink(path); err != nil {
-			a.closeMapping()
-			return nil, &Error{Op: "unlink", Path: path, Err: err}
-		}
 	}
 	return a, nil
 }
 
 // createMemfd makes a file_descriptor segment with memfd_create, sealed
-// against shrinking so that no holder can make another's mapping fault.
+// against shrinking and growing so that no holder can make another's
+// mapping fault.
 func createMemfd(total int64, flags Flags) (*Allocation, error) {
 	name := newName()
 	fd, err := unix.MemfdCreate(name, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {
 		return nil, &Error{Op: "memfd_create", Path: name, Err: err}
+	}
+	if err := unix.Fchmod(fd, 0o600); err != nil {
+		_ = unix.Close(fd)
+		return nil, &Error{Op: "chmod", Path: name, Err: err}
 	}
 	a, err := setUp(fd, "", total, flags|Memfd, true)
 	if err != nil {
@@ -97,9 +94,10 @@ func createMemfd(total int64, flags Flags) (*Allocation, error) {
 }
 
 // OpenFD maps the segment behind fd, which must be a regular file holding
-// at least size bytes. OpenFD takes ownership of fd in every case: it
-// keeps it when flags has KeepFD and the call succeeds, and closes it
-// otherwise.
+// at least size bytes, sealed against shrinking and growing (ErrUnsealed
+// otherwise: any holder of an unsealed one could make this mapping fault).
+// OpenFD takes ownership of fd in every case: it keeps it when flags has
+// KeepFD and the call succeeds, and closes it otherwise.
 func OpenFD(fd int, size int64, flags Flags) (*Allocation, error) {
 	flags |= FromFD | SharedMem
 	if flags&^openFDFlags != 0 {
@@ -191,6 +189,11 @@ func setUp(fd int, path string, total int64, flags Flags, create bool) (a *Alloc
 	}
 	if st.Size < total {
 		return nil, &Error{Op: "open", Path: where, Err: fmt.Errorf("file holds %d bytes, fewer than the %d claimed", st.Size, total)}
+	}
+	if flags&FromFD != 0 {
+		if err := checkSealed(fd); err != nil {
+			return nil, err
+		}
 	}
 
 	mapping, err := unix.Mmap(fd, 0, int(total), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)

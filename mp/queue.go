@@ -58,9 +58,10 @@ func put(ctx context.Context, c *conn, v any) error {
 		return fmt.Errorf("mp: encoding %T: %w", v, err)
 	}
 	if err := c.send(ctx, data, fds); err != nil {
-		enc.Discard() // the receiver will never adopt what Encode retained
+		enc.Discard() // no receiver will take what Encode held for it
 		return err
 	}
+	enc.Done()
 	return nil
 }
 

@@ -145,13 +145,15 @@ func Spawn(ctx context.Context, name string, n int, opts ...Option) (*Group, err
 		if err == nil {
 			g.procs = append(g.procs, p)
 			// Encoded once per worker: each message carries its own
-			// references to the pooled blocks inside.
+			// holds on the pooled blocks inside.
 			var args []byte
 			var fds []int
 			if args, fds, err = enc.Encode(o.args); err != nil {
 				err = fmt.Errorf("encoding arguments: %w", err)
 			} else if err = p.ctl.send(ctx, args, fds); err != nil {
 				enc.Discard()
+			} else {
+				enc.Done()
 			}
 		}
 		if err != nil {

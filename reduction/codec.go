@@ -43,9 +43,10 @@ func NewEncoder() *Encoder {
 }
 
 // Encode encodes v. The bytes are valid until the next Encode. The
-// descriptors are borrowed from the tensors' storages (see Reduce): the
-// Encoder keeps those storages reachable until the next Encode, so send
-// the message before then.
+// descriptors are borrowed (from the tensors' storages, and for pooled
+// blocks from tickets that hold the blocks for the message, see Reduce):
+// send the message, then call Done, or Discard if it will not be sent.
+// The next Encode does Done for a message left without either.
 func (e *Encoder) Encode(v any) (data []byte, fds []int, err error) {
 	e.w.reset()
 	e.enc.Reset(&e.w)
@@ -56,22 +57,53 @@ func (e *Encoder) Encode(v any) (data []byte, fds []int, err error) {
 	return e.w.buf, e.w.fds, nil
 }
 
-// Discard gives back the references the last Encode took on pooled
-// blocks for its receiver (see Reduce), for a message that will not be
-// sent after all.
-func (e *Encoder) Discard() {
-	for _, b := range e.w.retained {
-		b.Drop()
+// Done tells the Encoder that the last message was sent: the descriptors
+// it lent are no longer needed.
+func (e *Encoder) Done() {
+	for _, tk := range e.w.tickets {
+		tk.Done()
 	}
-	clear(e.w.retained)
-	e.w.retained = e.w.retained[:0]
+	clear(e.w.tickets)
+	e.w.tickets = e.w.tickets[:0]
 }
 
-// Marshal encodes v with a new Encoder. See Encoder.Encode; the storages
-// behind the descriptors must be kept reachable by the caller until the
-// message is sent.
+// Discard gives up the holds the last Encode took on pooled blocks for its
+// receiver (see Reduce), for a message that will not be sent after all.
+func (e *Encoder) Discard() {
+	for _, tk := range e.w.tickets {
+		tk.Discard()
+	}
+	clear(e.w.tickets)
+	e.w.tickets = e.w.tickets[:0]
+}
+
+// Marshal encodes v with a new Encoder. Unlike Encoder.Encode's, the
+// descriptors it returns are the caller's, duplicates made for this
+// message: send them, then close them (closing them unsent discards the
+// message's holds).
 func Marshal(v any) (data []byte, fds []int, err error) {
-	return NewEncoder().Encode(v)
+	e := NewEncoder()
+	data, lent, err := e.Encode(v)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer e.Done()
+	fds = make([]int, 0, len(lent))
+	for _, fd := range lent {
+		d, err := mmapalloc.Dup(fd)
+		if err != nil {
+			closeAll(fds)
+			return nil, nil, err
+		}
+		fds = append(fds, d)
+	}
+	return data, fds, nil
+}
+
+func closeAll(fds []int) {
+	for _, fd := range fds {
+		_ = unix.Close(fd)
+	}
 }
 
 // fdWriter is the Encoder's writer: the per-call state of one Encode.
@@ -83,8 +115,8 @@ type fdWriter struct {
 	index map[int]int // descriptor -> its position in fds
 	keep  []any       // owners of the descriptors in fds, kept reachable
 
-	retained []*mmapalloc.Block // blocks referenced on the receiver's behalf
-	meta     []byte             // scratch for one tensor's metadata
+	tickets []*mmapalloc.Ticket // pinned for the message's pooled blocks
+	meta    []byte              // scratch for one tensor's metadata
 }
 
 func (w *fdWriter) reset() {
@@ -93,8 +125,11 @@ func (w *fdWriter) reset() {
 	clear(w.index)
 	clear(w.keep)
 	w.keep = w.keep[:0]
-	clear(w.retained)
-	w.retained = w.retained[:0]
+	for _, tk := range w.tickets {
+		tk.Done()
+	}
+	clear(w.tickets)
+	w.tickets = w.tickets[:0]
 }
 
 func (w *fdWriter) Write(p []byte) (int, error) {
@@ -159,12 +194,12 @@ func encodeTensor(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {
 		return nil, errors.New("reduction: tensors must be encoded with reduction.Marshal or an Encoder, which carry their descriptors")
 	}
 	t := v.Interface().(*tensor.Tensor)
-	m, fd, b, err := reduce(t)
+	m, fd, tk, err := reduce(t)
 	if err != nil {
 		return nil, err
 	}
-	if b != nil {
-		w.retained = append(w.retained, b)
+	if tk != nil {
+		w.tickets = append(w.tickets, tk)
 	}
 	if fd >= 0 {
 		m.FD = w.addFD(fd, t.Storage())
@@ -205,12 +240,16 @@ func (d *Decoder) Decode(data []byte, fds []int, v any) (err error) {
 		if err == nil {
 			err = d.r.checkUsed()
 		}
-		d.r.closeRest()
 		if err != nil {
+			// Let go of what was mapped before the descriptors that
+			// covered it close.
 			for _, s := range d.r.made {
 				_ = s.Release()
 			}
+		} else {
+			d.r.adoptTickets()
 		}
+		d.r.closeRest()
 		d.r.reset(nil, nil)
 	}()
 	if err := checkWellFormed(data); err != nil {
@@ -234,7 +273,10 @@ type fdReader struct {
 	fds  []int
 	used []bool // referenced by some tensor
 	kept []bool // owned by a storage now
-	made []*tensor.Storage
+	// tickets[i]: the segment whose blocks descriptor i covers, as their
+	// ticket, until the message is decoded and mmapalloc adopts it.
+	tickets map[int]mmapalloc.ID
+	made    []*tensor.Storage
 }
 
 func (r *fdReader) reset(data []byte, fds []int) {
@@ -243,6 +285,7 @@ func (r *fdReader) reset(data []byte, fds []int) {
 	r.kept = slices.Grow(r.kept[:0], len(fds))[:len(fds)]
 	clear(r.used)
 	clear(r.kept)
+	clear(r.tickets)
 	clear(r.made)
 	r.made = r.made[:0]
 }
@@ -302,6 +345,36 @@ func (r *fdReader) take(i int) (int, error) {
 	}
 	r.kept[i] = true
 	return fd, nil
+}
+
+// ticket lends descriptor i to cover blocks of segment id until the
+// message is decoded, when adoptTickets hands it to mmapalloc. A
+// descriptor that covers another segment, or that a storage owns, only
+// lends itself to a lock taken at once.
+func (r *fdReader) ticket(i int, id mmapalloc.ID) (int, bool) {
+	fd := r.fds[i]
+	if got, ok := r.tickets[i]; ok {
+		return fd, got == id
+	}
+	if r.kept[i] {
+		return fd, false
+	}
+	if r.tickets == nil {
+		r.tickets = map[int]mmapalloc.ID{}
+	}
+	r.tickets[i] = id
+	return fd, true
+}
+
+// adoptTickets hands the descriptors that covered blocks to mmapalloc,
+// once every block of the message is held.
+func (r *fdReader) adoptTickets() {
+	for i, id := range r.tickets {
+		if !r.kept[i] {
+			r.kept[i] = true
+			mmapalloc.AdoptTicket(r.fds[i], id)
+		}
+	}
 }
 
 func (r *fdReader) checkUsed() error {

@@ -52,6 +52,7 @@ func TestCodecNestedValues(t *testing.T) {
 		}
 		data, fds, err := reduction.Marshal(&in)
 		require.NoError(t, err)
+		defer closeAll(fds)
 		if st == strategy.FileDescriptor {
 			assert.Len(t, fds, 1, "two small storages share one pooled segment, one descriptor")
 		}
@@ -107,6 +108,7 @@ func TestEncoderReuse(t *testing.T) {
 		require.NoError(t, err)
 		var got map[string]*tensor.Tensor
 		require.NoError(t, dec.Decode(data, []int{dup}, &got))
+		enc.Done() // the message was delivered
 		v, err := tensor.At[int32](got["x"], 3)
 		require.NoError(t, err)
 		assert.Equal(t, int32(i), v)
@@ -137,6 +139,7 @@ func TestDecodeClosesUnusedDescriptors(t *testing.T) {
 	data, fds, err := reduction.Marshal([]*tensor.Tensor{x, x})
 	require.NoError(t, err)
 	require.Len(t, fds, 1)
+	defer closeAll(fds)
 
 	dups := make([]int, 3)
 	for i := range dups {
@@ -172,24 +175,27 @@ func BenchmarkReduceRebuildShared(b *testing.B) {
 				if err != nil {
 					b.Fatal(err)
 				}
+				closeAll(fds)
 				_ = y
 			}
 		})
 	}
 }
 
-// BenchmarkReduce is the sender's cost for a tensor already shared.
+// BenchmarkReduce is the sender's cost for a tensor already shared, as
+// an Encoder pays it for each message.
 func BenchmarkReduce(b *testing.B) {
 	x, err := tensor.Zeros(tensor.Float32, 1<<20)
 	require.NoError(b, err)
 	require.NoError(b, x.ShareMemory())
 	defer x.Release()
+	enc := reduction.NewEncoder()
 	b.ReportAllocs()
 	for b.Loop() {
-		if _, _, err := reduction.Reduce(x); err != nil {
+		if _, _, err := enc.Encode(x); err != nil {
 			b.Fatal(err)
 		}
-		reduction.Discard(x)
+		enc.Done()
 	}
 }
 

@@ -11,9 +11,9 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/reduction"
 	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
@@ -185,14 +185,17 @@ func rebuildCheck() error {
 // for it.
 func runHelper(t *testing.T, data []byte, fds []int) {
 	t.Helper()
+	for _, fd := range fds {
+		f := os.NewFile(uintptr(fd), "segment") // runHelper owns fds
+		defer f.Close()
+	}
 	cmd, err := reexec.Command(context.Background(), "rebuild-check", strconv.Itoa(len(fds)))
 	require.NoError(t, err)
+	// A worker belongs to its parent's session; segments of another
+	// session are refused.
+	cmd.Env = append(cmd.Env, mmapalloc.EnvSession+"="+mmapalloc.Session())
 	for _, fd := range fds {
-		dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
-		require.NoError(t, err)
-		f := os.NewFile(uintptr(dup), "segment")
-		defer f.Close()
-		cmd.ExtraFiles = append(cmd.ExtraFiles, f)
+		cmd.ExtraFiles = append(cmd.ExtraFiles, os.NewFile(uintptr(fd), "segment"))
 	}
 	var stderr bytes.Buffer
 	cmd.Stdin = bytes.NewReader(data)

@@ -3,8 +3,6 @@ package reduction_test
 import (
 	"fmt"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/tensormp/tensormp/reduction"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -28,14 +26,10 @@ func ExampleMarshal() {
 	}
 	fmt.Println("shared:", images.IsShared(), "descriptors:", len(fds))
 
-	// What the socket would deliver: the bytes and copies of the
-	// descriptors, which the decoder then owns.
-	received := make([]int, len(fds))
-	for i, fd := range fds {
-		received[i], _ = unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
-	}
+	// The descriptors are ours: a socket would carry them to another
+	// process; here the decoder takes them over.
 	var got batch
-	if err := reduction.Unmarshal(data, received, &got); err != nil {
+	if err := reduction.Unmarshal(data, fds, &got); err != nil {
 		fmt.Println(err)
 		return
 	}

@@ -15,8 +15,8 @@ import (
 const tokenSize = 8
 
 // reduceGPU describes a GPU tensor by CUDA IPC. The export takes a
-// reference on the allocation's token for the receiver.
-func reduceGPU(t *tensor.Tensor) (Meta, int, *mmapalloc.Block, error) {
+// ticket on the allocation's token for the message.
+func reduceGPU(t *tensor.Tensor) (Meta, int, *mmapalloc.Ticket, error) {
 	s := t.Storage()
 	if s.Released() {
 		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
@@ -39,17 +39,12 @@ func reduceGPU(t *tensor.Tensor) (Meta, int, *mmapalloc.Block, error) {
 		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
 	}
 	seg := h.Token.Segment()
-	fd := seg.FD()
-	if fd < 0 {
-		h.Token.Drop()
-		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: token segment has no descriptor", t)
-	}
 	m.Strategy = StrategyCUDAIPC
 	m.Size, m.DevOffset = h.Size, h.Offset
 	m.IPC, m.IPCEvent = h.Mem[:], h.Event[:]
 	m.Segment, m.Block, m.Gen = seg.Size(), h.Token.Offset(), h.Token.Gen()
 	storages.put(gpuKey(h.Mem, h.Offset), s)
-	return m, fd, h.Token, nil
+	return m, h.Ticket.FD(), h.Ticket, nil
 }
 
 func gpuKey(h cuda.IPCMemHandle, off int64) cacheKey {
@@ -74,10 +69,10 @@ func openGPU(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*te
 	if err != nil {
 		return nil, err
 	}
-	// The token block adopts the message's reference on the producer's
-	// memory; it is given back at once if this process holds the memory
+	// This process's own hold on the token keeps the producer's memory
+	// alive; it is given back at once if this process holds the memory
 	// already.
-	token, err := mmapalloc.AttachBlock(fd, m.Segment, m.Block, tokenSize, m.Gen)
+	token, err := mmapalloc.AttachBlock(fd, false, m.Segment, m.Block, tokenSize, m.Gen)
 	if err != nil {
 		return nil, err
 	}

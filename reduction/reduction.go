@@ -3,6 +3,7 @@ package reduction
 import (
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/mmapalloc"
@@ -11,7 +12,7 @@ import (
 )
 
 // Version is the version of Meta this package writes and reads.
-const Version = 3
+const Version = 4
 
 // ErrDeviceTensor is returned for a tensor whose memory is not on the
 // CPU: device tensors cross processes through CUDA IPC, which this
@@ -26,12 +27,12 @@ type Meta struct {
 
 	Version  uint8
 	Strategy string // "file_descriptor", "file_system", or "" for an empty tensor
-	FD       int    // file_descriptor: index of the segment's descriptor in the message; else -1
+	FD       int    // index in the message of the segment's descriptor (a pooled block's ticket); else -1
 	Name     string // file_system: the segment's name in the shared-memory directory
 	Size     int64  // the storage's bytes
-	Segment  int64  // pooled file_descriptor block: the segment's size
-	Block    int64  // pooled file_descriptor block: its header's offset in the segment; else -1
-	Gen      uint64 // pooled file_descriptor block: its generation
+	Segment  int64  // pooled block: the segment's size
+	Block    int64  // pooled block: its data's offset in the segment; else -1
+	Gen      uint64 // pooled block: its generation
 	Offset   int64  // byte offset of the first element in the storage
 	DType    tensor.DType
 	Shape    []int
@@ -57,34 +58,31 @@ const StrategyCUDAIPC = "cuda_ipc"
 // and a view keeps its offset and strides. An empty tensor needs no
 // segment and no descriptor.
 //
-// The returned descriptors are borrowed: they belong to t's storage and
-// stay valid while it is reachable and not released. Send them (sendmsg
-// duplicates them in flight) or dup them; never close them.
-//
-// Under file_descriptor the storage is a block of a pooled segment, and
-// Reduce takes a reference to it on behalf of the receiver, so that the
-// block cannot be recycled while the message is in flight; Rebuild adopts
-// it. Call Discard for metadata that will not be rebuilt.
+// The returned descriptors are the caller's: send them, then close them.
+// A pooled block's descriptor is a ticket (see mmapalloc.Block.Ticket):
+// while it is open, in flight or here, the block cannot be recycled, so
+// closing it unsent is how metadata that will never be rebuilt is
+// discarded.
 func Reduce(t *tensor.Tensor) (Meta, []int, error) {
-	m, fd, _, err := reduce(t)
+	m, fd, tk, err := reduce(t)
 	if err != nil || fd < 0 {
 		return m, nil, err
 	}
-	m.FD = 0
-	return m, []int{fd}, nil
-}
-
-// Discard gives back the reference Reduce took on t's storage for
-// metadata that will never be rebuilt.
-func Discard(t *tensor.Tensor) {
-	if b := t.Storage().Block(); b != nil {
-		b.Drop()
+	own, err := mmapalloc.Dup(fd)
+	if tk != nil {
+		tk.Done()
 	}
+	if err != nil {
+		return Meta{}, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
+	}
+	m.FD = 0
+	return m, []int{own}, nil
 }
 
 // reduce is Reduce returning the storage's descriptor itself, or -1, and
-// the block it took a reference on, if any.
-func reduce(t *tensor.Tensor) (Meta, int, *mmapalloc.Block, error) {
+// the ticket it pinned for a pooled block, if any: the descriptor is the
+// ticket's until its Done or Discard, else the storage's.
+func reduce(t *tensor.Tensor) (Meta, int, *mmapalloc.Ticket, error) {
 	if t.Place().IsGPU() {
 		return reduceGPU(t)
 	}
@@ -115,24 +113,20 @@ func reduce(t *tensor.Tensor) (Meta, int, *mmapalloc.Block, error) {
 		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
 	}
 	if b := s.Block(); b != nil {
-		if err := b.Retain(); err != nil {
+		tk, err := b.Ticket()
+		if err != nil {
 			return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
 		}
 		seg := b.Segment()
 		m.Size, m.Segment, m.Block, m.Gen = b.Size(), seg.Size(), b.Offset(), b.Gen()
-		if name := seg.Name(); name != "" && seg.FD() < 0 {
-			m.Strategy, m.Name = string(strategy.FileSystem), name
-			storages.put(namedBlockKey(name, b.Offset(), b.Gen()), s)
-			return m, -1, b, nil
+		if b.Named() {
+			m.Strategy, m.Name = string(strategy.FileSystem), seg.Name()
+			storages.put(namedBlockKey(m.Name, m.Block, m.Gen), s)
+		} else {
+			m.Strategy = string(strategy.FileDescriptor)
+			storages.put(blockKey(seg.ID(), m.Block, m.Gen), s)
 		}
-		storages.put(blockKey(seg.ID(), b.Offset(), b.Gen()), s)
-		fd := seg.FD()
-		if fd < 0 {
-			b.Drop()
-			return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
-		}
-		m.Strategy = string(strategy.FileDescriptor)
-		return m, fd, b, nil
+		return m, tk.FD(), tk, nil
 	}
 	a := s.Allocation()
 	if a == nil {
@@ -170,9 +164,15 @@ type fdSource interface {
 	fd(i int) (int, error)
 	// take returns descriptor i for the rebuilt storage to own.
 	take(i int) (int, error)
+	// ticket returns descriptor i, a pooled block's ticket of segment id,
+	// for mmapalloc.AttachBlock, and whether it covers the block until
+	// the message is decoded (see mmapalloc.AdoptTicket).
+	ticket(i int, id mmapalloc.ID) (fd int, covered bool)
 }
 
 type borrowed []int
+
+func (b borrowed) ticket(i int, _ mmapalloc.ID) (int, bool) { return b[i], false }
 
 func (b borrowed) fd(i int) (int, error) {
 	if i < 0 || i >= len(b) {
@@ -245,11 +245,10 @@ func rebuildTensor(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tenso
 			s, err = openFD(m, fds, made)
 		}
 	case strategy.FileSystem:
-		if m.FD != -1 {
-			return nil, errors.New("file_system metadata refers to a descriptor")
-		}
 		if m.Block >= 0 {
-			s, err = openNamedBlock(m, made)
+			s, err = openNamedBlock(m, fds, made)
+		} else if m.FD != -1 {
+			return nil, errors.New("file_system metadata refers to a descriptor")
 		} else {
 			s, err = openName(m, made)
 		}
@@ -306,8 +305,9 @@ func openFD(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, err
 }
 
 // openBlock attaches the pooled block m describes, or finds the storage
-// this process has for it already; then the message's reference is given
-// back, since the storage holds one of its own.
+// this process has for it already. The message's descriptor is the
+// block's ticket: it holds the block until this process holds it too, and
+// the decoder closes it afterwards.
 func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
 	fd, err := fds.fd(m.FD)
 	if err != nil {
@@ -318,29 +318,49 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 		return nil, err
 	}
 	return adoptBlock(blockKey(id, m.Block, m.Gen), m, made, func() (*mmapalloc.Block, error) {
-		return mmapalloc.AttachBlock(fd, m.Segment, m.Block, m.Size, m.Gen)
+		fd, covered := fds.ticket(m.FD, id)
+		return mmapalloc.AttachBlock(fd, covered, m.Segment, m.Block, m.Size, m.Gen)
 	})
 }
 
-// openNamedBlock is openBlock for a block of a named segment.
-func openNamedBlock(m Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {
-	if !mmapalloc.ValidName(m.Name) {
-		return nil, fmt.Errorf("segment name %q: %w", m.Name, mmapalloc.ErrBadName)
+// openNamedBlock is openBlock for a block of a named segment of this
+// process's session.
+func openNamedBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
+	if err := checkName(m.Name); err != nil {
+		return nil, err
+	}
+	fd, err := fds.fd(m.FD)
+	if err != nil {
+		return nil, err
 	}
 	return adoptBlock(namedBlockKey(m.Name, m.Block, m.Gen), m, made, func() (*mmapalloc.Block, error) {
-		return mmapalloc.AttachNamedBlock(m.Name, m.Segment, m.Block, m.Size, m.Gen)
+		id, _, err := mmapalloc.Stat(fd)
+		if err != nil {
+			return nil, err
+		}
+		fd, covered := fds.ticket(m.FD, id)
+		return mmapalloc.AttachNamedBlock(m.Name, fd, covered, m.Segment, m.Block, m.Size, m.Gen)
 	})
+}
+
+// checkName refuses a segment name tensormp did not make, or one of
+// another session: a message cannot make this process map, and hold,
+// what its own session does not own.
+func checkName(name string) error {
+	if !mmapalloc.ValidName(name) {
+		return fmt.Errorf("segment name %q: %w", name, mmapalloc.ErrBadName)
+	}
+	if !strings.HasPrefix(name, mmapalloc.SessionPrefix()) {
+		return fmt.Errorf("segment %s belongs to another session than %s", name, mmapalloc.Session())
+	}
+	return nil
 }
 
 // adoptBlock returns the storage this process has for the block under
-// key, giving back the message's reference, or attaches the block, whose
-// storage then owns that reference.
+// key, or attaches the block, which then holds it for its storage.
 func adoptBlock(key cacheKey, m Meta, made *[]*tensor.Storage, attach func() (*mmapalloc.Block, error)) (*tensor.Storage, error) {
-	if s := storages.get(key, m.Size); s != nil {
-		if b := s.Block(); b != nil {
-			b.Drop()
-			return s, nil
-		}
+	if s := storages.get(key, m.Size); s != nil && s.Block() != nil {
+		return s, nil
 	}
 	b, err := attach()
 	if err != nil {
@@ -350,8 +370,8 @@ func adoptBlock(key cacheKey, m Meta, made *[]*tensor.Storage, attach func() (*m
 }
 
 func openName(m Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {
-	if !mmapalloc.ValidName(m.Name) {
-		return nil, fmt.Errorf("segment name %q: %w", m.Name, mmapalloc.ErrBadName)
+	if err := checkName(m.Name); err != nil {
+		return nil, err
 	}
 	key := nameKey(m.Name)
 	if s := storages.get(key, m.Size); s != nil {

@@ -167,11 +167,28 @@ func Mappings() (int, error) {
 	if err != nil {
 		return 0, fmt.Errorf("reading mappings: %w", err)
 	}
+	// A mapping whose slot table is protected apart from its data shows
+	// as two areas: an area that continues the one before it (same file,
+	// next address, next offset) is the same mapping. A memfd shows as
+	// /memfd:tensormp_...
 	n := 0
+	var prevEnd, prevOff uint64
+	var prevFile string
 	for line := range strings.Lines(string(data)) {
-		if strings.Contains(line, "/"+mmapalloc.NamePrefix) {
+		f := strings.Fields(line) // range perms offset dev inode path
+		if len(f) < 6 || !strings.Contains(line, "/"+mmapalloc.NamePrefix) && !strings.Contains(line, "/memfd:"+mmapalloc.NamePrefix) {
+			prevFile = ""
+			continue
+		}
+		lo, hi, _ := strings.Cut(f[0], "-")
+		start, _ := strconv.ParseUint(lo, 16, 64)
+		end, _ := strconv.ParseUint(hi, 16, 64)
+		off, _ := strconv.ParseUint(f[2], 16, 64)
+		file := f[3] + " " + f[4]
+		if file != prevFile || start != prevEnd || off != prevOff {
 			n++
 		}
+		prevFile, prevEnd, prevOff = file, end, off+(end-start)
 	}
 	return n, nil
 }

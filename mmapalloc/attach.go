@@ -1,0 +1,512 @@
+package mmapalloc
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// attached is the process's table of segments it received blocks of.
+// Receivers map each segment once and share the mapping among the blocks
+// they attach.
+var attached = &segmentTable{m: map[ID]*segment{}}
+
+// A receiver keeps up to idleMax segments that no block of its uses any
+// more mapped, idleBytes at most, because their producer keeps recycling
+// their blocks: the next block from one costs no mmap and no page faults.
+// A segment whose producer is gone is never kept idle.
+const (
+	idleMax   = 64
+	idleBytes = 256 << 20
+)
+
+type segmentTable struct {
+	mu        sync.Mutex
+	m         map[ID]*segment
+	idle      []*segment // mapped, unused, oldest first
+	idleBytes int64
+}
+
+// AttachBlock returns the block at data offset off, with size data bytes
+// and generation gen, of the segment behind ticket, a descriptor a
+// message carried (see Block.Ticket); the segment holds segSize bytes. The
+// segment is mapped once per process, through a description of its own,
+// whatever the number of blocks attached from it; the block holds its slot
+// until Release. ticket stays the caller's.
+//
+// Without covered, the slot is locked through this process's own
+// description at once. With covered, no call is made: the ticket holds the
+// slot, so the caller keeps it open until it hands it to AdoptTicket, which
+// keeps it until this process's holds are moved to its own description in
+// a batch (or until it has released the block). Receiving a stream of
+// blocks costs no lock call that way.
+func AttachBlock(ticket int, covered bool, segSize, off, size int64, gen uint64) (*Block, error) {
+	id, fsize, err := Stat(ticket)
+	if err != nil {
+		return nil, err
+	}
+	if fsize < segSize {
+		return nil, fmt.Errorf("mmapalloc: segment holds %d bytes, fewer than the %d claimed", fsize, segSize)
+	}
+	return attached.attach(id, covered, segSize, off, size, gen, func() (*Allocation, error) {
+		fd, err := reopen(ticket)
+		if err != nil {
+			return nil, err
+		}
+		return OpenFD(fd, segSize, KeepFD) // checks the seals
+	})
+}
+
+// AttachNamedBlock is AttachBlock for a block of a named (file_system)
+// segment in Dir, which this process opens by name; ticket is the
+// descriptor the message carried, and must be of the same file. The name
+// must be one tensormp made.
+func AttachNamedBlock(name string, ticket int, covered bool, segSize, off, size int64, gen uint64) (*Block, error) {
+	if !ValidName(name) {
+		return nil, &Error{Op: "open", Path: fmt.Sprintf("%q", name), Err: ErrBadName}
+	}
+	id, _, err := Stat(ticket)
+	if err != nil {
+		return nil, err
+	}
+	return attached.attach(id, covered, segSize, off, size, gen, func() (*Allocation, error) {
+		a, err := OpenName(name, segSize, KeepFD)
+		if err != nil {
+			return nil, err
+		}
+		if a.ID() != id {
+			_ = a.Close()
+			return nil, fmt.Errorf("mmapalloc: segment %s is not the file the message's descriptor names", name)
+		}
+		return a, nil
+	})
+}
+
+// AdoptTicket takes over ticket, a descriptor of segment id that covered
+// blocks attached with AttachBlock: it is kept while it holds them for
+// this process, and closed once their holds have moved to this process's
+// own description, at most a millisecond later. The caller must not use
+// ticket afterwards.
+func AdoptTicket(ticket int, id ID) {
+	attached.mu.Lock()
+	defer attached.mu.Unlock()
+	seg, ok := attached.m[id]
+	if !ok {
+		_ = unix.Close(ticket)
+		return
+	}
+	seg.adopted = append(seg.adopted, ticket)
+	if len(seg.adopted) >= adoptMax {
+		_ = seg.transferLocked()
+	} else if len(seg.adopted) == 1 {
+		transfers.schedule(seg)
+	}
+}
+
+// ErrUnsealed: a descriptor received for a file_descriptor segment whose
+// size is not sealed, so that any holder could make the others' mappings
+// fault.
+var ErrUnsealed = errors.New("segment is not sealed against resizing")
+
+// attach finds or maps the segment id and holds the block at off in it.
+func (t *segmentTable) attach(id ID, covered bool, segSize, off, size int64, gen uint64, open func() (*Allocation, error)) (*Block, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	seg, ok := t.m[id]
+	if !ok || seg.alloc.Size() < segSize {
+		a, err := open()
+		if err != nil {
+			return nil, err
+		}
+		seg, err = readSlab(a)
+		if err != nil {
+			_ = a.Close()
+			return nil, err
+		}
+		if old, ok := t.m[id]; ok {
+			delete(t.m, id) // too small a mapping of it: replace it
+			if old.users == 0 {
+				t.unidleLocked(old)
+				_ = t.dropLocked(old)
+			}
+		}
+		t.m[id] = seg
+		liveSegments.add(seg)
+	} else if seg.users == 0 {
+		t.unidleLocked(seg)
+	}
+	b, err := seg.holdLocked(off, size, gen, covered)
+	if err != nil {
+		_ = t.settleLocked(seg)
+		return nil, err
+	}
+	return b, nil
+}
+
+// readSlab checks the slot table of a segment just mapped and returns
+// the segment. The table is then made read-only in this process: no
+// stray write of ours can change it.
+func readSlab(a *Allocation) (*segment, error) {
+	if len(a.mapping) < slabHdrSize {
+		return nil, fmt.Errorf("mmapalloc: %v: too small for a slot table", a)
+	}
+	h := *(*slabHdr)(ptrAt(a.mapping, 0)) // one read: peers may write it
+	total := int64(len(a.mapping))
+	switch {
+	case h.magic != slabMagic || h.version != slabVersion:
+		return nil, fmt.Errorf("mmapalloc: %v: no tensormp slot table", a)
+	case h.cap <= 0 || h.nslots <= 0 || h.nslots > total/smallMin || h.dataOff != slabLayout(h.nslots):
+		return nil, fmt.Errorf("mmapalloc: %v: malformed slot table (%d slots of %d bytes at %d)", a, h.nslots, h.cap, h.dataOff)
+	case h.cap > (total-h.dataOff)/h.nslots:
+		return nil, fmt.Errorf("mmapalloc: %v: %d slots of %d bytes do not fit", a, h.nslots, h.cap)
+	}
+	if err := unix.Mprotect(a.mapping[:h.dataOff], unix.PROT_READ); err != nil {
+		return nil, &Error{Op: "protect", Path: a.String(), Err: err}
+	}
+	return &segment{alloc: a, cap: h.cap, nslots: int(h.nslots), dataOff: h.dataOff, named: a.path != "", holds: map[int]int{}, onFD: map[int]bool{}}, nil
+}
+
+// adoptMax is how many message descriptors a receiver keeps per segment
+// before it moves their holds to its own description.
+const adoptMax = 8
+
+// transferDelay is how long a receiver keeps the descriptors it adopted,
+// and the locks of blocks it let go of, before it settles them in one
+// batch.
+const transferDelay = time.Millisecond
+
+var transfers = newLater(transferDelay, func(seg *segment) bool {
+	attached.mu.Lock()
+	defer attached.mu.Unlock()
+	_ = seg.transferLocked()
+	return false
+})
+
+// holdLocked takes this process's hold on the block at data offset off:
+// the slot held first (through an adopted descriptor, or a lock of this
+// process's own), the generation checked second, so that the producer,
+// which bumps the generation only while nobody holds the slot, cannot
+// recycle it under us. The caller holds attached.mu.
+func (seg *segment) holdLocked(off, size int64, gen uint64, covered bool) (*Block, error) {
+	rel := off - seg.dataOff
+	if rel < 0 || rel%seg.cap != 0 || rel/seg.cap >= int64(seg.nslots) || size <= 0 || size > seg.cap {
+		return nil, fmt.Errorf("mmapalloc: block %d+%d is not a slot of %v", off, size, seg.alloc)
+	}
+	slot := int(rel / seg.cap)
+	if seg.holds[slot] == 0 {
+		locked := seg.onFD[slot]
+		if !locked && !covered {
+			ok, err := lockRead(seg.alloc.fd, slotByte(slot), 1)
+			if err != nil {
+				return nil, err
+			}
+			if !ok {
+				return nil, fmt.Errorf("mmapalloc: block at offset %d: %w", off, ErrStaleBlock)
+			}
+			seg.onFD[slot] = true
+		}
+		if seg.gen(slot).Load() != gen {
+			if seg.onFD[slot] && !locked {
+				_ = unlock(seg.alloc.fd, slotByte(slot), 1)
+				delete(seg.onFD, slot)
+			}
+			return nil, fmt.Errorf("mmapalloc: block at offset %d: %w", off, ErrStaleBlock)
+		}
+		if locked || covered {
+			seg.dirty = true // to lock (covered) or to keep (locked, was let go of)
+		}
+	} else if seg.gen(slot).Load() != gen {
+		return nil, fmt.Errorf("mmapalloc: block at offset %d: %w", off, ErrStaleBlock)
+	}
+	seg.holds[slot]++
+	seg.users++
+	return &Block{seg: seg, slot: slot, size: size, gen: gen}, nil
+}
+
+// detach gives up a receiver's block.
+func (t *segmentTable) detach(b *Block) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return errors.Join(b.seg.releaseLocked(b.slot), t.settleLocked(b.seg))
+}
+
+// releaseLocked drops one of this process's holds on slot. A slot no
+// longer held keeps its lock until the next transfer.
+func (seg *segment) releaseLocked(slot int) error {
+	n, ok := seg.holds[slot]
+	if !ok {
+		return nil // let go of already, for the process's exit
+	}
+	if n > 1 {
+		seg.holds[slot] = n - 1
+	} else {
+		delete(seg.holds, slot)
+		if seg.onFD[slot] {
+			seg.dirty = true
+			transfers.schedule(seg)
+		}
+	}
+	seg.users--
+	return nil
+}
+
+// transferLocked settles this process's holds on the segment in its own
+// description: it locks the held slots that only adopted descriptors
+// held, unlocks the slots no longer held, one call per run of neighbours,
+// and then closes the adopted descriptors. The caller holds attached.mu.
+func (seg *segment) transferLocked() error {
+	var errs []error
+	if seg.dirty {
+		var need, drop []int
+		for slot := range seg.holds {
+			if !seg.onFD[slot] {
+				need = append(need, slot)
+			}
+		}
+		for slot := range seg.onFD {
+			if seg.holds[slot] == 0 {
+				drop = append(drop, slot)
+			}
+		}
+		for _, r := range runs(need) {
+			if _, err := lockRead(seg.alloc.fd, slotByte(r[0]), int64(r[1])); err != nil {
+				errs = append(errs, err)
+				continue
+			}
+			for slot := r[0]; slot < r[0]+r[1]; slot++ {
+				seg.onFD[slot] = true
+			}
+		}
+		for _, r := range runs(drop) {
+			if err := unlock(seg.alloc.fd, slotByte(r[0]), int64(r[1])); err != nil {
+				errs = append(errs, err)
+			}
+			for slot := r[0]; slot < r[0]+r[1]; slot++ {
+				delete(seg.onFD, slot)
+			}
+		}
+		seg.dirty = false
+	}
+	if len(errs) > 0 {
+		return errors.Join(errs...) // keep the adopted descriptors: they still hold
+	}
+	for _, fd := range seg.adopted {
+		_ = unix.Close(fd)
+	}
+	clear(seg.adopted)
+	seg.adopted = seg.adopted[:0]
+	return nil
+}
+
+// runs turns slots into runs of neighbours, [first, length] each.
+func runs(slots []int) [][2]int {
+	slices.Sort(slots)
+	var out [][2]int
+	for i := 0; i < len(slots); {
+		j := i + 1
+		for j < len(slots) && slots[j] == slots[j-1]+1 {
+			j++
+		}
+		out = append(out, [2]int{slots[i], j - i})
+		i = j
+	}
+	return out
+}
+
+// settleLocked decides the fate of a segment no block of this process
+// uses: its holds are settled at once, and it is kept mapped for the next
+// block from it, unless nobody else holds anything of it a while later
+// (see idleChecks).
+func (t *segmentTable) settleLocked(seg *segment) error {
+	if seg.users > 0 {
+		return nil
+	}
+	// Nothing of it is held here any more: what this process sent from it
+	// is held by the messages' own copies of the ticket description.
+	seg.tickets.rotate()
+	if err := seg.transferLocked(); err != nil {
+		return err
+	}
+	idleChecks.schedule(seg)
+	if t.m[seg.alloc.ID()] != seg {
+		return t.dropLocked(seg) // superseded: nobody finds it any more
+	}
+	if !t.isIdleLocked(seg) {
+		t.idle = append(t.idle, seg)
+		t.idleBytes += seg.alloc.Size()
+	}
+	return t.trimLocked(idleMax, idleBytes)
+}
+
+// idleCheckDelay is how long a received segment no block of this process
+// uses waits before this process asks whether anybody else still holds
+// it. A segment used again meanwhile (the common case: its producer keeps
+// sending from it) is not asked about at all.
+const idleCheckDelay = 20 * time.Millisecond
+
+// idleChecks drops received segments that nobody holds any more: the
+// producer is gone and no process holds a block of it. The last process
+// to let go of a named segment removes its name this way.
+var idleChecks = newLater(idleCheckDelay, func(seg *segment) bool {
+	attached.dropIfAbandoned(seg)
+	return false
+})
+
+func (t *segmentTable) dropIfAbandoned(seg *segment) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if seg.users > 0 || !seg.tickets.idle() || !t.isIdleLocked(seg) && t.m[seg.alloc.ID()] != seg {
+		return // in use again, or dropped already
+	}
+	if !seg.abandoned() {
+		return
+	}
+	if t.m[seg.alloc.ID()] == seg {
+		delete(t.m, seg.alloc.ID())
+	}
+	t.unidleLocked(seg)
+	_ = t.dropLocked(seg)
+}
+
+// afterTicketsRotated runs once this process's ticket description of seg
+// is closed: a receiver's unused segment may be abandoned now.
+func (seg *segment) afterTicketsRotated() {
+	if seg.pool != nil {
+		return
+	}
+	attached.mu.Lock()
+	defer attached.mu.Unlock()
+	_ = attached.settleLocked(seg)
+}
+
+// abandoned reports whether no description but this process's own holds
+// any lock on the segment: no producer keeps it, no process holds a block
+// of it, no message carries one. The caller holds no lock of its own on it
+// but perhaps the pool's, which this call does not keep. A named segment
+// found abandoned loses its name.
+func (seg *segment) abandoned() bool {
+	ok, err := lockWrite(seg.alloc.fd, lockBase, 0)
+	if !ok || err != nil {
+		return false
+	}
+	_ = unlock(seg.alloc.fd, lockBase, 0)
+	if seg.named {
+		_ = seg.alloc.Remove()
+	}
+	return true
+}
+
+func (t *segmentTable) dropLocked(seg *segment) error {
+	liveSegments.remove(seg)
+	seg.tickets.rotate()
+	for _, fd := range seg.adopted {
+		_ = unix.Close(fd)
+	}
+	seg.adopted = nil
+	return seg.alloc.Close()
+}
+
+func (t *segmentTable) isIdleLocked(seg *segment) bool {
+	for _, s := range t.idle {
+		if s == seg {
+			return true
+		}
+	}
+	return false
+}
+
+func (t *segmentTable) unidleLocked(seg *segment) {
+	for i, s := range t.idle {
+		if s == seg {
+			t.idle = append(t.idle[:i], t.idle[i+1:]...)
+			t.idleBytes -= seg.alloc.Size()
+			return
+		}
+	}
+}
+
+// trimLocked unmaps the oldest idle segments until at most n of them,
+// and bytes in all, are left.
+func (t *segmentTable) trimLocked(n int, bytes int64) error {
+	var errs []error
+	for len(t.idle) > 0 && (len(t.idle) > n || t.idleBytes > bytes) {
+		seg := t.idle[0]
+		t.idle = t.idle[1:]
+		t.idleBytes -= seg.alloc.Size()
+		if t.m[seg.alloc.ID()] == seg {
+			delete(t.m, seg.alloc.ID())
+		}
+		if err := t.dropLocked(seg); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// DropIdle unmaps the received segments no block of this process uses. A
+// process out of descriptors calls it before trying again: each keeps
+// one.
+func DropIdle() error {
+	attached.mu.Lock()
+	defer attached.mu.Unlock()
+	return attached.trimLocked(0, 0)
+}
+
+// Trim gives back to the system what this process keeps only for reuse:
+// the pools' unused segments and the mappings of received segments no
+// storage uses.
+func Trim() {
+	DefaultPool().Trim(0)
+	if p := NamedPool(); p != nil {
+		p.Trim(0)
+	}
+	_ = DropIdle()
+}
+
+// DropRefsForExit lets go, for a process about to exit, of everything it
+// holds in shared memory that another process would otherwise wait for:
+// its received blocks' holds, its ticket descriptions, its reference to
+// every RefCount segment (unlinking those it was the last holder of), and
+// its pools' segments (a named one is removed now if nobody else holds a
+// block of it, else by the last process to let go of it). The mappings
+// stay for the exit to remove, so memory the process's goroutines still
+// touch stays valid. Death by a signal drops all of this too, the names
+// of abandoned named segments excepted, which the session's keeper
+// removes.
+func DropRefsForExit() {
+	for _, seg := range liveSegments.list() {
+		if seg.pool != nil {
+			continue
+		}
+		attached.mu.Lock()
+		clear(seg.holds)
+		seg.dirty = true
+		_ = seg.transferLocked()
+		seg.users = 0
+		seg.tickets.rotate()
+		if seg.named {
+			seg.abandoned()
+		}
+		attached.mu.Unlock()
+	}
+	DefaultPool().letGo()
+	if p := NamedPool(); p != nil {
+		p.letGo()
+	}
+	refHolders.mu.Lock()
+	open := make([]*Allocation, 0, len(refHolders.m))
+	for a := range refHolders.m {
+		open = append(open, a)
+	}
+	refHolders.mu.Unlock()
+	for _, a := range open {
+		_ = a.dropRef()
+	}
+}
+
+func ptrAt(b []byte, off int64) unsafe.Pointer { return unsafe.Pointer(&b[off]) }

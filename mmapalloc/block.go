@@ -1,0 +1,233 @@
+package mmapalloc
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+)
+
+// Pooled segments.
+//
+// Making a segment costs a file, a fallocate, an mmap and a page fault per
+// page, and a receiver pays an mmap for each one it is sent. So a producer
+// keeps segments in a Pool and recycles their slots: small storages are
+// packed many to a slab segment, large ones get a segment each, and a
+// released slot is reused once no process holds it any more.
+//
+// A pooled segment starts with a slot table in pages of its own: magic,
+// slot capacity, slot count, where the data starts, and one generation
+// word per slot, bumped each time the slot is handed out. The slots' data
+// follows, page aligned, with nothing between them: no write inside or past
+// a block's bytes can reach the table.
+//
+// Who holds a slot is not written in the segment at all: it is kept by the
+// kernel as OFD locks on the segment's file (see lock_linux.go).
+//
+//   - A producer's own storages are counted in the producer (Block.Release
+//     puts the slot back on its pool's pending list).
+//   - A receiver holds each block it rebuilt with a read lock on the slot's
+//     lock byte, taken through a description of the segment that is its
+//     own and never leaves the process.
+//   - A message in flight holds the slot with a ticket: a read lock taken
+//     through the sender's ticket description of the segment, whose
+//     descriptor is the one the message carries. The receiver takes its own
+//     lock before it closes the message's descriptor.
+//
+// The producer reuses a slot only when no description but its own holds a
+// lock on it, and bumps the slot's generation when it does; a receiver takes
+// its lock first and checks the generation second, so it either holds the
+// block the message meant or gets ErrStaleBlock.
+
+const (
+	slabMagic   = 0x32424d54 // "TMB2" little-endian
+	slabVersion = 1
+	slabHdrSize = 32
+	pageSize    = 4096
+
+	// smallMax is the largest block packed into slabs.
+	smallMax = 64 << 10
+	// smallMin is the smallest block size class.
+	smallMin = 256
+	// slabData is the data size of a slab segment.
+	slabData = 2 << 20
+)
+
+// slabHdr is the fixed part of a pooled segment's slot table; nslots
+// generation words follow it.
+type slabHdr struct {
+	magic   uint32
+	version uint32
+	cap     int64 // bytes of each slot
+	nslots  int64
+	dataOff int64 // where slot 0's data starts
+}
+
+var _ [slabHdrSize - unsafe.Sizeof(slabHdr{})]byte
+
+// slabLayout returns the offset of the data of a segment of nslots slots.
+func slabLayout(nslots int64) int64 {
+	return (slabHdrSize + 8*nslots + pageSize - 1) &^ (pageSize - 1)
+}
+
+// Lock bytes (they lie beyond the file's end, which locks may):
+//
+//	lockBase + 0      the producer's pool keeps the segment (its own description)
+//	lockBase + 1 + i  slot i is held
+const lockBase = 1 << 40
+
+func slotByte(slot int) int64 { return lockBase + 1 + int64(slot) }
+
+// ErrStaleBlock is returned for a block whose generation differs from the
+// message's: it was recycled, which a correct sender never lets happen
+// while a message refers to it.
+var ErrStaleBlock = errors.New("block recycled since the message was sent")
+
+// segment is one mapping of a pooled segment in this process, shared by
+// the blocks that live in it. The mapping and the descriptor it keeps
+// (alloc.fd) are this process's own: the producer's or, in a receiver, a
+// description opened afresh, whose locks are the receiver's holds.
+type segment struct {
+	alloc   *Allocation
+	cap     int64
+	nslots  int
+	dataOff int64
+	named   bool // file_system: receivers open it by name
+
+	tickets tickets
+
+	// producer side, guarded by pool.mu
+	pool  *Pool
+	class *sizeClass
+	inUse int // slots handed out or waiting in pending
+
+	// receiver side, guarded by attached.mu
+	users   int          // live blocks of this process in it
+	holds   map[int]int  // slot -> blocks of this process holding it
+	onFD    map[int]bool // slots locked through alloc.fd, this process's own description
+	adopted []int        // message descriptors kept for the holds they carry
+	dirty   bool         // holds and onFD differ: a transfer has work to do
+}
+
+func (s *segment) gen(slot int) *atomic.Uint64 {
+	return (*atomic.Uint64)(unsafe.Pointer(&s.alloc.mapping[slabHdrSize+8*slot]))
+}
+
+func (s *segment) slotOffset(slot int) int64 { return s.dataOff + int64(slot)*s.cap }
+
+// Block is one storage's piece of a pooled segment. A Block holds its slot
+// for its process until Release, once: a producer's Block is handed out
+// again when its slot is reused, so it must not be touched after Release.
+type Block struct {
+	seg      *segment
+	slot     int
+	size     int64 // bytes the storage asked for
+	gen      uint64
+	pool     *Pool // the producer's pool; nil in a receiver
+	released atomic.Bool
+}
+
+// Bytes returns the block's data. It aliases memory shared with other
+// processes and is invalid after Release.
+func (b *Block) Bytes() []byte {
+	start := b.seg.slotOffset(b.slot)
+	return b.seg.alloc.mapping[start : start+b.size : start+b.size]
+}
+
+// Size returns the number of data bytes.
+func (b *Block) Size() int64 { return b.size }
+
+// Segment returns the segment the block lives in; the block keeps
+// ownership.
+func (b *Block) Segment() *Allocation { return b.seg.alloc }
+
+// Named reports whether the block's segment is shared by name
+// (file_system) rather than by descriptor.
+func (b *Block) Named() bool { return b.seg.named }
+
+// Offset returns the offset of the block's data in its segment.
+func (b *Block) Offset() int64 { return b.seg.slotOffset(b.slot) }
+
+// Gen returns the block's generation: it changes each time the block is
+// handed out.
+func (b *Block) Gen() uint64 { return b.gen }
+
+// Ticket takes a hold on the block for a message that carries it to
+// another process, and returns the ticket whose descriptor the message
+// must carry. The hold lasts while that descriptor is open anywhere: in
+// flight, in the receiver until it has taken its own hold, and in this
+// process until the ticket description is replaced (a few milliseconds
+// after this process releases a block it sent). Call Done once the message
+// is sent, or Discard if it never will be.
+func (b *Block) Ticket() (*Ticket, error) {
+	if b.released.Load() {
+		return nil, ErrReleased
+	}
+	return b.seg.tickets.take(b.seg)
+}
+
+// Busy reports whether some other process, or a message in flight, holds
+// the block. It is meant for a producer deciding whether memory tied to a
+// block may go. This process's own ticket description of the segment is
+// retired first if it holds the block: messages already sent keep their
+// holds through their own copies of it.
+func (b *Block) Busy() bool {
+	b.seg.tickets.retire()
+	busy, err := lockedElsewhere(b.seg.alloc.fd, slotByte(b.slot), 1)
+	return busy || err != nil
+}
+
+// Release gives up this process's hold on the block. In the producer the
+// slot returns to its pool once nobody else holds it; in a receiver the
+// lock is dropped and the segment unmapped once no block of this process
+// uses it (or kept mapped a while for the next block from it). Releasing
+// twice returns nil.
+func (b *Block) Release() error {
+	if !b.released.CompareAndSwap(false, true) {
+		return nil
+	}
+	if b.pool != nil {
+		b.pool.put(b)
+		return nil
+	}
+	return attached.detach(b)
+}
+
+func (b *Block) String() string {
+	return fmt.Sprintf("block %d+%d of %v", b.Offset(), b.size, b.seg.alloc)
+}
+
+// sharedSet is a set of segments guarded by its own lock, for the
+// process-wide walks (exit, rotation) that must not take pool locks in a
+// fixed order.
+type sharedSet struct {
+	mu sync.Mutex
+	m  map[*segment]struct{}
+}
+
+func (s *sharedSet) add(seg *segment) {
+	s.mu.Lock()
+	s.m[seg] = struct{}{}
+	s.mu.Unlock()
+}
+
+func (s *sharedSet) remove(seg *segment) {
+	s.mu.Lock()
+	delete(s.m, seg)
+	s.mu.Unlock()
+}
+
+func (s *sharedSet) list() []*segment {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]*segment, 0, len(s.m))
+	for seg := range s.m {
+		out = append(out, seg)
+	}
+	return out
+}
+
+// liveSegments holds every pooled segment this process maps, as producer
+// or receiver.
+var liveSegments = &sharedSet{m: map[*segment]struct{}{}}

@@ -1,0 +1,92 @@
+package mmapalloc
+
+import (
+	"fmt"
+	"strconv"
+
+	"golang.org/x/sys/unix"
+)
+
+// Ownership of pooled blocks is kept by the kernel, as open-file-description
+// (OFD) locks on the segment's file: a read lock on a block's lock byte is a
+// hold on the block. An OFD lock belongs to one open file description, not
+// to a process: it is released when the last descriptor of that description
+// is closed, which the kernel does for a process that dies however it dies,
+// and for a descriptor in flight in a socket nobody will read. No process
+// can drop a lock on a description it has no descriptor of. The lock
+// bytes are laid out in block.go.
+
+// lockRead takes a read lock on n bytes at off through fd's description,
+// without waiting. It reports false when a write lock is in the way.
+func lockRead(fd int, off, n int64) (bool, error) {
+	return setLock(fd, unix.F_RDLCK, off, n)
+}
+
+// lockWrite takes a write lock on n bytes at off through fd's description,
+// without waiting. It reports false when any other description holds a
+// lock there.
+func lockWrite(fd int, off, n int64) (bool, error) {
+	return setLock(fd, unix.F_WRLCK, off, n)
+}
+
+// unlock releases fd's description's locks on n bytes at off.
+func unlock(fd int, off, n int64) error {
+	_, err := setLock(fd, unix.F_UNLCK, off, n)
+	return err
+}
+
+func setLock(fd int, typ int16, off, n int64) (bool, error) {
+	lk := unix.Flock_t{Type: typ, Whence: 0, Start: off, Len: n}
+	for {
+		err := unix.FcntlFlock(uintptr(fd), unix.F_OFD_SETLK, &lk)
+		switch err {
+		case nil:
+			return true, nil
+		case unix.EINTR:
+			continue
+		case unix.EAGAIN, unix.EACCES:
+			return false, nil
+		}
+		return false, &Error{Op: "lock", Path: "fd " + strconv.Itoa(fd), Err: err}
+	}
+}
+
+// lockedElsewhere reports whether a description other than fd's holds a
+// lock on any of n bytes at off.
+func lockedElsewhere(fd int, off, n int64) (bool, error) {
+	lk := unix.Flock_t{Type: unix.F_WRLCK, Whence: 0, Start: off, Len: n}
+	if err := unix.FcntlFlock(uintptr(fd), unix.F_OFD_GETLK, &lk); err != nil {
+		return false, &Error{Op: "lock", Path: "fd " + strconv.Itoa(fd), Err: err}
+	}
+	return lk.Type != unix.F_UNLCK, nil
+}
+
+// reopen returns a new descriptor, close-on-exec, of the file behind fd
+// with an open file description of its own, so that its locks are its
+// own. The caller owns it.
+func reopen(fd int) (int, error) {
+	path := "/proc/self/fd/" + strconv.Itoa(fd)
+	for {
+		n, err := unix.Open(path, unix.O_RDWR|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return -1, &Error{Op: "reopen", Path: fmt.Sprintf("fd %d", fd), Err: err}
+		}
+		return n, nil
+	}
+}
+
+// checkSealed refuses a file_descriptor segment that some holder could
+// shrink or grow under the mappings of the others.
+func checkSealed(fd int) error {
+	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
+	if err != nil {
+		return &Error{Op: "seals", Path: fmt.Sprintf("fd %d", fd), Err: err}
+	}
+	if want := unix.F_SEAL_SHRINK | unix.F_SEAL_GROW; seals&want != want {
+		return &Error{Op: "seals", Path: fmt.Sprintf("fd %d", fd), Err: ErrUnsealed}
+	}
+	return nil
+}

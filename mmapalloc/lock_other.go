@@ -1,0 +1,13 @@
+//go:build !linux
+
+package mmapalloc
+
+// Blocks are shared through OFD locks, which only Linux has; no segment
+// can be made elsewhere, so these are never reached with a real segment.
+
+func lockRead(fd int, off, n int64) (bool, error)        { return false, ErrUnsupported }
+func lockWrite(fd int, off, n int64) (bool, error)       { return false, ErrUnsupported }
+func unlock(fd int, off, n int64) error                  { return ErrUnsupported }
+func lockedElsewhere(fd int, off, n int64) (bool, error) { return false, ErrUnsupported }
+func reopen(fd int) (int, error)                         { return -1, ErrUnsupported }
+func checkSealed(fd int) error                           { return ErrUnsupported }

@@ -1,0 +1,234 @@
+package mmapalloc
+
+import (
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// rotateDelay is how long a ticket description stays open before it is
+// replaced. Each message
+// carries a duplicate of it, so closing this process's copy drops no hold a
+// message in flight still needs; it only stops the description from
+// outliving the messages.
+const rotateDelay = 10 * time.Millisecond
+
+// pressureRotate is the least time between two rotations that a pool out
+// of free slots forces.
+const pressureRotate = time.Millisecond
+
+// Ticket is the description of a segment whose descriptor messages carry:
+// its read locks are the holds of the messages in flight. One Ticket serves
+// every message this process sends from the segment until it is rotated;
+// each Block.Ticket call pins it, so that its descriptor stays open until
+// that message is sent (Done) or given up (Discard).
+//
+// A Ticket locks every slot of its segment at once, the first time it is
+// used: one call instead of one per message. That holds more than the
+// messages need, so a Ticket is short-lived: it is rotated within
+// rotateDelay, or at once when its producer runs out of free slots.
+type Ticket struct {
+	set     *tickets
+	fd      int
+	pins    int // guarded by set.mu
+	retired bool
+}
+
+// FD returns the descriptor to send. It stays the Ticket's: valid until
+// Done or Discard.
+func (t *Ticket) FD() int { return t.fd }
+
+// Done unpins the ticket once the message that carries it was sent.
+func (t *Ticket) Done() {
+	t.set.mu.Lock()
+	defer t.set.mu.Unlock()
+	t.unpinLocked()
+}
+
+// Discard unpins the ticket of a message that will never be sent and drops
+// the holds it stood for: the description is replaced at once (messages
+// already sent keep theirs through their own copies of it).
+func (t *Ticket) Discard() {
+	s := t.set
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	t.unpinLocked()
+	if s.cur == t {
+		s.rotateLocked()
+	}
+}
+
+func (t *Ticket) unpinLocked() {
+	t.pins--
+	if t.pins == 0 && t.retired {
+		_ = unix.Close(t.fd)
+		t.fd = -1
+	}
+}
+
+// tickets is one process's ticket description of one segment.
+type tickets struct {
+	mu      sync.Mutex
+	cur     *Ticket // holds every slot of the segment
+	opened  time.Time
+	rotated time.Time
+}
+
+// take returns the current ticket description, opening one (and locking
+// every slot through it) if there is none, and pins it.
+func (s *tickets) take(seg *segment) (*Ticket, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	t := s.cur
+	if t == nil {
+		fd, err := reopen(seg.alloc.fd)
+		if err != nil {
+			return nil, err
+		}
+		if _, err := lockRead(fd, slotByte(0), int64(seg.nslots)); err != nil {
+			_ = unix.Close(fd)
+			return nil, err
+		}
+		t = &Ticket{set: s, fd: fd}
+		s.cur, s.opened = t, time.Now()
+		rotations.schedule(seg)
+	}
+	t.pins++
+	return t, nil
+}
+
+// rotateLocked retires the current description: it is closed now, or by
+// the last message still pinning it.
+func (s *tickets) rotateLocked() {
+	t := s.cur
+	if t == nil {
+		return
+	}
+	s.cur, s.rotated = nil, time.Now()
+	t.retired = true
+	if t.pins == 0 {
+		_ = unix.Close(t.fd)
+		t.fd = -1
+	}
+}
+
+// rotate retires the current description, if any, and reports whether
+// there was one.
+func (s *tickets) rotate() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cur == nil {
+		return false
+	}
+	s.rotateLocked()
+	return true
+}
+
+// retire retires the current description.
+func (s *tickets) retire() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.rotateLocked()
+}
+
+// rotateUnlessRecent retires the current description unless one was
+// retired less than min ago. A pool out of free slots calls it.
+func (s *tickets) rotateUnlessRecent(min time.Duration) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cur == nil || time.Since(s.rotated) < min {
+		return false
+	}
+	s.rotateLocked()
+	return true
+}
+
+// idle reports whether this process has no ticket description open.
+func (s *tickets) idle() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.cur == nil
+}
+
+// open reports whether there is a current description: it holds every
+// slot, with no need to ask the kernel.
+func (s *tickets) open() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.cur != nil
+}
+
+// rotations retires ticket descriptions rotateDelay after they were
+// opened, so that what a process released is free for its producer within
+// milliseconds even if the process goes quiet. One younger than that waits
+// for the next round.
+var rotations = newLater(rotateDelay, func(seg *segment) (again bool) {
+	switch seg.tickets.rotateIfOlder(rotateDelay) {
+	case rotated:
+		seg.afterTicketsRotated()
+	case tooYoung:
+		return true
+	}
+	return false
+})
+
+type rotation int
+
+const (
+	none rotation = iota
+	rotated
+	tooYoung
+)
+
+// rotateIfOlder retires the current description if it was opened at
+// least age ago.
+func (s *tickets) rotateIfOlder(age time.Duration) rotation {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch {
+	case s.cur == nil:
+		return none
+	case time.Since(s.opened) < age:
+		return tooYoung
+	}
+	s.rotateLocked()
+	return rotated
+}
+
+// later runs fn on segments a while after they were scheduled, each once
+// however often it was scheduled meanwhile, on one timer; a segment for
+// which fn reports again is scheduled anew.
+type later struct {
+	delay time.Duration
+	fn    func(*segment) (again bool)
+	mu    sync.Mutex
+	due   map[*segment]struct{}
+	timer *time.Timer
+}
+
+func newLater(delay time.Duration, fn func(*segment) (again bool)) *later {
+	return &later{delay: delay, fn: fn, due: map[*segment]struct{}{}}
+}
+
+func (l *later) schedule(seg *segment) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.due[seg] = struct{}{}
+	if l.timer == nil {
+		l.timer = time.AfterFunc(l.delay, l.run)
+	}
+}
+
+func (l *later) run() {
+	l.mu.Lock()
+	due := l.due
+	l.due = map[*segment]struct{}{}
+	l.timer = nil
+	l.mu.Unlock()
+	for seg := range due {
+		if l.fn(seg) {
+			l.schedule(seg)
+		}
+	}
+}
