@@ -401,9 +401,15 @@ func (seg *segment) abandoned() bool {
 	return true
 }
 
+// dropLocked unmaps a received segment. One that no block of this
+// process uses is settled first, and loses its name if nobody else holds
+// anything of it: unmapping it is letting go of it.
 func (t *segmentTable) dropLocked(seg *segment) error {
 	liveSegments.remove(seg)
 	seg.tickets.rotate()
+	if seg.users == 0 && seg.transferLocked() == nil {
+		seg.abandoned()
+	}
 	for _, fd := range seg.adopted {
 		_ = unix.Close(fd)
 	}

@@ -30,6 +30,7 @@ func TestMain(m *testing.M) {
 	registerSpawnWorkers()
 	registerSharingWorkers()
 	registerFaultPrograms()
+	registerOwnershipPrograms()
 	mp.Init()
 	if _, err := mp.StartSession(); err != nil {
 		panic(err)

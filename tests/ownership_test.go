@@ -1,0 +1,346 @@
+package tests
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/mp"
+	"github.com/tensormp/tensormp/strategy"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// Ownership: what a process holds in shared memory is given back when it
+// dies or fails to take it, and what nobody holds leaves the directory.
+
+func registerOwnershipPrograms() {
+	mp.Register("own.starve", workerStarve)
+	mp.Register("own.send", workerSend)
+	reexec.Register("program.kill-holder", programKillHolder)
+	reexec.Register("program.starve", programStarve)
+	reexec.Register("program.generations", programGenerations)
+}
+
+// poolFor returns the pool shared tensors come from under st in a
+// program that spawned workers.
+func poolFor(st strategy.Strategy) *mmapalloc.Pool {
+	if st == strategy.FileSystem {
+		return mmapalloc.NamedPool()
+	}
+	return mmapalloc.DefaultPool()
+}
+
+// waitFree polls the pool until none of its blocks is held and prints
+// how many still are and after how long, in milliseconds.
+func waitFree(pool *mmapalloc.Pool, limit time.Duration) {
+	start := time.Now()
+	for pool.InUse() > 0 && time.Since(start) < limit {
+		time.Sleep(5 * time.Millisecond)
+	}
+	fmt.Printf("returned %d %d\n", pool.InUse(), time.Since(start).Milliseconds())
+}
+
+// programKillHolder: a worker holds 64 tensors of 1 MiB that the program
+// made and released; the worker is killed; the program's pool must get
+// every block back.
+func programKillHolder() int {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	tasks, status, err := queues()
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	g, err := mp.Spawn(ctx, "fault.hold", 1, mp.WithArgs(holdArgs{Tasks: tasks, Status: status}), mp.WithGrace(time.Second))
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	for range 64 {
+		x, err := tensor.Full(tensor.Float32, 1, 1<<18)
+		if err == nil {
+			err = tasks.Put(ctx, x)
+		}
+		var rank int
+		if err == nil {
+			err = status.Get(ctx, &rank)
+		}
+		if err != nil {
+			fmt.Println("error", err)
+			return 1
+		}
+		_ = x.Release()
+	}
+	pool := poolFor(strategy.Get())
+	fmt.Println("held", pool.InUse())
+	_ = syscall.Kill(g.Pids()[0], syscall.SIGKILL)
+	waitFree(pool, 5*time.Second)
+	var xe *mp.ExitError
+	if err := g.Join(); !errors.As(err, &xe) {
+		fmt.Println("error unexpected join result:", err)
+		return 1
+	}
+	return 0
+}
+
+func queues() (*mp.Queue, *mp.Queue, error) {
+	a, err := mp.NewQueue()
+	if err != nil {
+		return nil, nil, err
+	}
+	b, err := mp.NewQueue()
+	if err != nil {
+		_ = a.Close()
+		return nil, nil, err
+	}
+	return a, b, nil
+}
+
+// TestKilledReceiverGivesBlocksBack: references held by a process die
+// with it, SIGKILL included, and the producer has the blocks back within
+// a second.
+func TestKilledReceiverGivesBlocksBack(t *testing.T) {
+	for _, st := range strategy.All() {
+		t.Run(st.String(), func(t *testing.T) {
+			leakcheck.Check(t)
+			p := startProgram(t, "program.kill-holder", st, false)
+			assert.Equal(t, "64", p.waitLine(t, "held"), "the worker holds every block")
+			left, ms := returned(t, p.waitLine(t, "returned"))
+			t.Logf("%d blocks held %d ms after the kill", left, ms)
+			assert.Zero(t, left, "blocks still held after the holder was killed")
+			assert.Less(t, ms, 1000, "milliseconds until the producer had its blocks back")
+			assert.Equal(t, 0, p.wait(t))
+		})
+	}
+}
+
+func returned(t *testing.T, line string) (left, ms int) {
+	t.Helper()
+	_, err := fmt.Sscan(line, &left, &ms)
+	require.NoError(t, err, "line %q", line)
+	return left, ms
+}
+
+type starveArgs struct {
+	Tasks, Status *mp.Queue
+	N             int
+}
+
+// workerStarve runs out of descriptors, then tries to take N messages,
+// each of which carries one: every receive fails. It reports how many
+// did, with its descriptors back.
+func workerStarve(ctx context.Context, w *mp.Worker) error {
+	var a starveArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	var fillers []int
+	for {
+		fd, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			break
+		}
+		fillers = append(fillers, fd)
+	}
+	failed := 0
+	for range a.N {
+		var x *tensor.Tensor
+		if err := a.Tasks.Get(ctx, &x); err != nil {
+			failed++
+			continue
+		}
+		_ = x.Release()
+	}
+	for _, fd := range fillers {
+		_ = unix.Close(fd)
+	}
+	return a.Status.Put(ctx, failed)
+}
+
+// programStarve: a worker out of descriptors fails to take 200 tensors;
+// once it and the queue are gone, none of them may stay held.
+func programStarve() int {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	tasks, status, err := queues()
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	g, err := mp.Spawn(ctx, "own.starve", 1, mp.WithArgs(starveArgs{Tasks: tasks, Status: status, N: 200}))
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	for range 200 {
+		x, err := tensor.Full(tensor.Uint8, 1, 4<<10)
+		if err == nil {
+			err = tasks.Put(ctx, x)
+		}
+		if err != nil {
+			fmt.Println("error", err)
+			return 1
+		}
+		_ = x.Release()
+	}
+	var failed int
+	if err := status.Get(ctx, &failed); err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	fmt.Println("failed", failed)
+	if err := g.Join(); err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	_ = tasks.Close() // nothing can take what might be left in it
+	_ = status.Close()
+	waitFree(poolFor(strategy.Get()), 5*time.Second)
+	return 0
+}
+
+// TestFailedReceiveDropsItsHolds: a receive that fails (here: the
+// receiver is out of descriptors, the kernel drops them) keeps nothing of
+// what its message brought.
+func TestFailedReceiveDropsItsHolds(t *testing.T) {
+	for _, st := range strategy.All() {
+		t.Run(st.String(), func(t *testing.T) {
+			leakcheck.Check(t)
+			p := startProgram(t, "program.starve", st, false)
+			assert.Equal(t, "200", p.waitLine(t, "failed"), "every receive failed")
+			left, ms := returned(t, p.waitLine(t, "returned"))
+			t.Logf("%d blocks held %d ms after the queue closed", left, ms)
+			assert.Zero(t, left, "blocks still held for messages nobody took")
+			assert.Less(t, ms, 1000)
+			assert.Equal(t, 0, p.wait(t))
+		})
+	}
+}
+
+type sendArgs struct {
+	Out  *mp.Queue
+	N    int
+	Size int
+}
+
+// workerSend makes N tensors of Size bytes, sends them and exits.
+func workerSend(ctx context.Context, w *mp.Worker) error {
+	var a sendArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	for i := range a.N {
+		x, err := tensor.Full(tensor.Uint8, float64(i), a.Size)
+		if err != nil {
+			return err
+		}
+		if err := a.Out.Put(ctx, x); err != nil {
+			return err
+		}
+		_ = x.Release()
+	}
+	return nil
+}
+
+// segmentsOfSession lists this program's segments in the directory, the
+// session lock left out.
+func segmentsOfSession() (names []string, bytes int64) {
+	entries, _ := os.ReadDir(mmapalloc.Dir())
+	for _, e := range entries {
+		if !strings.HasPrefix(e.Name(), mmapalloc.SessionPrefix()) || !mmapalloc.ValidName(e.Name()) {
+			continue
+		}
+		names = append(names, e.Name())
+		if st, err := os.Stat(filepath.Join(mmapalloc.Dir(), e.Name())); err == nil {
+			bytes += st.Size()
+		}
+	}
+	return names, bytes
+}
+
+// programGenerations: 100 worker generations, in 25 rounds of 4 workers
+// at once (starting processes is what takes time), each of which sends 20
+// tensors of 1 MiB and exits; the program releases them. After each round
+// the directory must be back to empty within a second.
+func programGenerations() int {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	q, err := mp.NewQueue()
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	var worst time.Duration
+	var most int64
+	const rounds, workers = 25, 4
+	for round := range rounds {
+		g, err := mp.Spawn(ctx, "own.send", workers, mp.WithArgs(sendArgs{Out: q, N: 20, Size: 1 << 20}))
+		if err != nil {
+			fmt.Println("error", err)
+			return 1
+		}
+		var got []*tensor.Tensor
+		for range workers * 20 {
+			var x *tensor.Tensor
+			if err := q.Get(ctx, &x); err != nil {
+				fmt.Println("error", err)
+				return 1
+			}
+			got = append(got, x)
+		}
+		if err := g.Join(); err != nil {
+			fmt.Println("error", err)
+			return 1
+		}
+		_, bytes := segmentsOfSession()
+		most = max(most, bytes)
+		for _, x := range got {
+			_ = x.Release()
+		}
+		start := time.Now()
+		for {
+			names, _ := segmentsOfSession()
+			if len(names) == 0 {
+				break
+			}
+			if time.Since(start) > 2*time.Second {
+				fmt.Printf("left round %d %v\n", round, names)
+				return 1
+			}
+			time.Sleep(2 * time.Millisecond)
+		}
+		worst = max(worst, time.Since(start))
+	}
+	fmt.Printf("flat %d %d\n", most>>20, worst.Milliseconds())
+	return 0
+}
+
+// TestWorkerGenerationsLeaveNothing: under file_system the last process
+// to let go of a segment removes it, whoever made it and whether or not
+// its maker lives: a trainer that restarts its workers does not fill the
+// directory.
+func TestWorkerGenerationsLeaveNothing(t *testing.T) {
+	leakcheck.Check(t)
+	p := startProgram(t, "program.generations", strategy.FileSystem, false)
+	line := p.waitLine(t, "flat")
+	var mib, ms int
+	_, err := fmt.Sscan(line, &mib, &ms)
+	require.NoError(t, err, line)
+	t.Logf("100 worker generations: at most %d MiB in the directory, empty at most %d ms after the last release", mib, ms)
+	assert.LessOrEqual(t, mib, 100, "MiB of segments in the directory while a round's 80 MiB are held")
+	assert.Less(t, ms, 1000, "milliseconds from the last release to an empty directory, worst round")
+	assert.Equal(t, 0, p.wait(t))
+}
