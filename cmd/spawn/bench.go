@@ -205,10 +205,11 @@ func benchStrategy(st strategy.Strategy, trips, streamN, holdN int, maxSize int6
 	if err != nil {
 		return err
 	}
+	ctx = failFast(ctx, g)
 	runErr := benchCases(ctx, st, in, out, trips, streamN, holdN, maxSize, progress, emit)
 	_ = in.Put(ctx, benchMsg{Op: "stop"})
-	if err := g.Join(); err != nil && runErr == nil {
-		runErr = err
+	if err := g.Join(); err != nil {
+		return err // a worker's failure explains whatever else went wrong
 	}
 	return runErr
 }

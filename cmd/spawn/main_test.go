@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -35,6 +36,64 @@ func TestDemo(t *testing.T) {
 	assert.Regexp(t, `file_system\s+8\s`, out.String())
 	assert.Contains(t, out.String(), "residue:")
 	assert.Contains(t, out.String(), "ok: every value checked")
+}
+
+// TestWorkerDeathEndsTheRun: a worker killed in the middle of demo or
+// bench makes the command exit non-zero with the worker's error at once,
+// not at its own timeout.
+func TestWorkerDeathEndsTheRun(t *testing.T) {
+	for _, args := range [][]string{
+		{"demo", "-workers", "2", "-rounds", "1000000", "-strategy", "file_descriptor"},
+		{"bench", "-trips", "100000000", "-strategy", "file_descriptor"},
+	} {
+		t.Run(args[0], func(t *testing.T) {
+			leakcheck.Check(t)
+			var out, errOut bytes.Buffer
+			done := make(chan int, 1)
+			go func() { done <- run(args, &out, &errOut) }()
+			var victim int
+			require.Eventually(t, func() bool {
+				victim = childRunning("mp.worker." + args[0])
+				return victim > 0
+			}, 30*time.Second, 10*time.Millisecond, "no %s worker started", args[0])
+			time.Sleep(200 * time.Millisecond) // well into the exchange
+			require.NoError(t, unix.Kill(victim, unix.SIGKILL))
+			killed := time.Now()
+			select {
+			case code := <-done:
+				took := time.Since(killed)
+				t.Logf("%s exited %d, %v after the kill", args[0], code, took)
+				assert.NotEqual(t, 0, code)
+				assert.Less(t, took, time.Second)
+				assert.Contains(t, errOut.String(), "killed by signal")
+			case <-time.After(10 * time.Second):
+				t.Fatalf("%s still running 10 s after its worker was killed", args[0])
+			}
+		})
+	}
+}
+
+// childRunning returns the pid of a live child of this process that runs
+// the reexec function name, or 0.
+func childRunning(name string) int {
+	dirs, _ := filepath.Glob("/proc/[0-9]*")
+	me := strconv.Itoa(os.Getpid())
+	for _, d := range dirs {
+		stat, err := os.ReadFile(d + "/stat")
+		if err != nil {
+			continue
+		}
+		fields := strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:]))
+		if len(fields) < 2 || fields[1] != me || fields[0] == "Z" {
+			continue
+		}
+		env, _ := os.ReadFile(d + "/environ")
+		if bytes.Contains(env, []byte("TENSORMP_REEXEC="+name+"\x00")) {
+			pid, _ := strconv.Atoi(filepath.Base(d))
+			return pid
+		}
+	}
+	return 0
 }
 
 func TestHelp(t *testing.T) {
