@@ -22,6 +22,9 @@ const (
 	// larger ones spill into a shared segment whose descriptor travels
 	// instead.
 	maxInline = 64 << 10
+	// maxSpill bounds a spilled payload: a receiver copies at most this
+	// much out of a segment another process sent, whatever it claims.
+	maxSpill = 1 << 30
 	// maxFDs is SCM_MAX_FD, the most descriptors one sendmsg may carry.
 	maxFDs = 253
 	// headerLen is the size of the frame header.
@@ -37,6 +40,10 @@ const (
 // ErrClosed is returned by operations on a closed Queue, Pipe or
 // connection, and to callers blocked in one when it is closed.
 var ErrClosed = errors.New("mp: closed")
+
+// ErrMalformed is wrapped by the errors for a message that tensormp did
+// not frame: whatever it brought is closed, and the queue goes on.
+var ErrMalformed = errors.New("mp: malformed message")
 
 // conn is one end of a SOCK_SEQPACKET socket. Each logical message is one
 // sendmsg, whatever its size or number of descriptors, so that several
@@ -199,6 +206,9 @@ func (c *conn) send(ctx context.Context, data []byte, fds []int) error {
 		}
 	}()
 	payload := data
+	if len(data) > maxSpill {
+		return fmt.Errorf("mp: send: a message of %d bytes exceeds the limit of %d", len(data), maxSpill)
+	}
 	if len(data) > maxInline {
 		seg, err := mmapalloc.Create(int64(len(data)), mmapalloc.KeepFD|mmapalloc.Unlink)
 		if err != nil {
@@ -275,6 +285,11 @@ func (c *conn) recv(ctx context.Context) (data []byte, fds []int, err error) {
 	err = withDeadline(ctx, c.uc.SetReadDeadline, &c.rArmed, func() error {
 		var err error
 		n, oobn, flags, _, err = c.uc.ReadMsgUnix(c.buf, c.oob)
+		if errors.Is(err, io.EOF) && !c.peerGone() {
+			// Go reads an empty message as the end of the socket; the
+			// other end is open, so it was a message, not ours.
+			err = fmt.Errorf("mp: receive: %w: an empty message", ErrMalformed)
+		}
 		return err
 	})
 	if oobn > 0 {
@@ -297,12 +312,27 @@ func (c *conn) recv(ctx context.Context) (data []byte, fds []int, err error) {
 		return nil, fds, errors.New("mp: receive: descriptors were dropped by the kernel (MSG_CTRUNC): the process is probably out of file descriptors; " + mmapalloc.FDLimitHint)
 	case flags&unix.MSG_TRUNC != 0:
 		return nil, fds, fmt.Errorf("mp: receive: message larger than %d bytes was truncated (MSG_TRUNC)", len(c.buf))
-	case n == 0 && oobn == 0:
-		return nil, nil, ErrClosed
 	case n < headerLen:
-		return nil, fds, fmt.Errorf("mp: receive: %d-byte message is shorter than its header", n)
+		return nil, fds, fmt.Errorf("mp: receive: %w: %d bytes, shorter than a header", ErrMalformed, n)
 	}
 	return c.unframe(c.buf[:n], fds)
+}
+
+// peerGone reports whether the other end of the socket is closed in
+// every process: a read of zero bytes is that, or an empty message.
+func (c *conn) peerGone() bool {
+	rc, err := c.uc.SyscallConn()
+	if err != nil {
+		return true
+	}
+	gone := true
+	_ = rc.Control(func(fd uintptr) {
+		p := []unix.PollFd{{Fd: int32(fd), Events: pollPeerGone}}
+		if _, err := unix.Poll(p, 0); err == nil {
+			gone = p[0].Revents&(pollPeerGone|unix.POLLHUP) != 0
+		}
+	})
+	return gone
 }
 
 // unframe undoes send's framing on a received message.
@@ -321,12 +351,12 @@ func (c *conn) unframe(msg []byte, rights []int) ([]byte, []int, error) {
 		special++
 	}
 	if flags&^(flagSpill|flagCarrier) != 0 || len(rights) != special+direct || flags&flagCarrier == 0 && carried != 0 {
-		return nil, rights, fmt.Errorf("mp: receive: frame says %d+%d descriptors, %d arrived", special, direct, len(rights))
+		return nil, rights, fmt.Errorf("mp: receive: %w: frame says %d+%d descriptors, %d arrived", ErrMalformed, special, direct, len(rights))
 	}
 	next := 0
 	if flags&flagSpill != 0 {
-		if len(payload) != 0 || spilled > 1<<40 || spilled <= maxInline {
-			return nil, rights, fmt.Errorf("mp: receive: bad spill of %d bytes", spilled)
+		if len(payload) != 0 || spilled > maxSpill || spilled <= maxInline {
+			return nil, rights, fmt.Errorf("mp: receive: %w: a spill of %d bytes", ErrMalformed, spilled)
 		}
 		b, err := readSpill(rights[0], int64(spilled))
 		rights[0] = -1 // readSpill owned it
@@ -348,6 +378,9 @@ func (c *conn) unframe(msg []byte, rights []int) ([]byte, []int, error) {
 	return payload, fds, nil
 }
 
+// readSpill copies n bytes out of a spilled payload's segment, fd, which
+// it owns. The segment must be sealed and hold n bytes (fstat), so a
+// claim cannot make this process copy what is not there.
 func readSpill(fd int, n int64) ([]byte, error) {
 	a, err := mmapalloc.OpenFD(fd, n, 0)
 	if err != nil {

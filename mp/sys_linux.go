@@ -9,6 +9,8 @@ import (
 const (
 	// sockType makes close-on-exec SOCK_SEQPACKET sockets.
 	sockType = unix.SOCK_SEQPACKET | unix.SOCK_CLOEXEC
+	// pollPeerGone is the poll event of a socket whose peer is closed.
+	pollPeerGone = unix.POLLRDHUP
 	// recvFlags makes received descriptors close-on-exec atomically.
 	recvFlags = unix.MSG_CMSG_CLOEXEC
 )

@@ -12,8 +12,9 @@ import (
 // tensors return mmapalloc.ErrUnsupported, and workers have no parent-death
 // signal, only the control-socket backstop.
 const (
-	sockType  = unix.SOCK_SEQPACKET
-	recvFlags = 0
+	sockType     = unix.SOCK_SEQPACKET
+	recvFlags    = 0
+	pollPeerGone = unix.POLLHUP
 )
 
 func workerAttr() *syscall.SysProcAttr { return &syscall.SysProcAttr{} }

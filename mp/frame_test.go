@@ -1,0 +1,89 @@
+package mp
+
+import (
+	"context"
+	"encoding/binary"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/mmapalloc"
+)
+
+// rawPair returns a connection and the raw other end of its socket, for
+// writing what no tensormp sender writes.
+func rawPair(t *testing.T) (*conn, int) {
+	t.Helper()
+	pair, err := socketPair()
+	require.NoError(t, err)
+	c, err := newConn(pair[0], "test")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = c.close() })
+	return c, pair[1]
+}
+
+func TestEmptyDatagramIsMalformedNotClosed(t *testing.T) {
+	leakcheck.Check(t)
+	c, peer := rawPair(t)
+	require.NoError(t, unix.Sendmsg(peer, nil, nil, nil, 0))
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_, _, err := c.recv(ctx)
+	assert.ErrorIs(t, err, ErrMalformed, "an empty message while the peer is open")
+	assert.NotErrorIs(t, err, ErrClosed)
+
+	// The connection still works, and its peer's close is ErrClosed.
+	var frame [headerLen]byte
+	require.NoError(t, unix.Sendmsg(peer, frame[:], nil, nil, 0))
+	data, fds, err := c.recv(ctx)
+	require.NoError(t, err)
+	assert.Empty(t, data)
+	assert.Empty(t, fds)
+	require.NoError(t, unix.Close(peer))
+	_, _, err = c.recv(ctx)
+	assert.ErrorIs(t, err, ErrClosed)
+}
+
+// A 17-byte frame whose spill descriptor claims far more than it holds,
+// or more than any message may be, is refused without copying.
+func TestHostileSpills(t *testing.T) {
+	leakcheck.Check(t)
+	small, err := mmapalloc.Create(1<<20, mmapalloc.KeepFD|mmapalloc.Unlink)
+	require.NoError(t, err)
+	defer small.Close()
+	unsealed, err := unix.MemfdCreate("unsealed", unix.MFD_CLOEXEC)
+	require.NoError(t, err)
+	defer unix.Close(unsealed)
+	require.NoError(t, unix.Ftruncate(unsealed, 1<<20))
+
+	for _, c := range []struct {
+		name  string
+		fd    int
+		claim uint64
+		want  string
+	}{
+		{"1 TiB", small.FD(), 1 << 40, "a spill of"},
+		{"past the limit", small.FD(), maxSpill + 1, "a spill of"},
+		{"more than the segment holds", small.FD(), 2 << 20, "fewer than"},
+		{"unsealed segment", unsealed, 1 << 20, "not sealed"},
+		{"inline-sized", small.FD(), 16, "a spill of"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			conn, peer := rawPair(t)
+			defer unix.Close(peer)
+			var frame [headerLen]byte
+			frame[0] = flagSpill
+			binary.LittleEndian.PutUint64(frame[9:], c.claim)
+			require.NoError(t, unix.Sendmsg(peer, frame[:], unix.UnixRights(c.fd), nil, 0))
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			_, fds, err := conn.recv(ctx)
+			assert.ErrorContains(t, err, c.want)
+			assert.Empty(t, fds, "whatever arrived is closed")
+		})
+	}
+}
