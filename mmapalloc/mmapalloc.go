@@ -190,35 +190,62 @@ func validSession(s string) bool {
 	return true
 }
 
-// ValidName reports whether name has the form of the segment names
-// tensormp makes: tensormp_<session>_<pid>_<16 hex digits>. Anything else
-// (a path, "..", another program's segment) is refused before it reaches
-// the file system.
-func ValidName(name string) bool {
+// Name is a name tensormp gives to an entry of the shared-memory
+// directory: a segment, tensormp_<session>_<pid>_<16 hex digits>, or a
+// session's lock, tensormp_<session>_lock.
+type Name struct {
+	Session string
+	Pid     int  // the process that made the segment; 0 for a lock
+	Lock    bool // the session's lock
+}
+
+// ParseName parses an entry's whole name; ok is false for anything
+// tensormp did not name (a path, "..", another program's file, a name
+// with more after it). It is the one place that knows the grammar.
+func ParseName(name string) (n Name, ok bool) {
 	rest, ok := strings.CutPrefix(name, NamePrefix)
 	if !ok || len(name) > 96 {
-		return false
+		return Name{}, false
 	}
 	parts := strings.Split(rest, "_")
-	if len(parts) != 3 || !validSession(parts[0]) {
-		return false
+	if !validSession(parts[0]) {
+		return Name{}, false
+	}
+	switch {
+	case len(parts) == 2 && parts[1] == "lock":
+		return Name{Session: parts[0], Lock: true}, true
+	case len(parts) != 3:
+		return Name{}, false
 	}
 	pid, rnd := parts[1], parts[2]
-	if pid == "" || len(pid) > 10 || len(rnd) != 16 {
-		return false
+	if pid == "" || len(pid) > 10 || pid[0] == '0' || len(rnd) != 16 {
+		return Name{}, false
 	}
 	for _, c := range pid {
 		if c < '0' || c > '9' {
-			return false
+			return Name{}, false
 		}
+		n.Pid = n.Pid*10 + int(c-'0')
 	}
 	for _, c := range rnd {
 		if !(c >= '0' && c <= '9' || c >= 'a' && c <= 'f') {
-			return false
+			return Name{}, false
 		}
 	}
-	return true
+	n.Session = parts[0]
+	return n, true
 }
+
+// ValidName reports whether name is a segment name tensormp made (see
+// ParseName). Anything else is refused before it reaches the file
+// system.
+func ValidName(name string) bool {
+	n, ok := ParseName(name)
+	return ok && !n.Lock
+}
+
+// LockName returns the name of session's lock.
+func LockName(session string) string { return NamePrefix + session + "_lock" }
 
 // ID identifies a segment's file within this machine: device and inode.
 // Two descriptors of one segment have the same ID.

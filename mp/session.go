@@ -4,11 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
-	"sort"
-	"strconv"
-	"strings"
+	"slices"
 	"sync"
 	"syscall"
 
@@ -40,8 +39,41 @@ var session struct {
 }
 
 func lockPath(dir, id string) string {
-	return filepath.Join(dir, mmapalloc.NamePrefix+id+"_lock")
+	return filepath.Join(dir, mmapalloc.LockName(id))
 }
+
+// openLock opens the session lock at path, creating it (O_EXCL, mode
+// 0600) when create is set and there is none. An existing lock is used
+// only if it is a regular file of this user's with mode 0600: one planted
+// by another user, or writable by others, could be held by them to block
+// the keeper forever.
+func openLock(path string, create bool) (*os.File, error) {
+	const flags = os.O_RDWR | syscall.O_NOFOLLOW | syscall.O_CLOEXEC
+	if create {
+		f, err := os.OpenFile(path, flags|os.O_CREATE|os.O_EXCL, 0o600)
+		if !errors.Is(err, os.ErrExist) {
+			return f, err
+		}
+	}
+	f, err := os.OpenFile(path, flags|syscall.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, err
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		_ = f.Close()
+		return nil, err
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || int(st.Uid) != os.Geteuid() || st.Mode&0o777 != 0o600 {
+		_ = f.Close()
+		return nil, fmt.Errorf("%w: %s (owner uid %d, mode %#o)", ErrForeignLock, path, st.Uid, st.Mode&0o7777)
+	}
+	return f, nil
+}
+
+// ErrForeignLock: a session lock that another user owns, or that others
+// may write, is in the way; tensormp refuses to use it.
+var ErrForeignLock = errors.New("mp: the session lock is not this user's own (regular file, mode 0600)")
 
 // keepSessionLock adopts the lock a worker inherited as fd.
 func keepSessionLock(fd int) {
@@ -74,7 +106,7 @@ func StartSession() (*os.File, error) {
 func startSession() (*os.File, error) {
 	dir, id := mmapalloc.Dir(), mmapalloc.Session()
 	path := lockPath(dir, id)
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW, 0o600)
+	f, err := openLock(path, true)
 	if err != nil {
 		return nil, fmt.Errorf("mp: session lock: %w%s", err, fdHint(err))
 	}
@@ -114,7 +146,7 @@ func runKeeper() int {
 		return 2
 	}
 	id, dir := os.Args[1], os.Args[2]
-	f, err := os.OpenFile(lockPath(dir, id), os.O_RDWR|syscall.O_NOFOLLOW, 0)
+	f, err := openLock(lockPath(dir, id), false)
 	if err != nil {
 		return 1
 	}
@@ -128,28 +160,29 @@ func runKeeper() int {
 }
 
 // removeSession removes the session's entries from dir, the lock last,
-// and returns their names. With dryRun it only lists them.
+// and returns their names. An entry is the session's when it is a regular
+// file whose whole name is one of the session's (mmapalloc.ParseName);
+// anything else stays. With dryRun it only lists them.
 func removeSession(dir, id string, dryRun bool) ([]string, error) {
 	entries, err := os.ReadDir(dir)
 	if err != nil {
 		return nil, err
 	}
-	prefix := mmapalloc.NamePrefix + id + "_"
-	lock := filepath.Base(lockPath(dir, id))
 	var names []string
 	for _, e := range entries {
-		if strings.HasPrefix(e.Name(), prefix) && e.Name() != lock {
+		if n, ok := mmapalloc.ParseName(e.Name()); ok && n.Session == id && !n.Lock && e.Type().IsRegular() {
 			names = append(names, e.Name())
 		}
 	}
-	names = append(names, lock)
+	lock := mmapalloc.LockName(id)
+	if st, err := os.Lstat(filepath.Join(dir, lock)); err == nil && st.Mode().IsRegular() {
+		names = append(names, lock)
+	}
 	var removed []string
 	var errs []error
 	for _, n := range names {
 		if dryRun {
-			if _, err := os.Lstat(filepath.Join(dir, n)); err == nil {
-				removed = append(removed, n)
-			}
+			removed = append(removed, n)
 			continue
 		}
 		err := os.Remove(filepath.Join(dir, n))
@@ -165,33 +198,26 @@ func removeSession(dir, id string, dryRun bool) ([]string, error) {
 
 // Clean removes from dir the segments of sessions that have no live
 // member: a session whose lock nobody holds, or, without a lock, whose
-// segments' creating processes are all gone. It returns what it removed,
-// or with dryRun what it would remove.
+// segments' creating processes are all gone. Only regular files whose
+// whole name tensormp gives are considered; a session whose lock is not
+// this user's own is left alone. It returns what it removed, or with
+// dryRun what it would remove.
 func Clean(dir string, dryRun bool) ([]string, error) {
 	entries, err := os.ReadDir(dir)
 	if err != nil {
 		return nil, fmt.Errorf("mp: clean: %w", err)
 	}
-	sessions := map[string][]string{} // id -> names
+	sessions := map[string][]mmapalloc.Name{}
 	for _, e := range entries {
-		rest, ok := strings.CutPrefix(e.Name(), mmapalloc.NamePrefix)
-		if !ok {
-			continue
-		}
-		id, _, ok := strings.Cut(rest, "_")
-		if !ok || !(mmapalloc.ValidName(e.Name()) || e.Name() == filepath.Base(lockPath(dir, id))) {
+		n, ok := mmapalloc.ParseName(e.Name())
+		if !ok || !e.Type().IsRegular() {
 			continue // not ours: leave it
 		}
-		sessions[id] = append(sessions[id], e.Name())
+		sessions[n.Session] = append(sessions[n.Session], n)
 	}
-	ids := make([]string, 0, len(sessions))
-	for id := range sessions {
-		ids = append(ids, id)
-	}
-	sort.Strings(ids)
 	var removed []string
 	var errs []error
-	for _, id := range ids {
+	for _, id := range slices.Sorted(maps.Keys(sessions)) {
 		if sessionLive(dir, id, sessions[id]) {
 			continue
 		}
@@ -204,23 +230,22 @@ func Clean(dir string, dryRun bool) ([]string, error) {
 	return removed, errors.Join(errs...)
 }
 
-// sessionLive reports whether some process still belongs to session id.
-func sessionLive(dir, id string, names []string) bool {
-	f, err := os.OpenFile(lockPath(dir, id), os.O_RDWR|syscall.O_NOFOLLOW, 0)
-	if err == nil {
+// sessionLive reports whether some process still belongs to session id,
+// or whether that cannot be told (a lock that is not this user's own).
+func sessionLive(dir, id string, names []mmapalloc.Name) bool {
+	f, err := openLock(lockPath(dir, id), false)
+	switch {
+	case err == nil:
 		defer f.Close()
 		return unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB) != nil
+	case !errors.Is(err, os.ErrNotExist):
+		return true
 	}
 	for _, n := range names {
-		parts := strings.Split(n, "_")
-		if len(parts) != 4 {
+		if n.Lock {
 			continue
 		}
-		pid, err := strconv.Atoi(parts[2])
-		if err != nil || pid <= 0 {
-			continue
-		}
-		if err := unix.Kill(pid, 0); err == nil || err == unix.EPERM {
+		if err := unix.Kill(n.Pid, 0); err == nil || err == unix.EPERM {
 			return true
 		}
 	}

@@ -54,12 +54,22 @@ type program struct {
 
 var sessionCounter int
 
-// startProgram runs role as a new program under strategy st. With
-// ownGroup it leads a process group of its own.
+// newSession returns a session id no program has used.
+func newSession() string {
+	sessionCounter++
+	return fmt.Sprintf("e2e%dx%d", os.Getpid(), sessionCounter)
+}
+
+// startProgram runs role as a new program under strategy st, in a
+// session of its own. With ownGroup it leads a process group of its own.
 func startProgram(t *testing.T, role string, st strategy.Strategy, ownGroup bool) *program {
 	t.Helper()
-	sessionCounter++
-	session := fmt.Sprintf("e2e%dx%d", os.Getpid(), sessionCounter)
+	return startProgramIn(t, newSession(), role, st, ownGroup)
+}
+
+// startProgramIn is startProgram in the given session.
+func startProgramIn(t *testing.T, session, role string, st strategy.Strategy, ownGroup bool) *program {
+	t.Helper()
 	cmd, err := reexec.Command(context.Background(), role)
 	require.NoError(t, err)
 	cmd.Env = append(cmd.Env,

@@ -32,6 +32,7 @@ func registerOwnershipPrograms() {
 	reexec.Register("program.kill-holder", programKillHolder)
 	reexec.Register("program.starve", programStarve)
 	reexec.Register("program.generations", programGenerations)
+	reexec.Register("program.start-session", programStartSession)
 }
 
 // poolFor returns the pool shared tensors come from under st in a
@@ -343,4 +344,51 @@ func TestWorkerGenerationsLeaveNothing(t *testing.T) {
 	assert.LessOrEqual(t, mib, 100, "MiB of segments in the directory while a round's 80 MiB are held")
 	assert.Less(t, ms, 1000, "milliseconds from the last release to an empty directory, worst round")
 	assert.Equal(t, 0, p.wait(t))
+}
+
+// programStartSession starts its session and says how that went.
+func programStartSession() int {
+	if _, err := mp.StartSession(); err != nil {
+		fmt.Println("refused", err)
+		return 1
+	}
+	fmt.Println("started")
+	return 0
+}
+
+// TestPlantedSessionLockIsRefused: a session lock that another user
+// owns, or that others may write, is not adopted: its owner could hold it
+// and block the keeper forever.
+func TestPlantedSessionLockIsRefused(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("planting a lock owned by another user needs root")
+	}
+	for _, c := range []struct {
+		name     string
+		uid      int
+		mode     os.FileMode
+		accepted bool
+	}{
+		{"another user's", 65534, 0o600, false},
+		{"writable by all", 0, 0o666, false},
+		{"our own", 0, 0o600, true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			session := newSession()
+			lock := filepath.Join(mmapalloc.Dir(), mmapalloc.LockName(session))
+			require.NoError(t, os.WriteFile(lock, nil, 0o600))
+			require.NoError(t, os.Chown(lock, c.uid, -1))
+			require.NoError(t, os.Chmod(lock, c.mode))
+			t.Cleanup(func() { _ = os.Remove(lock) })
+			p := startProgramIn(t, session, "program.start-session", strategy.FileSystem, false)
+			if c.accepted {
+				p.waitLine(t, "started")
+				assert.Equal(t, 0, p.wait(t))
+				return
+			}
+			assert.Contains(t, p.waitLine(t, "refused"), "not this user's own")
+			assert.Equal(t, 1, p.wait(t))
+			_ = os.Remove(lock) // the test planted it; the program must not have used it
+		})
+	}
 }

@@ -152,6 +152,39 @@ func TestClean(t *testing.T) {
 	assert.FileExists(t, filepath.Join(dir, heldSeg), "a held lock keeps the session")
 }
 
+// TestCleanRemovesOnlyWhatItNamed: in a dead session, only regular files
+// whose whole name is one tensormp gives are removed.
+func TestCleanRemovesOnlyWhatItNamed(t *testing.T) {
+	dir, elsewhere := t.TempDir(), t.TempDir()
+	prefix := mmapalloc.NamePrefix + "deadbeef_"
+	seg := prefix + "999999999_0123456789abcdef"
+	target := filepath.Join(elsewhere, "precious")
+	require.NoError(t, os.WriteFile(target, []byte("keep"), 0o600))
+	for _, n := range []string{seg, prefix + "notes.txt", prefix + "999999999_0123456789ABCDEF", prefix + "999999999_0123456789abcdef.bak"} {
+		require.NoError(t, os.WriteFile(filepath.Join(dir, n), nil, 0o600))
+	}
+	subdir := prefix + "999999998_0123456789abcdef"
+	link := prefix + "999999997_0123456789abcdef"
+	require.NoError(t, os.Mkdir(filepath.Join(dir, subdir), 0o700))
+	require.NoError(t, os.Symlink(target, filepath.Join(dir, link)))
+	// A session whose lock others may write is not judged at all.
+	foreign := mmapalloc.NamePrefix + "f0e1_999999999_0123456789abcdef"
+	require.NoError(t, os.WriteFile(filepath.Join(dir, foreign), nil, 0o600))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, mmapalloc.LockName("f0e1")), nil, 0o600))
+	require.NoError(t, os.Chmod(filepath.Join(dir, mmapalloc.LockName("f0e1")), 0o666))
+
+	var out, errOut bytes.Buffer
+	require.Equal(t, 0, run([]string{"clean", "-dir", dir}, &out, &errOut), errOut.String())
+	assert.Equal(t, "removed "+seg+"\nremoved 1 entries from "+dir+"\n", out.String(), "the dead session's one segment, nothing else")
+	for _, n := range []string{prefix + "notes.txt", prefix + "999999999_0123456789ABCDEF", prefix + "999999999_0123456789abcdef.bak", subdir, link, foreign} {
+		_, err := os.Lstat(filepath.Join(dir, n))
+		assert.NoError(t, err, "%s stays", n)
+	}
+	got, err := os.ReadFile(target)
+	require.NoError(t, err)
+	assert.Equal(t, "keep", string(got), "a link's target is never touched")
+}
+
 func TestBenchJSON(t *testing.T) {
 	leakcheck.Check(t)
 	var out, errOut bytes.Buffer
