@@ -120,6 +120,11 @@ func (t *segmentTable) attach(id ID, covered bool, segSize, off, size int64, gen
 	seg, ok := t.m[id]
 	if !ok || seg.alloc.Size() < segSize {
 		a, err := open()
+		if outOfFDs(err) {
+			// Idle mappings keep a descriptor each: give them up first.
+			_ = t.trimLocked(0, 0)
+			a, err = open()
+		}
 		if err != nil {
 			return nil, err
 		}
@@ -340,7 +345,27 @@ func (t *segmentTable) settleLocked(seg *segment) error {
 		t.idle = append(t.idle, seg)
 		t.idleBytes += seg.alloc.Size()
 	}
-	return t.trimLocked(idleMax, idleBytes)
+	return t.trimLocked(idleLimit(len(t.idle)), idleBytes)
+}
+
+// idleLimit returns how many idle mappings to keep, n being kept now: at
+// most idleMax, and at most an eighth of the descriptors the process may
+// have, since each keeps one.
+func idleLimit(n int) int {
+	if n <= 8 {
+		return idleMax // few: not worth a system call
+	}
+	var rl unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &rl); err == nil && rl.Cur/8 < idleMax {
+		return int(max(rl.Cur/8, 1))
+	}
+	return idleMax
+}
+
+// outOfFDs reports whether err says the process or the system is out of
+// file descriptors.
+func outOfFDs(err error) bool {
+	return errors.Is(err, unix.EMFILE) || errors.Is(err, unix.ENFILE)
 }
 
 // idleCheckDelay is how long a received segment no block of this process

@@ -164,7 +164,12 @@ func (b *Block) Ticket() (*Ticket, error) {
 	if b.released.Load() {
 		return nil, ErrReleased
 	}
-	return b.seg.tickets.take(b.seg)
+	t, err := b.seg.tickets.take(b.seg)
+	if outOfFDs(err) {
+		_ = DropIdle() // each idle mapping keeps a descriptor
+		t, err = b.seg.tickets.take(b.seg)
+	}
+	return t, err
 }
 
 // Busy reports whether some other process, or a message in flight, holds

@@ -309,6 +309,7 @@ func (c *conn) recv(ctx context.Context) (data []byte, fds []int, err error) {
 	case err != nil:
 		return nil, fds, err
 	case flags&unix.MSG_CTRUNC != 0:
+		_ = mmapalloc.DropIdle() // make room for the next message's
 		return nil, fds, errors.New("mp: receive: descriptors were dropped by the kernel (MSG_CTRUNC): the process is probably out of file descriptors; " + mmapalloc.FDLimitHint)
 	case flags&unix.MSG_TRUNC != 0:
 		return nil, fds, fmt.Errorf("mp: receive: message larger than %d bytes was truncated (MSG_TRUNC)", len(c.buf))

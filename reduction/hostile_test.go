@@ -99,6 +99,16 @@ func TestHostileInput(t *testing.T) {
 			m.Name = mmapalloc.SessionPrefix() + "1_0123456789abcdef"
 		}), nil, "no such file"},
 		{"fs with fd", with(func(m *Meta) { m.Strategy = "file_system"; m.Name = seg.Name() }), segFD, "refers to a descriptor"},
+		{"another session's segment", with(func(m *Meta) {
+			m.Strategy = "file_system"
+			m.FD = -1
+			m.Name = mmapalloc.NamePrefix + "0ther5e55_1_0123456789abcdef"
+		}), nil, "belongs to another session"},
+		{"another session's block", with(func(m *Meta) {
+			m.Strategy = "file_system"
+			m.Name = mmapalloc.NamePrefix + "0ther5e55_1_0123456789abcdef"
+			m.Segment, m.Block, m.Gen = 1<<20, 4096, 1
+		}), segFD, "belongs to another session"},
 		{"unknown strategy", with(func(m *Meta) { m.Strategy = "shared_pointer" }), segFD, "unknown strategy"},
 		{"empty with elements", with(func(m *Meta) {
 			m.Strategy = ""

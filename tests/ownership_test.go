@@ -33,6 +33,8 @@ func registerOwnershipPrograms() {
 	reexec.Register("program.starve", programStarve)
 	reexec.Register("program.generations", programGenerations)
 	reexec.Register("program.start-session", programStartSession)
+	mp.Register("own.low-limit", workerLowLimit)
+	reexec.Register("program.low-limit", programLowLimit)
 }
 
 // poolFor returns the pool shared tensors come from under st in a
@@ -391,4 +393,82 @@ func TestPlantedSessionLockIsRefused(t *testing.T) {
 			_ = os.Remove(lock) // the test planted it; the program must not have used it
 		})
 	}
+}
+
+// workerLowLimit receives N tensors at RLIMIT_NOFILE 64, releasing each
+// at once, and reports how many receives failed.
+func workerLowLimit(ctx context.Context, w *mp.Worker) error {
+	var a starveArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &unix.Rlimit{Cur: 64, Max: 64}); err != nil {
+		return err
+	}
+	failed := 0
+	for range a.N {
+		var x *tensor.Tensor
+		if err := a.Tasks.Get(ctx, &x); err != nil {
+			w.Logger().Info("receive failed", "error", err)
+			failed++
+			continue
+		}
+		_ = x.Release()
+	}
+	return a.Status.Put(ctx, failed)
+}
+
+// programLowLimit sends 200 tensors of 1 MiB, each in a segment of its
+// own (the program keeps them all), to a worker at a descriptor limit of
+// 64 that releases each as it comes.
+func programLowLimit() int {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	tasks, status, err := queues()
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	g, err := mp.Spawn(ctx, "own.low-limit", 1, mp.WithArgs(starveArgs{Tasks: tasks, Status: status, N: 200}))
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	var kept []*tensor.Tensor
+	defer func() {
+		for _, x := range kept {
+			_ = x.Release()
+		}
+	}()
+	for range 200 {
+		x, err := tensor.Full(tensor.Uint8, 1, 1<<20)
+		if err == nil {
+			err = tasks.Put(ctx, x)
+		}
+		if err != nil {
+			fmt.Println("error", err)
+			return 1
+		}
+		kept = append(kept, x)
+	}
+	var failed int
+	if err := status.Get(ctx, &failed); err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	fmt.Println("failed", failed)
+	if err := g.Join(); err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	return 0
+}
+
+// TestReceiverAtALowDescriptorLimit: a receiver's idle mappings, one
+// descriptor each, never crowd out the descriptors of new messages.
+func TestReceiverAtALowDescriptorLimit(t *testing.T) {
+	leakcheck.Check(t)
+	p := startProgram(t, "program.low-limit", strategy.FileDescriptor, false)
+	assert.Equal(t, "0", p.waitLine(t, "failed"), "receives failed for want of descriptors")
+	assert.Equal(t, 0, p.wait(t))
 }
