@@ -6,10 +6,12 @@ import (
 	"fmt"
 	"maps"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"sync"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -114,20 +116,53 @@ func startSession() (*os.File, error) {
 		_ = f.Close()
 		return nil, fmt.Errorf("mp: session lock %s: %w", path, err)
 	}
-	cmd, err := reexec.Command(context.Background(), keeperName, id, dir)
+	cmd, err := startKeeper(id, dir)
 	if err != nil {
 		_ = f.Close()
+		return nil, err
+	}
+	go keepKeeper(cmd, id, dir)
+	return f, nil
+}
+
+// startKeeper starts the session's keeper process.
+func startKeeper(id, dir string) (*exec.Cmd, error) {
+	cmd, err := reexec.Command(context.Background(), keeperName, id, dir)
+	if err != nil {
 		return nil, err
 	}
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = nil, nil, nil
 	// Its own session: a kill of our process group does not reach it.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	if err := cmd.Start(); err != nil {
-		_ = f.Close()
 		return nil, fmt.Errorf("mp: starting the session keeper: %w", err)
 	}
-	go func() { _ = cmd.Wait() }() // reap it if it ever exits before us
-	return f, nil
+	return cmd, nil
+}
+
+// keepKeeper reaps the keeper and starts another whenever it dies: a
+// keeper exits by itself only once every member, this process included,
+// is gone, so one that exits while this process runs was killed, and the
+// session would otherwise end with its segments and lock left behind. A
+// keeper that keeps dying at once is restarted ever more slowly.
+func keepKeeper(cmd *exec.Cmd, id, dir string) {
+	backoff := 10 * time.Millisecond
+	for {
+		started := time.Now()
+		err := cmd.Wait()
+		Logger().Warn("session keeper died; starting another", "session", id, "error", err)
+		if time.Since(started) > time.Minute {
+			backoff = 10 * time.Millisecond
+		}
+		for {
+			time.Sleep(backoff)
+			backoff = min(2*backoff, 10*time.Second)
+			if cmd, err = startKeeper(id, dir); err == nil {
+				break
+			}
+			Logger().Error("restarting the session keeper", "session", id, "error", err)
+		}
+	}
 }
 
 func flock(f *os.File, how int) error {

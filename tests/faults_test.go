@@ -246,3 +246,36 @@ func alive(pid int) bool {
 	stat, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
 	return err == nil && !isZombie(stat)
 }
+
+// TestKilledKeeperIsReplaced: the keeper is SIGKILLed first, then the
+// whole program; the session must still end with nothing left.
+func TestKilledKeeperIsReplaced(t *testing.T) {
+	leakcheck.Check(t)
+	p := startProgram(t, "program.hold-forever", strategy.FileSystem, true)
+	p.waitLine(t, "pids")
+	p.waitLine(t, "ready")
+	require.NotEmpty(t, sessionEntries(p.session), "the workers hold named segments")
+	keeper := keeperOf(p.session)
+	require.NotZero(t, keeper, "no keeper runs for the session")
+	require.NoError(t, syscall.Kill(keeper, syscall.SIGKILL))
+	var next int
+	require.Eventually(t, func() bool {
+		next = keeperOf(p.session)
+		return next != 0 && next != keeper
+	}, 5*time.Second, 10*time.Millisecond, "no keeper replaced the killed one")
+	t.Logf("keeper %d killed, %d took over", keeper, next)
+	require.NoError(t, syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL))
+	p.wait(t)
+	p.expectGone(t)
+}
+
+// keeperOf returns the pid of the live keeper of session, or 0.
+func keeperOf(session string) int {
+	for _, pid := range sessionProcs(session) {
+		env, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/environ")
+		if err == nil && strings.Contains(string(env), "\x00"+reexec.EnvVar+"=mp.keeper\x00") {
+			return pid
+		}
+	}
+	return 0
+}
