@@ -160,7 +160,10 @@ func readSlab(a *Allocation) (*segment, error) {
 	if len(a.mapping) < slabHdrSize {
 		return nil, fmt.Errorf("mmapalloc: %v: too small for a slot table", a)
 	}
-	h := *(*slabHdr)(ptrAt(a.mapping, 0)) // one read: peers may write it
+	var h slabHdr
+	if err := Guard(func() { h = *(*slabHdr)(ptrAt(a.mapping, 0)) }); err != nil { // one read: peers may write it
+		return nil, fmt.Errorf("mmapalloc: %v: %w", a, err)
+	}
 	total := int64(len(a.mapping))
 	switch {
 	case h.magic != slabMagic || h.version != slabVersion:
@@ -215,7 +218,7 @@ func (seg *segment) holdLocked(off, size int64, gen uint64, covered bool) (*Bloc
 			}
 			seg.onFD[slot] = true
 		}
-		if seg.gen(slot).Load() != gen {
+		if !seg.genIs(slot, gen) {
 			if seg.onFD[slot] && !locked {
 				_ = unlock(seg.alloc.fd, slotByte(slot), 1)
 				delete(seg.onFD, slot)
@@ -225,7 +228,7 @@ func (seg *segment) holdLocked(off, size int64, gen uint64, covered bool) (*Bloc
 		if locked || covered {
 			seg.dirty = true // to lock (covered) or to keep (locked, was let go of)
 		}
-	} else if seg.gen(slot).Load() != gen {
+	} else if !seg.genIs(slot, gen) {
 		return nil, fmt.Errorf("mmapalloc: block at offset %d: %w", off, ErrStaleBlock)
 	}
 	seg.holds[slot]++

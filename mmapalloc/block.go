@@ -114,6 +114,14 @@ func (s *segment) gen(slot int) *atomic.Uint64 {
 	return (*atomic.Uint64)(unsafe.Pointer(&s.alloc.mapping[slabHdrSize+8*slot]))
 }
 
+// genIs reports whether slot's generation is gen; a segment cut short
+// under its mapping has no generation to match.
+func (s *segment) genIs(slot int, gen uint64) bool {
+	var now uint64
+	err := Guard(func() { now = s.gen(slot).Load() })
+	return err == nil && now == gen
+}
+
 func (s *segment) slotOffset(slot int) int64 { return s.dataOff + int64(slot)*s.cap }
 
 // Block is one storage's piece of a pooled segment. A Block holds its slot

@@ -313,7 +313,9 @@ func (a *Allocation) Refs() int32 {
 	if a.flags&RefCount == 0 || a.closed.Load() {
 		return 0
 	}
-	return a.hdr().refs.Load()
+	var n int32
+	_ = Guard(func() { n = a.hdr().refs.Load() })
+	return n
 }
 
 func (a *Allocation) hdr() *header {

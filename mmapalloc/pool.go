@@ -123,7 +123,7 @@ func (p *Pool) Alloc(size int64) (*Block, error) {
 	b := c.free[len(c.free)-1]
 	c.free[len(c.free)-1] = nil
 	c.free = c.free[:len(c.free)-1]
-	b.size, b.gen = size, b.seg.gen(b.slot).Load()
+	b.size = size // b.gen is the generation reclaim (or grow) gave the slot
 	b.released.Store(false)
 	b.seg.inUse++
 	return b, nil
@@ -158,7 +158,10 @@ func (p *Pool) reclaimLocked(c *sizeClass) {
 				continue
 			}
 		}
-		seg.gen(b.slot).Add(1)
+		if Guard(func() { b.gen = seg.gen(b.slot).Add(1) }) != nil {
+			kept = append(kept, b) // cut short under us: never handed out again
+			continue
+		}
 		seg.inUse--
 		c.free = append(c.free, b)
 	}
@@ -206,17 +209,26 @@ func (p *Pool) growLocked(c *sizeClass) error {
 		_ = a.Close()
 		return fmt.Errorf("mmapalloc: taking ownership of a new segment: %w", err)
 	}
-	h := (*slabHdr)(ptrAt(a.mapping, 0))
-	h.cap, h.nslots, h.dataOff = c.cap, nslots, dataOff
-	h.version, h.magic = slabVersion, slabMagic
 	seg := &segment{alloc: a, cap: c.cap, nslots: int(nslots), dataOff: dataOff, named: p.named, pool: p, class: c}
+	err = Guard(func() {
+		h := (*slabHdr)(ptrAt(a.mapping, 0))
+		h.cap, h.nslots, h.dataOff = c.cap, nslots, dataOff
+		h.version, h.magic = slabVersion, slabMagic
+		for slot := range int(nslots) {
+			seg.gen(slot).Store(1)
+		}
+	})
+	if err != nil {
+		_ = a.Remove()
+		_ = a.Close()
+		return fmt.Errorf("mmapalloc: writing the slot table of %v: %w", a, err)
+	}
 	p.segs[seg] = struct{}{}
 	c.segs = append(c.segs, seg)
 	liveSegments.add(seg)
 	p.cached += segSize
 	for slot := range int(nslots) {
-		seg.gen(slot).Store(1)
-		c.free = append(c.free, &Block{seg: seg, slot: slot, pool: p})
+		c.free = append(c.free, &Block{seg: seg, slot: slot, gen: 1, pool: p})
 	}
 	return nil
 }

@@ -245,15 +245,23 @@ func reserve(fd int, size int64) error {
 
 // takeRef initialises the header of a new RefCount segment, or takes a
 // reference on an existing one unless it already dropped to zero.
-func (a *Allocation) takeRef(create bool, size int64) error {
+func (a *Allocation) takeRef(create bool, size int64) (err error) {
 	h := a.hdr()
 	if create {
-		h.magic = headerMagic
-		h.version = headerVersion
-		h.size = size
-		h.refs.Store(1)
-		return nil
+		return Guard(func() {
+			h.magic = headerMagic
+			h.version = headerVersion
+			h.size = size
+			h.refs.Store(1)
+		})
 	}
+	if ferr := Guard(func() { err = takeRefOn(h, size) }); ferr != nil {
+		return ferr
+	}
+	return err
+}
+
+func takeRefOn(h *header, size int64) error {
 	if h.magic != headerMagic || h.version != headerVersion {
 		return errors.New("no tensormp segment header")
 	}
@@ -307,7 +315,15 @@ func (a *Allocation) dropRef() error {
 		return nil
 	}
 	refHolders.remove(a)
-	if a.hdr().refs.Add(-1) == 0 && a.path != "" {
+	var left int32
+	if err := Guard(func() { left = a.hdr().refs.Add(-1) }); err != nil {
+		// Cut short under its mappings: it is of no use to anybody.
+		if a.path != "" {
+			_ = unix.Unlink(a.path)
+		}
+		return &Error{Op: "release", Path: a.path, Err: err}
+	}
+	if left == 0 && a.path != "" {
 		if err := unix.Unlink(a.path); err != nil && err != unix.ENOENT {
 			return &Error{Op: "unlink", Path: a.path, Err: err}
 		}

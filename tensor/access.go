@@ -13,6 +13,13 @@ import (
 // The slice is valid while t's storage is reachable and not released: keep
 // t alive (runtime.KeepAlive) for as long as the slice is used, since an
 // unreachable storage's shared memory is unmapped by its cleanup.
+//
+// Under file_system, any process of the same user can truncate the named
+// segment behind a shared tensor; touching the slice then raises SIGBUS,
+// which ends the process. tensormp's own functions (At, Set, Fill, Copy,
+// Clone, ...) turn that fault into an error wrapping mmapalloc.ErrFault;
+// code that reads or writes the slice itself can do the same by running
+// under mmapalloc.Guard. file_descriptor segments are sealed against it.
 func Data[T Element](t *Tensor) ([]T, error) {
 	b, err := elemBytes[T](t)
 	if err != nil {
@@ -35,7 +42,9 @@ func At[T Element](t *Tensor, idx ...int) (T, error) {
 	if err != nil {
 		return zero, err
 	}
-	return asSlice[T](b)[i], nil
+	var v T
+	err = touch(func() { v = asSlice[T](b)[i] }, t.storage)
+	return v, err
 }
 
 // Set stores v at index idx (one index per dimension).
@@ -48,8 +57,7 @@ func Set[T Element](t *Tensor, v T, idx ...int) error {
 	if err != nil {
 		return err
 	}
-	asSlice[T](b)[i] = v
-	return nil
+	return touch(func() { asSlice[T](b)[i] = v }, t.storage)
 }
 
 // Fill sets every element of t, contiguous or not, to the value fn returns
@@ -62,11 +70,12 @@ func Fill[T Element](t *Tensor, fn func(i int) T) error {
 	s := asSlice[T](b)
 	base := t.offset / int64(t.dtype.Size())
 	i := 0
-	t.forEach(func(elem int64) {
-		s[base+elem] = fn(i)
-		i++
-	})
-	return nil
+	return touch(func() {
+		t.forEach(func(elem int64) {
+			s[base+elem] = fn(i)
+			i++
+		})
+	}, t.storage)
 }
 
 // Values returns a copy of t's elements in row-major order, whatever its
@@ -79,7 +88,12 @@ func Values[T Element](t *Tensor) ([]T, error) {
 	out := make([]T, 0, t.Numel())
 	s := asSlice[T](b)
 	base := t.offset / int64(t.dtype.Size())
-	t.forEach(func(elem int64) { out = append(out, s[base+elem]) })
+	err = touch(func() {
+		t.forEach(func(elem int64) { out = append(out, s[base+elem]) })
+	}, t.storage)
+	if err != nil {
+		return nil, err
+	}
 	return out, nil
 }
 
@@ -138,10 +152,11 @@ func Copy(dst, src *Tensor) error {
 	}
 	item := int64(dst.dtype.Size())
 	var i int64
-	dst.forEach(func(elem int64) {
-		at := dst.offset + elem*item
-		copy(m.bytes[at:at+item], from[i:i+item])
-		i += item
-	})
-	return nil
+	return touch(func() {
+		dst.forEach(func(elem int64) {
+			at := dst.offset + elem*item
+			copy(m.bytes[at:at+item], from[i:i+item])
+			i += item
+		})
+	}, dst.storage, src.storage)
 }

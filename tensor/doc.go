@@ -17,4 +17,8 @@
 // Ownership: a Storage owns its memory (segment, device buffer). Release
 // gives it back at once, for every tensor on it; a Storage that becomes
 // unreachable is released by a runtime cleanup as a safety net.
+//
+// Shared memory a peer cut short (a truncated file_system segment) makes
+// this package's reads and writes return errors wrapping
+// mmapalloc.ErrFault; slices from Data fault like any mapping (see Data).
 package tensor

@@ -237,7 +237,10 @@ func (s *Storage) ShareMemory(st strategy.Strategy) error {
 	if err != nil {
 		return err
 	}
-	copyBytes(nm.bytes, m.bytes)
+	if err := copyBytes(nm.bytes, m.bytes); err != nil {
+		_ = nm.release()
+		return fmt.Errorf("tensor: share memory (%d bytes, %s): %w", s.nbytes, st, err)
+	}
 	s.mem.Store(nm)
 	s.armFor(nm)
 	return nil
@@ -267,24 +270,10 @@ func newSharedStorage(nbytes int64, st strategy.Strategy) (*Storage, error) {
 func newSharedMemory(nbytes int64, st strategy.Strategy, zero bool) (*memory, error) {
 	switch st {
 	case strategy.FileDescriptor:
-		b, err := mmapalloc.DefaultPool().Alloc(nbytes)
-		if err != nil {
-			return nil, fmt.Errorf("tensor: share memory (%d bytes, %s): %w", nbytes, st, err)
-		}
-		if zero {
-			clear(b.Bytes())
-		}
-		return &memory{bytes: b.Bytes(), block: b, shared: true}, nil
+		return blockMemory(mmapalloc.DefaultPool(), nbytes, st, zero)
 	case strategy.FileSystem:
 		if pool := mmapalloc.NamedPool(); pool != nil {
-			b, err := pool.Alloc(nbytes)
-			if err != nil {
-				return nil, fmt.Errorf("tensor: share memory (%d bytes, %s): %w", nbytes, st, err)
-			}
-			if zero {
-				clear(b.Bytes())
-			}
-			return &memory{bytes: b.Bytes(), block: b, shared: true}, nil
+			return blockMemory(pool, nbytes, st, zero)
 		}
 		a, err := mmapalloc.Create(nbytes, mmapalloc.RefCount)
 		if err != nil {
@@ -293,6 +282,21 @@ func newSharedMemory(nbytes int64, st strategy.Strategy, zero bool) (*memory, er
 		return &memory{bytes: a.Bytes(), alloc: a, shared: true}, nil
 	}
 	return nil, fmt.Errorf("tensor: share memory: unknown strategy %q", st)
+}
+
+// blockMemory returns nbytes of a block of pool, cleared with zero.
+func blockMemory(pool *mmapalloc.Pool, nbytes int64, st strategy.Strategy, zero bool) (*memory, error) {
+	b, err := pool.Alloc(nbytes)
+	if err != nil {
+		return nil, fmt.Errorf("tensor: share memory (%d bytes, %s): %w", nbytes, st, err)
+	}
+	if zero {
+		if err := mmapalloc.Guard(func() { clear(b.Bytes()) }); err != nil {
+			_ = b.Release()
+			return nil, fmt.Errorf("tensor: share memory (%d bytes, %s): %w", nbytes, st, err)
+		}
+	}
+	return &memory{bytes: b.Bytes(), block: b, shared: true}, nil
 }
 
 // armFor arms the safety net that releases m's segment or block.
@@ -320,6 +324,11 @@ func (s *Storage) Release() error {
 	}
 	s.mem.Store(releasedMemory)
 	s.disarm()
+	return m.release()
+}
+
+// release gives m's segment, block or device buffer back.
+func (m *memory) release() error {
 	switch {
 	case m.alloc != nil:
 		return m.alloc.Close()

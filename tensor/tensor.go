@@ -479,7 +479,9 @@ func (t *Tensor) denseHost() ([]byte, error) {
 		return host[t.offset : t.offset+t.Nbytes()], nil
 	}
 	dense := make([]byte, t.Nbytes())
-	t.gather(host, dense)
+	if err := t.gather(host, dense); err != nil {
+		return nil, err
+	}
 	return dense, nil
 }
 
@@ -498,24 +500,27 @@ func (t *Tensor) readInto(dst []byte) error {
 	if err != nil {
 		return err
 	}
-	t.gather(host, dst)
-	return nil
+	return t.gather(host, dst)
 }
 
 // gather copies t's elements, read from its storage bytes src, densely
 // into dst.
-func (t *Tensor) gather(src, dst []byte) {
+func (t *Tensor) gather(src, dst []byte) error {
 	item := t.dtype.Size()
 	if t.IsContiguous() {
-		copyBytes(dst, src[t.offset:t.offset+t.Nbytes()])
-		return
+		if err := copyBytes(dst, src[t.offset:t.offset+t.Nbytes()]); err != nil {
+			return fmt.Errorf("tensor: reading %v: %w", t, err)
+		}
+		return nil
 	}
 	i := 0
-	t.forEach(func(elem int64) {
-		at := t.offset + elem*int64(item)
-		copy(dst[i:i+item], src[at:at+int64(item)])
-		i += item
-	})
+	return touch(func() {
+		t.forEach(func(elem int64) {
+			at := t.offset + elem*int64(item)
+			copy(dst[i:i+item], src[at:at+int64(item)])
+			i += item
+		})
+	}, t.storage)
 }
 
 // forEach calls fn with the storage index (in elements, relative to the
@@ -613,10 +618,16 @@ func Equal(a, b *Tensor) bool {
 	if errA != nil || errB != nil {
 		return false
 	}
-	switch a.dtype {
+	equal := false
+	err := touch(func() { equal = equalBytes(a.dtype, a.Numel(), ba, bb) }, a.storage, b.storage)
+	return err == nil && equal
+}
+
+func equalBytes(dt DType, n int, ba, bb []byte) bool {
+	switch dt {
 	case Float16, BFloat16, Float32, Float64, Complex64, Complex128:
-		for i := range a.Numel() {
-			if value(a.dtype, ba, i) != value(a.dtype, bb, i) {
+		for i := range n {
+			if value(dt, ba, i) != value(dt, bb, i) {
 				return false
 			}
 		}
