@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"sync"
 	"testing"
+	"time"
 	"unsafe"
 
 	"github.com/stretchr/testify/assert"
@@ -118,6 +119,40 @@ func TestDiscardedTicketDropsItsHold(t *testing.T) {
 	c, err := p.Alloc(1 << 20)
 	require.NoError(t, err)
 	assert.True(t, c.Segment() == seg && c.Offset() == off)
+	require.NoError(t, c.Release())
+}
+
+// A message delivered twice (or the same block received in two messages)
+// gives the receiver two holds; letting go of one keeps the other.
+func TestTwiceDeliveredKeepsItsHold(t *testing.T) {
+	leakcheck.Check(t)
+	p := mmapalloc.NewPool(1 << 30)
+	defer p.Trim(0)
+	a, err := p.Alloc(1 << 20)
+	require.NoError(t, err)
+	seg, off, gen := a.Segment(), a.Offset(), a.Gen()
+	var got []*mmapalloc.Block
+	for _, covered := range []bool{true, false} {
+		msg := send(t, a)
+		r, err := mmapalloc.AttachBlock(msg, covered, seg.Size(), off, 1<<20, gen)
+		require.NoError(t, err)
+		if covered {
+			id, _, err := mmapalloc.Stat(msg)
+			require.NoError(t, err)
+			mmapalloc.AdoptTicket(msg, id)
+		} else {
+			require.NoError(t, unix.Close(msg))
+		}
+		got = append(got, r)
+	}
+	require.NoError(t, a.Release())
+	require.NoError(t, got[0].Release())
+	assert.Equal(t, 1, p.InUse(), "the second delivery still holds the block")
+	c, err := p.Alloc(1 << 20)
+	require.NoError(t, err)
+	assert.False(t, c.Segment() == seg && c.Offset() == off, "so it is not handed out")
+	require.NoError(t, got[1].Release())
+	require.Eventually(t, func() bool { return p.InUse() == 1 }, time.Second, 5*time.Millisecond, "only c is in use once both are let go of")
 	require.NoError(t, c.Release())
 }
 
