@@ -43,8 +43,9 @@ type segmentTable struct {
 // description at once. With covered, no call is made: the ticket holds the
 // slot, so the caller keeps it open until it hands it to AdoptTicket, which
 // keeps it until this process's holds are moved to its own description in
-// a batch (or until it has released the block). Receiving a stream of
-// blocks costs no lock call that way.
+// a batch, within milliseconds (at once when the process lets go of the
+// last block it has of the segment). Receiving a stream of blocks costs no
+// lock call that way.
 func AttachBlock(ticket int, covered bool, segSize, off, size int64, gen uint64) (*Block, error) {
 	id, fsize, err := Stat(ticket)
 	if err != nil {
@@ -90,8 +91,8 @@ func AttachNamedBlock(name string, ticket int, covered bool, segSize, off, size 
 // AdoptTicket takes over ticket, a descriptor of segment id that covered
 // blocks attached with AttachBlock: it is kept while it holds them for
 // this process, and closed once their holds have moved to this process's
-// own description, at most a millisecond later. The caller must not use
-// ticket afterwards.
+// own description, within transferDelay. The caller must not use ticket
+// afterwards.
 func AdoptTicket(ticket int, id ID) {
 	attached.mu.Lock()
 	defer attached.mu.Unlock()
@@ -183,10 +184,12 @@ func readSlab(a *Allocation) (*segment, error) {
 // before it moves their holds to its own description.
 const adoptMax = 8
 
-// transferDelay is how long a receiver keeps the descriptors it adopted,
-// and the locks of blocks it let go of, before it settles them in one
-// batch.
-const transferDelay = time.Millisecond
+// transferDelay is how long a receiver that still holds blocks of a
+// segment keeps the descriptors it adopted, and the locks of blocks it let
+// go of, before it settles them in one batch (a segment no block uses any
+// more is settled at once). It is a timer's period: each firing wakes a
+// thread.
+const transferDelay = 10 * time.Millisecond
 
 var transfers = newLater(transferDelay, func(seg *segment) bool {
 	attached.mu.Lock()
@@ -334,9 +337,9 @@ func (t *segmentTable) settleLocked(seg *segment) error {
 	if seg.users > 0 {
 		return nil
 	}
-	// Nothing of it is held here any more: what this process sent from it
-	// is held by the messages' own copies of the ticket description.
-	seg.tickets.rotate()
+	// This process's ticket description, if it sent from the segment,
+	// stays for the next message; rotation retires it within
+	// milliseconds.
 	if err := seg.transferLocked(); err != nil {
 		return err
 	}
