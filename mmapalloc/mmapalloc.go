@@ -10,6 +10,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"unsafe"
+
+	"github.com/tensormp/tensormp/internal/fd"
 )
 
 // Flags say how a segment is created or opened and who keeps what. They
@@ -260,7 +262,8 @@ type ID struct {
 type Allocation struct {
 	mapping []byte // the whole mapping, header included
 	data    []byte // the caller's bytes
-	fd      int    // -1 unless KeepFD
+	fd      int    // own's number, for this package's system calls; -1 unless KeepFD
+	own     *fd.FD // the kept descriptor (KeepFD)
 	path    string // "" for a segment opened from a bare descriptor
 	flags   Flags
 	id      ID
@@ -292,13 +295,31 @@ func (a *Allocation) Name() string {
 }
 
 // FD returns the descriptor the Allocation keeps (KeepFD), or -1. The
-// descriptor stays owned by the Allocation; callers that need one of
-// their own dup it.
+// descriptor stays owned by the Allocation and is closed by its Close: use
+// the number only while the Allocation is surely open, and lend it with
+// LendFD to pass it to another process.
 func (a *Allocation) FD() int {
 	if a.closed.Load() {
 		return -1
 	}
 	return a.fd
+}
+
+// LendFD lends the kept descriptor, to a message that passes it to
+// another process: the number stays open, and the same file, until
+// ReturnFD, whatever Close does meanwhile.
+func (a *Allocation) LendFD() (int, error) {
+	if a.own == nil || a.closed.Load() {
+		return -1, ErrClosed
+	}
+	return a.own.Lend()
+}
+
+// ReturnFD ends a LendFD.
+func (a *Allocation) ReturnFD() {
+	if a.own != nil {
+		_ = a.own.Return()
+	}
 }
 
 // Flags returns the flags the Allocation was made with.

@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/fd"
 )
 
 var (
@@ -217,7 +219,7 @@ func setUp(fd int, path string, total int64, flags Flags, create bool) (a *Alloc
 		refHolders.add(a)
 	}
 	if flags&KeepFD != 0 {
-		a.fd = fd
+		a.fd, a.own = fd, ownedFD(fd)
 	} else {
 		_ = unix.Close(fd)
 	}
@@ -339,8 +341,8 @@ func (a *Allocation) closeMapping() error {
 	if err := unix.Munmap(a.mapping); err != nil {
 		errs = append(errs, &Error{Op: "unmap", Path: a.path, Err: err})
 	}
-	if a.fd >= 0 {
-		if err := unix.Close(a.fd); err != nil {
+	if a.own != nil {
+		if err := a.own.Close(); err != nil {
 			errs = append(errs, &Error{Op: "close", Path: a.path, Err: err})
 		}
 	}
@@ -379,3 +381,6 @@ func Dup(fd int) (int, error) {
 	}
 	return d, nil
 }
+
+// ownedFD gives a kept descriptor its owner.
+func ownedFD(raw int) *fd.FD { return fd.New(raw) }

@@ -5,6 +5,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/fd"
 )
 
 // rotateDelay is how long a ticket description stays open before it is
@@ -29,22 +31,17 @@ const pressureRotate = time.Millisecond
 // messages need, so a Ticket is short-lived: it is rotated within
 // rotateDelay, or at once when its producer runs out of free slots.
 type Ticket struct {
-	set     *tickets
-	fd      int
-	pins    int // guarded by set.mu
-	retired bool
+	set *tickets
+	fd  *fd.FD // each pin is a loan of it; retiring it is closing it
+	raw int
 }
 
 // FD returns the descriptor to send. It stays the Ticket's: valid until
 // Done or Discard.
-func (t *Ticket) FD() int { return t.fd }
+func (t *Ticket) FD() int { return t.raw }
 
 // Done unpins the ticket once the message that carries it was sent.
-func (t *Ticket) Done() {
-	t.set.mu.Lock()
-	defer t.set.mu.Unlock()
-	t.unpinLocked()
-}
+func (t *Ticket) Done() { _ = t.fd.Return() }
 
 // Discard unpins the ticket of a message that will never be sent and drops
 // the holds it stood for: the description is replaced at once (messages
@@ -53,18 +50,10 @@ func (t *Ticket) Discard() {
 	s := t.set
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	t.unpinLocked()
 	if s.cur == t {
 		s.rotateLocked()
 	}
-}
-
-func (t *Ticket) unpinLocked() {
-	t.pins--
-	if t.pins == 0 && t.retired {
-		_ = unix.Close(t.fd)
-		t.fd = -1
-	}
+	_ = t.fd.Return()
 }
 
 // tickets is one process's ticket description of one segment.
@@ -82,19 +71,21 @@ func (s *tickets) take(seg *segment) (*Ticket, error) {
 	defer s.mu.Unlock()
 	t := s.cur
 	if t == nil {
-		fd, err := reopen(seg.alloc.fd)
+		raw, err := reopen(seg.alloc.fd)
 		if err != nil {
 			return nil, err
 		}
-		if _, err := lockRead(fd, slotByte(0), int64(seg.nslots)); err != nil {
-			_ = unix.Close(fd)
+		if _, err := lockRead(raw, slotByte(0), int64(seg.nslots)); err != nil {
+			_ = unix.Close(raw)
 			return nil, err
 		}
-		t = &Ticket{set: s, fd: fd}
+		t = &Ticket{set: s, fd: fd.New(raw), raw: raw}
 		s.cur, s.opened = t, time.Now()
 		rotations.schedule(seg)
 	}
-	t.pins++
+	if _, err := t.fd.Lend(); err != nil {
+		return nil, err
+	}
 	return t, nil
 }
 
@@ -106,11 +97,7 @@ func (s *tickets) rotateLocked() {
 		return
 	}
 	s.cur, s.rotated = nil, time.Now()
-	t.retired = true
-	if t.pins == 0 {
-		_ = unix.Close(t.fd)
-		t.fd = -1
-	}
+	_ = t.fd.Close()
 }
 
 // rotate retires the current description, if any, and reports whether

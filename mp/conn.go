@@ -13,6 +13,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/mmapalloc"
 )
 
@@ -69,13 +70,17 @@ type conn struct {
 	once           sync.Once
 }
 
-// newConn wraps fd, a SOCK_SEQPACKET socket, taking ownership of it.
-func newConn(fd int, name string) (*conn, error) {
-	if err := unix.SetNonblock(fd, true); err != nil {
-		_ = unix.Close(fd)
+// newConn wraps s, a SOCK_SEQPACKET socket, taking it over.
+func newConn(s *fd.FD, name string) (*conn, error) {
+	raw, err := s.Disown()
+	if err != nil {
 		return nil, fmt.Errorf("mp: %s: %w", name, err)
 	}
-	f := os.NewFile(uintptr(fd), name)
+	if err := unix.SetNonblock(raw, true); err != nil {
+		_ = unix.Close(raw)
+		return nil, fmt.Errorf("mp: %s: %w", name, err)
+	}
+	f := os.NewFile(uintptr(raw), name)
 	nc, err := net.FileConn(f)
 	_ = f.Close() // FileConn made its own descriptor
 	if err != nil {
@@ -96,13 +101,13 @@ func newConn(fd int, name string) (*conn, error) {
 }
 
 // socketPair returns the two connected ends of a new SOCK_SEQPACKET
-// socket pair as raw descriptors, close-on-exec.
-func socketPair() ([2]int, error) {
+// socket pair, close-on-exec, each owned by the caller.
+func socketPair() ([2]*fd.FD, error) {
 	fds, err := unix.Socketpair(unix.AF_UNIX, sockType, 0)
 	if err != nil {
-		return fds, fmt.Errorf("mp: socketpair: %w%s", err, fdHint(err))
+		return [2]*fd.FD{}, fmt.Errorf("mp: socketpair: %w%s", err, fdHint(err))
 	}
-	return fds, nil
+	return [2]*fd.FD{fd.New(fds[0]), fd.New(fds[1])}, nil
 }
 
 func fdHint(err error) string {
@@ -112,18 +117,24 @@ func fdHint(err error) string {
 	return ""
 }
 
-// fd returns the socket's descriptor for passing to another process. The
-// conn keeps ownership.
-func (c *conn) fd() (int, error) {
+// dupSocket returns a duplicate of the socket's descriptor, for passing
+// to another process, owned by the caller. It is made inside
+// RawConn.Control, the only place the socket's own number is valid: a
+// Close racing the send of it closes the conn, never the duplicate.
+func (c *conn) dupSocket() (*fd.FD, error) {
 	rc, err := c.uc.SyscallConn()
 	if err != nil {
-		return -1, err
+		return nil, err
 	}
-	fd := -1
-	if err := rc.Control(func(s uintptr) { fd = int(s) }); err != nil {
-		return -1, err
+	dup := -1
+	cerr := rc.Control(func(s uintptr) { dup, err = unix.FcntlInt(s, unix.F_DUPFD_CLOEXEC, 0) })
+	if cerr != nil {
+		return nil, connErr(cerr)
 	}
-	return fd, nil
+	if err != nil {
+		return nil, fmt.Errorf("mp: duplicating a socket: %w%s", err, fdHint(err))
+	}
+	return fd.New(dup), nil
 }
 
 func (c *conn) close() error {
@@ -454,5 +465,3 @@ func closeAll(fds []int) {
 		}
 	}
 }
-
-func closeFD(fd int) error { return unix.Close(fd) }

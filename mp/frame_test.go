@@ -23,7 +23,9 @@ func rawPair(t *testing.T) (*conn, int) {
 	c, err := newConn(pair[0], "test")
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = c.close() })
-	return c, pair[1]
+	raw, err := pair[1].Disown()
+	require.NoError(t, err)
+	return c, raw
 }
 
 func TestEmptyDatagramIsMalformedNotClosed(t *testing.T) {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/vmihailenco/msgpack/v5"
 
+	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/reduction"
 )
 
@@ -102,10 +103,10 @@ func NewQueue() (*Queue, error) {
 	return queueFrom(pair[0], pair[1])
 }
 
-func queueFrom(in, out int) (*Queue, error) {
+func queueFrom(in, out *fd.FD) (*Queue, error) {
 	ci, err := newConn(in, "queue")
 	if err != nil {
-		_ = closeFD(out)
+		_ = out.Close()
 		return nil, err
 	}
 	co, err := newConn(out, "queue")
@@ -131,7 +132,7 @@ func (q *Queue) Close() error {
 }
 
 func (q *Queue) encode(enc *msgpack.Encoder) ([]byte, error) {
-	return encodeConns(enc, q, q.in, q.out)
+	return encodeConns(enc, q.in, q.out)
 }
 
 func decodeQueue(dec *msgpack.Decoder, n int) (*Queue, error) {
@@ -157,7 +158,7 @@ func NewPipe() (*Pipe, *Pipe, error) {
 	}
 	a, err := newConn(pair[0], "pipe")
 	if err != nil {
-		_ = closeFD(pair[1])
+		_ = pair[1].Close()
 		return nil, nil, err
 	}
 	b, err := newConn(pair[1], "pipe")
@@ -179,7 +180,7 @@ func (p *Pipe) Recv(ctx context.Context, v any) error { return get(ctx, p.c, v) 
 func (p *Pipe) Close() error { return p.c.close() }
 
 func (p *Pipe) encode(enc *msgpack.Encoder) ([]byte, error) {
-	return encodeConns(enc, p, p.c)
+	return encodeConns(enc, p.c)
 }
 
 func decodePipe(dec *msgpack.Decoder, n int) (*Pipe, error) {
@@ -194,16 +195,17 @@ func decodePipe(dec *msgpack.Decoder, n int) (*Pipe, error) {
 	return &Pipe{c: c}, nil
 }
 
-// encodeConns adds the connections' descriptors to the message and
-// returns their indexes as the extension's payload.
-func encodeConns(enc *msgpack.Encoder, owner any, conns ...*conn) ([]byte, error) {
+// encodeConns adds duplicates of the connections' descriptors to the
+// message, which owns them until it is sent, and returns their indexes as
+// the extension's payload.
+func encodeConns(enc *msgpack.Encoder, conns ...*conn) ([]byte, error) {
 	payload := make([]byte, 0, 4*len(conns))
 	for _, c := range conns {
-		fd, err := c.fd()
+		dup, err := c.dupSocket()
 		if err != nil {
-			return nil, fmt.Errorf("mp: sending a closed queue or pipe: %w", err)
+			return nil, fmt.Errorf("mp: sending a queue or pipe: %w", err)
 		}
-		i, err := reduction.AddFD(enc, fd, owner)
+		i, err := reduction.AddFD(enc, dup)
 		if err != nil {
 			return nil, err
 		}
@@ -213,7 +215,7 @@ func encodeConns(enc *msgpack.Encoder, owner any, conns ...*conn) ([]byte, error
 }
 
 // decodeConns takes the want descriptors an extension of n bytes names.
-func decodeConns(dec *msgpack.Decoder, n, want int) ([]int, error) {
+func decodeConns(dec *msgpack.Decoder, n, want int) ([]*fd.FD, error) {
 	if n != 4*want {
 		return nil, fmt.Errorf("mp: queue or pipe of %d bytes, want %d", n, 4*want)
 	}
@@ -221,14 +223,16 @@ func decodeConns(dec *msgpack.Decoder, n, want int) ([]int, error) {
 	if err != nil {
 		return nil, err
 	}
-	fds := make([]int, 0, want)
+	fds := make([]*fd.FD, 0, want)
 	for i := range want {
-		fd, err := reduction.TakeFD(dec, int(binary.LittleEndian.Uint32(payload[4*i:])))
+		f, err := reduction.TakeFD(dec, int(binary.LittleEndian.Uint32(payload[4*i:])))
 		if err != nil {
-			closeAll(fds)
+			for _, f := range fds {
+				_ = f.Close()
+			}
 			return nil, err
 		}
-		fds = append(fds, fd)
+		fds = append(fds, f)
 	}
 	return fds, nil
 }

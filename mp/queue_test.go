@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"os"
+	"runtime"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/mp"
@@ -133,4 +135,60 @@ func TestPipeDuplex(t *testing.T) {
 	err = b.Recv(ctx, &s)
 	assert.True(t, errors.Is(err, mp.ErrClosed), "the other end's close is EOF: %v", err)
 	require.NoError(t, b.Close())
+}
+
+// TestCloseRacingPutOfAQueue: a queue sent in a message while another
+// goroutine closes it, and a third opens files that would take over a
+// freed descriptor number: the Put fails cleanly, or the receiver gets a
+// working queue; never a closed descriptor, nor another file.
+func TestCloseRacingPutOfAQueue(t *testing.T) {
+	leakcheck.Check(t)
+	ctx := context.Background()
+	carrier, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer carrier.Close()
+	stop := make(chan struct{})
+	churned := make(chan struct{})
+	go func() {
+		defer close(churned)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if f, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0); err == nil {
+				_ = unix.Close(f)
+			}
+		}
+	}()
+	defer func() { close(stop); <-churned }()
+	sent := 0
+	for i := range 300 {
+		q, err := mp.NewQueue()
+		require.NoError(t, err)
+		closed := make(chan struct{})
+		go func() { defer close(closed); _ = q.Close() }()
+		switch i % 3 {
+		case 0:
+			<-closed // closed before the Put
+		case 1:
+			runtime.Gosched() // racing it
+		}
+		err = carrier.Put(ctx, q)
+		<-closed
+		if err != nil {
+			assert.ErrorContains(t, err, "closed", "a Put that loses the race says why")
+			continue
+		}
+		sent++
+		var got *mp.Queue
+		require.NoError(t, carrier.Get(ctx, &got), "a queue that was sent arrives as a queue")
+		require.NoError(t, got.Put(ctx, 7), "and works")
+		var v int
+		require.NoError(t, got.Get(ctx, &v))
+		assert.Equal(t, 7, v)
+		require.NoError(t, got.Close())
+	}
+	t.Logf("%d of 300 queues sent before their Close", sent)
 }

@@ -199,10 +199,15 @@ func start(ctx context.Context, name string, rank, world int, place device.Place
 	}
 	ctl, err := newConn(pair[0], "control")
 	if err != nil {
-		_ = closeFD(pair[1])
+		_ = pair[1].Close()
 		return nil, err
 	}
-	child := os.NewFile(uintptr(pair[1]), "control")
+	raw, err := pair[1].Disown()
+	if err != nil {
+		_ = ctl.close()
+		return nil, err
+	}
+	child := os.NewFile(uintptr(raw), "control")
 	defer child.Close()
 
 	cmd, err := reexec.Command(context.WithoutCancel(ctx), workerPrefix+name)

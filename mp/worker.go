@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/reexec"
 	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/reduction"
@@ -122,7 +123,7 @@ func runWorker(name string, fn WorkerFunc) int {
 			return fail(err)
 		}
 	}
-	ctl, err := newConn(ctlFD, "control")
+	ctl, err := newConn(fd.New(ctlFD), "control")
 	if err != nil {
 		return fail(err)
 	}

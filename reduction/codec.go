@@ -10,6 +10,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 	"golang.org/x/sys/unix"
 
+	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -59,23 +60,31 @@ func (e *Encoder) Encode(v any) (data []byte, fds []int, err error) {
 
 // Done tells the Encoder that the last message was sent: the descriptors
 // it lent are no longer needed.
-func (e *Encoder) Done() {
-	for _, tk := range e.w.tickets {
-		tk.Done()
-	}
-	clear(e.w.tickets)
-	e.w.tickets = e.w.tickets[:0]
-}
+func (e *Encoder) Done() { e.w.settle(lease.Done) }
 
 // Discard gives up the holds the last Encode took on pooled blocks for its
 // receiver (see Reduce), for a message that will not be sent after all.
-func (e *Encoder) Discard() {
-	for _, tk := range e.w.tickets {
-		tk.Discard()
-	}
-	clear(e.w.tickets)
-	e.w.tickets = e.w.tickets[:0]
+func (e *Encoder) Discard() { e.w.settle(lease.Discard) }
+
+// lease is what a message holds on one of its descriptors until it is
+// sent: a pooled block's ticket, a segment's lent descriptor, or a
+// descriptor the message owns.
+type lease interface {
+	Done()    // the message was sent
+	Discard() // it never will be
 }
+
+// lentFD is an Allocation's descriptor lent to a message.
+type lentFD struct{ a *mmapalloc.Allocation }
+
+func (l lentFD) Done()    { l.a.ReturnFD() }
+func (l lentFD) Discard() { l.a.ReturnFD() }
+
+// ownedFD is a descriptor the message owns: closed once it is sent.
+type ownedFD struct{ f *fd.FD }
+
+func (o ownedFD) Done()    { _ = o.f.Return(); _ = o.f.Close() }
+func (o ownedFD) Discard() { o.Done() }
 
 // Marshal encodes v with a new Encoder. Unlike Encoder.Encode's, the
 // descriptors it returns are the caller's, duplicates made for this
@@ -115,8 +124,17 @@ type fdWriter struct {
 	index map[int]int // descriptor -> its position in fds
 	keep  []any       // owners of the descriptors in fds, kept reachable
 
-	tickets []*mmapalloc.Ticket // pinned for the message's pooled blocks
-	meta    []byte              // scratch for one tensor's metadata
+	leases []lease // on the message's descriptors, until it is sent
+	meta   []byte  // scratch for one tensor's metadata
+}
+
+// settle ends every lease the same way.
+func (w *fdWriter) settle(end func(lease)) {
+	for _, l := range w.leases {
+		end(l)
+	}
+	clear(w.leases)
+	w.leases = w.leases[:0]
 }
 
 func (w *fdWriter) reset() {
@@ -125,11 +143,7 @@ func (w *fdWriter) reset() {
 	clear(w.index)
 	clear(w.keep)
 	w.keep = w.keep[:0]
-	for _, tk := range w.tickets {
-		tk.Done()
-	}
-	clear(w.tickets)
-	w.tickets = w.tickets[:0]
+	w.settle(lease.Done)
 }
 
 func (w *fdWriter) Write(p []byte) (int, error) {
@@ -155,27 +169,37 @@ func (w *fdWriter) addFD(fd int, owner any) int {
 	return len(w.fds) - 1
 }
 
-// AddFD adds fd to the descriptors of the message enc is encoding and
+// AddFD adds f to the descriptors of the message enc is encoding and
 // returns its index there. It is for msgpack encoders of other types that
 // travel as descriptors (queues and pipes in package mp), called during
-// Encoder.Encode; owner, which owns fd, is kept reachable until the next
-// Encode. The descriptor stays owner's.
-func AddFD(enc *msgpack.Encoder, fd int, owner any) (int, error) {
+// Encoder.Encode. The message takes f over: it is closed once the message
+// is sent or discarded.
+func AddFD(enc *msgpack.Encoder, f *fd.FD) (int, error) {
 	w, ok := enc.Writer().(*fdWriter)
 	if !ok {
+		_ = f.Close()
 		return -1, errors.New("reduction: values with descriptors must be encoded with reduction.Marshal or an Encoder")
 	}
-	return w.addFD(fd, owner), nil
+	raw, err := f.Lend()
+	if err != nil {
+		return -1, err
+	}
+	w.leases = append(w.leases, ownedFD{f})
+	return w.addFD(raw, nil), nil
 }
 
 // TakeFD hands descriptor i of the message dec is decoding to the caller,
 // who owns it from then on. It is the decoding half of AddFD.
-func TakeFD(dec *msgpack.Decoder, i int) (int, error) {
+func TakeFD(dec *msgpack.Decoder, i int) (*fd.FD, error) {
 	r, ok := dec.Buffered().(*fdReader)
 	if !ok {
-		return -1, errors.New("reduction: values with descriptors must be decoded with reduction.Unmarshal or a Decoder")
+		return nil, errors.New("reduction: values with descriptors must be decoded with reduction.Unmarshal or a Decoder")
 	}
-	return r.take(i)
+	raw, err := r.take(i)
+	if err != nil {
+		return nil, err
+	}
+	return fd.New(raw), nil
 }
 
 // ReadExt returns the n payload bytes of an extension that dec is
@@ -194,15 +218,15 @@ func encodeTensor(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {
 		return nil, errors.New("reduction: tensors must be encoded with reduction.Marshal or an Encoder, which carry their descriptors")
 	}
 	t := v.Interface().(*tensor.Tensor)
-	m, fd, tk, err := reduce(t)
+	m, raw, l, err := reduce(t)
 	if err != nil {
 		return nil, err
 	}
-	if tk != nil {
-		w.tickets = append(w.tickets, tk)
+	if l != nil {
+		w.leases = append(w.leases, l)
 	}
-	if fd >= 0 {
-		m.FD = w.addFD(fd, t.Storage())
+	if raw >= 0 {
+		m.FD = w.addFD(raw, t.Storage())
 	}
 	w.meta = appendMeta(w.meta[:0], &m)
 	return w.meta, nil // written out before the next tensor reuses it

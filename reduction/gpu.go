@@ -16,7 +16,7 @@ const tokenSize = 8
 
 // reduceGPU describes a GPU tensor by CUDA IPC. The export takes a
 // ticket on the allocation's token for the message.
-func reduceGPU(t *tensor.Tensor) (Meta, int, *mmapalloc.Ticket, error) {
+func reduceGPU(t *tensor.Tensor) (Meta, int, lease, error) {
 	s := t.Storage()
 	if s.Released() {
 		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)

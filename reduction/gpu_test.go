@@ -10,6 +10,7 @@ import (
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/cudafake"
 	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -53,7 +54,7 @@ func TestGPUTensorOpenedByAReceiver(t *testing.T) {
 	require.NoError(t, err)
 	require.NotNil(t, tok)
 	assert.Equal(t, StrategyCUDAIPC, meta.Strategy)
-	assert.Equal(t, tok.FD(), fd, "the message carries the token's ticket")
+	assert.Equal(t, tok.(*mmapalloc.Ticket).FD(), fd, "the message carries the token's ticket")
 
 	// As a receiver that never held this memory: forget the producer's
 	// entry in the cache.

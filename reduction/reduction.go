@@ -64,14 +64,12 @@ const StrategyCUDAIPC = "cuda_ipc"
 // closing it unsent is how metadata that will never be rebuilt is
 // discarded.
 func Reduce(t *tensor.Tensor) (Meta, []int, error) {
-	m, fd, tk, err := reduce(t)
+	m, fd, l, err := reduce(t)
 	if err != nil || fd < 0 {
 		return m, nil, err
 	}
 	own, err := mmapalloc.Dup(fd)
-	if tk != nil {
-		tk.Done()
-	}
+	l.Done()
 	if err != nil {
 		return Meta{}, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
 	}
@@ -79,10 +77,10 @@ func Reduce(t *tensor.Tensor) (Meta, []int, error) {
 	return m, []int{own}, nil
 }
 
-// reduce is Reduce returning the storage's descriptor itself, or -1, and
-// the ticket it pinned for a pooled block, if any: the descriptor is the
-// ticket's until its Done or Discard, else the storage's.
-func reduce(t *tensor.Tensor) (Meta, int, *mmapalloc.Ticket, error) {
+// reduce is Reduce returning the descriptor itself, or -1, and the lease
+// that keeps it open, and its block held, until the message is sent: a
+// pooled block's ticket, or a segment's lent descriptor.
+func reduce(t *tensor.Tensor) (Meta, int, lease, error) {
 	if t.Place().IsGPU() {
 		return reduceGPU(t)
 	}
@@ -139,13 +137,13 @@ func reduce(t *tensor.Tensor) (Meta, int, *mmapalloc.Ticket, error) {
 		storages.put(nameKey(m.Name), s)
 		return m, -1, nil, nil
 	}
-	fd := a.FD()
-	if fd < 0 {
+	fd, err := a.LendFD()
+	if err != nil {
 		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
 	}
 	m.Strategy = string(strategy.FileDescriptor)
 	storages.put(idKey(a.ID()), s)
-	return m, fd, nil, nil
+	return m, fd, lentFD{a}, nil
 }
 
 // Rebuild makes a tensor from metadata and the descriptors that came with

@@ -1,0 +1,125 @@
+// Package fd gives a file descriptor one owner and one Close.
+//
+// An FD owns its descriptor from New until Close (or Disown). The owner
+// may lend the number, with Lend, to code that uses it outside the owner's
+// locks (a sendmsg that passes it to another process, say): a Close that
+// comes meanwhile closes the descriptor only when the last loan is
+// returned, so a lent number is never a closed one, nor one the kernel
+// already gave to another file. An FD that becomes unreachable unclosed is
+// closed by a runtime cleanup, as a safety net.
+package fd
+
+import (
+	"errors"
+	"runtime"
+	"strconv"
+	"sync"
+
+	"golang.org/x/sys/unix"
+)
+
+// ErrClosed is returned by Lend and Dup on a closed FD.
+var ErrClosed = errors.New("fd: descriptor closed")
+
+// FD is an owned file descriptor. Its methods may be called from several
+// goroutines.
+type FD struct {
+	mu      sync.Mutex
+	raw     int // -1 once closed or disowned
+	lent    int
+	closing bool // Close was called while lent
+	cleanup runtime.Cleanup
+}
+
+// New takes ownership of raw.
+func New(raw int) *FD {
+	f := &FD{raw: raw}
+	f.cleanup = runtime.AddCleanup(f, func(raw int) { _ = unix.Close(raw) }, raw)
+	return f
+}
+
+// Lend returns the descriptor's number, which stays open, and the same
+// file, until the matching Return, whatever Close does meanwhile.
+func (f *FD) Lend() (int, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.raw < 0 || f.closing {
+		return -1, ErrClosed
+	}
+	f.lent++
+	return f.raw, nil
+}
+
+// Return ends one Lend. The last Return after a Close closes the
+// descriptor.
+func (f *FD) Return() error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.lent--
+	if f.lent == 0 && f.closing {
+		return f.closeLocked()
+	}
+	return nil
+}
+
+// Close closes the descriptor, or, while it is lent, has the last Return
+// close it. Closing twice returns nil.
+func (f *FD) Close() error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.raw < 0 || f.closing {
+		return nil
+	}
+	if f.lent > 0 {
+		f.closing = true
+		return nil
+	}
+	return f.closeLocked()
+}
+
+func (f *FD) closeLocked() error {
+	f.cleanup.Stop()
+	raw := f.raw
+	f.raw, f.closing = -1, false
+	return unix.Close(raw)
+}
+
+// Disown hands the descriptor over to the caller, who closes it; the FD
+// is closed without closing it. It fails while the descriptor is lent.
+func (f *FD) Disown() (int, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.raw < 0 || f.closing {
+		return -1, ErrClosed
+	}
+	if f.lent > 0 {
+		return -1, errors.New("fd: disowning a descriptor that is lent")
+	}
+	f.cleanup.Stop()
+	raw := f.raw
+	f.raw = -1
+	return raw, nil
+}
+
+// Dup returns a close-on-exec duplicate, owned by its own FD.
+func (f *FD) Dup() (*FD, error) {
+	raw, err := f.Lend()
+	if err != nil {
+		return nil, err
+	}
+	defer f.Return()
+	d, err := unix.FcntlInt(uintptr(raw), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	return New(d), nil
+}
+
+func (f *FD) String() string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.raw < 0 {
+		return "fd (closed)"
+	}
+	return "fd " + strconv.Itoa(f.raw)
+}

@@ -1,0 +1,97 @@
+package fd_test
+
+import (
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/fd"
+)
+
+func open(t *testing.T) int {
+	t.Helper()
+	raw, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	require.NoError(t, err)
+	return raw
+}
+
+func isOpen(raw int) bool {
+	_, err := unix.FcntlInt(uintptr(raw), unix.F_GETFD, 0)
+	return err == nil
+}
+
+func TestCloseWaitsForLoans(t *testing.T) {
+	raw := open(t)
+	f := fd.New(raw)
+	n, err := f.Lend()
+	require.NoError(t, err)
+	assert.Equal(t, raw, n)
+	require.NoError(t, f.Close())
+	assert.True(t, isOpen(raw), "a lent descriptor stays open through Close")
+	_, err = f.Lend()
+	assert.ErrorIs(t, err, fd.ErrClosed, "nothing is lent once Close was called")
+	require.NoError(t, f.Return())
+	assert.False(t, isOpen(raw), "the last Return closes it")
+	assert.NoError(t, f.Close(), "closing twice is harmless")
+}
+
+func TestDisownAndDup(t *testing.T) {
+	f := fd.New(open(t))
+	d, err := f.Dup()
+	require.NoError(t, err)
+	n, _ := f.Lend()
+	_, err = f.Disown()
+	assert.Error(t, err, "a lent descriptor cannot be disowned")
+	require.NoError(t, f.Return())
+	raw, err := f.Disown()
+	require.NoError(t, err)
+	assert.Equal(t, n, raw)
+	require.NoError(t, f.Close())
+	assert.True(t, isOpen(raw), "Close after Disown leaves the descriptor to its new owner")
+	require.NoError(t, unix.Close(raw))
+	require.NoError(t, d.Close())
+}
+
+// A Close racing loans never closes a number while it is lent: if it did,
+// the files opened meanwhile would take the number over.
+func TestCloseRacingLoans(t *testing.T) {
+	for range 200 {
+		raw := open(t)
+		var st unix.Stat_t
+		require.NoError(t, unix.Fstat(raw, &st))
+		f := fd.New(raw)
+		var wg sync.WaitGroup
+		var bad sync.Once
+		wrong := false
+		for range 4 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for range 50 {
+					n, err := f.Lend()
+					if err != nil {
+						return
+					}
+					var now unix.Stat_t
+					if unix.Fstat(n, &now) != nil || now.Ino != st.Ino || now.Rdev != st.Rdev {
+						bad.Do(func() { wrong = true })
+					}
+					_ = f.Return()
+				}
+			}()
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_ = f.Close()
+			if other, err := unix.Socket(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0); err == nil {
+				defer unix.Close(other) // would reuse a freed number
+			}
+		}()
+		wg.Wait()
+		require.False(t, wrong, "a lent number referred to another file")
+	}
+}
