@@ -111,8 +111,8 @@ func AdoptTicket(ticket int, id ID) {
 
 // ErrUnsealed: a descriptor received for a file_descriptor segment whose
 // size is not sealed, so that any holder could make the others' mappings
-// fault.
-var ErrUnsealed = errors.New("segment is not sealed against resizing")
+// fault, or for a spilled message that its sender could still change.
+var ErrUnsealed = errors.New("segment is not sealed")
 
 // attach finds or maps the segment id and holds the block at off in it.
 func (t *segmentTable) attach(id ID, covered bool, segSize, off, size int64, gen uint64, open func() (*Allocation, error)) (*Block, error) {

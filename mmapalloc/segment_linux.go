@@ -384,3 +384,67 @@ func Dup(fd int) (int, error) {
 
 // ownedFD gives a kept descriptor its owner.
 func ownedFD(raw int) *fd.FD { return fd.New(raw) }
+
+// SealedCopy returns a new memfd holding a copy of data, sealed against
+// any change (writing, shrinking, growing, new seals), so that whoever
+// receives its descriptor may read it in place. The caller owns the
+// descriptor.
+func SealedCopy(data []byte) (int, error) {
+	name := newName()
+	raw, err := unix.MemfdCreate(name, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		return -1, &Error{Op: "memfd_create", Path: name, Err: err}
+	}
+	fail := func(op string, err error) (int, error) {
+		_ = unix.Close(raw)
+		return -1, &Error{Op: op, Path: name, Err: err}
+	}
+	if err := reserve(raw, int64(len(data))); err != nil {
+		return fail("reserve", err)
+	}
+	for off := 0; off < len(data); {
+		n, err := unix.Pwrite(raw, data[off:], int64(off))
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return fail("write", err)
+		}
+		off += n
+	}
+	const all = unix.F_SEAL_WRITE | unix.F_SEAL_SHRINK | unix.F_SEAL_GROW | unix.F_SEAL_SEAL
+	if _, err := unix.FcntlInt(uintptr(raw), unix.F_ADD_SEALS, all); err != nil {
+		return fail("seal", err)
+	}
+	return raw, nil
+}
+
+// MapSealed maps the first n bytes of the file behind fd read-only, after
+// checking that it is a regular file of at least n bytes that nobody can
+// change any more (see SealedCopy). fd stays the caller's; Unmap releases
+// the mapping.
+func MapSealed(fd int, n int64) ([]byte, error) {
+	where := fmt.Sprintf("fd %d", fd)
+	st, err := statFile(fd, where)
+	if err != nil {
+		return nil, err
+	}
+	if st.Size < n || n <= 0 || n > maxSegment {
+		return nil, &Error{Op: "map", Path: where, Err: fmt.Errorf("file holds %d bytes, not the %d claimed", st.Size, n)}
+	}
+	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
+	if err != nil {
+		return nil, &Error{Op: "seals", Path: where, Err: err}
+	}
+	if want := unix.F_SEAL_WRITE | unix.F_SEAL_SHRINK | unix.F_SEAL_GROW; seals&want != want {
+		return nil, &Error{Op: "seals", Path: where, Err: ErrUnsealed}
+	}
+	b, err := unix.Mmap(fd, 0, int(n), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		return nil, &Error{Op: "map", Path: where, Err: err}
+	}
+	return b, nil
+}
+
+// Unmap releases a mapping made by MapSealed.
+func Unmap(b []byte) error { return unix.Munmap(b) }

@@ -39,3 +39,12 @@ func Dup(fd int) (int, error) { return -1, ErrUnsupported }
 
 // Remove does nothing on this system.
 func (a *Allocation) Remove() error { return nil }
+
+// SealedCopy is not supported on this system.
+func SealedCopy(data []byte) (int, error) { return -1, ErrUnsupported }
+
+// MapSealed is not supported on this system.
+func MapSealed(fd int, n int64) ([]byte, error) { return nil, ErrUnsupported }
+
+// Unmap does nothing on this system.
+func Unmap(b []byte) error { return nil }

@@ -221,15 +221,16 @@ func (c *conn) send(ctx context.Context, data []byte, fds []int) error {
 		return fmt.Errorf("mp: send: a message of %d bytes exceeds the limit of %d", len(data), maxSpill)
 	}
 	if len(data) > maxInline {
-		seg, err := mmapalloc.Create(int64(len(data)), mmapalloc.KeepFD|mmapalloc.Unlink)
+		// A sealed copy: the receiver reads it in place, and nobody can
+		// change it after the receiver has checked it.
+		spill, err := mmapalloc.SealedCopy(data)
 		if err != nil {
 			return fmt.Errorf("mp: spilling a %d-byte message: %w", len(data), err)
 		}
-		cleanup = append(cleanup, func() { _ = seg.Close() })
-		copy(seg.Bytes(), data)
+		cleanup = append(cleanup, func() { _ = unix.Close(spill) })
 		hdr[0] |= flagSpill
 		binary.LittleEndian.PutUint64(hdr[9:], uint64(len(data)))
-		rights = append(rights, seg.FD())
+		rights = append(rights, spill)
 		payload = nil
 	}
 	direct := fds
@@ -284,14 +285,30 @@ func sendCarried(fds []int) (int, error) {
 	return pair[1], nil
 }
 
-// recv receives one message. The caller owns the returned descriptors;
-// the data is valid until the next recv.
-func (c *conn) recv(ctx context.Context) (data []byte, fds []int, err error) {
+// recv receives one message. The caller owns the returned descriptors.
+// The data stays valid, and the connection reserved to the caller, until
+// it calls done: a message's bytes are in the connection's buffer, or, if
+// it was spilled, in a mapping of the sender's sealed copy.
+func (c *conn) recv(ctx context.Context) (data []byte, fds []int, done func(), err error) {
 	if err := lock(ctx, c.rmu); err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	defer func() { <-c.rmu }()
+	data, fds, spill, err := c.recvLocked(ctx)
+	if err != nil {
+		<-c.rmu
+		return nil, nil, nil, err
+	}
+	return data, fds, func() {
+		if spill != nil {
+			_ = mmapalloc.Unmap(spill)
+		}
+		<-c.rmu
+	}, nil
+}
 
+// recvLocked is recv with the read lock held; spill is the mapping data
+// lies in, if the message was spilled.
+func (c *conn) recvLocked(ctx context.Context) (data []byte, fds []int, spill []byte, err error) {
 	var n, oobn, flags int
 	err = withDeadline(ctx, c.uc.SetReadDeadline, &c.rArmed, func() error {
 		var err error
@@ -318,14 +335,14 @@ func (c *conn) recv(ctx context.Context) (data []byte, fds []int, err error) {
 	}()
 	switch {
 	case err != nil:
-		return nil, fds, err
+		return nil, fds, nil, err
 	case flags&unix.MSG_CTRUNC != 0:
 		_ = mmapalloc.DropIdle() // make room for the next message's
-		return nil, fds, errors.New("mp: receive: descriptors were dropped by the kernel (MSG_CTRUNC): the process is probably out of file descriptors; " + mmapalloc.FDLimitHint)
+		return nil, fds, nil, errors.New("mp: receive: descriptors were dropped by the kernel (MSG_CTRUNC): the process is probably out of file descriptors; " + mmapalloc.FDLimitHint)
 	case flags&unix.MSG_TRUNC != 0:
-		return nil, fds, fmt.Errorf("mp: receive: message larger than %d bytes was truncated (MSG_TRUNC)", len(c.buf))
+		return nil, fds, nil, fmt.Errorf("mp: receive: message larger than %d bytes was truncated (MSG_TRUNC)", len(c.buf))
 	case n < headerLen:
-		return nil, fds, fmt.Errorf("mp: receive: %w: %d bytes, shorter than a header", ErrMalformed, n)
+		return nil, fds, nil, fmt.Errorf("mp: receive: %w: %d bytes, shorter than a header", ErrMalformed, n)
 	}
 	return c.unframe(c.buf[:n], fds)
 }
@@ -347,13 +364,16 @@ func (c *conn) peerGone() bool {
 	return gone
 }
 
-// unframe undoes send's framing on a received message.
-func (c *conn) unframe(msg []byte, rights []int) ([]byte, []int, error) {
+// unframe undoes send's framing on a received message. It owns rights:
+// the returned descriptors are the caller's, the others are closed (by
+// the caller's deferred close, on error). spill is the mapping a spilled
+// payload lies in.
+func (c *conn) unframe(msg []byte, rights []int) (payload []byte, fds []int, spill []byte, err error) {
 	flags := msg[0]
 	direct := int(binary.LittleEndian.Uint32(msg[1:]))
 	carried := int(binary.LittleEndian.Uint32(msg[5:]))
 	spilled := binary.LittleEndian.Uint64(msg[9:])
-	payload := msg[headerLen:]
+	payload = msg[headerLen:]
 
 	special := 0
 	if flags&flagSpill != 0 {
@@ -363,43 +383,35 @@ func (c *conn) unframe(msg []byte, rights []int) ([]byte, []int, error) {
 		special++
 	}
 	if flags&^(flagSpill|flagCarrier) != 0 || len(rights) != special+direct || flags&flagCarrier == 0 && carried != 0 {
-		return nil, rights, fmt.Errorf("mp: receive: %w: frame says %d+%d descriptors, %d arrived", ErrMalformed, special, direct, len(rights))
+		return nil, rights, nil, fmt.Errorf("mp: receive: %w: frame says %d+%d descriptors, %d arrived", ErrMalformed, special, direct, len(rights))
 	}
 	next := 0
 	if flags&flagSpill != 0 {
 		if len(payload) != 0 || spilled > maxSpill || spilled <= maxInline {
-			return nil, rights, fmt.Errorf("mp: receive: %w: a spill of %d bytes", ErrMalformed, spilled)
+			return nil, rights, nil, fmt.Errorf("mp: receive: %w: a spill of %d bytes", ErrMalformed, spilled)
 		}
-		b, err := readSpill(rights[0], int64(spilled))
-		rights[0] = -1 // readSpill owned it
+		spill, err = mmapalloc.MapSealed(rights[0], int64(spilled))
+		_ = unix.Close(rights[0]) // the mapping keeps the file
+		rights[0] = -1
 		if err != nil {
-			return nil, rights, err
+			return nil, rights, nil, fmt.Errorf("mp: receive: spilled message: %w", err)
 		}
-		payload = b
+		payload = spill
 		next++
 	}
-	fds := append([]int(nil), rights[special:]...)
+	fds = append([]int(nil), rights[special:]...)
 	if flags&flagCarrier != 0 {
 		more, err := recvCarried(rights[next], carried)
 		rights[next] = -1
 		if err != nil {
-			return nil, fds, err
+			if spill != nil {
+				_ = mmapalloc.Unmap(spill)
+			}
+			return nil, fds, nil, err
 		}
 		fds = append(fds, more...)
 	}
-	return payload, fds, nil
-}
-
-// readSpill copies n bytes out of a spilled payload's segment, fd, which
-// it owns. The segment must be sealed and hold n bytes (fstat), so a
-// claim cannot make this process copy what is not there.
-func readSpill(fd int, n int64) ([]byte, error) {
-	a, err := mmapalloc.OpenFD(fd, n, 0)
-	if err != nil {
-		return nil, fmt.Errorf("mp: receive: spilled message: %w", err)
-	}
-	defer a.Close()
-	return append([]byte(nil), a.Bytes()...), nil
+	return payload, fds, spill, nil
 }
 
 // recvCarried reads want descriptors from a carrier socket and closes it.

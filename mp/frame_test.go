@@ -34,19 +34,20 @@ func TestEmptyDatagramIsMalformedNotClosed(t *testing.T) {
 	require.NoError(t, unix.Sendmsg(peer, nil, nil, nil, 0))
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	_, _, err := c.recv(ctx)
+	_, _, _, err := c.recv(ctx)
 	assert.ErrorIs(t, err, ErrMalformed, "an empty message while the peer is open")
 	assert.NotErrorIs(t, err, ErrClosed)
 
 	// The connection still works, and its peer's close is ErrClosed.
 	var frame [headerLen]byte
 	require.NoError(t, unix.Sendmsg(peer, frame[:], nil, nil, 0))
-	data, fds, err := c.recv(ctx)
+	data, fds, done, err := c.recv(ctx)
 	require.NoError(t, err)
 	assert.Empty(t, data)
 	assert.Empty(t, fds)
+	done()
 	require.NoError(t, unix.Close(peer))
-	_, _, err = c.recv(ctx)
+	_, _, _, err = c.recv(ctx)
 	assert.ErrorIs(t, err, ErrClosed)
 }
 
@@ -57,6 +58,9 @@ func TestHostileSpills(t *testing.T) {
 	small, err := mmapalloc.Create(1<<20, mmapalloc.KeepFD|mmapalloc.Unlink)
 	require.NoError(t, err)
 	defer small.Close()
+	sealed, err := mmapalloc.SealedCopy(make([]byte, 1<<20))
+	require.NoError(t, err)
+	defer unix.Close(sealed)
 	unsealed, err := unix.MemfdCreate("unsealed", unix.MFD_CLOEXEC)
 	require.NoError(t, err)
 	defer unix.Close(unsealed)
@@ -70,7 +74,8 @@ func TestHostileSpills(t *testing.T) {
 	}{
 		{"1 TiB", small.FD(), 1 << 40, "a spill of"},
 		{"past the limit", small.FD(), maxSpill + 1, "a spill of"},
-		{"more than the segment holds", small.FD(), 2 << 20, "fewer than"},
+		{"more than the segment holds", sealed, 2 << 20, "not the 2097152 claimed"},
+		{"writable segment", small.FD(), 1 << 20, "not sealed"},
 		{"unsealed segment", unsealed, 1 << 20, "not sealed"},
 		{"inline-sized", small.FD(), 16, "a spill of"},
 	} {
@@ -83,7 +88,7 @@ func TestHostileSpills(t *testing.T) {
 			require.NoError(t, unix.Sendmsg(peer, frame[:], unix.UnixRights(c.fd), nil, 0))
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 			defer cancel()
-			_, fds, err := conn.recv(ctx)
+			_, fds, _, err := conn.recv(ctx)
 			assert.ErrorContains(t, err, c.want)
 			assert.Empty(t, fds, "whatever arrived is closed")
 		})

@@ -68,10 +68,11 @@ func put(ctx context.Context, c *conn, v any) error {
 
 // get receives a message on c and decodes it into v.
 func get(ctx context.Context, c *conn, v any) error {
-	data, fds, err := c.recv(ctx)
+	data, fds, done, err := c.recv(ctx)
 	if err != nil {
 		return err
 	}
+	defer done()
 	dec := decoders.Get().(*reduction.Decoder)
 	defer decoders.Put(dec)
 	if err := dec.Decode(data, fds, v); err != nil {

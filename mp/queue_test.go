@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"runtime"
+	"sync"
 	"testing"
 	"time"
 
@@ -191,4 +192,66 @@ func TestCloseRacingPutOfAQueue(t *testing.T) {
 		require.NoError(t, got.Close())
 	}
 	t.Logf("%d of 300 queues sent before their Close", sent)
+}
+
+// TestConcurrentGetsInOneProcess: goroutines of one process taking from
+// one queue each decode their own message, inline or spilled, never one
+// another's bytes.
+func TestConcurrentGetsInOneProcess(t *testing.T) {
+	leakcheck.Check(t)
+	ctx := context.Background()
+	q, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer q.Close()
+	const n = 200
+	go func() {
+		for i := range n {
+			size := 100 + i%7*3000 // inline, and past 64 KiB spilled
+			if i%50 == 0 {
+				size = 30000
+			}
+			msg := make([]int64, size)
+			for j := range msg {
+				msg[j] = int64(i)
+			}
+			if err := q.Put(ctx, msg); err != nil {
+				return
+			}
+		}
+	}()
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	seen := map[int64]bool{}
+	for range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				mu.Lock()
+				if len(seen) == n {
+					mu.Unlock()
+					return
+				}
+				mu.Unlock()
+				gctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+				var msg []int64
+				err := q.Get(gctx, &msg)
+				cancel()
+				if err != nil {
+					continue
+				}
+				for _, v := range msg {
+					if v != msg[0] {
+						t.Errorf("message %d holds a %d: another message's bytes", msg[0], v)
+						break
+					}
+				}
+				mu.Lock()
+				seen[msg[0]] = true
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	assert.Len(t, seen, n)
 }

@@ -129,12 +129,13 @@ func runWorker(name string, fn WorkerFunc) int {
 	}
 	w := &Worker{rank: rank, world: world, log: log, ctl: ctl}
 	setup, cancel := context.WithTimeout(context.Background(), time.Minute)
-	data, fds, err := ctl.recv(setup)
+	data, fds, done, err := ctl.recv(setup)
 	cancel()
 	if err != nil {
 		return fail(fmt.Errorf("receiving arguments: %w", err))
 	}
 	w.argsData, w.argsFDs = append([]byte(nil), data...), fds
+	done()
 
 	// The backstop to Pdeathsig: the parent closing the control socket,
 	// or dying, ends the worker.
@@ -152,14 +153,14 @@ func runWorker(name string, fn WorkerFunc) int {
 		res = result{Failed: true, Err: err.Error()}
 		log.Debug("worker failed", "error", err)
 	}
-	// The worker is done with what it received: give back its references
-	// to file_system segments, which an exiting process would otherwise
-	// keep counted until the session ends.
+	// The worker is done with what it received: let go of it now, so that
+	// a named segment nobody else holds goes with this process, not at the
+	// session's end.
 	mmapalloc.DropRefsForExit()
 	mmapalloc.Trim() // named segments nobody holds go now, not at the session's end
-	done, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	report, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := put(done, ctl, &res); err != nil {
+	if err := put(report, ctl, &res); err != nil {
 		log.Error("reporting the result", "error", err)
 	}
 	if res.Failed {
