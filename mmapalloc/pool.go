@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"time"
 )
 
 // sizeClass holds the free and pending blocks of one capacity. A
@@ -29,9 +30,16 @@ type Pool struct {
 	mu      sync.Mutex
 	classes map[int64]*sizeClass
 	segs    map[*segment]struct{}
-	cached  int64 // bytes of segments the pool holds
-	limit   int64 // bytes of unused segments kept for reuse
+	cached  int64     // bytes of segments the pool holds
+	limit   int64     // bytes of unused segments kept for reuse
+	stuck   time.Time // last trim over the limit that could close nothing
 }
+
+// overLimitTrim is the least time between a trim of a pool over its limit
+// that could close nothing and the next: segments that messages in flight
+// hold cannot go, so trying at every release would only repeat the same
+// system calls.
+const overLimitTrim = 5 * time.Millisecond
 
 // EnvCache names the environment variable that bounds, in bytes, the free
 // shared memory a process keeps for reuse. The default is 1 GiB.
@@ -239,9 +247,12 @@ func (p *Pool) put(b *Block) {
 	defer p.mu.Unlock()
 	c := b.seg.class
 	c.pending = append(c.pending, b)
-	if p.cached > p.limit {
-		p.reclaimLocked(c)
-		p.trimLocked(p.limit)
+	if p.cached > p.limit && time.Since(p.stuck) >= overLimitTrim {
+		before := p.cached
+		p.trimAllLocked(p.limit)
+		if p.cached == before {
+			p.stuck = time.Now() // nothing could go: not again at once
+		}
 	}
 }
 
@@ -250,7 +261,18 @@ func (p *Pool) put(b *Block) {
 func (p *Pool) Trim(keep int64) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	p.trimAllLocked(keep)
+}
+
+// trimAllLocked retires this process's ticket descriptions of the pool's
+// segments that hold released slots (messages in flight keep theirs),
+// takes back every slot nobody holds, and closes unused segments until at
+// most keep bytes are cached.
+func (p *Pool) trimAllLocked(keep int64) {
 	for _, c := range p.classes {
+		if len(c.pending) == 0 {
+			continue
+		}
 		for _, seg := range c.segs {
 			seg.tickets.rotate()
 		}
