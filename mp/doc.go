@@ -14,12 +14,18 @@
 // Queue and Pipe carry any value the reduction codec encodes over
 // SOCK_SEQPACKET sockets, each message in one sendmsg with its descriptors
 // (SCM_RIGHTS, received close-on-exec), so a sender may exit as soon as Put
-// returns. Large payloads spill into a shared segment and more than 253
-// descriptors travel through a carrier socket, still in that one message.
+// returns. Payloads over 64 KiB spill into a sealed memfd that the
+// receiver reads in place (1 GiB at most), and more than 253 descriptors
+// travel through a carrier socket, still in that one message. A message
+// tensormp did not frame is an error wrapping ErrMalformed, and the queue
+// goes on.
 //
 // Ownership: a Queue or Pipe owns its socket descriptors in each process
-// that holds it, until Close. Every process of a program belongs to one
-// session; its keeper removes the session's file_system segments once
-// every member has exited, however it died. Clean removes what sessions
-// with no live member left behind.
+// that holds it, until Close; one sent in a message travels as a duplicate
+// the message owns. Every process of a program belongs to one session; its
+// keeper removes the session's file_system segments once every member has
+// exited, however it died, and a killed keeper is replaced by the process
+// that started it. The session lock must be this user's own (mode 0600).
+// Clean removes what sessions with no live member left behind: regular
+// files whose whole name is one tensormp gives, nothing else.
 package mp

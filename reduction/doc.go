@@ -5,16 +5,20 @@
 // msgpack-encodable value with tensors anywhere inside it.
 //
 // Sending shares a tensor's storage in place if it is not shared yet (see
-// tensor.ShareMemory); a shared one is never copied. Under file_descriptor
-// the segment travels as a descriptor, under file_system by name; an empty
-// tensor travels as metadata alone.
+// tensor.ShareMemory); a shared one is never copied. A pooled block travels
+// as its segment's ticket descriptor, which holds the block while the
+// message is in flight (see mmapalloc.Block.Ticket), and, under
+// file_system, the segment's name, which the receiver opens; an empty
+// tensor travels as metadata alone. Names of another session are refused.
 //
-// Ownership: descriptors returned by Reduce and Encode are borrowed from
-// the tensors' storages. Rebuild borrows its descriptors and duplicates
-// what it keeps; Decode owns its descriptors, hands each used one to the
-// storage it maps and closes the rest. Receiving a segment the process
-// already maps returns a tensor on the same Storage, through a guarded,
-// bounded cache that holds storages weakly.
+// Ownership: descriptors returned by Reduce and Marshal are the caller's,
+// to send and close (closing one unsent drops the holds it stood for).
+// Encoder.Encode lends its descriptors until Done (sent) or Discard (never
+// sent). Rebuild borrows its descriptors; Decode owns its descriptors: a
+// ticket is handed to mmapalloc once every block it covers is held, a
+// whole segment's descriptor goes to its storage, and the rest are closed.
+// Receiving a segment the process already maps returns a tensor on the same
+// Storage, through a guarded, bounded cache that holds storages weakly.
 //
 // Everything received is checked before use: version, dtype, shape,
 // strides and offset against the segment's real size, descriptor indexes,
