@@ -535,13 +535,7 @@ func DropRefsForExit() {
 	if p := NamedPool(); p != nil {
 		p.letGo()
 	}
-	refHolders.mu.Lock()
-	open := make([]*Allocation, 0, len(refHolders.m))
-	for a := range refHolders.m {
-		open = append(open, a)
-	}
-	refHolders.mu.Unlock()
-	for _, a := range open {
+	for _, a := range refHolders.list() {
 		_ = a.dropRef()
 	}
 }

@@ -3,7 +3,6 @@ package mmapalloc
 import (
 	"errors"
 	"fmt"
-	"sync"
 	"sync/atomic"
 	"unsafe"
 )
@@ -211,36 +210,6 @@ func (b *Block) String() string {
 	return fmt.Sprintf("block %d+%d of %v", b.Offset(), b.size, b.seg.alloc)
 }
 
-// sharedSet is a set of segments guarded by its own lock, for the
-// process-wide walks (exit, rotation) that must not take pool locks in a
-// fixed order.
-type sharedSet struct {
-	mu sync.Mutex
-	m  map[*segment]struct{}
-}
-
-func (s *sharedSet) add(seg *segment) {
-	s.mu.Lock()
-	s.m[seg] = struct{}{}
-	s.mu.Unlock()
-}
-
-func (s *sharedSet) remove(seg *segment) {
-	s.mu.Lock()
-	delete(s.m, seg)
-	s.mu.Unlock()
-}
-
-func (s *sharedSet) list() []*segment {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	out := make([]*segment, 0, len(s.m))
-	for seg := range s.m {
-		out = append(out, seg)
-	}
-	return out
-}
-
 // liveSegments holds every pooled segment this process maps, as producer
 // or receiver.
-var liveSegments = &sharedSet{m: map[*segment]struct{}{}}
+var liveSegments = newLockedSet[*segment]()

@@ -353,21 +353,38 @@ func (a *Allocation) String() string {
 
 // refHolders tracks the open RefCount allocations of this process, so
 // that a process about to exit can give their references back.
-var refHolders = &allocSet{m: make(map[*Allocation]struct{})}
+var refHolders = newLockedSet[*Allocation]()
 
-type allocSet struct {
+// lockedSet is a set guarded by its own lock, for the process-wide walks
+// (exit, for one) that must not take other locks in a fixed order.
+type lockedSet[T comparable] struct {
 	mu sync.Mutex
-	m  map[*Allocation]struct{}
+	m  map[T]struct{}
 }
 
-func (s *allocSet) add(a *Allocation) {
+func newLockedSet[T comparable]() *lockedSet[T] {
+	return &lockedSet[T]{m: map[T]struct{}{}}
+}
+
+func (s *lockedSet[T]) add(v T) {
 	s.mu.Lock()
-	s.m[a] = struct{}{}
+	s.m[v] = struct{}{}
 	s.mu.Unlock()
 }
 
-func (s *allocSet) remove(a *Allocation) {
+func (s *lockedSet[T]) remove(v T) {
 	s.mu.Lock()
-	delete(s.m, a)
+	delete(s.m, v)
 	s.mu.Unlock()
+}
+
+// list returns the members at the time of the call.
+func (s *lockedSet[T]) list() []T {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]T, 0, len(s.m))
+	for v := range s.m {
+		out = append(out, v)
+	}
+	return out
 }

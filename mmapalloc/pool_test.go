@@ -16,9 +16,7 @@ import (
 )
 
 func TestPoolPacksSmallBlocks(t *testing.T) {
-	leakcheck.Check(t)
-	p := mmapalloc.NewPool(1 << 30)
-	defer p.Trim(0)
+	p := testPool(t)
 	var blocks []*mmapalloc.Block
 	for i := range 100 {
 		b, err := p.Alloc(4 << 10)
@@ -41,6 +39,16 @@ func TestPoolPacksSmallBlocks(t *testing.T) {
 	require.NoError(t, big.Release())
 }
 
+// testPool returns a new pool with a 1 GiB cache, trimmed when the test
+// ends, and checks that the test leaves nothing behind.
+func testPool(t *testing.T) *mmapalloc.Pool {
+	t.Helper()
+	leakcheck.Check(t)
+	p := mmapalloc.NewPool(1 << 30)
+	t.Cleanup(func() { p.Trim(0) })
+	return p
+}
+
 // send stands for a message carrying b: it takes a ticket and returns a
 // duplicate of its descriptor, as sendmsg would put one in flight.
 func send(t *testing.T, b *mmapalloc.Block) int {
@@ -54,9 +62,7 @@ func send(t *testing.T, b *mmapalloc.Block) int {
 }
 
 func TestPoolRecyclesOnlyWhenNobodyHolds(t *testing.T) {
-	leakcheck.Check(t)
-	p := mmapalloc.NewPool(1 << 30)
-	defer p.Trim(0)
+	p := testPool(t)
 	a, err := p.Alloc(1 << 20)
 	require.NoError(t, err)
 	seg, off, gen := a.Segment(), a.Offset(), a.Gen()
@@ -87,9 +93,7 @@ func TestPoolRecyclesOnlyWhenNobodyHolds(t *testing.T) {
 }
 
 func TestUnreceivedMessageDropsItsHold(t *testing.T) {
-	leakcheck.Check(t)
-	p := mmapalloc.NewPool(1 << 30)
-	defer p.Trim(0)
+	p := testPool(t)
 	a, err := p.Alloc(1 << 20)
 	require.NoError(t, err)
 	seg, off := a.Segment(), a.Offset()
@@ -105,9 +109,7 @@ func TestUnreceivedMessageDropsItsHold(t *testing.T) {
 }
 
 func TestDiscardedTicketDropsItsHold(t *testing.T) {
-	leakcheck.Check(t)
-	p := mmapalloc.NewPool(1 << 30)
-	defer p.Trim(0)
+	p := testPool(t)
 	a, err := p.Alloc(1 << 20)
 	require.NoError(t, err)
 	seg, off := a.Segment(), a.Offset()
@@ -125,9 +127,7 @@ func TestDiscardedTicketDropsItsHold(t *testing.T) {
 // A message delivered twice (or the same block received in two messages)
 // gives the receiver two holds; letting go of one keeps the other.
 func TestTwiceDeliveredKeepsItsHold(t *testing.T) {
-	leakcheck.Check(t)
-	p := mmapalloc.NewPool(1 << 30)
-	defer p.Trim(0)
+	p := testPool(t)
 	a, err := p.Alloc(1 << 20)
 	require.NoError(t, err)
 	seg, off, gen := a.Segment(), a.Offset(), a.Gen()
@@ -157,9 +157,7 @@ func TestTwiceDeliveredKeepsItsHold(t *testing.T) {
 }
 
 func TestAttachBlock(t *testing.T) {
-	leakcheck.Check(t)
-	p := mmapalloc.NewPool(1 << 30)
-	defer p.Trim(0)
+	p := testPool(t)
 	a, err := p.Alloc(4 << 10)
 	require.NoError(t, err)
 	b, err := p.Alloc(4 << 10)
@@ -222,9 +220,7 @@ func TestAttachBlock(t *testing.T) {
 // A native library in a worker writes past the end of its tensor: the
 // next tensor's bytes may suffer, its ownership may not.
 func TestOverrunCannotChangeOwnership(t *testing.T) {
-	leakcheck.Check(t)
-	p := mmapalloc.NewPool(1 << 30)
-	defer p.Trim(0)
+	p := testPool(t)
 	x, err := p.Alloc(4 << 10)
 	require.NoError(t, err)
 	y, err := p.Alloc(4 << 10)
@@ -271,9 +267,7 @@ func TestOverrunCannotChangeOwnership(t *testing.T) {
 }
 
 func TestSegmentsAreSealed(t *testing.T) {
-	leakcheck.Check(t)
-	p := mmapalloc.NewPool(1 << 30)
-	defer p.Trim(0)
+	p := testPool(t)
 	a, err := p.Alloc(4 << 10)
 	require.NoError(t, err)
 	defer a.Release()
@@ -314,9 +308,7 @@ func TestPoolTrimAndLimit(t *testing.T) {
 }
 
 func TestPoolConcurrent(t *testing.T) {
-	leakcheck.Check(t)
-	p := mmapalloc.NewPool(1 << 30)
-	defer p.Trim(0)
+	p := testPool(t)
 	var wg sync.WaitGroup
 	for g := range 8 {
 		wg.Add(1)

@@ -121,20 +121,23 @@ func TestKilledReceiverGivesBlocksBack(t *testing.T) {
 			leakcheck.Check(t)
 			p := startProgram(t, "program.kill-holder", st, false)
 			assert.Equal(t, "64", p.waitLine(t, "held"), "the worker holds every block")
-			left, ms := returned(t, p.waitLine(t, "returned"))
-			t.Logf("%d blocks held %d ms after the kill", left, ms)
-			assert.Zero(t, left, "blocks still held after the holder was killed")
-			assert.Less(t, ms, 1000, "milliseconds until the producer had its blocks back")
+			expectReturned(t, p, "the kill")
 			assert.Equal(t, 0, p.wait(t))
 		})
 	}
 }
 
-func returned(t *testing.T, line string) (left, ms int) {
+// expectReturned reads the program's "returned" line (see waitFree): no
+// block may be held any more, within a second of event.
+func expectReturned(t *testing.T, p *program, event string) {
 	t.Helper()
+	line := p.waitLine(t, "returned")
+	var left, ms int
 	_, err := fmt.Sscan(line, &left, &ms)
 	require.NoError(t, err, "line %q", line)
-	return left, ms
+	t.Logf("%d blocks held %d ms after %s", left, ms, event)
+	assert.Zero(t, left, "blocks still held after %s", event)
+	assert.Less(t, ms, 1000, "milliseconds after %s until the producer had its blocks back", event)
 }
 
 type starveArgs struct {
@@ -158,19 +161,60 @@ func workerStarve(ctx context.Context, w *mp.Worker) error {
 		}
 		fillers = append(fillers, fd)
 	}
+	failed := takeAll(ctx, a, w)
+	for _, fd := range fillers {
+		_ = unix.Close(fd)
+	}
+	return a.Status.Put(ctx, failed)
+}
+
+// takeAll receives a.N tensors, releasing each at once, and returns how
+// many receives failed.
+func takeAll(ctx context.Context, a starveArgs, w *mp.Worker) int {
 	failed := 0
 	for range a.N {
 		var x *tensor.Tensor
 		if err := a.Tasks.Get(ctx, &x); err != nil {
+			w.Logger().Debug("receive failed", "error", err)
 			failed++
 			continue
 		}
 		_ = x.Release()
 	}
-	for _, fd := range fillers {
-		_ = unix.Close(fd)
+	return failed
+}
+
+// feedTaker spawns worker, a taker of starveArgs, sends it n tensors of
+// size bytes (keeping them alive when keep is set: each is then in a
+// segment of its own), and returns how many of its receives failed once
+// it has reported and exited. The caller releases kept and closes the
+// queues.
+func feedTaker(ctx context.Context, worker string, n, size int, keep bool) (failed int, kept []*tensor.Tensor, tasks, status *mp.Queue, err error) {
+	if tasks, status, err = queues(); err != nil {
+		return 0, nil, nil, nil, err
 	}
-	return a.Status.Put(ctx, failed)
+	g, err := mp.Spawn(ctx, worker, 1, mp.WithArgs(starveArgs{Tasks: tasks, Status: status, N: n}))
+	if err != nil {
+		return 0, nil, tasks, status, err
+	}
+	for range n {
+		x, err := tensor.Full(tensor.Uint8, 1, size)
+		if err == nil {
+			err = tasks.Put(ctx, x)
+		}
+		if err != nil {
+			return 0, kept, tasks, status, err
+		}
+		if keep {
+			kept = append(kept, x)
+		} else {
+			_ = x.Release()
+		}
+	}
+	if err := status.Get(ctx, &failed); err != nil {
+		return 0, kept, tasks, status, err
+	}
+	return failed, kept, tasks, status, g.Join()
 }
 
 // programStarve: a worker out of descriptors fails to take 200 tensors;
@@ -178,37 +222,12 @@ func workerStarve(ctx context.Context, w *mp.Worker) error {
 func programStarve() int {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	tasks, status, err := queues()
+	failed, _, tasks, status, err := feedTaker(ctx, "own.starve", 200, 4<<10, false)
 	if err != nil {
 		fmt.Println("error", err)
-		return 1
-	}
-	g, err := mp.Spawn(ctx, "own.starve", 1, mp.WithArgs(starveArgs{Tasks: tasks, Status: status, N: 200}))
-	if err != nil {
-		fmt.Println("error", err)
-		return 1
-	}
-	for range 200 {
-		x, err := tensor.Full(tensor.Uint8, 1, 4<<10)
-		if err == nil {
-			err = tasks.Put(ctx, x)
-		}
-		if err != nil {
-			fmt.Println("error", err)
-			return 1
-		}
-		_ = x.Release()
-	}
-	var failed int
-	if err := status.Get(ctx, &failed); err != nil {
-		fmt.Println("error", err)
-		return 1
+		return 1 // the program's exit closes the rest
 	}
 	fmt.Println("failed", failed)
-	if err := g.Join(); err != nil {
-		fmt.Println("error", err)
-		return 1
-	}
 	_ = tasks.Close() // nothing can take what might be left in it
 	_ = status.Close()
 	waitFree(poolFor(strategy.Get()), 5*time.Second)
@@ -224,10 +243,7 @@ func TestFailedReceiveDropsItsHolds(t *testing.T) {
 			leakcheck.Check(t)
 			p := startProgram(t, "program.starve", st, false)
 			assert.Equal(t, "200", p.waitLine(t, "failed"), "every receive failed")
-			left, ms := returned(t, p.waitLine(t, "returned"))
-			t.Logf("%d blocks held %d ms after the queue closed", left, ms)
-			assert.Zero(t, left, "blocks still held for messages nobody took")
-			assert.Less(t, ms, 1000)
+			expectReturned(t, p, "the queue closed")
 			assert.Equal(t, 0, p.wait(t))
 		})
 	}
@@ -405,17 +421,7 @@ func workerLowLimit(ctx context.Context, w *mp.Worker) error {
 	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &unix.Rlimit{Cur: 64, Max: 64}); err != nil {
 		return err
 	}
-	failed := 0
-	for range a.N {
-		var x *tensor.Tensor
-		if err := a.Tasks.Get(ctx, &x); err != nil {
-			w.Logger().Info("receive failed", "error", err)
-			failed++
-			continue
-		}
-		_ = x.Release()
-	}
-	return a.Status.Put(ctx, failed)
+	return a.Status.Put(ctx, takeAll(ctx, a, w))
 }
 
 // programLowLimit sends 200 tensors of 1 MiB, each in a segment of its
@@ -424,43 +430,21 @@ func workerLowLimit(ctx context.Context, w *mp.Worker) error {
 func programLowLimit() int {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	tasks, status, err := queues()
-	if err != nil {
-		fmt.Println("error", err)
-		return 1
-	}
-	g, err := mp.Spawn(ctx, "own.low-limit", 1, mp.WithArgs(starveArgs{Tasks: tasks, Status: status, N: 200}))
-	if err != nil {
-		fmt.Println("error", err)
-		return 1
-	}
-	var kept []*tensor.Tensor
+	failed, kept, tasks, status, err := feedTaker(ctx, "own.low-limit", 200, 1<<20, true)
 	defer func() {
 		for _, x := range kept {
 			_ = x.Release()
 		}
+		if tasks != nil {
+			_ = tasks.Close()
+			_ = status.Close()
+		}
 	}()
-	for range 200 {
-		x, err := tensor.Full(tensor.Uint8, 1, 1<<20)
-		if err == nil {
-			err = tasks.Put(ctx, x)
-		}
-		if err != nil {
-			fmt.Println("error", err)
-			return 1
-		}
-		kept = append(kept, x)
-	}
-	var failed int
-	if err := status.Get(ctx, &failed); err != nil {
+	if err != nil {
 		fmt.Println("error", err)
 		return 1
 	}
 	fmt.Println("failed", failed)
-	if err := g.Join(); err != nil {
-		fmt.Println("error", err)
-		return 1
-	}
 	return 0
 }
 
