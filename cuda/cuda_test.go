@@ -244,7 +244,7 @@ func TestUnsentExportAndOOMCollectLimbo(t *testing.T) {
 func received(t *testing.T, h cuda.Handle) cuda.Handle {
 	t.Helper()
 	seg := h.Token.Segment()
-	tok, err := mmapalloc.AttachBlock(h.Ticket.FD(), false, seg.Size(), h.Token.Offset(), 8, h.Token.Gen())
+	tok, err := mmapalloc.AttachBlock(h.Ticket.FD(), statOf(t, h.Ticket.FD()), false, seg.Size(), h.Token.Offset(), 8, h.Token.Gen())
 	require.NoError(t, err)
 	h.Ticket.Done()
 	h.Token, h.Ticket = tok, nil
@@ -275,4 +275,12 @@ func TestBadRanges(t *testing.T) {
 	assert.Equal(t, 0, rt.Opened(), "a refused import closes what it opened")
 	_, err = rt.Alloc(5, 16)
 	assert.ErrorContains(t, err, "does not exist")
+}
+
+// statOf is mmapalloc.StatFile for a descriptor the test knows is good.
+func statOf(t *testing.T, fd int) mmapalloc.FileStat {
+	t.Helper()
+	st, err := mmapalloc.StatFile(fd)
+	require.NoError(t, err)
+	return st
 }

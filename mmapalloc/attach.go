@@ -34,7 +34,8 @@ type segmentTable struct {
 
 // AttachBlock returns the block at data offset off, with size data bytes
 // and generation gen, of the segment behind ticket, a descriptor a
-// message carried (see Block.Ticket); the segment holds segSize bytes. The
+// message carried (see Block.Ticket), whose identity and size are st, as
+// Stat gave them; the segment holds segSize bytes. The
 // segment is mapped once per process, through a description of its own,
 // whatever the number of blocks attached from it; the block holds its slot
 // until Release. ticket stays the caller's.
@@ -46,15 +47,11 @@ type segmentTable struct {
 // a batch, within milliseconds (at once when the process lets go of the
 // last block it has of the segment). Receiving a stream of blocks costs no
 // lock call that way.
-func AttachBlock(ticket int, covered bool, segSize, off, size int64, gen uint64) (*Block, error) {
-	id, fsize, err := Stat(ticket)
-	if err != nil {
-		return nil, err
+func AttachBlock(ticket int, st FileStat, covered bool, segSize, off, size int64, gen uint64) (*Block, error) {
+	if st.Size < segSize {
+		return nil, fmt.Errorf("mmapalloc: segment holds %d bytes, fewer than the %d claimed", st.Size, segSize)
 	}
-	if fsize < segSize {
-		return nil, fmt.Errorf("mmapalloc: segment holds %d bytes, fewer than the %d claimed", fsize, segSize)
-	}
-	return attached.attach(id, covered, segSize, off, size, gen, func() (*Allocation, error) {
+	return attached.attach(st.ID, covered, segSize, off, size, gen, func() (*Allocation, error) {
 		fd, err := reopen(ticket)
 		if err != nil {
 			return nil, err
@@ -67,14 +64,11 @@ func AttachBlock(ticket int, covered bool, segSize, off, size int64, gen uint64)
 // segment in Dir, which this process opens by name; ticket is the
 // descriptor the message carried, and must be of the same file. The name
 // must be one tensormp made.
-func AttachNamedBlock(name string, ticket int, covered bool, segSize, off, size int64, gen uint64) (*Block, error) {
+func AttachNamedBlock(name string, ticket int, st FileStat, covered bool, segSize, off, size int64, gen uint64) (*Block, error) {
 	if !ValidName(name) {
 		return nil, &Error{Op: "open", Path: fmt.Sprintf("%q", name), Err: ErrBadName}
 	}
-	id, _, err := Stat(ticket)
-	if err != nil {
-		return nil, err
-	}
+	id := st.ID
 	return attached.attach(id, covered, segSize, off, size, gen, func() (*Allocation, error) {
 		a, err := OpenName(name, segSize, KeepFD)
 		if err != nil {

@@ -75,7 +75,7 @@ func TestPoolRecyclesOnlyWhenNobodyHolds(t *testing.T) {
 	assert.True(t, a.Busy(), "the message holds it")
 
 	// The receiver takes its own hold, closes the message, and releases.
-	r, err := mmapalloc.AttachBlock(msg, false, seg.Size(), off, 1<<20, gen)
+	r, err := mmapalloc.AttachBlock(msg, statOf(t, msg), false, seg.Size(), off, 1<<20, gen)
 	require.NoError(t, err)
 	require.NoError(t, unix.Close(msg))
 	require.NoError(t, r.Release())
@@ -85,7 +85,7 @@ func TestPoolRecyclesOnlyWhenNobodyHolds(t *testing.T) {
 	assert.True(t, c.Segment() == seg && c.Offset() == off, "once nobody holds it, the block is reused")
 	assert.Greater(t, c.Gen(), gen, "with a new generation")
 	stale := send(t, c)
-	_, err = mmapalloc.AttachBlock(stale, false, seg.Size(), off, 1<<20, gen)
+	_, err = mmapalloc.AttachBlock(stale, statOf(t, stale), false, seg.Size(), off, 1<<20, gen)
 	assert.ErrorIs(t, err, mmapalloc.ErrStaleBlock)
 	require.NoError(t, unix.Close(stale))
 	require.NoError(t, b.Release())
@@ -134,7 +134,7 @@ func TestTwiceDeliveredKeepsItsHold(t *testing.T) {
 	var got []*mmapalloc.Block
 	for _, covered := range []bool{true, false} {
 		msg := send(t, a)
-		r, err := mmapalloc.AttachBlock(msg, covered, seg.Size(), off, 1<<20, gen)
+		r, err := mmapalloc.AttachBlock(msg, statOf(t, msg), covered, seg.Size(), off, 1<<20, gen)
 		require.NoError(t, err)
 		if covered {
 			id, _, err := mmapalloc.Stat(msg)
@@ -171,9 +171,9 @@ func TestAttachBlock(t *testing.T) {
 
 	before, err := leakcheck.Mappings()
 	require.NoError(t, err)
-	ra, err := mmapalloc.AttachBlock(ma, false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	ra, err := mmapalloc.AttachBlock(ma, statOf(t, ma), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
 	require.NoError(t, err)
-	rb, err := mmapalloc.AttachBlock(mb, false, seg.Size(), b.Offset(), 4<<10, b.Gen())
+	rb, err := mmapalloc.AttachBlock(mb, statOf(t, mb), false, seg.Size(), b.Offset(), 4<<10, b.Gen())
 	require.NoError(t, err)
 	after, err := leakcheck.Mappings()
 	require.NoError(t, err)
@@ -185,27 +185,27 @@ func TestAttachBlock(t *testing.T) {
 
 	for name, f := range map[string]func() error{
 		"offset past the segment": func() error {
-			_, err := mmapalloc.AttachBlock(ma, false, seg.Size(), seg.Size(), 1, a.Gen())
+			_, err := mmapalloc.AttachBlock(ma, statOf(t, ma), false, seg.Size(), seg.Size(), 1, a.Gen())
 			return err
 		},
 		"offset in the slot table": func() error {
-			_, err := mmapalloc.AttachBlock(ma, false, seg.Size(), 0, 16, a.Gen())
+			_, err := mmapalloc.AttachBlock(ma, statOf(t, ma), false, seg.Size(), 0, 16, a.Gen())
 			return err
 		},
 		"size past the segment": func() error {
-			_, err := mmapalloc.AttachBlock(ma, false, seg.Size(), a.Offset(), seg.Size(), a.Gen())
+			_, err := mmapalloc.AttachBlock(ma, statOf(t, ma), false, seg.Size(), a.Offset(), seg.Size(), a.Gen())
 			return err
 		},
 		"not a slot": func() error {
-			_, err := mmapalloc.AttachBlock(ma, false, seg.Size(), a.Offset()+64, 16, a.Gen())
+			_, err := mmapalloc.AttachBlock(ma, statOf(t, ma), false, seg.Size(), a.Offset()+64, 16, a.Gen())
 			return err
 		},
 		"larger than the slot": func() error {
-			_, err := mmapalloc.AttachBlock(ma, false, seg.Size(), a.Offset(), 8<<10, a.Gen())
+			_, err := mmapalloc.AttachBlock(ma, statOf(t, ma), false, seg.Size(), a.Offset(), 8<<10, a.Gen())
 			return err
 		},
 		"segment larger than the file": func() error {
-			_, err := mmapalloc.AttachBlock(ma, false, seg.Size()*2, a.Offset(), 16, a.Gen())
+			_, err := mmapalloc.AttachBlock(ma, statOf(t, ma), false, seg.Size()*2, a.Offset(), 16, a.Gen())
 			return err
 		},
 	} {
@@ -232,7 +232,7 @@ func TestOverrunCannotChangeOwnership(t *testing.T) {
 	require.Equal(t, writer.Offset()+4<<10, victim.Offset(), "neighbours")
 	seg, off := victim.Segment(), victim.Offset()
 	msg := send(t, victim)
-	held, err := mmapalloc.AttachBlock(msg, false, seg.Size(), off, 4<<10, victim.Gen())
+	held, err := mmapalloc.AttachBlock(msg, statOf(t, msg), false, seg.Size(), off, 4<<10, victim.Gen())
 	require.NoError(t, err)
 	require.NoError(t, unix.Close(msg))
 	require.NoError(t, victim.Release()) // only the receiver holds it now
@@ -388,15 +388,15 @@ func TestNamedPool(t *testing.T) {
 	copy(a.Bytes(), "named")
 	msg := send(t, a)
 
-	r, err := mmapalloc.AttachNamedBlock(seg.Name(), msg, false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	r, err := mmapalloc.AttachNamedBlock(seg.Name(), msg, statOf(t, msg), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
 	require.NoError(t, err)
 	assert.Equal(t, "named", string(r.Bytes()[:5]))
-	_, err = mmapalloc.AttachNamedBlock("../"+seg.Name(), msg, false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	_, err = mmapalloc.AttachNamedBlock("../"+seg.Name(), msg, statOf(t, msg), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
 	assert.ErrorIs(t, err, mmapalloc.ErrBadName)
 	other, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
 	require.NoError(t, err)
 	defer other.Close()
-	_, err = mmapalloc.AttachNamedBlock(seg.Name(), other.FD(), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	_, err = mmapalloc.AttachNamedBlock(seg.Name(), other.FD(), statOf(t, other.FD()), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
 	assert.ErrorContains(t, err, "not the file", "the message's descriptor must be of the named segment")
 	require.NoError(t, unix.Close(msg)) // the receiver holds it now
 	require.NoError(t, r.Release())
@@ -404,4 +404,12 @@ func TestNamedPool(t *testing.T) {
 
 	mmapalloc.Trim()
 	assert.False(t, inDir(seg.Name()), "trimming a named segment removes its name")
+}
+
+// statOf is mmapalloc.StatFile for a descriptor the test knows is good.
+func statOf(t *testing.T, fd int) mmapalloc.FileStat {
+	t.Helper()
+	st, err := mmapalloc.StatFile(fd)
+	require.NoError(t, err)
+	return st
 }

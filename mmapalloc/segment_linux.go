@@ -353,11 +353,17 @@ func (a *Allocation) closeMapping() error {
 // a regular file. It lets a receiver find out whether it already maps a
 // segment before mapping it again.
 func Stat(fd int) (ID, int64, error) {
+	st, err := StatFile(fd)
+	return st.ID, st.Size, err
+}
+
+// StatFile is Stat as one value.
+func StatFile(fd int) (FileStat, error) {
 	st, err := statFile(fd, fmt.Sprintf("fd %d", fd))
 	if err != nil {
-		return ID{}, 0, err
+		return FileStat{}, err
 	}
-	return ID{Dev: st.Dev, Ino: st.Ino}, st.Size, nil
+	return FileStat{ID: ID{Dev: st.Dev, Ino: st.Ino}, Size: st.Size}, nil
 }
 
 // statFile returns fd's status, checking that it is a regular file: a

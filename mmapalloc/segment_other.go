@@ -26,6 +26,9 @@ func OpenName(name string, size int64, flags Flags) (*Allocation, error) {
 // Stat is not supported on this system.
 func Stat(fd int) (ID, int64, error) { return ID{}, 0, ErrUnsupported }
 
+// StatFile is not supported on this system.
+func StatFile(fd int) (FileStat, error) { return FileStat{}, ErrUnsupported }
+
 // Close marks the Allocation closed; none can be made on this system.
 func (a *Allocation) Close() error {
 	a.closed.Store(true)

@@ -72,7 +72,11 @@ func openGPU(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*te
 	// This process's own hold on the token keeps the producer's memory
 	// alive; it is given back at once if this process holds the memory
 	// already.
-	token, err := mmapalloc.AttachBlock(fd, false, m.Segment, m.Block, tokenSize, m.Gen)
+	st, err := mmapalloc.StatFile(fd)
+	if err != nil {
+		return nil, err
+	}
+	token, err := mmapalloc.AttachBlock(fd, st, false, m.Segment, m.Block, tokenSize, m.Gen)
 	if err != nil {
 		return nil, err
 	}

@@ -311,13 +311,13 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 	if err != nil {
 		return nil, err
 	}
-	id, _, err := mmapalloc.Stat(fd)
+	st, err := mmapalloc.StatFile(fd)
 	if err != nil {
 		return nil, err
 	}
-	return adoptBlock(blockKey(id, m.Block, m.Gen), m, made, func() (*mmapalloc.Block, error) {
-		fd, covered := fds.ticket(m.FD, id)
-		return mmapalloc.AttachBlock(fd, covered, m.Segment, m.Block, m.Size, m.Gen)
+	return adoptBlock(blockKey(st.ID, m.Block, m.Gen), m, made, func() (*mmapalloc.Block, error) {
+		fd, covered := fds.ticket(m.FD, st.ID)
+		return mmapalloc.AttachBlock(fd, st, covered, m.Segment, m.Block, m.Size, m.Gen)
 	})
 }
 
@@ -332,12 +332,12 @@ func openNamedBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Stor
 		return nil, err
 	}
 	return adoptBlock(namedBlockKey(m.Name, m.Block, m.Gen), m, made, func() (*mmapalloc.Block, error) {
-		id, _, err := mmapalloc.Stat(fd)
+		st, err := mmapalloc.StatFile(fd)
 		if err != nil {
 			return nil, err
 		}
-		fd, covered := fds.ticket(m.FD, id)
-		return mmapalloc.AttachNamedBlock(m.Name, fd, covered, m.Segment, m.Block, m.Size, m.Gen)
+		fd, covered := fds.ticket(m.FD, st.ID)
+		return mmapalloc.AttachNamedBlock(m.Name, fd, st, covered, m.Segment, m.Block, m.Size, m.Gen)
 	})
 }
 
