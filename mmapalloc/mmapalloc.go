@@ -168,7 +168,9 @@ var session = sync.OnceValue(func() string {
 func Session() string { return session() }
 
 // SessionPrefix returns the prefix of every segment name of this session.
-func SessionPrefix() string { return NamePrefix + Session() + "_" }
+func SessionPrefix() string { return sessionPrefix() }
+
+var sessionPrefix = sync.OnceValue(func() string { return NamePrefix + Session() + "_" })
 
 func randomHex(n int) string {
 	b := make([]byte, n)
@@ -209,18 +211,15 @@ func ParseName(name string) (n Name, ok bool) {
 	if !ok || len(name) > 96 {
 		return Name{}, false
 	}
-	parts := strings.Split(rest, "_")
-	if !validSession(parts[0]) {
+	session, rest, ok := strings.Cut(rest, "_")
+	if !ok || !validSession(session) {
 		return Name{}, false
 	}
-	switch {
-	case len(parts) == 2 && parts[1] == "lock":
-		return Name{Session: parts[0], Lock: true}, true
-	case len(parts) != 3:
-		return Name{}, false
+	if rest == "lock" {
+		return Name{Session: session, Lock: true}, true
 	}
-	pid, rnd := parts[1], parts[2]
-	if pid == "" || len(pid) > 10 || pid[0] == '0' || len(rnd) != 16 {
+	pid, rnd, ok := strings.Cut(rest, "_")
+	if !ok || pid == "" || len(pid) > 10 || pid[0] == '0' || len(rnd) != 16 {
 		return Name{}, false
 	}
 	for _, c := range pid {
@@ -234,7 +233,7 @@ func ParseName(name string) (n Name, ok bool) {
 			return Name{}, false
 		}
 	}
-	n.Session = parts[0]
+	n.Session = session
 	return n, true
 }
 

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -422,4 +423,32 @@ func BenchmarkCreate(b *testing.B) {
 			})
 		}
 	}
+}
+
+// FuzzParseName: whatever ParseName accepts is exactly the name its parts
+// spell, so no path, suffix or second form slips through.
+func FuzzParseName(f *testing.F) {
+	for _, s := range []string{
+		mmapalloc.NamePrefix + "abc_123_0123456789abcdef",
+		mmapalloc.NamePrefix + "abc_lock",
+		mmapalloc.NamePrefix + "abc_0123_0123456789abcdef",
+		mmapalloc.NamePrefix + "abc_1_0123456789abcdef/../x",
+		"../" + mmapalloc.NamePrefix + "abc_lock",
+	} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, name string) {
+		n, ok := mmapalloc.ParseName(name)
+		if !ok {
+			return
+		}
+		if n.Lock {
+			require.Equal(t, mmapalloc.LockName(n.Session), name)
+			return
+		}
+		require.Greater(t, n.Pid, 0)
+		want := fmt.Sprintf("%s%s_%d_", mmapalloc.NamePrefix, n.Session, n.Pid)
+		require.True(t, strings.HasPrefix(name, want) && len(name) == len(want)+16, "%q parsed as %+v", name, n)
+		require.NotContains(t, name, "/")
+	})
 }
