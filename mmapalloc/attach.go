@@ -385,7 +385,7 @@ var idleChecks = newLater(idleCheckDelay, func(seg *segment) bool {
 func (t *segmentTable) dropIfAbandoned(seg *segment) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if seg.users > 0 || !seg.tickets.idle() || !t.isIdleLocked(seg) && t.m[seg.alloc.ID()] != seg {
+	if seg.users > 0 || seg.tickets.open() || !t.isIdleLocked(seg) && t.m[seg.alloc.ID()] != seg {
 		return // in use again, or dropped already
 	}
 	if !seg.abandoned() {

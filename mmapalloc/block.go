@@ -185,7 +185,7 @@ func (b *Block) Ticket() (*Ticket, error) {
 // retired first if it holds the block: messages already sent keep their
 // holds through their own copies of it.
 func (b *Block) Busy() bool {
-	b.seg.tickets.retire()
+	b.seg.tickets.rotate()
 	busy, err := lockedElsewhere(b.seg.alloc.fd, slotByte(b.slot), 1)
 	return busy || err != nil
 }

@@ -112,13 +112,6 @@ func (s *tickets) rotate() bool {
 	return true
 }
 
-// retire retires the current description.
-func (s *tickets) retire() {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.rotateLocked()
-}
-
 // rotateUnlessRecent retires the current description unless one was
 // retired less than min ago. A pool out of free slots calls it.
 func (s *tickets) rotateUnlessRecent(min time.Duration) bool {
@@ -129,13 +122,6 @@ func (s *tickets) rotateUnlessRecent(min time.Duration) bool {
 	}
 	s.rotateLocked()
 	return true
-}
-
-// idle reports whether this process has no ticket description open.
-func (s *tickets) idle() bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.cur == nil
 }
 
 // open reports whether there is a current description: it holds every
