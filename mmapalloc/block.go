@@ -181,9 +181,9 @@ func (b *Block) Ticket() (*Ticket, error) {
 
 // Busy reports whether some other process, or a message in flight, holds
 // the block. It is meant for a producer deciding whether memory tied to a
-// block may go. This process's own ticket description of the segment is
-// retired first if it holds the block: messages already sent keep their
-// holds through their own copies of it.
+// block may go. This process's own ticket description of the segment,
+// which holds every slot, is retired first: messages already sent keep
+// their holds through their own copies of it.
 func (b *Block) Busy() bool {
 	b.seg.tickets.rotate()
 	busy, err := lockedElsewhere(b.seg.alloc.fd, slotByte(b.slot), 1)
