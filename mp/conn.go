@@ -143,8 +143,13 @@ func (c *conn) close() error {
 	return err
 }
 
-// lock takes sem, giving up when ctx ends.
+// lock takes sem, giving up when ctx ends. A context that is done
+// already gets nothing, even if sem is free: a Get on a cancelled context
+// never takes a message.
 func lock(ctx context.Context, sem chan struct{}) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
 	select {
 	case sem <- struct{}{}:
 		return nil
@@ -185,16 +190,19 @@ func withDeadline(ctx context.Context, set func(time.Time) error, armed *bool, i
 			return ctx.Err()
 		}
 		if hasDeadline && !time.Now().Before(d) {
-			return context.DeadlineExceeded // the socket's timer beat ctx's
+			// The socket's timer beat ctx's by a hair: wait for ctx to
+			// be done too, so that its error, and its cause, are set.
+			<-ctx.Done()
+			return ctx.Err()
 		}
 	}
 	return connErr(err)
 }
 
 // connErr reports a use of a closed connection, or the end of the other
-// side, as ErrClosed.
+// side (reading past it, or writing to it), as ErrClosed.
 func connErr(err error) error {
-	if errors.Is(err, net.ErrClosed) || errors.Is(err, io.EOF) {
+	if errors.Is(err, net.ErrClosed) || errors.Is(err, io.EOF) || errors.Is(err, unix.EPIPE) || errors.Is(err, unix.ECONNRESET) {
 		return fmt.Errorf("%w (%v)", ErrClosed, err)
 	}
 	return err

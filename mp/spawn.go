@@ -93,6 +93,9 @@ type Group struct {
 	first   error // the first failure, what Join returns
 	stopped bool
 	stopCtx func() bool
+
+	ctx    context.Context // see Context
+	cancel context.CancelCauseFunc
 }
 
 type proc struct {
@@ -128,6 +131,7 @@ func Spawn(ctx context.Context, name string, n int, opts ...Option) (*Group, err
 	}
 	enc := reduction.NewEncoder()
 	g := &Group{grace: o.grace, done: make(chan struct{})}
+	g.ctx, g.cancel = context.WithCancelCause(ctx)
 	stdout, stderr := o.stdout, o.stderr
 	if stdout == nil {
 		stdout = os.Stdout
@@ -275,6 +279,7 @@ func (g *Group) stop(cause error) {
 	g.mu.Lock()
 	if g.first == nil {
 		g.first = cause
+		g.cancel(cause)
 	}
 	if g.stopped {
 		g.mu.Unlock()
@@ -308,10 +313,28 @@ func (g *Group) stop(cause error) {
 // *ExitError, or the context's error if ctx ended first.
 func (g *Group) Join() error {
 	<-g.done
+	return g.Err()
+}
+
+// Done returns a channel that is closed once every worker has exited and
+// been reaped: select on it beside a queue.
+func (g *Group) Done() <-chan struct{} { return g.done }
+
+// Err returns the group's first failure so far (what Join will return),
+// or nil while there is none.
+func (g *Group) Err() error {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	return g.first
 }
+
+// Context returns a context derived from Spawn's that is cancelled at the
+// group's first failure, with that failure (a *WorkerError, an *ExitError,
+// or Spawn's context's end) as its cause: a Queue.Get under it that waits
+// for a dead worker returns at once, and context.Cause says why. It is not
+// cancelled when every worker succeeds, so that what they left in queues
+// can still be taken under it.
+func (g *Group) Context() context.Context { return g.ctx }
 
 // Pids returns the workers' process ids, by rank.
 func (g *Group) Pids() []int {

@@ -209,7 +209,7 @@ func demoStrategy(st strategy.Strategy, workers, rounds int) (demoRow, error) {
 	if err != nil {
 		return demoRow{}, err
 	}
-	ctx = failFast(ctx, g)
+	ctx = g.Context() // a dead worker ends the wait for its reply
 	row, runErr := exchange(ctx, st, tasks, replies, rounds)
 	for range workers {
 		if err := tasks.Put(ctx, task{}); err != nil {
@@ -220,15 +220,6 @@ func demoStrategy(st strategy.Strategy, workers, rounds int) (demoRow, error) {
 		return row, err // a worker's failure explains whatever else went wrong
 	}
 	return row, runErr
-}
-
-// failFast returns a context that ends as soon as a worker of g fails,
-// with the worker's error as its cause, so that a parent waiting on a
-// queue for that worker's reply notices its death at once.
-func failFast(ctx context.Context, g *mp.Group) context.Context {
-	ctx, cancel := context.WithCancelCause(ctx)
-	go func() { cancel(g.Join()) }() // nil once every worker is done
-	return ctx
 }
 
 // exchange sends each tensor and waits for it to come back, one at a
