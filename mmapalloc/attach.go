@@ -391,11 +391,17 @@ func (t *segmentTable) dropIfAbandoned(seg *segment) {
 	if !seg.abandoned() {
 		return
 	}
+	t.forgetLocked(seg)
+	_ = t.closeLocked(seg)
+}
+
+// forgetLocked takes seg out of the table and the idle list: nobody finds
+// it any more.
+func (t *segmentTable) forgetLocked(seg *segment) {
 	if t.m[seg.alloc.ID()] == seg {
 		delete(t.m, seg.alloc.ID())
 	}
 	t.unidleLocked(seg)
-	_ = t.dropLocked(seg)
 }
 
 // afterTicketsRotated runs once this process's ticket description of seg
@@ -430,11 +436,17 @@ func (seg *segment) abandoned() bool {
 // process uses is settled first, and loses its name if nobody else holds
 // anything of it: unmapping it is letting go of it.
 func (t *segmentTable) dropLocked(seg *segment) error {
-	liveSegments.remove(seg)
-	seg.tickets.rotate()
 	if seg.users == 0 && seg.transferLocked() == nil {
 		seg.abandoned()
 	}
+	return t.closeLocked(seg)
+}
+
+// closeLocked unmaps a received segment and closes what this process keeps
+// of it.
+func (t *segmentTable) closeLocked(seg *segment) error {
+	liveSegments.remove(seg)
+	seg.tickets.rotate()
 	for _, fd := range seg.adopted {
 		_ = unix.Close(fd)
 	}
@@ -467,11 +479,7 @@ func (t *segmentTable) trimLocked(n int, bytes int64) error {
 	var errs []error
 	for len(t.idle) > 0 && (len(t.idle) > n || t.idleBytes > bytes) {
 		seg := t.idle[0]
-		t.idle = t.idle[1:]
-		t.idleBytes -= seg.alloc.Size()
-		if t.m[seg.alloc.ID()] == seg {
-			delete(t.m, seg.alloc.ID())
-		}
+		t.forgetLocked(seg)
 		if err := t.dropLocked(seg); err != nil {
 			errs = append(errs, err)
 		}

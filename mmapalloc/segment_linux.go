@@ -166,26 +166,26 @@ func totalSize(size int64, flags Flags) (int64, error) {
 // maxSegment bounds a segment's size to what a slice can address.
 const maxSegment = 1<<47 - 1
 
-// setUp checks, reserves (create) and maps fd, and builds the Allocation.
-// It owns fd: on error it is closed; on success it is kept or closed as
-// flags say.
-func setUp(fd int, path string, total int64, flags Flags, create bool) (a *Allocation, err error) {
+// setUp checks, reserves (create) and maps raw, and builds the
+// Allocation. It owns raw: on error it is closed; on success it is kept or
+// closed as flags say.
+func setUp(raw int, path string, total int64, flags Flags, create bool) (a *Allocation, err error) {
 	where := path
 	if where == "" {
-		where = fmt.Sprintf("fd %d", fd)
+		where = fmt.Sprintf("fd %d", raw)
 	}
 	defer func() {
 		if err != nil {
-			_ = unix.Close(fd)
+			_ = unix.Close(raw)
 		}
 	}()
 
 	if create {
-		if err := reserve(fd, total); err != nil {
+		if err := reserve(raw, total); err != nil {
 			return nil, &Error{Op: "reserve", Path: where, Err: err}
 		}
 	}
-	st, err := statFile(fd, where)
+	st, err := statFile(raw, where)
 	if err != nil {
 		return nil, err
 	}
@@ -193,12 +193,12 @@ func setUp(fd int, path string, total int64, flags Flags, create bool) (a *Alloc
 		return nil, &Error{Op: "open", Path: where, Err: fmt.Errorf("file holds %d bytes, fewer than the %d claimed", st.Size, total)}
 	}
 	if flags&FromFD != 0 {
-		if err := checkSealed(fd); err != nil {
+		if err := checkSealed(raw); err != nil {
 			return nil, err
 		}
 	}
 
-	mapping, err := unix.Mmap(fd, 0, int(total), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	mapping, err := unix.Mmap(raw, 0, int(total), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
 		return nil, &Error{Op: "map", Path: where, Err: err}
 	}
@@ -219,9 +219,9 @@ func setUp(fd int, path string, total int64, flags Flags, create bool) (a *Alloc
 		refHolders.add(a)
 	}
 	if flags&KeepFD != 0 {
-		a.fd, a.own = fd, ownedFD(fd)
+		a.fd, a.own = raw, fd.New(raw)
 	} else {
-		_ = unix.Close(fd)
+		_ = unix.Close(raw)
 	}
 	return a, nil
 }
@@ -387,9 +387,6 @@ func Dup(fd int) (int, error) {
 	}
 	return d, nil
 }
-
-// ownedFD gives a kept descriptor its owner.
-func ownedFD(raw int) *fd.FD { return fd.New(raw) }
 
 // SealedCopy returns a new memfd holding a copy of data, sealed against
 // any change (writing, shrinking, growing, new seals), so that whoever

@@ -122,7 +122,6 @@ type fdWriter struct {
 	buf   []byte
 	fds   []int
 	index map[int]int // descriptor -> its position in fds
-	keep  []any       // owners of the descriptors in fds, kept reachable
 
 	leases []lease // on the message's descriptors, until it is sent
 	meta   []byte  // scratch for one tensor's metadata
@@ -141,8 +140,6 @@ func (w *fdWriter) reset() {
 	w.buf = w.buf[:0]
 	w.fds = w.fds[:0]
 	clear(w.index)
-	clear(w.keep)
-	w.keep = w.keep[:0]
 	w.settle(lease.Done)
 }
 
@@ -156,7 +153,7 @@ func (w *fdWriter) WriteByte(c byte) error {
 	return nil
 }
 
-func (w *fdWriter) addFD(fd int, owner any) int {
+func (w *fdWriter) addFD(fd int) int {
 	if i, ok := w.index[fd]; ok {
 		return i
 	}
@@ -165,7 +162,6 @@ func (w *fdWriter) addFD(fd int, owner any) int {
 	}
 	w.index[fd] = len(w.fds)
 	w.fds = append(w.fds, fd)
-	w.keep = append(w.keep, owner)
 	return len(w.fds) - 1
 }
 
@@ -185,7 +181,7 @@ func AddFD(enc *msgpack.Encoder, f *fd.FD) (int, error) {
 		return -1, err
 	}
 	w.leases = append(w.leases, ownedFD{f})
-	return w.addFD(raw, nil), nil
+	return w.addFD(raw), nil
 }
 
 // TakeFD hands descriptor i of the message dec is decoding to the caller,
@@ -226,7 +222,7 @@ func encodeTensor(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {
 		w.leases = append(w.leases, l)
 	}
 	if raw >= 0 {
-		m.FD = w.addFD(raw, t.Storage())
+		m.FD = w.addFD(raw) // kept open by its lease until the message is sent
 	}
 	w.meta = appendMeta(w.meta[:0], &m)
 	return w.meta, nil // written out before the next tensor reuses it
