@@ -6,10 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
-	"os"
 	"sync"
-	"time"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 
@@ -57,17 +55,28 @@ var ErrMalformed = errors.New("mp: malformed message")
 // A payload over maxInline is copied into a segment (flagSpill); the
 // descriptors beyond what one message carries go through a private
 // socketpair whose reading end travels in the message (flagCarrier).
+//
+// A conn does its own waiting, not the runtime poller's (see io): a
+// message that arrives while its reader waits wakes the reader's thread
+// directly, without a round of the scheduler.
 type conn struct {
-	uc *net.UnixConn
+	s int // the socket, owned; valid while use is held
 
-	rmu chan struct{} // held by the one reader; carries read deadlines
-	wmu chan struct{} // held by the one writer
-	buf []byte        // read buffer, under rmu
-	oob []byte        // control buffer, under rmu
-	// rArmed and wArmed: a read or write deadline may be set; under rmu
-	// and wmu.
-	rArmed, wArmed bool
-	once           sync.Once
+	// use is read-held by every call on s and write-held by close,
+	// which thereby closes s only once no call uses it.
+	use    sync.RWMutex
+	closed atomic.Bool
+	done   chan struct{} // closed by close, waking parked callers
+	// rwait and wwait are the kernel waits (see waitKernel) of the
+	// reader and the writer, for close and cancellation to interrupt.
+	rwait, wwait atomic.Pointer[waitSlot]
+	park         parking // registration with the package's poller
+
+	rmu  chan struct{} // held by the one reader
+	wmu  chan struct{} // held by the one writer
+	buf  []byte        // read buffer, under rmu
+	oob  []byte        // control buffer, under rmu
+	once sync.Once
 }
 
 // newConn wraps s, a SOCK_SEQPACKET socket, taking it over.
@@ -80,23 +89,14 @@ func newConn(s *fd.FD, name string) (*conn, error) {
 		_ = unix.Close(raw)
 		return nil, fmt.Errorf("mp: %s: %w", name, err)
 	}
-	f := os.NewFile(uintptr(raw), name)
-	nc, err := net.FileConn(f)
-	_ = f.Close() // FileConn made its own descriptor
-	if err != nil {
-		return nil, fmt.Errorf("mp: %s: %w", name, err)
-	}
-	uc, ok := nc.(*net.UnixConn)
-	if !ok {
-		_ = nc.Close()
-		return nil, fmt.Errorf("mp: %s: not a unix socket", name)
-	}
 	return &conn{
-		uc:  uc,
-		rmu: make(chan struct{}, 1),
-		wmu: make(chan struct{}, 1),
-		buf: make([]byte, headerLen+maxInline),
-		oob: make([]byte, unix.CmsgSpace(maxFDs*4)),
+		s:    raw,
+		done: make(chan struct{}),
+		park: newParking(),
+		rmu:  make(chan struct{}, 1),
+		wmu:  make(chan struct{}, 1),
+		buf:  make([]byte, headerLen+maxInline),
+		oob:  make([]byte, unix.CmsgSpace(maxFDs*4)),
 	}, nil
 }
 
@@ -117,30 +117,46 @@ func fdHint(err error) string {
 	return ""
 }
 
+// errConnClosed is what calls on a closed conn return.
+var errConnClosed = fmt.Errorf("%w (the connection)", ErrClosed)
+
 // dupSocket returns a duplicate of the socket's descriptor, for passing
-// to another process, owned by the caller. It is made inside
-// RawConn.Control, the only place the socket's own number is valid: a
-// Close racing the send of it closes the conn, never the duplicate.
+// to another process, owned by the caller. A Close racing the send of it
+// closes the conn, never the duplicate.
 func (c *conn) dupSocket() (*fd.FD, error) {
-	rc, err := c.uc.SyscallConn()
-	if err != nil {
-		return nil, err
+	c.use.RLock()
+	defer c.use.RUnlock()
+	if c.closed.Load() {
+		return nil, errConnClosed
 	}
-	dup := -1
-	cerr := rc.Control(func(s uintptr) { dup, err = unix.FcntlInt(s, unix.F_DUPFD_CLOEXEC, 0) })
-	if cerr != nil {
-		return nil, connErr(cerr)
-	}
+	dup, err := unix.FcntlInt(uintptr(c.s), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("mp: duplicating a socket: %w%s", err, fdHint(err))
 	}
 	return fd.New(dup), nil
 }
 
+// close closes the socket once the calls using it have returned: it wakes
+// those that wait first, and they return ErrClosed.
 func (c *conn) close() error {
 	var err error
-	c.once.Do(func() { err = c.uc.Close() })
+	c.once.Do(func() {
+		c.closed.Store(true)
+		close(c.done)
+		interrupt(c.rwait.Load())
+		interrupt(c.wwait.Load())
+		c.use.Lock()
+		defer c.use.Unlock()
+		c.park.release(c.s)
+		err = unix.Close(c.s)
+	})
 	return err
+}
+
+func interrupt(sl *waitSlot) {
+	if sl != nil {
+		sl.signal()
+	}
 }
 
 // lock takes sem, giving up when ctx ends. A context that is done
@@ -158,51 +174,93 @@ func lock(ctx context.Context, sem chan struct{}) error {
 	}
 }
 
-// withDeadline runs io with the connection's deadline following ctx: its
-// deadline, and an immediate one when ctx is cancelled. The caller holds
-// the direction's lock, so deadlines of concurrent callers never mix;
-// armed, guarded by that lock too, records whether a deadline may be set,
-// so that a call with a context that has none (the common case) costs no
-// deadline bookkeeping at all.
-func withDeadline(ctx context.Context, set func(time.Time) error, armed *bool, io func() error) error {
-	d, hasDeadline := ctx.Deadline()
-	if hasDeadline || *armed {
-		if err := set(d); err != nil { // zero d clears it
-			return connErr(err)
+// io runs op, a call on the socket that does not block, until it does
+// something other than EAGAIN, and returns its error, wrapped as what's.
+// Between tries it waits for the socket to be ready for ev (POLLIN or
+// POLLOUT): in the kernel if a wait slot is free, where readiness wakes
+// this thread directly (a reply within microseconds costs no scheduling),
+// else parked on the package's poller, costing no thread. Once the conn
+// is closed it returns ErrClosed, once ctx is done ctx's error, at once
+// from either wait.
+func (c *conn) io(ctx context.Context, ev int16, what string, op func(s int) error) error {
+	c.use.RLock()
+	defer c.use.RUnlock()
+	for {
+		if c.closed.Load() {
+			return errConnClosed
 		}
-		*armed = hasDeadline
-	}
-	if ctx.Done() == nil {
-		return connErr(io())
-	}
-	done := make(chan struct{})
-	stop := context.AfterFunc(ctx, func() {
-		defer close(done)
-		_ = set(time.Unix(1, 0))
-	})
-	err := io()
-	if !stop() {
-		<-done // the cancellation is setting the deadline; let it finish
-		*armed = true
-	}
-	if errors.Is(err, os.ErrDeadlineExceeded) {
-		if ctx.Err() != nil {
+		err := op(c.s)
+		switch {
+		case err == nil:
+			return nil
+		case err == unix.EINTR:
+			continue
+		case err != unix.EAGAIN:
+			if err = connErr(err); errors.Is(err, ErrClosed) {
+				return err
+			}
+			return fmt.Errorf("mp: %s: %w%s", what, err, fdHint(err))
+		case ctx.Err() != nil:
 			return ctx.Err()
 		}
-		if hasDeadline && !time.Now().Before(d) {
-			// The socket's timer beat ctx's by a hair: wait for ctx to
-			// be done too, so that its error, and its cause, are set.
-			<-ctx.Done()
-			return ctx.Err()
+		if c.waitKernel(ctx, ev) {
+			continue
+		}
+		if err := c.waitParked(ctx, ev); err != nil {
+			return err
 		}
 	}
-	return connErr(err)
 }
 
-// connErr reports a use of a closed connection, or the end of the other
-// side (reading past it, or writing to it), as ErrClosed.
+// waitKernel waits in the kernel for the socket to be ready for ev and
+// reports whether it may be. It returns false at once when no wait slot is
+// free, when the conn is closed or ctx is done, and when its wait is
+// interrupted (by close, by ctx, or to give its slot to another caller).
+func (c *conn) waitKernel(ctx context.Context, ev int16) bool {
+	sl := takeWaitSlot()
+	if sl == nil {
+		return false
+	}
+	defer putWaitSlot(sl)
+	slot := &c.rwait
+	if ev != unix.POLLIN {
+		slot = &c.wwait
+	}
+	// Publish the slot, then look: a close or a cancellation either
+	// happened before (seen here) or finds the slot and signals it.
+	slot.Store(sl)
+	defer slot.Store(nil)
+	if ctx.Done() != nil {
+		stop := context.AfterFunc(ctx, sl.signal)
+		defer stop()
+	}
+	if c.closed.Load() || ctx.Err() != nil {
+		return false
+	}
+	return sl.wait(c.s, ev)
+}
+
+// waitParked waits for the socket to be ready for ev on the package's
+// poller, without a thread of its own.
+func (c *conn) waitParked(ctx context.Context, ev int16) error {
+	ready, err := c.park.arm(c.s, ev)
+	if err != nil {
+		return fmt.Errorf("mp: waiting for a socket: %w%s", err, fdHint(err))
+	}
+	select {
+	case <-ready:
+		return nil
+	case <-c.done:
+		return errConnClosed
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// connErr reports the end of the other side (reading past it, or writing
+// to it) as ErrClosed.
 func connErr(err error) error {
-	if errors.Is(err, net.ErrClosed) || errors.Is(err, io.EOF) || errors.Is(err, unix.EPIPE) || errors.Is(err, unix.ECONNRESET) {
+	if errors.Is(err, io.EOF) || errors.Is(err, unix.EPIPE) || errors.Is(err, unix.ECONNRESET) {
 		return fmt.Errorf("%w (%v)", ErrClosed, err)
 	}
 	return err
@@ -262,15 +320,12 @@ func (c *conn) send(ctx context.Context, data []byte, fds []int) error {
 	if len(rights) > 0 {
 		oob = unix.UnixRights(rights...)
 	}
-	return withDeadline(ctx, c.uc.SetWriteDeadline, &c.wArmed, func() error {
-		n, oobn, err := c.uc.WriteMsgUnix(msg, oob, nil)
-		if err != nil {
-			return fmt.Errorf("mp: send: %w%s", err, fdHint(err))
+	return c.io(ctx, unix.POLLOUT, "send", func(s int) error {
+		n, err := unix.SendmsgN(s, msg, oob, nil, sendFlags)
+		if err == nil && n != len(msg) {
+			return fmt.Errorf("short write (%d of %d bytes)", n, len(msg))
 		}
-		if n != len(msg) || oobn != len(oob) {
-			return fmt.Errorf("mp: send: short write (%d of %d bytes)", n, len(msg))
-		}
-		return nil
+		return err
 	})
 }
 
@@ -318,16 +373,19 @@ func (c *conn) recv(ctx context.Context) (data []byte, fds []int, done func(), e
 // lies in, if the message was spilled.
 func (c *conn) recvLocked(ctx context.Context) (data []byte, fds []int, spill []byte, err error) {
 	var n, oobn, flags int
-	err = withDeadline(ctx, c.uc.SetReadDeadline, &c.rArmed, func() error {
+	err = c.io(ctx, unix.POLLIN, "receive", func(s int) error {
 		var err error
-		n, oobn, flags, _, err = c.uc.ReadMsgUnix(c.buf, c.oob)
-		if errors.Is(err, io.EOF) && !c.peerGone() {
-			// Go reads an empty message as the end of the socket; the
-			// other end is open, so it was a message, not ours.
-			err = fmt.Errorf("mp: receive: %w: an empty message", ErrMalformed)
-		}
+		n, oobn, flags, _, err = unix.Recvmsg(s, c.buf, c.oob, recvFlags|unix.MSG_DONTWAIT)
 		return err
 	})
+	if err == nil && n == 0 && oobn == 0 {
+		if c.peerGone() {
+			err = connErr(io.EOF)
+		} else {
+			// An empty message while the other end is open: not ours.
+			err = fmt.Errorf("mp: receive: %w: an empty message", ErrMalformed)
+		}
+	}
 	if oobn > 0 {
 		got, perr := parseRights(c.oob[:oobn])
 		fds = got
@@ -358,18 +416,16 @@ func (c *conn) recvLocked(ctx context.Context) (data []byte, fds []int, spill []
 // peerGone reports whether the other end of the socket is closed in
 // every process: a read of zero bytes is that, or an empty message.
 func (c *conn) peerGone() bool {
-	rc, err := c.uc.SyscallConn()
-	if err != nil {
+	c.use.RLock()
+	defer c.use.RUnlock()
+	if c.closed.Load() {
 		return true
 	}
-	gone := true
-	_ = rc.Control(func(fd uintptr) {
-		p := []unix.PollFd{{Fd: int32(fd), Events: pollPeerGone}}
-		if _, err := unix.Poll(p, 0); err == nil {
-			gone = p[0].Revents&(pollPeerGone|unix.POLLHUP) != 0
-		}
-	})
-	return gone
+	p := []unix.PollFd{{Fd: int32(c.s), Events: pollPeerGone}}
+	if _, err := unix.Poll(p, 0); err != nil {
+		return true
+	}
+	return p[0].Revents&(pollPeerGone|unix.POLLHUP) != 0
 }
 
 // unframe undoes send's framing on a received message. It owns rights:

@@ -1,0 +1,245 @@
+package mp
+
+import (
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// sendFlags: never block, and a peer gone is EPIPE, not SIGPIPE.
+const sendFlags = unix.MSG_DONTWAIT | unix.MSG_NOSIGNAL
+
+// kernelWait is how long a caller may wait for its socket in the kernel
+// before another caller that needs its wait slot takes it. A reply that
+// comes within it wakes the caller's thread directly: the runtime's poller
+// would instead wake a thread of its own and then schedule the caller,
+// about a third of a round trip. Kernel waits have no timeout of their
+// own (arming a timer for each costs as much as it saves); a caller that
+// waited longer gives its slot up only when asked, and then parks.
+const kernelWait = time.Millisecond
+
+// kernelWaiters bounds the threads that wait in the kernel at once: a
+// thousand goroutines blocked in Get are a thousand parked goroutines, not
+// a thousand threads. Callers beyond it park.
+const kernelWaiters = 4
+
+// A waitSlot is one of the kernelWaiters ways to wait in the kernel: an
+// eventfd polled beside the socket, which close, cancellation and a
+// caller needing the slot signal to end the wait at once. The slots
+// belong to the package for the life of the process; whoever takes one
+// gives it back.
+type waitSlot struct {
+	efd int
+	// since is when the slot's caller took it, in nanoseconds after
+	// epoch; 0 while it is free.
+	since atomic.Int64
+}
+
+var (
+	waitSlots     [kernelWaiters]waitSlot
+	epoch         = time.Now()
+	makeWaitSlots = sync.OnceFunc(func() {
+		for i := range waitSlots {
+			efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+			if err != nil {
+				efd = -1 // one slot fewer: its callers park
+			}
+			waitSlots[i].efd = efd
+		}
+	})
+)
+
+// takeWaitSlot returns a free slot, or nil if there is none. Then it asks
+// the caller that has waited longest, if longer than kernelWait, to give
+// its slot up and park, so that the slots go to those that wait briefly.
+func takeWaitSlot() *waitSlot {
+	makeWaitSlots()
+	now := int64(time.Since(epoch)) + 1
+	var oldest *waitSlot
+	oldestSince := now - int64(kernelWait)
+	for i := range waitSlots {
+		sl := &waitSlots[i]
+		if sl.efd < 0 {
+			continue
+		}
+		since := sl.since.Load()
+		if since == 0 && sl.since.CompareAndSwap(0, now) {
+			return sl
+		}
+		if since != 0 && since < oldestSince {
+			oldest, oldestSince = sl, since
+		}
+	}
+	if oldest != nil {
+		oldest.signal()
+	}
+	return nil
+}
+
+func putWaitSlot(sl *waitSlot) { sl.since.Store(0) }
+
+// signal ends the slot's current wait, or its next one: a signal that
+// comes late wakes the slot's next caller once, which then parks.
+func (sl *waitSlot) signal() {
+	one := [8]byte{1}
+	_, _ = unix.Write(sl.efd, one[:])
+}
+
+// wait waits for s to be ready for ev, or for a signal, and reports
+// whether s may be ready.
+func (sl *waitSlot) wait(s int, ev int16) bool {
+	fds := [2]unix.PollFd{{Fd: int32(s), Events: ev}, {Fd: int32(sl.efd), Events: unix.POLLIN}}
+	n, err := unix.Ppoll(fds[:], nil, nil)
+	if fds[1].Revents != 0 {
+		var b [8]byte
+		_, _ = unix.Read(sl.efd, b[:]) // consume the signal
+	}
+	return err == nil && n > 0 && fds[0].Revents != 0
+}
+
+// thePoller is the package's poller: one epoll instance and one goroutine
+// waiting on it, for every parked caller of every conn. Sockets are
+// registered one-shot, when a caller parks, so a socket nobody waits on
+// never wakes it.
+var thePoller struct {
+	once sync.Once
+	epfd int
+	err  error
+
+	mu    sync.Mutex
+	next  uint64
+	parks map[uint64]*parking
+}
+
+// parking is a conn's registration with the poller. It belongs to the
+// conn, which releases it before it closes its socket.
+type parking struct {
+	mu   sync.Mutex
+	id   uint64 // 0 until the socket is registered
+	want int16  // POLLIN and POLLOUT that callers wait for, under mu
+	in   chan struct{}
+	out  chan struct{}
+}
+
+func newParking() parking {
+	return parking{in: make(chan struct{}, 1), out: make(chan struct{}, 1)}
+}
+
+// arm registers s for ev, one-shot, and returns the channel that
+// readiness is told on. A readiness told before is dropped first: the
+// caller has just found s not ready.
+func (p *parking) arm(s int, ev int16) (<-chan struct{}, error) {
+	thePoller.once.Do(startPoller)
+	if thePoller.err != nil {
+		return nil, thePoller.err
+	}
+	ch := p.in
+	if ev != unix.POLLIN {
+		ch = p.out
+	}
+	select {
+	case <-ch:
+	default:
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.want |= ev
+	op := unix.EPOLL_CTL_MOD
+	if p.id == 0 {
+		thePoller.mu.Lock()
+		thePoller.next++
+		p.id = thePoller.next
+		thePoller.parks[p.id] = p
+		thePoller.mu.Unlock()
+		op = unix.EPOLL_CTL_ADD
+	}
+	e := unix.EpollEvent{Events: uint32(p.want) | unix.EPOLLONESHOT | unix.EPOLLRDHUP}
+	putID(&e, p.id)
+	if err := unix.EpollCtl(thePoller.epfd, op, s, &e); err != nil {
+		return nil, err
+	}
+	return ch, nil
+}
+
+// release unregisters s. The conn calls it once no call uses s, before
+// closing s: the socket may live on in other processes, and epoll would
+// keep reporting it.
+func (p *parking) release(s int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.id == 0 {
+		return
+	}
+	_ = unix.EpollCtl(thePoller.epfd, unix.EPOLL_CTL_DEL, s, nil)
+	thePoller.mu.Lock()
+	delete(thePoller.parks, p.id)
+	thePoller.mu.Unlock()
+	p.id = 0
+}
+
+// notify tells every parked caller of p that its socket may be ready: a
+// one-shot registration is spent by any event, so each tries again and
+// parks again if it was not its turn.
+func (p *parking) notify() {
+	p.mu.Lock()
+	want := p.want
+	p.want = 0
+	p.mu.Unlock()
+	if want&unix.POLLIN != 0 {
+		tell(p.in)
+	}
+	if want&unix.POLLOUT != 0 {
+		tell(p.out)
+	}
+}
+
+func tell(ch chan struct{}) {
+	select {
+	case ch <- struct{}{}:
+	default:
+	}
+}
+
+func startPoller() {
+	thePoller.epfd, thePoller.err = unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if thePoller.err != nil {
+		return
+	}
+	thePoller.parks = make(map[uint64]*parking)
+	go pollLoop(thePoller.epfd)
+}
+
+// pollLoop waits on the poller for the life of the process, in a thread
+// of its own while it waits.
+func pollLoop(epfd int) {
+	var events [64]unix.EpollEvent
+	for {
+		n, err := unix.EpollWait(epfd, events[:], -1)
+		if err != nil {
+			continue // EINTR
+		}
+		thePoller.mu.Lock()
+		ready := make([]*parking, 0, n)
+		for i := range events[:n] {
+			if p := thePoller.parks[getID(&events[i])]; p != nil {
+				ready = append(ready, p)
+			}
+		}
+		thePoller.mu.Unlock()
+		for _, p := range ready {
+			p.notify()
+		}
+	}
+}
+
+// putID and getID keep a registration's id in an event's data.
+func putID(e *unix.EpollEvent, id uint64) {
+	e.Fd = int32(id)
+	e.Pad = int32(id >> 32)
+}
+
+func getID(e *unix.EpollEvent) uint64 {
+	return uint64(uint32(e.Fd)) | uint64(uint32(e.Pad))<<32
+}

@@ -1,0 +1,35 @@
+//go:build !linux
+
+package mp
+
+import "golang.org/x/sys/unix"
+
+// sendFlags: never block.
+const sendFlags = unix.MSG_DONTWAIT
+
+// Elsewhere than Linux a caller does not wait in the kernel first, and
+// parking polls its socket every few milliseconds: sharing needs Linux,
+// and these systems only build.
+type waitSlot struct{}
+
+func takeWaitSlot() *waitSlot          { return nil }
+func putWaitSlot(*waitSlot)            {}
+func (*waitSlot) signal()              {}
+func (*waitSlot) wait(int, int16) bool { return false }
+
+type parking struct{ ready chan struct{} }
+
+func newParking() parking { return parking{ready: make(chan struct{}, 1)} }
+
+// arm polls s for a few milliseconds and says it may be ready.
+func (p *parking) arm(s int, ev int16) (<-chan struct{}, error) {
+	fds := []unix.PollFd{{Fd: int32(s), Events: ev}}
+	_, _ = unix.Poll(fds, 5)
+	select {
+	case p.ready <- struct{}{}:
+	default:
+	}
+	return p.ready, nil
+}
+
+func (p *parking) release(int) {}
