@@ -1,0 +1,177 @@
+package mp_test
+
+import (
+	"bufio"
+	"context"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/mp"
+)
+
+// threads is the number of threads of this process.
+func threads(t *testing.T) int {
+	t.Helper()
+	f, err := os.Open("/proc/self/status")
+	require.NoError(t, err)
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), "Threads:"); ok {
+			n, err := strconv.Atoi(strings.TrimSpace(v))
+			require.NoError(t, err)
+			return n
+		}
+	}
+	t.Fatal("no Threads line in /proc/self/status")
+	return 0
+}
+
+// raiseFDLimit lifts the soft descriptor limit to at least n for the
+// test, skipping it where the hard limit is lower.
+func raiseFDLimit(t *testing.T, n uint64) {
+	t.Helper()
+	var old unix.Rlimit
+	require.NoError(t, unix.Getrlimit(unix.RLIMIT_NOFILE, &old))
+	if old.Cur >= n {
+		return
+	}
+	if old.Max < n {
+		t.Skipf("needs %d descriptors; the hard limit is %d", n, old.Max)
+	}
+	raised := old
+	raised.Cur = n
+	require.NoError(t, unix.Setrlimit(unix.RLIMIT_NOFILE, &raised))
+	t.Cleanup(func() { _ = unix.Setrlimit(unix.RLIMIT_NOFILE, &old) })
+}
+
+// A thousand goroutines blocked in Get on a thousand queues are parked
+// goroutines, not threads; each wakes when its queue gets a message, or at
+// once when its context is cancelled.
+func TestThousandBlockedGetsHoldFewThreads(t *testing.T) {
+	const n = 1000
+	raiseFDLimit(t, 4*n)
+	leakcheck.Check(t)
+	queues := make([]*mp.Queue, n)
+	for i := range queues {
+		q, err := mp.NewQueue()
+		require.NoError(t, err)
+		queues[i] = q
+		defer q.Close()
+	}
+	before := threads(t)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	errs := make([]error, n)
+	got := make([]int, n)
+	var started, wg sync.WaitGroup
+	for i, q := range queues {
+		started.Add(1)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			started.Done()
+			errs[i] = q.Get(ctx, &got[i])
+		}()
+	}
+	started.Wait()
+	time.Sleep(200 * time.Millisecond) // every Get has found its queue empty
+	blocked := threads(t)
+	assert.Less(t, blocked-before, 50, "threads while %d Gets wait (%d before)", n, before)
+
+	// The even ones get a message, the odd ones a cancellation.
+	for i := 0; i < n; i += 2 {
+		require.NoError(t, queues[i].Put(context.Background(), i+1))
+	}
+	time.Sleep(50 * time.Millisecond)
+	cancel()
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Gets still blocked 5 s after their messages and their cancellation")
+	}
+	for i := range n {
+		if i%2 == 0 {
+			if assert.NoError(t, errs[i], "Get %d", i) {
+				assert.Equal(t, i+1, got[i], "Get %d", i)
+			}
+		} else {
+			assert.ErrorIs(t, errs[i], context.Canceled, "Get %d", i)
+		}
+	}
+}
+
+// A Put blocked on a full queue goes on when Gets make room, and returns at
+// once when its context is cancelled or the queue closed. (A socket says it
+// has room once three quarters of its buffer are free, so the Gets take
+// every message queued.)
+func TestPutBlockedOnAFullQueue(t *testing.T) {
+	leakcheck.Check(t)
+	q, err := mp.NewQueue()
+	require.NoError(t, err)
+	blob := make([]byte, 32<<10)
+	fill := func() int {
+		for n := range 10000 {
+			ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+			err := q.Put(ctx, blob)
+			cancel()
+			if err != nil {
+				require.ErrorIs(t, err, context.DeadlineExceeded)
+				return n
+			}
+		}
+		t.Fatal("the queue never filled")
+		return 0
+	}
+	full := fill()
+	require.Greater(t, full, 0)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	go func() { errc <- q.Put(ctx, blob) }()
+	time.Sleep(20 * time.Millisecond)
+	cancel()
+	select {
+	case err := <-errc:
+		assert.ErrorIs(t, err, context.Canceled)
+	case <-time.After(5 * time.Second):
+		t.Fatal("a cancelled Put is still blocked")
+	}
+
+	go func() { errc <- q.Put(context.Background(), blob) }()
+	time.Sleep(20 * time.Millisecond)
+	var b []byte
+	for range full {
+		require.NoError(t, q.Get(context.Background(), &b))
+	}
+	select {
+	case err := <-errc:
+		assert.NoError(t, err, "Gets made room")
+	case <-time.After(5 * time.Second):
+		t.Fatal("a Put is still blocked after Gets made room")
+	}
+
+	fill()
+
+	go func() { errc <- q.Put(context.Background(), blob) }()
+	time.Sleep(20 * time.Millisecond)
+	require.NoError(t, q.Close())
+	select {
+	case err := <-errc:
+		assert.ErrorIs(t, err, mp.ErrClosed)
+	case <-time.After(5 * time.Second):
+		t.Fatal("a Put is still blocked after Close")
+	}
+}
