@@ -97,6 +97,7 @@ type Queue struct {
 
 // NewQueue returns a new, empty Queue.
 func NewQueue() (*Queue, error) {
+	checkInit("mp.NewQueue")
 	pair, err := socketPair()
 	if err != nil {
 		return nil, err
@@ -153,6 +154,7 @@ type Pipe struct {
 
 // NewPipe returns the two connected ends of a new Pipe.
 func NewPipe() (*Pipe, *Pipe, error) {
+	checkInit("mp.NewPipe")
 	pair, err := socketPair()
 	if err != nil {
 		return nil, nil, err

@@ -91,6 +91,7 @@ func keepSessionLock(fd int) {
 // segments are cleaned up even if it dies first. It returns the lock file,
 // which the process holds until it exits.
 func StartSession() (*os.File, error) {
+	checkInit("mp.StartSession")
 	session.mu.Lock()
 	defer session.mu.Unlock()
 	if session.lock != nil || session.err != nil {

@@ -3,7 +3,6 @@ package mp
 import (
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -52,7 +51,8 @@ func (e *ExitError) Error() string {
 type Option func(*options)
 
 type options struct {
-	args   any
+	args     any
+	rankArgs func(rank int) any
 	grace  time.Duration
 	place  func(rank int) device.Place
 	stdout io.Writer
@@ -64,9 +64,15 @@ type options struct {
 // Tensors, queues and pipes may be anywhere inside v.
 func WithArgs(v any) Option { return func(o *options) { o.args = v } }
 
-// WithGrace sets how long workers get between SIGTERM and SIGKILL when
-// the group is stopped after a failure or a cancelled context. The default
-// is 3 seconds.
+// WithRankArgs passes each worker the value f returns for its rank, which
+// it reads with Worker.Args, as WithArgs does for one value: a queue or a
+// shard of its own for each. f is called once per rank, in Spawn.
+func WithRankArgs(f func(rank int) any) Option { return func(o *options) { o.rankArgs = f } }
+
+// WithGrace sets how long workers get to return once the group is stopped
+// (after a failure, a cancelled context or Stop): each worker's context is
+// cancelled, by SIGTERM, and a worker still running after the grace period
+// is killed with SIGKILL. The default is 3 seconds.
 func WithGrace(d time.Duration) Option { return func(o *options) { o.grace = d } }
 
 // WithPlace sets each worker's process default place, for example one GPU
@@ -86,15 +92,16 @@ func WithEnv(kv ...string) Option { return func(o *options) { o.env = append(o.e
 // Group is a set of workers started together by Spawn.
 type Group struct {
 	procs []*proc
-	grace time.Duration
 	done  chan struct{}
 
 	mu      sync.Mutex
 	first   error // the first failure, what Join returns
-	stopped bool
 	stopCtx func() bool
 
-	ctx    context.Context // see Context
+	// ctx is cancelled at the first failure (see Context); each
+	// worker's command is tied to it, so that its cancellation stops
+	// them all: SIGTERM, then SIGKILL after the grace period.
+	ctx    context.Context
 	cancel context.CancelCauseFunc
 }
 
@@ -104,6 +111,23 @@ type proc struct {
 	ctl  *conn
 	out  []*lineWriter
 	done chan struct{}
+
+	state WorkerState // under the group's mu
+}
+
+// WorkerState is what Group.State knows of one worker.
+type WorkerState struct {
+	Rank int
+	Pid  int
+	// Exited is set once the worker has exited and been reaped.
+	Exited bool
+	// Code is the exit code once Exited; -1 when a signal killed it.
+	Code int
+	// Signal is the signal that killed it, or 0.
+	Signal syscall.Signal
+	// Err is the worker's failure, a *WorkerError or an *ExitError,
+	// once Exited; nil when it succeeded.
+	Err error
 }
 
 // Spawn starts n workers running the function registered as name, each a
@@ -111,10 +135,12 @@ type proc struct {
 // rank and the world size, starts with this process's sharing strategy and
 // default place (see WithPlace), and dies with this process.
 //
-// The first worker to fail stops the others: SIGTERM, then SIGKILL after
-// the grace period. Cancelling ctx stops them all the same way. Join waits
-// for every worker and reports the first failure.
+// The first worker to fail stops the others: their contexts are cancelled
+// (by SIGTERM) and those still running after the grace period (WithGrace)
+// are killed. Cancelling ctx stops them all the same way. Join waits for
+// every worker and reports the first failure.
 func Spawn(ctx context.Context, name string, n int, opts ...Option) (*Group, error) {
+	checkInit("mp.Spawn")
 	o := options{grace: 3 * time.Second}
 	for _, opt := range opts {
 		opt(&o)
@@ -130,7 +156,7 @@ func Spawn(ctx context.Context, name string, n int, opts ...Option) (*Group, err
 		return nil, err
 	}
 	enc := reduction.NewEncoder()
-	g := &Group{grace: o.grace, done: make(chan struct{})}
+	g := &Group{done: make(chan struct{})}
 	g.ctx, g.cancel = context.WithCancelCause(ctx)
 	stdout, stderr := o.stdout, o.stderr
 	if stdout == nil {
@@ -145,20 +171,25 @@ func Spawn(ctx context.Context, name string, n int, opts ...Option) (*Group, err
 		if o.place != nil {
 			place = o.place(rank)
 		}
-		p, err := start(ctx, name, rank, n, place, lock, o.env, newLineWriter(stdout, outMu), newLineWriter(stderr, outMu))
+		p, err := start(g.ctx, name, rank, n, place, lock, o, newLineWriter(stdout, outMu), newLineWriter(stderr, outMu))
 		if err == nil {
 			g.procs = append(g.procs, p)
 			// Encoded once per worker: each message carries its own
 			// holds on the pooled blocks inside.
+			v := o.args
+			if o.rankArgs != nil {
+				v = o.rankArgs(rank)
+			}
 			var args []byte
 			var fds []int
-			if args, fds, err = enc.Encode(o.args); err != nil {
+			if args, fds, err = enc.Encode(v); err != nil {
 				err = fmt.Errorf("encoding arguments: %w", err)
 			} else if err = p.ctl.send(ctx, args, fds); err != nil {
 				enc.Discard()
 			} else {
 				enc.Done()
 			}
+			runtime.KeepAlive(v)
 		}
 		if err != nil {
 			err = fmt.Errorf("mp: spawn %q: starting worker %d: %w", name, rank, err)
@@ -196,7 +227,10 @@ func Run(ctx context.Context, name string, n int, opts ...Option) error {
 	return g.Join()
 }
 
-func start(ctx context.Context, name string, rank, world int, place device.Place, lock *os.File, env []string, stdout, stderr *lineWriter) (*proc, error) {
+// start starts the worker of the given rank. Its command is tied to ctx,
+// the group's: once ctx is cancelled the worker gets SIGTERM, and SIGKILL
+// if it has not exited o.grace later.
+func start(ctx context.Context, name string, rank, world int, place device.Place, lock *os.File, o options, stdout, stderr *lineWriter) (*proc, error) {
 	pair, err := socketPair()
 	if err != nil {
 		return nil, err
@@ -214,7 +248,7 @@ func start(ctx context.Context, name string, rank, world int, place device.Place
 	child := os.NewFile(uintptr(raw), "control")
 	defer child.Close()
 
-	cmd, err := reexec.Command(context.WithoutCancel(ctx), workerPrefix+name)
+	cmd, err := reexec.Command(ctx, workerPrefix+name)
 	if err != nil {
 		_ = ctl.close()
 		return nil, err
@@ -227,16 +261,22 @@ func start(ctx context.Context, name string, rank, world int, place device.Place
 		strategy.EnvVar+"="+strategy.Get().String(),
 		mmapalloc.EnvSession+"="+mmapalloc.Session(),
 	)
-	cmd.Env = append(cmd.Env, env...)
+	cmd.Env = append(cmd.Env, o.env...)
 	cmd.ExtraFiles = []*os.File{child, lock}
 	cmd.Stdout, cmd.Stderr = stdout, stderr
 	cmd.SysProcAttr = workerAttr()
-	cmd.WaitDelay = 2 * time.Second // a grandchild holding our pipes must not hang Wait
+	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
+	// The grace period after SIGTERM; it also keeps a grandchild holding
+	// the worker's output pipes from hanging Wait.
+	cmd.WaitDelay = o.grace
 	if err := startOnSpawnerThread(cmd); err != nil {
 		_ = ctl.close()
 		return nil, fmt.Errorf("mp: starting worker %d: %w%s", rank, err, fdHint(err))
 	}
-	return &proc{rank: rank, cmd: cmd, ctl: ctl, out: []*lineWriter{stdout, stderr}, done: make(chan struct{})}, nil
+	return &proc{
+		rank: rank, cmd: cmd, ctl: ctl, out: []*lineWriter{stdout, stderr}, done: make(chan struct{}),
+		state: WorkerState{Rank: rank, Pid: cmd.Process.Pid},
+	}, nil
 }
 
 // watch waits for one worker's report and exit, and stops the group on
@@ -251,61 +291,49 @@ func (g *Group) watch(p *proc) {
 		w.flush()
 	}
 	pid := p.cmd.Process.Pid
+	// The process state decides, not waitErr: after the group's context
+	// is cancelled, Wait reports that even for a worker that then
+	// returned cleanly.
+	ps := p.cmd.ProcessState
+	code, sig := -1, syscall.Signal(0)
+	if ps != nil {
+		ws := ps.Sys().(syscall.WaitStatus)
+		code = ws.ExitStatus()
+		if ws.Signaled() {
+			sig = ws.Signal()
+		}
+	}
 	var failure error
 	switch {
 	case reportErr == nil && res.Failed:
 		failure = &WorkerError{Rank: p.rank, Pid: pid, Err: res.Err}
-	case waitErr != nil:
-		e := &ExitError{Rank: p.rank, Pid: pid, Code: -1}
-		var xe *exec.ExitError
-		if errors.As(waitErr, &xe) {
-			ws := xe.Sys().(syscall.WaitStatus)
-			if ws.Signaled() {
-				e.Signal = ws.Signal()
-			} else {
-				e.Code = ws.ExitStatus()
-			}
-		}
-		failure = e
+	case ps == nil:
+		failure = &WorkerError{Rank: p.rank, Pid: pid, Err: fmt.Sprintf("waiting for it: %v", waitErr)}
+	case !ps.Success():
+		failure = &ExitError{Rank: p.rank, Pid: pid, Code: code, Signal: sig}
+	case reportErr != nil:
+		// Exited 0 without a word: its main returned instead of running
+		// the worker, which is what a missing Init does.
+		failure = &WorkerError{Rank: p.rank, Pid: pid, Err: "exited without running the worker: " + initHint}
 	}
+	g.mu.Lock()
+	p.state.Exited, p.state.Code, p.state.Signal, p.state.Err = true, code, sig, failure
+	g.mu.Unlock()
 	if failure != nil {
 		g.stop(failure)
 	}
 }
 
 // stop records cause as the group's failure, unless one was recorded
-// first, and terminates every worker still running.
+// first, and stops every worker still running: cancelling the group's
+// context signals them (see start).
 func (g *Group) stop(cause error) {
 	g.mu.Lock()
+	defer g.mu.Unlock()
 	if g.first == nil {
 		g.first = cause
-		g.cancel(cause)
 	}
-	if g.stopped {
-		g.mu.Unlock()
-		return
-	}
-	g.stopped = true
-	procs := g.procs
-	g.mu.Unlock()
-
-	for _, p := range procs {
-		_ = p.cmd.Process.Signal(syscall.SIGTERM)
-	}
-	go func() {
-		timer := time.NewTimer(g.grace)
-		defer timer.Stop()
-		for _, p := range procs {
-			select {
-			case <-p.done:
-			case <-timer.C:
-				for _, q := range procs {
-					_ = q.cmd.Process.Kill()
-				}
-				return
-			}
-		}
-	}()
+	g.cancel(cause)
 }
 
 // Join waits until every worker has exited and been reaped. It returns
@@ -314,6 +342,28 @@ func (g *Group) stop(cause error) {
 func (g *Group) Join() error {
 	<-g.done
 	return g.Err()
+}
+
+// JoinContext is Join, giving up when ctx ends: then it returns ctx's
+// error and leaves the workers running (torch's join with a timeout).
+func (g *Group) JoinContext(ctx context.Context) error {
+	select {
+	case <-g.done:
+		return g.Err()
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// State returns what is known of each worker now, by rank.
+func (g *Group) State() []WorkerState {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	states := make([]WorkerState, len(g.procs))
+	for i, p := range g.procs {
+		states[i] = p.state
+	}
+	return states
 }
 
 // Done returns a channel that is closed once every worker has exited and
@@ -345,8 +395,9 @@ func (g *Group) Pids() []int {
 	return pids
 }
 
-// Stop terminates every worker (SIGTERM, then SIGKILL after the grace
-// period) and records cause as the failure Join reports.
+// Stop stops every worker as a failure would (their contexts are
+// cancelled, then SIGKILL after the grace period) and records cause as the
+// failure Join reports, unless there was one before.
 func (g *Group) Stop(cause error) { g.stop(cause) }
 
 // The spawner thread. The kernel sends Pdeathsig when the thread that

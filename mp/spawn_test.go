@@ -40,6 +40,21 @@ type report struct {
 	Sum         float64
 }
 
+// sleep waits d, or until ctx is done.
+func sleep(ctx context.Context, d time.Duration) error {
+	select {
+	case <-time.After(d):
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+type rankArgs struct {
+	Out   *mp.Queue
+	Shard string
+}
+
 func registerWorkers() {
 	mp.Register("report", func(ctx context.Context, w *mp.Worker) error {
 		var a spawnArgs
@@ -85,15 +100,13 @@ func registerWorkers() {
 		if w.Rank() == 1 {
 			return errors.New("rank one gives up")
 		}
-		time.Sleep(time.Minute) // stopped by the group
-		return nil
+		return sleep(ctx, time.Minute) // stopped by the group
 	})
 	mp.Register("exit", func(ctx context.Context, w *mp.Worker) error {
 		if w.Rank() == 0 {
 			os.Exit(7)
 		}
-		time.Sleep(time.Minute)
-		return nil
+		return sleep(ctx, time.Minute)
 	})
 	mp.Register("signal", func(ctx context.Context, w *mp.Worker) error {
 		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
@@ -104,8 +117,30 @@ func registerWorkers() {
 		panic("worker panicked")
 	})
 	mp.Register("sleep", func(ctx context.Context, w *mp.Worker) error {
-		time.Sleep(time.Minute)
+		return sleep(ctx, time.Minute)
+	})
+	mp.Register("stubborn", func(ctx context.Context, w *mp.Worker) error {
+		time.Sleep(time.Minute) // deaf to its context: killed after the grace period
 		return nil
+	})
+	mp.Register("graceful", func(ctx context.Context, w *mp.Worker) error {
+		var q *mp.Queue
+		if err := w.Args(&q); err != nil {
+			return err
+		}
+		if err := q.Put(ctx, fmt.Sprintf("ready %d", w.Rank())); err != nil {
+			return err
+		}
+		<-ctx.Done()
+		// Cleaning up after the stop: the queue still works.
+		return q.Put(context.Background(), fmt.Sprintf("stopped %d", w.Rank()))
+	})
+	mp.Register("rank-args", func(ctx context.Context, w *mp.Worker) error {
+		var a rankArgs
+		if err := w.Args(&a); err != nil {
+			return err
+		}
+		return a.Out.Put(ctx, fmt.Sprintf("%d:%s", w.Rank(), a.Shard))
 	})
 	mp.Register("put-and-exit", func(ctx context.Context, w *mp.Worker) error {
 		var q *mp.Queue

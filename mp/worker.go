@@ -5,9 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/signal"
 	"runtime/debug"
 	"strconv"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/hashicorp/go-hclog"
@@ -40,7 +42,9 @@ const (
 const workerPrefix = "mp.worker."
 
 // WorkerFunc is the body of a worker process. It returns nil on success;
-// an error is reported to the parent's Join as a *WorkerError.
+// an error is reported to the parent's Join as a *WorkerError. Its ctx is
+// cancelled when the group stops (the process gets SIGTERM): the worker
+// then has the grace period (WithGrace) to return before it is killed.
 type WorkerFunc func(ctx context.Context, w *Worker) error
 
 // Register makes fn available to Spawn under name. Call it from an init
@@ -48,13 +52,6 @@ type WorkerFunc func(ctx context.Context, w *Worker) error
 // workers are the same binary. Registering a name twice panics.
 func Register(name string, fn WorkerFunc) {
 	reexec.Register(workerPrefix+name, func() int { return runWorker(name, fn) })
-}
-
-// Init must be the first thing main (or TestMain) does. In a process that
-// Spawn started, it runs the worker and exits; in a keeper process it
-// keeps the session and exits; in the program's own process it returns.
-func Init() {
-	reexec.Main()
 }
 
 // Worker is what a worker function knows about itself: its rank, the
@@ -147,7 +144,9 @@ func runWorker(name string, fn WorkerFunc) int {
 		}
 	}()
 
-	err = call(fn, w)
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	err = call(ctx, fn, w)
+	stop()
 	res := result{}
 	if err != nil {
 		res = result{Failed: true, Err: err.Error()}
@@ -170,13 +169,13 @@ func runWorker(name string, fn WorkerFunc) int {
 }
 
 // call runs fn, turning a panic into an error with its stack.
-func call(fn WorkerFunc, w *Worker) (err error) {
+func call(ctx context.Context, fn WorkerFunc, w *Worker) (err error) {
 	defer func() {
 		if p := recover(); p != nil {
 			err = fmt.Errorf("panic: %v\n%s", p, debug.Stack())
 		}
 	}()
-	return fn(context.Background(), w)
+	return fn(ctx, w)
 }
 
 // newLogger returns a logger named name at the level TENSORMP_LOG sets.
