@@ -185,6 +185,7 @@ func lock(ctx context.Context, sem chan struct{}) error {
 func (c *conn) io(ctx context.Context, ev int16, what string, op func(s int) error) error {
 	c.use.RLock()
 	defer c.use.RUnlock()
+	reset := false
 	for {
 		if c.closed.Load() {
 			return errConnClosed
@@ -194,6 +195,12 @@ func (c *conn) io(ctx context.Context, ev int16, what string, op func(s int) err
 		case err == nil:
 			return nil
 		case err == unix.EINTR:
+			continue
+		case err == unix.ECONNRESET && ev == unix.POLLIN && !reset:
+			// The peer closed with messages of ours unread. The kernel
+			// says so once, before what the peer sent before closing,
+			// which is still to be read.
+			reset = true
 			continue
 		case err != unix.EAGAIN:
 			if err = connErr(err); errors.Is(err, ErrClosed) {

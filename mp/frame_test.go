@@ -94,3 +94,26 @@ func TestHostileSpills(t *testing.T) {
 		})
 	}
 }
+
+// A peer that closes with our message unread makes the kernel report a
+// reset once, ahead of what the peer sent before closing: that message is
+// still delivered, and only then is the conn closed.
+func TestMessageBeforeResetIsDelivered(t *testing.T) {
+	leakcheck.Check(t)
+	c, peer := rawPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	require.NoError(t, c.send(ctx, []byte("unread"), nil))
+	frame := make([]byte, headerLen, headerLen+5)
+	frame = append(frame, "last!"...)
+	require.NoError(t, unix.Sendmsg(peer, frame, nil, nil, 0))
+	require.NoError(t, unix.Close(peer))
+
+	data, fds, done, err := c.recv(ctx)
+	require.NoError(t, err, "the message sent before the close")
+	assert.Equal(t, "last!", string(data))
+	assert.Empty(t, fds)
+	done()
+	_, _, _, err = c.recv(ctx)
+	assert.ErrorIs(t, err, ErrClosed)
+}

@@ -8,6 +8,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/reexec"
 )
@@ -35,15 +37,29 @@ func Init() {
 	reexec.Main()
 }
 
-// checkInit fails a worker process that calls op before Init has run: it
-// is running the program's main instead of its worker.
+// checkInit fails a worker or keeper process that calls op before Init
+// has run: it is running the program's main instead of its job, and would
+// start workers and keepers of its own.
 func checkInit(op string) {
 	if initCalled.Load() {
 		return
 	}
-	if name, ok := os.LookupEnv(reexec.EnvVar); ok && strings.HasPrefix(name, workerPrefix) {
+	name, ok := os.LookupEnv(reexec.EnvVar)
+	switch {
+	case !ok:
+	case name == keeperName:
+		failKeeper(fmt.Sprintf("the session keeper reached %s before mp.Init ran: %s", op, initHint))
+	case strings.HasPrefix(name, workerPrefix):
 		failSetup(fmt.Sprintf("worker %q reached %s before mp.Init ran: %s", strings.TrimPrefix(name, workerPrefix), op, initHint))
 	}
+}
+
+// failKeeper tells the process starting a keeper why it cannot run, and
+// exits with code 2.
+func failKeeper(reason string) {
+	fmt.Fprintf(os.Stderr, "tensormp: %s\n", reason)
+	_, _ = unix.Write(keeperFD, []byte(reason))
+	os.Exit(2)
 }
 
 // failSetup reports why a worker process cannot run to its parent, on the

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"maps"
 	"os"
 	"os/exec"
@@ -119,6 +120,9 @@ func startSession() (*os.File, error) {
 	}
 	cmd, err := startKeeper(id, dir)
 	if err != nil {
+		// No keeper, and no other member yet: the lock is this
+		// process's to remove.
+		_ = os.Remove(path)
 		_ = f.Close()
 		return nil, err
 	}
@@ -126,19 +130,53 @@ func startSession() (*os.File, error) {
 	return f, nil
 }
 
-// startKeeper starts the session's keeper process.
+// The keeper says on its descriptor keeperFD that it runs, with
+// keeperReady, before it waits for the session to end. A keeper that
+// writes anything else, or exits first, did not start: its program's main
+// does not call Init first, and started running instead of keeping.
+const (
+	keeperFD    = 3
+	keeperReady = "ready"
+	// keeperStart bounds how long a keeper may take to say it runs.
+	keeperStart = 10 * time.Second
+)
+
+// startKeeper starts the session's keeper process and waits until it
+// says it runs.
 func startKeeper(id, dir string) (*exec.Cmd, error) {
 	cmd, err := reexec.Command(context.Background(), keeperName, id, dir)
 	if err != nil {
 		return nil, err
 	}
+	r, w, err := os.Pipe()
+	if err != nil {
+		return nil, fmt.Errorf("mp: starting the session keeper: %w%s", err, fdHint(err))
+	}
+	defer r.Close()
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = nil, nil, nil
+	cmd.ExtraFiles = []*os.File{w}
 	// Its own session: a kill of our process group does not reach it.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	if err := cmd.Start(); err != nil {
+	err = cmd.Start()
+	_ = w.Close()
+	if err != nil {
 		return nil, fmt.Errorf("mp: starting the session keeper: %w", err)
 	}
-	return cmd, nil
+	_ = r.SetReadDeadline(time.Now().Add(keeperStart))
+	said, err := io.ReadAll(io.LimitReader(r, 4096))
+	if string(said) == keeperReady {
+		return cmd, nil
+	}
+	_ = cmd.Process.Kill()
+	_ = cmd.Wait()
+	switch {
+	case len(said) > 0:
+		return nil, fmt.Errorf("mp: the session keeper did not start: %s", said)
+	case err != nil:
+		return nil, fmt.Errorf("mp: the session keeper did not start within %v: %w (%s)", keeperStart, err, initHint)
+	default:
+		return nil, fmt.Errorf("mp: the session keeper exited before it started: %s", initHint)
+	}
 }
 
 // keepKeeper reaps the keeper and starts another whenever it dies: a
@@ -182,10 +220,14 @@ func runKeeper() int {
 		return 2
 	}
 	id, dir := os.Args[1], os.Args[2]
+	unix.CloseOnExec(keeperFD)
 	f, err := openLock(lockPath(dir, id), false)
 	if err != nil {
+		_ = unix.Close(keeperFD)
 		return 1
 	}
+	_, _ = unix.Write(keeperFD, []byte(keeperReady))
+	_ = unix.Close(keeperFD)
 	if err := flock(f, unix.LOCK_EX); err != nil {
 		return 1
 	}

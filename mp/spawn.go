@@ -53,11 +53,11 @@ type Option func(*options)
 type options struct {
 	args     any
 	rankArgs func(rank int) any
-	grace  time.Duration
-	place  func(rank int) device.Place
-	stdout io.Writer
-	stderr io.Writer
-	env    []string
+	grace    time.Duration
+	place    func(rank int) device.Place
+	stdout   io.Writer
+	stderr   io.Writer
+	env      []string
 }
 
 // WithArgs passes v to every worker, which reads it with Worker.Args.

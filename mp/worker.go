@@ -144,12 +144,16 @@ func runWorker(name string, fn WorkerFunc) int {
 		}
 	}()
 
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	ctx, stop := workerContext()
 	err = call(ctx, fn, w)
+	terminated := context.Cause(ctx) == errTerminated
 	stop()
 	res := result{}
 	if err != nil {
 		res = result{Failed: true, Err: err.Error()}
+		if terminated {
+			res.Err += " (after " + errTerminated.Error() + ")"
+		}
 		log.Debug("worker failed", "error", err)
 	}
 	// The worker is done with what it received: let go of it now, so that
@@ -166,6 +170,31 @@ func runWorker(name string, fn WorkerFunc) int {
 		return 1
 	}
 	return 0
+}
+
+// errTerminated is the cause of a worker's context cancelled by SIGTERM.
+var errTerminated = errors.New("SIGTERM cancelled the worker's context")
+
+// workerContext returns the context a worker function runs under and the
+// function that releases it. SIGTERM, which the parent sends to stop the
+// group, cancels it with errTerminated as its cause; a second SIGTERM
+// kills the process as usual.
+func workerContext() (context.Context, func()) {
+	ctx, cancel := context.WithCancelCause(context.Background())
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGTERM)
+	go func() {
+		select {
+		case <-sigs:
+			signal.Reset(syscall.SIGTERM)
+			cancel(errTerminated)
+		case <-ctx.Done():
+		}
+	}()
+	return ctx, func() {
+		signal.Stop(sigs)
+		cancel(nil)
+	}
 }
 
 // call runs fn, turning a panic into an error with its stack.

@@ -18,14 +18,23 @@ import (
 
 // The behaviours of torch's test_multiprocessing_spawn.py.
 
+// sleep waits d, or until ctx is done.
+func sleep(ctx context.Context, d time.Duration) error {
+	select {
+	case <-time.After(d):
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
 func registerSpawnWorkers() {
 	mp.Register("spawn.success", func(ctx context.Context, w *mp.Worker) error { return nil })
 	mp.Register("spawn.raise-rank1", func(ctx context.Context, w *mp.Worker) error {
 		if w.Rank() == 1 {
 			return errors.New("ValueError: legitimate failure")
 		}
-		time.Sleep(time.Minute)
-		return nil
+		return sleep(ctx, time.Minute)
 	})
 	mp.Register("spawn.raise-all", func(ctx context.Context, w *mp.Worker) error {
 		return fmt.Errorf("rank %d failed", w.Rank())
@@ -34,12 +43,24 @@ func registerSpawnWorkers() {
 		os.Exit(123)
 		return nil
 	})
+	// SIGTERM cancels a worker's context (it is how a group stops its
+	// workers); a second one kills it, as torch's test expects of one.
 	mp.Register("spawn.signal", func(ctx context.Context, w *mp.Worker) error {
 		if w.Rank() == 0 {
 			_ = syscall.Kill(os.Getpid(), syscall.SIGTERM)
+			<-ctx.Done()
+			return ctx.Err()
 		}
-		time.Sleep(time.Minute)
-		return nil
+		return sleep(ctx, time.Minute)
+	})
+	mp.Register("spawn.signal-twice", func(ctx context.Context, w *mp.Worker) error {
+		if w.Rank() == 0 {
+			_ = syscall.Kill(os.Getpid(), syscall.SIGTERM)
+			<-ctx.Done()
+			_ = syscall.Kill(os.Getpid(), syscall.SIGTERM)
+			time.Sleep(time.Minute) // the signal's default action ends this
+		}
+		return sleep(ctx, time.Minute)
 	})
 	mp.Register("spawn.later-failure", func(ctx context.Context, w *mp.Worker) error {
 		switch w.Rank() {
@@ -49,8 +70,7 @@ func registerSpawnWorkers() {
 			time.Sleep(300 * time.Millisecond)
 			return errors.New("failed after another worker succeeded")
 		}
-		time.Sleep(time.Minute) // stopped by the group
-		return nil
+		return sleep(ctx, time.Minute) // stopped by the group
 	})
 }
 
@@ -77,6 +97,12 @@ func TestSpawnBehaviours(t *testing.T) {
 			assert.Equal(t, 123, xe.Code)
 		}},
 		{"spawn.signal", func(t *testing.T, err error) {
+			var we *mp.WorkerError
+			require.ErrorAs(t, err, &we)
+			assert.Equal(t, 0, we.Rank)
+			assert.Contains(t, we.Err, "SIGTERM")
+		}},
+		{"spawn.signal-twice", func(t *testing.T, err error) {
 			var xe *mp.ExitError
 			require.ErrorAs(t, err, &xe)
 			assert.Equal(t, 0, xe.Rank)
