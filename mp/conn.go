@@ -74,8 +74,8 @@ type conn struct {
 
 	rmu  chan struct{} // held by the one reader
 	wmu  chan struct{} // held by the one writer
-	buf  []byte        // read buffer, under rmu
-	oob  []byte        // control buffer, under rmu
+	buf  []byte        // read buffer, made on first use, under rmu
+	oob  []byte        // control buffer, made on first use, under rmu
 	once sync.Once
 }
 
@@ -95,8 +95,6 @@ func newConn(s *fd.FD, name string) (*conn, error) {
 		park: newParking(),
 		rmu:  make(chan struct{}, 1),
 		wmu:  make(chan struct{}, 1),
-		buf:  make([]byte, headerLen+maxInline),
-		oob:  make([]byte, unix.CmsgSpace(maxFDs*4)),
 	}, nil
 }
 
@@ -116,6 +114,9 @@ func fdHint(err error) string {
 	}
 	return ""
 }
+
+// errWouldBlock is what a call that may not wait returns instead.
+var errWouldBlock = errors.New("mp: would block")
 
 // errConnClosed is what calls on a closed conn return.
 var errConnClosed = fmt.Errorf("%w (the connection)", ErrClosed)
@@ -162,9 +163,17 @@ func interrupt(sl *waitSlot) {
 // lock takes sem, giving up when ctx ends. A context that is done
 // already gets nothing, even if sem is free: a Get on a cancelled context
 // never takes a message.
-func lock(ctx context.Context, sem chan struct{}) error {
+func lock(ctx context.Context, sem chan struct{}, block bool) error {
 	if err := ctx.Err(); err != nil {
 		return err
+	}
+	if !block {
+		select {
+		case sem <- struct{}{}:
+			return nil
+		default:
+			return errWouldBlock // another call of this process is waiting
+		}
 	}
 	select {
 	case sem <- struct{}{}:
@@ -181,8 +190,9 @@ func lock(ctx context.Context, sem chan struct{}) error {
 // this thread directly (a reply within microseconds costs no scheduling),
 // else parked on the package's poller, costing no thread. Once the conn
 // is closed it returns ErrClosed, once ctx is done ctx's error, at once
-// from either wait.
-func (c *conn) io(ctx context.Context, ev int16, what string, op func(s int) error) error {
+// from either wait. Unless block, it returns errWouldBlock instead of
+// waiting.
+func (c *conn) io(ctx context.Context, ev int16, what string, block bool, op func(s int) error) error {
 	c.use.RLock()
 	defer c.use.RUnlock()
 	reset := false
@@ -207,6 +217,8 @@ func (c *conn) io(ctx context.Context, ev int16, what string, op func(s int) err
 				return err
 			}
 			return fmt.Errorf("mp: %s: %w%s", what, err, fdHint(err))
+		case !block:
+			return errWouldBlock
 		case ctx.Err() != nil:
 			return ctx.Err()
 		}
@@ -274,9 +286,9 @@ func connErr(err error) error {
 }
 
 // send sends one message: data and the descriptors fds, which stay the
-// caller's.
-func (c *conn) send(ctx context.Context, data []byte, fds []int) error {
-	if err := lock(ctx, c.wmu); err != nil {
+// caller's. Unless block, a full socket is errWouldBlock.
+func (c *conn) send(ctx context.Context, data []byte, fds []int, block bool) error {
+	if err := lock(ctx, c.wmu, block); err != nil {
 		return err
 	}
 	defer func() { <-c.wmu }()
@@ -327,7 +339,7 @@ func (c *conn) send(ctx context.Context, data []byte, fds []int) error {
 	if len(rights) > 0 {
 		oob = unix.UnixRights(rights...)
 	}
-	return c.io(ctx, unix.POLLOUT, "send", func(s int) error {
+	return c.io(ctx, unix.POLLOUT, "send", block, func(s int) error {
 		n, err := unix.SendmsgN(s, msg, oob, nil, sendFlags)
 		if err == nil && n != len(msg) {
 			return fmt.Errorf("short write (%d of %d bytes)", n, len(msg))
@@ -358,12 +370,13 @@ func sendCarried(fds []int) (int, error) {
 // recv receives one message. The caller owns the returned descriptors.
 // The data stays valid, and the connection reserved to the caller, until
 // it calls done: a message's bytes are in the connection's buffer, or, if
-// it was spilled, in a mapping of the sender's sealed copy.
-func (c *conn) recv(ctx context.Context) (data []byte, fds []int, done func(), err error) {
-	if err := lock(ctx, c.rmu); err != nil {
+// it was spilled, in a mapping of the sender's sealed copy. Unless block,
+// an empty socket is errWouldBlock.
+func (c *conn) recv(ctx context.Context, block bool) (data []byte, fds []int, done func(), err error) {
+	if err := lock(ctx, c.rmu, block); err != nil {
 		return nil, nil, nil, err
 	}
-	data, fds, spill, err := c.recvLocked(ctx)
+	data, fds, spill, err := c.recvLocked(ctx, block)
 	if err != nil {
 		<-c.rmu
 		return nil, nil, nil, err
@@ -378,9 +391,13 @@ func (c *conn) recv(ctx context.Context) (data []byte, fds []int, done func(), e
 
 // recvLocked is recv with the read lock held; spill is the mapping data
 // lies in, if the message was spilled.
-func (c *conn) recvLocked(ctx context.Context) (data []byte, fds []int, spill []byte, err error) {
+func (c *conn) recvLocked(ctx context.Context, block bool) (data []byte, fds []int, spill []byte, err error) {
+	if c.buf == nil {
+		c.buf = make([]byte, headerLen+maxInline)
+		c.oob = make([]byte, unix.CmsgSpace(maxFDs*4))
+	}
 	var n, oobn, flags int
-	err = c.io(ctx, unix.POLLIN, "receive", func(s int) error {
+	err = c.io(ctx, unix.POLLIN, "receive", block, func(s int) error {
 		var err error
 		n, oobn, flags, _, err = unix.Recvmsg(s, c.buf, c.oob, recvFlags|unix.MSG_DONTWAIT)
 		return err

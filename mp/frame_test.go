@@ -34,20 +34,20 @@ func TestEmptyDatagramIsMalformedNotClosed(t *testing.T) {
 	require.NoError(t, unix.Sendmsg(peer, nil, nil, nil, 0))
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	_, _, _, err := c.recv(ctx)
+	_, _, _, err := c.recv(ctx, true)
 	assert.ErrorIs(t, err, ErrMalformed, "an empty message while the peer is open")
 	assert.NotErrorIs(t, err, ErrClosed)
 
 	// The connection still works, and its peer's close is ErrClosed.
 	var frame [headerLen]byte
 	require.NoError(t, unix.Sendmsg(peer, frame[:], nil, nil, 0))
-	data, fds, done, err := c.recv(ctx)
+	data, fds, done, err := c.recv(ctx, true)
 	require.NoError(t, err)
 	assert.Empty(t, data)
 	assert.Empty(t, fds)
 	done()
 	require.NoError(t, unix.Close(peer))
-	_, _, _, err = c.recv(ctx)
+	_, _, _, err = c.recv(ctx, true)
 	assert.ErrorIs(t, err, ErrClosed)
 }
 
@@ -88,7 +88,7 @@ func TestHostileSpills(t *testing.T) {
 			require.NoError(t, unix.Sendmsg(peer, frame[:], unix.UnixRights(c.fd), nil, 0))
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 			defer cancel()
-			_, fds, _, err := conn.recv(ctx)
+			_, fds, _, err := conn.recv(ctx, true)
 			assert.ErrorContains(t, err, c.want)
 			assert.Empty(t, fds, "whatever arrived is closed")
 		})
@@ -103,17 +103,17 @@ func TestMessageBeforeResetIsDelivered(t *testing.T) {
 	c, peer := rawPair(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	require.NoError(t, c.send(ctx, []byte("unread"), nil))
+	require.NoError(t, c.send(ctx, []byte("unread"), nil, true))
 	frame := make([]byte, headerLen, headerLen+5)
 	frame = append(frame, "last!"...)
 	require.NoError(t, unix.Sendmsg(peer, frame, nil, nil, 0))
 	require.NoError(t, unix.Close(peer))
 
-	data, fds, done, err := c.recv(ctx)
+	data, fds, done, err := c.recv(ctx, true)
 	require.NoError(t, err, "the message sent before the close")
 	assert.Equal(t, "last!", string(data))
 	assert.Empty(t, fds)
 	done()
-	_, _, _, err = c.recv(ctx)
+	_, _, _, err = c.recv(ctx, true)
 	assert.ErrorIs(t, err, ErrClosed)
 }

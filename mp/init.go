@@ -68,7 +68,7 @@ func failSetup(reason string) {
 	fmt.Fprintf(os.Stderr, "tensormp: %s\n", reason)
 	if ctl, err := newConn(fd.New(ctlFD), "control"); err == nil {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		_ = put(ctx, ctl, &result{Failed: true, Err: reason})
+		_ = put(ctx, ctl, &result{Failed: true, Err: reason}, true)
 		cancel()
 	}
 	os.Exit(2)

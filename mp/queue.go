@@ -5,10 +5,12 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"reflect"
 	"sync"
 
 	"github.com/vmihailenco/msgpack/v5"
+	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/reduction"
@@ -50,15 +52,15 @@ var (
 	decoders = sync.Pool{New: func() any { return reduction.NewDecoder() }}
 )
 
-// put encodes v and sends it on c.
-func put(ctx context.Context, c *conn, v any) error {
+// put encodes v and sends it on c, waiting for room unless not block.
+func put(ctx context.Context, c *conn, v any, block bool) error {
 	enc := encoders.Get().(*reduction.Encoder)
 	defer encoders.Put(enc)
 	data, fds, err := enc.Encode(v)
 	if err != nil {
 		return fmt.Errorf("mp: encoding %T: %w", v, err)
 	}
-	if err := c.send(ctx, data, fds); err != nil {
+	if err := c.send(ctx, data, fds, block); err != nil {
 		enc.Discard() // no receiver will take what Encode held for it
 		return err
 	}
@@ -66,13 +68,19 @@ func put(ctx context.Context, c *conn, v any) error {
 	return nil
 }
 
-// get receives a message on c and decodes it into v.
-func get(ctx context.Context, c *conn, v any) error {
-	data, fds, done, err := c.recv(ctx)
+// get receives a message on c and decodes it into v, waiting for one
+// unless not block.
+func get(ctx context.Context, c *conn, v any, block bool) error {
+	data, fds, done, err := c.recv(ctx, block)
 	if err != nil {
 		return err
 	}
 	defer done()
+	return decode(data, fds, v)
+}
+
+// decode decodes a received message into v. It owns fds.
+func decode(data []byte, fds []int, v any) error {
 	dec := decoders.Get().(*reduction.Decoder)
 	defer decoders.Put(dec)
 	if err := dec.Decode(data, fds, v); err != nil {
@@ -89,20 +97,66 @@ func get(ctx context.Context, c *conn, v any) error {
 // as soon as Put returns.
 //
 // A Queue owns two descriptors (the two ends of a SOCK_SEQPACKET socket
-// pair) in each process that holds it; Close releases this process's.
+// pair) in each process that holds it, four with a capacity; Close
+// releases this process's.
 type Queue struct {
 	in  *conn // Put writes here
 	out *conn // Get reads here
+
+	// With a capacity, the free places: a pipe holding a byte for each.
+	// Put takes one before it sends, Get gives one back as soon as it has
+	// taken a message. Both nil without a capacity.
+	free, freed *conn // the pipe's reading and writing ends
+	capacity    int
 }
 
+// ErrFull is returned by TryPut when the queue has no room, and ErrEmpty
+// by TryGet when it holds no message (torch's queue.Full and queue.Empty).
+var (
+	ErrFull  = errors.New("mp: queue full")
+	ErrEmpty = errors.New("mp: queue empty")
+)
+
+// MaxCapacity is the largest capacity a Queue may have.
+const MaxCapacity = 1 << 20
+
+// QueueOption configures NewQueue.
+type QueueOption func(*queueOptions)
+
+type queueOptions struct{ capacity int }
+
+// WithCapacity bounds the queue to n messages (torch's Queue(maxsize)),
+// across every process that holds it: Put waits while n messages are in
+// the queue. Without it, Put waits only while the socket's buffer is full.
+//
+// A place is taken by Put before it sends and given back by Get as soon as
+// it has received: a process killed between the two (inside Put, or
+// inside Get) leaves the queue one place smaller.
+func WithCapacity(n int) QueueOption { return func(o *queueOptions) { o.capacity = n } }
+
 // NewQueue returns a new, empty Queue.
-func NewQueue() (*Queue, error) {
+func NewQueue(opts ...QueueOption) (*Queue, error) {
 	checkInit("mp.NewQueue")
+	var o queueOptions
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if o.capacity < 0 || o.capacity > MaxCapacity {
+		return nil, fmt.Errorf("mp: queue capacity %d is outside 1 to %d", o.capacity, MaxCapacity)
+	}
 	pair, err := socketPair()
 	if err != nil {
 		return nil, err
 	}
-	return queueFrom(pair[0], pair[1])
+	q, err := queueFrom(pair[0], pair[1])
+	if err != nil || o.capacity == 0 {
+		return q, err
+	}
+	if err := q.makePlaces(o.capacity); err != nil {
+		_ = q.Close()
+		return nil, err
+	}
+	return q, nil
 }
 
 func queueFrom(in, out *fd.FD) (*Queue, error) {
@@ -119,30 +173,173 @@ func queueFrom(in, out *fd.FD) (*Queue, error) {
 	return &Queue{in: ci, out: co}, nil
 }
 
-// Put sends v, which may hold tensors, queues and pipes anywhere inside
-// it. It blocks while the queue is full, until ctx ends.
-func (q *Queue) Put(ctx context.Context, v any) error { return put(ctx, q.in, v) }
+// makePlaces gives q a capacity of n: a pipe holding n bytes.
+func (q *Queue) makePlaces(n int) error {
+	p, err := placesPipe(n)
+	if err != nil {
+		return fmt.Errorf("mp: a queue capacity of %d: %w%s", n, err, fdHint(err))
+	}
+	if err := q.adoptPlaces(fd.New(p[0]), fd.New(p[1]), n); err != nil {
+		return err
+	}
+	ones := make([]byte, min(n, 64<<10))
+	for i := range ones {
+		ones[i] = 1
+	}
+	for left := n; left > 0; {
+		w, err := unix.Write(p[1], ones[:min(left, len(ones))])
+		if err != nil {
+			return fmt.Errorf("mp: filling a queue's places: %w", err)
+		}
+		left -= w
+	}
+	return nil
+}
 
-// Get receives the next value into v, a pointer, blocking until one
+// adoptPlaces makes r and w, the ends of a places pipe, q's.
+func (q *Queue) adoptPlaces(r, w *fd.FD, n int) error {
+	free, err := newConn(r, "queue places")
+	if err != nil {
+		_ = w.Close()
+		return err
+	}
+	freed, err := newConn(w, "queue places")
+	if err != nil {
+		_ = free.close()
+		return err
+	}
+	q.free, q.freed, q.capacity = free, freed, n
+	return nil
+}
+
+// Cap returns the queue's capacity, or 0 if it has none.
+func (q *Queue) Cap() int { return q.capacity }
+
+// Put sends v, which may hold tensors, queues and pipes anywhere inside
+// it. It waits while the queue is full (see WithCapacity), until ctx ends.
+func (q *Queue) Put(ctx context.Context, v any) error { return q.put(ctx, v, true) }
+
+// TryPut sends v if the queue has room now, and returns ErrFull if not
+// (torch's put_nowait).
+func (q *Queue) TryPut(ctx context.Context, v any) error { return q.put(ctx, v, false) }
+
+func (q *Queue) put(ctx context.Context, v any, block bool) error {
+	if q.free != nil {
+		if err := q.takePlace(ctx, block); err != nil {
+			return fullErr(err)
+		}
+	}
+	err := put(ctx, q.in, v, block)
+	if err != nil && q.free != nil {
+		q.givePlace()
+	}
+	return fullErr(err)
+}
+
+// Get receives the next value into v, a pointer, waiting until one
 // arrives, ctx ends or q is closed (ErrClosed).
-func (q *Queue) Get(ctx context.Context, v any) error { return get(ctx, q.out, v) }
+func (q *Queue) Get(ctx context.Context, v any) error { return q.get(ctx, v, true) }
+
+// TryGet receives the next value into v if there is one now, and returns
+// ErrEmpty if not (torch's get_nowait).
+func (q *Queue) TryGet(ctx context.Context, v any) error { return q.get(ctx, v, false) }
+
+func (q *Queue) get(ctx context.Context, v any, block bool) error {
+	data, fds, done, err := q.out.recv(ctx, block)
+	if errors.Is(err, errWouldBlock) {
+		return ErrEmpty
+	}
+	if err != nil {
+		return err
+	}
+	defer done()
+	if q.free != nil {
+		q.givePlace() // the message is out of the queue
+	}
+	return decode(data, fds, v)
+}
+
+func fullErr(err error) error {
+	if errors.Is(err, errWouldBlock) {
+		return ErrFull
+	}
+	return err
+}
+
+// takePlace takes a byte from the places pipe.
+func (q *Queue) takePlace(ctx context.Context, block bool) error {
+	if err := lock(ctx, q.free.rmu, block); err != nil {
+		return err
+	}
+	defer func() { <-q.free.rmu }()
+	return q.free.io(ctx, unix.POLLIN, "taking a place in a queue", block, func(s int) error {
+		var b [1]byte
+		n, err := unix.Read(s, b[:])
+		if err == nil && n == 0 {
+			return io.EOF // every writing end closed: not while q holds one
+		}
+		return err
+	})
+}
+
+// givePlace puts a byte back into the places pipe. It never waits: the
+// pipe has room for every place.
+func (q *Queue) givePlace() {
+	_ = q.freed.io(context.Background(), unix.POLLOUT, "giving a place back to a queue", false, func(s int) error {
+		_, err := unix.Write(s, []byte{1})
+		return err
+	})
+}
 
 // Close releases this process's hold on the queue and wakes its blocked
 // Put and Get calls with ErrClosed. Other processes keep theirs.
 func (q *Queue) Close() error {
-	return errors.Join(q.in.close(), q.out.close())
+	err := errors.Join(q.in.close(), q.out.close())
+	if q.free != nil {
+		err = errors.Join(err, q.free.close(), q.freed.close())
+	}
+	return err
 }
 
+// A queue travels as the indexes of its descriptors (in, out, and with a
+// capacity the places pipe's ends) and, with a capacity, the capacity.
 func (q *Queue) encode(enc *msgpack.Encoder) ([]byte, error) {
-	return encodeConns(enc, q.in, q.out)
-}
-
-func decodeQueue(dec *msgpack.Decoder, n int) (*Queue, error) {
-	fds, err := decodeConns(dec, n, 2)
+	if q.free == nil {
+		return encodeConns(enc, q.in, q.out)
+	}
+	payload, err := encodeConns(enc, q.in, q.out, q.free, q.freed)
 	if err != nil {
 		return nil, err
 	}
-	return queueFrom(fds[0], fds[1])
+	return binary.LittleEndian.AppendUint32(payload, uint32(q.capacity)), nil
+}
+
+func decodeQueue(dec *msgpack.Decoder, n int) (*Queue, error) {
+	want := 2
+	if n == 4*4+4 {
+		want = 4
+	}
+	payload, fds, err := decodeConns(dec, n, want)
+	if err != nil {
+		return nil, err
+	}
+	q, err := queueFrom(fds[0], fds[1])
+	if err != nil || want == 2 {
+		if err != nil && want == 4 {
+			_, _ = fds[2].Close(), fds[3].Close()
+		}
+		return q, err
+	}
+	capacity := int(binary.LittleEndian.Uint32(payload[16:]))
+	if capacity < 1 || capacity > MaxCapacity {
+		_, _, _ = q.Close(), fds[2].Close(), fds[3].Close()
+		return nil, fmt.Errorf("mp: a queue of capacity %d", capacity)
+	}
+	if err := q.adoptPlaces(fds[2], fds[3], capacity); err != nil {
+		_ = q.Close()
+		return nil, err
+	}
+	return q, nil
 }
 
 // Pipe is one end of a duplex connection between two processes: what one
@@ -173,11 +370,11 @@ func NewPipe() (*Pipe, *Pipe, error) {
 }
 
 // Send sends v to the other end.
-func (p *Pipe) Send(ctx context.Context, v any) error { return put(ctx, p.c, v) }
+func (p *Pipe) Send(ctx context.Context, v any) error { return put(ctx, p.c, v, true) }
 
 // Recv receives the next value from the other end into v. When the other
 // end is closed in every process that held it, Recv returns ErrClosed.
-func (p *Pipe) Recv(ctx context.Context, v any) error { return get(ctx, p.c, v) }
+func (p *Pipe) Recv(ctx context.Context, v any) error { return get(ctx, p.c, v, true) }
 
 // Close releases this process's end and wakes blocked calls on it.
 func (p *Pipe) Close() error { return p.c.close() }
@@ -187,7 +384,7 @@ func (p *Pipe) encode(enc *msgpack.Encoder) ([]byte, error) {
 }
 
 func decodePipe(dec *msgpack.Decoder, n int) (*Pipe, error) {
-	fds, err := decodeConns(dec, n, 1)
+	_, fds, err := decodeConns(dec, n, 1)
 	if err != nil {
 		return nil, err
 	}
@@ -217,14 +414,16 @@ func encodeConns(enc *msgpack.Encoder, conns ...*conn) ([]byte, error) {
 	return payload, nil
 }
 
-// decodeConns takes the want descriptors an extension of n bytes names.
-func decodeConns(dec *msgpack.Decoder, n, want int) ([]*fd.FD, error) {
-	if n != 4*want {
-		return nil, fmt.Errorf("mp: queue or pipe of %d bytes, want %d", n, 4*want)
+// decodeConns reads an extension of n bytes whose first 4*want bytes
+// index want descriptors, and takes those descriptors, owned by the
+// caller.
+func decodeConns(dec *msgpack.Decoder, n, want int) ([]byte, []*fd.FD, error) {
+	if n != 4*want && !(want == 4 && n == 4*want+4) {
+		return nil, nil, fmt.Errorf("mp: queue or pipe of %d bytes, want %d", n, 4*want)
 	}
 	payload, err := reduction.ReadExt(dec, n)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	fds := make([]*fd.FD, 0, want)
 	for i := range want {
@@ -233,9 +432,9 @@ func decodeConns(dec *msgpack.Decoder, n, want int) ([]*fd.FD, error) {
 			for _, f := range fds {
 				_ = f.Close()
 			}
-			return nil, err
+			return nil, nil, err
 		}
 		fds = append(fds, f)
 	}
-	return fds, nil
+	return payload, fds, nil
 }

@@ -255,3 +255,62 @@ func TestConcurrentGetsInOneProcess(t *testing.T) {
 	wg.Wait()
 	assert.Len(t, seen, n)
 }
+
+// A queue with a capacity holds that many messages across processes: a
+// worker's Put waits while it is full and goes on when the parent takes
+// one; TryPut and TryGet never wait.
+func TestQueueCapacityAcrossProcesses(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	q, err := mp.NewQueue(mp.WithCapacity(3))
+	require.NoError(t, err)
+	defer q.Close()
+	assert.Equal(t, 3, q.Cap())
+	progress, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer progress.Close()
+
+	var v int
+	assert.ErrorIs(t, q.TryGet(ctx, &v), mp.ErrEmpty)
+
+	g, err := mp.Spawn(ctx, "fill", 1, mp.WithArgs(fillArgs{Q: q, Progress: progress, N: 5}))
+	require.NoError(t, err)
+	for want := range 3 {
+		require.NoError(t, progress.Get(ctx, &v))
+		assert.Equal(t, want, v)
+	}
+	// The worker's fourth Put waits: the queue holds three.
+	time.Sleep(100 * time.Millisecond)
+	assert.ErrorIs(t, progress.TryGet(ctx, &v), mp.ErrEmpty, "a fourth Put went through a queue of capacity 3")
+	assert.ErrorIs(t, q.TryPut(ctx, 99), mp.ErrFull)
+
+	require.NoError(t, q.Get(ctx, &v))
+	assert.Equal(t, 0, v)
+	require.NoError(t, progress.Get(ctx, &v), "a Get made room for the fourth Put")
+	assert.Equal(t, 3, v)
+	for want := 1; want < 5; want++ {
+		require.NoError(t, q.Get(ctx, &v))
+		assert.Equal(t, want, v)
+	}
+	require.NoError(t, g.Join())
+	require.NoError(t, progress.Get(ctx, &v))
+	assert.Equal(t, 4, v)
+
+	// Every place is free again.
+	for i := range 3 {
+		require.NoError(t, q.TryPut(ctx, i))
+	}
+	assert.ErrorIs(t, q.TryPut(ctx, 3), mp.ErrFull)
+	for range 3 {
+		require.NoError(t, q.TryGet(ctx, &v))
+	}
+	assert.ErrorIs(t, q.TryGet(ctx, &v), mp.ErrEmpty)
+}
+
+func TestQueueCapacityLimits(t *testing.T) {
+	_, err := mp.NewQueue(mp.WithCapacity(-1))
+	assert.Error(t, err)
+	_, err = mp.NewQueue(mp.WithCapacity(mp.MaxCapacity + 1))
+	assert.Error(t, err)
+}

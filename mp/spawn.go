@@ -184,7 +184,7 @@ func Spawn(ctx context.Context, name string, n int, opts ...Option) (*Group, err
 			var fds []int
 			if args, fds, err = enc.Encode(v); err != nil {
 				err = fmt.Errorf("encoding arguments: %w", err)
-			} else if err = p.ctl.send(ctx, args, fds); err != nil {
+			} else if err = p.ctl.send(ctx, args, fds, true); err != nil {
 				enc.Discard()
 			} else {
 				enc.Done()
@@ -284,7 +284,7 @@ func start(ctx context.Context, name string, rank, world int, place device.Place
 func (g *Group) watch(p *proc) {
 	defer close(p.done)
 	var res result
-	reportErr := get(context.Background(), p.ctl, &res)
+	reportErr := get(context.Background(), p.ctl, &res, true)
 	waitErr := p.cmd.Wait()
 	_ = p.ctl.close()
 	for _, w := range p.out {

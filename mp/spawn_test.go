@@ -50,6 +50,11 @@ func sleep(ctx context.Context, d time.Duration) error {
 	}
 }
 
+type fillArgs struct {
+	Q, Progress *mp.Queue
+	N           int
+}
+
 type rankArgs struct {
 	Out   *mp.Queue
 	Shard string
@@ -134,6 +139,21 @@ func registerWorkers() {
 		<-ctx.Done()
 		// Cleaning up after the stop: the queue still works.
 		return q.Put(context.Background(), fmt.Sprintf("stopped %d", w.Rank()))
+	})
+	mp.Register("fill", func(ctx context.Context, w *mp.Worker) error {
+		var a fillArgs
+		if err := w.Args(&a); err != nil {
+			return err
+		}
+		for i := range a.N {
+			if err := a.Q.Put(ctx, i); err != nil {
+				return err
+			}
+			if err := a.Progress.Put(ctx, i); err != nil {
+				return err
+			}
+		}
+		return nil
 	})
 	mp.Register("rank-args", func(ctx context.Context, w *mp.Worker) error {
 		var a rankArgs

@@ -1,6 +1,7 @@
 package mp
 
 import (
+	"fmt"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -19,4 +20,20 @@ const (
 // spawner thread, goes away: when the parent dies.
 func workerAttr() *syscall.SysProcAttr {
 	return &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+}
+
+// placesPipe returns a non-blocking, close-on-exec pipe with room for n
+// bytes, its ends owned by the caller.
+func placesPipe(n int) ([2]int, error) {
+	var p [2]int
+	if err := unix.Pipe2(p[:], unix.O_CLOEXEC|unix.O_NONBLOCK); err != nil {
+		return p, err
+	}
+	if n > 64<<10 {
+		if _, err := unix.FcntlInt(uintptr(p[1]), unix.F_SETPIPE_SZ, n); err != nil {
+			_, _ = unix.Close(p[0]), unix.Close(p[1])
+			return p, fmt.Errorf("%w (see /proc/sys/fs/pipe-max-size)", err)
+		}
+	}
+	return p, nil
 }

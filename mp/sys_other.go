@@ -18,3 +18,20 @@ const (
 )
 
 func workerAttr() *syscall.SysProcAttr { return &syscall.SysProcAttr{} }
+
+// placesPipe returns a non-blocking, close-on-exec pipe, its ends owned
+// by the caller. Its room is the system's: at least 16 KiB.
+func placesPipe(n int) ([2]int, error) {
+	var p [2]int
+	if err := unix.Pipe(p[:]); err != nil {
+		return p, err
+	}
+	for _, f := range p {
+		unix.CloseOnExec(f)
+		if err := unix.SetNonblock(f, true); err != nil {
+			_, _ = unix.Close(p[0]), unix.Close(p[1])
+			return p, err
+		}
+	}
+	return p, nil
+}

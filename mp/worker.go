@@ -126,7 +126,7 @@ func runWorker(name string, fn WorkerFunc) int {
 	}
 	w := &Worker{rank: rank, world: world, log: log, ctl: ctl}
 	setup, cancel := context.WithTimeout(context.Background(), time.Minute)
-	data, fds, done, err := ctl.recv(setup)
+	data, fds, done, err := ctl.recv(setup, true)
 	cancel()
 	if err != nil {
 		return fail(fmt.Errorf("receiving arguments: %w", err))
@@ -138,7 +138,7 @@ func runWorker(name string, fn WorkerFunc) int {
 	// or dying, ends the worker.
 	go func() {
 		var x struct{}
-		if err := get(context.Background(), ctl, &x); err != nil {
+		if err := get(context.Background(), ctl, &x, true); err != nil {
 			log.Debug("control socket closed: exiting", "error", err)
 			os.Exit(3)
 		}
@@ -163,7 +163,7 @@ func runWorker(name string, fn WorkerFunc) int {
 	mmapalloc.Trim() // named segments nobody holds go now, not at the session's end
 	report, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := put(report, ctl, &res); err != nil {
+	if err := put(report, ctl, &res, true); err != nil {
 		log.Error("reporting the result", "error", err)
 	}
 	if res.Failed {
