@@ -23,6 +23,8 @@ const (
 )
 
 func init() {
+	reduction.MustCarry(reflect.TypeFor[*Queue]())
+	reduction.MustCarry(reflect.TypeFor[*Pipe]())
 	msgpack.RegisterExtEncoder(queueExt, (*Queue)(nil), func(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {
 		return v.Interface().(*Queue).encode(enc)
 	})

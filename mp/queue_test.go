@@ -314,3 +314,16 @@ func TestQueueCapacityLimits(t *testing.T) {
 	_, err = mp.NewQueue(mp.WithCapacity(mp.MaxCapacity + 1))
 	assert.Error(t, err)
 }
+
+// A bare storage travels to a worker as shared memory: the worker's write
+// is the parent's.
+func TestBareStorageAcrossProcesses(t *testing.T) {
+	leakcheck.Check(t)
+	x, err := tensor.Zeros(tensor.Uint8, 100)
+	require.NoError(t, err)
+	defer x.Release()
+	require.NoError(t, mp.Run(context.Background(), "bare-storage", 1, mp.WithArgs(x.Storage())))
+	v, err := tensor.Values[uint8](x)
+	require.NoError(t, err)
+	assert.Equal(t, uint8(42), v[99])
+}

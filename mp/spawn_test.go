@@ -155,6 +155,20 @@ func registerWorkers() {
 		}
 		return nil
 	})
+	mp.Register("bare-storage", func(ctx context.Context, w *mp.Worker) error {
+		var s *tensor.Storage
+		if err := w.Args(&s); err != nil {
+			return err
+		}
+		if s == nil || s.Size() != 100 || !s.IsShared() {
+			return fmt.Errorf("received storage %v", s)
+		}
+		t, err := tensor.FromStorage(s, tensor.Uint8, 0, []int{100}, []int{1})
+		if err != nil {
+			return err
+		}
+		return tensor.Set[uint8](t, 42, 99) // the parent sees it
+	})
 	mp.Register("rank-args", func(ctx context.Context, w *mp.Worker) error {
 		var a rankArgs
 		if err := w.Args(&a); err != nil {

@@ -18,9 +18,38 @@ import (
 // tensorExt is the msgpack extension type that carries a tensor's Meta.
 const tensorExt int8 = 0x54 // 'T'
 
+// storageExt carries a bare storage, as the Meta of a uint8 tensor over
+// all of it (torch sends bare storages too).
+const storageExt int8 = 0x53 // 'S'
+
 func init() {
 	msgpack.RegisterExtEncoder(tensorExt, (*tensor.Tensor)(nil), encodeTensor)
 	msgpack.RegisterExtDecoder(tensorExt, (*tensor.Tensor)(nil), decodeTensor)
+	msgpack.RegisterExtEncoder(storageExt, (*tensor.Storage)(nil), encodeStorage)
+	msgpack.RegisterExtDecoder(storageExt, (*tensor.Storage)(nil), decodeStorage)
+}
+
+// encodeStorage encodes a storage as a byte tensor that spans it.
+func encodeStorage(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {
+	s := v.Interface().(*tensor.Storage)
+	t, err := tensor.FromStorage(s, tensor.Uint8, 0, []int{int(s.Size())}, []int{1})
+	if err != nil {
+		return nil, fmt.Errorf("reduction: encoding a storage: %w", err)
+	}
+	return encodeTensor(enc, reflect.ValueOf(t))
+}
+
+// decodeStorage rebuilds what encodeStorage sent and keeps its storage.
+func decodeStorage(dec *msgpack.Decoder, v reflect.Value, extLen int) error {
+	if !v.CanSet() {
+		return errors.New("reduction: a storage decodes into a **tensor.Storage or a field of type *tensor.Storage")
+	}
+	var t *tensor.Tensor
+	if err := decodeTensor(dec, reflect.ValueOf(&t).Elem(), extLen); err != nil {
+		return err
+	}
+	v.Set(reflect.ValueOf(t.Storage()))
+	return nil
 }
 
 // Encoder turns values with tensors inside them (struct fields, slices,
@@ -49,6 +78,11 @@ func NewEncoder() *Encoder {
 // send the message, then call Done, or Discard if it will not be sent.
 // The next Encode does Done for a message left without either.
 func (e *Encoder) Encode(v any) (data []byte, fds []int, err error) {
+	if v != nil {
+		if err := checkType(reflect.TypeOf(v)); err != nil {
+			return nil, nil, err
+		}
+	}
 	e.w.reset()
 	e.enc.Reset(&e.w)
 	if err := e.enc.Encode(v); err != nil {
