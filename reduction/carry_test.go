@@ -72,3 +72,38 @@ func TestBareStorage(t *testing.T) {
 	assert.Equal(t, s.Size(), got.S.Size())
 	assert.True(t, got.S.IsShared())
 }
+
+type sentBatch struct {
+	Index any
+	Items []struct{ N any }
+	Tags  map[string]any
+}
+
+type Batch struct {
+	Index int64
+	Items []struct{ N int }
+	Tags  map[string]float32
+}
+
+// A message that does not fit its target type says which field, and
+// which types, in Go's terms.
+func TestDecodeErrorsNameTheField(t *testing.T) {
+	for _, c := range []struct {
+		sent sentBatch
+		want string
+	}{
+		{sentBatch{Index: "x"}, "reduction: Batch.Index: cannot decode a string into int64"},
+		{sentBatch{Items: []struct{ N any }{{1}, {"two"}}}, "reduction: Batch.Items[1].N: cannot decode a string into int"},
+		{sentBatch{Tags: map[string]any{"lr": []int{1}}}, "reduction: Batch.Tags[lr]: cannot decode an array into float32"},
+	} {
+		data, fds, err := reduction.Marshal(c.sent)
+		require.NoError(t, err)
+		var got Batch
+		err = reduction.Unmarshal(data, fds, &got)
+		var de *reduction.DecodeError
+		if assert.ErrorAs(t, err, &de) {
+			assert.Equal(t, c.want, err.Error())
+			assert.NotContains(t, err.Error(), "code=")
+		}
+	}
+}

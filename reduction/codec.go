@@ -309,7 +309,15 @@ func (d *Decoder) Decode(data []byte, fds []int, v any) (err error) {
 	if err := checkWellFormed(data); err != nil {
 		return err
 	}
-	return d.dec.Decode(v)
+	if err := d.dec.Decode(v); err != nil {
+		if v != nil {
+			if e := explain(data, reflect.TypeOf(v), err); e != nil {
+				return e
+			}
+		}
+		return err
+	}
+	return nil
 }
 
 // Unmarshal decodes one message with a new Decoder. See Decoder.Decode.
