@@ -19,10 +19,11 @@ import (
 // may hold such a value makes Encode fail instead, naming it.
 var carried sync.Map // reflect.Type -> struct{}
 
-// typeErrs caches what checkType found for a type: an error, or noErr.
+// typeErrs caches what checkType found for a type: an error, or
+// errTypeOK.
 var typeErrs sync.Map // reflect.Type -> error
 
-var noErr = errors.New("")
+var errTypeOK = errors.New("carried whole")
 
 func init() {
 	MustCarry(reflect.TypeFor[*tensor.Tensor]())
@@ -50,14 +51,14 @@ func isCarried(t reflect.Type) bool {
 // an unexported field that may hold a carried value, or an os.File.
 func checkType(t reflect.Type) error {
 	if e, ok := typeErrs.Load(t); ok {
-		if e == noErr {
+		if e == errTypeOK {
 			return nil
 		}
 		return e.(error)
 	}
 	err := walkType(t, t.String(), map[reflect.Type]bool{})
 	if err == nil {
-		typeErrs.Store(t, noErr)
+		typeErrs.Store(t, errTypeOK)
 	} else {
 		typeErrs.Store(t, err)
 	}

@@ -16,6 +16,9 @@ type hidden struct {
 	t    *tensor.Tensor
 }
 
+// Hidden is used, so that the linter sees the field as meant.
+func (h hidden) Hidden() *tensor.Tensor { return h.t }
+
 type outer struct {
 	Name  string
 	Inner struct {
