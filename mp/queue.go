@@ -31,6 +31,9 @@ func init() {
 	msgpack.RegisterExtDecoder(queueExt, (*Queue)(nil), func(dec *msgpack.Decoder, v reflect.Value, n int) error {
 		q, err := decodeQueue(dec, n)
 		if err != nil {
+			if v.CanSet() {
+				v.Set(reflect.Zero(v.Type())) // not the empty Queue msgpack made
+			}
 			return err
 		}
 		v.Set(reflect.ValueOf(q))
@@ -42,6 +45,9 @@ func init() {
 	msgpack.RegisterExtDecoder(pipeExt, (*Pipe)(nil), func(dec *msgpack.Decoder, v reflect.Value, n int) error {
 		p, err := decodePipe(dec, n)
 		if err != nil {
+			if v.CanSet() {
+				v.Set(reflect.Zero(v.Type())) // not the empty Pipe msgpack made
+			}
 			return err
 		}
 		v.Set(reflect.ValueOf(p))

@@ -1,6 +1,7 @@
 package mp_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"os"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/mp"
+	"github.com/tensormp/tensormp/reduction"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -326,4 +328,23 @@ func TestBareStorageAcrossProcesses(t *testing.T) {
 	v, err := tensor.Values[uint8](x)
 	require.NoError(t, err)
 	assert.Equal(t, uint8(42), v[99])
+}
+
+// A queue whose capacity arrives damaged is refused, and its descriptors
+// are closed.
+func TestQueueWithABadCapacityIsRefused(t *testing.T) {
+	leakcheck.Check(t)
+	q, err := mp.NewQueue(mp.WithCapacity(7))
+	require.NoError(t, err)
+	defer q.Close()
+	data, fds, err := reduction.Marshal(struct{ Q *mp.Queue }{q})
+	require.NoError(t, err)
+	require.Len(t, fds, 4, "both socket ends and both ends of the places pipe")
+	i := bytes.LastIndex(data, []byte{7, 0, 0, 0})
+	require.GreaterOrEqual(t, i, 0)
+	data[i] = 0
+	var got struct{ Q *mp.Queue }
+	err = reduction.Unmarshal(data, fds, &got)
+	assert.ErrorContains(t, err, "a queue of capacity 0")
+	assert.Nil(t, got.Q)
 }
