@@ -98,6 +98,8 @@ type Group struct {
 	first   error // the first failure, what Join returns
 	stopCtx func() bool
 
+	parent context.Context // Spawn's
+
 	// ctx is cancelled at the first failure (see Context); each
 	// worker's command is tied to it, so that its cancellation stops
 	// them all: SIGTERM, then SIGKILL after the grace period.
@@ -156,7 +158,7 @@ func Spawn(ctx context.Context, name string, n int, opts ...Option) (*Group, err
 		return nil, err
 	}
 	enc := reduction.NewEncoder()
-	g := &Group{done: make(chan struct{})}
+	g := &Group{done: make(chan struct{}), parent: ctx}
 	g.ctx, g.cancel = context.WithCancelCause(ctx)
 	stdout, stderr := o.stdout, o.stderr
 	if stdout == nil {
@@ -331,6 +333,11 @@ func (g *Group) stop(cause error) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if g.first == nil {
+		if err := g.parent.Err(); err != nil {
+			// Spawn's context ended: that is why the workers stop,
+			// whichever of them reports first.
+			cause = fmt.Errorf("mp: workers stopped: %w", err)
+		}
 		g.first = cause
 	}
 	g.cancel(cause)

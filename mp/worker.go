@@ -100,6 +100,9 @@ type result struct {
 // runWorker is a spawned process's main: it sets up the worker's state
 // from what the parent passed, runs fn and reports how it went.
 func runWorker(name string, fn WorkerFunc) int {
+	// First, so that a group stopped while this worker starts finds its
+	// SIGTERM handled.
+	ctx, stop := workerContext()
 	unix.CloseOnExec(ctlFD)
 	unix.CloseOnExec(lockFD)
 	keepSessionLock(lockFD)
@@ -144,7 +147,6 @@ func runWorker(name string, fn WorkerFunc) int {
 		}
 	}()
 
-	ctx, stop := workerContext()
 	err = call(ctx, fn, w)
 	terminated := context.Cause(ctx) == errTerminated
 	stop()
