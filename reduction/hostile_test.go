@@ -128,6 +128,7 @@ func TestHostileInput(t *testing.T) {
 		{"trailing bytes", append(validMetaMsg(t), 0xc0), segFD, "bytes after the value"},
 		{"ext length past end", []byte{0xc7, 0xff, byte(tensorExt), 0x01}, segFD, "runs past the message"},
 		{"garbage payload", []byte{0xd4, byte(tensorExt), 0xc1}, segFD, "invalid code 0xc1"},
+		{"garbage storage payload", []byte{0xd4, byte(storageExt), 0xc1}, segFD, "invalid code 0xc1"},
 		{"huge array header", []byte{0xdd, 0xdd, 0xdd, 0xdd, 0xdd, 0xc0}, segFD, "runs past the message"},
 		{"huge shape in metadata", hugeShapeMsg(t), segFD, "runs past the message"},
 		{"deep nesting", append(bytes.Repeat([]byte{0x91}, 100000), 0xc0), segFD, "nested deeper"},

@@ -13,7 +13,8 @@ const maxDepth = 256
 // hostile header ("an array of four billion elements") cannot make the
 // decoder allocate gigabytes, that nesting stays under maxDepth, so that
 // decoding cannot exhaust the stack, and that the message is exactly one
-// value. Tensor metadata inside extensions is checked the same way.
+// value. Tensor metadata inside extensions (tensors' and storages') is
+// checked the same way.
 func checkWellFormed(b []byte) error {
 	n, err := skipValue(b, 0)
 	if err != nil {
@@ -122,7 +123,7 @@ func ext(b []byte, head, n, depth int) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	if int8(b[head]) == tensorExt {
+	if t := int8(b[head]); t == tensorExt || t == storageExt { // both carry a Meta
 		payload := b[head+1 : end]
 		used, err := skipValue(payload, depth+1)
 		if err != nil {
