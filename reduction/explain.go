@@ -1,7 +1,6 @@
 package reduction
 
 import (
-	"encoding/binary"
 	"fmt"
 	"reflect"
 	"strconv"
@@ -44,12 +43,12 @@ func explain(b []byte, t reflect.Type, cause error) error {
 }
 
 func mismatch(b []byte, t reflect.Type, path string, depth int) *DecodeError {
-	if depth > maxDepth || len(b) == 0 {
+	if depth > maxDepth {
 		return nil
 	}
-	kind, n, head := header(b)
-	if kind == "nil" {
-		return nil // decodes into anything as its zero value
+	k, items, head, _, err := peek(b)
+	if err != nil || k == kindNil {
+		return nil // nil decodes into anything as its zero value
 	}
 	for t.Kind() == reflect.Pointer {
 		t = t.Elem()
@@ -57,56 +56,56 @@ func mismatch(b []byte, t reflect.Type, path string, depth int) *DecodeError {
 	if isCarried(reflect.PointerTo(t)) || isCarried(t) || t == timeType {
 		return nil // extensions check themselves
 	}
-	bad := func() *DecodeError { return &DecodeError{Path: path, Got: kind, Want: t} }
+	bad := func() *DecodeError { return &DecodeError{Path: path, Got: k.String(), Want: t} }
 	switch t.Kind() {
 	case reflect.Interface:
 		return nil
 	case reflect.Bool:
-		if kind != "a bool" {
+		if k != kindBool {
 			return bad()
 		}
 	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
 		reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64, reflect.Uintptr:
-		if kind != "an integer" {
+		if k != kindInt {
 			return bad()
 		}
 	case reflect.Float32, reflect.Float64:
-		if kind != "an integer" && kind != "a float" {
+		if k != kindInt && k != kindFloat {
 			return bad()
 		}
 	case reflect.String:
-		if kind != "a string" && kind != "bytes" {
+		if k != kindString && k != kindBytes {
 			return bad()
 		}
 	case reflect.Slice, reflect.Array:
-		if t.Elem().Kind() == reflect.Uint8 && (kind == "bytes" || kind == "a string") {
+		if t.Elem().Kind() == reflect.Uint8 && (k == kindBytes || k == kindString) {
 			return nil
 		}
-		if kind != "an array" {
+		if k != kindArray {
 			return bad()
 		}
-		return items(b[head:], n, func(i int, item []byte) *DecodeError {
+		return eachValue(b[head:], items, func(i int, item []byte) *DecodeError {
 			return mismatch(item, t.Elem(), path+"["+strconv.Itoa(i)+"]", depth+1)
 		})
 	case reflect.Map:
-		if kind != "a map" {
+		if k != kindMap {
 			return bad()
 		}
-		return pairs(b[head:], n, func(key, val []byte) *DecodeError {
+		return eachPair(b[head:], items/2, func(key, val []byte) *DecodeError {
 			if e := mismatch(key, t.Key(), path+"[key]", depth+1); e != nil {
 				return e
 			}
 			return mismatch(val, t.Elem(), path+"["+keyText(key)+"]", depth+1)
 		})
 	case reflect.Struct:
-		if kind == "an array" {
+		if k == kindArray {
 			return nil // an array-encoded struct: not ours to judge
 		}
-		if kind != "a map" {
+		if k != kindMap {
 			return bad()
 		}
 		fields := structFields(t)
-		return pairs(b[head:], n, func(key, val []byte) *DecodeError {
+		return eachPair(b[head:], items/2, func(key, val []byte) *DecodeError {
 			f, ok := fields[keyText(key)]
 			if !ok {
 				return nil // msgpack skips what the type lacks
@@ -146,54 +145,8 @@ func structFields(t reflect.Type) map[string]reflect.StructField {
 	return out
 }
 
-// header classifies the value at the start of b and returns, for arrays
-// and maps, the number of items (pairs for maps), and the header's size.
-func header(b []byte) (kind string, n, head int) {
-	c := b[0]
-	u := func(w int) int {
-		if len(b) < 1+w {
-			return 0
-		}
-		switch w {
-		case 2:
-			return int(binary.BigEndian.Uint16(b[1:]))
-		default:
-			return int(binary.BigEndian.Uint32(b[1:]))
-		}
-	}
-	switch {
-	case c <= 0x7f || c >= 0xe0 || c >= 0xcc && c <= 0xd3:
-		return "an integer", 0, 1
-	case c >= 0x80 && c <= 0x8f:
-		return "a map", int(c & 0x0f), 1
-	case c >= 0x90 && c <= 0x9f:
-		return "an array", int(c & 0x0f), 1
-	case c >= 0xa0 && c <= 0xbf || c >= 0xd9 && c <= 0xdb:
-		return "a string", 0, 1
-	}
-	switch c {
-	case 0xc0:
-		return "nil", 0, 1
-	case 0xc2, 0xc3:
-		return "a bool", 0, 1
-	case 0xca, 0xcb:
-		return "a float", 0, 1
-	case 0xc4, 0xc5, 0xc6:
-		return "bytes", 0, 1
-	case 0xdc:
-		return "an array", u(2), 3
-	case 0xdd:
-		return "an array", u(4), 5
-	case 0xde:
-		return "a map", u(2), 3
-	case 0xdf:
-		return "a map", u(4), 5
-	}
-	return "an extension", 0, 1 // 0xc7-0xc9, 0xd4-0xd8: tensors and others
-}
-
-// items calls f on each of n values at the start of b.
-func items(b []byte, n int, f func(i int, item []byte) *DecodeError) *DecodeError {
+// eachValue calls f on each of n values at the start of b.
+func eachValue(b []byte, n int, f func(i int, item []byte) *DecodeError) *DecodeError {
 	for i := range n {
 		size, err := skipValue(b, 0)
 		if err != nil {
@@ -207,45 +160,27 @@ func items(b []byte, n int, f func(i int, item []byte) *DecodeError) *DecodeErro
 	return nil
 }
 
-// pairs calls f on each of n key-value pairs at the start of b.
-func pairs(b []byte, n int, f func(key, val []byte) *DecodeError) *DecodeError {
-	for range n {
-		ks, err := skipValue(b, 0)
-		if err != nil {
+// eachPair calls f on each of n key-value pairs at the start of b.
+func eachPair(b []byte, n int, f func(key, val []byte) *DecodeError) *DecodeError {
+	var key []byte
+	return eachValue(b, 2*n, func(i int, item []byte) *DecodeError {
+		if i%2 == 0 {
+			key = item
 			return nil
 		}
-		vs, err := skipValue(b[ks:], 0)
-		if err != nil {
-			return nil
-		}
-		if e := f(b[:ks], b[ks:ks+vs]); e != nil {
-			return e
-		}
-		b = b[ks+vs:]
-	}
-	return nil
+		return f(key, item)
+	})
 }
 
-// keyText returns a map key as text: a string's own, else a placeholder.
+// keyText returns a map key as text: a string's own, a small integer's
+// digits, else a placeholder.
 func keyText(b []byte) string {
-	c := b[0]
-	var off, n int
+	k, _, head, body, err := peek(b)
 	switch {
-	case c >= 0xa0 && c <= 0xbf:
-		off, n = 1, int(c&0x1f)
-	case c == 0xd9 && len(b) >= 2:
-		off, n = 2, int(b[1])
-	case c == 0xda && len(b) >= 3:
-		off, n = 3, int(binary.BigEndian.Uint16(b[1:]))
-	case c == 0xdb && len(b) >= 5:
-		off, n = 5, int(binary.BigEndian.Uint32(b[1:]))
-	case c <= 0x7f:
-		return strconv.Itoa(int(c))
-	default:
-		return "?"
+	case err == nil && k == kindString && head+body <= len(b):
+		return string(b[head : head+body])
+	case b[0] <= 0x7f:
+		return strconv.Itoa(int(b[0]))
 	}
-	if off+n > len(b) {
-		return "?"
-	}
-	return string(b[off : off+n])
+	return "?"
 }

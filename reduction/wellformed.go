@@ -31,60 +31,96 @@ func skipValue(b []byte, depth int) (int, error) {
 	if depth > maxDepth {
 		return 0, fmt.Errorf("nested deeper than %d", maxDepth)
 	}
+	k, items, head, body, err := peek(b)
+	switch {
+	case err != nil:
+		return 0, err
+	case k == kindArray || k == kindMap:
+		return skipItems(b, head, items, depth)
+	case k == kindExt:
+		return ext(b, head, body-1, depth)
+	}
+	return span(b, head, body)
+}
+
+// kind is what a msgpack value is, as decoding it into a Go type sees it.
+type kind uint8
+
+const (
+	kindNil kind = iota
+	kindBool
+	kindInt
+	kindFloat
+	kindString
+	kindBytes
+	kindArray
+	kindMap
+	kindExt
+)
+
+var kindNames = [...]string{"nil", "a bool", "an integer", "a float", "a string", "bytes", "an array", "a map", "an extension"}
+
+func (k kind) String() string { return kindNames[k] }
+
+// peek reads the header of the msgpack value at the start of b: its kind;
+// for an array or a map, how many values follow (keys and values both, for
+// a map); the header's size; and for any other value the size of its body
+// (an extension's counts its type byte). It checks only that the header
+// itself is present: the one place that knows msgpack's codes.
+func peek(b []byte) (k kind, items, head, body int, err error) {
 	if len(b) == 0 {
-		return 0, fmt.Errorf("unexpected end of message")
+		return 0, 0, 0, 0, fmt.Errorf("unexpected end of message")
 	}
 	c := b[0]
 	switch {
-	case c <= 0x7f || c >= 0xe0 || c == 0xc0 || c == 0xc2 || c == 0xc3:
-		return 1, nil
-	case c >= 0x80 && c <= 0x8f:
-		return skipItems(b, 1, 2*int(c&0x0f), depth)
-	case c >= 0x90 && c <= 0x9f:
-		return skipItems(b, 1, int(c&0x0f), depth)
-	case c >= 0xa0 && c <= 0xbf:
-		return span(b, 1, int(c&0x1f))
+	case c <= 0x7f || c >= 0xe0:
+		return kindInt, 0, 1, 0, nil
+	case c <= 0x8f:
+		return kindMap, 2 * int(c&0x0f), 1, 0, nil
+	case c <= 0x9f:
+		return kindArray, int(c & 0x0f), 1, 0, nil
+	case c <= 0xbf:
+		return kindString, 0, 1, int(c & 0x1f), nil
+	}
+	// sized is a value whose body length, w bytes wide, follows the code.
+	sized := func(k kind, w int) (kind, int, int, int, error) {
+		n, err := length(b, w)
+		return k, 0, 1 + w, n, err
 	}
 	switch c {
+	case 0xc0:
+		return kindNil, 0, 1, 0, nil
+	case 0xc2, 0xc3:
+		return kindBool, 0, 1, 0, nil
 	case 0xcc, 0xd0:
-		return span(b, 1, 1)
+		return kindInt, 0, 1, 1, nil
 	case 0xcd, 0xd1:
-		return span(b, 1, 2)
-	case 0xca, 0xce, 0xd2:
-		return span(b, 1, 4)
-	case 0xcb, 0xcf, 0xd3:
-		return span(b, 1, 8)
-	case 0xc4, 0xd9: // bin8, str8
-		return sized(b, 1)
-	case 0xc5, 0xda:
-		return sized(b, 2)
-	case 0xc6, 0xdb:
-		return sized(b, 4)
+		return kindInt, 0, 1, 2, nil
+	case 0xce, 0xd2:
+		return kindInt, 0, 1, 4, nil
+	case 0xcf, 0xd3:
+		return kindInt, 0, 1, 8, nil
+	case 0xca:
+		return kindFloat, 0, 1, 4, nil
+	case 0xcb:
+		return kindFloat, 0, 1, 8, nil
+	case 0xc4, 0xc5, 0xc6: // bin 8, 16, 32
+		return sized(kindBytes, 1<<(c-0xc4))
+	case 0xd9, 0xda, 0xdb: // str 8, 16, 32
+		return sized(kindString, 1<<(c-0xd9))
 	case 0xd4, 0xd5, 0xd6, 0xd7, 0xd8: // fixext 1, 2, 4, 8, 16
-		return ext(b, 1, 1<<(c-0xd4), depth)
+		return kindExt, 0, 1, 1 + 1<<(c-0xd4), nil
 	case 0xc7, 0xc8, 0xc9: // ext 8, 16, 32
-		w := 1 << (c - 0xc7)
-		n, err := length(b, w)
-		if err != nil {
-			return 0, err
-		}
-		return ext(b, 1+w, n, depth)
+		k, _, head, n, err := sized(kindExt, 1<<(c-0xc7))
+		return k, 0, head, 1 + n, err
 	case 0xdc, 0xdd: // array 16, 32
-		w := 2 << (c - 0xdc)
-		n, err := length(b, w)
-		if err != nil {
-			return 0, err
-		}
-		return skipItems(b, 1+w, n, depth)
+		k, _, head, n, err := sized(kindArray, 2<<(c-0xdc))
+		return k, n, head, 0, err
 	case 0xde, 0xdf: // map 16, 32
-		w := 2 << (c - 0xde)
-		n, err := length(b, w)
-		if err != nil {
-			return 0, err
-		}
-		return skipItems(b, 1+w, 2*n, depth)
+		k, _, head, n, err := sized(kindMap, 2<<(c-0xde))
+		return k, 2 * n, head, 0, err
 	}
-	return 0, fmt.Errorf("invalid code %#x", c)
+	return 0, 0, 0, 0, fmt.Errorf("invalid code %#x", c)
 }
 
 // length reads the w-byte big-endian length after the code byte.
@@ -107,15 +143,6 @@ func span(b []byte, head, n int) (int, error) {
 		return 0, fmt.Errorf("a value of %d bytes runs past the message", n)
 	}
 	return head + n, nil
-}
-
-// sized is span for a str or bin with a w-byte length.
-func sized(b []byte, w int) (int, error) {
-	n, err := length(b, w)
-	if err != nil {
-		return 0, err
-	}
-	return span(b, 1+w, n)
 }
 
 func ext(b []byte, head, n, depth int) (int, error) {
