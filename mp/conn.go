@@ -79,7 +79,8 @@ type conn struct {
 	once sync.Once
 }
 
-// newConn wraps s, a SOCK_SEQPACKET socket, taking it over.
+// newConn wraps s, a SOCK_SEQPACKET socket (or an end of a queue's places
+// pipe, which only io uses), taking it over.
 func newConn(s *fd.FD, name string) (*conn, error) {
 	raw, err := s.Disown()
 	if err != nil {

@@ -1,12 +1,10 @@
 package mp
 
 import (
-	"context"
 	"fmt"
 	"os"
 	"strings"
 	"sync/atomic"
-	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -67,9 +65,7 @@ func failKeeper(reason string) {
 func failSetup(reason string) {
 	fmt.Fprintf(os.Stderr, "tensormp: %s\n", reason)
 	if ctl, err := newConn(fd.New(ctlFD), "control"); err == nil {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		_ = put(ctx, ctl, &result{Failed: true, Err: reason}, true)
-		cancel()
+		_ = report(ctl, result{Failed: true, Err: reason})
 	}
 	os.Exit(2)
 }

@@ -187,19 +187,25 @@ func (q *Queue) makePlaces(n int) error {
 	if err != nil {
 		return fmt.Errorf("mp: a queue capacity of %d: %w%s", n, err, fdHint(err))
 	}
-	if err := q.adoptPlaces(fd.New(p[0]), fd.New(p[1]), n); err != nil {
+	if err := fillPlaces(p[1], n); err != nil {
+		_, _ = unix.Close(p[0]), unix.Close(p[1])
 		return err
 	}
+	return q.adoptPlaces(fd.New(p[0]), fd.New(p[1]), n)
+}
+
+// fillPlaces writes n bytes, one per free place, into a places pipe.
+func fillPlaces(w, n int) error {
 	ones := make([]byte, min(n, 64<<10))
 	for i := range ones {
 		ones[i] = 1
 	}
 	for left := n; left > 0; {
-		w, err := unix.Write(p[1], ones[:min(left, len(ones))])
+		k, err := unix.Write(w, ones[:min(left, len(ones))])
 		if err != nil {
 			return fmt.Errorf("mp: filling a queue's places: %w", err)
 		}
-		left -= w
+		left -= k
 	}
 	return nil
 }
@@ -323,29 +329,35 @@ func (q *Queue) encode(enc *msgpack.Encoder) ([]byte, error) {
 }
 
 func decodeQueue(dec *msgpack.Decoder, n int) (*Queue, error) {
-	want := 2
-	if n == 4*4+4 {
-		want = 4
+	bounded := n == 4*4+4
+	if n != 4*2 && !bounded {
+		return nil, fmt.Errorf("mp: a queue of %d bytes", n)
 	}
-	payload, fds, err := decodeConns(dec, n, want)
+	payload, err := reduction.ReadExt(dec, n)
+	if err != nil {
+		return nil, err
+	}
+	want, capacity := 2, 0
+	if bounded {
+		want, capacity = 4, int(binary.LittleEndian.Uint32(payload[16:]))
+		if capacity < 1 || capacity > MaxCapacity {
+			return nil, fmt.Errorf("mp: a queue of capacity %d", capacity)
+		}
+	}
+	fds, err := takeFDs(dec, payload, want)
 	if err != nil {
 		return nil, err
 	}
 	q, err := queueFrom(fds[0], fds[1])
-	if err != nil || want == 2 {
-		if err != nil && want == 4 {
-			_, _ = fds[2].Close(), fds[3].Close()
-		}
-		return q, err
-	}
-	capacity := int(binary.LittleEndian.Uint32(payload[16:]))
-	if capacity < 1 || capacity > MaxCapacity {
-		_, _, _ = q.Close(), fds[2].Close(), fds[3].Close()
-		return nil, fmt.Errorf("mp: a queue of capacity %d", capacity)
-	}
-	if err := q.adoptPlaces(fds[2], fds[3], capacity); err != nil {
-		_ = q.Close()
+	if err != nil {
+		closeFDs(fds[2:])
 		return nil, err
+	}
+	if bounded {
+		if err := q.adoptPlaces(fds[2], fds[3], capacity); err != nil {
+			_ = q.Close()
+			return nil, err
+		}
 	}
 	return q, nil
 }
@@ -392,7 +404,14 @@ func (p *Pipe) encode(enc *msgpack.Encoder) ([]byte, error) {
 }
 
 func decodePipe(dec *msgpack.Decoder, n int) (*Pipe, error) {
-	_, fds, err := decodeConns(dec, n, 1)
+	if n != 4 {
+		return nil, fmt.Errorf("mp: a pipe of %d bytes", n)
+	}
+	payload, err := reduction.ReadExt(dec, n)
+	if err != nil {
+		return nil, err
+	}
+	fds, err := takeFDs(dec, payload, 1)
 	if err != nil {
 		return nil, err
 	}
@@ -422,27 +441,23 @@ func encodeConns(enc *msgpack.Encoder, conns ...*conn) ([]byte, error) {
 	return payload, nil
 }
 
-// decodeConns reads an extension of n bytes whose first 4*want bytes
-// index want descriptors, and takes those descriptors, owned by the
-// caller.
-func decodeConns(dec *msgpack.Decoder, n, want int) ([]byte, []*fd.FD, error) {
-	if n != 4*want && !(want == 4 && n == 4*want+4) {
-		return nil, nil, fmt.Errorf("mp: queue or pipe of %d bytes, want %d", n, 4*want)
-	}
-	payload, err := reduction.ReadExt(dec, n)
-	if err != nil {
-		return nil, nil, err
-	}
+// takeFDs takes the want descriptors whose indexes begin payload, owned
+// by the caller.
+func takeFDs(dec *msgpack.Decoder, payload []byte, want int) ([]*fd.FD, error) {
 	fds := make([]*fd.FD, 0, want)
 	for i := range want {
 		f, err := reduction.TakeFD(dec, int(binary.LittleEndian.Uint32(payload[4*i:])))
 		if err != nil {
-			for _, f := range fds {
-				_ = f.Close()
-			}
-			return nil, nil, err
+			closeFDs(fds)
+			return nil, err
 		}
 		fds = append(fds, f)
 	}
-	return payload, fds, nil
+	return fds, nil
+}
+
+func closeFDs(fds []*fd.FD) {
+	for _, f := range fds {
+		_ = f.Close()
+	}
 }

@@ -203,7 +203,7 @@ func Spawn(ctx context.Context, name string, n int, opts ...Option) (*Group, err
 		}
 	}
 	runtime.KeepAlive(o.args)
-	g.stopCtx = context.AfterFunc(ctx, func() { g.stop(fmt.Errorf("mp: workers stopped: %w", ctx.Err())) })
+	g.stopCtx = context.AfterFunc(ctx, func() { g.stop(stoppedBy(ctx)) })
 	var wg sync.WaitGroup
 	for _, p := range g.procs {
 		wg.Add(1)
@@ -333,14 +333,19 @@ func (g *Group) stop(cause error) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if g.first == nil {
-		if err := g.parent.Err(); err != nil {
+		if g.parent.Err() != nil {
 			// Spawn's context ended: that is why the workers stop,
 			// whichever of them reports first.
-			cause = fmt.Errorf("mp: workers stopped: %w", err)
+			cause = stoppedBy(g.parent)
 		}
 		g.first = cause
 	}
 	g.cancel(cause)
+}
+
+// stoppedBy is the failure of a group whose Spawn context, ctx, ended.
+func stoppedBy(ctx context.Context) error {
+	return fmt.Errorf("mp: workers stopped: %w", ctx.Err())
 }
 
 // Join waits until every worker has exited and been reaped. It returns

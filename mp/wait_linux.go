@@ -215,13 +215,14 @@ func startPoller() {
 // of its own while it waits.
 func pollLoop(epfd int) {
 	var events [64]unix.EpollEvent
+	var ready []*parking
 	for {
 		n, err := unix.EpollWait(epfd, events[:], -1)
 		if err != nil {
 			continue // EINTR
 		}
 		thePoller.mu.Lock()
-		ready := make([]*parking, 0, n)
+		ready = ready[:0]
 		for i := range events[:n] {
 			if p := thePoller.parks[getID(&events[i])]; p != nil {
 				ready = append(ready, p)
@@ -231,6 +232,7 @@ func pollLoop(epfd int) {
 		for _, p := range ready {
 			p.notify()
 		}
+		clear(ready) // no registration outlives its conn here
 	}
 }
 

@@ -162,10 +162,8 @@ func runWorker(name string, fn WorkerFunc) int {
 	// a named segment nobody else holds goes with this process, not at the
 	// session's end.
 	mmapalloc.DropRefsForExit()
-	mmapalloc.Trim() // named segments nobody holds go now, not at the session's end
-	report, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := put(report, ctl, &res, true); err != nil {
+	mmapalloc.Trim()
+	if err := report(ctl, res); err != nil {
 		log.Error("reporting the result", "error", err)
 	}
 	if res.Failed {
@@ -197,6 +195,14 @@ func workerContext() (context.Context, func()) {
 		signal.Stop(sigs)
 		cancel(nil)
 	}
+}
+
+// report sends a worker's result to its parent on ctl, giving up after
+// 10 seconds.
+func report(ctl *conn, res result) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	return put(ctx, ctl, &res, true)
 }
 
 // call runs fn, turning a panic into an error with its stack.
