@@ -61,6 +61,7 @@ type rankArgs struct {
 }
 
 func registerWorkers() {
+	registerBatchWorkers()
 	mp.Register("report", func(ctx context.Context, w *mp.Worker) error {
 		var a spawnArgs
 		if err := w.Args(&a); err != nil {

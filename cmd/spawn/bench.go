@@ -8,50 +8,101 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"reflect"
 	"runtime"
 	"slices"
 	"strings"
 	"time"
 
+	"github.com/vmihailenco/msgpack/v5"
+
 	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/mp"
+	"github.com/tensormp/tensormp/reduction"
 	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
 )
 
-const benchHelp = `Measures tensor hand-off between processes, for each sharing strategy:
-  roundtrip    parent -> worker -> parent over two queues, a tensor already
-               shared (p50, p99)
-  first_share  the same round trip for a tensor not yet in shared memory
-  stream       4 KiB tensors sent one way, per second (made in shared
-               memory with tensor.On(cpu).Shared(), as a producer would)
-  fds          descriptors a receiver holds while it keeps 10,000 received
-               4 KiB tensors alive
-Prints a table, or with -json one JSON object per line.`
+const benchHelp = `Measures tensor hand-off between processes, for each sharing strategy,
+beside the floor: the same socket type between the same two processes
+with nothing but the kernel's work (one descriptor in each message, no
+encoding, no mapping), measured in turns with the case it bounds.
+  floor_roundtrip     a message and a descriptor there and back (p50, p99)
+  roundtrip           parent -> worker -> parent over two queues, a tensor
+                      already shared
+  first_share         the same round trip for a tensor not yet in shared
+                      memory
+  floor_stream        messages of one record and one descriptor sent one
+                      way, per second
+  stream              4 KiB tensors sent one way, one per message, per
+                      second (made in shared memory with
+                      tensor.On(cpu).Shared(), as a producer would)
+  floor_stream_batch  records sent one way, -batch to a message with one
+                      descriptor, per second
+  stream_batch        4 KiB tensors sent one way, -batch to a message
+                      (mp.PutMany), per second
+  fds                 descriptors a receiver holds while it keeps "held"
+                      received tensors alive: -hold and 10 x -hold of 4 KiB,
+                      -hold of 80 KiB
+The table's last column divides each case by its floor. Prints a table,
+or with -json one JSON object per line.`
 
 // benchMsg is what the bench worker receives: a command and a tensor.
 type benchMsg struct {
-	Op     string // "echo", "count", "hold", "stop"
+	Op     string // "echo", "count", "hold", "release", "floor", "stop"
 	N      int
+	Batch  int // tensors per message for "count"
 	Tensor *tensor.Tensor
+	Floor  floorSocket // for "floor"
 }
 
 type benchArgs struct {
 	In, Out *mp.Queue
 }
 
+// floorSocket carries the worker's end of the floor's socket pair.
+type floorSocket struct{ f *fd.FD }
+
+const floorExt int8 = 0x62 // 'b'
+
 func init() {
 	mp.Register("bench", benchWorker)
+	reduction.MustCarry(reflect.TypeFor[floorSocket]())
+	msgpack.RegisterExtEncoder(floorExt, floorSocket{}, func(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {
+		s := v.Interface().(floorSocket)
+		if s.f == nil {
+			return nil, nil
+		}
+		i, err := reduction.AddFD(enc, s.f)
+		if err != nil {
+			return nil, err
+		}
+		return []byte{byte(i)}, nil
+	})
+	msgpack.RegisterExtDecoder(floorExt, floorSocket{}, func(dec *msgpack.Decoder, v reflect.Value, n int) error {
+		payload, err := reduction.ReadExt(dec, n)
+		if err != nil || len(payload) == 0 {
+			return err
+		}
+		f, err := reduction.TakeFD(dec, int(payload[0]))
+		if err != nil {
+			return err
+		}
+		v.Set(reflect.ValueOf(floorSocket{f}))
+		return nil
+	})
 }
 
 // benchWorker echoes tensors, counts streamed ones, or holds them and
-// reports its descriptor count.
+// reports its descriptor count; it serves the floor's socket beside.
 func benchWorker(ctx context.Context, w *mp.Worker) error {
 	var a benchArgs
 	if err := w.Args(&a); err != nil {
 		return err
 	}
 	var last *tensor.Tensor // keeps the echoed storage mapped between trips
+	var batch []*tensor.Tensor
 	for {
 		var m benchMsg
 		if err := a.In.Get(ctx, &m); err != nil {
@@ -64,14 +115,18 @@ func benchWorker(ctx context.Context, w *mp.Worker) error {
 				return err
 			}
 		case "count":
-			for range m.N {
-				var x *tensor.Tensor
-				if err := a.In.Get(ctx, &x); err != nil {
+			for got := 0; got < m.N; {
+				var err error
+				if batch, err = mp.GetMany(ctx, a.In, batch[:0]); err != nil {
 					return err
 				}
-				if err := x.Release(); err != nil {
-					return err
+				for i, x := range batch {
+					if err := x.Release(); err != nil {
+						return err
+					}
+					batch[i] = nil
 				}
+				got += len(batch)
 			}
 			if err := a.Out.Put(ctx, m.N); err != nil {
 				return err
@@ -99,6 +154,10 @@ func benchWorker(ctx context.Context, w *mp.Worker) error {
 			if err := a.Out.Put(ctx, 0); err != nil {
 				return err
 			}
+		case "floor":
+			// Served until the parent closes its end; a failure closes
+			// this end, which the parent's next floor call reports.
+			go func() { _ = serveFloor(m.Floor.f) }()
 		case "stop":
 			return nil
 		}
@@ -121,6 +180,8 @@ type benchResult struct {
 	P50us    float64 `json:"p50_us,omitempty"`
 	P99us    float64 `json:"p99_us,omitempty"`
 	PerS     float64 `json:"per_s,omitempty"`
+	Batch    int     `json:"batch,omitempty"` // tensors per message
+	Held     int     `json:"held,omitempty"`  // tensors the receiver holds
 	FDs      int     `json:"fds,omitempty"`
 }
 
@@ -131,10 +192,12 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	fs.SetOutput(stderr)
 	asJSON := fs.Bool("json", false, "print one JSON object per line instead of a table")
 	strategies := fs.String("strategy", "file_descriptor,file_system", "comma-separated sharing strategies to measure")
-	trips := fs.Int("trips", 5000, "round trips per size (fewer for large first shares)")
-	streamN := fs.Int("stream", 50000, "tensors sent in the stream case")
-	holdN := fs.Int("hold", 10000, "tensors held in the fds case")
-	maxSize := fs.Int64("max", 256<<20, "largest tensor size to measure, in bytes")
+	var o benchOpts
+	fs.IntVar(&o.trips, "trips", 5000, "round trips per size (fewer for large first shares)")
+	fs.IntVar(&o.stream, "stream", 50000, "tensors sent in each stream case")
+	fs.IntVar(&o.batch, "batch", 16, "tensors per message in the batched stream")
+	fs.IntVar(&o.hold, "hold", 10000, "tensors held in the fds cases (and ten times as many 4 KiB ones)")
+	fs.Int64Var(&o.maxSize, "max", 256<<20, "largest tensor size to measure, in bytes")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "usage: spawn bench [flags]\n\n%s\n\nflags:\n", benchHelp)
 		fs.PrintDefaults()
@@ -143,6 +206,10 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
 		}
+		return 2
+	}
+	if o.trips < 1 || o.stream < 1 || o.batch < 1 || o.hold < 1 {
+		fmt.Fprintln(stderr, "spawn bench: -trips, -stream, -batch and -hold must be positive")
 		return 2
 	}
 	var sts []strategy.Strategy
@@ -168,7 +235,7 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 		}
 	}
 	for _, st := range sts {
-		if err := benchStrategy(st, *trips, *streamN, *holdN, *maxSize, progress, emit); err != nil {
+		if err := benchStrategy(st, o, progress, emit); err != nil {
 			fmt.Fprintf(stderr, "spawn bench: %s: %v\n", st, err)
 			return 1
 		}
@@ -185,11 +252,11 @@ func isTerminal(f *os.File) bool {
 	return err == nil && st.Mode()&os.ModeCharDevice != 0
 }
 
-func benchStrategy(st strategy.Strategy, trips, streamN, holdN int, maxSize int64, progress func(string), emit func(benchResult)) error {
+func benchStrategy(st strategy.Strategy, o benchOpts, progress func(string), emit func(benchResult)) error {
 	if err := strategy.Set(st); err != nil {
 		return err
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	in, err := mp.NewQueue()
 	if err != nil {
@@ -205,149 +272,304 @@ func benchStrategy(st strategy.Strategy, trips, streamN, holdN int, maxSize int6
 	if err != nil {
 		return err
 	}
-	ctx = g.Context() // a dead worker ends the wait for its reply
-	runErr := benchCases(ctx, st, in, out, trips, streamN, holdN, maxSize, progress, emit)
-	_ = in.Put(ctx, benchMsg{Op: "stop"})
-	if err := g.Join(); err != nil {
-		return err // a worker's failure explains whatever else went wrong
-	}
-	return runErr
+	b := &bencher{ctx: g.Context(), st: st, in: in, out: out, o: o, progress: progress, emit: emit}
+	runErr := b.run()
+	_ = in.Put(b.ctx, benchMsg{Op: "stop"}) // a dead worker ends the wait for its reply
+	// Either failure may explain the other: a worker that died ends the
+	// parent's wait, and a parent that gave up midway leaves the worker
+	// reading a message it did not expect.
+	return errors.Join(runErr, g.Join())
 }
 
-func benchCases(ctx context.Context, st strategy.Strategy, in, out *mp.Queue, trips, streamN, holdN int, maxSize int64, progress func(string), emit func(benchResult)) error {
-	cpu := tensor.On(device.CPU())
-	roundTrip := func(x *tensor.Tensor) (time.Duration, error) {
-		start := time.Now()
-		if err := in.Put(ctx, benchMsg{Op: "echo", Tensor: x}); err != nil {
-			return 0, err
-		}
-		var back *tensor.Tensor
-		if err := out.Get(ctx, &back); err != nil {
-			return 0, err
-		}
-		d := time.Since(start)
-		if back.Storage() != x.Storage() {
-			return 0, errors.New("the tensor came back on other memory")
-		}
-		return d, nil
-	}
-	release := func() error {
-		if err := in.Put(ctx, benchMsg{Op: "release"}); err != nil {
+// benchOpts are spawn bench's flags.
+type benchOpts struct {
+	trips, stream, batch, hold int
+	maxSize                    int64
+}
+
+// bencher runs the cases of one strategy against one bench worker.
+type bencher struct {
+	ctx      context.Context
+	st       strategy.Strategy
+	in, out  *mp.Queue
+	o        benchOpts
+	progress func(string)
+	emit     func(benchResult)
+	floor    *floor // nil where the floor is not measured
+}
+
+// rounds is how many times the floor and the case it bounds take turns,
+// so that both see the same machine.
+const rounds = 5
+
+func (b *bencher) run() error {
+	f, peer, err := newFloor()
+	switch {
+	case errors.Is(err, errors.ErrUnsupported):
+	case err != nil:
+		return err
+	default:
+		defer f.close()
+		if err := b.in.Put(b.ctx, benchMsg{Op: "floor", Floor: floorSocket{peer}}); err != nil {
 			return err
 		}
-		var ok int
-		return out.Get(ctx, &ok)
+		b.floor = f
 	}
 	for _, size := range benchSizes {
-		if size > maxSize {
+		if size > b.o.maxSize {
 			break
 		}
-		progress(fmt.Sprintf("%s: round trip of %s", st, formatBytes(size)))
-		x, err := cpu.Zeros(tensor.Uint8, int(size))
-		if err != nil {
+		if err := b.roundTrips(size); err != nil {
 			return err
 		}
-		if err := x.ShareMemory(); err != nil {
+		if err := b.firstShares(size); err != nil {
 			return err
 		}
-		runtime.GC() // start each measurement without the last one's garbage
-		var ds []time.Duration
-		for i := range trips + 1000 {
-			d, err := roundTrip(x)
+	}
+	if err := b.streams(); err != nil {
+		return err
+	}
+	for _, c := range []struct {
+		size int64
+		n    int
+	}{{4 << 10, b.o.hold}, {4 << 10, 10 * b.o.hold}, {80 << 10, b.o.hold}} {
+		if err := b.fds(c.size, c.n); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (b *bencher) roundTrip(x *tensor.Tensor) (time.Duration, error) {
+	start := time.Now()
+	if err := b.in.Put(b.ctx, benchMsg{Op: "echo", Tensor: x}); err != nil {
+		return 0, err
+	}
+	var back *tensor.Tensor
+	if err := b.out.Get(b.ctx, &back); err != nil {
+		return 0, err
+	}
+	d := time.Since(start)
+	if back.Storage() != x.Storage() {
+		return 0, errors.New("the tensor came back on other memory")
+	}
+	return d, nil
+}
+
+// release has the worker let go of the last tensor it echoed.
+func (b *bencher) release() error {
+	if err := b.in.Put(b.ctx, benchMsg{Op: "release"}); err != nil {
+		return err
+	}
+	var ok int
+	return b.out.Get(b.ctx, &ok)
+}
+
+// roundTrips measures round trips of a shared tensor of size bytes, taking
+// turns with the floor's.
+func (b *bencher) roundTrips(size int64) error {
+	b.progress(fmt.Sprintf("%s: round trip of %s", b.st, formatBytes(size)))
+	x, err := tensor.On(device.CPU()).Zeros(tensor.Uint8, int(size))
+	if err != nil {
+		return err
+	}
+	defer x.Release()
+	if err := x.ShareMemory(); err != nil {
+		return err
+	}
+	runtime.GC() // start each measurement without the last one's garbage
+	var ds, fs []time.Duration
+	per := max(1, b.o.trips/rounds)
+	for r := range rounds {
+		warm := 0
+		if r == 0 {
+			warm = 1000
+		}
+		for i := range per + warm {
+			d, err := b.roundTrip(x)
 			if err != nil {
 				return err
 			}
-			if i >= 1000 { // warm-up
+			if i >= warm {
 				ds = append(ds, d)
 			}
 		}
-		if err := release(); err != nil {
+		if b.floor == nil {
+			continue
+		}
+		for i := range per + warm {
+			d, err := b.floor.roundTrip()
+			if err != nil {
+				return err
+			}
+			if i >= warm {
+				fs = append(fs, d)
+			}
+		}
+	}
+	if err := b.release(); err != nil {
+		return err
+	}
+	if b.floor != nil {
+		b.emit(benchResult{Strategy: b.st.String(), Case: "floor_roundtrip", Bytes: size, P50us: pct(fs, 50), P99us: pct(fs, 99)})
+	}
+	b.emit(benchResult{Strategy: b.st.String(), Case: "roundtrip", Bytes: size, P50us: pct(ds, 50), P99us: pct(ds, 99)})
+	return nil
+}
+
+// firstShares measures round trips of tensors not yet in shared memory.
+func (b *bencher) firstShares(size int64) error {
+	b.progress(fmt.Sprintf("%s: first share of %s", b.st, formatBytes(size)))
+	cpu := tensor.On(device.CPU())
+	n := max(3, min(b.o.trips, int((2<<30)/size)))
+	var ds []time.Duration
+	for range n {
+		// A new batch, written by its producer: its pages are there.
+		y, err := cpu.Full(tensor.Uint8, 1, int(size))
+		if err != nil {
 			return err
 		}
-		_ = x.Release()
-		emit(benchResult{Strategy: st.String(), Case: "roundtrip", Bytes: size, P50us: pct(ds, 50), P99us: pct(ds, 99)})
-
-		progress(fmt.Sprintf("%s: first share of %s", st, formatBytes(size)))
-		n := max(3, min(trips, int((2<<30)/size)))
-		ds = ds[:0]
-		for range n {
-			// A new batch, written by its producer: its pages are there.
-			y, err := cpu.Full(tensor.Uint8, 1, int(size))
-			if err != nil {
-				return err
-			}
-			d, err := roundTrip(y)
-			if err != nil {
-				return err
-			}
-			ds = append(ds, d)
-			if err := release(); err != nil {
-				return err
-			}
-			_ = y.Release()
+		d, err := b.roundTrip(y)
+		if err != nil {
+			return err
 		}
-		emit(benchResult{Strategy: st.String(), Case: "first_share", Bytes: size, P50us: pct(ds, 50), P99us: pct(ds, 99)})
+		ds = append(ds, d)
+		if err := b.release(); err != nil {
+			return err
+		}
+		_ = y.Release()
 	}
+	b.emit(benchResult{Strategy: b.st.String(), Case: "first_share", Bytes: size, P50us: pct(ds, 50), P99us: pct(ds, 99)})
+	return nil
+}
 
-	progress(fmt.Sprintf("%s: stream of 4 KiB tensors", st))
+// streams measures 4 KiB tensors sent one way, one per message and a
+// batch per message, taking turns with the floor's streams of as many
+// messages.
+func (b *bencher) streams() error {
+	const size = 4 << 10
+	n := max(b.o.batch, b.o.stream/rounds/b.o.batch*b.o.batch)
+	var one, many, floorOne, floorMany time.Duration
+	for range rounds {
+		b.progress(fmt.Sprintf("%s: stream of 4 KiB tensors", b.st))
+		d, err := b.stream(n, 1)
+		if err != nil {
+			return err
+		}
+		one += d
+		if d, err = b.stream(n, b.o.batch); err != nil {
+			return err
+		}
+		many += d
+		if b.floor == nil {
+			continue
+		}
+		if d, err = b.floor.stream(n, 1); err != nil {
+			return err
+		}
+		floorOne += d
+		if d, err = b.floor.stream(n, b.o.batch); err != nil {
+			return err
+		}
+		floorMany += d
+	}
+	rate := func(d time.Duration) float64 { return float64(n*rounds) / d.Seconds() }
+	st := b.st.String()
+	if b.floor != nil {
+		b.emit(benchResult{Strategy: st, Case: "floor_stream", Bytes: size, PerS: rate(floorOne)})
+	}
+	b.emit(benchResult{Strategy: st, Case: "stream", Bytes: size, PerS: rate(one)})
+	if b.floor != nil {
+		b.emit(benchResult{Strategy: st, Case: "floor_stream_batch", Bytes: size, Batch: b.o.batch, PerS: rate(floorMany)})
+	}
+	b.emit(benchResult{Strategy: st, Case: "stream_batch", Bytes: size, Batch: b.o.batch, PerS: rate(many)})
+	return nil
+}
+
+// stream sends n 4 KiB tensors, batch to a message, and returns the time
+// until the worker has received and released them all.
+func (b *bencher) stream(n, batch int) (time.Duration, error) {
 	// The sender keeps the last streamWindow tensors alive (under
 	// file_system a receiver opens them by name after Put returns) and
 	// releases older ones, as a real producer would.
 	const streamWindow = 4096
-	window := make([]*tensor.Tensor, streamWindow)
-	start := time.Now()
-	if err := in.Put(ctx, benchMsg{Op: "count", N: streamN}); err != nil {
-		return err
-	}
-	born := cpu.Shared() // a producer streaming tensors makes them in shared memory
-	for i := range streamN {
-		x, err := born.Zeros(tensor.Uint8, 4<<10)
-		if err != nil {
-			return err
-		}
-		if err := in.Put(ctx, x); err != nil {
-			return err
-		}
-		if old := window[i%streamWindow]; old != nil {
-			_ = old.Release()
-		}
-		window[i%streamWindow] = x
-	}
-	var got int
-	if err := out.Get(ctx, &got); err != nil {
-		return err
-	}
-	elapsed := time.Since(start)
-	for _, x := range window {
-		if x != nil {
+	window := make([]*tensor.Tensor, 0, streamWindow+batch)
+	defer func() {
+		for _, x := range window {
 			_ = x.Release()
 		}
+	}()
+	runtime.GC()
+	start := time.Now()
+	if err := b.in.Put(b.ctx, benchMsg{Op: "count", N: n, Batch: batch}); err != nil {
+		return 0, err
 	}
-	emit(benchResult{Strategy: st.String(), Case: "stream", Bytes: 4 << 10, PerS: float64(streamN) / elapsed.Seconds()})
+	born := tensor.On(device.CPU()).Shared() // a producer streaming tensors makes them in shared memory
+	for sent := 0; sent < n; sent += batch {
+		k := len(window)
+		for range min(batch, n-sent) {
+			x, err := born.Zeros(tensor.Uint8, 4<<10)
+			if err != nil {
+				return 0, err
+			}
+			window = append(window, x)
+		}
+		var err error
+		if batch == 1 {
+			err = b.in.Put(b.ctx, window[k])
+		} else {
+			err = mp.PutMany(b.ctx, b.in, window[k:])
+		}
+		if err != nil {
+			return 0, err
+		}
+		if len(window) > streamWindow {
+			old := len(window) - streamWindow
+			for _, x := range window[:old] {
+				_ = x.Release()
+			}
+			window = append(window[:0], window[old:]...)
+		}
+	}
+	var got int
+	if err := b.out.Get(b.ctx, &got); err != nil {
+		return 0, err
+	}
+	if got != n {
+		return 0, fmt.Errorf("stream: the worker counted %d tensors, not %d", got, n)
+	}
+	return time.Since(start), nil
+}
 
-	progress(fmt.Sprintf("%s: descriptors for %d held tensors", st, holdN))
-	if err := in.Put(ctx, benchMsg{Op: "hold", N: holdN}); err != nil {
+// fds has the worker hold n received tensors of size bytes and report the
+// descriptors it holds.
+func (b *bencher) fds(size int64, n int) error {
+	b.progress(fmt.Sprintf("%s: descriptors for %d held tensors of %s", b.st, n, formatBytes(size)))
+	if err := b.in.Put(b.ctx, benchMsg{Op: "hold", N: n}); err != nil {
 		return err
 	}
-	held := make([]*tensor.Tensor, 0, holdN)
-	for range holdN {
-		x, err := cpu.Zeros(tensor.Uint8, 4<<10)
+	cpu := tensor.On(device.CPU())
+	held := make([]*tensor.Tensor, 0, n)
+	defer func() {
+		for _, x := range held {
+			_ = x.Release()
+		}
+	}()
+	for range n {
+		x, err := cpu.Zeros(tensor.Uint8, int(size))
 		if err != nil {
 			return err
 		}
-		if err := in.Put(ctx, x); err != nil {
-			return fmt.Errorf("holding %d tensors: %w", holdN, err)
-		}
 		held = append(held, x)
+		if err := b.in.Put(b.ctx, x); err != nil {
+			return fmt.Errorf("holding %d tensors: %w", n, err)
+		}
 	}
 	var fds int
-	if err := out.Get(ctx, &fds); err != nil {
-		return fmt.Errorf("holding %d tensors: %w", holdN, err)
+	if err := b.out.Get(b.ctx, &fds); err != nil {
+		return fmt.Errorf("holding %d tensors: %w", n, err)
 	}
-	for _, x := range held {
-		_ = x.Release()
-	}
-	emit(benchResult{Strategy: st.String(), Case: "fds", Bytes: 4 << 10, FDs: fds})
+	b.emit(benchResult{Strategy: b.st.String(), Case: "fds", Bytes: size, Held: n, FDs: fds})
 	return nil
 }
 
@@ -361,8 +583,38 @@ func pct(ds []time.Duration, p int) float64 {
 	return float64(s[i].Nanoseconds()) / 1000
 }
 
+// floorOf names the floor case that bounds a case.
+var floorOf = map[string]string{
+	"roundtrip":    "floor_roundtrip",
+	"first_share":  "floor_roundtrip",
+	"stream":       "floor_stream",
+	"stream_batch": "floor_stream_batch",
+}
+
+// vsFloor returns how many times its floor r costs: a time over the
+// floor's, or the floor's rate over r's. It is 0 without a floor.
+func vsFloor(r benchResult, rs []benchResult) float64 {
+	name, ok := floorOf[r.Case]
+	if !ok {
+		return 0
+	}
+	for _, f := range rs {
+		if f.Strategy != r.Strategy || f.Case != name || f.Bytes != r.Bytes {
+			continue
+		}
+		switch {
+		case r.P50us > 0 && f.P50us > 0:
+			return r.P50us / f.P50us
+		case r.PerS > 0 && f.PerS > 0:
+			return f.PerS / r.PerS
+		}
+	}
+	return 0
+}
+
 func printBenchTable(w io.Writer, rs []benchResult) {
-	fmt.Fprintf(w, "%-16s %-12s %10s %12s %12s %12s %8s\n", "strategy", "case", "bytes", "p50", "p99", "per second", "fds")
+	const row = "%-16s %-18s %8s %10s %10s %12s %8s %6s %8s\n"
+	fmt.Fprintf(w, row, "strategy", "case", "bytes", "p50", "p99", "per second", "held", "fds", "x floor")
 	for _, r := range rs {
 		col := func(v float64, f func(float64) string) string {
 			if v == 0 {
@@ -371,11 +623,12 @@ func printBenchTable(w io.Writer, rs []benchResult) {
 			return f(v)
 		}
 		us := func(v float64) string { return formatDuration(time.Duration(v * 1000)) }
+		n := func(v float64) string { return fmt.Sprintf("%.0f", v) }
 		fds := "-"
 		if r.Case == "fds" {
 			fds = fmt.Sprint(r.FDs)
 		}
-		fmt.Fprintf(w, "%-16s %-12s %10s %12s %12s %12s %8s\n", r.Strategy, r.Case, formatBytes(r.Bytes),
-			col(r.P50us, us), col(r.P99us, us), col(r.PerS, func(v float64) string { return fmt.Sprintf("%.0f", v) }), fds)
+		fmt.Fprintf(w, row, r.Strategy, r.Case, formatBytes(r.Bytes), col(r.P50us, us), col(r.P99us, us),
+			col(r.PerS, n), col(float64(r.Held), n), fds, col(vsFloor(r, rs), func(v float64) string { return fmt.Sprintf("%.2f", v) }))
 	}
 }

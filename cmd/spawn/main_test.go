@@ -197,17 +197,27 @@ func TestBenchJSON(t *testing.T) {
 		assert.Contains(t, []string{"file_descriptor", "file_system"}, r.Strategy)
 		cases[r.Case]++
 		switch r.Case {
-		case "roundtrip", "first_share":
+		case "roundtrip", "first_share", "floor_roundtrip":
 			assert.Positive(t, r.P50us)
 			assert.GreaterOrEqual(t, r.P99us, r.P50us)
 			assert.Contains(t, []int64{4 << 10, 1 << 20}, r.Bytes)
-		case "stream":
+		case "stream", "floor_stream":
 			assert.Positive(t, r.PerS)
+			assert.Zero(t, r.Batch)
+		case "stream_batch", "floor_stream_batch":
+			assert.Positive(t, r.PerS)
+			assert.Equal(t, 16, r.Batch)
 		case "fds":
 			assert.Positive(t, r.FDs)
+			assert.Contains(t, []int{100, 1000}, r.Held)
+			assert.Contains(t, []int64{4 << 10, 80 << 10}, r.Bytes)
 		default:
 			t.Errorf("unknown case %q", r.Case)
 		}
 	}
-	assert.Equal(t, map[string]int{"roundtrip": 4, "first_share": 4, "stream": 2, "fds": 2}, cases)
+	assert.Equal(t, map[string]int{
+		"floor_roundtrip": 4, "roundtrip": 4, "first_share": 4,
+		"floor_stream": 2, "stream": 2, "floor_stream_batch": 2, "stream_batch": 2,
+		"fds": 6,
+	}, cases)
 }

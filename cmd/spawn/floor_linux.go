@@ -1,0 +1,221 @@
+package main
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"runtime"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/fd"
+)
+
+// The floor is what the kernel alone costs: the same socket type tensormp
+// uses (SOCK_SEQPACKET) between the same two processes, driven with
+// blocking system calls, with one descriptor (a memfd's) in each message
+// as tensormp's carry one, and no encoding, mapping or bookkeeping.
+// spawn bench measures it in the same run as the cases it bounds, so that
+// ratios, not absolute times, are what it reports.
+
+// floorRecord is the bytes a floor message carries per tensor: about what
+// tensormp's metadata of a 4 KiB tensor takes.
+const floorRecord = 64
+
+// Floor message kinds, the first byte of each message.
+const (
+	floorEcho  = 'r' // send the message back with the descriptor, close it
+	floorCount = 's' // close the descriptor, count the message's records
+	floorEnd   = 'e' // reply with the records counted since the last end
+)
+
+// floor is the parent's end of a floor socket.
+type floor struct {
+	s     *fd.FD
+	memfd *fd.FD // the descriptor every message carries
+	buf   []byte
+	oob   []byte
+}
+
+// newFloor makes a floor socket pair and a memfd to send; the peer end is
+// for the bench worker, which serves it with serveFloor.
+func newFloor() (*floor, *fd.FD, error) {
+	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, nil, fmt.Errorf("floor socket pair: %w", err)
+	}
+	m, err := unix.MemfdCreate("tensormp-floor", unix.MFD_CLOEXEC)
+	if err != nil {
+		_ = unix.Close(pair[0])
+		_ = unix.Close(pair[1])
+		return nil, nil, fmt.Errorf("floor memfd: %w", err)
+	}
+	f := &floor{s: fd.New(pair[0]), memfd: fd.New(m), buf: make([]byte, 64<<10), oob: make([]byte, unix.CmsgSpace(4*4))}
+	return f, fd.New(pair[1]), nil
+}
+
+func (f *floor) close() {
+	_ = f.s.Close()
+	_ = f.memfd.Close()
+}
+
+// send sends a message of kind k holding records records and the memfd.
+func (f *floor) send(k byte, records int) error {
+	s, err := f.s.Lend()
+	if err != nil {
+		return err
+	}
+	defer func() { _ = f.s.Return() }()
+	m, err := f.memfd.Lend()
+	if err != nil {
+		return err
+	}
+	defer func() { _ = f.memfd.Return() }()
+	msg := f.buf[:1+records*floorRecord]
+	msg[0] = k
+	return unix.Sendmsg(s, msg, unix.UnixRights(m), nil, unix.MSG_NOSIGNAL)
+}
+
+// recv receives a message and closes the descriptors it carried.
+func (f *floor) recv() ([]byte, error) {
+	s, err := f.s.Lend()
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = f.s.Return() }()
+	return recvFloor(s, f.buf, f.oob)
+}
+
+// roundTrip sends one record and a descriptor, and waits for them to come
+// back.
+func (f *floor) roundTrip() (time.Duration, error) {
+	start := time.Now()
+	if err := f.send(floorEcho, 1); err != nil {
+		return 0, err
+	}
+	if _, err := f.recv(); err != nil {
+		return 0, err
+	}
+	return time.Since(start), nil
+}
+
+// stream sends n records one way, batch per message with one descriptor
+// each, and returns the time until the peer has received them all.
+func (f *floor) stream(n, batch int) (time.Duration, error) {
+	start := time.Now()
+	for sent := 0; sent < n; sent += batch {
+		if err := f.send(floorCount, min(batch, n-sent)); err != nil {
+			return 0, err
+		}
+	}
+	if err := f.send(floorEnd, 0); err != nil {
+		return 0, err
+	}
+	reply, err := f.recv()
+	if err != nil {
+		return 0, err
+	}
+	d := time.Since(start)
+	if len(reply) != 8 || int(binary.LittleEndian.Uint64(reply)) != n {
+		return 0, fmt.Errorf("floor stream: the peer counted %x, not %d records", reply, n)
+	}
+	return d, nil
+}
+
+// serveFloor answers floor messages on s until the other end closes it.
+// It blocks its thread in the kernel, as the floor means to.
+func serveFloor(sock *fd.FD) error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	defer sock.Close()
+	s, err := sock.Lend()
+	if err != nil {
+		return err
+	}
+	defer func() { _ = sock.Return() }()
+	buf := make([]byte, 64<<10)
+	oob := make([]byte, unix.CmsgSpace(4*4))
+	var counted uint64
+	for {
+		n, rights, err := recvFloorFDs(s, buf, oob)
+		if err != nil {
+			if errors.Is(err, errFloorClosed) {
+				return nil
+			}
+			return err
+		}
+		msg := buf[:n]
+		switch msg[0] {
+		case floorEcho:
+			if len(rights) != 1 {
+				closeRaw(rights)
+				return fmt.Errorf("floor: an echo carried %d descriptors", len(rights))
+			}
+			err = unix.Sendmsg(s, msg, unix.UnixRights(rights[0]), nil, unix.MSG_NOSIGNAL)
+		case floorCount:
+			counted += uint64((len(msg) - 1) / floorRecord)
+		case floorEnd:
+			err = unix.Sendmsg(s, binary.LittleEndian.AppendUint64(nil, counted), nil, nil, unix.MSG_NOSIGNAL)
+			counted = 0
+		}
+		closeRaw(rights)
+		if err != nil {
+			return err
+		}
+	}
+}
+
+var errFloorClosed = errors.New("floor socket closed")
+
+func recvFloor(s int, buf, oob []byte) ([]byte, error) {
+	n, rights, err := recvFloorFDs(s, buf, oob)
+	closeRaw(rights)
+	return buf[:n], err
+}
+
+// recvFloorFDs receives one message into buf and returns its length and
+// the descriptors it carried, which the caller closes.
+func recvFloorFDs(s int, buf, oob []byte) (int, []int, error) {
+	for {
+		n, oobn, _, _, err := unix.Recvmsg(s, buf, oob, unix.MSG_CMSG_CLOEXEC)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return 0, nil, fmt.Errorf("floor recvmsg: %w", err)
+		}
+		if n == 0 {
+			return 0, nil, errFloorClosed
+		}
+		return n, parseRights(oob[:oobn]), nil
+	}
+}
+
+// parseRights returns the descriptors of the SCM_RIGHTS messages in oob,
+// read in place: the floor allocates nothing per message.
+func parseRights(oob []byte) []int {
+	var fds []int
+	for len(oob) >= unix.CmsgLen(0) {
+		h := (*unix.Cmsghdr)(unsafe.Pointer(&oob[0]))
+		n := int(h.Len)
+		if n < unix.CmsgLen(0) || n > len(oob) {
+			break
+		}
+		if h.Level == unix.SOL_SOCKET && h.Type == unix.SCM_RIGHTS {
+			data := oob[unix.CmsgLen(0):n]
+			for ; len(data) >= 4; data = data[4:] {
+				fds = append(fds, int(int32(binary.NativeEndian.Uint32(data))))
+			}
+		}
+		oob = oob[min(len(oob), unix.CmsgSpace(n-unix.CmsgLen(0))):]
+	}
+	return fds
+}
+
+func closeRaw(fds []int) {
+	for _, d := range fds {
+		_ = unix.Close(d)
+	}
+}

@@ -1,0 +1,60 @@
+package mp
+
+import (
+	"context"
+)
+
+// PutMany sends the values of batch to q as one message, for producers
+// that hand over many tensors at a time (a DataLoader's worker, say): one
+// system call for the lot, and one descriptor for all the tensors that
+// share a segment, instead of one of each per tensor. It takes one place
+// of a queue with a capacity, and waits as Put does.
+//
+// The receiver takes the whole batch with GetMany (or with Get into a
+// *[]T).
+func PutMany[T any](ctx context.Context, q *Queue, batch []T) error {
+	return q.Put(ctx, batch)
+}
+
+// GetMany receives the next message and appends its values to batch: all
+// of a batch that PutMany sent, or the one value that Put sent. It returns
+// the extended slice, so that a consumer can reuse one slice:
+//
+//	b, err = mp.GetMany(ctx, q, b[:0])
+//
+// It waits as Get does. On error, batch is returned unchanged.
+func GetMany[T any](ctx context.Context, q *Queue, batch []T) ([]T, error) {
+	data, fds, done, err := q.out.recv(ctx, true)
+	if err != nil {
+		return batch, err
+	}
+	defer done()
+	if q.free != nil {
+		q.givePlace() // the message is out of the queue
+	}
+	if !isArray(data) {
+		var one T
+		if err := decode(data, fds, &one); err != nil {
+			return batch, err
+		}
+		return append(batch, one), nil
+	}
+	got := batch[len(batch):len(batch)]
+	if err := decode(data, fds, &got); err != nil {
+		clear(batch[len(batch):cap(batch)]) // no half-decoded values left behind
+		return batch, err
+	}
+	if len(got) > 0 && len(batch) < cap(batch) && &got[0] == &batch[:len(batch)+1][len(batch)] {
+		return batch[:len(batch)+len(got)], nil // decoded in place
+	}
+	return append(batch, got...), nil
+}
+
+// isArray reports whether a message holds a msgpack array.
+func isArray(data []byte) bool {
+	if len(data) == 0 {
+		return false
+	}
+	c := data[0]
+	return c&0xf0 == 0x90 || c == 0xdc || c == 0xdd
+}
