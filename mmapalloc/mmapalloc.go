@@ -46,9 +46,14 @@ const (
 	// sealed against shrinking and growing: every segment made with
 	// Unlink is. Create sets it; callers never pass it.
 	Memfd
+	// Sparse: Create sizes the file without reserving its pages (with
+	// KeepFD, not RefCount); its owner reserves each range with
+	// Allocation.Reserve before anyone writes it. A pool's slabs are made
+	// so: their memory is taken as their slots are first used.
+	Sparse
 )
 
-var flagNames = []string{"SharedMem", "Exclusive", "NoCreate", "KeepFD", "FromFD", "Unlink", "RefCount", "Memfd"}
+var flagNames = []string{"SharedMem", "Exclusive", "NoCreate", "KeepFD", "FromFD", "Unlink", "RefCount", "Memfd", "Sparse"}
 
 func (f Flags) String() string {
 	if f == 0 {

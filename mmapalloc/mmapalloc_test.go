@@ -374,7 +374,36 @@ func helperTmpfsFull() int {
 	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
 		return fail("%d entries left after Close", len(entries))
 	}
-	fmt.Printf("OK %v\n", err)
+	// A named pool's slab is larger than the directory: its pages are
+	// reserved as its slots are handed out, until the directory is full.
+	mmapalloc.EnableNamedPool()
+	p := mmapalloc.NamedPool()
+	var blocks []*mmapalloc.Block
+	for {
+		b, perr := p.Alloc(16 << 10)
+		if perr != nil {
+			err = perr
+			break
+		}
+		blocks = append(blocks, b)
+	}
+	if !errors.Is(err, mmapalloc.ErrNoSpace) || len(blocks) < 30 || len(blocks) > 64 {
+		return fail("a pool in a 1 MiB directory gave %d blocks of 16 KiB, then %v; want 30 to 64, then ErrNoSpace", len(blocks), err)
+	}
+	for _, b := range blocks {
+		data := b.Bytes()
+		for i := range data {
+			data[i] = byte(i) // no SIGBUS: each handed-out block has its pages
+		}
+		if err := b.Release(); err != nil {
+			return fail("Release = %v", err)
+		}
+	}
+	p.Trim(0)
+	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
+		return fail("%d entries left after the pool's Trim", len(entries))
+	}
+	fmt.Printf("OK %d pooled blocks, then %v\n", len(blocks), err)
 	return 0
 }
 

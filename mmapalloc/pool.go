@@ -129,6 +129,15 @@ func (p *Pool) Alloc(size int64) (*Block, error) {
 		}
 	}
 	b := c.free[len(c.free)-1]
+	seg := b.seg
+	if err := seg.reserveLocked(seg.dataOff+int64(b.slot)*c.cap, c.cap); err != nil {
+		// Out of room: give back what unused segments hold and try once
+		// more; the slot stays free either way.
+		p.trimLocked(0)
+		if err := seg.reserveLocked(seg.dataOff+int64(b.slot)*c.cap, c.cap); err != nil {
+			return nil, err
+		}
+	}
 	c.free[len(c.free)-1] = nil
 	c.free = c.free[:len(c.free)-1]
 	b.size = size // b.gen is the generation reclaim (or grow) gave the slot
@@ -190,19 +199,16 @@ func (p *Pool) rotateLocked(c *sizeClass) bool {
 	return any
 }
 
-// growLocked adds a segment to class c: a slab of small blocks, or one
-// large block. When the system is out of room, it trims the pool and
-// tries once more.
+// growLocked adds a segment to class c: a slab of blocks (see slabSlots),
+// or one large block. When the system is out of room, it trims the pool
+// and tries once more.
 func (p *Pool) growLocked(c *sizeClass) error {
-	nslots := int64(1)
-	if c.cap <= smallMax {
-		nslots = slabData / c.cap
-	}
+	nslots := slabSlots(c.cap, len(c.segs))
 	dataOff := slabLayout(nslots)
 	segSize := dataOff + nslots*c.cap
-	flags := KeepFD | Unlink
+	flags := KeepFD | Unlink | Sparse
 	if p.named {
-		flags = KeepFD
+		flags = KeepFD | Sparse
 	}
 	a, err := Create(segSize, flags)
 	if err != nil {
@@ -217,15 +223,19 @@ func (p *Pool) growLocked(c *sizeClass) error {
 		_ = a.Close()
 		return fmt.Errorf("mmapalloc: taking ownership of a new segment: %w", err)
 	}
-	seg := &segment{alloc: a, cap: c.cap, nslots: int(nslots), dataOff: dataOff, named: p.named, pool: p, class: c}
-	err = Guard(func() {
-		h := (*slabHdr)(ptrAt(a.mapping, 0))
-		h.cap, h.nslots, h.dataOff = c.cap, nslots, dataOff
-		h.version, h.magic = slabVersion, slabMagic
-		for slot := range int(nslots) {
-			seg.gen(slot).Store(1)
-		}
-	})
+	seg := &segment{alloc: a, cap: c.cap, nslots: int(nslots), dataOff: dataOff, named: p.named, pool: p, class: c,
+		reserved: make([]uint64, (segSize+64*reserveChunk-1)/(64*reserveChunk))}
+	err = seg.reserveLocked(0, dataOff) // the slot table
+	if err == nil {
+		err = Guard(func() {
+			h := (*slabHdr)(ptrAt(a.mapping, 0))
+			h.cap, h.nslots, h.dataOff = c.cap, nslots, dataOff
+			h.version, h.magic = slabVersion, slabMagic
+			for slot := range int(nslots) {
+				seg.gen(slot).Store(1)
+			}
+		})
+	}
 	if err != nil {
 		_ = a.Remove()
 		_ = a.Close()
@@ -235,7 +245,7 @@ func (p *Pool) growLocked(c *sizeClass) error {
 	c.segs = append(c.segs, seg)
 	liveSegments.add(seg)
 	p.cached += segSize
-	for slot := range int(nslots) {
+	for slot := int(nslots) - 1; slot >= 0; slot-- { // handed out from slot 0 up: pages are reserved in order
 		c.free = append(c.free, &Block{seg: seg, slot: slot, gen: 1, pool: p})
 	}
 	return nil

@@ -2,6 +2,7 @@ package mmapalloc_test
 
 import (
 	"fmt"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -31,12 +32,59 @@ func TestPoolPacksSmallBlocks(t *testing.T) {
 		assert.Len(t, b.Bytes(), 4<<10)
 		require.NoError(t, b.Release())
 	}
-	big, err := p.Alloc(100 << 10)
+	big, err := p.Alloc(large)
 	require.NoError(t, err)
-	assert.GreaterOrEqual(t, int64(len(big.Bytes())), int64(100<<10))
+	assert.GreaterOrEqual(t, int64(len(big.Bytes())), int64(large))
 	segs, _, _ = p.Stats()
 	assert.Equal(t, 2, segs, "a large block gets a segment of its own")
 	require.NoError(t, big.Release())
+}
+
+// large is past the largest packed block: such a block gets a segment of
+// its own.
+const large = 17 << 20
+
+func TestPoolPacksMediumBlocksInGrowingSlabs(t *testing.T) {
+	p := testPool(t)
+	var blocks []*mmapalloc.Block
+	defer func() {
+		for _, b := range blocks {
+			require.NoError(t, b.Release())
+		}
+	}()
+	segSizes := map[*mmapalloc.Allocation]int64{}
+	for i := range 1000 {
+		b, err := p.Alloc(80 << 10)
+		require.NoError(t, err)
+		b.Bytes()[0], b.Bytes()[80<<10-1] = byte(i), byte(i>>8)
+		blocks = append(blocks, b)
+		segSizes[b.Segment()] = b.Segment().Size()
+	}
+	for i, b := range blocks {
+		require.Equal(t, byte(i), b.Bytes()[0], "blocks do not overlap")
+		require.Equal(t, byte(i>>8), b.Bytes()[80<<10-1], "blocks do not overlap")
+	}
+	segs, _, _ := p.Stats()
+	assert.Equal(t, 6, segs, "1,000 blocks of 80 KiB in slabs of 2, 4, 8, 16, 32 and 64 MiB")
+	var sizes []int64
+	for _, n := range segSizes {
+		sizes = append(sizes, n)
+	}
+	slices.Sort(sizes)
+	for i := 1; i < len(sizes); i++ {
+		assert.Greater(t, sizes[i], sizes[i-1]*3/2, "each slab of a class is about twice the last")
+	}
+	assert.LessOrEqual(t, sizes[len(sizes)-1], int64(65<<20), "a slab grows to 64 MiB at most")
+	var total, used int64
+	for a, size := range segSizes {
+		var st unix.Stat_t
+		require.NoError(t, unix.Fstat(a.FD(), &st))
+		total += size
+		used += st.Blocks * 512
+	}
+	assert.Greater(t, total, int64(120<<20))
+	assert.Less(t, used, int64(1000*80<<10+6*(256<<10+4<<10)),
+		"slabs take memory as their slots are used: %d MiB of %d MiB", used>>20, total>>20)
 }
 
 // testPool returns a new pool with a 1 GiB cache, trimmed when the test
@@ -63,29 +111,29 @@ func send(t *testing.T, b *mmapalloc.Block) int {
 
 func TestPoolRecyclesOnlyWhenNobodyHolds(t *testing.T) {
 	p := testPool(t)
-	a, err := p.Alloc(1 << 20)
+	a, err := p.Alloc(large)
 	require.NoError(t, err)
 	seg, off, gen := a.Segment(), a.Offset(), a.Gen()
 	msg := send(t, a) // a message in flight
 	require.NoError(t, a.Release())
 
-	b, err := p.Alloc(1 << 20)
+	b, err := p.Alloc(large)
 	require.NoError(t, err)
 	assert.False(t, b.Segment() == seg && b.Offset() == off, "a block a message still refers to is not reused")
 	assert.True(t, a.Busy(), "the message holds it")
 
 	// The receiver takes its own hold, closes the message, and releases.
-	r, err := mmapalloc.AttachBlock(msg, statOf(t, msg), false, seg.Size(), off, 1<<20, gen)
+	r, err := mmapalloc.AttachBlock(msg, statOf(t, msg), false, seg.Size(), off, large, gen)
 	require.NoError(t, err)
 	require.NoError(t, unix.Close(msg))
 	require.NoError(t, r.Release())
 
-	c, err := p.Alloc(1 << 20)
+	c, err := p.Alloc(large)
 	require.NoError(t, err)
 	assert.True(t, c.Segment() == seg && c.Offset() == off, "once nobody holds it, the block is reused")
 	assert.Greater(t, c.Gen(), gen, "with a new generation")
 	stale := send(t, c)
-	_, err = mmapalloc.AttachBlock(stale, statOf(t, stale), false, seg.Size(), off, 1<<20, gen)
+	_, err = mmapalloc.AttachBlock(stale, statOf(t, stale), false, seg.Size(), off, large, gen)
 	assert.ErrorIs(t, err, mmapalloc.ErrStaleBlock)
 	require.NoError(t, unix.Close(stale))
 	require.NoError(t, b.Release())
@@ -94,7 +142,7 @@ func TestPoolRecyclesOnlyWhenNobodyHolds(t *testing.T) {
 
 func TestUnreceivedMessageDropsItsHold(t *testing.T) {
 	p := testPool(t)
-	a, err := p.Alloc(1 << 20)
+	a, err := p.Alloc(large)
 	require.NoError(t, err)
 	seg, off := a.Segment(), a.Offset()
 	msg := send(t, a)
@@ -102,7 +150,7 @@ func TestUnreceivedMessageDropsItsHold(t *testing.T) {
 	assert.Equal(t, 1, p.InUse(), "the message holds the block")
 	require.NoError(t, unix.Close(msg)) // lost in flight: the kernel closes it
 
-	c, err := p.Alloc(1 << 20)
+	c, err := p.Alloc(large)
 	require.NoError(t, err)
 	assert.True(t, c.Segment() == seg && c.Offset() == off, "the lost message's hold went with its descriptor")
 	require.NoError(t, c.Release())
@@ -110,7 +158,7 @@ func TestUnreceivedMessageDropsItsHold(t *testing.T) {
 
 func TestDiscardedTicketDropsItsHold(t *testing.T) {
 	p := testPool(t)
-	a, err := p.Alloc(1 << 20)
+	a, err := p.Alloc(large)
 	require.NoError(t, err)
 	seg, off := a.Segment(), a.Offset()
 	tk, err := a.Ticket()
@@ -118,7 +166,7 @@ func TestDiscardedTicketDropsItsHold(t *testing.T) {
 	tk.Discard() // never sent
 	require.NoError(t, a.Release())
 	assert.False(t, a.Busy())
-	c, err := p.Alloc(1 << 20)
+	c, err := p.Alloc(large)
 	require.NoError(t, err)
 	assert.True(t, c.Segment() == seg && c.Offset() == off)
 	require.NoError(t, c.Release())
@@ -128,13 +176,13 @@ func TestDiscardedTicketDropsItsHold(t *testing.T) {
 // gives the receiver two holds; letting go of one keeps the other.
 func TestTwiceDeliveredKeepsItsHold(t *testing.T) {
 	p := testPool(t)
-	a, err := p.Alloc(1 << 20)
+	a, err := p.Alloc(large)
 	require.NoError(t, err)
 	seg, off, gen := a.Segment(), a.Offset(), a.Gen()
 	var got []*mmapalloc.Block
 	for _, covered := range []bool{true, false} {
 		msg := send(t, a)
-		r, err := mmapalloc.AttachBlock(msg, statOf(t, msg), covered, seg.Size(), off, 1<<20, gen)
+		r, err := mmapalloc.AttachBlock(msg, statOf(t, msg), covered, seg.Size(), off, large, gen)
 		require.NoError(t, err)
 		if covered {
 			id, _, err := mmapalloc.Stat(msg)
@@ -148,7 +196,7 @@ func TestTwiceDeliveredKeepsItsHold(t *testing.T) {
 	require.NoError(t, a.Release())
 	require.NoError(t, got[0].Release())
 	assert.Equal(t, 1, p.InUse(), "the second delivery still holds the block")
-	c, err := p.Alloc(1 << 20)
+	c, err := p.Alloc(large)
 	require.NoError(t, err)
 	assert.False(t, c.Segment() == seg && c.Offset() == off, "so it is not handed out")
 	require.NoError(t, got[1].Release())
@@ -288,10 +336,10 @@ func TestSegmentsAreSealed(t *testing.T) {
 
 func TestPoolTrimAndLimit(t *testing.T) {
 	leakcheck.Check(t)
-	p := mmapalloc.NewPool(3 << 20)
+	p := mmapalloc.NewPool(3 * (20<<20 + 4<<10)) // three segments of 17 MiB blocks (a class of 20 MiB)
 	var bs []*mmapalloc.Block
 	for range 4 {
-		b, err := p.Alloc(1 << 20)
+		b, err := p.Alloc(large)
 		require.NoError(t, err)
 		bs = append(bs, b)
 	}
@@ -299,7 +347,7 @@ func TestPoolTrimAndLimit(t *testing.T) {
 		require.NoError(t, b.Release())
 	}
 	_, bytes, _ := p.Stats()
-	assert.LessOrEqual(t, bytes, int64(3<<20), "released segments beyond the limit are closed")
+	assert.LessOrEqual(t, bytes, int64(3*(20<<20+4<<10)), "released segments beyond the limit are closed")
 	p.Trim(0)
 	segs, bytes, free := p.Stats()
 	assert.Zero(t, segs)

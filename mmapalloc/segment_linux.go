@@ -16,7 +16,7 @@ var (
 )
 
 const (
-	createFlags = KeepFD | Unlink | RefCount | SharedMem | Exclusive
+	createFlags = KeepFD | Unlink | RefCount | SharedMem | Exclusive | Sparse
 	openFDFlags = KeepFD | FromFD | SharedMem
 	openFlags   = KeepFD | Unlink | RefCount | NoCreate | SharedMem
 )
@@ -36,6 +36,9 @@ func Create(size int64, flags Flags) (*Allocation, error) {
 	}
 	if flags&Unlink != 0 && flags&RefCount != 0 {
 		return nil, errors.New("mmapalloc: create: RefCount segments are shared by name and cannot be unlinked at once")
+	}
+	if flags&Sparse != 0 && (flags&KeepFD == 0 || flags&RefCount != 0) {
+		return nil, errors.New("mmapalloc: create: a Sparse segment needs KeepFD, to reserve its ranges, and no RefCount header")
 	}
 	total, err := totalSize(size, flags)
 	if err != nil {
@@ -181,7 +184,11 @@ func setUp(raw int, path string, total int64, flags Flags, create bool) (a *Allo
 	}()
 
 	if create {
-		if err := reserve(raw, total); err != nil {
+		size := reserve
+		if flags&Sparse != 0 {
+			size = unix.Ftruncate
+		}
+		if err := size(raw, total); err != nil {
 			return nil, &Error{Op: "reserve", Path: where, Err: err}
 		}
 	}
@@ -228,9 +235,30 @@ func setUp(raw int, path string, total int64, flags Flags, create bool) (a *Allo
 
 // reserve gives the file its pages now, so that a full tmpfs fails here
 // with ENOSPC instead of raising SIGBUS at the first write.
-func reserve(fd int, size int64) error {
+func reserve(fd int, size int64) error { return reserveRange(fd, 0, size) }
+
+// Reserve gives the n bytes at off of a Sparse segment their pages, so
+// that a full directory (or memory) is an error matching ErrNoSpace here
+// rather than SIGBUS at the first write of them. The range must lie
+// within the segment: a sealed one cannot grow.
+func (a *Allocation) Reserve(off, n int64) error {
+	if off < 0 || n <= 0 || off > int64(len(a.mapping))-n {
+		return fmt.Errorf("mmapalloc: reserve %d bytes at %d of %v: out of range", n, off, a)
+	}
+	raw, err := a.LendFD()
+	if err != nil {
+		return err
+	}
+	defer a.ReturnFD()
+	if err := reserveRange(raw, off, n); err != nil {
+		return &Error{Op: "reserve", Path: a.String(), Err: err}
+	}
+	return nil
+}
+
+func reserveRange(fd int, off, size int64) error {
 	for {
-		err := unix.Fallocate(fd, 0, 0, size)
+		err := unix.Fallocate(fd, 0, off, size)
 		switch err {
 		case nil:
 			return nil
@@ -239,6 +267,9 @@ func reserve(fd int, size int64) error {
 		case unix.EOPNOTSUPP:
 			// A file system without fallocate (not tmpfs): size the file;
 			// its pages are allocated on first touch.
+			if off > 0 {
+				return nil // sized when it was made
+			}
 			return unix.Ftruncate(fd, size)
 		}
 		return err

@@ -23,6 +23,9 @@ func OpenName(name string, size int64, flags Flags) (*Allocation, error) {
 	return nil, ErrUnsupported
 }
 
+// Reserve is not supported on this system.
+func (a *Allocation) Reserve(off, n int64) error { return ErrUnsupported }
+
 // Stat is not supported on this system.
 func Stat(fd int) (ID, int64, error) { return ID{}, 0, ErrUnsupported }
 

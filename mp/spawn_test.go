@@ -18,6 +18,7 @@ import (
 
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
@@ -195,8 +196,12 @@ func registerWorkers() {
 		}
 		var ts []*tensor.Tensor
 		for range 100 {
-			// Over the slab limit: each gets a segment, and a descriptor.
-			x, err := tensor.Zeros(tensor.Uint8, 128<<10)
+			// A segment of its own each, so a descriptor each.
+			a, err := mmapalloc.Create(4<<10, mmapalloc.KeepFD|mmapalloc.Unlink)
+			if err != nil {
+				return err
+			}
+			x, err := tensor.FromStorage(tensor.NewSharedStorage(a), tensor.Uint8, 0, []int{4 << 10}, []int{1})
 			if err != nil {
 				return err
 			}

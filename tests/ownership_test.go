@@ -275,7 +275,7 @@ func workerSend(ctx context.Context, w *mp.Worker) error {
 }
 
 // segmentsOfSession lists this program's segments in the directory, the
-// session lock left out.
+// session lock left out, and the bytes of memory they take.
 func segmentsOfSession() (names []string, bytes int64) {
 	entries, _ := os.ReadDir(mmapalloc.Dir())
 	for _, e := range entries {
@@ -283,8 +283,11 @@ func segmentsOfSession() (names []string, bytes int64) {
 			continue
 		}
 		names = append(names, e.Name())
-		if st, err := os.Stat(filepath.Join(mmapalloc.Dir(), e.Name())); err == nil {
-			bytes += st.Size()
+		// The memory a segment takes: a pool's slabs are sized ahead
+		// and given their pages as their slots are used.
+		var st unix.Stat_t
+		if err := unix.Stat(filepath.Join(mmapalloc.Dir(), e.Name()), &st); err == nil {
+			bytes += st.Blocks * 512
 		}
 	}
 	return names, bytes
