@@ -390,7 +390,7 @@ func Stat(fd int) (ID, int64, error) {
 
 // StatFile is Stat as one value.
 func StatFile(fd int) (FileStat, error) {
-	st, err := statFile(fd, fmt.Sprintf("fd %d", fd))
+	st, err := statFile(fd, "")
 	if err != nil {
 		return FileStat{}, err
 	}
@@ -399,13 +399,18 @@ func StatFile(fd int) (FileStat, error) {
 
 // statFile returns fd's status, checking that it is a regular file: a
 // segment, never a pipe, socket or device another process slipped us.
+// An empty where names the file by its descriptor.
 func statFile(fd int, where string) (unix.Stat_t, error) {
 	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		return st, &Error{Op: "stat", Path: where, Err: err}
+	err := unix.Fstat(fd, &st)
+	if err == nil && st.Mode&unix.S_IFMT != unix.S_IFREG {
+		err = fmt.Errorf("not a regular file (mode %#o)", st.Mode)
 	}
-	if st.Mode&unix.S_IFMT != unix.S_IFREG {
-		return st, &Error{Op: "stat", Path: where, Err: fmt.Errorf("not a regular file (mode %#o)", st.Mode)}
+	if err != nil {
+		if where == "" {
+			where = fmt.Sprintf("fd %d", fd)
+		}
+		return st, &Error{Op: "stat", Path: where, Err: err}
 	}
 	return st, nil
 }

@@ -8,10 +8,9 @@ import (
 	"github.com/tensormp/tensormp/tensor"
 )
 
-// cacheLimit bounds the number of segments the cache remembers. Going past
-// it drops entries, which costs a second mapping at worst, never
-// correctness.
-const cacheLimit = 1 << 16
+// sweepMin is the least number of entries at which the cache looks for
+// dead ones to drop.
+const sweepMin = 1 << 10
 
 // cacheKey names a storage's memory: a pooled block by its segment's
 // device and inode, offset and generation; a whole file_descriptor
@@ -35,14 +34,17 @@ func namedBlockKey(name string, off int64, gen uint64) cacheKey {
 // storageCache maps segments to the Storage this process has for them, so
 // that one segment received twice is mapped once. It holds its storages
 // weakly: a Storage nobody uses is collected (and unmapped) as if the cache
-// did not exist.
+// did not exist. It never drops a live Storage, however many there are:
+// dead entries go when looked up, and in a sweep each time the cache has
+// doubled since the last one, which costs a constant time per entry.
 type storageCache struct {
-	mu sync.Mutex
-	m  map[cacheKey]weak.Pointer[tensor.Storage]
+	mu      sync.Mutex
+	m       map[cacheKey]weak.Pointer[tensor.Storage]
+	sweepAt int // the size at which the next put sweeps
 }
 
 // storages is the process's cache, guarded by its mutex.
-var storages = &storageCache{m: make(map[cacheKey]weak.Pointer[tensor.Storage])}
+var storages = &storageCache{m: make(map[cacheKey]weak.Pointer[tensor.Storage]), sweepAt: sweepMin}
 
 // get returns the live Storage cached under k if it has size bytes.
 func (c *storageCache) get(k cacheKey, size int64) *tensor.Storage {
@@ -73,27 +75,22 @@ func (c *storageCache) put(k cacheKey, s *tensor.Storage) *tensor.Storage {
 			return old // s itself, when a sender registers again
 		}
 	}
-	if len(c.m) >= cacheLimit {
+	if len(c.m) >= c.sweepAt {
 		c.sweepLocked()
 	}
 	c.m[k] = weak.Make(s)
 	return s
 }
 
-// sweepLocked drops dead entries and, if the cache is still full, enough
-// live ones to make room.
+// sweepLocked drops the entries of storages that were released or
+// collected, and sets the size of the next sweep.
 func (c *storageCache) sweepLocked() {
 	for k, w := range c.m {
 		if s := w.Value(); s == nil || s.Released() {
 			delete(c.m, k)
 		}
 	}
-	for k := range c.m {
-		if len(c.m) < cacheLimit*3/4 {
-			break
-		}
-		delete(c.m, k)
-	}
+	c.sweepAt = max(sweepMin, 2*len(c.m))
 }
 
 // len returns the number of entries, dead ones included.

@@ -338,6 +338,8 @@ type fdReader struct {
 	// tickets[i]: the segment whose blocks descriptor i covers, as their
 	// ticket, until the message is decoded and mmapalloc adopts it.
 	tickets map[int]mmapalloc.ID
+	stats   []mmapalloc.FileStat // stats[i]: descriptor i's, once statted[i]
+	statted []bool
 	made    []*tensor.Storage
 }
 
@@ -345,8 +347,11 @@ func (r *fdReader) reset(data []byte, fds []int) {
 	r.data, r.pos, r.fds = data, 0, fds
 	r.used = slices.Grow(r.used[:0], len(fds))[:len(fds)]
 	r.kept = slices.Grow(r.kept[:0], len(fds))[:len(fds)]
+	r.stats = slices.Grow(r.stats[:0], len(fds))[:len(fds)]
+	r.statted = slices.Grow(r.statted[:0], len(fds))[:len(fds)]
 	clear(r.used)
 	clear(r.kept)
+	clear(r.statted)
 	clear(r.tickets)
 	clear(r.made)
 	r.made = r.made[:0]
@@ -394,6 +399,21 @@ func (r *fdReader) fd(i int) (int, error) {
 	}
 	r.used[i] = true
 	return r.fds[i], nil
+}
+
+func (r *fdReader) stat(i int) (mmapalloc.FileStat, error) {
+	fd, err := r.fd(i)
+	if err != nil {
+		return mmapalloc.FileStat{}, err
+	}
+	if !r.statted[i] {
+		st, err := mmapalloc.StatFile(fd)
+		if err != nil {
+			return st, err
+		}
+		r.stats[i], r.statted[i] = st, true
+	}
+	return r.stats[i], nil
 }
 
 func (r *fdReader) take(i int) (int, error) {

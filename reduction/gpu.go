@@ -72,7 +72,7 @@ func openGPU(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*te
 	// This process's own hold on the token keeps the producer's memory
 	// alive; it is given back at once if this process holds the memory
 	// already.
-	st, err := mmapalloc.StatFile(fd)
+	st, err := fds.stat(m.FD)
 	if err != nil {
 		return nil, err
 	}

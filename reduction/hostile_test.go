@@ -231,14 +231,30 @@ func releaseAll(v any) {
 	}
 }
 
-func TestCacheIsBounded(t *testing.T) {
-	c := &storageCache{m: make(map[cacheKey]weak.Pointer[tensor.Storage])}
-	live := make([]*tensor.Storage, 0, cacheLimit+100)
-	for i := range cacheLimit + 100 {
+// The cache keeps every live storage however many there are ("out and
+// back is the same storage"), and its size follows the live ones: dead
+// entries are swept.
+func TestCacheKeepsLiveStoragesAndDropsDeadOnes(t *testing.T) {
+	c := &storageCache{m: make(map[cacheKey]weak.Pointer[tensor.Storage]), sweepAt: sweepMin}
+	const n = 100_000
+	live := make([]*tensor.Storage, 0, n)
+	for i := range n {
 		s := tensor.NewEmptySharedStorage()
 		live = append(live, s)
 		c.put(cacheKey{id: mmapalloc.ID{Ino: uint64(i)}}, s)
-		require.LessOrEqual(t, c.len(), cacheLimit)
+	}
+	for i, s := range live {
+		require.Same(t, s, c.get(cacheKey{id: mmapalloc.ID{Ino: uint64(i)}}, 0), "live storage %d is still cached", i)
+	}
+	for _, s := range live[:n-10] {
+		require.NoError(t, s.Release())
+	}
+	for i := range n {
+		c.put(cacheKey{id: mmapalloc.ID{Ino: uint64(n + i)}}, live[n-1-i%10])
+	}
+	assert.Less(t, c.len(), n+n/2, "dead entries are swept as the cache grows")
+	for i, s := range live[n-10:] {
+		assert.Same(t, s, c.get(cacheKey{id: mmapalloc.ID{Ino: uint64(n - 10 + i)}}, 0))
 	}
 	last := live[len(live)-1]
 	assert.Same(t, last, c.get(cacheKey{id: mmapalloc.ID{Ino: uint64(len(live) - 1)}}, 0))

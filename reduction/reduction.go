@@ -162,6 +162,9 @@ type fdSource interface {
 	fd(i int) (int, error)
 	// take returns descriptor i for the rebuilt storage to own.
 	take(i int) (int, error)
+	// stat returns the identity and size of the file behind descriptor
+	// i, marking it referenced: one fstat per descriptor per message.
+	stat(i int) (mmapalloc.FileStat, error)
 	// ticket returns descriptor i, a pooled block's ticket of segment id,
 	// for mmapalloc.AttachBlock, and whether it covers the block until
 	// the message is decoded (see mmapalloc.AdoptTicket).
@@ -177,6 +180,14 @@ func (b borrowed) fd(i int) (int, error) {
 		return -1, fmt.Errorf("descriptor index %d out of range: the message has %d", i, len(b))
 	}
 	return b[i], nil
+}
+
+func (b borrowed) stat(i int) (mmapalloc.FileStat, error) {
+	fd, err := b.fd(i)
+	if err != nil {
+		return mmapalloc.FileStat{}, err
+	}
+	return mmapalloc.StatFile(fd)
 }
 
 func (b borrowed) take(i int) (int, error) {
@@ -276,18 +287,14 @@ func productNonZero(shape []int) bool {
 }
 
 func openFD(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
-	fd, err := fds.fd(m.FD)
+	st, err := fds.stat(m.FD)
 	if err != nil {
 		return nil, err
 	}
-	id, size, err := mmapalloc.Stat(fd)
-	if err != nil {
-		return nil, err
+	if st.Size < m.Size {
+		return nil, fmt.Errorf("segment holds %d bytes, fewer than the %d claimed", st.Size, m.Size)
 	}
-	if size < m.Size {
-		return nil, fmt.Errorf("segment holds %d bytes, fewer than the %d claimed", size, m.Size)
-	}
-	key := idKey(id)
+	key := idKey(st.ID)
 	if s := storages.get(key, m.Size); s != nil {
 		return s, nil
 	}
@@ -307,11 +314,7 @@ func openFD(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, err
 // block's ticket: it holds the block until this process holds it too, and
 // the decoder closes it afterwards.
 func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
-	fd, err := fds.fd(m.FD)
-	if err != nil {
-		return nil, err
-	}
-	st, err := mmapalloc.StatFile(fd)
+	st, err := fds.stat(m.FD)
 	if err != nil {
 		return nil, err
 	}
@@ -327,12 +330,11 @@ func openNamedBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Stor
 	if err := checkName(m.Name); err != nil {
 		return nil, err
 	}
-	fd, err := fds.fd(m.FD)
-	if err != nil {
+	if _, err := fds.fd(m.FD); err != nil {
 		return nil, err
 	}
 	return adoptBlock(namedBlockKey(m.Name, m.Block, m.Gen), m, made, func() (*mmapalloc.Block, error) {
-		st, err := mmapalloc.StatFile(fd)
+		st, err := fds.stat(m.FD)
 		if err != nil {
 			return nil, err
 		}
