@@ -35,7 +35,8 @@ func namedBlockKey(name string, off int64, gen uint64) cacheKey {
 // that one segment received twice is mapped once. It holds its storages
 // weakly: a Storage nobody uses is collected (and unmapped) as if the cache
 // did not exist. It never drops a live Storage, however many there are:
-// dead entries go when looked up, and in a sweep each time the cache has
+// a released storage's entry goes at its Release; one collected
+// unreleased goes when looked up, or in a sweep each time the cache has
 // doubled since the last one, which costs a constant time per entry.
 type storageCache struct {
 	mu      sync.Mutex
@@ -69,17 +70,31 @@ func (c *storageCache) get(k cacheKey, size int64) *tensor.Storage {
 // returns the one that is cached afterwards.
 func (c *storageCache) put(k cacheKey, s *tensor.Storage) *tensor.Storage {
 	c.mu.Lock()
-	defer c.mu.Unlock()
 	if w, ok := c.m[k]; ok {
 		if old := w.Value(); old != nil && !old.Released() {
+			c.mu.Unlock()
 			return old // s itself, when a sender registers again
 		}
 	}
 	if len(c.m) >= c.sweepAt {
 		c.sweepLocked()
 	}
-	c.m[k] = weak.Make(s)
+	w := weak.Make(s)
+	c.m[k] = w
+	c.mu.Unlock()
+	// Not under c.mu: a storage released meanwhile runs forget at once.
+	s.OnRelease(func() { c.forget(k, w) })
 	return s
+}
+
+// forget drops the entry of a storage that was released, unless another
+// storage took its key since.
+func (c *storageCache) forget(k cacheKey, w weak.Pointer[tensor.Storage]) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.m[k] == w {
+		delete(c.m, k)
+	}
 }
 
 // sweepLocked drops the entries of storages that were released or

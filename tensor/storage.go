@@ -87,10 +87,11 @@ type Storage struct {
 	place  device.Place
 	nbytes int64
 
-	mu      sync.Mutex // serialises changes of mem and cleanup
-	mem     atomic.Pointer[memory]
-	cleanup runtime.Cleanup
-	hasSafe bool // cleanup is armed
+	mu        sync.Mutex // serialises changes of mem and cleanup, and onRelease
+	mem       atomic.Pointer[memory]
+	cleanup   runtime.Cleanup
+	hasSafe   bool     // cleanup is armed
+	onRelease []func() // run by Release, once
 }
 
 // newHeapStorage allocates nbytes of zeroed host memory, aligned for every
@@ -324,7 +325,26 @@ func (s *Storage) Release() error {
 	}
 	s.mem.Store(releasedMemory)
 	s.disarm()
+	for _, f := range s.onRelease {
+		f()
+	}
+	s.onRelease = nil
 	return m.release()
+}
+
+// OnRelease registers f to run when Release gives the storage's memory
+// back, or at once if it did already. It is not run for a storage that
+// becomes unreachable unreleased. f must not call s's methods. Package
+// reduction uses it to forget storages it cached.
+func (s *Storage) OnRelease(f func()) {
+	s.mu.Lock()
+	if s.mem.Load().released {
+		s.mu.Unlock()
+		f()
+		return
+	}
+	s.onRelease = append(s.onRelease, f)
+	s.mu.Unlock()
 }
 
 // release gives m's segment, block or device buffer back.

@@ -10,6 +10,7 @@ import (
 	"os"
 	"reflect"
 	"runtime"
+	"runtime/pprof"
 	"slices"
 	"strings"
 	"time"
@@ -59,6 +60,7 @@ type benchMsg struct {
 
 type benchArgs struct {
 	In, Out *mp.Queue
+	Profile string // where the worker writes its CPU profile, if anywhere
 }
 
 // floorSocket carries the worker's end of the floor's socket pair.
@@ -100,6 +102,13 @@ func benchWorker(ctx context.Context, w *mp.Worker) error {
 	var a benchArgs
 	if err := w.Args(&a); err != nil {
 		return err
+	}
+	if a.Profile != "" {
+		stop, err := startProfile(a.Profile)
+		if err != nil {
+			return err
+		}
+		defer stop()
 	}
 	var last *tensor.Tensor // keeps the echoed storage mapped between trips
 	var batch []*tensor.Tensor
@@ -164,6 +173,22 @@ func benchWorker(ctx context.Context, w *mp.Worker) error {
 	}
 }
 
+// startProfile starts a CPU profile written to path; stop ends it.
+func startProfile(path string) (stop func(), err error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, err
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		_ = f.Close()
+		return nil, err
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		_ = f.Close()
+	}, nil
+}
+
 func countFDs() int {
 	entries, err := os.ReadDir("/proc/self/fd")
 	if err != nil {
@@ -198,6 +223,7 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	fs.IntVar(&o.batch, "batch", 16, "tensors per message in the batched stream")
 	fs.IntVar(&o.hold, "hold", 10000, "tensors held in the fds cases (and ten times as many 4 KiB ones)")
 	fs.Int64Var(&o.maxSize, "max", 256<<20, "largest tensor size to measure, in bytes")
+	fs.StringVar(&o.profile, "cpuprofile", "", "write CPU profiles of the parent and the worker to `prefix`.parent and prefix.worker")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "usage: spawn bench [flags]\n\n%s\n\nflags:\n", benchHelp)
 		fs.PrintDefaults()
@@ -268,7 +294,16 @@ func benchStrategy(st strategy.Strategy, o benchOpts, progress func(string), emi
 		return err
 	}
 	defer out.Close()
-	g, err := mp.Spawn(ctx, "bench", 1, mp.WithArgs(benchArgs{In: in, Out: out}))
+	var profile string
+	if o.profile != "" {
+		profile = o.profile + "." + st.String() + ".worker"
+		stop, err := startProfile(o.profile + "." + st.String() + ".parent")
+		if err != nil {
+			return err
+		}
+		defer stop()
+	}
+	g, err := mp.Spawn(ctx, "bench", 1, mp.WithArgs(benchArgs{In: in, Out: out, Profile: profile}))
 	if err != nil {
 		return err
 	}
@@ -285,6 +320,7 @@ func benchStrategy(st strategy.Strategy, o benchOpts, progress func(string), emi
 type benchOpts struct {
 	trips, stream, batch, hold int
 	maxSize                    int64
+	profile                    string
 }
 
 // bencher runs the cases of one strategy against one bench worker.
