@@ -236,7 +236,7 @@ func releaseAll(v any) {
 // entries are swept.
 func TestCacheKeepsLiveStoragesAndDropsDeadOnes(t *testing.T) {
 	c := &storageCache{m: make(map[cacheKey]weak.Pointer[tensor.Storage]), sweepAt: sweepMin}
-	const n = 100_000
+	const n = 20_000
 	live := make([]*tensor.Storage, 0, n)
 	for i := range n {
 		s := tensor.NewEmptySharedStorage()
