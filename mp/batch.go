@@ -39,7 +39,7 @@ func GetMany[T any](ctx context.Context, q *Queue, batch []T) ([]T, error) {
 		}
 		return append(batch, one), nil
 	}
-	got := batch[len(batch):len(batch)]
+	got := batch[len(batch):] // empty, with the room batch has left
 	if err := decode(data, fds, &got); err != nil {
 		clear(batch[len(batch):cap(batch)]) // no half-decoded values left behind
 		return batch, err
