@@ -399,6 +399,15 @@ func helperTmpfsFull() int {
 			return fail("Release = %v", err)
 		}
 	}
+	// The room the released blocks hold goes to a block of another size.
+	other, perr := p.Alloc(128 << 10)
+	if perr != nil {
+		return fail("a 128 KiB block after releasing the 16 KiB ones: %v", perr)
+	}
+	clear(other.Bytes())
+	if err := other.Release(); err != nil {
+		return fail("Release = %v", err)
+	}
 	p.Trim(0)
 	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
 		return fail("%d entries left after the pool's Trim", len(entries))

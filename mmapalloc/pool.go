@@ -129,14 +129,8 @@ func (p *Pool) Alloc(size int64) (*Block, error) {
 		}
 	}
 	b := c.free[len(c.free)-1]
-	seg := b.seg
-	if err := seg.reserveLocked(seg.dataOff+int64(b.slot)*c.cap, c.cap); err != nil {
-		// Out of room: give back what unused segments hold and try once
-		// more; the slot stays free either way.
-		p.trimLocked(0)
-		if err := seg.reserveLocked(seg.dataOff+int64(b.slot)*c.cap, c.cap); err != nil {
-			return nil, err
-		}
+	if err := p.reserveLocked(b); err != nil {
+		return nil, err
 	}
 	c.free[len(c.free)-1] = nil
 	c.free = c.free[:len(c.free)-1]
@@ -144,6 +138,22 @@ func (p *Pool) Alloc(size int64) (*Block, error) {
 	b.released.Store(false)
 	b.seg.inUse++
 	return b, nil
+}
+
+// reserveLocked gives free block b its pages, unless it has them. Out of
+// room, it takes back the slots nobody holds, closes the pool's unused
+// segments (never b's) and tries once more; b stays free either way.
+func (p *Pool) reserveLocked(b *Block) error {
+	seg := b.seg
+	off := seg.dataOff + int64(b.slot)*seg.cap
+	err := seg.reserveLocked(off, seg.cap)
+	if err == nil {
+		return nil
+	}
+	seg.inUse++ // b's segment may have no block in use: keep it from the trim
+	p.trimAllLocked(0)
+	seg.inUse--
+	return seg.reserveLocked(off, seg.cap)
 }
 
 // reclaimLocked moves the class's pending slots that no other description
@@ -204,6 +214,28 @@ func (p *Pool) rotateLocked(c *sizeClass) bool {
 // and tries once more.
 func (p *Pool) growLocked(c *sizeClass) error {
 	nslots := slabSlots(c.cap, len(c.segs))
+	seg, err := p.newSegment(c, nslots)
+	if err != nil {
+		p.trimAllLocked(0)
+		seg, err = p.newSegment(c, nslots)
+	}
+	if err != nil {
+		return err
+	}
+	p.segs[seg] = struct{}{}
+	c.segs = append(c.segs, seg)
+	liveSegments.add(seg)
+	p.cached += seg.alloc.Size()
+	for slot := nslots - 1; slot >= 0; slot-- { // handed out from slot 0 up: pages are reserved in order
+		c.free = append(c.free, &Block{seg: seg, slot: int(slot), gen: 1, pool: p})
+	}
+	return nil
+}
+
+// newSegment makes a segment of nslots slots of class c, owned by the
+// pool, with its slot table written (and its pages reserved); on error
+// nothing is left of it.
+func (p *Pool) newSegment(c *sizeClass, nslots int64) (*segment, error) {
 	dataOff := slabLayout(nslots)
 	segSize := dataOff + nslots*c.cap
 	flags := KeepFD | Unlink | Sparse
@@ -212,43 +244,34 @@ func (p *Pool) growLocked(c *sizeClass) error {
 	}
 	a, err := Create(segSize, flags)
 	if err != nil {
-		p.trimLocked(0)
-		a, err = Create(segSize, flags)
-	}
-	if err != nil {
-		return err
+		return nil, err
 	}
 	if ok, err := lockRead(a.fd, lockBase, 1); !ok || err != nil {
 		_ = a.Remove()
 		_ = a.Close()
-		return fmt.Errorf("mmapalloc: taking ownership of a new segment: %w", err)
+		return nil, fmt.Errorf("mmapalloc: taking ownership of a new segment: %w", err)
 	}
 	seg := &segment{alloc: a, cap: c.cap, nslots: int(nslots), dataOff: dataOff, named: p.named, pool: p, class: c,
 		reserved: make([]uint64, (segSize+64*reserveChunk-1)/(64*reserveChunk))}
-	err = seg.reserveLocked(0, dataOff) // the slot table
-	if err == nil {
-		err = Guard(func() {
-			h := (*slabHdr)(ptrAt(a.mapping, 0))
-			h.cap, h.nslots, h.dataOff = c.cap, nslots, dataOff
-			h.version, h.magic = slabVersion, slabMagic
-			for slot := range int(nslots) {
-				seg.gen(slot).Store(1)
-			}
-		})
+	if err := seg.reserveLocked(0, dataOff); err != nil { // the slot table's pages
+		_ = a.Remove()
+		_ = a.Close()
+		return nil, err // it names the segment
 	}
+	err = Guard(func() {
+		h := (*slabHdr)(ptrAt(a.mapping, 0))
+		h.cap, h.nslots, h.dataOff = c.cap, nslots, dataOff
+		h.version, h.magic = slabVersion, slabMagic
+		for slot := range int(nslots) {
+			seg.gen(slot).Store(1)
+		}
+	})
 	if err != nil {
 		_ = a.Remove()
 		_ = a.Close()
-		return fmt.Errorf("mmapalloc: writing the slot table of %v: %w", a, err)
+		return nil, fmt.Errorf("mmapalloc: writing the slot table of %v: %w", a, err)
 	}
-	p.segs[seg] = struct{}{}
-	c.segs = append(c.segs, seg)
-	liveSegments.add(seg)
-	p.cached += segSize
-	for slot := int(nslots) - 1; slot >= 0; slot-- { // handed out from slot 0 up: pages are reserved in order
-		c.free = append(c.free, &Block{seg: seg, slot: slot, gen: 1, pool: p})
-	}
-	return nil
+	return seg, nil
 }
 
 // put takes back a block the producer released.
