@@ -143,24 +143,24 @@ const reserveChunk = 256 << 10
 // reserveLocked gives the segment's bytes [off, off+n) their pages, in
 // whole chunks, unless they have them. The caller holds pool.mu.
 func (s *segment) reserveLocked(off, n int64) error {
-	size := s.alloc.Size()
-	first, last := off/reserveChunk, (off+n-1)/reserveChunk
-	for c := first; c <= last; c++ {
-		if s.reserved[c/64]&(1<<(c%64)) != 0 {
+	has := func(c int64) bool { return s.reserved[c/64]&(1<<(c%64)) != 0 }
+	last := (off + n - 1) / reserveChunk
+	for c := off / reserveChunk; c <= last; {
+		if has(c) {
+			c++
 			continue
 		}
-		end := c + 1 // reserve the run of chunks that lack pages in one call
-		for end <= last && s.reserved[end/64]&(1<<(end%64)) == 0 {
+		end := c + 1 // the run of chunks without pages, reserved in one call
+		for end <= last && !has(end) {
 			end++
 		}
-		from, to := c*reserveChunk, min(size, end*reserveChunk)
+		from, to := c*reserveChunk, min(s.alloc.Size(), end*reserveChunk)
 		if err := s.alloc.Reserve(from, to-from); err != nil {
 			return err
 		}
 		for ; c < end; c++ {
 			s.reserved[c/64] |= 1 << (c % 64)
 		}
-		c--
 	}
 	return nil
 }
