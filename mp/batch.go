@@ -2,6 +2,8 @@ package mp
 
 import (
 	"context"
+
+	"github.com/vmihailenco/msgpack/v5/msgpcode"
 )
 
 // PutMany sends the values of batch to q as one message, for producers
@@ -24,15 +26,12 @@ func PutMany[T any](ctx context.Context, q *Queue, batch []T) error {
 //
 // It waits as Get does. On error, batch is returned unchanged.
 func GetMany[T any](ctx context.Context, q *Queue, batch []T) ([]T, error) {
-	data, fds, done, err := q.out.recv(ctx, true)
+	data, fds, done, err := q.take(ctx, true)
 	if err != nil {
 		return batch, err
 	}
 	defer done()
-	if q.free != nil {
-		q.givePlace() // the message is out of the queue
-	}
-	if !isArray(data) {
+	if len(data) == 0 || !(msgpcode.IsFixedArray(data[0]) || data[0] == msgpcode.Array16 || data[0] == msgpcode.Array32) {
 		var one T
 		if err := decode(data, fds, &one); err != nil {
 			return batch, err
@@ -44,17 +43,5 @@ func GetMany[T any](ctx context.Context, q *Queue, batch []T) ([]T, error) {
 		clear(batch[len(batch):cap(batch)]) // no half-decoded values left behind
 		return batch, err
 	}
-	if len(got) > 0 && len(batch) < cap(batch) && &got[0] == &batch[:len(batch)+1][len(batch)] {
-		return batch[:len(batch)+len(got)], nil // decoded in place
-	}
-	return append(batch, got...), nil
-}
-
-// isArray reports whether a message holds a msgpack array.
-func isArray(data []byte) bool {
-	if len(data) == 0 {
-		return false
-	}
-	c := data[0]
-	return c&0xf0 == 0x90 || c == 0xdc || c == 0xdd
+	return append(batch, got...), nil // a copy onto itself when got used batch's room
 }

@@ -259,18 +259,28 @@ func (q *Queue) Get(ctx context.Context, v any) error { return q.get(ctx, v, tru
 func (q *Queue) TryGet(ctx context.Context, v any) error { return q.get(ctx, v, false) }
 
 func (q *Queue) get(ctx context.Context, v any, block bool) error {
-	data, fds, done, err := q.out.recv(ctx, block)
-	if errors.Is(err, errWouldBlock) {
-		return ErrEmpty
-	}
+	data, fds, done, err := q.take(ctx, block)
 	if err != nil {
 		return err
 	}
 	defer done()
+	return decode(data, fds, v)
+}
+
+// take receives the next message, giving its place back at once; the
+// caller decodes it (which takes fds over), then calls done.
+func (q *Queue) take(ctx context.Context, block bool) (data []byte, fds []int, done func(), err error) {
+	data, fds, done, err = q.out.recv(ctx, block)
+	if errors.Is(err, errWouldBlock) {
+		return nil, nil, nil, ErrEmpty
+	}
+	if err != nil {
+		return nil, nil, nil, err
+	}
 	if q.free != nil {
 		q.givePlace() // the message is out of the queue
 	}
-	return decode(data, fds, v)
+	return data, fds, done, nil
 }
 
 func fullErr(err error) error {
