@@ -421,26 +421,14 @@ func (b *bencher) roundTrips(size int64) error {
 		if r == 0 {
 			warm = 1000
 		}
-		for i := range per + warm {
-			d, err := b.roundTrip(x)
-			if err != nil {
-				return err
-			}
-			if i >= warm {
-				ds = append(ds, d)
-			}
+		if ds, err = sample(ds, per, warm, func() (time.Duration, error) { return b.roundTrip(x) }); err != nil {
+			return err
 		}
 		if b.floor == nil {
 			continue
 		}
-		for i := range per + warm {
-			d, err := b.floor.roundTrip()
-			if err != nil {
-				return err
-			}
-			if i >= warm {
-				fs = append(fs, d)
-			}
+		if fs, err = sample(fs, per, warm, b.floor.roundTrip); err != nil {
+			return err
 		}
 	}
 	if err := b.release(); err != nil {
@@ -451,6 +439,21 @@ func (b *bencher) roundTrips(size int64) error {
 	}
 	b.emit(benchResult{Strategy: b.st.String(), Case: "roundtrip", Bytes: size, P50us: pct(ds, 50), P99us: pct(ds, 99)})
 	return nil
+}
+
+// sample appends to ds the times of n calls of trip, made after warm
+// calls that are not measured.
+func sample(ds []time.Duration, n, warm int, trip func() (time.Duration, error)) ([]time.Duration, error) {
+	for i := range warm + n {
+		d, err := trip()
+		if err != nil {
+			return ds, err
+		}
+		if i >= warm {
+			ds = append(ds, d)
+		}
+	}
+	return ds, nil
 }
 
 // firstShares measures round trips of tensors not yet in shared memory.

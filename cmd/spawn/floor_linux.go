@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"runtime"
 	"time"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -31,12 +30,13 @@ const (
 	floorEnd   = 'e' // reply with the records counted since the last end
 )
 
-// floor is the parent's end of a floor socket.
+// floor is the parent's end of a floor socket. It owns s and memfd, and
+// uses their numbers directly: nothing else can close them while it runs.
 type floor struct {
-	s     *fd.FD
-	memfd *fd.FD // the descriptor every message carries
-	buf   []byte
-	oob   []byte
+	s, memfd int
+	rights   []byte // the control message that carries memfd
+	buf      []byte
+	oob      []byte
 }
 
 // newFloor makes a floor socket pair and a memfd to send; the peer end is
@@ -52,41 +52,24 @@ func newFloor() (*floor, *fd.FD, error) {
 		_ = unix.Close(pair[1])
 		return nil, nil, fmt.Errorf("floor memfd: %w", err)
 	}
-	f := &floor{s: fd.New(pair[0]), memfd: fd.New(m), buf: make([]byte, 64<<10), oob: make([]byte, unix.CmsgSpace(4*4))}
+	f := &floor{s: pair[0], memfd: m, rights: unix.UnixRights(m), buf: make([]byte, 64<<10), oob: make([]byte, unix.CmsgSpace(4*4))}
 	return f, fd.New(pair[1]), nil
 }
 
 func (f *floor) close() {
-	_ = f.s.Close()
-	_ = f.memfd.Close()
+	_ = unix.Close(f.s)
+	_ = unix.Close(f.memfd)
 }
 
 // send sends a message of kind k holding records records and the memfd.
 func (f *floor) send(k byte, records int) error {
-	s, err := f.s.Lend()
-	if err != nil {
-		return err
-	}
-	defer func() { _ = f.s.Return() }()
-	m, err := f.memfd.Lend()
-	if err != nil {
-		return err
-	}
-	defer func() { _ = f.memfd.Return() }()
 	msg := f.buf[:1+records*floorRecord]
 	msg[0] = k
-	return unix.Sendmsg(s, msg, unix.UnixRights(m), nil, unix.MSG_NOSIGNAL)
+	return unix.Sendmsg(f.s, msg, f.rights, nil, unix.MSG_NOSIGNAL)
 }
 
 // recv receives a message and closes the descriptors it carried.
-func (f *floor) recv() ([]byte, error) {
-	s, err := f.s.Lend()
-	if err != nil {
-		return nil, err
-	}
-	defer func() { _ = f.s.Return() }()
-	return recvFloor(s, f.buf, f.oob)
-}
+func (f *floor) recv() ([]byte, error) { return recvFloor(f.s, f.buf, f.oob) }
 
 // roundTrip sends one record and a descriptor, and waits for them to come
 // back.
@@ -189,29 +172,27 @@ func recvFloorFDs(s int, buf, oob []byte) (int, []int, error) {
 		if n == 0 {
 			return 0, nil, errFloorClosed
 		}
-		return n, parseRights(oob[:oobn]), nil
+		if oobn == 0 {
+			return n, nil, nil
+		}
+		rights, err := parseRights(oob[:oobn])
+		return n, rights, err
 	}
 }
 
-// parseRights returns the descriptors of the SCM_RIGHTS messages in oob,
-// read in place: the floor allocates nothing per message.
-func parseRights(oob []byte) []int {
-	var fds []int
-	for len(oob) >= unix.CmsgLen(0) {
-		h := (*unix.Cmsghdr)(unsafe.Pointer(&oob[0]))
-		n := int(h.Len)
-		if n < unix.CmsgLen(0) || n > len(oob) {
-			break
-		}
-		if h.Level == unix.SOL_SOCKET && h.Type == unix.SCM_RIGHTS {
-			data := oob[unix.CmsgLen(0):n]
-			for ; len(data) >= 4; data = data[4:] {
-				fds = append(fds, int(int32(binary.NativeEndian.Uint32(data))))
-			}
-		}
-		oob = oob[min(len(oob), unix.CmsgSpace(n-unix.CmsgLen(0))):]
+// parseRights returns the descriptors of the SCM_RIGHTS messages in oob.
+func parseRights(oob []byte) ([]int, error) {
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return nil, fmt.Errorf("floor control message: %w", err)
 	}
-	return fds
+	var fds []int
+	for i := range msgs {
+		if got, err := unix.ParseUnixRights(&msgs[i]); err == nil {
+			fds = append(fds, got...)
+		}
+	}
+	return fds, nil
 }
 
 func closeRaw(fds []int) {
