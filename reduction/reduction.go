@@ -330,7 +330,7 @@ func openNamedBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Stor
 	if err := checkName(m.Name); err != nil {
 		return nil, err
 	}
-	if _, err := fds.fd(m.FD); err != nil {
+	if _, err := fds.fd(m.FD); err != nil { // referenced even when the storage is cached
 		return nil, err
 	}
 	return adoptBlock(namedBlockKey(m.Name, m.Block, m.Gen), m, made, func() (*mmapalloc.Block, error) {
