@@ -150,6 +150,9 @@ func Copy(dst, src *Tensor) error {
 	if m.released {
 		return ErrReleased
 	}
+	if dst.IsContiguous() {
+		return copyBytes(m.bytes[dst.offset:dst.offset+dst.Nbytes()], from)
+	}
 	item := int64(dst.dtype.Size())
 	var i int64
 	return touch(func() {
