@@ -441,4 +441,3 @@ func TestSamplers(t *testing.T) {
 	assert.Equal(t, slices.Collect(r.Indices(3)), slices.Collect(loader.Random(20, 1).Indices(3)))
 	assert.NotEqual(t, slices.Collect(r.Indices(3)), slices.Collect(r.Indices(4)))
 }
-

@@ -224,8 +224,10 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	fs.IntVar(&o.hold, "hold", 10000, "tensors held in the fds cases (and ten times as many 4 KiB ones)")
 	fs.Int64Var(&o.maxSize, "max", 256<<20, "largest tensor size to measure, in bytes")
 	fs.StringVar(&o.profile, "cpuprofile", "", "write CPU profiles of the parent and the worker to `prefix`.parent and prefix.worker")
+	loaderMode := fs.Bool("loader", false, "measure package loader instead (see below)")
+	batches := fs.Int("batches", 200, "batches read in each -loader case, after a warm-up")
 	fs.Usage = func() {
-		fmt.Fprintf(stderr, "usage: spawn bench [flags]\n\n%s\n\nflags:\n", benchHelp)
+		fmt.Fprintf(stderr, "usage: spawn bench [flags]\n\n%s\n\n%s\n\nflags:\n", benchHelp, loaderHelp)
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -251,6 +253,13 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	if f, ok := stderr.(*os.File); ok && isTerminal(f) {
 		progress = func(s string) { fmt.Fprintf(stderr, "\r\033[K%s", s) }
 		defer fmt.Fprint(stderr, "\r\033[K")
+	}
+	if *loaderMode {
+		if *batches < 1 {
+			fmt.Fprintln(stderr, "spawn bench: -batches must be positive")
+			return 2
+		}
+		return runLoaderBench(*batches, *asJSON, stdout, stderr, progress)
 	}
 	var results []benchResult
 	emit := func(r benchResult) {

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -183,6 +184,31 @@ func TestCleanRemovesOnlyWhatItNamed(t *testing.T) {
 	got, err := os.ReadFile(target)
 	require.NoError(t, err)
 	assert.Equal(t, "keep", string(got), "a link's target is never touched")
+}
+
+func TestBenchLoaderJSON(t *testing.T) {
+	leakcheck.Check(t)
+	var out, errOut bytes.Buffer
+	code := run([]string{"bench", "-loader", "-json", "-batches", "3"}, &out, &errOut)
+	require.Equal(t, 0, code, errOut.String())
+	rows := map[string]int{}
+	for _, line := range strings.Split(strings.TrimSpace(out.String()), "\n") {
+		var r loaderResult
+		require.NoError(t, json.Unmarshal([]byte(line), &r), line)
+		rows[fmt.Sprintf("%s/%s/%d", r.Case, r.Dataset, r.Workers)]++
+		assert.Positive(t, r.PerS, line)
+		assert.Equal(t, int64(64*(3*224*224*4+8)), r.Bytes)
+	}
+	want := map[string]int{}
+	for _, d := range []string{"transport", "compute"} {
+		for w := range 3 {
+			want[fmt.Sprintf("loader/%s/%d", d, w)] = 1
+			if w > 0 {
+				want[fmt.Sprintf("loader_pipe/%s/%d", d, w)] = 1
+			}
+		}
+	}
+	assert.Equal(t, want, rows)
 }
 
 func TestBenchJSON(t *testing.T) {
