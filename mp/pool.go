@@ -86,6 +86,7 @@ const (
 // task is a chunk of a call, from the pool to one worker. Its first three
 // fields are read before the function's types are known (see peekTask).
 type task[A any] struct {
+	//lint:ignore U1000 msgpack reads its tag: encoded as an array
 	_msgpack struct{} `msgpack:",as_array"`
 	Call     uint64
 	Start    int // the chunk's first item's index in the call
@@ -97,6 +98,7 @@ type task[A any] struct {
 // note that worker Rank's process Gen has exited. Its first four fields
 // are read before the result type is known (see peekReply).
 type reply[R any] struct {
+	//lint:ignore U1000 msgpack reads its tag: encoded as an array
 	_msgpack struct{} `msgpack:",as_array"`
 	Call     uint64
 	Start    int
