@@ -20,6 +20,7 @@ import (
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/loader"
 	"github.com/tensormp/tensormp/mp"
+	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -440,4 +441,32 @@ func TestSamplers(t *testing.T) {
 	r := loader.Random(20, 1)
 	assert.Equal(t, slices.Collect(r.Indices(3)), slices.Collect(loader.Random(20, 1).Indices(3)))
 	assert.NotEqual(t, slices.Collect(r.Indices(3)), slices.Collect(r.Indices(4)))
+}
+
+func TestLoaderUnderFileSystemLeavesNothing(t *testing.T) {
+	prev := strategy.Get()
+	require.NoError(t, strategy.Set(strategy.FileSystem))
+	defer func() { require.NoError(t, strategy.Set(prev)) }()
+	leakcheck.Check(t) // this session's named segments included
+	l, err := loader.New[batch](numbers, numberedArgs{N: 64, FailAt: -1, KillAt: 40}, loader.Options{BatchSize: 8, NumWorkers: 2})
+	require.NoError(t, err)
+	defer l.Close()
+	var kept []batch // held past the worker's death, then released
+	var last error
+	for b, err := range l.Epoch(context.Background()) {
+		if err != nil {
+			last = err
+			break
+		}
+		kept = append(kept, b)
+	}
+	var ee *mp.ExitError
+	require.ErrorAs(t, last, &ee)
+	require.NotEmpty(t, kept)
+	for _, b := range kept {
+		y, err := tensor.Values[int64](b.Y)
+		require.NoError(t, err, "a dead worker's batches stay readable")
+		assert.Len(t, y, 8)
+		require.NoError(t, loader.Release(b))
+	}
 }
