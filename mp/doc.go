@@ -20,6 +20,11 @@
 // tensormp did not frame is an error wrapping ErrMalformed, and the queue
 // goes on.
 //
+// A Pool keeps worker processes that run functions registered with
+// RegisterFunc over many items (Map, Imap, ImapUnordered, Apply), and
+// replaces a worker that dies; package loader builds torch's DataLoader
+// on Spawn and Queue.
+//
 // Ownership: a Queue or Pipe owns its socket descriptors in each process
 // that holds it, until Close; one sent in a message travels as a duplicate
 // the message owns. Every process of a program belongs to one session; its
