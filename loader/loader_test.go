@@ -221,6 +221,19 @@ func TestLoaderPersistentWorkers(t *testing.T) {
 	}
 	a, b := pidsOf(true)
 	assert.Equal(t, a, b, "the same workers serve both epochs")
+
+	// An epoch broken off early leaves its late batches behind, not in
+	// the next epoch.
+	l, err := loader.New[batch](numbers, numberedArgs{N: 40, FailAt: -1, KillAt: -1},
+		loader.Options{BatchSize: 4, NumWorkers: 2, PersistentWorkers: true})
+	require.NoError(t, err)
+	defer l.Close()
+	for _, err := range l.Epoch(context.Background()) {
+		require.NoError(t, err)
+		break
+	}
+	ys, _ := epoch(t, l)
+	assert.Equal(t, seq(40), ys)
 	a, b = pidsOf(false)
 	for _, p := range b {
 		assert.NotContains(t, a, p, "new workers each epoch")
@@ -315,7 +328,24 @@ func TestLoaderTimeout(t *testing.T) {
 func TestLoaderIterable(t *testing.T) {
 	leakcheck.Check(t)
 	for _, drop := range []bool{false, true} {
-		l, err := loader.New[*tensor.Tensor](stream, 20, loader.Options{BatchSize: 3, NumWorkers: 2, DropLast: drop})
+		l, err := loader.New[*tensor.Tensor](stream, 20, loader.Options{BatchSize: 3, DropLast: drop})
+		require.NoError(t, err)
+		var all []int64
+		for b, err := range l.Epoch(context.Background()) {
+			require.NoError(t, err)
+			v, err := tensor.Values[int64](b)
+			require.NoError(t, err)
+			all = append(all, v...)
+			require.NoError(t, b.Release())
+		}
+		require.NoError(t, l.Close())
+		if drop {
+			assert.Equal(t, seq(18), all, "in the caller, one pass")
+		} else {
+			assert.Equal(t, seq(20), all, "in the caller, one pass")
+		}
+
+		l, err = loader.New[*tensor.Tensor](stream, 20, loader.Options{BatchSize: 3, NumWorkers: 2, DropLast: drop})
 		require.NoError(t, err)
 		assert.Equal(t, -1, l.Len())
 		var got [][]int64
