@@ -53,16 +53,7 @@ func collate(vs []reflect.Value) (any, error) {
 		return Stack(ts)
 	}
 	switch t.Kind() {
-	case reflect.Interface:
-		inner := make([]reflect.Value, len(vs))
-		for i, v := range vs {
-			if v.IsNil() {
-				return nil, fmt.Errorf("loader: collate: a nil %v", t)
-			}
-			inner[i] = v.Elem()
-		}
-		return collate(inner)
-	case reflect.Pointer:
+	case reflect.Interface, reflect.Pointer:
 		inner := make([]reflect.Value, len(vs))
 		for i, v := range vs {
 			if v.IsNil() {

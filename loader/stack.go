@@ -29,7 +29,7 @@ func Stack(ts []*tensor.Tensor) (*tensor.Tensor, error) {
 	}
 	full := append([]int{len(ts)}, shape...)
 	if adjacent(ts) {
-		return tensor.FromStorage(first.Storage(), dt, first.Offset(), full, contiguous(full))
+		return viewAt(first.Storage(), dt, first.Offset(), full)
 	}
 	out, err := tensor.On(device.CPU()).Shared().Zeros(dt, full...)
 	if err != nil {
@@ -66,14 +66,17 @@ func adjacent(ts []*tensor.Tensor) bool {
 	return true
 }
 
-func contiguous(shape []int) []int {
-	strides := make([]int, len(shape))
-	acc := 1
-	for i := len(shape) - 1; i >= 0; i-- {
-		strides[i] = acc
-		acc *= shape[i]
+// viewAt returns the contiguous tensor of shape at byte offset off of s.
+func viewAt(s *tensor.Storage, dt tensor.DType, off int64, shape []int) (*tensor.Tensor, error) {
+	n := 1
+	for _, d := range shape {
+		n *= d
 	}
-	return strides
+	flat, err := tensor.FromStorage(s, dt, off, []int{n}, []int{1})
+	if err != nil {
+		return nil, err
+	}
+	return flat.Reshape(shape...)
 }
 
 // arena is where the samples of the batch being fetched are made: the
@@ -135,5 +138,5 @@ func Zeros(ctx context.Context, dt tensor.DType, shape ...int) (*tensor.Tensor, 
 		return tensor.On(device.CPU()).Shared().Zeros(dt, shape...)
 	}
 	size := p.Nbytes() / int64(a.n)
-	return tensor.FromStorage(p.Storage(), dt, p.Offset()+int64(a.slot)*size, shape, contiguous(shape))
+	return viewAt(p.Storage(), dt, p.Offset()+int64(a.slot)*size, shape)
 }
