@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"iter"
-	"reflect"
 	"runtime/debug"
 	"slices"
 	"sync"
@@ -28,9 +27,10 @@ func (f *Func[A, R]) Name() string { return f.name }
 
 // poolFunc is a registered function as a pool worker runs it: run decodes
 // a task message of its argument type, calls the function on each item
-// and returns the reply to send.
+// and returns the reply to send, from the worker of rank and gen, and the
+// failing item's error if one failed.
 type poolFunc struct {
-	run func(ctx context.Context, rank int, data []byte, fds []int) any
+	run func(ctx context.Context, rank, gen int, data []byte, fds []int) (any, error)
 }
 
 var poolFuncs sync.Map // name -> *poolFunc
@@ -43,21 +43,21 @@ var poolFuncs sync.Map // name -> *poolFunc
 // fn runs in a worker process, under the worker's context, once per item;
 // a panic in it is the item's error, and the worker goes on.
 func RegisterFunc[A, R any](name string, fn func(ctx context.Context, arg A) (R, error)) *Func[A, R] {
-	pf := &poolFunc{run: func(ctx context.Context, rank int, data []byte, fds []int) any {
+	pf := &poolFunc{run: func(ctx context.Context, rank, gen int, data []byte, fds []int) (any, error) {
 		var t task[A]
 		if err := decode(data, fds, &t); err != nil {
-			return &reply[R]{Call: t.Call, Start: t.Start, Failed: true, At: t.Start, Err: err.Error()}
+			return &reply[R]{Call: t.Call, Start: t.Start, Rank: rank, Gen: gen, Failed: true, At: t.Start, Err: err.Error()}, err
 		}
-		out := &reply[R]{Call: t.Call, Start: t.Start, Items: make([]R, 0, len(t.Items))}
+		out := &reply[R]{Call: t.Call, Start: t.Start, Rank: rank, Gen: gen, Items: make([]R, 0, len(t.Items))}
 		for i, a := range t.Items {
 			r, err := callItem(ctx, fn, a)
 			if err != nil {
 				out.Failed, out.At, out.Err, out.Items = true, t.Start+i, err.Error(), nil
-				break
+				return out, err
 			}
 			out.Items = append(out.Items, r)
 		}
-		return out
+		return out, nil
 	}}
 	if _, dup := poolFuncs.LoadOrStore(name, pf); dup {
 		panic(fmt.Sprintf("mp: RegisterFunc: %q registered twice", name))
@@ -76,11 +76,11 @@ func callItem[A, R any](ctx context.Context, fn func(context.Context, A) (R, err
 	return fn(ctx, a)
 }
 
-// The calls a task's Call field names besides a Pool call's number.
+// The calls a task's Call field names besides a Pool call's number, which
+// is larger.
 const (
-	stopCall = 0        // the worker returns
-	initCall = 1        // the pool's initializer: its error ends the worker
-	firstUse = initCall // Pool calls are numbered after it
+	stopCall = 0 // the worker returns
+	initCall = 1 // the pool's initializer: its error ends the worker
 )
 
 // task is a chunk of a call, from the pool to one worker. Its first three
@@ -239,37 +239,32 @@ func poolWorker(ctx context.Context, w *Worker) error {
 			return fmt.Errorf("taking a task: %w", err)
 		}
 		call, start, name, err := peekTask(data)
-		var rep any
-		switch {
-		case err != nil:
+		if err != nil {
 			closeAll(fds)
 			done()
 			w.Logger().Error("dropping a task", "error", err)
 			continue
-		case call == stopCall:
+		}
+		if call == stopCall {
 			closeAll(fds)
 			done()
 			return nil
-		default:
-			f, ok := poolFuncs.Load(name)
-			if !ok {
-				closeAll(fds)
-				err = fmt.Errorf("no function is registered as %q in the worker (RegisterFunc before Init)", name)
-				break
-			}
-			rep = f.(*poolFunc).run(ctx, a.Rank, data, fds)
+		}
+		var rep any
+		if f, ok := poolFuncs.Load(name); ok {
+			rep, err = f.(*poolFunc).run(ctx, a.Rank, a.Gen, data, fds)
+		} else {
+			closeAll(fds)
+			err = fmt.Errorf("no function is registered as %q in the worker (RegisterFunc before Init)", name)
+			rep = &reply[struct{}]{Call: call, Start: start, Rank: a.Rank, Gen: a.Gen, Failed: true, At: start, Err: err.Error()}
 		}
 		done()
-		if err != nil {
-			rep = &reply[struct{}]{Call: call, Start: start, Failed: true, At: start, Err: err.Error()}
-		}
 		if call == initCall {
-			if r := reflect.ValueOf(rep).Elem(); r.FieldByName("Failed").Bool() {
-				return fmt.Errorf("the pool's initializer %q: %s", name, r.FieldByName("Err").String())
+			if err != nil {
+				return fmt.Errorf("the pool's initializer %q: %w", name, err)
 			}
 			continue
 		}
-		setReplyFrom(rep, a.Rank, a.Gen)
 		if err := a.Results.Put(ctx, rep); err != nil {
 			if ctx.Err() != nil {
 				return nil
@@ -277,13 +272,6 @@ func poolWorker(ctx context.Context, w *Worker) error {
 			return fmt.Errorf("replying to call %d: %w", call, err)
 		}
 	}
-}
-
-// setReplyFrom fills in a reply's sender.
-func setReplyFrom(rep any, rank, gen int) {
-	r := reflect.ValueOf(rep).Elem()
-	r.FieldByName("Rank").SetInt(int64(rank))
-	r.FieldByName("Gen").SetInt(int64(gen))
 }
 
 // Pool is a set of persistent worker processes that run registered
@@ -366,7 +354,7 @@ func NewPool(ctx context.Context, n int, opts ...PoolOption) (*Pool, error) {
 	if n < 1 {
 		return nil, fmt.Errorf("mp: a pool of %d workers", n)
 	}
-	p := &Pool{n: n, calls: make(map[uint64]*poolCall), next: firstUse + 1}
+	p := &Pool{n: n, calls: make(map[uint64]*poolCall), next: initCall + 1}
 	for _, opt := range opts {
 		opt(&p.opts)
 	}
