@@ -198,9 +198,10 @@ func (l *Loader[B]) Len() int {
 }
 
 // Epoch iterates over one epoch's batches, in order (each epoch's own
-// order, with Shuffle). An error ends the iteration: a *SampleError
-// from a worker, ctx's cause once ctx ends (every worker stopped within
-// a second), or a timeout. Breaking off early is fine.
+// order, with Shuffle). An error ends the iteration: a *SampleError for
+// a batch a worker failed to read, in that batch's turn, or at once for
+// a worker that died; ctx's cause once ctx ends (every worker stopped
+// within a second); or a timeout. Breaking off early is fine.
 func (l *Loader[B]) Epoch(ctx context.Context) iter.Seq2[B, error] {
 	return func(yield func(B, error) bool) {
 		epoch := l.epoch
@@ -447,6 +448,7 @@ func (l *Loader[B]) fromWorkers(ctx context.Context, epoch int, yield func(B, er
 	owner := map[int]int{}        // seq -> worker, for tasks in flight
 	firstIndex := map[int]int{}   // seq -> its first sample, map-style
 	skip := map[int]bool{}        // seqs that yield nothing (an iterable's end)
+	failed := map[int]error{}     // seqs a worker failed to read
 	exhausted := make([]bool, n)  // iterable workers whose pass has ended
 	var next func() ([]int, bool) // map-style batches
 	more := true
@@ -496,6 +498,9 @@ func (l *Loader[B]) fromWorkers(ctx context.Context, epoch int, yield func(B, er
 				want++
 				continue
 			}
+			if err := failed[want]; err != nil {
+				return err
+			}
 			b, ok := held[want]
 			if !ok {
 				break
@@ -527,8 +532,10 @@ func (l *Loader[B]) fromWorkers(ctx context.Context, epoch int, yield func(B, er
 			}
 			switch {
 			case r.Failed:
+				// Raised in its turn, as torch does: the batches
+				// before it still arrive.
 				_ = Release(rec.b)
-				return &SampleError{Worker: r.Worker, Index: r.Index, Err: errors.New(r.Err)}
+				failed[r.Seq] = &SampleError{Worker: r.Worker, Index: r.Index, Err: errors.New(r.Err)}
 			case r.Done:
 				exhausted[r.Worker] = true
 				skip[r.Seq] = true
