@@ -73,10 +73,8 @@ func (f *fetcher[T]) batchOf(ctx context.Context, epoch, size int, dropLast bool
 	if f.epoch != epoch {
 		f.close()
 		f.epoch, f.read = epoch, 0
-		pass := &f.arena // the pass reaches the arena through its ctx
-		next, stop := iter.Pull2(f.ds.it.All(context.WithValue(ctx, arenaKey{}, pass)))
-		f.next = func() (T, error, bool) { return next() }
-		f.stop = stop
+		// The pass reaches the arena through its ctx.
+		f.next, f.stop = iter.Pull2(f.ds.it.All(context.WithValue(ctx, arenaKey{}, &f.arena)))
 	}
 	f.arena.reset(size)
 	samples := make([]T, 0, size)
@@ -98,6 +96,9 @@ func (f *fetcher[T]) batchOf(ctx context.Context, epoch, size int, dropLast bool
 	b, err = f.collate(ctx, samples)
 	return b, false, -1, err
 }
+
+// len returns a map-style dataset's number of samples.
+func (f *fetcher[T]) len() int { return f.ds.m.Len() }
 
 // close ends an iterable's pass.
 func (f *fetcher[T]) close() {

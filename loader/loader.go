@@ -100,6 +100,7 @@ type Loader[B any] struct {
 type batcher interface {
 	batch(ctx context.Context, indices []int) (any, int, error)
 	batchOf(ctx context.Context, epoch, size int, dropLast bool) (any, bool, int, error)
+	len() int
 	close()
 }
 
@@ -159,7 +160,7 @@ func New[B, A, T any](src *Source[A, T], args A, opts Options) (*Loader[B], erro
 			if err != nil {
 				return nil, err
 			}
-			n := ds.(*fetcher[T]).ds.m.Len()
+			n := ds.len()
 			if n < 1 {
 				return nil, fmt.Errorf("%w: %q", errNoSamples, src.name)
 			}

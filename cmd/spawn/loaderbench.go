@@ -115,7 +115,14 @@ func pipeWorker(ctx context.Context, w *mp.Worker) error {
 	if err := w.Args(&a); err != nil {
 		return err
 	}
-	out := os.NewFile(uintptr(mustDisown(a.Out.f)), "loader_pipe")
+	if a.Out.f == nil {
+		return errors.New("no pipe to write to")
+	}
+	raw, err := a.Out.f.Disown()
+	if err != nil {
+		return err
+	}
+	out := os.NewFile(uintptr(raw), "loader_pipe")
 	defer out.Close()
 	l, err := loader.New[imageBatch](images, a.Images, loader.Options{BatchSize: loaderBatch})
 	if err != nil {
@@ -138,14 +145,6 @@ func pipeWorker(ctx context.Context, w *mp.Worker) error {
 		_ = loader.Release(b)
 	}
 	return nil
-}
-
-func mustDisown(f *fd.FD) int {
-	n, err := f.Disown()
-	if err != nil {
-		return -1
-	}
-	return n
 }
 
 // runLoaderBench measures package loader and prints its rows.
