@@ -232,18 +232,18 @@ func benchPipe(ctx context.Context, dataset string, workers, batches int) (loade
 		}
 	}()
 	var outs []*fd.FD
+	defer func() {
+		for _, f := range outs {
+			_ = f.Close()
+		}
+	}()
 	for range workers {
-		rd, wr, err := os.Pipe()
-		if err != nil {
+		var p [2]int
+		if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
 			return r, err
 		}
-		ins = append(ins, rd)
-		raw, err := unix.Dup(int(wr.Fd()))
-		_ = wr.Close()
-		if err != nil {
-			return r, err
-		}
-		outs = append(outs, fd.New(raw))
+		ins = append(ins, os.NewFile(uintptr(p[0]), "loader_pipe"))
+		outs = append(outs, fd.New(p[1]))
 	}
 	g, err := mp.Spawn(ctx, "bench.pipe", workers, mp.WithRankArgs(func(rank int) any {
 		return pipeArgs{Images: imageArgs{Compute: dataset == "compute", N: per * loaderBatch}, Out: floorSocket{outs[rank]}}
@@ -251,6 +251,7 @@ func benchPipe(ctx context.Context, dataset string, workers, batches int) (loade
 	for _, f := range outs {
 		_ = f.Close() // the workers have theirs
 	}
+	outs = nil
 	if err != nil {
 		return r, err
 	}
