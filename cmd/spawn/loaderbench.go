@@ -238,12 +238,19 @@ func benchPipe(ctx context.Context, dataset string, workers, batches int) (loade
 		}
 	}()
 	for range workers {
-		var p [2]int
-		if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
+		rd, wr, err := os.Pipe()
+		if err != nil {
 			return r, err
 		}
-		ins = append(ins, os.NewFile(uintptr(p[0]), "loader_pipe"))
-		outs = append(outs, fd.New(p[1]))
+		ins = append(ins, rd)
+		// The writing end as a descriptor of its own, for the worker.
+		raw, err := unix.Dup(int(wr.Fd()))
+		_ = wr.Close()
+		if err != nil {
+			return r, err
+		}
+		unix.CloseOnExec(raw)
+		outs = append(outs, fd.New(raw))
 	}
 	g, err := mp.Spawn(ctx, "bench.pipe", workers, mp.WithRankArgs(func(rank int) any {
 		return pipeArgs{Images: imageArgs{Compute: dataset == "compute", N: per * loaderBatch}, Out: floorSocket{outs[rank]}}
