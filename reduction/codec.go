@@ -243,11 +243,14 @@ func ReadExt(dec *msgpack.Decoder, n int) ([]byte, error) {
 }
 
 func encodeTensor(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {
+	t := v.Interface().(*tensor.Tensor)
+	if bw, ok := enc.Writer().(*bodyWriter); ok {
+		return bw.encode(t)
+	}
 	w, ok := enc.Writer().(*fdWriter)
 	if !ok {
 		return nil, errors.New("reduction: tensors must be encoded with reduction.Marshal or an Encoder, which carry their descriptors")
 	}
-	t := v.Interface().(*tensor.Tensor)
 	m, raw, l, err := reduce(t)
 	if err != nil {
 		return nil, err
@@ -330,8 +333,7 @@ func Unmarshal(data []byte, fds []int, v any) error {
 // taken, and the storages made. decodeTensor reaches it through
 // msgpack's Decoder.Buffered.
 type fdReader struct {
-	data []byte
-	pos  int
+	msgReader
 	fds  []int
 	used []bool // referenced by some tensor
 	kept []bool // owned by a storage now
@@ -344,7 +346,8 @@ type fdReader struct {
 }
 
 func (r *fdReader) reset(data []byte, fds []int) {
-	r.data, r.pos, r.fds = data, 0, fds
+	r.msgReader = msgReader{data: data}
+	r.fds = fds
 	r.used = slices.Grow(r.used[:0], len(fds))[:len(fds)]
 	r.kept = slices.Grow(r.kept[:0], len(fds))[:len(fds)]
 	r.stats = slices.Grow(r.stats[:0], len(fds))[:len(fds)]
@@ -357,7 +360,14 @@ func (r *fdReader) reset(data []byte, fds []int) {
 	r.made = r.made[:0]
 }
 
-func (r *fdReader) Read(p []byte) (int, error) {
+// msgReader reads one received message's bytes, for msgpack and for the
+// tensor extensions inside it.
+type msgReader struct {
+	data []byte
+	pos  int
+}
+
+func (r *msgReader) Read(p []byte) (int, error) {
 	if r.pos >= len(r.data) {
 		return 0, io.EOF
 	}
@@ -366,7 +376,7 @@ func (r *fdReader) Read(p []byte) (int, error) {
 	return n, nil
 }
 
-func (r *fdReader) ReadByte() (byte, error) {
+func (r *msgReader) ReadByte() (byte, error) {
 	if r.pos >= len(r.data) {
 		return 0, io.EOF
 	}
@@ -375,7 +385,7 @@ func (r *fdReader) ReadByte() (byte, error) {
 	return c, nil
 }
 
-func (r *fdReader) UnreadByte() error {
+func (r *msgReader) UnreadByte() error {
 	if r.pos == 0 {
 		return errors.New("reduction: unread at start of message")
 	}
@@ -384,7 +394,7 @@ func (r *fdReader) UnreadByte() error {
 }
 
 // next returns the next n bytes of the message.
-func (r *fdReader) next(n int) ([]byte, error) {
+func (r *msgReader) next(n int) ([]byte, error) {
 	if n < 0 || n > len(r.data)-r.pos {
 		return nil, fmt.Errorf("reduction: tensor metadata of %d bytes runs past the message", n)
 	}
@@ -481,8 +491,17 @@ func (r *fdReader) closeRest() {
 }
 
 func decodeTensor(dec *msgpack.Decoder, v reflect.Value, extLen int) error {
-	r, ok := dec.Buffered().(*fdReader)
-	if !ok {
+	var (
+		r    *msgReader
+		src  fdSource
+		made *[]*tensor.Storage
+	)
+	switch rd := dec.Buffered().(type) {
+	case *fdReader:
+		r, src, made = &rd.msgReader, rd, &rd.made
+	case *bodyReader:
+		r, src = &rd.msgReader, rd
+	default:
 		return errors.New("reduction: tensors must be decoded with reduction.Unmarshal or a Decoder, which carry their descriptors")
 	}
 	payload, err := r.next(extLen)
@@ -493,7 +512,7 @@ func decodeTensor(dec *msgpack.Decoder, v reflect.Value, extLen int) error {
 	if err := parseMeta(payload, &m); err != nil {
 		return fmt.Errorf("reduction: %w", err)
 	}
-	t, err := rebuild(m, r, &r.made)
+	t, err := rebuild(m, src, made)
 	if err != nil {
 		return err
 	}

@@ -267,3 +267,35 @@ func TestCacheKeepsLiveStoragesAndDropsDeadOnes(t *testing.T) {
 	assert.Same(t, other, c.put(k, tensor.NewEmptySharedStorage()), "the first live storage wins")
 	assert.Nil(t, c.get(k, 10), "a size mismatch is a miss")
 }
+
+func FuzzBodyDecode(f *testing.F) {
+	body := validMeta()
+	body.Strategy, body.FD, body.Block, body.Segment, body.Gen = StrategyBody, 0, -1, 0, 0
+	f.Add(extMessage(f, body), uint16(4096), uint8(1))
+	view := body
+	view.Offset, view.Shape, view.Strides = 128, []int{8, 4}, []int{1, 32}
+	f.Add(extMessage(f, view), uint16(4096), uint8(2))
+	f.Add(validMetaMsg(f), uint16(4096), uint8(1))
+	f.Add([]byte{0x92, 0x01, 0xc0}, uint16(0), uint8(0))
+
+	f.Fuzz(func(t *testing.T, data []byte, size uint16, n uint8) {
+		bodies := make([]*tensor.Storage, int(n%4))
+		for i := range bodies {
+			s, err := tensor.AllocSharedStorage(int64(size))
+			if err != nil {
+				t.Fatal(err)
+			}
+			bodies[i] = s
+		}
+		var v any
+		if err := NewBodyDecoder().Decode(data, bodies, &v); err != nil {
+			for _, s := range bodies {
+				if !s.Released() {
+					t.Fatalf("a failed decode left body %v unreleased", s)
+				}
+			}
+			return
+		}
+		releaseAll(v)
+	})
+}

@@ -169,6 +169,9 @@ type fdSource interface {
 	// for mmapalloc.AttachBlock, and whether it covers the block until
 	// the message is decoded (see mmapalloc.AdoptTicket).
 	ticket(i int, id mmapalloc.ID) (fd int, covered bool)
+	// body returns the storage body i was received into, which must hold
+	// size bytes, for a message that carries its tensors by value.
+	body(i int, size int64) (*tensor.Storage, error)
 }
 
 type borrowed []int
@@ -244,6 +247,11 @@ func rebuildTensor(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tenso
 		s = tensor.NewEmptySharedStorage()
 	case StrategyCUDAIPC:
 		s, err = openGPU(m, p, fds, made)
+	case StrategyBody:
+		if m.Name != "" || m.Block != -1 || m.IPC != nil || m.IPCEvent != nil {
+			return nil, errors.New("body metadata names a segment")
+		}
+		s, err = fds.body(m.FD, m.Size)
 	case strategy.FileDescriptor:
 		if m.Name != "" {
 			return nil, errors.New("file_descriptor metadata carries a name")

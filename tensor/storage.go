@@ -247,6 +247,29 @@ func (s *Storage) ShareMemory(st strategy.Strategy) error {
 	return nil
 }
 
+// AllocSharedStorage returns a CPU storage of nbytes of shared memory,
+// made under the process's strategy, whose bytes are not cleared: a
+// recycled block still holds what its last user in this process wrote.
+// It is for callers that overwrite every byte at once, such as a receiver
+// copying a tensor's body off the network. The caller owns the storage.
+func AllocSharedStorage(nbytes int64) (*Storage, error) {
+	if nbytes < 0 {
+		return nil, fmt.Errorf("tensor: shared storage of %d bytes", nbytes)
+	}
+	s := &Storage{place: device.CPU(), nbytes: nbytes}
+	if nbytes == 0 {
+		s.mem.Store(&memory{bytes: []byte{}, shared: true})
+		return s, nil
+	}
+	m, err := newSharedMemory(nbytes, strategy.Get(), false)
+	if err != nil {
+		return nil, err
+	}
+	s.mem.Store(m)
+	s.armFor(m)
+	return s, nil
+}
+
 // newSharedStorage returns a storage of nbytes of zeroed shared memory.
 func newSharedStorage(nbytes int64, st strategy.Strategy) (*Storage, error) {
 	s := &Storage{place: device.CPU(), nbytes: nbytes}

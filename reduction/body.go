@@ -1,0 +1,235 @@
+package reduction
+
+import (
+	"errors"
+	"fmt"
+	"reflect"
+
+	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// StrategyBody is Meta.Strategy for a tensor whose bytes travel with the
+// message by value, as one of its bodies, rather than as a descriptor:
+// what a transport between hosts sends. FD is the body's index among the
+// message's bodies and Size its length, the whole storage's.
+const StrategyBody = "body"
+
+// BodyEncoder encodes values with tensors inside them, like an Encoder,
+// for a transport that copies bytes instead of passing descriptors: each
+// distinct storage becomes one body, all of it, as torch sends a view's
+// whole storage when it serialises one. Tensors on the same storage
+// arrive on the same storage. Nothing is moved into shared memory. A GPU
+// tensor is copied to host memory and arrives on the CPU.
+//
+// A BodyEncoder is not safe for concurrent use.
+type BodyEncoder struct {
+	w   bodyWriter
+	enc *msgpack.Encoder
+}
+
+// NewBodyEncoder returns a BodyEncoder.
+func NewBodyEncoder() *BodyEncoder {
+	e := &BodyEncoder{}
+	e.enc = msgpack.NewEncoder(&e.w)
+	return e
+}
+
+// Encode encodes v. It returns the message's bytes, valid until the next
+// Encode, and its bodies: the storages whose bytes must follow the
+// message, in order. The storages stay their tensors'; the caller must
+// keep them from being released until their bytes are sent.
+func (e *BodyEncoder) Encode(v any) (data []byte, bodies []*tensor.Storage, err error) {
+	if v != nil {
+		if err := checkType(reflect.TypeOf(v)); err != nil {
+			return nil, nil, err
+		}
+	}
+	e.w.reset()
+	e.enc.Reset(&e.w)
+	if err := e.enc.Encode(v); err != nil {
+		return nil, nil, err
+	}
+	return e.w.buf, e.w.bodies, nil
+}
+
+// bodyWriter is a BodyEncoder's writer: the message's bytes and bodies.
+type bodyWriter struct {
+	buf    []byte
+	meta   []byte
+	bodies []*tensor.Storage
+	index  map[*tensor.Storage]int
+}
+
+func (w *bodyWriter) reset() {
+	w.buf = w.buf[:0]
+	clear(w.bodies)
+	w.bodies = w.bodies[:0]
+	clear(w.index)
+}
+
+func (w *bodyWriter) Write(p []byte) (int, error) {
+	w.buf = append(w.buf, p...)
+	return len(p), nil
+}
+
+func (w *bodyWriter) WriteByte(c byte) error {
+	w.buf = append(w.buf, c)
+	return nil
+}
+
+// encode writes t's Meta naming its storage's body.
+func (w *bodyWriter) encode(t *tensor.Tensor) ([]byte, error) {
+	if t.Storage().Released() {
+		return nil, fmt.Errorf("reduction: encode %v: %w", t, tensor.ErrReleased)
+	}
+	if t.Place().IsGPU() {
+		host, err := t.To(device.CPU())
+		if err != nil {
+			return nil, fmt.Errorf("reduction: staging %v on the host: %w", t, err)
+		}
+		t = host
+	}
+	if !t.Place().IsCPU() {
+		return nil, fmt.Errorf("reduction: encode %v: %w", t, ErrDeviceTensor)
+	}
+	m := Meta{
+		Version: Version,
+		FD:      -1,
+		Block:   -1,
+		Offset:  t.Offset(),
+		DType:   t.DType(),
+		Shape:   t.Shape(),
+		Strides: t.Strides(),
+		LoD:     t.LoD(),
+		Place:   t.Place().String(),
+	}
+	if t.Numel() == 0 {
+		m.Offset = 0
+		m.Strides = make([]int, len(m.Shape))
+	} else {
+		s := t.Storage()
+		i, ok := w.index[s]
+		if !ok {
+			if w.index == nil {
+				w.index = map[*tensor.Storage]int{}
+			}
+			i = len(w.bodies)
+			w.bodies = append(w.bodies, s)
+			w.index[s] = i
+		}
+		m.Strategy, m.FD, m.Size = StrategyBody, i, s.Size()
+	}
+	w.meta = appendMeta(w.meta[:0], &m)
+	return w.meta, nil
+}
+
+// BodyDecoder rebuilds values encoded by a BodyEncoder from the bytes of
+// one message and the storages its bodies were received into. It is not
+// safe for concurrent use.
+type BodyDecoder struct {
+	r   bodyReader
+	dec *msgpack.Decoder
+}
+
+// NewBodyDecoder returns a BodyDecoder.
+func NewBodyDecoder() *BodyDecoder {
+	d := &BodyDecoder{}
+	d.dec = msgpack.NewDecoder(&d.r)
+	return d
+}
+
+// Decode decodes data into v, a non-nil pointer, rebuilding each tensor
+// on the storage that holds its body. The metadata is checked against
+// the bodies as Decode checks it against descriptors: a view must lie
+// inside its body, and a body must be as long as its tensors say.
+//
+// Decode takes ownership of bodies: they become their tensors' storages.
+// A message with a body no tensor uses is an error; on error every body
+// is released and v may hold partial results that must not be used.
+func (d *BodyDecoder) Decode(data []byte, bodies []*tensor.Storage, v any) (err error) {
+	d.r.reset(data, bodies)
+	d.dec.ResetReader(&d.r)
+	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("reduction: malformed message: %v", p)
+		}
+		if err == nil {
+			err = d.r.checkUsed()
+		}
+		if err != nil {
+			for _, s := range bodies {
+				_ = s.Release()
+			}
+		}
+		d.r.reset(nil, nil)
+	}()
+	if err := checkWellFormed(data); err != nil {
+		return err
+	}
+	if err := d.dec.Decode(v); err != nil {
+		if v != nil {
+			if e := explain(data, reflect.TypeOf(v), err); e != nil {
+				return e
+			}
+		}
+		return err
+	}
+	return nil
+}
+
+// bodyReader is a BodyDecoder's reader: the message's bytes and bodies,
+// and which bodies some tensor used. As an fdSource it has no
+// descriptors.
+type bodyReader struct {
+	msgReader
+	bodies []*tensor.Storage
+	used   []bool
+}
+
+func (r *bodyReader) reset(data []byte, bodies []*tensor.Storage) {
+	r.msgReader = msgReader{data: data}
+	r.bodies = bodies
+	r.used = make([]bool, len(bodies))
+}
+
+func (r *bodyReader) body(i int, size int64) (*tensor.Storage, error) {
+	if i < 0 || i >= len(r.bodies) {
+		return nil, fmt.Errorf("body index %d out of range: the message has %d", i, len(r.bodies))
+	}
+	s := r.bodies[i]
+	if s.Size() != size {
+		return nil, fmt.Errorf("body %d holds %d bytes, the metadata says %d", i, s.Size(), size)
+	}
+	r.used[i] = true
+	return s, nil
+}
+
+func (r *bodyReader) checkUsed() error {
+	unused := 0
+	for _, u := range r.used {
+		if !u {
+			unused++
+		}
+	}
+	if unused > 0 {
+		return fmt.Errorf("reduction: the message carried %d bodies, %d of them not used by any tensor", len(r.bodies), unused)
+	}
+	return nil
+}
+
+var errNoDescriptors = errors.New("descriptor metadata in a message that carries bodies")
+
+func (r *bodyReader) fd(int) (int, error)   { return -1, errNoDescriptors }
+func (r *bodyReader) take(int) (int, error) { return -1, errNoDescriptors }
+func (r *bodyReader) stat(int) (mmapalloc.FileStat, error) {
+	return mmapalloc.FileStat{}, errNoDescriptors
+}
+func (r *bodyReader) ticket(int, mmapalloc.ID) (int, bool)   { return -1, false }
+func (r *fdReader) body(int, int64) (*tensor.Storage, error) { return nil, errNoBodies }
+func (b borrowed) body(int, int64) (*tensor.Storage, error)  { return nil, errNoBodies }
+
+var errNoBodies = errors.New("body metadata in a message that carries descriptors")
