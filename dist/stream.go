@@ -1,0 +1,271 @@
+package dist
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/reduction"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// A frame is the app_metadata of one FlightData message: what the
+// message is to tensormp. A value travels as a kindValue frame (the
+// value, encoded by reduction's BodyEncoder, and its bodies' sizes), then
+// each body in order as record batches of at most chunk bytes, each with
+// a kindChunk frame that says where its bytes go.
+type frame struct {
+	//lint:ignore U1000 the tag tells msgpack to use the array form
+	_msgpack struct{} `msgpack:",as_array"`
+
+	Kind  frameKind
+	Data  []byte  // kindValue: the encoded value; kindRequest: the request
+	Sizes []int64 // kindValue: the bodies' sizes
+	Body  int     // kindChunk: which body
+	Off   int64   // kindChunk: where in it
+	Len   int64   // kindChunk: how many bytes
+	Err   string  // kindError, kindFail: what went wrong
+	Rank  int     // kindFail: the rank it concerns
+}
+
+type frameKind uint8
+
+const (
+	kindValue     frameKind = iota + 1 // a value follows
+	kindChunk                          // a piece of a body
+	kindAck                            // the value was taken
+	kindError                          // the request failed
+	kindRequest                        // a request: Data says which
+	kindHeartbeat                      // the watch stream is alive
+	kindFail                           // the group failed: Err, Rank
+	kindLeave                          // the rank leaves the group cleanly
+)
+
+func (f *frame) marshal() []byte {
+	b, err := msgpack.Marshal(f)
+	if err != nil {
+		panic(fmt.Sprintf("dist: encoding a frame: %v", err)) // a frame of plain fields always encodes
+	}
+	return b
+}
+
+func parseFrame(b []byte) (frame, error) {
+	var f frame
+	if len(b) == 0 {
+		return f, errors.New("dist: a message without a frame")
+	}
+	if err := msgpack.Unmarshal(b, &f); err != nil {
+		return f, fmt.Errorf("dist: malformed frame: %w", err)
+	}
+	return f, nil
+}
+
+// msgStream is the part of a gRPC stream, client or server, that carries
+// messages.
+type msgStream interface {
+	SendMsg(m any) error
+	RecvMsg(m any) error
+}
+
+// DefaultChunk is the size of the record batches a body travels in.
+const DefaultChunk = 1 << 20
+
+// maxBodies bounds the bodies one received value may announce.
+const maxBodies = 1 << 16
+
+// pinWait bounds how long a sender waits for gRPC to let go of a failed
+// stream's pieces before it gives up the storages anyway.
+const pinWait = 30 * time.Second
+
+// writer sends values on one stream.
+type writer struct {
+	s     msgStream
+	enc   *reduction.BodyEncoder
+	chunk int
+}
+
+func newWriter(s msgStream, chunk int) *writer {
+	if chunk <= 0 {
+		chunk = DefaultChunk
+	}
+	return &writer{s: s, enc: reduction.NewBodyEncoder(), chunk: chunk}
+}
+
+// send sends v: its frame, then its bodies' chunks. The storages'
+// memory goes to gRPC without a copy; send returns once gRPC holds none
+// of it, so the caller may release the tensors after.
+func (w *writer) send(v any) (err error) {
+	data, bodies, err := w.enc.Encode(v)
+	if err != nil {
+		return err
+	}
+	sizes := make([]int64, len(bodies))
+	for i, s := range bodies {
+		sizes[i] = s.Size()
+	}
+	p := newPins()
+	defer func() {
+		select {
+		case <-p.released():
+		case <-time.After(pinWait):
+			if err == nil {
+				err = errors.New("dist: gRPC still holds a sent tensor's memory")
+			}
+		}
+	}()
+	head := frame{Kind: kindValue, Data: data, Sizes: sizes}
+	if err := w.s.SendMsg(&outData{meta: head.marshal()}); err != nil {
+		return err
+	}
+	for i, s := range bodies {
+		if err := w.sendBody(i, s, p); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (w *writer) sendBody(i int, s *tensor.Storage, p *pins) error {
+	b := s.Bytes()
+	if b == nil {
+		return fmt.Errorf("dist: sending %v: %w", s, tensor.ErrReleased)
+	}
+	lend := zeroCopySafe(s)
+	var staged []byte
+	for off := 0; off < len(b); off += w.chunk {
+		piece := b[off:min(off+w.chunk, len(b))]
+		if !lend {
+			staged = append(staged[:0], make([]byte, len(piece))...)
+			if err := mmapalloc.Guard(func() { copy(staged, piece) }); err != nil {
+				return fmt.Errorf("dist: reading %v: %w", s, err)
+			}
+			piece = staged
+		}
+		header, body, err := batch(piece)
+		if err != nil {
+			return err
+		}
+		f := frame{Kind: kindChunk, Body: i, Off: int64(off), Len: int64(len(piece))}
+		d := &outData{header: header, meta: f.marshal(), body: body}
+		if lend {
+			d.pins = p
+		}
+		if err := w.s.SendMsg(d); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// zeroCopySafe reports whether gRPC may read s's memory outside a Guard:
+// heap memory, and sealed memfds, which no peer can cut short. A named
+// segment could be truncated by a peer, so its bytes are staged.
+func zeroCopySafe(s *tensor.Storage) bool {
+	if !s.IsShared() {
+		return true
+	}
+	if b := s.Block(); b != nil {
+		return !b.Named()
+	}
+	if a := s.Allocation(); a != nil {
+		return a.Flags()&mmapalloc.RefCount == 0
+	}
+	return false
+}
+
+// reader receives values from one stream.
+type reader struct {
+	s   msgStream
+	dec *reduction.BodyDecoder
+	in  inData
+}
+
+func newReader(s msgStream) *reader {
+	return &reader{s: s, dec: reduction.NewBodyDecoder()}
+}
+
+// next returns the next frame on the stream, skipping schema messages.
+func (r *reader) next() (frame, error) {
+	for {
+		r.in.dest = nil
+		if err := r.s.RecvMsg(&r.in); err != nil {
+			return frame{}, err
+		}
+		if len(r.in.meta) == 0 && len(r.in.body) == 0 {
+			continue // a schema, for stock Flight readers
+		}
+		return parseFrame(r.in.meta)
+	}
+}
+
+// value receives the bodies a kindValue frame announced, each copied
+// once from gRPC's buffers into a fresh shared-memory storage, and
+// decodes the value into v.
+func (r *reader) value(f frame, v any) error {
+	if f.Kind != kindValue {
+		return fmt.Errorf("dist: a frame of kind %d where a value was due", f.Kind)
+	}
+	if len(f.Sizes) > maxBodies {
+		return fmt.Errorf("dist: a value with %d bodies", len(f.Sizes))
+	}
+	bodies := make([]*tensor.Storage, 0, len(f.Sizes))
+	ok := false
+	defer func() {
+		if !ok {
+			for _, s := range bodies {
+				_ = s.Release()
+			}
+		}
+	}()
+	for i, n := range f.Sizes {
+		s, err := tensor.AllocSharedStorage(n)
+		if err != nil {
+			return fmt.Errorf("dist: receiving body %d of %d bytes: %w", i, n, err)
+		}
+		bodies = append(bodies, s)
+	}
+	for i, s := range bodies {
+		if err := r.body(i, s); err != nil {
+			return err
+		}
+	}
+	ok = true // the decoder owns the bodies now, and releases them on error
+	return r.dec.Decode(f.Data, bodies, v)
+}
+
+// body receives body i into s, chunk by chunk, in order.
+func (r *reader) body(i int, s *tensor.Storage) error {
+	b := s.Bytes()
+	var off int64
+	for off < int64(len(b)) {
+		r.in.dest = func(meta []byte, n int) ([]byte, error) {
+			f, err := parseFrame(meta)
+			if err != nil {
+				return nil, err
+			}
+			if f.Kind != kindChunk || f.Body != i || f.Off != off {
+				return nil, fmt.Errorf("dist: chunk (kind %d, body %d, offset %d) where body %d at offset %d was due", f.Kind, f.Body, f.Off, i, off)
+			}
+			if f.Len <= 0 || f.Len > int64(len(b))-off || int64(n) < f.Len || int64(n)-f.Len >= 64 {
+				return nil, fmt.Errorf("dist: chunk of %d bytes (%d with padding) at offset %d of body %d of %d bytes", f.Len, n, off, i, len(b))
+			}
+			return b[off : off+f.Len], nil
+		}
+		if err := r.s.RecvMsg(&r.in); err != nil {
+			if errors.Is(err, io.EOF) {
+				return fmt.Errorf("dist: the stream ended inside body %d: %w", i, io.ErrUnexpectedEOF)
+			}
+			return err
+		}
+		if r.in.body == nil {
+			return fmt.Errorf("dist: a message without a chunk inside body %d", i)
+		}
+		off += int64(len(r.in.body))
+	}
+	r.in.dest = nil
+	return nil
+}

@@ -1,0 +1,87 @@
+package dist
+
+import (
+	"fmt"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/mem"
+
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// wirePipe is a msgStream pair joined by the codec's bytes, as gRPC
+// carries them.
+type wirePipe struct{ ch chan []byte }
+
+func (p wirePipe) SendMsg(m any) error {
+	bs, err := newFlightCodec().Marshal(m)
+	if err != nil {
+		return err
+	}
+	p.ch <- bs.Materialize()
+	bs.Free()
+	return nil
+}
+
+func (p wirePipe) RecvMsg(m any) error {
+	return newFlightCodec().Unmarshal(mem.BufferSlice{mem.SliceBuffer(<-p.ch)}, m)
+}
+
+func roundTrip[T any](t *testing.T, v T, chunk int) T {
+	t.Helper()
+	p := wirePipe{make(chan []byte, 4096)}
+	require.NoError(t, newWriter(p, chunk).send(v))
+	r := newReader(p)
+	f, err := r.next()
+	require.NoError(t, err)
+	var out T
+	require.NoError(t, r.value(f, &out))
+	return out
+}
+
+func TestValueChunkBoundaries(t *testing.T) {
+	for _, n := range []int{DefaultChunk - 1, DefaultChunk, DefaultChunk + 1, 3*DefaultChunk + 5} {
+		t.Run(fmt.Sprint(n), func(t *testing.T) {
+			data := make([]uint8, n)
+			for i := range data {
+				data[i] = uint8(i * 7)
+			}
+			in, err := tensor.FromSlice(data, n)
+			require.NoError(t, err)
+			out := roundTrip(t, in, DefaultChunk)
+			assert.True(t, tensor.Equal(in, out))
+			assert.True(t, out.IsShared(), "received into shared memory")
+			require.NoError(t, out.Release())
+		})
+	}
+}
+
+func TestValueNested(t *testing.T) {
+	type batch struct {
+		X     *tensor.Tensor
+		XT    *tensor.Tensor
+		Empty *tensor.Tensor
+		Label []string
+		More  map[string]any
+	}
+	x, err := tensor.Arange(tensor.Float64, 12)
+	require.NoError(t, err)
+	x, err = x.Reshape(3, 4)
+	require.NoError(t, err)
+	xt, err := x.Transpose(0, 1)
+	require.NoError(t, err)
+	empty, err := tensor.Zeros(tensor.Int8, 2, 0)
+	require.NoError(t, err)
+	in := batch{X: x, XT: xt, Empty: empty, Label: []string{"a", "b"}, More: map[string]any{"n": int64(3)}}
+	out := roundTrip(t, in, 16) // tiny chunks: many record batches
+	assert.True(t, tensor.Equal(x, out.X))
+	assert.True(t, tensor.Equal(xt, out.XT))
+	assert.Equal(t, xt.Strides(), out.XT.Strides())
+	assert.Same(t, out.X.Storage(), out.XT.Storage())
+	assert.Equal(t, []int{2, 0}, out.Empty.Shape())
+	assert.Equal(t, in.Label, out.Label)
+	assert.EqualValues(t, 3, out.More["n"])
+	require.NoError(t, out.X.Release())
+}
