@@ -98,11 +98,16 @@ func newWriter(s msgStream, chunk int) *writer {
 // send sends v: its frame, then its bodies' chunks. The storages'
 // memory goes to gRPC without a copy; send returns once gRPC holds none
 // of it, so the caller may release the tensors after.
-func (w *writer) send(v any) (err error) {
+func (w *writer) send(v any) error {
 	data, bodies, err := w.enc.Encode(v)
 	if err != nil {
 		return err
 	}
+	return w.sendRaw(data, bodies)
+}
+
+// sendRaw sends an encoded value and its bodies.
+func (w *writer) sendRaw(data []byte, bodies []*tensor.Storage) (err error) {
 	sizes := make([]int64, len(bodies))
 	for i, s := range bodies {
 		sizes[i] = s.Size()
@@ -206,11 +211,21 @@ func (r *reader) next() (frame, error) {
 // once from gRPC's buffers into a fresh shared-memory storage, and
 // decodes the value into v.
 func (r *reader) value(f frame, v any) error {
+	bodies, err := r.raw(f)
+	if err != nil {
+		return err
+	}
+	return r.dec.Decode(f.Data, bodies, v)
+}
+
+// raw receives the bodies a kindValue frame announced, without decoding
+// the value. The caller owns them.
+func (r *reader) raw(f frame) ([]*tensor.Storage, error) {
 	if f.Kind != kindValue {
-		return fmt.Errorf("dist: a frame of kind %d where a value was due", f.Kind)
+		return nil, fmt.Errorf("dist: a frame of kind %d where a value was due", f.Kind)
 	}
 	if len(f.Sizes) > maxBodies {
-		return fmt.Errorf("dist: a value with %d bodies", len(f.Sizes))
+		return nil, fmt.Errorf("dist: a value with %d bodies", len(f.Sizes))
 	}
 	bodies := make([]*tensor.Storage, 0, len(f.Sizes))
 	ok := false
@@ -224,17 +239,17 @@ func (r *reader) value(f frame, v any) error {
 	for i, n := range f.Sizes {
 		s, err := tensor.AllocSharedStorage(n)
 		if err != nil {
-			return fmt.Errorf("dist: receiving body %d of %d bytes: %w", i, n, err)
+			return nil, fmt.Errorf("dist: receiving body %d of %d bytes: %w", i, n, err)
 		}
 		bodies = append(bodies, s)
 	}
 	for i, s := range bodies {
 		if err := r.body(i, s); err != nil {
-			return err
+			return nil, err
 		}
 	}
-	ok = true // the decoder owns the bodies now, and releases them on error
-	return r.dec.Decode(f.Data, bodies, v)
+	ok = true
+	return bodies, nil
 }
 
 // body receives body i into s, chunk by chunk, in order.

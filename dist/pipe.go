@@ -1,0 +1,171 @@
+package dist
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"strconv"
+	"sync"
+
+	"github.com/apache/arrow-go/v18/arrow/flight"
+	"google.golang.org/protobuf/proto"
+)
+
+// Pipe is a two-way channel between two ranks over one Flight DoExchange
+// stream. Values are anything package reduction carries; each tensor is
+// a copy on the receiving rank, in a pooled shared-memory block of its
+// host.
+//
+// Send and Recv may be called from two goroutines at once. A call whose
+// ctx ends before it is done breaks the pipe: the stream cannot be
+// resumed mid-value. Close ends it; the peer's Recv then returns io.EOF.
+type Pipe struct {
+	g    *Group
+	peer int
+
+	sendMu sync.Mutex
+	w      *writer
+	recvMu sync.Mutex
+	r      *reader
+
+	closeSend func() error
+	end       context.CancelFunc
+	once      sync.Once
+}
+
+// pipeConn is a pipe stream another rank opened to this one, waiting for
+// this rank's Pipe call.
+type pipeConn struct {
+	s    flight.FlightService_DoExchangeServer
+	done chan struct{} // closed when the Pipe closes
+}
+
+// Pipe returns a pipe to rank peer. Both ranks call Pipe with each
+// other's rank; the lower rank dials, the higher one waits (while ctx
+// lasts) for it.
+func (g *Group) Pipe(ctx context.Context, peer int) (*Pipe, error) {
+	if peer < 0 || peer >= g.world || peer == g.rank {
+		return nil, fmt.Errorf("dist: a pipe from rank %d to rank %d in a group of %d", g.rank, peer, g.world)
+	}
+	p := &Pipe{g: g, peer: peer}
+	if g.rank < peer {
+		sctx, cancel := context.WithCancel(g.ctx)
+		c, err := g.client(peer)
+		if err != nil {
+			cancel()
+			return nil, err
+		}
+		s, err := c.DoExchange(sctx)
+		if err != nil {
+			cancel()
+			return nil, g.peerErr(peer, "pipe", err)
+		}
+		desc, _ := proto.Marshal(&flight.FlightDescriptor{Type: flight.DescriptorPATH, Path: []string{"pipe", strconv.Itoa(g.rank)}})
+		if err := s.SendMsg(&outData{desc: desc, header: mustSchema()}); err != nil {
+			cancel()
+			return nil, g.peerErr(peer, "pipe", err)
+		}
+		p.w, p.r = newWriter(s, g.o.chunk), newReader(s)
+		p.closeSend, p.end = s.CloseSend, cancel
+		return p, nil
+	}
+	ch := g.node.pipeChan(peer)
+	select {
+	case pc := <-ch:
+		p.w, p.r = newWriter(pc.s, g.o.chunk), newReader(pc.s)
+		var once sync.Once
+		p.closeSend = func() error { once.Do(func() { close(pc.done) }); return nil }
+		p.end = func() { _ = p.closeSend() }
+		return p, nil
+	case <-ctx.Done():
+		return nil, fmt.Errorf("dist: waiting for rank %d's pipe: %w", peer, ctx.Err())
+	case <-g.ctx.Done():
+		return nil, context.Cause(g.ctx)
+	}
+}
+
+// Send sends v. Its tensors' memory goes to the network without a copy;
+// once Send returns they are the caller's again.
+func (p *Pipe) Send(ctx context.Context, v any) error {
+	p.sendMu.Lock()
+	defer p.sendMu.Unlock()
+	stop := context.AfterFunc(ctx, p.end)
+	defer stop()
+	if err := p.w.send(v); err != nil {
+		return p.err(ctx, "pipe send", err)
+	}
+	return nil
+}
+
+// Recv receives the next value into v, a pointer.
+func (p *Pipe) Recv(ctx context.Context, v any) error {
+	p.recvMu.Lock()
+	defer p.recvMu.Unlock()
+	stop := context.AfterFunc(ctx, p.end)
+	defer stop()
+	f, err := p.r.next()
+	if err != nil {
+		if errors.Is(err, io.EOF) && p.g.ctx.Err() == nil && ctx.Err() == nil {
+			return io.EOF
+		}
+		return p.err(ctx, "pipe recv", err)
+	}
+	if err := p.r.value(f, v); err != nil {
+		return p.err(ctx, "pipe recv", err)
+	}
+	return nil
+}
+
+func (p *Pipe) err(ctx context.Context, op string, err error) error {
+	if ctx.Err() != nil {
+		return fmt.Errorf("dist: %s: the pipe to rank %d is broken: %w", op, p.peer, ctx.Err())
+	}
+	return p.g.opErr(ctx, p.peer, op, err)
+}
+
+// Close ends the pipe. It is idempotent.
+func (p *Pipe) Close() error {
+	p.once.Do(func() {
+		_ = p.closeSend()
+		p.end()
+	})
+	return nil
+}
+
+// pipeChan returns the channel on which pipes from rank r arrive.
+func (n *node) pipeChan(r int) chan *pipeConn {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	ch, ok := n.pipes[r]
+	if !ok {
+		ch = make(chan *pipeConn)
+		n.pipes[r] = ch
+	}
+	return ch
+}
+
+// servePipe hands a pipe stream from rank r to this rank's Pipe call and
+// keeps it open until the pipe closes.
+func (n *node) servePipe(r int, s flight.FlightService_DoExchangeServer) error {
+	pc := &pipeConn{s: s, done: make(chan struct{})}
+	select {
+	case n.pipeChan(r) <- pc:
+	case <-s.Context().Done():
+		return nil
+	}
+	select {
+	case <-pc.done:
+	case <-s.Context().Done():
+	}
+	return nil
+}
+
+// mustSchema returns the stream's schema message, for stock readers.
+func mustSchema() []byte {
+	h, err := schemaHeader()
+	if err != nil {
+		panic(err) // a fixed one-column schema always serialises
+	}
+	return h
+}

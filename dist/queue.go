@@ -1,0 +1,408 @@
+package dist
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+
+	"github.com/apache/arrow-go/v18/arrow/flight"
+	"github.com/vmihailenco/msgpack/v5"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/reduction"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// Queue is a queue of the group, held by its owner rank: any rank may Put
+// and Get. Values are anything package reduction carries, tensors
+// anywhere inside; each tensor is a copy on the rank that gets it, in a
+// pooled shared-memory block of that rank's host. A value leaves the
+// owner only when its getter has it: a Get that fails on the way puts
+// the value back at the head of the queue.
+//
+// A Queue is safe for concurrent use.
+type Queue struct {
+	g     *Group
+	name  string
+	owner int
+	cap   int
+}
+
+// QueueOption configures Group.Queue.
+type QueueOption func(*Queue)
+
+// WithOwner makes rank r hold the queue (default rank 0). The owner
+// should be the rank that Gets most: values travel from the putter to
+// the owner, and from the owner to the getter.
+func WithOwner(r int) QueueOption { return func(q *Queue) { q.owner = r } }
+
+// WithCapacity bounds the queue to n values (default 0: unbounded): Put
+// waits for room. The first rank to use the queue sets its capacity.
+func WithCapacity(n int) QueueOption { return func(q *Queue) { q.cap = n } }
+
+// Queue returns the group's queue called name, made on its owner at first
+// use.
+func (g *Group) Queue(ctx context.Context, name string, opts ...QueueOption) (*Queue, error) {
+	q := &Queue{g: g, name: name}
+	for _, f := range opts {
+		f(q)
+	}
+	if q.owner < 0 || q.owner >= g.world {
+		return nil, fmt.Errorf("dist: queue %q: owner %d in a group of %d", name, q.owner, g.world)
+	}
+	if q.cap < 0 {
+		return nil, fmt.Errorf("dist: queue %q: capacity %d", name, q.cap)
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	if q.owner == g.rank {
+		if _, err := g.node.queue(name, (&frame{Kind: kindRequest, Data: q.request()}).marshal()); err != nil {
+			return nil, err
+		}
+	}
+	return q, nil
+}
+
+type queueReq struct {
+	//lint:ignore U1000 the tag tells msgpack to use the array form
+	_msgpack struct{} `msgpack:",as_array"`
+
+	Cap int
+}
+
+func (q *Queue) request() []byte {
+	b, _ := msgpack.Marshal(&queueReq{Cap: q.cap})
+	return b
+}
+
+// Put puts v on the queue, waiting for room while ctx lasts. Its tensors
+// are copied: once Put returns, v's tensors are the caller's again.
+func (q *Queue) Put(ctx context.Context, v any) error {
+	ctx, cancel := q.g.opContext(ctx)
+	defer cancel()
+	if q.owner == q.g.rank {
+		return q.putLocal(ctx, v)
+	}
+	s, err := q.open(ctx, "put")
+	if err != nil {
+		return err
+	}
+	if err := newWriter(s, q.g.o.chunk).send(v); err != nil {
+		return q.err(ctx, "put", err)
+	}
+	r := newReader(s)
+	f, err := r.next()
+	if err != nil {
+		return q.err(ctx, "put", err)
+	}
+	if f.Kind != kindAck {
+		return fmt.Errorf("dist: put on queue %q: the owner answered with a frame of kind %d", q.name, f.Kind)
+	}
+	return nil
+}
+
+// Get takes the value at the head of the queue into v (a pointer),
+// waiting for one while ctx lasts.
+func (q *Queue) Get(ctx context.Context, v any) error {
+	ctx, cancel := q.g.opContext(ctx)
+	defer cancel()
+	if q.owner == q.g.rank {
+		return q.getLocal(ctx, v)
+	}
+	s, err := q.open(ctx, "get")
+	if err != nil {
+		return err
+	}
+	r := newReader(s)
+	f, err := r.next()
+	if err != nil {
+		return q.err(ctx, "get", err)
+	}
+	if f.Kind == kindError {
+		return fmt.Errorf("dist: get on queue %q: %s", q.name, f.Err)
+	}
+	if err := r.value(f, v); err != nil {
+		return q.err(ctx, "get", err)
+	}
+	// The value stays queued until the owner has the ack: wait for the
+	// stream's end, which follows it, before letting the stream go.
+	if err := s.SendMsg(&outData{meta: (&frame{Kind: kindAck}).marshal()}); err == nil {
+		_ = s.CloseSend()
+		var in inData
+		_ = s.RecvMsg(&in)
+	}
+	return nil
+}
+
+// open starts a put or get stream with the owner.
+func (q *Queue) open(ctx context.Context, op string) (flight.FlightService_DoExchangeClient, error) {
+	c, err := q.g.client(q.owner)
+	if err != nil {
+		return nil, err
+	}
+	s, err := c.DoExchange(ctx)
+	if err != nil {
+		return nil, q.err(ctx, op, err)
+	}
+	desc, _ := proto.Marshal(&flight.FlightDescriptor{Type: flight.DescriptorPATH, Path: []string{op, q.name}})
+	if err := s.SendMsg(&outData{desc: desc, meta: (&frame{Kind: kindRequest, Data: q.request()}).marshal()}); err != nil {
+		return nil, q.err(ctx, op, err)
+	}
+	return s, nil
+}
+
+func (q *Queue) err(ctx context.Context, op string, err error) error {
+	if st, ok := status.FromError(err); ok && st.Code() == codes.InvalidArgument {
+		return fmt.Errorf("dist: %s on queue %q: %s", op, q.name, st.Message())
+	}
+	return q.g.opErr(ctx, q.owner, op, err)
+}
+
+// putLocal puts v on a queue this rank owns: its bodies are copied into
+// shared memory, as a remote putter's would be.
+func (q *Queue) putLocal(ctx context.Context, v any) error {
+	st, err := q.g.node.queue(q.name, (&frame{Kind: kindRequest, Data: q.request()}).marshal())
+	if err != nil {
+		return err
+	}
+	data, bodies, err := reduction.NewBodyEncoder().Encode(v)
+	if err != nil {
+		return err
+	}
+	it := item{data: slices.Clone(data)}
+	for _, b := range bodies {
+		c, err := tensor.AllocSharedStorage(b.Size())
+		if err == nil {
+			err = mmapalloc.Guard(func() { copy(c.Bytes(), b.Bytes()) })
+		}
+		if err != nil {
+			it.release()
+			if c != nil {
+				_ = c.Release()
+			}
+			return fmt.Errorf("dist: put on queue %q: %w", q.name, err)
+		}
+		it.bodies = append(it.bodies, c)
+	}
+	if err := st.reserve(ctx); err != nil {
+		it.release()
+		return err
+	}
+	st.push(it)
+	return nil
+}
+
+func (q *Queue) getLocal(ctx context.Context, v any) error {
+	st, err := q.g.node.queue(q.name, (&frame{Kind: kindRequest, Data: q.request()}).marshal())
+	if err != nil {
+		return err
+	}
+	it, err := st.pop(ctx)
+	if err != nil {
+		return err
+	}
+	return reduction.NewBodyDecoder().Decode(it.data, it.bodies, v)
+}
+
+// item is a queued value: its encoding and its bodies, in this host's
+// shared memory. The queue owns the bodies until a getter has them.
+type item struct {
+	data   []byte
+	bodies []*tensor.Storage
+}
+
+func (it item) release() {
+	for _, s := range it.bodies {
+		_ = s.Release()
+	}
+}
+
+// queueState is a queue on its owner.
+type queueState struct {
+	name     string
+	cap      int
+	chunk    int
+	mu       sync.Mutex
+	items    []item
+	reserved int           // room promised to puts receiving their bodies
+	changed  chan struct{} // closed and replaced at every change
+	closed   bool
+}
+
+// queue returns the queue called name, made with the request's capacity
+// if new.
+func (n *node) queue(name string, meta []byte) (*queueState, error) {
+	f, err := parseFrame(meta)
+	var req queueReq
+	if err == nil && f.Kind == kindRequest {
+		err = msgpack.Unmarshal(f.Data, &req)
+	}
+	if err != nil || f.Kind != kindRequest || req.Cap < 0 {
+		return nil, status.Errorf(codes.InvalidArgument, "malformed request for queue %q", name)
+	}
+	if name == "" || len(name) > 4096 {
+		return nil, status.Errorf(codes.InvalidArgument, "queue name of %d bytes", len(name))
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	q, ok := n.queues[name]
+	if !ok {
+		q = &queueState{name: name, cap: req.Cap, chunk: n.g.o.chunk, changed: make(chan struct{})}
+		n.queues[name] = q
+	}
+	return q, nil
+}
+
+func (q *queueState) notifyLocked() {
+	close(q.changed)
+	q.changed = make(chan struct{})
+}
+
+var errQueueClosed = errors.New("dist: the queue's owner is closing")
+
+// reserve waits for room for one value and promises it.
+func (q *queueState) reserve(ctx context.Context) error {
+	for {
+		q.mu.Lock()
+		if q.closed {
+			q.mu.Unlock()
+			return errQueueClosed
+		}
+		if q.cap == 0 || len(q.items)+q.reserved < q.cap {
+			q.reserved++
+			q.mu.Unlock()
+			return nil
+		}
+		ch := q.changed
+		q.mu.Unlock()
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		}
+	}
+}
+
+// unreserve gives back room that reserve promised.
+func (q *queueState) unreserve() {
+	q.mu.Lock()
+	q.reserved--
+	q.notifyLocked()
+	q.mu.Unlock()
+}
+
+// push appends a value into room reserve promised.
+func (q *queueState) push(it item) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.reserved--
+	if q.closed {
+		it.release()
+		return
+	}
+	q.items = append(q.items, it)
+	q.notifyLocked()
+}
+
+// pushFront puts back a value whose getter failed.
+func (q *queueState) pushFront(it item) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.closed {
+		it.release()
+		return
+	}
+	q.items = slices.Insert(q.items, 0, it)
+	q.notifyLocked()
+}
+
+// pop takes the head, waiting for one.
+func (q *queueState) pop(ctx context.Context) (item, error) {
+	for {
+		q.mu.Lock()
+		if q.closed {
+			q.mu.Unlock()
+			return item{}, errQueueClosed
+		}
+		if len(q.items) > 0 {
+			it := q.items[0]
+			q.items[0] = item{}
+			q.items = q.items[1:]
+			q.notifyLocked()
+			q.mu.Unlock()
+			return it, nil
+		}
+		ch := q.changed
+		q.mu.Unlock()
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return item{}, context.Cause(ctx)
+		}
+	}
+}
+
+// close releases every queued value.
+func (q *queueState) close() {
+	q.mu.Lock()
+	items := q.items
+	q.items, q.closed = nil, true
+	q.notifyLocked()
+	q.mu.Unlock()
+	for _, it := range items {
+		it.release()
+	}
+}
+
+// servePut receives one value into the queue: its frame, room for it,
+// then its bodies; then the ack.
+func (q *queueState) servePut(s flight.FlightService_DoExchangeServer) error {
+	r := newReader(s)
+	f, err := r.next()
+	if err != nil {
+		return err
+	}
+	if f.Kind != kindValue {
+		return status.Errorf(codes.InvalidArgument, "a frame of kind %d where a value was due", f.Kind)
+	}
+	if err := q.reserve(s.Context()); err != nil {
+		return err
+	}
+	bodies, err := r.raw(f)
+	if err != nil {
+		q.unreserve()
+		return status.Error(codes.InvalidArgument, err.Error())
+	}
+	q.push(item{data: f.Data, bodies: bodies})
+	return s.SendMsg(&outData{meta: (&frame{Kind: kindAck}).marshal()})
+}
+
+// serveGet sends the head of the queue and removes it once the getter
+// acknowledges it; a getter that fails first leaves it at the head.
+func (q *queueState) serveGet(s flight.FlightService_DoExchangeServer) error {
+	it, err := q.pop(s.Context())
+	if err != nil {
+		return err
+	}
+	if err := newWriter(s, q.chunk).sendRaw(it.data, it.bodies); err != nil {
+		q.pushFront(it)
+		return err
+	}
+	var in inData
+	if err := s.RecvMsg(&in); err != nil {
+		q.pushFront(it)
+		return err
+	}
+	if f, err := parseFrame(in.meta); err != nil || f.Kind != kindAck {
+		q.pushFront(it)
+		return status.Error(codes.InvalidArgument, "no ack for a value")
+	}
+	it.release()
+	return nil
+}
