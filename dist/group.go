@@ -108,8 +108,10 @@ type Group struct {
 	err    error // the group's first failure
 	done   chan struct{}
 
-	watchMu sync.Mutex
-	watch   flight.FlightService_DoExchangeClient // rank > 0: the stream to rank 0
+	watchMu    sync.Mutex
+	watch      flight.FlightService_DoExchangeClient // rank > 0: the stream to rank 0
+	watchEnd   context.CancelFunc                    // cancels the watch stream
+	watchEnded chan struct{}                         // closed when watchRecv returns
 
 	closeOnce sync.Once
 	closeErr  error
@@ -293,6 +295,17 @@ func (g *Group) shutdown(grace time.Duration) {
 	case <-time.After(grace):
 		g.srv.Stop()
 		<-stopped
+	}
+	if g.watchEnd != nil {
+		if g.watchEnded != nil {
+			// Rank 0 ends the stream once it has read this rank's last
+			// word; give it that long before cutting the stream.
+			select {
+			case <-g.watchEnded:
+			case <-time.After(3 * g.o.heartbeat):
+			}
+		}
+		g.watchEnd()
 	}
 	g.peersMu.Lock()
 	for _, c := range g.conns {
@@ -500,7 +513,11 @@ func (g *Group) startWatch(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	s, err := c.DoExchange(g.ctx)
+	// The stream outlives the group's context: a failure this rank
+	// reports on it must reach rank 0 before the stream is cancelled.
+	wctx, wcancel := context.WithCancel(context.Background())
+	g.watchEnd = wcancel
+	s, err := c.DoExchange(wctx)
 	if err != nil {
 		return g.peerErr(0, "watch", err)
 	}
@@ -534,6 +551,7 @@ func (g *Group) startWatch(ctx context.Context) error {
 	case <-ctx.Done():
 		return fmt.Errorf("dist: rank %d waiting for the group to form: %w", g.rank, ctx.Err())
 	}
+	g.watchEnded = make(chan struct{})
 	g.wg.Add(1)
 	go g.watchRecv(s)
 	return nil
@@ -542,6 +560,7 @@ func (g *Group) startWatch(ctx context.Context) error {
 // watchRecv reads rank 0's side of the watch stream until it ends.
 func (g *Group) watchRecv(s flight.FlightService_DoExchangeClient) {
 	defer g.wg.Done()
+	defer close(g.watchEnded)
 	got := make(chan struct{}, 1)
 	lost := make(chan struct{})
 	go func() { // the heartbeat bound

@@ -126,6 +126,8 @@ func (n *node) serveWatch(r int, s flight.FlightService_DoExchangeServer) error 
 
 	recv := make(chan frame)
 	ended := make(chan error, 1)
+	quit := make(chan struct{})
+	defer close(quit)
 	go func() {
 		for {
 			var in inData
@@ -140,7 +142,7 @@ func (n *node) serveWatch(r int, s flight.FlightService_DoExchangeServer) error 
 			}
 			select {
 			case recv <- f:
-			case <-s.Context().Done():
+			case <-quit:
 				return
 			}
 		}
