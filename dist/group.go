@@ -332,6 +332,7 @@ func (g *Group) serve() error {
 	sopts := []grpc.ServerOption{
 		grpc.ForceServerCodecV2(newFlightCodec()),
 		grpc.MaxRecvMsgSize(maxMessage),
+		grpc.InitialWindowSize(window), grpc.InitialConnWindowSize(window),
 		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 2 * time.Second, Timeout: 3 * time.Second}),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
 	}
@@ -357,6 +358,9 @@ func (g *Group) serve() error {
 // with room for peers that chunk larger than tensormp does.
 const maxMessage = 64 << 20
 
+// window is gRPC's flow-control window per stream and per connection.
+const window = 16 << 20
+
 // client returns a Flight client of rank r, dialling it on first use.
 func (g *Group) client(r int) (flight.FlightServiceClient, error) {
 	g.peersMu.Lock()
@@ -380,6 +384,7 @@ func (g *Group) client(r int) (flight.FlightServiceClient, error) {
 	}
 	dopts := []grpc.DialOption{
 		grpc.WithTransportCredentials(creds),
+		grpc.WithInitialWindowSize(window), grpc.WithInitialConnWindowSize(window),
 		grpc.WithDisableRetry(), // a retried message would hold tensors' memory in gRPC
 		grpc.WithConnectParams(grpc.ConnectParams{Backoff: backoff.Config{BaseDelay: 50 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: time.Second}, MinConnectTimeout: 5 * time.Second}),
 		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(newFlightCodec()), grpc.MaxCallRecvMsgSize(maxMessage)),
@@ -438,7 +443,7 @@ func (g *Group) rendezvous(ctx context.Context) error {
 		if err == nil {
 			break
 		}
-		if ctx.Err() != nil {
+		if ctx.Err() != nil || !errors.Is(err, ErrPeerLost) {
 			return fmt.Errorf("dist: rank %d reaching the store at %s: %w", g.rank, g.l.store, err)
 		}
 		select {

@@ -275,5 +275,3 @@ func (n *node) closeAll() {
 		q.close()
 	}
 }
-
-var errNotOwner = errors.New("not the queue's owner")

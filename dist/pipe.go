@@ -62,7 +62,7 @@ func (g *Group) Pipe(ctx context.Context, peer int) (*Pipe, error) {
 			return nil, g.peerErr(peer, "pipe", err)
 		}
 		desc, _ := proto.Marshal(&flight.FlightDescriptor{Type: flight.DescriptorPATH, Path: []string{"pipe", strconv.Itoa(g.rank)}})
-		if err := s.SendMsg(&outData{desc: desc, header: mustSchema()}); err != nil {
+		if err := s.SendMsg(&outData{desc: desc}); err != nil {
 			cancel()
 			return nil, g.peerErr(peer, "pipe", err)
 		}

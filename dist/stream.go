@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"sync"
 	"time"
 
 	"github.com/vmihailenco/msgpack/v5"
@@ -81,11 +82,15 @@ const maxBodies = 1 << 16
 // stream's pieces before it gives up the storages anyway.
 const pinWait = 30 * time.Second
 
-// writer sends values on one stream.
+// writer sends values on one stream. Its first message is the stream's
+// Arrow schema, and every value's frame rides on an empty record batch,
+// so that a stock Flight reader reads the stream as record batches with
+// app_metadata.
 type writer struct {
-	s     msgStream
-	enc   *reduction.BodyEncoder
-	chunk int
+	s       msgStream
+	enc     *reduction.BodyEncoder
+	chunk   int
+	started bool
 }
 
 func newWriter(s msgStream, chunk int) *writer {
@@ -122,8 +127,18 @@ func (w *writer) sendRaw(data []byte, bodies []*tensor.Storage) (err error) {
 			}
 		}
 	}()
+	if !w.started {
+		if err := w.s.SendMsg(&outData{header: mustSchema()}); err != nil {
+			return err
+		}
+		w.started = true
+	}
+	empty, err := emptyBatch()
+	if err != nil {
+		return err
+	}
 	head := frame{Kind: kindValue, Data: data, Sizes: sizes}
-	if err := w.s.SendMsg(&outData{meta: head.marshal()}); err != nil {
+	if err := w.s.SendMsg(&outData{header: empty, meta: head.marshal()}); err != nil {
 		return err
 	}
 	for i, s := range bodies {
@@ -165,6 +180,12 @@ func (w *writer) sendBody(i int, s *tensor.Storage, p *pins) error {
 	}
 	return nil
 }
+
+// emptyBatch is the Arrow IPC header of a record batch with no bytes.
+var emptyBatch = sync.OnceValues(func() ([]byte, error) {
+	h, _, err := batch([]byte{})
+	return h, err
+})
 
 // zeroCopySafe reports whether gRPC may read s's memory outside a Guard:
 // heap memory, and sealed memfds, which no peer can cut short. A named

@@ -283,20 +283,24 @@ var schemaHeader = sync.OnceValues(func() ([]byte, error) {
 	if err := w.Close(); err != nil {
 		return nil, err
 	}
-	if len(pw.payloads) != 1 {
-		return nil, fmt.Errorf("dist: arrow wrote %d messages for a schema", len(pw.payloads))
+	if len(pw.headers) != 1 {
+		return nil, fmt.Errorf("dist: arrow wrote %d messages for a schema", len(pw.headers))
 	}
-	m := pw.payloads[0].Meta()
-	defer m.Release()
-	return append([]byte(nil), m.Bytes()...), nil
+	return pw.headers[0], nil
 })
 
-// capture is an ipc.PayloadWriter that keeps what it is given.
-type capture struct{ payloads []ipc.Payload }
+// capture is an ipc.PayloadWriter that keeps a copy of each message's
+// header: the writer reuses the payloads' memory.
+type capture struct{ headers [][]byte }
 
-func (c *capture) Start() error                     { return nil }
-func (c *capture) WritePayload(p ipc.Payload) error { c.payloads = append(c.payloads, p); return nil }
-func (c *capture) Close() error                     { return nil }
+func (c *capture) Start() error { return nil }
+func (c *capture) WritePayload(p ipc.Payload) error {
+	m := p.Meta()
+	defer m.Release()
+	c.headers = append(c.headers, append([]byte(nil), m.Bytes()...))
+	return nil
+}
+func (c *capture) Close() error { return nil }
 
 // batch returns the Arrow IPC header and body pieces of a record batch
 // of one uint8 column holding chunk, as arrow-go lays it out: chunk itself

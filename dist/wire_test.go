@@ -2,13 +2,17 @@ package dist
 
 import (
 	"bytes"
+	"io"
 	"testing"
 
+	"github.com/apache/arrow-go/v18/arrow/array"
 	"github.com/apache/arrow-go/v18/arrow/flight"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/tensormp/tensormp/tensor"
 )
 
 // The codec's bytes for tensormp's FlightData equal the standard proto
@@ -117,4 +121,54 @@ func FuzzCodecUnmarshal(f *testing.F) {
 		in := inData{dest: func(_ []byte, n int) ([]byte, error) { return make([]byte, min(n, int(room))), nil }}
 		_ = newFlightCodec().Unmarshal(mem.BufferSlice{mem.SliceBuffer(wire)}, &in)
 	})
+}
+
+// flightDataReader hands a stock flight.Reader the messages a writer
+// sent, decoded by the standard proto codec.
+type flightDataReader struct{ ch chan []byte }
+
+func (r flightDataReader) Recv() (*flight.FlightData, error) {
+	select {
+	case b := <-r.ch:
+		var fd flight.FlightData
+		if err := proto.Unmarshal(b, &fd); err != nil {
+			return nil, err
+		}
+		return &fd, nil
+	default:
+		return nil, io.EOF
+	}
+}
+
+// An unmodified arrow-go Flight reader reads what tensormp writes: a
+// schema, then record batches of one uint8 column whose bytes are the
+// tensors', each with its frame as app_metadata.
+func TestStockFlightReaderReadsStreams(t *testing.T) {
+	p := wirePipe{make(chan []byte, 64)}
+	data := make([]uint8, 2*DefaultChunk+10)
+	for i := range data {
+		data[i] = uint8(i % 251)
+	}
+	x, err := tensor.FromSlice(data, len(data))
+	require.NoError(t, err)
+	w := newWriter(p, DefaultChunk)
+	require.NoError(t, w.send(x))
+	require.NoError(t, w.send(map[string]int{"empty": 0}))
+
+	r, err := flight.NewRecordReader(flightDataReader(p))
+	require.NoError(t, err)
+	defer r.Release()
+	assert.True(t, r.Schema().Equal(bodySchema))
+	var got []byte
+	var kinds []frameKind
+	for r.Next() {
+		f, err := parseFrame(r.LatestAppMetadata())
+		require.NoError(t, err)
+		kinds = append(kinds, f.Kind)
+		col := r.RecordBatch().Column(0).(*array.Uint8)
+		got = append(got, col.Uint8Values()...)
+	}
+	require.NoError(t, r.Err())
+	assert.Equal(t, []frameKind{kindValue, kindChunk, kindChunk, kindChunk, kindValue}, kinds)
+	assert.Equal(t, data, got)
 }

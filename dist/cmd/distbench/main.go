@@ -1,0 +1,325 @@
+// Command distbench measures package dist between two processes over
+// loopback (or the address given), beside the floor of the same path in
+// the same run: raw TCP with 64 MiB writes.
+//
+// Cases, all one way, parent receiving:
+//
+//	tcp       raw TCP, 64 MiB writes into a pre-faulted buffer
+//	dist_put  the child Puts tensors on a queue the parent owns
+//	dist_get  the parent Gets tensors from a queue the child owns
+//
+// per_s is bytes per second at the receiver, from its first byte to its
+// last; cpu_s_per_gib is the CPU time of both processes (user + system)
+// per GiB moved. The child's copies of its tensors into its own queue
+// (dist_get) are not counted: they are the owner's local Put, not the
+// transfer.
+//
+// Usage:
+//
+//	go run ./cmd/distbench [-bytes N] [-n reps] [-addr IP] [-json]
+package main
+
+import (
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"strconv"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/dist"
+	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+type result struct {
+	Case       string  `json:"case"`
+	Bytes      int     `json:"bytes"`
+	PerS       float64 `json:"per_s"`
+	CPUPerGiB  float64 `json:"cpu_s_per_gib"`
+	RatioOfTCP float64 `json:"ratio_of_tcp,omitempty"`
+}
+
+func main() {
+	reexec.Register("distbench-child", child)
+	reexec.Main()
+	size := flag.Int("bytes", 64<<20, "tensor size in bytes")
+	n := flag.Int("n", 16, "tensors per case")
+	addr := flag.String("addr", "127.0.0.1", "the address both ends use")
+	asJSON := flag.Bool("json", false, "one JSON object per line")
+	flag.Parse()
+	if err := run(*size, *n, *addr, *asJSON); err != nil {
+		fmt.Fprintln(os.Stderr, "distbench:", err)
+		os.Exit(1)
+	}
+}
+
+func run(size, n int, addr string, asJSON bool) error {
+	var results []result
+	tcp, err := benchTCP(size, n, addr)
+	if err != nil {
+		return fmt.Errorf("tcp: %w", err)
+	}
+	results = append(results, tcp)
+	for _, c := range []string{"dist_put", "dist_get"} {
+		r, err := benchDist(c, size, n, addr)
+		if err != nil {
+			return fmt.Errorf("%s: %w", c, err)
+		}
+		r.RatioOfTCP = r.PerS / tcp.PerS
+		results = append(results, r)
+	}
+	if asJSON {
+		enc := json.NewEncoder(os.Stdout)
+		for _, r := range results {
+			if err := enc.Encode(r); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(w, "case\tbytes\tMB/s\tCPU-s/GiB\tof tcp\t")
+	for _, r := range results {
+		ratio := "-"
+		if r.RatioOfTCP > 0 {
+			ratio = fmt.Sprintf("%.0f%%", 100*r.RatioOfTCP)
+		}
+		fmt.Fprintf(w, "%s\t%d\t%.0f\t%.2f\t%s\t\n", r.Case, r.Bytes, r.PerS/1e6, r.CPUPerGiB, ratio)
+	}
+	return w.Flush()
+}
+
+// cpu returns the process's CPU time so far.
+func cpu() time.Duration {
+	var ru unix.Rusage
+	_ = unix.Getrusage(unix.RUSAGE_SELF, &ru)
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// startChild starts the child for case c and returns it.
+func startChild(c string, size, n int, target string) (*childProc, error) {
+	cmd, err := reexec.Command(context.Background(), "distbench-child")
+	if err != nil {
+		return nil, err
+	}
+	cmd.Env = append(cmd.Env, "DISTBENCH_CASE="+c, "DISTBENCH_SIZE="+strconv.Itoa(size),
+		"DISTBENCH_N="+strconv.Itoa(n), "DISTBENCH_TARGET="+target)
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	return &childProc{wait: cmd.Wait}, nil
+}
+
+type childProc struct{ wait func() error }
+
+func benchTCP(size, n int, addr string) (result, error) {
+	l, err := net.Listen("tcp", net.JoinHostPort(addr, "0"))
+	if err != nil {
+		return result{}, err
+	}
+	defer l.Close()
+	ch, err := startChild("tcp", size, n, l.Addr().String())
+	if err != nil {
+		return result{}, err
+	}
+	c, err := l.Accept()
+	if err != nil {
+		return result{}, err
+	}
+	defer c.Close()
+	buf := make([]byte, size)
+	for i := range buf {
+		buf[i] = 1 // pre-faulted
+	}
+	var start time.Time
+	var cpu0 time.Duration
+	for i := range n {
+		if i == 0 {
+			// The first byte starts the clock.
+			if _, err := io.ReadFull(c, buf[:1]); err != nil {
+				return result{}, err
+			}
+			start, cpu0 = time.Now(), cpu()
+			if _, err := io.ReadFull(c, buf[1:]); err != nil {
+				return result{}, err
+			}
+			continue
+		}
+		if _, err := io.ReadFull(c, buf); err != nil {
+			return result{}, err
+		}
+	}
+	elapsed, used := time.Since(start), cpu()-cpu0
+	var childCPU int64
+	if err := binary.Read(c, binary.LittleEndian, &childCPU); err != nil {
+		return result{}, err
+	}
+	if err := ch.wait(); err != nil {
+		return result{}, err
+	}
+	return newResult("tcp", size, n, elapsed, used+time.Duration(childCPU)), nil
+}
+
+func newResult(c string, size, n int, elapsed, used time.Duration) result {
+	total := float64(size) * float64(n)
+	return result{Case: c, Bytes: size, PerS: total / elapsed.Seconds(), CPUPerGiB: used.Seconds() / (total / (1 << 30))}
+}
+
+func benchDist(c string, size, n int, addr string) (result, error) {
+	l, err := net.Listen("tcp", net.JoinHostPort(addr, "0"))
+	if err != nil {
+		return result{}, err
+	}
+	store := l.Addr().String()
+	_ = l.Close()
+	ch, err := startChild(c, size, n, store)
+	if err != nil {
+		return result{}, err
+	}
+	ctx := context.Background()
+	g, err := dist.Init(ctx, dist.WithRank(0, 2), dist.WithStore(store), dist.WithAddr(addr), dist.WithTimeout(time.Minute))
+	if err != nil {
+		return result{}, err
+	}
+	defer g.Close()
+	owner := 0
+	if c == "dist_get" {
+		owner = 1
+	}
+	q, err := g.Queue(ctx, "bench", dist.WithOwner(owner), dist.WithCapacity(2))
+	if err != nil {
+		return result{}, err
+	}
+	var start time.Time
+	var cpu0 time.Duration
+	for i := range n {
+		if i == 1 {
+			// The first tensor warms the pools and the connection.
+			start, cpu0 = time.Now(), cpu()
+		}
+		var x *tensor.Tensor
+		if err := q.Get(ctx, &x); err != nil {
+			return result{}, err
+		}
+		if x.Nbytes() != int64(size) {
+			return result{}, fmt.Errorf("got %d bytes, sent %d", x.Nbytes(), size)
+		}
+		_ = x.Release()
+	}
+	elapsed, used := time.Since(start), cpu()-cpu0
+	if err := g.Store().Set(ctx, "distbench/taken", []byte("yes")); err != nil {
+		return result{}, err
+	}
+	v, err := g.Store().Get(ctx, "distbench/cpu", 0)
+	if err != nil {
+		return result{}, err
+	}
+	childCPU, err := strconv.ParseInt(string(v), 10, 64)
+	if err != nil {
+		return result{}, err
+	}
+	if err := g.Close(); err != nil {
+		return result{}, err
+	}
+	if err := ch.wait(); err != nil {
+		return result{}, err
+	}
+	return newResult(c, size, n-1, elapsed, used+time.Duration(childCPU)), nil
+}
+
+// child is the sending end.
+func child() int {
+	size, _ := strconv.Atoi(os.Getenv("DISTBENCH_SIZE"))
+	n, _ := strconv.Atoi(os.Getenv("DISTBENCH_N"))
+	target := os.Getenv("DISTBENCH_TARGET")
+	var err error
+	switch c := os.Getenv("DISTBENCH_CASE"); c {
+	case "tcp":
+		err = childTCP(size, n, target)
+	default:
+		err = childDist(c, size, n, target)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "distbench child:", err)
+		return 1
+	}
+	return 0
+}
+
+func childTCP(size, n int, target string) error {
+	c, err := net.Dial("tcp", target)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	buf := make([]byte, size)
+	for i := range buf {
+		buf[i] = byte(i)
+	}
+	cpu0 := cpu()
+	for range n {
+		if _, err := c.Write(buf); err != nil {
+			return err
+		}
+	}
+	return binary.Write(c, binary.LittleEndian, int64(cpu()-cpu0))
+}
+
+func childDist(c string, size, n int, store string) error {
+	ctx := context.Background()
+	host, _, _ := net.SplitHostPort(store)
+	g, err := dist.Init(ctx, dist.WithRank(1, 2), dist.WithStore(store), dist.WithAddr(host), dist.WithTimeout(time.Minute))
+	if err != nil {
+		return err
+	}
+	defer g.Close()
+	owner := 0
+	if c == "dist_get" {
+		owner = 1
+	}
+	q, err := g.Queue(ctx, "bench", dist.WithOwner(owner), dist.WithCapacity(2))
+	if err != nil {
+		return err
+	}
+	x, err := tensor.On(device.CPU()).Shared().Full(tensor.Uint8, 7, size)
+	if err != nil {
+		return err
+	}
+	defer x.Release()
+	var local, cpu0 time.Duration
+	for i := range n {
+		if i == 1 {
+			cpu0 = cpu()
+		}
+		before := cpu()
+		if err := q.Put(ctx, x); err != nil {
+			return err
+		}
+		if owner == 1 && i >= 1 {
+			local += cpu() - before // the owner's own copy into its queue
+		}
+	}
+	if owner == 1 {
+		// The queue is here: stay until the parent has taken everything.
+		if _, err := g.Store().Get(ctx, "distbench/taken", 0); err != nil {
+			return err
+		}
+	}
+	counted := cpu() - cpu0 - local
+	if err := g.Store().Set(ctx, "distbench/cpu", []byte(strconv.FormatInt(int64(counted), 10))); err != nil {
+		return err
+	}
+	return g.Close()
+}
