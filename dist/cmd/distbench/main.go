@@ -29,7 +29,6 @@ import (
 	"net"
 	"os"
 	"strconv"
-	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -115,7 +114,6 @@ func startChild(c string, size, n int, target string) (*childProc, error) {
 	cmd.Env = append(cmd.Env, "DISTBENCH_CASE="+c, "DISTBENCH_SIZE="+strconv.Itoa(size),
 		"DISTBENCH_N="+strconv.Itoa(n), "DISTBENCH_TARGET="+target)
 	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
 		return nil, err
 	}
