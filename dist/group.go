@@ -333,6 +333,7 @@ func (g *Group) serve() error {
 		grpc.ForceServerCodecV2(newFlightCodec()),
 		grpc.MaxRecvMsgSize(maxMessage),
 		grpc.InitialWindowSize(window), grpc.InitialConnWindowSize(window),
+		grpc.WriteBufferSize(ioBuffer), grpc.ReadBufferSize(ioBuffer),
 		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 2 * time.Second, Timeout: 3 * time.Second}),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
 	}
@@ -361,6 +362,10 @@ const maxMessage = 64 << 20
 // window is gRPC's flow-control window per stream and per connection.
 const window = 16 << 20
 
+// ioBuffer is the size of gRPC's socket buffers: 64 HTTP/2 frames per
+// write and read, rather than two.
+const ioBuffer = 1 << 20
+
 // client returns a Flight client of rank r, dialling it on first use.
 func (g *Group) client(r int) (flight.FlightServiceClient, error) {
 	g.peersMu.Lock()
@@ -385,6 +390,7 @@ func (g *Group) client(r int) (flight.FlightServiceClient, error) {
 	dopts := []grpc.DialOption{
 		grpc.WithTransportCredentials(creds),
 		grpc.WithInitialWindowSize(window), grpc.WithInitialConnWindowSize(window),
+		grpc.WithWriteBufferSize(ioBuffer), grpc.WithReadBufferSize(ioBuffer),
 		grpc.WithDisableRetry(), // a retried message would hold tensors' memory in gRPC
 		grpc.WithConnectParams(grpc.ConnectParams{Backoff: backoff.Config{BaseDelay: 50 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: time.Second}, MinConnectTimeout: 5 * time.Second}),
 		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(newFlightCodec()), grpc.MaxCallRecvMsgSize(maxMessage)),

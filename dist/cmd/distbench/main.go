@@ -16,7 +16,7 @@
 //
 // Usage:
 //
-//	go run ./cmd/distbench [-bytes N] [-n reps] [-addr IP] [-json]
+//	go run ./cmd/distbench [-bytes N] [-n reps] [-chunk N] [-addr IP] [-json]
 package main
 
 import (
@@ -40,6 +40,9 @@ import (
 	"github.com/tensormp/tensormp/tensor"
 )
 
+// chunk is the record-batch size both ends use.
+var chunk int
+
 type result struct {
 	Case       string  `json:"case"`
 	Bytes      int     `json:"bytes"`
@@ -55,6 +58,7 @@ func main() {
 	n := flag.Int("n", 16, "tensors per case")
 	addr := flag.String("addr", "127.0.0.1", "the address both ends use")
 	asJSON := flag.Bool("json", false, "one JSON object per line")
+	flag.IntVar(&chunk, "chunk", dist.DefaultChunk, "bytes per record batch")
 	flag.Parse()
 	if err := run(*size, *n, *addr, *asJSON); err != nil {
 		fmt.Fprintln(os.Stderr, "distbench:", err)
@@ -112,7 +116,7 @@ func startChild(c string, size, n int, target string) (*childProc, error) {
 		return nil, err
 	}
 	cmd.Env = append(cmd.Env, "DISTBENCH_CASE="+c, "DISTBENCH_SIZE="+strconv.Itoa(size),
-		"DISTBENCH_N="+strconv.Itoa(n), "DISTBENCH_TARGET="+target)
+		"DISTBENCH_N="+strconv.Itoa(n), "DISTBENCH_TARGET="+target, "DISTBENCH_CHUNK="+strconv.Itoa(chunk))
 	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 	if err := cmd.Start(); err != nil {
 		return nil, err
@@ -187,7 +191,7 @@ func benchDist(c string, size, n int, addr string) (result, error) {
 		return result{}, err
 	}
 	ctx := context.Background()
-	g, err := dist.Init(ctx, dist.WithRank(0, 2), dist.WithStore(store), dist.WithAddr(addr), dist.WithTimeout(time.Minute))
+	g, err := dist.Init(ctx, dist.WithRank(0, 2), dist.WithStore(store), dist.WithAddr(addr), dist.WithTimeout(time.Minute), dist.WithChunk(chunk))
 	if err != nil {
 		return result{}, err
 	}
@@ -242,6 +246,7 @@ func child() int {
 	size, _ := strconv.Atoi(os.Getenv("DISTBENCH_SIZE"))
 	n, _ := strconv.Atoi(os.Getenv("DISTBENCH_N"))
 	target := os.Getenv("DISTBENCH_TARGET")
+	chunk, _ = strconv.Atoi(os.Getenv("DISTBENCH_CHUNK"))
 	var err error
 	switch c := os.Getenv("DISTBENCH_CASE"); c {
 	case "tcp":
@@ -278,7 +283,7 @@ func childTCP(size, n int, target string) error {
 func childDist(c string, size, n int, store string) error {
 	ctx := context.Background()
 	host, _, _ := net.SplitHostPort(store)
-	g, err := dist.Init(ctx, dist.WithRank(1, 2), dist.WithStore(store), dist.WithAddr(host), dist.WithTimeout(time.Minute))
+	g, err := dist.Init(ctx, dist.WithRank(1, 2), dist.WithStore(store), dist.WithAddr(host), dist.WithTimeout(time.Minute), dist.WithChunk(chunk))
 	if err != nil {
 		return err
 	}
