@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"sync"
 	"time"
 
@@ -247,6 +248,18 @@ func (r *reader) raw(f frame) ([]*tensor.Storage, error) {
 	}
 	if len(f.Sizes) > maxBodies {
 		return nil, fmt.Errorf("dist: a value with %d bodies", len(f.Sizes))
+	}
+	var total int64
+	for i, n := range f.Sizes {
+		if n < 0 || n > math.MaxInt64-total {
+			return nil, fmt.Errorf("dist: a value whose body %d has %d bytes", i, n)
+		}
+		total += n
+	}
+	if free, err := shmFree(); err == nil && uint64(total) > free {
+		// Memory is taken before the bytes arrive: a peer may not make
+		// this host allocate more than it has by announcing it.
+		return nil, fmt.Errorf("dist: a value of %d bytes announced, and %s has %d bytes free", total, mmapalloc.Dir(), free)
 	}
 	bodies := make([]*tensor.Storage, 0, len(f.Sizes))
 	ok := false

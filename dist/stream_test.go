@@ -1,7 +1,9 @@
 package dist
 
 import (
+	"bytes"
 	"fmt"
+	"io"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -84,4 +86,64 @@ func TestValueNested(t *testing.T) {
 	assert.Equal(t, in.Label, out.Label)
 	assert.EqualValues(t, 3, out.More["n"])
 	require.NoError(t, out.X.Release())
+}
+
+// FuzzReader feeds the value reader hostile streams: frames, sizes and
+// chunks in any order and of any length. Each must be an error or a
+// value, never a panic, and a failed value must release its bodies.
+func FuzzReader(f *testing.F) {
+	p := wirePipe{make(chan []byte, 64)}
+	x, _ := tensor.Arange(tensor.Int32, 100)
+	_ = newWriter(p, 128).send(map[string]any{"x": x})
+	var seed [][]byte
+	for len(p.ch) > 0 {
+		seed = append(seed, <-p.ch)
+	}
+	f.Add(bytes.Join(seed, []byte("\x00SPLIT\x00")))
+	f.Fuzz(func(t *testing.T, stream []byte) {
+		msgs := bytes.Split(stream, []byte("\x00SPLIT\x00"))
+		if len(msgs) > 64 {
+			return
+		}
+		in := wirePipe{make(chan []byte, len(msgs))}
+		for _, m := range msgs {
+			in.ch <- m
+		}
+		r := newReader(closingPipe{in})
+		fr, err := r.next()
+		if err != nil {
+			return
+		}
+		var v any
+		if err := r.value(fr, &v); err == nil {
+			releaseAny(v)
+		}
+	})
+}
+
+// closingPipe ends with io.EOF once its messages are read.
+type closingPipe struct{ wirePipe }
+
+func (p closingPipe) RecvMsg(m any) error {
+	select {
+	case b := <-p.ch:
+		return newFlightCodec().Unmarshal(mem.BufferSlice{mem.SliceBuffer(b)}, m)
+	default:
+		return io.EOF
+	}
+}
+
+func releaseAny(v any) {
+	switch x := v.(type) {
+	case *tensor.Tensor:
+		_ = x.Release()
+	case map[string]any:
+		for _, e := range x {
+			releaseAny(e)
+		}
+	case []any:
+		for _, e := range x {
+			releaseAny(e)
+		}
+	}
 }
