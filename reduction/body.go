@@ -96,21 +96,8 @@ func (w *bodyWriter) encode(t *tensor.Tensor) ([]byte, error) {
 	if !t.Place().IsCPU() {
 		return nil, fmt.Errorf("reduction: encode %v: %w", t, ErrDeviceTensor)
 	}
-	m := Meta{
-		Version: Version,
-		FD:      -1,
-		Block:   -1,
-		Offset:  t.Offset(),
-		DType:   t.DType(),
-		Shape:   t.Shape(),
-		Strides: t.Strides(),
-		LoD:     t.LoD(),
-		Place:   t.Place().String(),
-	}
-	if t.Numel() == 0 {
-		m.Offset = 0
-		m.Strides = make([]int, len(m.Shape))
-	} else {
+	m := viewMeta(t)
+	if t.Numel() > 0 {
 		s := t.Storage()
 		i, ok := w.index[s]
 		if !ok {
@@ -167,18 +154,7 @@ func (d *BodyDecoder) Decode(data []byte, bodies []*tensor.Storage, v any) (err 
 		}
 		d.r.reset(nil, nil)
 	}()
-	if err := checkWellFormed(data); err != nil {
-		return err
-	}
-	if err := d.dec.Decode(v); err != nil {
-		if v != nil {
-			if e := explain(data, reflect.TypeOf(v), err); e != nil {
-				return e
-			}
-		}
-		return err
-	}
-	return nil
+	return decodeChecked(d.dec, data, v)
 }
 
 // bodyReader is a BodyDecoder's reader: the message's bytes and bodies,
@@ -208,18 +184,7 @@ func (r *bodyReader) body(i int, size int64) (*tensor.Storage, error) {
 	return s, nil
 }
 
-func (r *bodyReader) checkUsed() error {
-	unused := 0
-	for _, u := range r.used {
-		if !u {
-			unused++
-		}
-	}
-	if unused > 0 {
-		return fmt.Errorf("reduction: the message carried %d bodies, %d of them not used by any tensor", len(r.bodies), unused)
-	}
-	return nil
-}
+func (r *bodyReader) checkUsed() error { return checkUsed(r.used, "bodies") }
 
 var errNoDescriptors = errors.New("descriptor metadata in a message that carries bodies")
 

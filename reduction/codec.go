@@ -309,10 +309,16 @@ func (d *Decoder) Decode(data []byte, fds []int, v any) (err error) {
 		d.r.closeRest()
 		d.r.reset(nil, nil)
 	}()
+	return decodeChecked(d.dec, data, v)
+}
+
+// decodeChecked decodes one received message into v once it is known to
+// be well formed, explaining a mismatch with v's type.
+func decodeChecked(dec *msgpack.Decoder, data []byte, v any) error {
 	if err := checkWellFormed(data); err != nil {
 		return err
 	}
-	if err := d.dec.Decode(v); err != nil {
+	if err := dec.Decode(v); err != nil {
 		if v != nil {
 			if e := explain(data, reflect.TypeOf(v), err); e != nil {
 				return e
@@ -469,15 +475,19 @@ func (r *fdReader) adoptTickets() {
 	}
 }
 
-func (r *fdReader) checkUsed() error {
+func (r *fdReader) checkUsed() error { return checkUsed(r.used, "descriptors") }
+
+// checkUsed is the error of a message that carried things (descriptors,
+// bodies) some of which no tensor used.
+func checkUsed(used []bool, what string) error {
 	unused := 0
-	for _, u := range r.used {
+	for _, u := range used {
 		if !u {
 			unused++
 		}
 	}
 	if unused > 0 {
-		return fmt.Errorf("reduction: the message carried %d descriptors, %d of them not used by any tensor", len(r.fds), unused)
+		return fmt.Errorf("reduction: the message carried %d %s, %d of them not used by any tensor", len(used), what, unused)
 	}
 	return nil
 }

@@ -88,23 +88,11 @@ func reduce(t *tensor.Tensor) (Meta, int, lease, error) {
 		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, ErrDeviceTensor)
 	}
 	s := t.Storage()
-	m := Meta{
-		Version: Version,
-		FD:      -1,
-		Block:   -1,
-		Offset:  t.Offset(),
-		DType:   t.DType(),
-		Shape:   t.Shape(),
-		Strides: t.Strides(),
-		LoD:     t.LoD(),
-		Place:   t.Place().String(),
-	}
+	m := viewMeta(t)
 	if s.Released() {
 		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
 	}
 	if t.Numel() == 0 {
-		m.Offset = 0
-		m.Strides = make([]int, len(m.Shape))
 		return m, -1, nil, nil
 	}
 	if err := s.ShareMemory(strategy.Get()); err != nil {
@@ -144,6 +132,28 @@ func reduce(t *tensor.Tensor) (Meta, int, lease, error) {
 	m.Strategy = string(strategy.FileDescriptor)
 	storages.put(idKey(a.ID()), s)
 	return m, fd, lentFD{a}, nil
+}
+
+// viewMeta returns the Meta of t's view of its storage, naming no
+// segment yet. An empty tensor's view is normalised: no offset, zero
+// strides.
+func viewMeta(t *tensor.Tensor) Meta {
+	m := Meta{
+		Version: Version,
+		FD:      -1,
+		Block:   -1,
+		Offset:  t.Offset(),
+		DType:   t.DType(),
+		Shape:   t.Shape(),
+		Strides: t.Strides(),
+		LoD:     t.LoD(),
+		Place:   t.Place().String(),
+	}
+	if t.Numel() == 0 {
+		m.Offset = 0
+		m.Strides = make([]int, len(m.Shape))
+	}
+	return m
 }
 
 // Rebuild makes a tensor from metadata and the descriptors that came with
