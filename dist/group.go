@@ -680,7 +680,7 @@ func (g *Group) opErr(ctx context.Context, r int, op string, err error) error {
 	if cause := context.Cause(g.ctx); cause != nil {
 		return cause
 	}
-	if ctx.Err() != nil && status.Code(err) == codes.Canceled || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+	if ctx.Err() != nil {
 		if c := context.Cause(ctx); c != nil {
 			return c
 		}

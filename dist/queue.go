@@ -127,17 +127,26 @@ func (q *Queue) Get(ctx context.Context, v any) error {
 	if f.Kind == kindError {
 		return fmt.Errorf("dist: get on queue %q: %s", q.name, f.Err)
 	}
-	if err := r.value(f, v); err != nil {
-		return q.err(ctx, "get", err)
+	bodies, err := r.raw(f)
+	if err != nil {
+		return q.err(ctx, "get", err) // the owner keeps the value
 	}
-	// The value stays queued until the owner has the ack: wait for the
-	// stream's end, which follows it, before letting the stream go.
-	if err := s.SendMsg(&outData{meta: (&frame{Kind: kindAck}).marshal()}); err == nil {
+	answer := frame{Kind: kindAck}
+	derr := r.dec.Decode(f.Data, bodies, v)
+	if derr != nil {
+		// A value that does not decode would come back at every Get:
+		// tell the owner to drop it.
+		answer = frame{Kind: kindError, Err: derr.Error()}
+		derr = fmt.Errorf("dist: get on queue %q: dropped a malformed value: %w", q.name, derr)
+	}
+	// The value stays queued until the owner has the answer: wait for
+	// the stream's end, which follows it, before letting the stream go.
+	if err := s.SendMsg(&outData{meta: answer.marshal()}); err == nil {
 		_ = s.CloseSend()
 		var in inData
 		_ = s.RecvMsg(&in)
 	}
-	return nil
+	return derr
 }
 
 // open starts a put or get stream with the owner.
@@ -399,10 +408,12 @@ func (q *queueState) serveGet(s flight.FlightService_DoExchangeServer) error {
 		q.pushFront(it)
 		return err
 	}
-	if f, err := parseFrame(in.meta); err != nil || f.Kind != kindAck {
+	f, err := parseFrame(in.meta)
+	if err != nil || f.Kind != kindAck && f.Kind != kindError {
 		q.pushFront(it)
-		return status.Error(codes.InvalidArgument, "no ack for a value")
+		return status.Error(codes.InvalidArgument, "no answer for a value")
 	}
+	// Taken, or refused as malformed by the getter's decoder: gone.
 	it.release()
 	return nil
 }
