@@ -34,6 +34,7 @@ type options struct {
 	timeout     time.Duration
 	heartbeat   time.Duration
 	chunk       int
+	maxValue    int64
 	serverTLS   *tls.Config
 	clientTLS   *tls.Config
 	token       string
@@ -67,6 +68,12 @@ func WithHeartbeat(d time.Duration) Option { return func(o *options) { o.heartbe
 // WithChunk sets the size of the record batches tensors travel in
 // (default DefaultChunk, 1 MiB).
 func WithChunk(n int) Option { return func(o *options) { o.chunk = n } }
+
+// WithMaxValue bounds the bytes of tensors one received value may hold
+// (default: what the shared-memory directory has free). A value is given
+// its memory when its first message announces its size, before its bytes
+// arrive; the bound keeps a peer from making this host allocate more.
+func WithMaxValue(n int64) Option { return func(o *options) { o.maxValue = n } }
 
 // WithTLS serves and dials with TLS: server is this rank's listener's
 // configuration, client the one it dials its peers with.

@@ -66,14 +66,14 @@ func (g *Group) Pipe(ctx context.Context, peer int) (*Pipe, error) {
 			cancel()
 			return nil, g.peerErr(peer, "pipe", err)
 		}
-		p.w, p.r = newWriter(s, g.o.chunk), newReader(s)
+		p.w, p.r = newWriter(s, g.o.chunk), newReader(s, g.o.maxValue)
 		p.closeSend, p.end = s.CloseSend, cancel
 		return p, nil
 	}
 	ch := g.node.pipeChan(peer)
 	select {
 	case pc := <-ch:
-		p.w, p.r = newWriter(pc.s, g.o.chunk), newReader(pc.s)
+		p.w, p.r = newWriter(pc.s, g.o.chunk), newReader(pc.s, g.o.maxValue)
 		var once sync.Once
 		p.closeSend = func() error { once.Do(func() { close(pc.done) }); return nil }
 		p.end = func() { _ = p.closeSend() }

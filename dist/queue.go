@@ -96,7 +96,7 @@ func (q *Queue) Put(ctx context.Context, v any) error {
 	if err := newWriter(s, q.g.o.chunk).send(v); err != nil {
 		return q.err(ctx, "put", err)
 	}
-	r := newReader(s)
+	r := newReader(s, 0)
 	f, err := r.next()
 	if err != nil {
 		return q.err(ctx, "put", err)
@@ -119,7 +119,7 @@ func (q *Queue) Get(ctx context.Context, v any) error {
 	if err != nil {
 		return err
 	}
-	r := newReader(s)
+	r := newReader(s, q.g.o.maxValue)
 	f, err := r.next()
 	if err != nil {
 		return q.err(ctx, "get", err)
@@ -237,6 +237,7 @@ type queueState struct {
 	name     string
 	cap      int
 	chunk    int
+	maxValue int64
 	mu       sync.Mutex
 	items    []item
 	reserved int           // room promised to puts receiving their bodies
@@ -262,7 +263,7 @@ func (n *node) queue(name string, meta []byte) (*queueState, error) {
 	defer n.mu.Unlock()
 	q, ok := n.queues[name]
 	if !ok {
-		q = &queueState{name: name, cap: req.Cap, chunk: n.g.o.chunk, changed: make(chan struct{})}
+		q = &queueState{name: name, cap: req.Cap, chunk: n.g.o.chunk, maxValue: n.g.o.maxValue, changed: make(chan struct{})}
 		n.queues[name] = q
 	}
 	return q, nil
@@ -372,7 +373,7 @@ func (q *queueState) close() {
 // servePut receives one value into the queue: its frame, room for it,
 // then its bodies; then the ack.
 func (q *queueState) servePut(s flight.FlightService_DoExchangeServer) error {
-	r := newReader(s)
+	r := newReader(s, q.maxValue)
 	f, err := r.next()
 	if err != nil {
 		return err

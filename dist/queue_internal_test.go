@@ -14,7 +14,7 @@ import (
 
 // pair forms a group of two in this process: what is tested is the
 // protocol between them.
-func pair(t *testing.T, ctx context.Context) (g0, g1 *Group) {
+func pair(t *testing.T, ctx context.Context, extra0 ...Option) (g0, g1 *Group) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	store := l.Addr().String()
@@ -28,7 +28,7 @@ func pair(t *testing.T, ctx context.Context) (g0, g1 *Group) {
 		g1, err = Init(ctx, opts(1)...)
 		done <- err
 	}()
-	g0, err = Init(ctx, opts(0)...)
+	g0, err = Init(ctx, append(opts(0), extra0...)...)
 	require.NoError(t, err)
 	require.NoError(t, <-done)
 	t.Cleanup(func() {
@@ -55,7 +55,7 @@ func TestMalformedValueIsDropped(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, s.SendMsg(&outData{header: mustSchema()}))
 	require.NoError(t, s.SendMsg(&outData{header: empty, meta: bad.marshal()}))
-	f, err := newReader(s).next()
+	f, err := newReader(s, 0).next()
 	require.NoError(t, err)
 	require.Equal(t, kindAck, f.Kind, "the owner queues what it cannot judge")
 
@@ -71,4 +71,29 @@ func TestMalformedValueIsDropped(t *testing.T) {
 	assert.True(t, tensor.Equal(x, got))
 	_ = got.Release()
 	assert.NoError(t, g0.Err(), "a malformed value fails a Get, not the group")
+}
+
+// A value announcing more than WithMaxValue allows is refused before any
+// memory is taken for it.
+func TestMaxValue(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	g0, g1 := pair(t, ctx, WithMaxValue(1024))
+	errs := make(chan error, 1)
+	go func() {
+		p, err := g1.Pipe(ctx, 0)
+		if err == nil {
+			x, _ := tensor.Zeros(tensor.Float32, 1024) // 4 KiB
+			err = p.Send(ctx, x)
+		}
+		errs <- err
+	}()
+	p, err := g0.Pipe(ctx, 1)
+	require.NoError(t, err)
+	var got *tensor.Tensor
+	err = p.Recv(ctx, &got)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "4096 bytes announced, more than the 1024 allowed")
+	require.NoError(t, <-errs)
+	require.NoError(t, p.Close())
 }

@@ -209,10 +209,11 @@ type reader struct {
 	s   msgStream
 	dec *reduction.BodyDecoder
 	in  inData
+	max int64 // bytes of bodies one value may announce; 0: the shm directory's free space
 }
 
-func newReader(s msgStream) *reader {
-	return &reader{s: s, dec: reduction.NewBodyDecoder()}
+func newReader(s msgStream, max int64) *reader {
+	return &reader{s: s, dec: reduction.NewBodyDecoder(), max: max}
 }
 
 // next returns the next frame on the stream, skipping schema messages.
@@ -256,9 +257,12 @@ func (r *reader) raw(f frame) ([]*tensor.Storage, error) {
 		}
 		total += n
 	}
+	// Memory is taken before the bytes arrive: a peer may not make this
+	// host allocate more than it allows, or than it has, by announcing it.
+	if r.max > 0 && total > r.max {
+		return nil, fmt.Errorf("dist: a value of %d bytes announced, more than the %d allowed", total, r.max)
+	}
 	if free, err := shmFree(); err == nil && uint64(total) > free {
-		// Memory is taken before the bytes arrive: a peer may not make
-		// this host allocate more than it has by announcing it.
 		return nil, fmt.Errorf("dist: a value of %d bytes announced, and %s has %d bytes free", total, mmapalloc.Dir(), free)
 	}
 	bodies := make([]*tensor.Storage, 0, len(f.Sizes))

@@ -35,7 +35,7 @@ func roundTrip[T any](t *testing.T, v T, chunk int) T {
 	t.Helper()
 	p := wirePipe{make(chan []byte, 4096)}
 	require.NoError(t, newWriter(p, chunk).send(v))
-	r := newReader(p)
+	r := newReader(p, 0)
 	f, err := r.next()
 	require.NoError(t, err)
 	var out T
@@ -109,7 +109,7 @@ func FuzzReader(f *testing.F) {
 		for _, m := range msgs {
 			in.ch <- m
 		}
-		r := newReader(closingPipe{in})
+		r := newReader(closingPipe{in}, 1<<20)
 		fr, err := r.next()
 		if err != nil {
 			return
