@@ -57,6 +57,13 @@ func detect(getenv func(string) string) (l launch, ok bool, err error) {
 		return launch{}, true, err
 	}
 	l.remote = true
+	if name := getenv("TENSORMP_DIST_IFNAME"); name != "" {
+		ip, err := ifaceAddr(name)
+		if err != nil {
+			return launch{}, true, &EnvError{l.launcher, "TENSORMP_DIST_IFNAME", err}
+		}
+		l.bind = ip
+	}
 	if a := getenv("TENSORMP_DIST_ADDR"); a != "" {
 		if net.ParseIP(a) == nil {
 			return launch{}, true, &EnvError{l.launcher, "TENSORMP_DIST_ADDR", fmt.Errorf("%q is not an IP address", a)}
@@ -229,6 +236,37 @@ func firstNode(list string) (string, error) {
 		return "", fmt.Errorf("%q has a malformed range", list)
 	}
 	return prefix + first, nil
+}
+
+// ifaceAddr returns the first IPv4 address of the network interface
+// called name (then its first address of any kind), as GLOO_SOCKET_IFNAME
+// picks one.
+func ifaceAddr(name string) (string, error) {
+	ifc, err := net.InterfaceByName(name)
+	if err != nil {
+		return "", err
+	}
+	addrs, err := ifc.Addrs()
+	if err != nil {
+		return "", err
+	}
+	var first string
+	for _, a := range addrs {
+		ipn, ok := a.(*net.IPNet)
+		if !ok {
+			continue
+		}
+		if ipn.IP.To4() != nil {
+			return ipn.IP.String(), nil
+		}
+		if first == "" {
+			first = ipn.IP.String()
+		}
+	}
+	if first == "" {
+		return "", fmt.Errorf("interface %s has no address", name)
+	}
+	return first, nil
 }
 
 // routeTo returns the local address this host uses to reach addr

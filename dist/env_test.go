@@ -42,6 +42,8 @@ func TestDetectLaunchers(t *testing.T) {
 		}, launch{launcher: "mpi", rank: 1, world: 2, localRank: 1, store: "10.0.0.1:1234", remote: true}},
 		{"pmi", map[string]string{"PMI_RANK": "0", "PMI_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
 			launch{launcher: "mpi", rank: 0, world: 2, store: "h:1", remote: true}},
+		{"interface", map[string]string{"MASTER_ADDR": "h", "MASTER_PORT": "1", "WORLD_SIZE": "1", "RANK": "0", "TENSORMP_DIST_IFNAME": "lo"},
+			launch{launcher: "kubeflow", world: 1, store: "h:1", bind: "127.0.0.1", remote: true}},
 		{"bind address", map[string]string{"MASTER_ADDR": "h", "MASTER_PORT": "1", "WORLD_SIZE": "1", "RANK": "0", "TENSORMP_DIST_ADDR": "127.0.0.3"},
 			launch{launcher: "kubeflow", world: 1, store: "h:1", bind: "127.0.0.3", remote: true}},
 	}
@@ -73,6 +75,7 @@ func TestDetectMalformed(t *testing.T) {
 		{"slurm empty range", "SLURM_JOB_NODELIST", map[string]string{"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu[]", "MASTER_PORT": "1"}},
 		{"mpi without a store", "MASTER_ADDR", map[string]string{"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}},
 		{"mpi size zero", "OMPI_COMM_WORLD_SIZE", map[string]string{"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "0"}},
+		{"no such interface", "TENSORMP_DIST_IFNAME", map[string]string{"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1", "TENSORMP_DIST_IFNAME": "tensormp-none0"}},
 		{"bind not an ip", "TENSORMP_DIST_ADDR", map[string]string{"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1", "TENSORMP_DIST_ADDR": "eth0"}},
 	}
 	for _, c := range cases {
