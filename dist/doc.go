@@ -1,13 +1,31 @@
 // Package dist carries tensors between processes on different hosts, over
-// Apache Arrow Flight: a group of ranks started by the launcher the user
-// already has (torchrun, Slurm, Kubeflow, MPI, or explicit options),
-// queues and pipes between them, and failures that reach every rank as
-// errors, never as hangs.
+// Apache Arrow Flight.
 //
-// Across hosts a tensor is a copy: writes on the receiver do not reach the
-// sender. It arrives in a pooled shared-memory block of the receiving
-// host, so handing it on to local workers over an mp.Queue copies nothing.
-// Everything on one host stays with package mp.
+// A group is formed by Init from the launcher the user already has
+// (torchrun --no-python, Slurm srun, Kubeflow's PyTorchJob, MPI, or
+// WithRank and WithStore): rank 0 serves the group's store (Group.Store,
+// torch's TCPStore contract) and every rank registers there. The shape to
+// use is one rank per host, each spawning its host's workers with package
+// mp: hand-offs on a host stay on mp's descriptor path.
+//
+// Group.Queue and Group.Pipe carry any value package reduction carries,
+// tensors anywhere inside. Across hosts a tensor is a copy: writes on the
+// receiver do not reach the sender. It arrives in a pooled shared-memory
+// block of the receiving host, copied once from gRPC's buffers, so handing
+// it on to local workers over an mp.Queue copies nothing more. On the wire
+// a value is a FlightData whose app_metadata carries the encoded value,
+// then its storages as Arrow IPC record batches of one uint8 column, 1 MiB
+// each (WithChunk); the sender lends the storages' memory to gRPC without
+// copying it.
+//
+// Failures are errors, never hangs. Every rank watches rank 0 over a
+// stream with heartbeats (WithHeartbeat, default 1 s): a rank whose
+// process dies is noticed when its connection closes, one whose host or
+// link goes away within three heartbeats. The group's first failure
+// cancels Group.Context on every rank and Group.Wait returns it: a
+// *PeerError (errors.Is(err, ErrPeerLost)), a *RankError from Abort, or
+// ErrStoreLost when rank 0 is gone. There is no elastic membership: the
+// launcher's restart policy restarts the group.
 //
 // dist is a module of its own, so that programs on one host never build
 // Arrow or gRPC.
