@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"slices"
 
 	"github.com/vmihailenco/msgpack/v5"
 
@@ -169,7 +170,8 @@ type bodyReader struct {
 func (r *bodyReader) reset(data []byte, bodies []*tensor.Storage) {
 	r.msgReader = msgReader{data: data}
 	r.bodies = bodies
-	r.used = make([]bool, len(bodies))
+	r.used = slices.Grow(r.used[:0], len(bodies))[:len(bodies)]
+	clear(r.used)
 }
 
 func (r *bodyReader) body(i int, size int64) (*tensor.Storage, error) {
