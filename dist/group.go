@@ -217,12 +217,7 @@ func (g *Group) Store() *Store { return &Store{g: g} }
 // the failure, or nil after a clean Close.
 func (g *Group) Wait() error {
 	<-g.done
-	g.failMu.Lock()
-	defer g.failMu.Unlock()
-	if errors.Is(g.err, ErrClosed) {
-		return nil
-	}
-	return g.err
+	return g.Err()
 }
 
 // Err returns the group's failure so far, or nil.
@@ -452,7 +447,7 @@ func (g *Group) rendezvous(ctx context.Context) error {
 	var n int64
 	for {
 		var err error
-		n, err = st.Add(waitReady(ctx), "tensormp/claim/"+strconv.Itoa(g.rank), 1)
+		n, err = st.add(ctx, "tensormp/claim/"+strconv.Itoa(g.rank), 1, grpc.WaitForReady(true))
 		if err == nil {
 			break
 		}
@@ -517,11 +512,6 @@ func deadline(ctx context.Context) time.Time {
 	}
 	return d
 }
-
-type readyKey struct{}
-
-// waitReady marks ctx for calls that should wait for the peer to listen.
-func waitReady(ctx context.Context) context.Context { return context.WithValue(ctx, readyKey{}, true) }
 
 // startWatch opens this rank's watch stream to rank 0 and serves it:
 // heartbeats both ways, rank 0's news of a failure, and the loss of
@@ -698,5 +688,3 @@ func (g *Group) opErr(ctx context.Context, r int, op string, err error) error {
 	}
 	return g.peerErr(r, op, err)
 }
-
-func isEOF(err error) bool { return errors.Is(err, io.EOF) }

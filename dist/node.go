@@ -90,7 +90,11 @@ func (n *node) DoExchange(s flight.FlightService_DoExchangeServer) error {
 		}
 		return n.serveWatch(r, s)
 	case "put", "get":
-		q, err := n.queue(d.Path[1], in.meta)
+		c, err := parseQueueReq(in.meta)
+		if err != nil {
+			return err
+		}
+		q, err := n.queue(d.Path[1], c)
 		if err != nil {
 			return err
 		}
@@ -207,15 +211,9 @@ func (n *node) awaitWatched(ctx context.Context) error {
 			}
 		}
 		ch := n.changed
-		ws := make([]*watcher, 0, len(n.watchers))
-		for _, w := range n.watchers {
-			ws = append(ws, w)
-		}
 		n.mu.Unlock()
 		if len(missing) == 0 {
-			for _, w := range ws {
-				_ = w.send(frame{Kind: kindHeartbeat})
-			}
+			n.broadcast(frame{Kind: kindHeartbeat})
 			return nil
 		}
 		select {
@@ -251,7 +249,7 @@ func (n *node) awaitLeft(ctx context.Context, d time.Duration) {
 	}
 }
 
-// broadcast tells every watching rank of the group's failure.
+// broadcast sends f to every watching rank.
 func (n *node) broadcast(f frame) {
 	n.mu.Lock()
 	ws := make([]*watcher, 0, len(n.watchers))

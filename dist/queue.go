@@ -62,7 +62,7 @@ func (g *Group) Queue(ctx context.Context, name string, opts ...QueueOption) (*Q
 		return nil, err
 	}
 	if q.owner == g.rank {
-		if _, err := g.node.queue(name, (&frame{Kind: kindRequest, Data: q.request()}).marshal()); err != nil {
+		if _, err := g.node.queue(name, q.cap); err != nil {
 			return nil, err
 		}
 	}
@@ -176,7 +176,7 @@ func (q *Queue) err(ctx context.Context, op string, err error) error {
 // putLocal puts v on a queue this rank owns: its bodies are copied into
 // shared memory, as a remote putter's would be.
 func (q *Queue) putLocal(ctx context.Context, v any) error {
-	st, err := q.g.node.queue(q.name, (&frame{Kind: kindRequest, Data: q.request()}).marshal())
+	st, err := q.g.node.queue(q.name, q.cap)
 	if err != nil {
 		return err
 	}
@@ -208,7 +208,7 @@ func (q *Queue) putLocal(ctx context.Context, v any) error {
 }
 
 func (q *Queue) getLocal(ctx context.Context, v any) error {
-	st, err := q.g.node.queue(q.name, (&frame{Kind: kindRequest, Data: q.request()}).marshal())
+	st, err := q.g.node.queue(q.name, q.cap)
 	if err != nil {
 		return err
 	}
@@ -245,28 +245,36 @@ type queueState struct {
 	closed   bool
 }
 
-// queue returns the queue called name, made with the request's capacity
-// if new.
-func (n *node) queue(name string, meta []byte) (*queueState, error) {
-	f, err := parseFrame(meta)
-	var req queueReq
-	if err == nil && f.Kind == kindRequest {
-		err = msgpack.Unmarshal(f.Data, &req)
-	}
-	if err != nil || f.Kind != kindRequest || req.Cap < 0 {
-		return nil, status.Errorf(codes.InvalidArgument, "malformed request for queue %q", name)
-	}
+// queue returns the queue called name, made with capacity cap if new.
+func (n *node) queue(name string, cap int) (*queueState, error) {
 	if name == "" || len(name) > 4096 {
 		return nil, status.Errorf(codes.InvalidArgument, "queue name of %d bytes", len(name))
+	}
+	if cap < 0 {
+		return nil, status.Errorf(codes.InvalidArgument, "queue %q of capacity %d", name, cap)
 	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	q, ok := n.queues[name]
 	if !ok {
-		q = &queueState{name: name, cap: req.Cap, chunk: n.g.o.chunk, maxValue: n.g.o.maxValue, changed: make(chan struct{})}
+		q = &queueState{name: name, cap: cap, chunk: n.g.o.chunk, maxValue: n.g.o.maxValue, changed: make(chan struct{})}
 		n.queues[name] = q
 	}
 	return q, nil
+}
+
+// parseQueueReq reads the capacity from a put or get stream's first
+// frame.
+func parseQueueReq(meta []byte) (int, error) {
+	f, err := parseFrame(meta)
+	var req queueReq
+	if err == nil && f.Kind == kindRequest {
+		err = msgpack.Unmarshal(f.Data, &req)
+	}
+	if err != nil || f.Kind != kindRequest {
+		return 0, status.Error(codes.InvalidArgument, "malformed queue request")
+	}
+	return req.Cap, nil
 }
 
 func (q *queueState) notifyLocked() {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"slices"
 	"sync"
 	"time"
@@ -188,7 +189,11 @@ func (s *Store) Get(ctx context.Context, key string, timeout time.Duration) ([]b
 
 // Add adds delta to the counter at key (0 when unset) and returns the sum.
 func (s *Store) Add(ctx context.Context, key string, delta int64) (int64, error) {
-	vals, err := s.do(ctx, actionAdd, storeReq{Keys: []string{key}, Delta: delta})
+	return s.add(ctx, key, delta)
+}
+
+func (s *Store) add(ctx context.Context, key string, delta int64, copts ...grpc.CallOption) (int64, error) {
+	vals, err := s.do(ctx, actionAdd, storeReq{Keys: []string{key}, Delta: delta}, copts...)
 	if err != nil {
 		return 0, err
 	}
@@ -219,7 +224,7 @@ func (s *Store) Missing(ctx context.Context, keys ...string) ([]string, error) {
 	return out, nil
 }
 
-func (s *Store) do(ctx context.Context, typ string, req storeReq) ([][]byte, error) {
+func (s *Store) do(ctx context.Context, typ string, req storeReq, copts ...grpc.CallOption) ([][]byte, error) {
 	body, err := msgpack.Marshal(&req)
 	if err != nil {
 		return nil, err
@@ -227,10 +232,6 @@ func (s *Store) do(ctx context.Context, typ string, req storeReq) ([][]byte, err
 	c, err := s.g.client(0)
 	if err != nil {
 		return nil, err
-	}
-	var copts []grpc.CallOption
-	if ctx.Value(readyKey{}) != nil {
-		copts = append(copts, grpc.WaitForReady(true))
 	}
 	ctx, cancel := s.g.opContext(ctx)
 	defer cancel()
@@ -242,7 +243,7 @@ func (s *Store) do(ctx context.Context, typ string, req storeReq) ([][]byte, err
 	for {
 		r, err := stream.Recv()
 		if err != nil {
-			if isEOF(err) {
+			if errors.Is(err, io.EOF) {
 				return vals, nil
 			}
 			return nil, s.g.peerErr(0, typ, err)

@@ -155,12 +155,13 @@ func (w *writer) sendBody(i int, s *tensor.Storage, p *pins) error {
 	if b == nil {
 		return fmt.Errorf("dist: sending %v: %w", s, tensor.ErrReleased)
 	}
-	lend := zeroCopySafe(s)
-	var staged []byte
+	stage := !zeroCopySafe(s)
 	for off := 0; off < len(b); off += w.chunk {
 		piece := b[off:min(off+w.chunk, len(b))]
-		if !lend {
-			staged = append(staged[:0], make([]byte, len(piece))...)
+		if stage {
+			// A copy of its own per chunk: gRPC may hold it after
+			// SendMsg returns.
+			staged := make([]byte, len(piece))
 			if err := mmapalloc.Guard(func() { copy(staged, piece) }); err != nil {
 				return fmt.Errorf("dist: reading %v: %w", s, err)
 			}
@@ -171,11 +172,7 @@ func (w *writer) sendBody(i int, s *tensor.Storage, p *pins) error {
 			return err
 		}
 		f := frame{Kind: kindChunk, Body: i, Off: int64(off), Len: int64(len(piece))}
-		d := &outData{header: header, meta: f.marshal(), body: body}
-		if lend {
-			d.pins = p
-		}
-		if err := w.s.SendMsg(d); err != nil {
+		if err := w.s.SendMsg(&outData{header: header, meta: f.marshal(), body: body, pins: p}); err != nil {
 			return err
 		}
 	}

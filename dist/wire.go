@@ -62,7 +62,7 @@ type outData struct {
 	header []byte   // an Arrow IPC message: schema or record batch
 	meta   []byte   // app_metadata: a frame
 	body   [][]byte // data_body, in pieces
-	pins   *pins
+	pins   *pins    // lends the body's pieces; required when there is a body
 }
 
 // marshal writes d as the standard codec would write the FlightData it
@@ -87,7 +87,7 @@ func (d *outData) marshal() mem.BufferSlice {
 		if len(p) == 0 {
 			continue
 		}
-		if mem.IsBelowBufferPoolingThreshold(len(p)) || d.pins == nil {
+		if mem.IsBelowBufferPoolingThreshold(len(p)) {
 			small = append(small, p...)
 			continue
 		}

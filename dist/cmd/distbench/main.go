@@ -191,19 +191,11 @@ func benchDist(c string, size, n int, addr string) (result, error) {
 		return result{}, err
 	}
 	ctx := context.Background()
-	g, err := dist.Init(ctx, dist.WithRank(0, 2), dist.WithStore(store), dist.WithAddr(addr), dist.WithTimeout(time.Minute), dist.WithChunk(chunk))
+	g, q, _, err := join(ctx, c, 0, store, addr)
 	if err != nil {
 		return result{}, err
 	}
 	defer g.Close()
-	owner := 0
-	if c == "dist_get" {
-		owner = 1
-	}
-	q, err := g.Queue(ctx, "bench", dist.WithOwner(owner), dist.WithCapacity(2))
-	if err != nil {
-		return result{}, err
-	}
 	var start time.Time
 	var cpu0 time.Duration
 	for i := range n {
@@ -239,6 +231,25 @@ func benchDist(c string, size, n int, addr string) (result, error) {
 		return result{}, err
 	}
 	return newResult(c, size, n-1, elapsed, used+time.Duration(childCPU)), nil
+}
+
+// join makes this process rank r of the two and opens case c's queue:
+// owned by the parent for dist_put, by the child for dist_get.
+func join(ctx context.Context, c string, r int, store, addr string) (*dist.Group, *dist.Queue, int, error) {
+	g, err := dist.Init(ctx, dist.WithRank(r, 2), dist.WithStore(store), dist.WithAddr(addr), dist.WithTimeout(time.Minute), dist.WithChunk(chunk))
+	if err != nil {
+		return nil, nil, 0, err
+	}
+	owner := 0
+	if c == "dist_get" {
+		owner = 1
+	}
+	q, err := g.Queue(ctx, "bench", dist.WithOwner(owner), dist.WithCapacity(2))
+	if err != nil {
+		_ = g.Close()
+		return nil, nil, 0, err
+	}
+	return g, q, owner, nil
 }
 
 // child is the sending end.
@@ -283,19 +294,11 @@ func childTCP(size, n int, target string) error {
 func childDist(c string, size, n int, store string) error {
 	ctx := context.Background()
 	host, _, _ := net.SplitHostPort(store)
-	g, err := dist.Init(ctx, dist.WithRank(1, 2), dist.WithStore(store), dist.WithAddr(host), dist.WithTimeout(time.Minute), dist.WithChunk(chunk))
+	g, q, owner, err := join(ctx, c, 1, store, host)
 	if err != nil {
 		return err
 	}
 	defer g.Close()
-	owner := 0
-	if c == "dist_get" {
-		owner = 1
-	}
-	q, err := g.Queue(ctx, "bench", dist.WithOwner(owner), dist.WithCapacity(2))
-	if err != nil {
-		return err
-	}
 	x, err := tensor.On(device.CPU()).Shared().Full(tensor.Uint8, 7, size)
 	if err != nil {
 		return err
