@@ -121,7 +121,6 @@ type Group struct {
 	watchEnded chan struct{}                         // closed when watchRecv returns
 
 	closeOnce sync.Once
-	closeErr  error
 	wg        sync.WaitGroup
 }
 
@@ -283,7 +282,7 @@ func (g *Group) Close() error {
 		g.fail(ErrClosed, false)
 		g.shutdown(5 * time.Second)
 	})
-	return g.closeErr
+	return nil
 }
 
 // shutdown stops the server (gracefully for up to grace) and closes the
