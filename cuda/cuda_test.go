@@ -284,3 +284,26 @@ func statOf(t *testing.T, fd int) mmapalloc.FileStat {
 	require.NoError(t, err)
 	return st
 }
+
+// TestCloseIsFinal: a closed Runtime gives its contexts back and never
+// makes new ones, so nothing touches memory of the closed contexts.
+func TestCloseIsFinal(t *testing.T) {
+	drv := cudafake.New(1)
+	rt := cuda.NewRuntime(drv)
+	live, ctxs := drv.Live(), drv.Contexts(0)
+	kept, err := rt.Alloc(0, 64)
+	require.NoError(t, err)
+	gone, err := rt.Alloc(0, 64)
+	require.NoError(t, err)
+	require.NoError(t, gone.Free())
+	assert.Equal(t, ctxs+1, drv.Contexts(0))
+
+	rt.Close()
+	assert.Equal(t, ctxs, drv.Contexts(0), "Close gives the context back")
+	_, err = rt.Alloc(0, 64)
+	assert.ErrorIs(t, err, cuda.ErrStopped)
+	assert.ErrorIs(t, kept.Write([]byte{1}, 0), cuda.ErrStopped)
+	assert.ErrorIs(t, kept.Free(), cuda.ErrStopped, "a buffer of a closed context is not freed in a new one")
+	assert.Equal(t, ctxs, drv.Contexts(0), "no context is made again")
+	assert.Equal(t, live+1, drv.Live(), "what the closed context held goes with the process")
+}

@@ -123,11 +123,13 @@ func (e *Executor) Stop() {
 	})
 }
 
-// Executors starts one Executor per device on first use and keeps it.
+// Executors starts one Executor per device on first use and keeps it
+// until Stop.
 type Executors struct {
-	drv Driver
-	mu  sync.Mutex
-	m   map[int]*Executor
+	drv     Driver
+	mu      sync.Mutex
+	m       map[int]*Executor
+	stopped bool
 }
 
 // NewExecutors returns an empty set of executors for drv's devices.
@@ -139,6 +141,9 @@ func NewExecutors(drv Driver) *Executors {
 func (x *Executors) Get(dev int) (*Executor, error) {
 	x.mu.Lock()
 	defer x.mu.Unlock()
+	if x.stopped {
+		return nil, ErrStopped
+	}
 	if e, ok := x.m[dev]; ok {
 		return e, nil
 	}
@@ -157,10 +162,12 @@ func (x *Executors) Get(dev int) (*Executor, error) {
 	return e, nil
 }
 
-// Stop stops every executor started so far.
+// Stop stops every executor started so far; Get returns ErrStopped
+// afterwards.
 func (x *Executors) Stop() {
 	x.mu.Lock()
 	defer x.mu.Unlock()
+	x.stopped = true
 	for dev, e := range x.m {
 		e.Stop()
 		delete(x.m, dev)

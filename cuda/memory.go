@@ -49,8 +49,17 @@ func NewRuntime(d Driver) *Runtime {
 	return &Runtime{drv: d, execs: NewExecutors(d), opened: map[IPCMemHandle]*openedMem{}}
 }
 
-// Close stops the Runtime's executors.
-func (r *Runtime) Close() { r.execs.Stop() }
+// Close frees what the limbo holds that nobody uses any more, then gives
+// every device's context back to the driver and stops the executors; every
+// later GPU call of r fails with ErrStopped, so memory of the closed
+// contexts is never touched again. It is for a process about to exit: the
+// driver removes its interprocess-event files (/dev/shm/cuda.shm.*) only
+// when the context that made them goes, and an exit without Close leaves
+// them behind. tensor.CloseBackends calls it for the Default Runtime.
+func (r *Runtime) Close() {
+	r.CollectLimbo()
+	r.execs.Stop()
+}
 
 func init() {
 	tensor.RegisterBackend(device.TypeGPU, backend{})
@@ -67,6 +76,17 @@ func (backend) Alloc(p device.Place, n int64) (tensor.Buffer, error) {
 		return nil, err
 	}
 	return r.Alloc(p.Index(), n)
+}
+
+// Close closes the Default Runtime, if there is one: see Runtime.Close.
+func (backend) Close() error {
+	rtMu.Lock()
+	r := rt
+	rtMu.Unlock()
+	if r != nil {
+		r.Close()
+	}
+	return nil
 }
 
 // Buffer is device memory that a tensor's storage owns: allocated here,

@@ -20,6 +20,7 @@ import (
 	"github.com/tensormp/tensormp/internal/reexec"
 	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/reduction"
+	"github.com/tensormp/tensormp/tensor"
 )
 
 // Environment a spawned worker starts with.
@@ -163,6 +164,9 @@ func runWorker(name string, fn WorkerFunc) int {
 	// session's end.
 	mmapalloc.DropRefsForExit()
 	mmapalloc.Trim()
+	if err := tensor.CloseBackends(); err != nil {
+		log.Warn("closing device backends", "error", err)
+	}
 	if err := report(ctl, res); err != nil {
 		log.Error("reporting the result", "error", err)
 	}

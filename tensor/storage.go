@@ -3,6 +3,7 @@ package tensor
 import (
 	"errors"
 	"fmt"
+	"io"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -52,6 +53,26 @@ func RegisterBackend(t device.Type, b Backend) {
 		panic("tensor: the CPU needs no backend")
 	}
 	backends.Store(t, b)
+}
+
+// CloseBackends closes every registered Backend that is an io.Closer (the
+// cuda package's gives the driver's contexts back) and returns their
+// errors joined. A closed backend allocates nothing more and its device
+// storages are lost, so it is for a process that is about to exit:
+// workers started by mp.Spawn call it when their function returns; a
+// program that made device tensors calls it before it exits, or the
+// driver may leave files of its own in /dev/shm.
+func CloseBackends() error {
+	var errs []error
+	backends.Range(func(t, b any) bool {
+		if c, ok := b.(io.Closer); ok {
+			if err := c.Close(); err != nil {
+				errs = append(errs, fmt.Errorf("tensor: closing the %s backend: %w", t, err))
+			}
+		}
+		return true
+	})
+	return errors.Join(errs...)
 }
 
 func backendFor(p device.Place) (Backend, error) {

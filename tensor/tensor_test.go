@@ -2,6 +2,7 @@ package tensor_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"runtime"
@@ -454,4 +455,32 @@ func TestShareMemoryLargeCopiesEverything(t *testing.T) {
 	require.NoError(t, x.ShareMemory())
 	assert.True(t, tensor.Equal(x, want))
 	require.NoError(t, x.Release())
+}
+
+// closingBackend is a hostBackend that can be closed.
+type closingBackend struct {
+	hostBackend
+	closed int
+	err    error
+}
+
+func (c *closingBackend) Close() error {
+	c.closed++
+	return c.err
+}
+
+func TestCloseBackendsClosesThoseThatClose(t *testing.T) {
+	quiet, err := device.RegisterType("test_closing")
+	require.NoError(t, err)
+	failing, err := device.RegisterType("test_failing")
+	require.NoError(t, err)
+	q, f := &closingBackend{}, &closingBackend{err: errors.New("driver gone")}
+	tensor.RegisterBackend(quiet, q)
+	tensor.RegisterBackend(failing, f)
+
+	err = tensor.CloseBackends()
+	assert.Equal(t, 1, q.closed)
+	assert.Equal(t, 1, f.closed)
+	assert.ErrorContains(t, err, "closing the test_failing backend: driver gone")
+	assert.NotContains(t, err.Error(), "test_closing", "a backend that closed cleanly adds nothing")
 }

@@ -3,6 +3,8 @@ package tests
 import (
 	"context"
 	"encoding/binary"
+	"path/filepath"
+	"sync"
 	"testing"
 	"time"
 
@@ -28,7 +30,40 @@ func requireGPU(t *testing.T) *cuda.Runtime {
 	}
 	rt, err := cuda.Default()
 	require.NoError(t, err)
+	warmDriver.Do(func() { warmDriver.err = warmUp() })
+	require.NoError(t, warmDriver.err, "warming the driver up")
 	return rt
+}
+
+// warmDriver makes the driver open, once per process, the descriptors it
+// keeps for the process's life (its context's, and its interprocess-event
+// file's once something was exported), so that the tests' leak checks
+// see only what tensormp opens.
+var warmDriver struct {
+	sync.Once
+	err error
+}
+
+func warmUp() error {
+	x, err := tensor.On(device.GPU(0)).Zeros(tensor.Uint8, 16)
+	if err != nil {
+		return err
+	}
+	defer x.Release()
+	h, err := x.Storage().Buffer().(*cuda.Buffer).Export()
+	if err != nil {
+		return err
+	}
+	h.Ticket.Discard()
+	return nil
+}
+
+// driverFiles returns the files the CUDA driver keeps in /dev/shm.
+func driverFiles(t *testing.T) []string {
+	t.Helper()
+	names, err := filepath.Glob("/dev/shm/cuda.shm.*")
+	require.NoError(t, err)
+	return names
 }
 
 type gpuArgs struct {
@@ -38,6 +73,22 @@ type gpuArgs struct {
 }
 
 func init() {
+	mp.Register("gpu.make", func(ctx context.Context, w *mp.Worker) error {
+		var a gpuArgs
+		if err := w.Args(&a); err != nil {
+			return err
+		}
+		x, err := tensor.On(device.GPU(0)).Arange(tensor.Int32, 1<<10)
+		if err != nil {
+			return err
+		}
+		if err := a.Status.Put(ctx, x); err != nil {
+			return err
+		}
+		_ = x.Release()
+		var ack string
+		return a.Ack.Get(ctx, &ack) // hold the memory until the parent has looked
+	})
 	mp.Register("gpu.write", func(ctx context.Context, w *mp.Worker) error {
 		var a gpuArgs
 		if err := w.Args(&a); err != nil {
@@ -117,4 +168,38 @@ func TestGPUIPCWorkerWritesParentSees(t *testing.T) {
 	require.NoError(t, g.Join())
 	rt.CollectLimbo()
 	assert.Equal(t, 0, rt.Limbo(), "the worker is gone: the memory is freed")
+}
+
+// TestGPUWorkerLeavesNoDriverFiles: a worker that sent GPU memory gives
+// its context back when its function returns, so the driver removes the
+// interprocess-event file it made for the export; a plain exit would
+// leave it in /dev/shm.
+func TestGPUWorkerLeavesNoDriverFiles(t *testing.T) {
+	requireGPU(t)
+	leakcheck.Check(t)
+	before := driverFiles(t)
+	status, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer status.Close()
+	ack, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer ack.Close()
+
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	g, err := mp.Spawn(ctx, "gpu.make", 1, mp.WithArgs(gpuArgs{Status: status, Ack: ack}))
+	require.NoError(t, err)
+	var x *tensor.Tensor
+	require.NoError(t, status.Get(ctx, &x))
+	assert.True(t, x.Place().IsGPU())
+	host, err := x.To(device.CPU())
+	require.NoError(t, err)
+	last, err := tensor.At[int32](host, 1<<10-1)
+	require.NoError(t, err)
+	assert.Equal(t, int32(1<<10-1), last)
+	assert.Greater(t, len(driverFiles(t)), len(before), "the worker's export made a driver file")
+	require.NoError(t, x.Release())
+	require.NoError(t, ack.Put(ctx, "seen"))
+	require.NoError(t, g.Join())
+	assert.Equal(t, before, driverFiles(t), "the worker's driver file went with its context")
 }

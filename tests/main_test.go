@@ -24,6 +24,7 @@ import (
 	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/strategy"
+	"github.com/tensormp/tensormp/tensor"
 )
 
 func TestMain(m *testing.M) {
@@ -35,7 +36,9 @@ func TestMain(m *testing.M) {
 	if _, err := mp.StartSession(); err != nil {
 		panic(err)
 	}
-	os.Exit(m.Run())
+	code := m.Run()
+	_ = tensor.CloseBackends() // the driver's files of the GPU tests go with it
+	os.Exit(code)
 }
 
 // gone is how long a test waits for its processes and segments to
