@@ -35,6 +35,8 @@ type options struct {
 	heartbeat   time.Duration
 	chunk       int
 	maxValue    int64
+	refAbove    int64
+	lease       time.Duration
 	serverTLS   *tls.Config
 	clientTLS   *tls.Config
 	token       string
@@ -84,6 +86,17 @@ func WithTLS(server, client *tls.Config) Option {
 // WithToken makes every call carry "authorization: Bearer token", as
 // Flight's token authentication does, and refuses calls that do not.
 func WithToken(token string) Option { return func(o *options) { o.token = token } }
+
+// WithReferenceAbove sends a queued value whose tensors come to n bytes or
+// more by reference (default DefaultReferenceAbove; 0: never): its owner
+// queues a ticket, and the getter pulls the tensors from the putter.
+func WithReferenceAbove(n int64) Option { return func(o *options) { o.refAbove = n } }
+
+// WithLease sets how long a putter keeps a value by reference that nobody
+// renews (default DefaultLease). The queue's owner renews its values
+// every third of it, so a lease ends only when the owner is gone or the
+// value was dropped.
+func WithLease(d time.Duration) Option { return func(o *options) { o.lease = d } }
 
 // Group is this process's membership of a group of ranks: its Flight
 // server, its connections to the others, and the group's fate. The first
@@ -142,9 +155,13 @@ type peer struct {
 // missing when the timeout ends. Rank 0 serves the store at the store
 // address.
 func Init(ctx context.Context, opts ...Option) (*Group, error) {
-	o := options{timeout: 5 * time.Minute, heartbeat: time.Second, chunk: DefaultChunk, rank: -1, getenv: os.Getenv}
+	o := options{timeout: 5 * time.Minute, heartbeat: time.Second, chunk: DefaultChunk, refAbove: DefaultReferenceAbove,
+		lease: DefaultLease, rank: -1, getenv: os.Getenv}
 	for _, f := range opts {
 		f(&o)
+	}
+	if o.lease <= 0 {
+		return nil, fmt.Errorf("dist: a lease of %v", o.lease)
 	}
 	l, found, err := detect(o.getenv)
 	if err != nil {
@@ -269,11 +286,14 @@ func (g *Group) fail(err error, report bool) {
 	close(g.done)
 }
 
-// Close leaves the group. Rank 0 waits (at most the group's timeout) for
-// the other ranks to leave first, since they may still use its store and
-// queues. Close is idempotent and safe to call from any goroutine.
+// Close leaves the group. It first waits, for at most a lease, until the
+// values this rank put by reference were taken. Rank 0 then waits (at
+// most the group's timeout) for the other ranks to leave first, since
+// they may still use its store and queues. Close is idempotent and safe
+// to call from any goroutine.
 func (g *Group) Close() error {
 	g.closeOnce.Do(func() {
+		g.node.offers.drain(g.ctx, g.o.lease)
 		if g.rank == 0 {
 			g.node.awaitLeft(g.ctx, g.o.timeout)
 		} else {
@@ -348,11 +368,12 @@ func (g *Group) serve() error {
 	g.srv = grpc.NewServer(sopts...)
 	g.node = newNode(g)
 	flight.RegisterFlightServiceServer(g.srv, g.node)
-	g.wg.Add(1)
+	g.wg.Add(2)
 	go func() {
 		defer g.wg.Done()
 		_ = g.srv.Serve(lis)
 	}()
+	go g.renewLoop()
 	return nil
 }
 

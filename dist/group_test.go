@@ -64,8 +64,9 @@ type rankProc struct {
 	shm  string
 }
 
-// startRank starts rank r of world, running scenario, on fake host r.
-func startRank(t *testing.T, scenario string, r, world int, store string) *rankProc {
+// startRank starts rank r of world, running scenario, on fake host r,
+// with env added to its environment.
+func startRank(t *testing.T, scenario string, r, world int, store string, env ...string) *rankProc {
 	t.Helper()
 	cmd, err := reexec.Command(context.Background(), "dist-rank")
 	require.NoError(t, err)
@@ -73,6 +74,7 @@ func startRank(t *testing.T, scenario string, r, world int, store string) *rankP
 	require.NoError(t, os.Mkdir(shm, 0o700))
 	cmd.Env = append(cmd.Env, "TEST_SCENARIO="+scenario, "TEST_RANK="+strconv.Itoa(r), "TEST_WORLD="+strconv.Itoa(world),
 		"TEST_STORE="+store, "TENSORMP_DIST_HOST=h"+strconv.Itoa(r), "TENSORMP_SHM_DIR="+shm)
+	cmd.Env = append(cmd.Env, env...)
 	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	require.NoError(t, cmd.Start())
@@ -109,8 +111,12 @@ func rankMain() int {
 	world, _ := strconv.Atoi(os.Getenv("TEST_WORLD"))
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	g, err := dist.Init(ctx, dist.WithRank(r, world), dist.WithStore(os.Getenv("TEST_STORE")), dist.WithAddr(hostAddr(r)),
-		dist.WithHeartbeat(heartbeat), dist.WithTimeout(30*time.Second))
+	opts := []dist.Option{dist.WithRank(r, world), dist.WithStore(os.Getenv("TEST_STORE")), dist.WithAddr(hostAddr(r)),
+		dist.WithHeartbeat(heartbeat), dist.WithTimeout(30 * time.Second)}
+	if v, err := strconv.ParseInt(os.Getenv("TEST_REF_ABOVE"), 10, 64); err == nil {
+		opts = append(opts, dist.WithReferenceAbove(v))
+	}
+	g, err := dist.Init(ctx, opts...)
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "rank %d: %v\n", r, err)
 		return 3
@@ -195,6 +201,31 @@ var scenarios = map[string]func(ctx context.Context, g *dist.Group) error{
 			return fmt.Errorf("the group ended with %v, want rank 1 lost", err)
 		}
 		return nil
+	},
+	"put-refs": func(ctx context.Context, g *dist.Group) error {
+		q, err := g.Queue(ctx, "refs", dist.WithOwner(2))
+		if err != nil {
+			return err
+		}
+		for i := range samples() {
+			v, err := sample(i)
+			if err != nil {
+				return err
+			}
+			if err := q.Put(ctx, v); err != nil {
+				return fmt.Errorf("put %d: %w", i, err)
+			}
+			release(v)
+		}
+		// Close waits until every value was taken.
+		return g.Store().Set(ctx, "refs/put", []byte("yes"))
+	},
+	"own-refs": func(ctx context.Context, g *dist.Group) error {
+		if _, err := g.Queue(ctx, "refs", dist.WithOwner(2)); err != nil {
+			return err
+		}
+		_, err := g.Store().Get(ctx, "refs/taken", 0)
+		return err
 	},
 	"idle": func(ctx context.Context, g *dist.Group) error {
 		<-ctx.Done()
@@ -468,4 +499,49 @@ func TestFormationNamesMissingRanks(t *testing.T) {
 	_, err := dist.Init(ctx, dist.WithRank(0, 3), dist.WithStore(store), dist.WithAddr(hostAddr(0)), dist.WithTimeout(time.Second))
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "ranks [1 2] never registered")
+}
+
+// fileSystem makes a helper's shared memory named files in its shm
+// directory, where a test can see it.
+const fileSystem = "TENSORMP_SHARING_STRATEGY=file_system"
+
+// Values by reference travel from the putter to the getter: the owner,
+// on a third host, holds only their tickets, and the putter's copies go
+// once they were taken.
+func TestLargeValuesGoByReference(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	store := freeStore(t)
+	putter := startRank(t, "put-refs", 1, 3, store, "TEST_REF_ABOVE=1", fileSystem)
+	owner := startRank(t, "own-refs", 2, 3, store, "TEST_REF_ABOVE=1", fileSystem)
+	g := join(t, ctx, 0, 3, store)
+	_, err := g.Store().Get(ctx, "refs/put", 0)
+	require.NoError(t, err)
+	assertEmptyDir(t, owner.shm) // every value waits in the queue, none of it here
+
+	q, err := g.Queue(ctx, "refs", dist.WithOwner(2))
+	require.NoError(t, err)
+	for i, name := range samples() {
+		want, err := sample(i)
+		require.NoError(t, err)
+		var got sampleValue
+		require.NoError(t, q.Get(ctx, &got), name)
+		assert.Equal(t, want.Name, got.Name)
+		assert.True(t, tensor.Equal(want.T, got.T), "%s: %v != %v", name, want.T, got.T)
+		for k, ts := range want.Nested {
+			require.Len(t, got.Nested[k], len(ts))
+			for j := range ts {
+				assert.True(t, tensor.Equal(ts[j], got.Nested[k][j]), "%s[%s][%d]", name, k, j)
+			}
+		}
+		release(want)
+		release(got)
+	}
+	assert.Equal(t, 0, putter.wait(t), "the putter's Close returns once everything was taken")
+	require.NoError(t, g.Store().Set(ctx, "refs/taken", []byte("yes")))
+	assert.Equal(t, 0, owner.wait(t))
+	require.NoError(t, g.Close())
+	assertEmptyDir(t, putter.shm)
+	assertEmptyDir(t, owner.shm)
 }

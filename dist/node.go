@@ -3,6 +3,7 @@ package dist
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -26,6 +27,7 @@ type node struct {
 	changed  chan struct{}    // closed and replaced when watchers or left change
 	queues   map[string]*queueState
 	pipes    map[int]chan *pipeConn // pipes opened to this rank, by the opener's rank
+	offers   *offers                // values this rank put by reference
 }
 
 // watcher is rank 0's side of one rank's watch stream.
@@ -42,7 +44,7 @@ func (w *watcher) send(f frame) error {
 
 func newNode(g *Group) *node {
 	n := &node{g: g, watchers: map[int]*watcher{}, left: map[int]bool{}, changed: make(chan struct{}),
-		queues: map[string]*queueState{}, pipes: map[int]chan *pipeConn{}}
+		queues: map[string]*queueState{}, pipes: map[int]chan *pipeConn{}, offers: newOffers(g.o.lease)}
 	if g.rank == 0 {
 		n.store = newStoreData()
 	}
@@ -54,8 +56,12 @@ func (n *node) notifyLocked() {
 	n.changed = make(chan struct{})
 }
 
-// DoAction serves the store on rank 0.
+// DoAction serves the actions on this rank's offers, and the store on
+// rank 0.
 func (n *node) DoAction(a *flight.Action, s flight.FlightService_DoActionServer) error {
+	if ok, err := n.doOfferAction(a, s); ok {
+		return err
+	}
 	if n.store == nil {
 		return status.Errorf(codes.FailedPrecondition, "rank %d serves no store", n.g.rank)
 	}
@@ -270,5 +276,48 @@ func (n *node) closeAll() {
 	n.mu.Unlock()
 	for _, q := range qs {
 		q.close()
+	}
+	n.offers.close()
+}
+
+// heldRefs returns the values by reference this rank's queues hold.
+func (n *node) heldRefs() []*valueRef {
+	n.mu.Lock()
+	qs := make([]*queueState, 0, len(n.queues))
+	for _, q := range n.queues {
+		qs = append(qs, q)
+	}
+	n.mu.Unlock()
+	var refs []*valueRef
+	for _, q := range qs {
+		q.mu.Lock()
+		for _, it := range q.items {
+			if it.ref != nil {
+				refs = append(refs, it.ref)
+			}
+		}
+		q.mu.Unlock()
+	}
+	return refs
+}
+
+// dropRef removes the value by reference ref from the queue holding it.
+func (n *node) dropRef(ref *valueRef) {
+	n.mu.Lock()
+	qs := make([]*queueState, 0, len(n.queues))
+	for _, q := range n.queues {
+		qs = append(qs, q)
+	}
+	n.mu.Unlock()
+	for _, q := range qs {
+		q.mu.Lock()
+		for i, it := range q.items {
+			if it.ref == ref {
+				q.items = slices.Delete(q.items, i, i+1)
+				q.notifyLocked()
+				break
+			}
+		}
+		q.mu.Unlock()
 	}
 }

@@ -25,6 +25,12 @@ import (
 // owner only when its getter has it: a Get that fails on the way puts
 // the value back at the head of the queue.
 //
+// A value whose tensors come to WithReferenceAbove bytes or more goes by
+// reference: the owner holds only a ticket, and the getter pulls the
+// tensors from the putter, which keeps a copy under a lease (WithLease)
+// until then. Its tensors cross the network once, and the putter's Close
+// waits (at most a lease) until they were taken.
+//
 // A Queue is safe for concurrent use.
 type Queue struct {
 	g     *Group
@@ -89,11 +95,35 @@ func (q *Queue) Put(ctx context.Context, v any) error {
 	if q.owner == q.g.rank {
 		return q.putLocal(ctx, v)
 	}
+	w := newWriter(nil, q.g.o.chunk)
+	data, bodies, err := w.enc.Encode(v)
+	if err != nil {
+		return err
+	}
+	var ticket []byte
+	if above := q.g.o.refAbove; above > 0 && bodySize(bodies) >= above {
+		// By reference: the bodies stay here, in a copy of our own.
+		copies, err := snapshot(bodies)
+		if err != nil {
+			return fmt.Errorf("dist: put on queue %q: %w", q.name, err)
+		}
+		if ticket, err = q.g.node.offers.add(copies); err != nil {
+			return err
+		}
+		// From here the offer is the lease's: should the owner have
+		// queued it before a failure, its getter still finds it.
+	}
 	s, err := q.open(ctx, "put")
 	if err != nil {
 		return err
 	}
-	if err := newWriter(s, q.g.o.chunk).send(v); err != nil {
+	w.s = s
+	if ticket != nil {
+		err = w.sendValue(frame{Kind: kindValue, Data: data, Rank: q.g.rank, Ticket: ticket}, nil)
+	} else {
+		err = w.sendRaw(data, bodies)
+	}
+	if err != nil {
 		return q.err(ctx, "put", err)
 	}
 	r := newReader(s, 0)
@@ -127,17 +157,30 @@ func (q *Queue) Get(ctx context.Context, v any) error {
 	if f.Kind == kindError {
 		return fmt.Errorf("dist: get on queue %q: %s", q.name, f.Err)
 	}
-	bodies, err := r.raw(f)
-	if err != nil {
-		return q.err(ctx, "get", err) // the owner keeps the value
+	var bodies []*tensor.Storage
+	if f.Ticket != nil {
+		bodies, err = q.g.pull(ctx, f.Rank, f.Ticket)
+	} else {
+		bodies, err = r.raw(f)
 	}
 	answer := frame{Kind: kindAck}
-	derr := r.dec.Decode(f.Data, bodies, v)
-	if derr != nil {
-		// A value that does not decode would come back at every Get:
-		// tell the owner to drop it.
-		answer = frame{Kind: kindError, Err: derr.Error()}
-		derr = fmt.Errorf("dist: get on queue %q: dropped a malformed value: %w", q.name, derr)
+	var derr error
+	switch {
+	case errors.Is(err, ErrLeaseExpired):
+		// Gone for good: tell the owner to drop it.
+		answer = frame{Kind: kindError, Err: err.Error()}
+		derr = fmt.Errorf("dist: get on queue %q: %w", q.name, err)
+	case err != nil && f.Ticket != nil:
+		return fmt.Errorf("dist: get on queue %q: %w", q.name, err) // the owner keeps the value
+	case err != nil:
+		return q.err(ctx, "get", err) // the owner keeps the value
+	default:
+		if derr = r.dec.Decode(f.Data, bodies, v); derr != nil {
+			// A value that does not decode would come back at every
+			// Get: tell the owner to drop it.
+			answer = frame{Kind: kindError, Err: derr.Error()}
+			derr = fmt.Errorf("dist: get on queue %q: dropped a malformed value: %w", q.name, derr)
+		}
 	}
 	// The value stays queued until the owner has the answer: wait for
 	// the stream's end, which follows it, before letting the stream go.
@@ -146,7 +189,19 @@ func (q *Queue) Get(ctx context.Context, v any) error {
 		var in inData
 		_ = s.RecvMsg(&in)
 	}
+	if f.Ticket != nil && err == nil {
+		q.g.letGo(ctx, f.Rank, f.Ticket) // pulled: the putter may let go
+	}
 	return derr
+}
+
+// bodySize returns how many bytes bodies hold together.
+func bodySize(bodies []*tensor.Storage) int64 {
+	var n int64
+	for _, b := range bodies {
+		n += b.Size()
+	}
+	return n
 }
 
 // open starts a put or get stream with the owner.
@@ -216,14 +271,35 @@ func (q *Queue) getLocal(ctx context.Context, v any) error {
 	if err != nil {
 		return err
 	}
-	return reduction.NewBodyDecoder().Decode(it.data, it.bodies, v)
+	if it.ref == nil {
+		return reduction.NewBodyDecoder().Decode(it.data, it.bodies, v)
+	}
+	bodies, err := q.g.pull(ctx, it.ref.rank, it.ref.ticket)
+	if err != nil {
+		if !errors.Is(err, ErrLeaseExpired) {
+			st.pushFront(it)
+		}
+		return fmt.Errorf("dist: get on queue %q: %w", q.name, err)
+	}
+	err = reduction.NewBodyDecoder().Decode(it.data, bodies, v)
+	q.g.letGo(ctx, it.ref.rank, it.ref.ticket)
+	return err
 }
 
-// item is a queued value: its encoding and its bodies, in this host's
-// shared memory. The queue owns the bodies until a getter has them.
+// item is a queued value: its encoding and either its bodies, in this
+// host's shared memory, which the queue owns until a getter has them, or
+// the reference to them on their putter.
 type item struct {
 	data   []byte
 	bodies []*tensor.Storage
+	ref    *valueRef
+}
+
+// valueRef is where a value put by reference waits: the putter's rank
+// and the ticket of its offer.
+type valueRef struct {
+	rank   int
+	ticket []byte
 }
 
 func (it item) release() {
@@ -235,6 +311,7 @@ func (it item) release() {
 // queueState is a queue on its owner.
 type queueState struct {
 	name     string
+	world    int
 	cap      int
 	chunk    int
 	maxValue int64
@@ -257,7 +334,7 @@ func (n *node) queue(name string, cap int) (*queueState, error) {
 	defer n.mu.Unlock()
 	q, ok := n.queues[name]
 	if !ok {
-		q = &queueState{name: name, cap: cap, chunk: n.g.o.chunk, maxValue: n.g.o.maxValue, changed: make(chan struct{})}
+		q = &queueState{name: name, world: n.g.world, cap: cap, chunk: n.g.o.chunk, maxValue: n.g.o.maxValue, changed: make(chan struct{})}
 		n.queues[name] = q
 	}
 	return q, nil
@@ -389,6 +466,16 @@ func (q *queueState) servePut(s flight.FlightService_DoExchangeServer) error {
 	if f.Kind != kindValue {
 		return status.Errorf(codes.InvalidArgument, "a frame of kind %d where a value was due", f.Kind)
 	}
+	if f.Ticket != nil {
+		if f.Rank < 0 || f.Rank >= q.world || len(f.Ticket) > 64 || len(f.Sizes) > 0 {
+			return status.Errorf(codes.InvalidArgument, "a value by reference on rank %d with a ticket of %d bytes", f.Rank, len(f.Ticket))
+		}
+		if err := q.reserve(s.Context()); err != nil {
+			return err
+		}
+		q.push(item{data: f.Data, ref: &valueRef{rank: f.Rank, ticket: f.Ticket}})
+		return s.SendMsg(&outData{meta: (&frame{Kind: kindAck}).marshal()})
+	}
 	if err := q.reserve(s.Context()); err != nil {
 		return err
 	}
@@ -408,7 +495,13 @@ func (q *queueState) serveGet(s flight.FlightService_DoExchangeServer) error {
 	if err != nil {
 		return err
 	}
-	if err := newWriter(s, q.chunk).sendRaw(it.data, it.bodies); err != nil {
+	w := newWriter(s, q.chunk)
+	if it.ref != nil {
+		err = w.sendValue(frame{Kind: kindValue, Data: it.data, Rank: it.ref.rank, Ticket: it.ref.ticket}, nil)
+	} else {
+		err = w.sendRaw(it.data, it.bodies)
+	}
+	if err != nil {
 		q.pushFront(it)
 		return err
 	}

@@ -12,9 +12,9 @@ import (
 	"github.com/tensormp/tensormp/tensor"
 )
 
-// pair forms a group of two in this process: what is tested is the
-// protocol between them.
-func pair(t *testing.T, ctx context.Context, extra0 ...Option) (g0, g1 *Group) {
+// pair forms a group of two in this process, each rank with the extra
+// options: what is tested is the protocol between them.
+func pair(t *testing.T, ctx context.Context, extra ...Option) (g0, g1 *Group) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	store := l.Addr().String()
@@ -25,10 +25,10 @@ func pair(t *testing.T, ctx context.Context, extra0 ...Option) (g0, g1 *Group) {
 	done := make(chan error, 1)
 	go func() {
 		var err error
-		g1, err = Init(ctx, opts(1)...)
+		g1, err = Init(ctx, append(opts(1), extra...)...)
 		done <- err
 	}()
-	g0, err = Init(ctx, append(opts(0), extra0...)...)
+	g0, err = Init(ctx, append(opts(0), extra...)...)
 	require.NoError(t, err)
 	require.NoError(t, <-done)
 	t.Cleanup(func() {
@@ -96,4 +96,95 @@ func TestMaxValue(t *testing.T) {
 	assert.Contains(t, err.Error(), "4096 bytes announced, more than the 1024 allowed")
 	require.NoError(t, <-errs)
 	require.NoError(t, p.Close())
+}
+
+// An offer nobody renews is released when its lease ends, and a pull
+// that comes later is told so.
+func TestOfferExpires(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	const lease = 300 * time.Millisecond
+	g0, g1 := pair(t, ctx, WithLease(lease))
+	x, err := tensor.AllocSharedStorage(4096)
+	require.NoError(t, err)
+	ticket, err := g1.node.offers.add([]*tensor.Storage{x})
+	require.NoError(t, err)
+
+	bodies, err := g0.pull(ctx, 1, ticket)
+	require.NoError(t, err, "within the lease")
+	assert.Equal(t, int64(4096), bodies[0].Size())
+	release(bodies)
+	start := time.Now()
+	assert.Eventually(t, x.Released, 5*lease, 10*time.Millisecond, "released when the lease ends")
+	assert.GreaterOrEqual(t, time.Since(start), lease/2, "not before: the pull renewed it")
+	_, err = g0.pull(ctx, 1, ticket)
+	assert.ErrorIs(t, err, ErrLeaseExpired)
+	assert.NoError(t, g0.Err(), "an expired lease fails a pull, not the group")
+}
+
+// The owner of a queue renews the leases of the values it holds, so a
+// value by reference outlives many leases while it waits.
+func TestOwnerRenewsLeases(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	const lease = 300 * time.Millisecond
+	g0, g1 := pair(t, ctx, WithLease(lease), WithReferenceAbove(1))
+	q0, err := g0.Queue(ctx, "q", WithOwner(1))
+	require.NoError(t, err)
+	q1, err := g1.Queue(ctx, "q", WithOwner(1))
+	require.NoError(t, err)
+	x, err := tensor.Arange(tensor.Float32, 1000)
+	require.NoError(t, err)
+	require.NoError(t, q0.Put(ctx, x))
+	assert.Equal(t, 1, offerCount(g0), "the putter keeps the value")
+	assert.Len(t, g1.node.heldRefs(), 1, "the owner holds a ticket")
+
+	time.Sleep(4 * lease)
+	var got *tensor.Tensor
+	require.NoError(t, q1.Get(ctx, &got))
+	assert.True(t, tensor.Equal(x, got))
+	_ = got.Release()
+	assert.Eventually(t, func() bool { return offerCount(g0) == 0 }, time.Second, 10*time.Millisecond, "the getter let the putter's copy go")
+}
+
+// A value whose putter no longer has it fails one Get with
+// ErrLeaseExpired and is dropped; the owner's renewals drop such values
+// too.
+func TestExpiredValueIsDropped(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	g0, g1 := pair(t, ctx, WithLease(time.Minute), WithReferenceAbove(1))
+	q, err := g0.Queue(ctx, "q", WithOwner(1))
+	require.NoError(t, err)
+	a, err := tensor.Full(tensor.Int32, 1, 10)
+	require.NoError(t, err)
+	b, err := tensor.Full(tensor.Int32, 2, 10)
+	require.NoError(t, err)
+	require.NoError(t, q.Put(ctx, a))
+	require.NoError(t, q.Put(ctx, b))
+	held := g1.node.heldRefs()
+	require.Len(t, held, 2)
+	g0.node.offers.release(held[0].ticket) // a's lease ends
+
+	var got *tensor.Tensor
+	assert.ErrorIs(t, q.Get(ctx, &got), ErrLeaseExpired)
+	require.NoError(t, q.Get(ctx, &got), "the next Get gets the next value")
+	assert.True(t, tensor.Equal(b, got))
+	_ = got.Release()
+
+	// The owner's renewal finds the putter without the value and drops it.
+	require.NoError(t, q.Put(ctx, a))
+	held = g1.node.heldRefs()
+	require.Len(t, held, 1)
+	g0.node.offers.release(held[0].ticket)
+	assert.False(t, g1.renew(held[0]))
+	g1.node.dropRef(held[0])
+	assert.Empty(t, g1.node.heldRefs())
+	assert.NoError(t, g0.Err())
+}
+
+func offerCount(g *Group) int {
+	g.node.offers.mu.Lock()
+	defer g.node.offers.mu.Unlock()
+	return len(g.node.offers.m)
 }

@@ -31,7 +31,10 @@ type frame struct {
 	Off   int64   // kindChunk: where in it
 	Len   int64   // kindChunk: how many bytes
 	Err   string  // kindError, kindFail: what went wrong
-	Rank  int     // kindFail: the rank it concerns
+	Rank  int     // kindFail: the rank it concerns; kindValue with a Ticket: the putter
+	// Ticket, on a kindValue frame of a value put by reference, names
+	// the putter's offer; no bodies follow (see ref.go).
+	Ticket []byte
 }
 
 type frameKind uint8
@@ -118,6 +121,11 @@ func (w *writer) sendRaw(data []byte, bodies []*tensor.Storage) (err error) {
 	for i, s := range bodies {
 		sizes[i] = s.Size()
 	}
+	return w.sendValue(frame{Kind: kindValue, Data: data, Sizes: sizes}, bodies)
+}
+
+// sendValue sends a value's frame, then its bodies.
+func (w *writer) sendValue(head frame, bodies []*tensor.Storage) (err error) {
 	p := newPins()
 	defer func() {
 		select {
@@ -138,7 +146,6 @@ func (w *writer) sendRaw(data []byte, bodies []*tensor.Storage) (err error) {
 	if err != nil {
 		return err
 	}
-	head := frame{Kind: kindValue, Data: data, Sizes: sizes}
 	if err := w.s.SendMsg(&outData{header: empty, meta: head.marshal()}); err != nil {
 		return err
 	}

@@ -1,0 +1,379 @@
+package dist
+
+import (
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/apache/arrow-go/v18/arrow/flight"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// Values by reference. A value whose tensors come to WithReferenceAbove
+// bytes or more is not copied to its queue's owner: the putter copies its
+// bodies into shared memory of its own host, an offer, and the owner
+// queues the encoded value with a Flight ticket naming the offer. The
+// getter redeems the ticket with DoGet on the putter, so the bodies cross
+// the network once, putter to getter, and the owner holds none of them.
+//
+// An offer lives under a lease (WithLease). The owner renews the lease of
+// every value it holds (Flight's RenewFlightEndpoint action), a DoGet
+// holds it while it streams, and the getter releases the offer once it
+// has the value (the action tensormp.release). An offer nobody renewed for
+// a lease is released; a Get that comes for it later fails with
+// ErrLeaseExpired, and the value is dropped.
+
+// ErrLeaseExpired is returned by a Get whose value was put by reference
+// and whose putter let it go: nobody renewed its lease in time.
+var ErrLeaseExpired = errors.New("dist: the lease on a value put by reference expired")
+
+// Action types of the offers.
+const (
+	renewAction   = flight.RenewFlightEndpointActionType
+	releaseAction = "tensormp.release"
+)
+
+// DefaultReferenceAbove is the size from which a value goes by reference.
+const DefaultReferenceAbove = 8 << 20
+
+// DefaultLease is how long an offer lives without a renewal.
+const DefaultLease = 30 * time.Second
+
+// offer is a value's bodies, kept by its putter for the getter.
+type offer struct {
+	bodies  []*tensor.Storage
+	expires time.Time
+	timer   *time.Timer
+	pulls   int  // DoGets streaming it now
+	dropped bool // released or expired while pulled: the last pull releases it
+}
+
+// offers are the values this rank put by reference and still keeps.
+type offers struct {
+	lease   time.Duration
+	mu      sync.Mutex
+	m       map[string]*offer
+	changed chan struct{} // closed and replaced when m shrinks
+	closed  bool
+}
+
+func newOffers(lease time.Duration) *offers {
+	return &offers{lease: lease, m: map[string]*offer{}, changed: make(chan struct{})}
+}
+
+// add keeps bodies, which it takes over, under a new ticket.
+func (o *offers) add(bodies []*tensor.Storage) ([]byte, error) {
+	t := make([]byte, 16)
+	_, _ = rand.Read(t)
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.closed {
+		release(bodies)
+		return nil, ErrClosed
+	}
+	of := &offer{bodies: bodies, expires: time.Now().Add(o.lease)}
+	key := string(t)
+	of.timer = time.AfterFunc(o.lease, func() { o.expire(key) })
+	o.m[key] = of
+	return t, nil
+}
+
+// expire releases the offer if its lease ended and nobody pulls it;
+// otherwise it waits for the lease's new end.
+func (o *offers) expire(key string) {
+	o.mu.Lock()
+	of, ok := o.m[key]
+	if !ok {
+		o.mu.Unlock()
+		return
+	}
+	if left := time.Until(of.expires); left > 0 || of.pulls > 0 {
+		of.timer.Reset(max(left, o.lease/4))
+		o.mu.Unlock()
+		return
+	}
+	o.removeLocked(key)
+	o.mu.Unlock()
+	release(of.bodies)
+}
+
+// removeLocked forgets an offer; its caller releases the bodies.
+func (o *offers) removeLocked(key string) {
+	if of := o.m[key]; of != nil {
+		of.timer.Stop()
+	}
+	delete(o.m, key)
+	close(o.changed)
+	o.changed = make(chan struct{})
+}
+
+// renew extends an offer's lease and returns its new end.
+func (o *offers) renew(t []byte) (time.Time, bool) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	of, ok := o.m[string(t)]
+	if !ok || of.dropped {
+		return time.Time{}, false
+	}
+	of.expires = time.Now().Add(o.lease)
+	return of.expires, true
+}
+
+// pull holds an offer for a DoGet; done lets it go.
+func (o *offers) pull(t []byte) (bodies []*tensor.Storage, done func(), ok bool) {
+	key := string(t)
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	of, ok := o.m[key]
+	if !ok || of.dropped {
+		return nil, nil, false
+	}
+	of.pulls++
+	return of.bodies, func() {
+		o.mu.Lock()
+		of.pulls--
+		of.expires = time.Now().Add(o.lease)
+		last := of.dropped && of.pulls == 0
+		if last {
+			o.removeLocked(key)
+		}
+		o.mu.Unlock()
+		if last {
+			release(of.bodies)
+		}
+	}, true
+}
+
+// take removes an offer and returns its bodies to the caller, for a
+// getter that is its putter.
+func (o *offers) take(t []byte) ([]*tensor.Storage, bool) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	of, ok := o.m[string(t)]
+	if !ok || of.dropped || of.pulls > 0 {
+		return nil, false
+	}
+	o.removeLocked(string(t))
+	return of.bodies, true
+}
+
+// release lets an offer go; a pulled one goes with its last pull.
+func (o *offers) release(t []byte) {
+	o.mu.Lock()
+	of, ok := o.m[string(t)]
+	if !ok || of.dropped {
+		o.mu.Unlock()
+		return
+	}
+	if of.pulls > 0 {
+		of.dropped = true
+		o.mu.Unlock()
+		return
+	}
+	o.removeLocked(string(t))
+	o.mu.Unlock()
+	release(of.bodies)
+}
+
+// drain waits, for at most d, until every offer was taken or let go.
+func (o *offers) drain(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	for {
+		o.mu.Lock()
+		n, ch := len(o.m), o.changed
+		o.mu.Unlock()
+		if n == 0 {
+			return
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			return
+		}
+	}
+}
+
+// close releases every offer not being pulled; the pulls release theirs.
+func (o *offers) close() {
+	o.mu.Lock()
+	o.closed = true
+	var free [][]*tensor.Storage
+	for key, of := range o.m {
+		if of.pulls > 0 {
+			of.dropped = true
+			continue
+		}
+		of.timer.Stop()
+		delete(o.m, key)
+		free = append(free, of.bodies)
+	}
+	o.mu.Unlock()
+	for _, b := range free {
+		release(b)
+	}
+}
+
+func release(bodies []*tensor.Storage) {
+	for _, s := range bodies {
+		_ = s.Release()
+	}
+}
+
+// snapshot copies bodies into fresh shared memory of this host, which
+// the caller owns: the caller's tensors are its own again at once.
+func snapshot(bodies []*tensor.Storage) ([]*tensor.Storage, error) {
+	out := make([]*tensor.Storage, 0, len(bodies))
+	for _, b := range bodies {
+		c, err := tensor.AllocSharedStorage(b.Size())
+		if err == nil {
+			err = mmapalloc.Guard(func() { copy(c.Bytes(), b.Bytes()) })
+			if err != nil {
+				_ = c.Release()
+			}
+		}
+		if err != nil {
+			release(out)
+			return nil, err
+		}
+		out = append(out, c)
+	}
+	return out, nil
+}
+
+// DoGet sends the bodies of an offer.
+func (n *node) DoGet(t *flight.Ticket, s flight.FlightService_DoGetServer) error {
+	bodies, done, ok := n.offers.pull(t.GetTicket())
+	if !ok {
+		return status.Error(codes.NotFound, "no such value: its lease expired or it was taken")
+	}
+	defer done()
+	return newWriter(s, n.g.o.chunk).sendRaw(nil, bodies)
+}
+
+// doOfferAction serves the actions on offers; ok is false for others.
+func (n *node) doOfferAction(a *flight.Action, s flight.FlightService_DoActionServer) (ok bool, err error) {
+	switch a.Type {
+	case renewAction:
+		var req flight.RenewFlightEndpointRequest
+		if err := proto.Unmarshal(a.Body, &req); err != nil || req.GetEndpoint().GetTicket() == nil {
+			return true, status.Error(codes.InvalidArgument, "malformed RenewFlightEndpoint request")
+		}
+		exp, ok := n.offers.renew(req.Endpoint.Ticket.Ticket)
+		if !ok {
+			return true, status.Error(codes.NotFound, "no such value: its lease expired or it was taken")
+		}
+		body, err := proto.Marshal(&flight.FlightEndpoint{Ticket: req.Endpoint.Ticket, ExpirationTime: timestamppb.New(exp)})
+		if err != nil {
+			return true, err
+		}
+		return true, s.Send(&flight.Result{Body: body})
+	case releaseAction:
+		n.offers.release(a.Body)
+		return true, nil
+	}
+	return false, nil
+}
+
+// pull receives the bodies of a value put by reference on rank r. A
+// getter that is the putter takes them without a copy.
+func (g *Group) pull(ctx context.Context, r int, ticket []byte) ([]*tensor.Storage, error) {
+	if r == g.rank {
+		bodies, ok := g.node.offers.take(ticket)
+		if !ok {
+			return nil, ErrLeaseExpired
+		}
+		return bodies, nil
+	}
+	c, err := g.client(r)
+	if err != nil {
+		return nil, err
+	}
+	s, err := c.DoGet(ctx, &flight.Ticket{Ticket: ticket})
+	if err != nil {
+		return nil, g.opErr(ctx, r, "pull", err)
+	}
+	rd := newReader(s, g.o.maxValue)
+	f, err := rd.next()
+	if err == nil {
+		var bodies []*tensor.Storage
+		if bodies, err = rd.raw(f); err == nil {
+			return bodies, nil
+		}
+	}
+	if status.Code(err) == codes.NotFound {
+		return nil, fmt.Errorf("%w (put by rank %d)", ErrLeaseExpired, r)
+	}
+	return nil, g.opErr(ctx, r, "pull", err)
+}
+
+// letGo releases a pulled value on its putter, rank r. A failure is left
+// to the lease.
+func (g *Group) letGo(ctx context.Context, r int, ticket []byte) {
+	if r == g.rank {
+		g.node.offers.release(ticket)
+		return
+	}
+	c, err := g.client(r)
+	if err != nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, g.o.timeout)
+	defer cancel()
+	if s, err := c.DoAction(ctx, &flight.Action{Type: releaseAction, Body: ticket}); err == nil {
+		for {
+			if _, err := s.Recv(); err != nil {
+				return
+			}
+		}
+	}
+}
+
+// renewLoop renews, every third of a lease, the leases of the values by
+// reference this rank's queues hold. A value whose putter no longer has
+// it is dropped from its queue.
+func (g *Group) renewLoop() {
+	defer g.wg.Done()
+	t := time.NewTicker(g.o.lease / 3)
+	defer t.Stop()
+	for {
+		select {
+		case <-g.ctx.Done():
+			return
+		case <-t.C:
+		}
+		for _, ref := range g.node.heldRefs() {
+			if !g.renew(ref) {
+				g.node.dropRef(ref)
+			}
+		}
+	}
+}
+
+// renew renews one value's lease; it reports false only when the putter
+// answered that it no longer has the value.
+func (g *Group) renew(ref *valueRef) bool {
+	c, err := g.client(ref.rank)
+	if err != nil {
+		return true
+	}
+	body, _ := proto.Marshal(&flight.RenewFlightEndpointRequest{Endpoint: &flight.FlightEndpoint{Ticket: &flight.Ticket{Ticket: ref.ticket}}})
+	ctx, cancel := context.WithTimeout(g.ctx, g.o.lease/3)
+	defer cancel()
+	s, err := c.DoAction(ctx, &flight.Action{Type: renewAction, Body: body})
+	if err == nil {
+		_, err = s.Recv()
+	}
+	return status.Code(err) != codes.NotFound
+}
