@@ -18,6 +18,13 @@
 // each (WithChunk); the sender lends the storages' memory to gRPC without
 // copying it.
 //
+// A queued value of WithReferenceAbove bytes or more (default 8 MiB) goes
+// by reference: its putter keeps a copy under a lease (WithLease) that the
+// queue's owner renews, the owner queues a Flight ticket, and the getter
+// pulls the tensors from the putter with DoGet. Its tensors cross the
+// network once; a value whose lease ran out fails one Get with
+// ErrLeaseExpired.
+//
 // Failures are errors, never hangs. Every rank watches rank 0 over a
 // stream with heartbeats (WithHeartbeat, default 1 s): a rank whose
 // process dies is noticed when its connection closes, one whose host or

@@ -5,7 +5,9 @@
 // Cases, all one way, parent receiving:
 //
 //	tcp       raw TCP, 64 MiB writes into a pre-faulted buffer
-//	dist_put  the child Puts tensors on a queue the parent owns
+//	dist_put  the child Puts tensors on a queue the parent owns (by
+//	          reference: the child copies each into an offer, the
+//	          parent's Get pulls it)
 //	dist_get  the parent Gets tensors from a queue the child owns
 //
 // per_s is bytes per second at the receiver, from its first byte to its
