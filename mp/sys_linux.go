@@ -37,3 +37,20 @@ func placesPipe(n int) ([2]int, error) {
 	}
 	return p, nil
 }
+
+// accept takes a connection from the listening socket ls, non-blocking
+// and close-on-exec.
+func accept(ls int) (int, error) {
+	s, _, err := unix.Accept4(ls, unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK)
+	return s, err
+}
+
+// peerCred returns the credentials of the process at the other end of
+// the connected socket s, as the kernel recorded them at connect.
+func peerCred(s int) (Cred, error) {
+	u, err := unix.GetsockoptUcred(s, unix.SOL_SOCKET, unix.SO_PEERCRED)
+	if err != nil {
+		return Cred{}, fmt.Errorf("reading the peer's credentials: %w", err)
+	}
+	return Cred{PID: int(u.Pid), UID: int(u.Uid), GID: int(u.Gid)}, nil
+}

@@ -3,6 +3,7 @@
 package mp
 
 import (
+	"errors"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -34,4 +35,22 @@ func placesPipe(n int) ([2]int, error) {
 		}
 	}
 	return p, nil
+}
+
+func accept(ls int) (int, error) {
+	s, _, err := unix.Accept(ls)
+	if err != nil {
+		return -1, err
+	}
+	unix.CloseOnExec(s)
+	if err := unix.SetNonblock(s, true); err != nil {
+		_ = unix.Close(s)
+		return -1, err
+	}
+	return s, nil
+}
+
+// peerCred needs Linux's SO_PEERCRED.
+func peerCred(int) (Cred, error) {
+	return Cred{}, errors.New("reading a peer's credentials needs Linux")
 }

@@ -32,6 +32,7 @@ func TestMain(m *testing.M) {
 	registerSharingWorkers()
 	registerFaultPrograms()
 	registerOwnershipPrograms()
+	registerEndpointPrograms()
 	mp.Init()
 	if _, err := mp.StartSession(); err != nil {
 		panic(err)
