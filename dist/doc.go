@@ -18,6 +18,10 @@
 // each (WithChunk); the sender lends the storages' memory to gRPC without
 // copying it.
 //
+// Between two ranks of one host a Pipe takes a shortcut: it is an mp.Pipe
+// over the ranks' named endpoints, and tensors are shared as between mp's
+// processes (WithSameHostShortcut). Queues always go through Flight.
+//
 // A queued value of WithReferenceAbove bytes or more (default 8 MiB) goes
 // by reference: its putter keeps a copy under a lease (WithLease) that the
 // queue's owner renews, the owner queues a Flight ticket, and the getter

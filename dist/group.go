@@ -22,6 +22,8 @@ import (
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/tensormp/tensormp/mp"
 )
 
 // Option configures Init.
@@ -37,6 +39,7 @@ type options struct {
 	maxValue    int64
 	refAbove    int64
 	lease       time.Duration
+	noLocal     bool
 	serverTLS   *tls.Config
 	clientTLS   *tls.Config
 	token       string
@@ -92,6 +95,10 @@ func WithToken(token string) Option { return func(o *options) { o.token = token 
 // queues a ticket, and the getter pulls the tensors from the putter.
 func WithReferenceAbove(n int64) Option { return func(o *options) { o.refAbove = n } }
 
+// WithSameHostShortcut turns the same-host shortcut on (the default) or
+// off: with it, a Pipe between ranks of one host is an mp.Pipe.
+func WithSameHostShortcut(on bool) Option { return func(o *options) { o.noLocal = !on } }
+
 // WithLease sets how long a putter keeps a value by reference that nobody
 // renews (default DefaultLease). The queue's owner renews its values
 // every third of it, so a lease ends only when the owner is gone or the
@@ -114,9 +121,10 @@ type Group struct {
 	l           launch
 	host        string
 
-	srv  *grpc.Server
-	lis  net.Listener
-	node *node
+	srv   *grpc.Server
+	lis   net.Listener
+	node  *node
+	local *mp.Listener // the same-host endpoint, if one could be made
 
 	peersMu sync.Mutex
 	peers   []peer
@@ -142,9 +150,10 @@ type peer struct {
 	//lint:ignore U1000 the tag tells msgpack to use the array form
 	_msgpack struct{} `msgpack:",as_array"`
 
-	Addr string
-	Host string
-	PID  int
+	Addr  string
+	Host  string
+	PID   int
+	Local string // the rank's mp endpoint, for ranks of its host
 }
 
 // Init joins the group this process belongs to. It reads the launcher's
@@ -204,6 +213,7 @@ func Init(ctx context.Context, opts ...Option) (*Group, error) {
 	if err := g.serve(); err != nil {
 		return nil, err
 	}
+	g.listenLocal()
 	ictx, cancel := context.WithTimeout(ctx, o.timeout)
 	defer cancel()
 	if err := g.rendezvous(ictx); err != nil {
@@ -327,6 +337,9 @@ func (g *Group) shutdown(grace time.Duration) {
 			}
 		}
 		g.watchEnd()
+	}
+	if g.local != nil {
+		_ = g.local.Close()
 	}
 	g.peersMu.Lock()
 	for _, c := range g.conns {
@@ -482,8 +495,12 @@ func (g *Group) rendezvous(ctx context.Context) error {
 	if n != 1 {
 		return fmt.Errorf("dist: rank %d is claimed by %d processes", g.rank, n)
 	}
-	me, _ := msgpack.Marshal(&peer{Addr: g.lis.Addr().String(), Host: g.host, PID: os.Getpid()})
-	if err := st.Set(ctx, rankKey(g.rank), me); err != nil {
+	me := &peer{Addr: g.lis.Addr().String(), Host: g.host, PID: os.Getpid()}
+	if g.local != nil {
+		me.Local = g.local.Addr()
+	}
+	reg, _ := msgpack.Marshal(me)
+	if err := st.Set(ctx, rankKey(g.rank), reg); err != nil {
 		return fmt.Errorf("dist: rank %d registering: %w", g.rank, err)
 	}
 	keys := make([]string, g.world)

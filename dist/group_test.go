@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/dist"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/reexec"
@@ -226,6 +227,26 @@ var scenarios = map[string]func(ctx context.Context, g *dist.Group) error{
 		}
 		_, err := g.Store().Get(ctx, "refs/taken", 0)
 		return err
+	},
+	"pipe-write": func(ctx context.Context, g *dist.Group) error {
+		p, err := g.Pipe(ctx, 0)
+		if err != nil {
+			return err
+		}
+		defer p.Close()
+		var x *tensor.Tensor
+		if err := p.Recv(ctx, &x); err != nil {
+			return err
+		}
+		defer x.Release()
+		if err := tensor.Set(x, int32(99), 0); err != nil {
+			return err
+		}
+		if err := p.Send(ctx, "written"); err != nil {
+			return err
+		}
+		var bye string
+		return p.Recv(ctx, &bye)
 	},
 	"idle": func(ctx context.Context, g *dist.Group) error {
 		<-ctx.Done()
@@ -544,4 +565,34 @@ func TestLargeValuesGoByReference(t *testing.T) {
 	require.NoError(t, g.Close())
 	assertEmptyDir(t, putter.shm)
 	assertEmptyDir(t, owner.shm)
+}
+
+// Two ranks of one host talk over an mp.Pipe: a tensor is shared, so the
+// receiver's write reaches the sender, which it never does across hosts.
+func TestSameHostPipeSharesMemory(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	t.Setenv("TENSORMP_DIST_HOST", "h0")
+	store := freeStore(t)
+	peer := startRank(t, "pipe-write", 1, 2, store, "TENSORMP_DIST_HOST=h0")
+	g := join(t, ctx, 0, 2, store)
+	p, err := g.Pipe(ctx, 1)
+	require.NoError(t, err)
+	x, err := tensor.On(device.CPU()).Shared().Zeros(tensor.Int32, 256)
+	require.NoError(t, err)
+	require.NoError(t, p.Send(ctx, x))
+	var said string
+	require.NoError(t, p.Recv(ctx, &said))
+	require.Equal(t, "written", said)
+	v, err := tensor.At[int32](x, 0)
+	require.NoError(t, err)
+	assert.Equal(t, int32(99), v, "the other rank wrote into this rank's memory")
+	require.NoError(t, p.Send(ctx, "bye"))
+	var end string
+	assert.ErrorIs(t, p.Recv(ctx, &end), io.EOF, "the peer closed its end")
+	require.NoError(t, p.Close())
+	require.NoError(t, x.Release())
+	assert.Equal(t, 0, peer.wait(t))
+	require.NoError(t, g.Close())
 }

@@ -12,6 +12,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/tensormp/tensormp/mp"
 )
 
 // node is a rank's Flight service: the store and the watch streams on
@@ -28,6 +30,7 @@ type node struct {
 	queues   map[string]*queueState
 	pipes    map[int]chan *pipeConn // pipes opened to this rank, by the opener's rank
 	offers   *offers                // values this rank put by reference
+	local    map[int]chan *mp.Pipe  // same-host pipes dialled to this rank, by the dialler's rank
 }
 
 // watcher is rank 0's side of one rank's watch stream.
@@ -44,7 +47,8 @@ func (w *watcher) send(f frame) error {
 
 func newNode(g *Group) *node {
 	n := &node{g: g, watchers: map[int]*watcher{}, left: map[int]bool{}, changed: make(chan struct{}),
-		queues: map[string]*queueState{}, pipes: map[int]chan *pipeConn{}, offers: newOffers(g.o.lease)}
+		queues: map[string]*queueState{}, pipes: map[int]chan *pipeConn{}, offers: newOffers(g.o.lease),
+		local: map[int]chan *mp.Pipe{}}
 	if g.rank == 0 {
 		n.store = newStoreData()
 	}

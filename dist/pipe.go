@@ -10,6 +10,8 @@ import (
 
 	"github.com/apache/arrow-go/v18/arrow/flight"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/tensormp/tensormp/mp"
 )
 
 // Pipe is a two-way channel between two ranks over one Flight DoExchange
@@ -17,12 +19,18 @@ import (
 // a copy on the receiving rank, in a pooled shared-memory block of its
 // host.
 //
+// Between two ranks of one host a Pipe is an mp.Pipe instead, over the
+// ranks' named endpoints: tensors are shared, not copied, exactly as
+// between mp's processes (a write on one side is seen on the other).
+//
 // Send and Recv may be called from two goroutines at once. A call whose
 // ctx ends before it is done breaks the pipe: the stream cannot be
 // resumed mid-value. Close ends it; the peer's Recv then returns io.EOF.
 type Pipe struct {
 	g    *Group
 	peer int
+
+	local *mp.Pipe // between ranks of one host
 
 	sendMu sync.Mutex
 	w      *writer
@@ -49,6 +57,14 @@ func (g *Group) Pipe(ctx context.Context, peer int) (*Pipe, error) {
 		return nil, fmt.Errorf("dist: a pipe from rank %d to rank %d in a group of %d", g.rank, peer, g.world)
 	}
 	p := &Pipe{g: g, peer: peer}
+	if addr, ok := g.sameHost(peer); ok && g.rank < peer {
+		lp, err := g.dialLocal(ctx, peer, addr)
+		if err == nil {
+			p.local = lp
+			return p, nil
+		}
+		// No shortcut after all: the peer waits on both paths.
+	}
 	if g.rank < peer {
 		sctx, cancel := context.WithCancel(g.ctx)
 		c, err := g.client(peer)
@@ -72,6 +88,9 @@ func (g *Group) Pipe(ctx context.Context, peer int) (*Pipe, error) {
 	}
 	ch := g.node.pipeChan(peer)
 	select {
+	case lp := <-g.node.localChan(peer):
+		p.local = lp
+		return p, nil
 	case pc := <-ch:
 		p.w, p.r = newWriter(pc.s, g.o.chunk), newReader(pc.s, g.o.maxValue)
 		var once sync.Once
@@ -88,6 +107,11 @@ func (g *Group) Pipe(ctx context.Context, peer int) (*Pipe, error) {
 // Send sends v. Its tensors' memory goes to the network without a copy;
 // once Send returns they are the caller's again.
 func (p *Pipe) Send(ctx context.Context, v any) error {
+	if p.local != nil {
+		ctx, cancel := p.g.opContext(ctx)
+		defer cancel()
+		return p.localErr(ctx, "pipe send", p.local.Send(ctx, v))
+	}
 	p.sendMu.Lock()
 	defer p.sendMu.Unlock()
 	stop := context.AfterFunc(ctx, p.end)
@@ -100,6 +124,15 @@ func (p *Pipe) Send(ctx context.Context, v any) error {
 
 // Recv receives the next value into v, a pointer.
 func (p *Pipe) Recv(ctx context.Context, v any) error {
+	if p.local != nil {
+		ctx, cancel := p.g.opContext(ctx)
+		defer cancel()
+		err := p.local.Recv(ctx, v)
+		if errors.Is(err, mp.ErrClosed) && p.g.ctx.Err() == nil && ctx.Err() == nil {
+			return io.EOF
+		}
+		return p.localErr(ctx, "pipe recv", err)
+	}
 	p.recvMu.Lock()
 	defer p.recvMu.Unlock()
 	stop := context.AfterFunc(ctx, p.end)
@@ -124,9 +157,27 @@ func (p *Pipe) err(ctx context.Context, op string, err error) error {
 	return p.g.opErr(ctx, p.peer, op, err)
 }
 
+// localErr is the error of a same-host pipe's call.
+func (p *Pipe) localErr(ctx context.Context, op string, err error) error {
+	if err == nil {
+		return nil
+	}
+	if cause := context.Cause(p.g.ctx); cause != nil {
+		return cause
+	}
+	if ctx.Err() != nil {
+		return fmt.Errorf("dist: %s with rank %d: %w", op, p.peer, context.Cause(ctx))
+	}
+	return fmt.Errorf("dist: %s with rank %d: %w", op, p.peer, err)
+}
+
 // Close ends the pipe. It is idempotent.
 func (p *Pipe) Close() error {
 	p.once.Do(func() {
+		if p.local != nil {
+			_ = p.local.Close()
+			return
+		}
 		_ = p.closeSend()
 		p.end()
 	})

@@ -20,7 +20,8 @@ func pair(t *testing.T, ctx context.Context, extra ...Option) (g0, g1 *Group) {
 	store := l.Addr().String()
 	require.NoError(t, l.Close())
 	opts := func(r int) []Option {
-		return []Option{WithRank(r, 2), WithStore(store), WithHeartbeat(200 * time.Millisecond), WithTimeout(10 * time.Second)}
+		return []Option{WithRank(r, 2), WithStore(store), WithHeartbeat(200 * time.Millisecond), WithTimeout(10 * time.Second),
+			WithSameHostShortcut(false)}
 	}
 	done := make(chan error, 1)
 	go func() {
