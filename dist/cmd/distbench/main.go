@@ -19,6 +19,11 @@
 // Usage:
 //
 //	go run ./cmd/distbench [-bytes N] [-n reps] [-chunk N] [-addr IP] [-json]
+//	                       [-child-netns NS -child-addr IP]
+//
+// With -child-netns (as root) the child runs in network namespace NS
+// (ip netns exec) and binds -child-addr: run distbench itself in the
+// other end's namespace to measure across a veth pair.
 package main
 
 import (
@@ -30,6 +35,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"os/exec"
 	"strconv"
 	"text/tabwriter"
 	"time"
@@ -44,6 +50,9 @@ import (
 
 // chunk is the record-batch size both ends use.
 var chunk int
+
+// childNetns and childAddr place the child in another network namespace.
+var childNetns, childAddr string
 
 type result struct {
 	Case       string  `json:"case"`
@@ -61,6 +70,8 @@ func main() {
 	addr := flag.String("addr", "127.0.0.1", "the address both ends use")
 	asJSON := flag.Bool("json", false, "one JSON object per line")
 	flag.IntVar(&chunk, "chunk", dist.DefaultChunk, "bytes per record batch")
+	flag.StringVar(&childNetns, "child-netns", "", "network namespace to run the child in (root)")
+	flag.StringVar(&childAddr, "child-addr", "", "the child's address (default: -addr)")
 	flag.Parse()
 	if err := run(*size, *n, *addr, *asJSON); err != nil {
 		fmt.Fprintln(os.Stderr, "distbench:", err)
@@ -118,7 +129,16 @@ func startChild(c string, size, n int, target string) (*childProc, error) {
 		return nil, err
 	}
 	cmd.Env = append(cmd.Env, "DISTBENCH_CASE="+c, "DISTBENCH_SIZE="+strconv.Itoa(size),
-		"DISTBENCH_N="+strconv.Itoa(n), "DISTBENCH_TARGET="+target, "DISTBENCH_CHUNK="+strconv.Itoa(chunk))
+		"DISTBENCH_N="+strconv.Itoa(n), "DISTBENCH_TARGET="+target, "DISTBENCH_CHUNK="+strconv.Itoa(chunk),
+		"DISTBENCH_ADDR="+childAddr)
+	if childNetns != "" {
+		ip, err := exec.LookPath("ip")
+		if err != nil {
+			return nil, err
+		}
+		cmd.Args = append([]string{ip, "netns", "exec", childNetns, cmd.Path}, cmd.Args[1:]...)
+		cmd.Path = ip
+	}
 	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 	if err := cmd.Start(); err != nil {
 		return nil, err
@@ -295,7 +315,10 @@ func childTCP(size, n int, target string) error {
 
 func childDist(c string, size, n int, store string) error {
 	ctx := context.Background()
-	host, _, _ := net.SplitHostPort(store)
+	host := os.Getenv("DISTBENCH_ADDR")
+	if host == "" {
+		host, _, _ = net.SplitHostPort(store)
+	}
 	g, q, owner, err := join(ctx, c, 1, store, host)
 	if err != nil {
 		return err
