@@ -140,17 +140,7 @@ var scenarios = map[string]func(ctx context.Context, g *dist.Group) error{
 		if err != nil {
 			return err
 		}
-		for i := range samples() {
-			v, err := sample(i)
-			if err != nil {
-				return err
-			}
-			if err := q.Put(ctx, v); err != nil {
-				return fmt.Errorf("put %d: %w", i, err)
-			}
-			release(v)
-		}
-		return nil
+		return putSamples(ctx, q)
 	},
 	"pipe-echo": func(ctx context.Context, g *dist.Group) error {
 		p, err := g.Pipe(ctx, 0)
@@ -205,18 +195,11 @@ var scenarios = map[string]func(ctx context.Context, g *dist.Group) error{
 	},
 	"put-refs": func(ctx context.Context, g *dist.Group) error {
 		q, err := g.Queue(ctx, "refs", dist.WithOwner(2))
+		if err == nil {
+			err = putSamples(ctx, q)
+		}
 		if err != nil {
 			return err
-		}
-		for i := range samples() {
-			v, err := sample(i)
-			if err != nil {
-				return err
-			}
-			if err := q.Put(ctx, v); err != nil {
-				return fmt.Errorf("put %d: %w", i, err)
-			}
-			release(v)
 		}
 		// Close waits until every value was taken.
 		return g.Store().Set(ctx, "refs/put", []byte("yes"))
@@ -313,6 +296,21 @@ func sample(i int) (sampleValue, error) {
 		v.T, err = tensor.FromSlice(data, n)
 	}
 	return v, err
+}
+
+// putSamples puts every sample on q, in order.
+func putSamples(ctx context.Context, q *dist.Queue) error {
+	for i := range samples() {
+		v, err := sample(i)
+		if err != nil {
+			return err
+		}
+		if err := q.Put(ctx, v); err != nil {
+			return fmt.Errorf("put %d: %w", i, err)
+		}
+		release(v)
+	}
+	return nil
 }
 
 func release(v sampleValue) {

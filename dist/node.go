@@ -284,16 +284,21 @@ func (n *node) closeAll() {
 	n.offers.close()
 }
 
-// heldRefs returns the values by reference this rank's queues hold.
-func (n *node) heldRefs() []*valueRef {
+// queueList returns the queues this rank owns.
+func (n *node) queueList() []*queueState {
 	n.mu.Lock()
+	defer n.mu.Unlock()
 	qs := make([]*queueState, 0, len(n.queues))
 	for _, q := range n.queues {
 		qs = append(qs, q)
 	}
-	n.mu.Unlock()
+	return qs
+}
+
+// heldRefs returns the values by reference this rank's queues hold.
+func (n *node) heldRefs() []*valueRef {
 	var refs []*valueRef
-	for _, q := range qs {
+	for _, q := range n.queueList() {
 		q.mu.Lock()
 		for _, it := range q.items {
 			if it.ref != nil {
@@ -307,13 +312,7 @@ func (n *node) heldRefs() []*valueRef {
 
 // dropRef removes the value by reference ref from the queue holding it.
 func (n *node) dropRef(ref *valueRef) {
-	n.mu.Lock()
-	qs := make([]*queueState, 0, len(n.queues))
-	for _, q := range n.queues {
-		qs = append(qs, q)
-	}
-	n.mu.Unlock()
-	for _, q := range qs {
+	for _, q := range n.queueList() {
 		q.mu.Lock()
 		for i, it := range q.items {
 			if it.ref == ref {

@@ -60,6 +60,18 @@ func endpointConfig(opts []EndpointOption) endpointOptions {
 	return o
 }
 
+// checkPeer reads the credentials of the peer of the connected socket s
+// and runs check on them, if there is one.
+func checkPeer(s int, check func(Cred) error) (Cred, error) {
+	cred, err := peerCred(s)
+	if err == nil && check != nil {
+		if cerr := check(cred); cerr != nil {
+			err = fmt.Errorf("%w: pid %d, uid %d: %v", ErrPeerRefused, cred.PID, cred.UID, cerr)
+		}
+	}
+	return cred, err
+}
+
 // sameUser is the default peer check.
 func sameUser(c Cred) error {
 	if c.UID != os.Geteuid() {
@@ -159,12 +171,7 @@ func (l *Listener) Accept(ctx context.Context) (*Pipe, Cred, error) {
 		return nil, Cred{}, err
 	}
 	sock := fd.New(s)
-	cred, err := peerCred(s)
-	if err == nil && l.check != nil {
-		if cerr := l.check(cred); cerr != nil {
-			err = fmt.Errorf("%w: pid %d, uid %d: %v", ErrPeerRefused, cred.PID, cred.UID, cerr)
-		}
-	}
+	cred, err := checkPeer(s, l.check)
 	if err != nil {
 		_ = sock.Close()
 		return nil, cred, fmt.Errorf("mp: accept on %s: %w", l.addr, err)
@@ -229,13 +236,7 @@ func Dial(ctx context.Context, addr string, opts ...EndpointOption) (*Pipe, erro
 		case <-time.After(wait):
 		}
 	}
-	cred, err := peerCred(s)
-	if err == nil && o.check != nil {
-		if cerr := o.check(cred); cerr != nil {
-			err = fmt.Errorf("%w: pid %d, uid %d: %v", ErrPeerRefused, cred.PID, cred.UID, cerr)
-		}
-	}
-	if err != nil {
+	if _, err := checkPeer(s, o.check); err != nil {
 		return fail(err)
 	}
 	c, err := newConn(sock, "endpoint")
