@@ -513,7 +513,7 @@ func (g *Group) rendezvous(ctx context.Context) error {
 		if err != nil {
 			return g.missingErr(keys, err)
 		}
-		if err := msgpack.Unmarshal(v, &peers[r]); err != nil || peers[r].Addr == "" {
+		if err := unmarshal(v, &peers[r]); err != nil || peers[r].Addr == "" {
 			return fmt.Errorf("dist: rank %d's registration is malformed", r)
 		}
 	}

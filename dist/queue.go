@@ -346,7 +346,7 @@ func parseQueueReq(meta []byte) (int, error) {
 	f, err := parseFrame(meta)
 	var req queueReq
 	if err == nil && f.Kind == kindRequest {
-		err = msgpack.Unmarshal(f.Data, &req)
+		err = unmarshal(f.Data, &req)
 	}
 	if err != nil || f.Kind != kindRequest {
 		return 0, status.Error(codes.InvalidArgument, "malformed queue request")

@@ -65,7 +65,7 @@ func (s *storeData) add(k string, d int64) (int64, error) {
 	defer s.mu.Unlock()
 	var n int64
 	if v, ok := s.kv[k]; ok {
-		if err := msgpack.Unmarshal(v, &n); err != nil {
+		if err := unmarshal(v, &n); err != nil {
 			return 0, fmt.Errorf("dist: store key %q holds no counter", k)
 		}
 	}
@@ -118,7 +118,7 @@ func (s *storeData) missing(keys []string) []string {
 // doAction serves a store action.
 func (s *storeData) doAction(ctx context.Context, a *flight.Action, defTimeout time.Duration) ([][]byte, error) {
 	var req storeReq
-	if err := msgpack.Unmarshal(a.Body, &req); err != nil {
+	if err := unmarshal(a.Body, &req); err != nil {
 		return nil, status.Errorf(codes.InvalidArgument, "malformed %s request: %v", a.Type, err)
 	}
 	switch a.Type {
@@ -198,7 +198,7 @@ func (s *Store) add(ctx context.Context, key string, delta int64, copts ...grpc.
 		return 0, err
 	}
 	var n int64
-	if len(vals) != 1 || msgpack.Unmarshal(vals[0], &n) != nil {
+	if len(vals) != 1 || unmarshal(vals[0], &n) != nil {
 		return 0, fmt.Errorf("dist: store add %q: a malformed answer", key)
 	}
 	return n, nil
@@ -218,7 +218,7 @@ func (s *Store) Missing(ctx context.Context, keys ...string) ([]string, error) {
 		return nil, err
 	}
 	var out []string
-	if len(vals) != 1 || msgpack.Unmarshal(vals[0], &out) != nil {
+	if len(vals) != 1 || unmarshal(vals[0], &out) != nil {
 		return nil, errors.New("dist: store check: a malformed answer")
 	}
 	return out, nil

@@ -63,10 +63,21 @@ func parseFrame(b []byte) (frame, error) {
 	if len(b) == 0 {
 		return f, errors.New("dist: a message without a frame")
 	}
-	if err := msgpack.Unmarshal(b, &f); err != nil {
+	if err := unmarshal(b, &f); err != nil {
 		return f, fmt.Errorf("dist: malformed frame: %w", err)
 	}
 	return f, nil
+}
+
+// unmarshal decodes msgpack bytes from a peer into v once
+// reduction.CheckWellFormed passed them: msgpack's decoder allocates a
+// declared slice length before reading it, and a peer may declare
+// billions.
+func unmarshal(b []byte, v any) error {
+	if err := reduction.CheckWellFormed(b); err != nil {
+		return err
+	}
+	return msgpack.Unmarshal(b, v)
 }
 
 // msgStream is the part of a gRPC stream, client or server, that carries

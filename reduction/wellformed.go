@@ -15,7 +15,14 @@ const maxDepth = 256
 // decoding cannot exhaust the stack, and that the message is exactly one
 // value. Tensor metadata inside extensions (tensors' and storages') is
 // checked the same way.
-func checkWellFormed(b []byte) error {
+func checkWellFormed(b []byte) error { return CheckWellFormed(b) }
+
+// CheckWellFormed checks a msgpack message received from a peer before
+// any decoder sees it (see checkWellFormed): every length fits in the
+// bytes that remain, nesting is bounded, and the message is one value.
+// Decoders of package msgpack allocate a declared slice length at once,
+// so a message that fails this check must not be decoded.
+func CheckWellFormed(b []byte) error {
 	n, err := skipValue(b, 0)
 	if err != nil {
 		return fmt.Errorf("reduction: malformed message: %w", err)
