@@ -239,14 +239,21 @@ func (n *node) awaitWatched(ctx context.Context) error {
 // awaitLeft waits on rank 0, for at most d, until every other rank has
 // left or the group failed.
 func (n *node) awaitLeft(ctx context.Context, d time.Duration) {
+	awaitChange(ctx, d, func() (bool, <-chan struct{}) {
+		n.mu.Lock()
+		defer n.mu.Unlock()
+		return len(n.left) >= n.g.world-1, n.changed
+	})
+}
+
+// awaitChange waits, for at most d or until ctx ends, until done reports
+// true; done also returns the channel closed at the next change.
+func awaitChange(ctx context.Context, d time.Duration, done func() (bool, <-chan struct{})) {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	for {
-		n.mu.Lock()
-		done := len(n.left) >= n.g.world-1
-		ch := n.changed
-		n.mu.Unlock()
-		if done {
+		ok, ch := done()
+		if ok {
 			return
 		}
 		select {

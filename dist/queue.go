@@ -13,7 +13,6 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
-	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/reduction"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -239,21 +238,11 @@ func (q *Queue) putLocal(ctx context.Context, v any) error {
 	if err != nil {
 		return err
 	}
-	it := item{data: slices.Clone(data)}
-	for _, b := range bodies {
-		c, err := tensor.AllocSharedStorage(b.Size())
-		if err == nil {
-			err = mmapalloc.Guard(func() { copy(c.Bytes(), b.Bytes()) })
-		}
-		if err != nil {
-			it.release()
-			if c != nil {
-				_ = c.Release()
-			}
-			return fmt.Errorf("dist: put on queue %q: %w", q.name, err)
-		}
-		it.bodies = append(it.bodies, c)
+	copies, err := snapshot(bodies)
+	if err != nil {
+		return fmt.Errorf("dist: put on queue %q: %w", q.name, err)
 	}
+	it := item{data: slices.Clone(data), bodies: copies}
 	if err := st.reserve(ctx); err != nil {
 		it.release()
 		return err
@@ -302,11 +291,7 @@ type valueRef struct {
 	ticket []byte
 }
 
-func (it item) release() {
-	for _, s := range it.bodies {
-		_ = s.Release()
-	}
-}
+func (it item) release() { release(it.bodies) }
 
 // queueState is a queue on its owner.
 type queueState struct {

@@ -186,23 +186,11 @@ func (o *offers) release(t []byte) {
 
 // drain waits, for at most d, until every offer was taken or let go.
 func (o *offers) drain(ctx context.Context, d time.Duration) {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	for {
+	awaitChange(ctx, d, func() (bool, <-chan struct{}) {
 		o.mu.Lock()
-		n, ch := len(o.m), o.changed
-		o.mu.Unlock()
-		if n == 0 {
-			return
-		}
-		select {
-		case <-ch:
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			return
-		}
-	}
+		defer o.mu.Unlock()
+		return len(o.m) == 0, o.changed
+	})
 }
 
 // close releases every offer not being pulled; the pulls release theirs.

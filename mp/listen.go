@@ -106,32 +106,29 @@ func Listen(addr string, opts ...EndpointOption) (*Listener, error) {
 		return nil, fmt.Errorf("mp: listen on %s: %w%s", addr, err, fdHint(err))
 	}
 	sock := fd.New(s)
-	fail := func(err error) (*Listener, error) {
+	if err := unix.Bind(s, sa); err != nil {
 		_ = sock.Close()
 		return nil, fmt.Errorf("mp: listen on %s: %w", addr, err)
 	}
-	if err := unix.Bind(s, sa); err != nil {
-		return fail(err)
-	}
-	// Nobody can connect before listen: set the mode first.
-	if file != "" {
-		if err := os.Chmod(file, o.mode); err != nil {
-			_ = os.Remove(file)
-			return fail(err)
-		}
-	}
-	if err := unix.Listen(s, unix.SOMAXCONN); err != nil {
+	// Bound: from here a failure also removes the socket file. Nobody
+	// can connect before listen, so the mode is set first.
+	c, err := func() (*conn, error) {
 		if file != "" {
-			_ = os.Remove(file)
+			if err := os.Chmod(file, o.mode); err != nil {
+				return nil, err
+			}
 		}
-		return fail(err)
-	}
-	c, err := newConn(sock, "listener")
+		if err := unix.Listen(s, unix.SOMAXCONN); err != nil {
+			return nil, err
+		}
+		return newConn(sock, "listener")
+	}()
 	if err != nil {
+		_ = sock.Close()
 		if file != "" {
 			_ = os.Remove(file)
 		}
-		return nil, err
+		return nil, fmt.Errorf("mp: listen on %s: %w", addr, err)
 	}
 	return &Listener{c: c, addr: addr, file: file, check: o.check}, nil
 }
