@@ -18,9 +18,12 @@
 // each (WithChunk); the sender lends the storages' memory to gRPC without
 // copying it.
 //
-// Between two ranks of one host a Pipe takes a shortcut: it is an mp.Pipe
-// over the ranks' named endpoints, and tensors are shared as between mp's
-// processes (WithSameHostShortcut). Queues always go through Flight.
+// Between two ranks of one host, Pipes and queue operations take a
+// shortcut: an mp.Pipe over the ranks' named endpoints, on which tensors
+// are shared as between mp's processes, not copied
+// (WithSameHostShortcut). A Put on a queue whose owner is on the same
+// host leaves the tensors in the putter's memory; the owner, and a getter
+// of that host, map it.
 //
 // A queued value of WithReferenceAbove bytes or more (default 8 MiB) goes
 // by reference: its putter keeps a copy under a lease (WithLease) that the

@@ -96,7 +96,9 @@ func WithToken(token string) Option { return func(o *options) { o.token = token 
 func WithReferenceAbove(n int64) Option { return func(o *options) { o.refAbove = n } }
 
 // WithSameHostShortcut turns the same-host shortcut on (the default) or
-// off: with it, a Pipe between ranks of one host is an mp.Pipe.
+// off: with it, a Pipe between ranks of one host is an mp.Pipe, and a
+// Put or Get on a queue whose owner is another rank of this host goes
+// over one.
 func WithSameHostShortcut(on bool) Option { return func(o *options) { o.noLocal = !on } }
 
 // WithLease sets how long a putter keeps a value by reference that nobody

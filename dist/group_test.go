@@ -136,11 +136,19 @@ func rankMain() int {
 
 var scenarios = map[string]func(ctx context.Context, g *dist.Group) error{
 	"put-samples": func(ctx context.Context, g *dist.Group) error {
-		q, err := g.Queue(ctx, "samples")
+		owner, _ := strconv.Atoi(os.Getenv("TEST_OWNER"))
+		q, err := g.Queue(ctx, "samples", dist.WithOwner(owner))
 		if err != nil {
 			return err
 		}
 		return putSamples(ctx, q)
+	},
+	"own-samples": func(ctx context.Context, g *dist.Group) error {
+		if _, err := g.Queue(ctx, "samples", dist.WithOwner(g.Rank())); err != nil {
+			return err
+		}
+		_, err := g.Store().Get(ctx, "samples/taken", 0)
+		return err
 	},
 	"pipe-echo": func(ctx context.Context, g *dist.Group) error {
 		p, err := g.Pipe(ctx, 0)
@@ -230,6 +238,33 @@ var scenarios = map[string]func(ctx context.Context, g *dist.Group) error{
 		}
 		var bye string
 		return p.Recv(ctx, &bye)
+	},
+	"queue-owner": func(ctx context.Context, g *dist.Group) error {
+		// Serves its queues until told to stop on "end".
+		q, err := g.Queue(ctx, "end")
+		if err != nil {
+			return err
+		}
+		var s string
+		return q.Get(ctx, &s)
+	},
+	"queue-write": func(ctx context.Context, g *dist.Group) error {
+		in, err := g.Queue(ctx, "q")
+		if err != nil {
+			return err
+		}
+		back, err := g.Queue(ctx, "back")
+		if err != nil {
+			return err
+		}
+		var x *tensor.Tensor
+		if err := in.Get(ctx, &x); err != nil {
+			return err
+		}
+		if err := tensor.Set(x, int32(99), 0); err != nil {
+			return err
+		}
+		return back.Put(ctx, "written")
 	},
 	"idle": func(ctx context.Context, g *dist.Group) error {
 		<-ctx.Done()
@@ -372,6 +407,63 @@ func TestQueueCarriesEveryKindOfValueAcrossHosts(t *testing.T) {
 	require.NoError(t, g.Close())
 	require.NoError(t, g.Wait())
 	assertEmptyDir(t, peer.shm)
+}
+
+// TestQueueCarriesEveryKindOfValueThroughAnOwner gets every sample from a
+// queue held by a third rank, with the three ranks on one, two or three
+// hosts: values cross each same-host hop as shared memory and each hop
+// between hosts as a copy, and arrive whole either way.
+func TestQueueCarriesEveryKindOfValueThroughAnOwner(t *testing.T) {
+	for _, tc := range []struct {
+		name                string
+		getter, putter, own string // the fake hosts of ranks 0, 1 and 2
+		refAbove            string // the putter's WithReferenceAbove, if set
+	}{
+		{"three hosts", "h0", "h1", "h2", ""},
+		{"owner with getter", "h0", "h1", "h0", ""},
+		{"owner with getter, by reference", "h0", "h1", "h0", "1"},
+		{"owner with putter", "h0", "h1", "h1", ""},
+		{"one host", "h0", "h0", "h0", ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			leakcheck.Check(t)
+			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+			defer cancel()
+			t.Setenv("TENSORMP_DIST_HOST", tc.getter)
+			store := freeStore(t)
+			putter := startRank(t, "put-samples", 1, 3, store, "TENSORMP_DIST_HOST="+tc.putter, "TEST_OWNER=2", "TEST_REF_ABOVE="+tc.refAbove)
+			owner := startRank(t, "own-samples", 2, 3, store, "TENSORMP_DIST_HOST="+tc.own)
+			g := join(t, ctx, 0, 3, store)
+			q, err := g.Queue(ctx, "samples", dist.WithOwner(2))
+			require.NoError(t, err)
+			for i, name := range samples() {
+				want, err := sample(i)
+				require.NoError(t, err)
+				var got sampleValue
+				require.NoError(t, q.Get(ctx, &got), name)
+				assert.Equal(t, want.Name, got.Name)
+				assert.True(t, tensor.Equal(want.T, got.T), "%s: %v != %v", name, want.T, got.T)
+				if got.T.Numel() > 0 {
+					assert.Equal(t, want.T.Strides(), got.T.Strides(), "%s keeps its strides", name)
+					assert.True(t, got.T.IsShared(), "%s arrives in shared memory", name)
+				}
+				for k, ts := range want.Nested {
+					require.Len(t, got.Nested[k], len(ts))
+					for j := range ts {
+						assert.True(t, tensor.Equal(ts[j], got.Nested[k][j]), "%s[%s][%d]", name, k, j)
+					}
+				}
+				release(want)
+				release(got)
+			}
+			require.NoError(t, g.Store().Set(ctx, "samples/taken", []byte("yes")))
+			assert.Equal(t, 0, putter.wait(t))
+			require.NoError(t, g.Close())
+			assert.Equal(t, 0, owner.wait(t))
+			assertEmptyDir(t, putter.shm)
+			assertEmptyDir(t, owner.shm)
+		})
+	}
 }
 
 func assertEmptyDir(t *testing.T, dir string) {
@@ -593,4 +685,45 @@ func TestSameHostPipeSharesMemory(t *testing.T) {
 	require.NoError(t, x.Release())
 	assert.Equal(t, 0, peer.wait(t))
 	require.NoError(t, g.Close())
+}
+
+func TestSameHostQueueSharesMemory(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	t.Setenv("TENSORMP_DIST_HOST", "h0")
+	store := freeStore(t)
+	owner := startRank(t, "queue-owner", 0, 3, store, "TENSORMP_DIST_HOST=h0")
+	writer := startRank(t, "queue-write", 1, 3, store, "TENSORMP_DIST_HOST=h0")
+	g := join(t, ctx, 2, 3, store)
+	q, err := g.Queue(ctx, "q")
+	require.NoError(t, err)
+	back, err := g.Queue(ctx, "back")
+	require.NoError(t, err)
+
+	// A Get that gives up takes nothing with it.
+	short, stop := context.WithTimeout(ctx, 300*time.Millisecond)
+	var early string
+	assert.ErrorIs(t, back.Get(short, &early), context.DeadlineExceeded)
+	stop()
+
+	// This rank puts, the owner (rank 0) queues, rank 1 gets and writes:
+	// all three on one host, so the write lands in this rank's memory.
+	x, err := tensor.On(device.CPU()).Shared().Zeros(tensor.Int32, 256)
+	require.NoError(t, err)
+	require.NoError(t, q.Put(ctx, x))
+	var said string
+	require.NoError(t, back.Get(ctx, &said))
+	require.Equal(t, "written", said)
+	v, err := tensor.At[int32](x, 0)
+	require.NoError(t, err)
+	assert.Equal(t, int32(99), v, "rank 1 wrote into the memory this rank put")
+	require.NoError(t, x.Release())
+
+	end, err := g.Queue(ctx, "end")
+	require.NoError(t, err)
+	require.NoError(t, end.Put(ctx, "bye"))
+	assert.Equal(t, 0, writer.wait(t))
+	require.NoError(t, g.Close())
+	assert.Equal(t, 0, owner.wait(t))
 }

@@ -58,7 +58,7 @@ func (g *Group) Pipe(ctx context.Context, peer int) (*Pipe, error) {
 	}
 	p := &Pipe{g: g, peer: peer}
 	if addr, ok := g.sameHost(peer); ok && g.rank < peer {
-		lp, err := g.dialLocal(ctx, peer, addr)
+		lp, err := g.dialLocal(ctx, peer, addr, localHello{Op: "pipe"})
 		if err == nil {
 			p.local = lp
 			return p, nil

@@ -24,6 +24,10 @@ import (
 // owner only when its getter has it: a Get that fails on the way puts
 // the value back at the head of the queue.
 //
+// Between the owner and another rank of its host, values go over the
+// ranks' same-host connection instead (as Pipes do), and tensors are not
+// copied: they travel as shared memory on package mp's descriptor path.
+//
 // A value whose tensors come to WithReferenceAbove bytes or more goes by
 // reference: the owner holds only a ticket, and the getter pulls the
 // tensors from the putter, which keeps a copy under a lease (WithLease)
@@ -87,12 +91,18 @@ func (q *Queue) request() []byte {
 }
 
 // Put puts v on the queue, waiting for room while ctx lasts. Its tensors
-// are copied: once Put returns, v's tensors are the caller's again.
+// are copied, unless the owner is another rank of this host: once Put
+// returns, v's tensors are the caller's again. Between two ranks of one
+// host they are shared as an mp.Queue shares them: the owner, and a
+// getter on the same host, map the putter's memory.
 func (q *Queue) Put(ctx context.Context, v any) error {
 	ctx, cancel := q.g.opContext(ctx)
 	defer cancel()
 	if q.owner == q.g.rank {
 		return q.putLocal(ctx, v)
+	}
+	if p, err := q.dialQueue(ctx, "put"); err == nil {
+		return q.putShared(ctx, p, v)
 	}
 	w := newWriter(nil, q.g.o.chunk)
 	data, bodies, err := w.enc.Encode(v)
@@ -143,6 +153,9 @@ func (q *Queue) Get(ctx context.Context, v any) error {
 	defer cancel()
 	if q.owner == q.g.rank {
 		return q.getLocal(ctx, v)
+	}
+	if p, err := q.dialQueue(ctx, "get"); err == nil {
+		return q.getShared(ctx, p, v)
 	}
 	s, err := q.open(ctx, "get")
 	if err != nil {
@@ -276,11 +289,19 @@ func (q *Queue) getLocal(ctx context.Context, v any) error {
 }
 
 // item is a queued value: its encoding and either its bodies, in this
-// host's shared memory, which the queue owns until a getter has them, or
-// the reference to them on their putter.
+// host's shared memory, or the reference to them on their putter.
+//
+// Bodies received from another host the queue owns until a getter has
+// them. Bodies a same-host putter sent (shared) are mp's mappings of the
+// putter's memory, which this process maps once however often it
+// receives them, so another value or this rank's own tensors may hold
+// the same Storage: the queue only drops its references, and the Go
+// collector unmaps them when nobody else holds them, as for any tensor
+// received through package mp.
 type item struct {
 	data   []byte
 	bodies []*tensor.Storage
+	shared bool
 	ref    *valueRef
 }
 
@@ -291,7 +312,11 @@ type valueRef struct {
 	ticket []byte
 }
 
-func (it item) release() { release(it.bodies) }
+func (it item) release() {
+	if !it.shared {
+		release(it.bodies)
+	}
+}
 
 // queueState is a queue on its owner.
 type queueState struct {
