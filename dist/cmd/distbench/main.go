@@ -123,13 +123,6 @@ func cpu() time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
-// threadCPU returns the calling thread's CPU time so far.
-func threadCPU() time.Duration {
-	var ru unix.Rusage
-	_ = unix.Getrusage(unix.RUSAGE_THREAD, &ru)
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
-}
-
 // startChild starts the child for case c and returns it.
 func startChild(c string, size, n int, target string) (*childProc, error) {
 	cmd, err := reexec.Command(context.Background(), "distbench-child")
