@@ -72,7 +72,7 @@ func (g *Group) Pipe(ctx context.Context, peer int) (*Pipe, error) {
 			cancel()
 			return nil, err
 		}
-		s, err := c.DoExchange(sctx)
+		s, err := exchange(sctx, c)
 		if err != nil {
 			cancel()
 			return nil, g.peerErr(peer, "pipe", err)

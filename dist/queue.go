@@ -222,7 +222,7 @@ func (q *Queue) open(ctx context.Context, op string) (flight.FlightService_DoExc
 	if err != nil {
 		return nil, err
 	}
-	s, err := c.DoExchange(ctx)
+	s, err := exchange(ctx, c)
 	if err != nil {
 		return nil, q.err(ctx, op, err)
 	}

@@ -1,6 +1,7 @@
 package dist
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -8,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/apache/arrow-go/v18/arrow/flight"
 	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/tensormp/tensormp/mmapalloc"
@@ -217,6 +219,22 @@ func zeroCopySafe(s *tensor.Storage) bool {
 		return a.Flags()&mmapalloc.RefCount == 0
 	}
 	return false
+}
+
+// exchange opens a DoExchange stream on c and commits it at once. Until
+// a gRPC client stream commits (at its first answer, or once 256 KiB were
+// sent on it) gRPC keeps every message sent on it for a transparent
+// retry, even with retries off: it would hold the memory a writer lends
+// it until the peer answers, while the writer waits for that memory
+// before it reads the answer. A stream whose first attempt fails is then
+// an error, not retried: dist reports it as such anyway.
+func exchange(ctx context.Context, c flight.FlightServiceClient) (flight.FlightService_DoExchangeClient, error) {
+	s, err := c.DoExchange(ctx)
+	if err != nil {
+		return nil, err
+	}
+	_ = s.Context() // commits: see grpc's clientStream.Context
+	return s, nil
 }
 
 // reader receives values from one stream.
