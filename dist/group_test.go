@@ -379,30 +379,7 @@ func TestQueueCarriesEveryKindOfValueAcrossHosts(t *testing.T) {
 	g := join(t, ctx, 0, 2, store)
 	q, err := g.Queue(ctx, "samples")
 	require.NoError(t, err)
-	for i, name := range samples() {
-		want, err := sample(i)
-		require.NoError(t, err)
-		var got sampleValue
-		require.NoError(t, q.Get(ctx, &got), name)
-		assert.Equal(t, want.Name, got.Name)
-		assert.Equal(t, want.Meta, got.Meta)
-		assert.True(t, tensor.Equal(want.T, got.T), "%s: %v != %v", name, want.T, got.T)
-		if got.T.Numel() > 0 {
-			assert.Equal(t, want.T.Strides(), got.T.Strides(), "%s keeps its strides", name)
-			assert.True(t, got.T.IsShared(), "%s arrives in shared memory", name)
-		}
-		for k, ts := range want.Nested {
-			require.Len(t, got.Nested[k], len(ts))
-			for j := range ts {
-				assert.True(t, tensor.Equal(ts[j], got.Nested[k][j]), "%s[%s][%d]", name, k, j)
-			}
-		}
-		if want.Nested != nil {
-			assert.Same(t, got.Nested["ab"][0].Storage(), got.Nested["ab"][1].Storage(), "a view and its base arrive on one storage")
-		}
-		release(want)
-		release(got)
-	}
+	getSamples(t, ctx, q)
 	assert.Equal(t, 0, peer.wait(t))
 	require.NoError(t, g.Close())
 	require.NoError(t, g.Wait())
@@ -436,26 +413,7 @@ func TestQueueCarriesEveryKindOfValueThroughAnOwner(t *testing.T) {
 			g := join(t, ctx, 0, 3, store)
 			q, err := g.Queue(ctx, "samples", dist.WithOwner(2))
 			require.NoError(t, err)
-			for i, name := range samples() {
-				want, err := sample(i)
-				require.NoError(t, err)
-				var got sampleValue
-				require.NoError(t, q.Get(ctx, &got), name)
-				assert.Equal(t, want.Name, got.Name)
-				assert.True(t, tensor.Equal(want.T, got.T), "%s: %v != %v", name, want.T, got.T)
-				if got.T.Numel() > 0 {
-					assert.Equal(t, want.T.Strides(), got.T.Strides(), "%s keeps its strides", name)
-					assert.True(t, got.T.IsShared(), "%s arrives in shared memory", name)
-				}
-				for k, ts := range want.Nested {
-					require.Len(t, got.Nested[k], len(ts))
-					for j := range ts {
-						assert.True(t, tensor.Equal(ts[j], got.Nested[k][j]), "%s[%s][%d]", name, k, j)
-					}
-				}
-				release(want)
-				release(got)
-			}
+			getSamples(t, ctx, q)
 			require.NoError(t, g.Store().Set(ctx, "samples/taken", []byte("yes")))
 			assert.Equal(t, 0, putter.wait(t))
 			require.NoError(t, g.Close())
@@ -463,6 +421,37 @@ func TestQueueCarriesEveryKindOfValueThroughAnOwner(t *testing.T) {
 			assertEmptyDir(t, putter.shm)
 			assertEmptyDir(t, owner.shm)
 		})
+	}
+}
+
+// getSamples gets every sample from q, in order, and checks it: values,
+// dtypes, strides, nested tensors, and a view and its base on one
+// storage, all in shared memory.
+func getSamples(t *testing.T, ctx context.Context, q *dist.Queue) {
+	t.Helper()
+	for i, name := range samples() {
+		want, err := sample(i)
+		require.NoError(t, err)
+		var got sampleValue
+		require.NoError(t, q.Get(ctx, &got), name)
+		assert.Equal(t, want.Name, got.Name)
+		assert.Equal(t, want.Meta, got.Meta)
+		assert.True(t, tensor.Equal(want.T, got.T), "%s: %v != %v", name, want.T, got.T)
+		if got.T.Numel() > 0 {
+			assert.Equal(t, want.T.Strides(), got.T.Strides(), "%s keeps its strides", name)
+			assert.True(t, got.T.IsShared(), "%s arrives in shared memory", name)
+		}
+		for k, ts := range want.Nested {
+			require.Len(t, got.Nested[k], len(ts))
+			for j := range ts {
+				assert.True(t, tensor.Equal(ts[j], got.Nested[k][j]), "%s[%s][%d]", name, k, j)
+			}
+		}
+		if want.Nested != nil {
+			assert.Same(t, got.Nested["ab"][0].Storage(), got.Nested["ab"][1].Storage(), "a view and its base arrive on one storage")
+		}
+		release(want)
+		release(got)
 	}
 }
 
@@ -640,22 +629,7 @@ func TestLargeValuesGoByReference(t *testing.T) {
 
 	q, err := g.Queue(ctx, "refs", dist.WithOwner(2))
 	require.NoError(t, err)
-	for i, name := range samples() {
-		want, err := sample(i)
-		require.NoError(t, err)
-		var got sampleValue
-		require.NoError(t, q.Get(ctx, &got), name)
-		assert.Equal(t, want.Name, got.Name)
-		assert.True(t, tensor.Equal(want.T, got.T), "%s: %v != %v", name, want.T, got.T)
-		for k, ts := range want.Nested {
-			require.Len(t, got.Nested[k], len(ts))
-			for j := range ts {
-				assert.True(t, tensor.Equal(ts[j], got.Nested[k][j]), "%s[%s][%d]", name, k, j)
-			}
-		}
-		release(want)
-		release(got)
-	}
+	getSamples(t, ctx, q)
 	assert.Equal(t, 0, putter.wait(t), "the putter's Close returns once everything was taken")
 	require.NoError(t, g.Store().Set(ctx, "refs/taken", []byte("yes")))
 	assert.Equal(t, 0, owner.wait(t))
