@@ -40,38 +40,61 @@ func pair(t *testing.T, ctx context.Context, extra ...Option) (g0, g1 *Group) {
 }
 
 // A value that does not decode is dropped at the getter's word, not put
-// back at the head of the queue where it would fail every Get after.
+// back at the head of the queue where it would fail every Get after:
+// through Flight, and through the same-host shortcut (this process's two
+// ranks are on one host).
 func TestMalformedValueIsDropped(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	g0, _ := pair(t, ctx)
-	q, err := g0.Queue(ctx, "q", WithOwner(1))
-	require.NoError(t, err)
+	// A tensor extension with garbage for metadata.
+	bad := []byte{0xc7, 0x03, 0x54, 0x01, 0x02, 0x03}
+	for _, tc := range []struct {
+		name    string
+		shared  bool
+		putJunk func(t *testing.T, ctx context.Context, q *Queue)
+	}{
+		{"flight", false, func(t *testing.T, ctx context.Context, q *Queue) {
+			s, err := q.open(ctx, "put")
+			require.NoError(t, err)
+			empty, err := emptyBatch()
+			require.NoError(t, err)
+			require.NoError(t, s.SendMsg(&outData{header: mustSchema()}))
+			require.NoError(t, s.SendMsg(&outData{header: empty, meta: (&frame{Kind: kindValue, Data: bad}).marshal()}))
+			f, err := newReader(s, 0).next()
+			require.NoError(t, err)
+			require.Equal(t, kindAck, f.Kind, "the owner queues what it cannot judge")
+		}},
+		{"same host", true, func(t *testing.T, ctx context.Context, q *Queue) {
+			p, err := q.dialQueue(ctx, "put")
+			require.NoError(t, err, "the ranks share a host")
+			defer p.Close()
+			require.NoError(t, p.Send(ctx, sharedValue{Data: bad}))
+			var a sharedAnswer
+			require.NoError(t, p.Recv(ctx, &a))
+			require.Empty(t, a.Err, "the owner queues what it cannot judge")
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			g0, _ := pair(t, ctx, WithSameHostShortcut(tc.shared))
+			q, err := g0.Queue(ctx, "q", WithOwner(1))
+			require.NoError(t, err)
+			tc.putJunk(t, ctx, q)
 
-	// A putter that sends a tensor extension with garbage for metadata.
-	s, err := q.open(ctx, "put")
-	require.NoError(t, err)
-	bad := frame{Kind: kindValue, Data: []byte{0xc7, 0x03, 0x54, 0x01, 0x02, 0x03}}
-	empty, err := emptyBatch()
-	require.NoError(t, err)
-	require.NoError(t, s.SendMsg(&outData{header: mustSchema()}))
-	require.NoError(t, s.SendMsg(&outData{header: empty, meta: bad.marshal()}))
-	f, err := newReader(s, 0).next()
-	require.NoError(t, err)
-	require.Equal(t, kindAck, f.Kind, "the owner queues what it cannot judge")
+			x, err := tensor.Arange(tensor.Int64, 10)
+			require.NoError(t, err)
+			require.NoError(t, q.Put(ctx, x))
 
-	x, err := tensor.Arange(tensor.Int64, 10)
-	require.NoError(t, err)
-	require.NoError(t, q.Put(ctx, x))
-
-	var got *tensor.Tensor
-	err = q.Get(ctx, &got)
-	require.Error(t, err)
-	assert.Contains(t, err.Error(), "dropped a malformed value")
-	require.NoError(t, q.Get(ctx, &got), "the next Get gets the next value")
-	assert.True(t, tensor.Equal(x, got))
-	_ = got.Release()
-	assert.NoError(t, g0.Err(), "a malformed value fails a Get, not the group")
+			var got *tensor.Tensor
+			err = q.Get(ctx, &got)
+			require.Error(t, err)
+			assert.Contains(t, err.Error(), "dropped a malformed value")
+			require.NoError(t, q.Get(ctx, &got), "the next Get gets the next value")
+			assert.True(t, tensor.Equal(x, got))
+			_ = got.Release()
+			_ = x.Release()
+			assert.NoError(t, g0.Err(), "a malformed value fails a Get, not the group")
+		})
+	}
 }
 
 // A value announcing more than WithMaxValue allows is refused before any
