@@ -212,3 +212,37 @@ func offerCount(g *Group) int {
 	defer g.node.offers.mu.Unlock()
 	return len(g.node.offers.m)
 }
+
+// Through the same-host shortcut, a Put that waits for room and gives up
+// leaves nothing behind on the owner, and a Get that gives up takes
+// nothing.
+func TestSameHostPutAndGetGiveUp(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	g0, _ := pair(t, ctx, WithSameHostShortcut(true))
+	q, err := g0.Queue(ctx, "q", WithOwner(1), WithCapacity(1))
+	require.NoError(t, err)
+	_, ok := g0.sameHost(1)
+	require.True(t, ok, "the ranks share a host")
+
+	x, err := tensor.Arange(tensor.Int64, 10)
+	require.NoError(t, err)
+	defer x.Release()
+	require.NoError(t, q.Put(ctx, x))
+	short, stop := context.WithTimeout(ctx, 200*time.Millisecond)
+	assert.ErrorIs(t, q.Put(short, x), context.DeadlineExceeded, "no room")
+	stop()
+
+	var got *tensor.Tensor
+	require.NoError(t, q.Get(ctx, &got))
+	assert.True(t, tensor.Equal(x, got))
+	short, stop = context.WithTimeout(ctx, 200*time.Millisecond)
+	assert.ErrorIs(t, q.Get(short, &got), context.DeadlineExceeded, "the Put that gave up left no value")
+	stop()
+
+	// The owner still serves: a Get that gave up took nothing.
+	require.NoError(t, q.Put(ctx, x))
+	require.NoError(t, q.Get(ctx, &got))
+	assert.True(t, tensor.Equal(x, got))
+	assert.NoError(t, g0.Err())
+}
