@@ -59,7 +59,7 @@ func (e *BodyEncoder) Encode(v any) (data []byte, bodies []*tensor.Storage, err 
 
 // bodyWriter is a BodyEncoder's writer: the message's bytes and bodies.
 type bodyWriter struct {
-	buf    []byte
+	msgBuf
 	meta   []byte
 	bodies []*tensor.Storage
 	index  map[*tensor.Storage]int
@@ -70,16 +70,6 @@ func (w *bodyWriter) reset() {
 	clear(w.bodies)
 	w.bodies = w.bodies[:0]
 	clear(w.index)
-}
-
-func (w *bodyWriter) Write(p []byte) (int, error) {
-	w.buf = append(w.buf, p...)
-	return len(p), nil
-}
-
-func (w *bodyWriter) WriteByte(c byte) error {
-	w.buf = append(w.buf, c)
-	return nil
 }
 
 // encode writes t's Meta naming its storage's body.

@@ -153,7 +153,7 @@ func closeAll(fds []int) {
 // msgpack hands it back to encodeTensor through Encoder.Writer, so the
 // descriptor list never lives in a package variable.
 type fdWriter struct {
-	buf   []byte
+	msgBuf
 	fds   []int
 	index map[int]int // descriptor -> its position in fds
 
@@ -177,13 +177,17 @@ func (w *fdWriter) reset() {
 	w.settle(lease.Done)
 }
 
-func (w *fdWriter) Write(p []byte) (int, error) {
-	w.buf = append(w.buf, p...)
+// msgBuf is the bytes of one message, as msgpack writes them: the part
+// the Encoder's and the BodyEncoder's writers share.
+type msgBuf struct{ buf []byte }
+
+func (b *msgBuf) Write(p []byte) (int, error) {
+	b.buf = append(b.buf, p...)
 	return len(p), nil
 }
 
-func (w *fdWriter) WriteByte(c byte) error {
-	w.buf = append(w.buf, c)
+func (b *msgBuf) WriteByte(c byte) error {
+	b.buf = append(b.buf, c)
 	return nil
 }
 
