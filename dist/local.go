@@ -319,27 +319,27 @@ func (q *queueState) serveSharedPut(ctx context.Context, p *mp.Pipe, timeout tim
 func (q *queueState) serveSharedGet(ctx context.Context, p *mp.Pipe) {
 	var a sharedAnswer
 	wctx, done := awaitPeer(ctx, p, &a)
-	it, err := q.pop(wctx)
-	if err != nil {
+	popped := false
+	err := q.handOut(wctx, func(it item) error {
+		popped = true
+		sv := sharedValue{Data: it.data, Bodies: it.bodies}
+		if it.ref != nil {
+			sv = sharedValue{Data: it.data, Rank: it.ref.rank, Ticket: it.ref.ticket}
+		}
+		err := p.Send(ctx, sv)
+		if err != nil {
+			_ = p.Close() // ends the pending receive
+		}
+		if rerr := <-done; err == nil {
+			err = rerr
+		}
+		return err
+	})
+	if !popped {
 		_ = p.Send(ctx, sharedValue{Err: err.Error()})
-		_ = p.Close()
-		<-done
-		return
-	}
-	sv := sharedValue{Data: it.data, Bodies: it.bodies}
-	if it.ref != nil {
-		sv = sharedValue{Data: it.data, Rank: it.ref.rank, Ticket: it.ref.ticket}
-	}
-	if err = p.Send(ctx, sv); err != nil {
-		_ = p.Close()
-	}
-	if rerr := <-done; err == nil {
-		err = rerr
 	}
 	_ = p.Close()
-	if err != nil {
-		q.pushFront(it)
-		return
+	if !popped {
+		<-done
 	}
-	it.release() // taken, or dropped by the getter as expired or malformed
 }

@@ -501,31 +501,42 @@ func (q *queueState) servePut(s flight.FlightService_DoExchangeServer) error {
 // serveGet sends the head of the queue and removes it once the getter
 // acknowledges it; a getter that fails first leaves it at the head.
 func (q *queueState) serveGet(s flight.FlightService_DoExchangeServer) error {
-	it, err := q.pop(s.Context())
+	return q.handOut(s.Context(), func(it item) error {
+		w := newWriter(s, q.chunk)
+		var err error
+		if it.ref != nil {
+			err = w.sendValue(frame{Kind: kindValue, Data: it.data, Rank: it.ref.rank, Ticket: it.ref.ticket}, nil)
+		} else {
+			err = w.sendRaw(it.data, it.bodies)
+		}
+		if err != nil {
+			return err
+		}
+		var in inData
+		if err := s.RecvMsg(&in); err != nil {
+			return err
+		}
+		f, err := parseFrame(in.meta)
+		if err != nil || f.Kind != kindAck && f.Kind != kindError {
+			return status.Error(codes.InvalidArgument, "no answer for a value")
+		}
+		return nil // taken, or refused as malformed by the getter's decoder
+	})
+}
+
+// handOut takes the head of the queue, waiting while ctx lasts, and gives
+// it to deliver. The value leaves the queue only when deliver returns nil:
+// its getter has it, or dropped it for good (malformed, expired).
+// Otherwise it goes back to the head.
+func (q *queueState) handOut(ctx context.Context, deliver func(item) error) error {
+	it, err := q.pop(ctx)
 	if err != nil {
 		return err
 	}
-	w := newWriter(s, q.chunk)
-	if it.ref != nil {
-		err = w.sendValue(frame{Kind: kindValue, Data: it.data, Rank: it.ref.rank, Ticket: it.ref.ticket}, nil)
-	} else {
-		err = w.sendRaw(it.data, it.bodies)
-	}
-	if err != nil {
+	if err := deliver(it); err != nil {
 		q.pushFront(it)
 		return err
 	}
-	var in inData
-	if err := s.RecvMsg(&in); err != nil {
-		q.pushFront(it)
-		return err
-	}
-	f, err := parseFrame(in.meta)
-	if err != nil || f.Kind != kindAck && f.Kind != kindError {
-		q.pushFront(it)
-		return status.Error(codes.InvalidArgument, "no answer for a value")
-	}
-	// Taken, or refused as malformed by the getter's decoder: gone.
 	it.release()
 	return nil
 }
