@@ -1,0 +1,330 @@
+package main
+
+/*
+#include <stdint.h>
+#include <stdlib.h>
+#include "dlpack.h"
+
+enum {
+	TENSORMP_OK = 0,
+	TENSORMP_ERROR = 1,   // see *err
+	TENSORMP_TIMEOUT = 2, // the timeout passed first; nothing was sent or taken
+	TENSORMP_CLOSED = 3,  // the endpoint, or its peer, is closed
+};
+*/
+import "C"
+
+import (
+	"context"
+	"errors"
+	"os"
+	"time"
+	"unsafe"
+
+	"github.com/tensormp/tensormp/mp"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// status reports err through errOut (a C string the caller frees with
+// tensormp_free) and returns its status code.
+func status(err error, errOut **C.char) C.int {
+	if err == nil {
+		return C.TENSORMP_OK
+	}
+	if errOut != nil {
+		*errOut = C.CString(err.Error())
+	}
+	switch {
+	case errors.Is(err, context.DeadlineExceeded):
+		return C.TENSORMP_TIMEOUT
+	case errors.Is(err, mp.ErrClosed):
+		return C.TENSORMP_CLOSED
+	}
+	return C.TENSORMP_ERROR
+}
+
+// deadline returns a context that ends after timeoutMS milliseconds, or
+// never when timeoutMS is negative.
+func deadline(timeoutMS C.int64_t) (context.Context, context.CancelFunc) {
+	if timeoutMS < 0 {
+		return context.WithCancel(context.Background())
+	}
+	return context.WithTimeout(context.Background(), time.Duration(timeoutMS)*time.Millisecond)
+}
+
+func setHandle(out *C.int64_t, h int64) {
+	if out != nil {
+		*out = C.int64_t(h)
+	}
+}
+
+//export tensormp_free
+func tensormp_free(p unsafe.Pointer) { C.free(p) }
+
+//export tensormp_listen
+func tensormp_listen(addr *C.char, mode C.uint32_t, out *C.int64_t, errOut **C.char) C.int {
+	l, err := mp.Listen(C.GoString(addr), mp.WithMode(os.FileMode(mode)))
+	if err == nil {
+		setHandle(out, handles.add(l))
+	}
+	return status(err, errOut)
+}
+
+//export tensormp_accept
+func tensormp_accept(listener C.int64_t, timeoutMS C.int64_t, out *C.int64_t, peerPID *C.int64_t, errOut **C.char) C.int {
+	l, err := lookup[*mp.Listener](int64(listener))
+	if err != nil {
+		return status(err, errOut)
+	}
+	ctx, cancel := deadline(timeoutMS)
+	defer cancel()
+	p, cred, err := l.Accept(ctx)
+	if err == nil {
+		setHandle(out, handles.add(p))
+		if peerPID != nil {
+			*peerPID = C.int64_t(cred.PID)
+		}
+	}
+	return status(err, errOut)
+}
+
+//export tensormp_dial
+func tensormp_dial(addr *C.char, timeoutMS C.int64_t, out *C.int64_t, errOut **C.char) C.int {
+	ctx, cancel := deadline(timeoutMS)
+	defer cancel()
+	p, err := mp.Dial(ctx, C.GoString(addr))
+	if err == nil {
+		setHandle(out, handles.add(p))
+	}
+	return status(err, errOut)
+}
+
+//export tensormp_queue_new
+func tensormp_queue_new(capacity C.int64_t, out *C.int64_t, errOut **C.char) C.int {
+	var opts []mp.QueueOption
+	if capacity > 0 {
+		opts = append(opts, mp.WithCapacity(int(capacity)))
+	}
+	q, err := mp.NewQueue(opts...)
+	if err == nil {
+		setHandle(out, handles.add(q))
+	}
+	return status(err, errOut)
+}
+
+//export tensormp_close
+func tensormp_close(h C.int64_t, errOut **C.char) C.int {
+	return status(handles.close(int64(h)), errOut)
+}
+
+// endpoint is what values are sent on and received from.
+type endpoint interface {
+	send(ctx context.Context, v any) error
+	recv(ctx context.Context, v any) error
+}
+
+type queueEnd struct{ *mp.Queue }
+
+func (q queueEnd) send(ctx context.Context, v any) error { return q.Put(ctx, v) }
+func (q queueEnd) recv(ctx context.Context, v any) error { return q.Get(ctx, v) }
+
+type pipeEnd struct{ *mp.Pipe }
+
+func (p pipeEnd) send(ctx context.Context, v any) error { return p.Send(ctx, v) }
+func (p pipeEnd) recv(ctx context.Context, v any) error { return p.Recv(ctx, v) }
+
+func endpointOf(h C.int64_t) (endpoint, error) {
+	obj, err := lookup[any](int64(h))
+	if err != nil {
+		return nil, err
+	}
+	switch x := obj.(type) {
+	case *mp.Queue:
+		return queueEnd{x}, nil
+	case *mp.Pipe:
+		return pipeEnd{x}, nil
+	}
+	return nil, errors.New("handle " + kindOf(obj) + " is neither a queue nor a pipe")
+}
+
+// tensormp_send sends the value whose JSON form is text on a queue (Put)
+// or pipe (Send). The tensors in it are shared, not copied; the caller
+// keeps its handles.
+//
+//export tensormp_send
+func tensormp_send(h C.int64_t, text *C.char, timeoutMS C.int64_t, errOut **C.char) C.int {
+	e, err := endpointOf(h)
+	if err != nil {
+		return status(err, errOut)
+	}
+	v, err := parseValue([]byte(C.GoString(text)))
+	if err != nil {
+		return status(err, errOut)
+	}
+	defer v.done()
+	ctx, cancel := deadline(timeoutMS)
+	defer cancel()
+	return status(e.send(ctx, v.v), errOut)
+}
+
+// tensormp_recv receives a value from a queue (Get) or pipe (Recv) and
+// sets *out to its JSON form, which the caller frees with tensormp_free.
+// The handles in it are the caller's.
+//
+//export tensormp_recv
+func tensormp_recv(h C.int64_t, timeoutMS C.int64_t, out **C.char, errOut **C.char) C.int {
+	e, err := endpointOf(h)
+	if err != nil {
+		return status(err, errOut)
+	}
+	ctx, cancel := deadline(timeoutMS)
+	defer cancel()
+	text, err := receive(ctx, e)
+	if err == nil && out != nil {
+		*out = C.CString(string(text))
+	}
+	return status(err, errOut)
+}
+
+// receive receives a value and returns its JSON form. Its storages are
+// held for the time it takes to name them (see holdTable).
+func receive(ctx context.Context, e endpoint) ([]byte, error) {
+	holds.beginReceive()
+	var v any
+	err := e.recv(ctx, &v)
+	var got []*tensor.Storage
+	var objs []any
+	if err == nil {
+		walk(v, func(o any) {
+			objs = append(objs, o)
+			if t, ok := o.(*tensor.Tensor); ok {
+				got = append(got, t.Storage())
+			}
+		})
+	}
+	holds.endReceive(got)
+	defer func() {
+		for _, s := range got {
+			holds.drop(s)
+		}
+	}()
+	if err != nil {
+		return nil, err
+	}
+	text, err := describe(v)
+	if err != nil {
+		for _, o := range objs {
+			if _, ok := o.(*tensor.Tensor); !ok {
+				_ = closeObject(o) // closing twice is harmless
+			}
+		}
+		return nil, err
+	}
+	return text, nil
+}
+
+// tensormp_empty makes a tensor of the given dtype (by name: "float32",
+// ...) and shape in new shared memory, not cleared, and sets *out to its
+// handle.
+//
+//export tensormp_empty
+func tensormp_empty(dtype *C.char, shape *C.int64_t, ndim C.int32_t, out *C.int64_t, errOut **C.char) C.int {
+	t, err := empty(C.GoString(dtype), shape, ndim)
+	if err == nil {
+		setHandle(out, handles.add(t))
+		holds.drop(t.Storage())
+	}
+	return status(err, errOut)
+}
+
+func empty(name string, cshape *C.int64_t, ndim C.int32_t) (*tensor.Tensor, error) {
+	dt, err := tensor.ParseDType(name)
+	if err != nil {
+		return nil, err
+	}
+	if ndim < 0 || ndim > tensor.MaxDims || (ndim > 0 && cshape == nil) {
+		return nil, errors.New("shape of a bad number of dimensions")
+	}
+	shape := make([]int, ndim)
+	if ndim > 0 {
+		for i, n := range unsafe.Slice(cshape, ndim) {
+			shape[i] = int(n)
+		}
+	}
+	if err := tensor.CheckView(dt, 0, shape, make([]int, ndim), int64(dt.Size())); err != nil {
+		return nil, err
+	}
+	n := int64(dt.Size())
+	for _, d := range shape {
+		n *= int64(d)
+	}
+	s, err := tensor.AllocSharedStorage(n)
+	if err != nil {
+		return nil, err
+	}
+	holds.hold(s)
+	t, err := tensor.FromStorage(s, dt, 0, shape, contiguous(shape))
+	if err != nil {
+		holds.drop(s)
+	}
+	return t, err
+}
+
+// tensormp_from_dlpack takes a DLPack tensor and sets *out to a handle to
+// it: the same memory when it lies in a tensor this process received or
+// made with tensormp_empty, else a copy in new shared memory. dtype, if
+// not NULL or empty, names the element type to use instead of DLPack's, of
+// the same size ("bool" for a tensor sent as uint8). It consumes m: m's
+// deleter has been called when it returns, whatever it returns.
+//
+//export tensormp_from_dlpack
+func tensormp_from_dlpack(m *C.DLManagedTensor, dtype *C.char, out *C.int64_t, errOut **C.char) C.int {
+	as := tensor.Invalid
+	if dtype != nil && *dtype != 0 {
+		var err error
+		if as, err = tensor.ParseDType(C.GoString(dtype)); err != nil {
+			consume(m)
+			return status(err, errOut)
+		}
+	}
+	t, err := fromDLPack(m, as)
+	if err == nil {
+		setHandle(out, handles.add(t))
+		holds.drop(t.Storage())
+	}
+	return status(err, errOut)
+}
+
+// tensormp_to_dlpack sets *out to a DLManagedTensor viewing a tensor's
+// memory. It holds the memory until its deleter is called, even if the
+// handle is closed first.
+//
+//export tensormp_to_dlpack
+func tensormp_to_dlpack(h C.int64_t, out **C.DLManagedTensor, errOut **C.char) C.int {
+	if out == nil {
+		return status(errors.New("no place for the DLManagedTensor (out is NULL)"), errOut)
+	}
+	t, err := holdTensor(int64(h))
+	if err != nil {
+		return status(err, errOut)
+	}
+	defer holds.drop(t.Storage())
+	m, err := toDLPack(t)
+	if err == nil {
+		*out = m
+	}
+	return status(err, errOut)
+}
+
+//export tensormp_dlpack_deleter
+func tensormp_dlpack_deleter(m *C.DLManagedTensor) {
+	exports.mu.Lock()
+	s, ok := exports.m[m]
+	delete(exports.m, m)
+	exports.mu.Unlock()
+	if !ok {
+		return // not ours, or deleted before: nothing to give back
+	}
+	holds.drop(s)
+	C.free(unsafe.Pointer(m))
+}

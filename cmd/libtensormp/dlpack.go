@@ -1,0 +1,285 @@
+package main
+
+/*
+#include <stdlib.h>
+#include "dlpack.h"
+
+extern void tensormp_dlpack_deleter(DLManagedTensor *m); // in abi.go
+
+static void tensormp_call_deleter(DLManagedTensor *m) {
+	if (m != NULL && m->deleter != NULL) {
+		m->deleter(m);
+	}
+}
+
+static void tensormp_set_deleter(DLManagedTensor *m) {
+	m->deleter = tensormp_dlpack_deleter;
+}
+*/
+import "C"
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"unsafe"
+
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// dlTypes maps tensormp's dtypes to DLPack's (code, bits); lanes are 1.
+var dlTypes = map[tensor.DType][2]uint8{
+	tensor.Bool:       {C.kDLBool, 8},
+	tensor.Uint8:      {C.kDLUInt, 8},
+	tensor.Int8:       {C.kDLInt, 8},
+	tensor.Int16:      {C.kDLInt, 16},
+	tensor.Int32:      {C.kDLInt, 32},
+	tensor.Int64:      {C.kDLInt, 64},
+	tensor.Float16:    {C.kDLFloat, 16},
+	tensor.BFloat16:   {C.kDLBfloat, 16},
+	tensor.Float32:    {C.kDLFloat, 32},
+	tensor.Float64:    {C.kDLFloat, 64},
+	tensor.Complex64:  {C.kDLComplex, 64},
+	tensor.Complex128: {C.kDLComplex, 128},
+}
+
+func dtypeOf(t C.DLDataType) (tensor.DType, error) {
+	if t.lanes == 1 {
+		for d, dl := range dlTypes {
+			if uint8(t.code) == dl[0] && uint8(t.bits) == dl[1] {
+				return d, nil
+			}
+		}
+	}
+	return tensor.Invalid, fmt.Errorf("DLPack dtype (code %d, bits %d, lanes %d) has no tensormp dtype", t.code, t.bits, t.lanes)
+}
+
+// exportTable holds, for each DLManagedTensor made and not yet deleted,
+// the storage it keeps held.
+type exportTable struct {
+	mu sync.Mutex
+	m  map[*C.DLManagedTensor]*tensor.Storage
+}
+
+var exports = &exportTable{m: make(map[*C.DLManagedTensor]*tensor.Storage)}
+
+// toDLPack makes a DLManagedTensor viewing t's memory, holding its
+// storage until the consumer calls the deleter. The struct, shape and
+// strides are one C allocation, freed by the deleter.
+func toDLPack(t *tensor.Tensor) (*C.DLManagedTensor, error) {
+	s := t.Storage()
+	if !s.Place().IsCPU() {
+		return nil, fmt.Errorf("tensor on %s: only CPU tensors are exported through DLPack", s.Place())
+	}
+	if !s.IsShared() {
+		return nil, errors.New("tensor is not in shared memory")
+	}
+	b := s.Bytes()
+	if b == nil {
+		return nil, tensor.ErrReleased
+	}
+	shape, strides := t.Shape(), t.Strides()
+	nd := len(shape)
+	size := C.size_t(unsafe.Sizeof(C.DLManagedTensor{})) + C.size_t(2*nd)*8
+	m := (*C.DLManagedTensor)(C.calloc(1, size))
+	if m == nil {
+		return nil, errors.New("out of memory for a DLManagedTensor")
+	}
+	dims := unsafe.Slice((*C.int64_t)(unsafe.Add(unsafe.Pointer(m), unsafe.Sizeof(*m))), 2*nd)
+	for i := range nd {
+		dims[i] = C.int64_t(shape[i])
+		dims[nd+i] = C.int64_t(strides[i])
+	}
+	dl := &m.dl_tensor
+	// A tensor with no bytes still gets a pointer that is not NULL: some
+	// consumers refuse NULL. Nothing is read through it.
+	dl.data = unsafe.Pointer(m)
+	if len(b) > 0 {
+		dl.data = unsafe.Add(unsafe.Pointer(unsafe.SliceData(b)), t.Offset())
+	}
+	dl.device = C.DLDevice{device_type: C.kDLCPU}
+	dl.ndim = C.int32_t(nd)
+	code := dlTypes[t.DType()]
+	dl.dtype = C.DLDataType{code: C.uint8_t(code[0]), bits: C.uint8_t(code[1]), lanes: 1}
+	if nd > 0 {
+		dl.shape = &dims[0]
+		dl.strides = &dims[nd]
+	}
+	C.tensormp_set_deleter(m)
+	holds.hold(s)
+	exports.mu.Lock()
+	exports.m[m] = s
+	exports.mu.Unlock()
+	return m, nil
+}
+
+// fromDLPack returns a tensor for a DLPack tensor: on the same storage
+// when its memory lies in a storage this process holds (a tensor it
+// received, or made with tensormp_empty), else a copy in new shared
+// memory, laid out compact. as, if valid, overrides the element type of
+// the same size (a bool tensor sent as uint8). It consumes m: its deleter
+// is called before fromDLPack returns. The tensor returned holds its
+// storage once; the caller drops it.
+func fromDLPack(m *C.DLManagedTensor, as tensor.DType) (*tensor.Tensor, error) {
+	if m == nil {
+		return nil, errors.New("DLManagedTensor is NULL")
+	}
+	defer consume(m)
+	dl := &m.dl_tensor
+	if dl.device.device_type != C.kDLCPU && dl.device.device_type != C.kDLCUDAHost {
+		return nil, fmt.Errorf("DLPack device type %d: only CPU memory is taken", dl.device.device_type)
+	}
+	dt, err := dtypeOf(dl.dtype)
+	if err != nil {
+		return nil, err
+	}
+	if as != tensor.Invalid {
+		if as.Size() != dt.Size() {
+			return nil, fmt.Errorf("dtype %v cannot stand for DLPack's %v", as, dt)
+		}
+		dt = as
+	}
+	nd := int(dl.ndim)
+	if nd < 0 || nd > tensor.MaxDims {
+		return nil, fmt.Errorf("DLPack tensor of %d dimensions (at most %d)", nd, tensor.MaxDims)
+	}
+	if nd > 0 && dl.shape == nil {
+		return nil, errors.New("DLPack tensor without a shape")
+	}
+	shape := make([]int, nd)
+	strides := make([]int, nd)
+	compact := dl.strides == nil
+	if nd > 0 {
+		for i, n := range unsafe.Slice(dl.shape, nd) {
+			if n < 0 {
+				return nil, fmt.Errorf("DLPack shape has negative size %d in dimension %d", n, i)
+			}
+			shape[i] = int(n)
+		}
+		if !compact {
+			for i, st := range unsafe.Slice(dl.strides, nd) {
+				strides[i] = int(st)
+			}
+		}
+	}
+	if err := tensor.CheckView(dt, 0, shape, make([]int, nd), int64(dt.Size())); err != nil {
+		return nil, err // the shape, before any arithmetic on it
+	}
+	if compact {
+		strides = contiguous(shape)
+	}
+	lo, hi, empty, err := extent(dt, shape, strides)
+	if err != nil {
+		return nil, err
+	}
+	src := unsafe.Add(dl.data, dl.byte_offset)
+	p := uintptr(src)
+	if empty {
+		s, err := tensor.AllocSharedStorage(0)
+		if err != nil {
+			return nil, err
+		}
+		holds.hold(s)
+		return tensor.FromStorage(s, dt, 0, shape, contiguous(shape))
+	}
+	if lo == 0 {
+		if s := holds.holdAt(p, uintptr(hi)); s != nil {
+			base := uintptr(unsafe.Pointer(unsafe.SliceData(s.Bytes())))
+			t, err := tensor.FromStorage(s, dt, int64(p-base), shape, strides)
+			if err == nil {
+				return t, nil
+			}
+			holds.drop(s) // not a view tensormp can express: copy it
+		}
+	}
+	return copyForeign(src, dt, shape, strides)
+}
+
+// consume calls m's deleter: the consumer is done with it.
+func consume(m *C.DLManagedTensor) { C.tensormp_call_deleter(m) }
+
+// extent returns the byte range [lo, hi) that a view's elements span
+// relative to its first element's address (lo < 0 with negative strides),
+// or empty when it has no elements. The shape is checked already.
+func extent(dt tensor.DType, shape, strides []int) (lo, hi int64, empty bool, err error) {
+	item := int64(dt.Size())
+	for _, n := range shape {
+		if n == 0 {
+			return 0, 0, true, nil
+		}
+	}
+	const limit = 1 << 62
+	for i, n := range shape {
+		st := int64(strides[i])
+		if st > limit/item || st < -limit/item {
+			return 0, 0, false, fmt.Errorf("DLPack stride %d overflows", st)
+		}
+		reach := int64(n-1) * st * item
+		if int64(n-1) != 0 && reach/int64(n-1) != st*item {
+			return 0, 0, false, fmt.Errorf("DLPack shape %v with strides %v overflows", shape, strides)
+		}
+		if reach < 0 {
+			lo += reach
+		} else {
+			hi += reach
+		}
+		if lo < -limit || hi > limit {
+			return 0, 0, false, fmt.Errorf("DLPack shape %v with strides %v overflows", shape, strides)
+		}
+	}
+	return lo, hi + item, false, nil
+}
+
+// copyForeign copies the elements of a view of memory this process does
+// not hold into new shared memory, compact.
+func copyForeign(src unsafe.Pointer, dt tensor.DType, shape, strides []int) (*tensor.Tensor, error) {
+	item := dt.Size()
+	n := item
+	for _, d := range shape {
+		n *= d
+	}
+	s, err := tensor.AllocSharedStorage(int64(n))
+	if err != nil {
+		return nil, err
+	}
+	holds.hold(s)
+	gather(s.Bytes(), src, item, shape, strides)
+	t, err := tensor.FromStorage(s, dt, 0, shape, contiguous(shape))
+	if err != nil {
+		holds.drop(s)
+		return nil, err
+	}
+	return t, nil
+}
+
+// gather copies the view at src (strides in elements of item bytes) into
+// dst, compact. Runs that are contiguous in memory are copied whole.
+func gather(dst []byte, src unsafe.Pointer, item int, shape, strides []int) {
+	// Fold the innermost compact dimensions into one run.
+	run, d := item, len(shape)
+	for d > 0 && strides[d-1]*item == run {
+		run *= shape[d-1]
+		d--
+	}
+	var walk func(dim int, at unsafe.Pointer, out []byte) []byte
+	walk = func(dim int, at unsafe.Pointer, out []byte) []byte {
+		if dim == d {
+			return out[copy(out, unsafe.Slice((*byte)(at), run)):]
+		}
+		for i := range shape[dim] {
+			out = walk(dim+1, unsafe.Add(at, i*strides[dim]*item), out)
+		}
+		return out
+	}
+	walk(0, src, dst)
+}
+
+func contiguous(shape []int) []int {
+	strides := make([]int, len(shape))
+	step := 1
+	for i := len(shape) - 1; i >= 0; i-- {
+		strides[i] = step
+		step *= max(shape[i], 1)
+	}
+	return strides
+}
