@@ -16,6 +16,7 @@ import "C"
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"os"
 	"time"
@@ -279,13 +280,10 @@ func empty(name string, cshape *C.int64_t, ndim C.int32_t) (*tensor.Tensor, erro
 //
 //export tensormp_from_dlpack
 func tensormp_from_dlpack(m *C.DLManagedTensor, dtype *C.char, out *C.int64_t, errOut **C.char) C.int {
-	as := tensor.Invalid
-	if dtype != nil && *dtype != 0 {
-		var err error
-		if as, err = tensor.ParseDType(C.GoString(dtype)); err != nil {
-			consume(m)
-			return status(err, errOut)
-		}
+	as, err := parseAs(dtype)
+	if err != nil {
+		consume(m)
+		return status(err, errOut)
 	}
 	t, err := fromDLPack(m, as)
 	if err == nil {
@@ -295,25 +293,55 @@ func tensormp_from_dlpack(m *C.DLManagedTensor, dtype *C.char, out *C.int64_t, e
 	return status(err, errOut)
 }
 
+// tensormp_describe sets *out to a tensor's JSON form (see the package
+// doc), which the caller frees with tensormp_free.
+//
+//export tensormp_describe
+func tensormp_describe(h C.int64_t, out **C.char, errOut **C.char) C.int {
+	t, err := lookup[*tensor.Tensor](int64(h))
+	if err != nil {
+		return status(err, errOut)
+	}
+	text, err := json.Marshal(tensorForm(int64(h), t))
+	if err == nil && out != nil {
+		*out = C.CString(string(text))
+	}
+	return status(err, errOut)
+}
+
 // tensormp_to_dlpack sets *out to a DLManagedTensor viewing a tensor's
 // memory. It holds the memory until its deleter is called, even if the
-// handle is closed first.
+// handle is closed first. dtype, if not NULL or empty, names the element
+// type DLPack is told instead of the tensor's, of the same size ("uint8"
+// for a bool tensor, for consumers that take no DLPack bool).
 //
 //export tensormp_to_dlpack
-func tensormp_to_dlpack(h C.int64_t, out **C.DLManagedTensor, errOut **C.char) C.int {
+func tensormp_to_dlpack(h C.int64_t, dtype *C.char, out **C.DLManagedTensor, errOut **C.char) C.int {
 	if out == nil {
 		return status(errors.New("no place for the DLManagedTensor (out is NULL)"), errOut)
+	}
+	as, err := parseAs(dtype)
+	if err != nil {
+		return status(err, errOut)
 	}
 	t, err := holdTensor(int64(h))
 	if err != nil {
 		return status(err, errOut)
 	}
 	defer holds.drop(t.Storage())
-	m, err := toDLPack(t)
+	m, err := toDLPack(t, as)
 	if err == nil {
 		*out = m
 	}
 	return status(err, errOut)
+}
+
+// parseAs parses an optional dtype name: NULL or empty is Invalid.
+func parseAs(name *C.char) (tensor.DType, error) {
+	if name == nil || *name == 0 {
+		return tensor.Invalid, nil
+	}
+	return tensor.ParseDType(C.GoString(name))
 }
 
 //export tensormp_dlpack_deleter

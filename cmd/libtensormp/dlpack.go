@@ -64,9 +64,17 @@ type exportTable struct {
 var exports = &exportTable{m: make(map[*C.DLManagedTensor]*tensor.Storage)}
 
 // toDLPack makes a DLManagedTensor viewing t's memory, holding its
-// storage until the consumer calls the deleter. The struct, shape and
+// storage until the consumer calls the deleter. as, if valid, is the
+// dtype DLPack is told, of the same size as t's. The struct, shape and
 // strides are one C allocation, freed by the deleter.
-func toDLPack(t *tensor.Tensor) (*C.DLManagedTensor, error) {
+func toDLPack(t *tensor.Tensor, as tensor.DType) (*C.DLManagedTensor, error) {
+	dt := t.DType()
+	if as != tensor.Invalid {
+		if as.Size() != dt.Size() {
+			return nil, fmt.Errorf("dtype %v cannot stand for %v", as, dt)
+		}
+		dt = as
+	}
 	s := t.Storage()
 	if !s.Place().IsCPU() {
 		return nil, fmt.Errorf("tensor on %s: only CPU tensors are exported through DLPack", s.Place())
@@ -99,7 +107,7 @@ func toDLPack(t *tensor.Tensor) (*C.DLManagedTensor, error) {
 	}
 	dl.device = C.DLDevice{device_type: C.kDLCPU}
 	dl.ndim = C.int32_t(nd)
-	code := dlTypes[t.DType()]
+	code := dlTypes[dt]
 	dl.dtype = C.DLDataType{code: C.uint8_t(code[0]), bits: C.uint8_t(code[1]), lanes: 1}
 	if nd > 0 {
 		dl.shape = &dims[0]

@@ -194,10 +194,7 @@ func (in *incoming) convert(v any, depth int) (any, error) {
 		if x == nil {
 			return nil, nil
 		}
-		return map[string]any{
-			objectKey: "tensor", "h": in.handle(x),
-			"dtype": x.DType().String(), "shape": x.Shape(), "strides": x.Strides(),
-		}, nil
+		return tensorForm(in.handle(x), x), nil
 	case *mp.Queue:
 		return map[string]any{objectKey: "queue", "h": in.handle(x)}, nil
 	case *mp.Pipe:
@@ -238,6 +235,14 @@ func (in *incoming) convert(v any, depth int) (any, error) {
 		return out, nil
 	}
 	return nil, fmt.Errorf("a %T has no JSON form", v)
+}
+
+// tensorForm is the JSON form of tensor t named by handle h.
+func tensorForm(h int64, t *tensor.Tensor) map[string]any {
+	return map[string]any{
+		objectKey: "tensor", "h": h,
+		"dtype": t.DType().String(), "shape": t.Shape(), "strides": t.Strides(),
+	}
 }
 
 // float returns f, or its object form if JSON has no number for it.
