@@ -38,6 +38,7 @@ func TestMain(m *testing.M) {
 		panic(err)
 	}
 	code := m.Run()
+	pythonCleanup()
 	_ = tensor.CloseBackends() // the driver's files of the GPU tests go with it
 	os.Exit(code)
 }

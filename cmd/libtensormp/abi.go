@@ -18,6 +18,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"time"
 	"unsafe"
@@ -243,8 +244,11 @@ func empty(name string, cshape *C.int64_t, ndim C.int32_t) (*tensor.Tensor, erro
 	if err != nil {
 		return nil, err
 	}
-	if ndim < 0 || ndim > tensor.MaxDims || (ndim > 0 && cshape == nil) {
-		return nil, errors.New("shape of a bad number of dimensions")
+	if ndim < 0 || ndim > tensor.MaxDims {
+		return nil, fmt.Errorf("shape of %d dimensions (at most %d)", ndim, tensor.MaxDims)
+	}
+	if ndim > 0 && cshape == nil {
+		return nil, errors.New("shape is NULL")
 	}
 	shape := make([]int, ndim)
 	if ndim > 0 {

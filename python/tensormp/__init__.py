@@ -247,11 +247,46 @@ class Tensor(_Handle):
         return torch.from_dlpack(self)
 
     def numpy(self):
-        """Returns a NumPy array on this tensor's memory."""
+        """Returns a writable NumPy array on this tensor's memory
+        (numpy.from_dlpack gives a read-only one)."""
         import numpy
-        if self.dtype == "bool":
-            return numpy.from_dlpack(_As(self, "uint8")).view(numpy.bool_)
-        return numpy.from_dlpack(self)
+        return numpy.asarray(_ArrayView(self))
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32),
+                ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32),
+                ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8),
+                ("lanes", ctypes.c_uint16), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+_TYPESTR = {"bool": "|b1", "uint8": "|u1", "int8": "|i1", "int16": "<i2",
+            "int32": "<i4", "int64": "<i8", "float16": "<f2", "float32": "<f4",
+            "float64": "<f8", "complex64": "<c8", "complex128": "<c16"}
+
+
+class _ArrayView:
+    """A tensor's memory as NumPy's array interface, held through a DLPack
+    export until NumPy lets go of it."""
+
+    def __init__(self, t):
+        if t.dtype not in _TYPESTR:
+            raise TypeError(f"tensormp: NumPy has no {t.dtype}")
+        out = ctypes.c_void_p()
+        _call(_to_dlpack, t._handle(), None, ctypes.byref(out))
+        self._m = out.value
+        dl = _DLTensor.from_address(self._m)
+        item = int(_TYPESTR[t.dtype][2:])
+        self.__array_interface__ = {
+            "version": 3, "typestr": _TYPESTR[t.dtype], "data": (dl.data, False),
+            "shape": t.shape, "strides": tuple(s * item for s in t.strides),
+        }
+
+    def __del__(self):
+        if self._m:
+            _deleter(self._m)
+            self._m = None
 
 
 class _As:

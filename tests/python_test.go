@@ -1,0 +1,529 @@
+package tests
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/mp"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// requirePythonEnv, when set, makes a missing Python with torch and NumPy
+// fail the Python tests instead of skipping them (CI sets it).
+const requirePythonEnv = "TENSORMP_REQUIRE_PYTHON"
+
+// pythonSetup is the Python interpreter the tests run and the library
+// they give it, found and built once.
+var pythonSetup = sync.OnceValues(func() (pythonRun, error) {
+	var candidates []string
+	if p := os.Getenv("TENSORMP_PYTHON"); p != "" {
+		candidates = append(candidates, p)
+	}
+	candidates = append(candidates, "/usr/bin/python3", "python3")
+	var run pythonRun
+	for _, c := range candidates {
+		if exec.Command(c, "-c", "import torch, numpy").Run() == nil {
+			run.python = c
+			break
+		}
+	}
+	if run.python == "" {
+		return run, fmt.Errorf("no Python 3 with torch and numpy among %v (Debian: apt-get install python3-torch python3-numpy)", candidates)
+	}
+	dir, err := os.MkdirTemp("", "tensormp-python")
+	if err != nil {
+		return run, err
+	}
+	pythonCleanup = func() { _ = os.RemoveAll(dir) }
+	run.lib = filepath.Join(dir, "libtensormp.so")
+	build := exec.Command("go", "build", "-buildmode=c-shared", "-o", run.lib, "./cmd/libtensormp")
+	build.Dir = ".."
+	if out, err := build.CombinedOutput(); err != nil {
+		return run, fmt.Errorf("building libtensormp: %v\n%s", err, out)
+	}
+	run.pkg, err = filepath.Abs("../python")
+	return run, err
+})
+
+// pythonCleanup removes what pythonSetup made; TestMain calls it.
+var pythonCleanup = func() {}
+
+type pythonRun struct {
+	python, lib, pkg string
+}
+
+// pythonPeer is a running tests/testdata/python_peer.py.
+type pythonPeer struct {
+	cmd  *exec.Cmd
+	out  bytes.Buffer
+	done chan error
+}
+
+// startPython runs python_peer.py in role, reaching addr. Without a
+// Python that has torch and NumPy it skips t, unless TENSORMP_REQUIRE_PYTHON
+// is set.
+func startPython(t *testing.T, role, addr string) *pythonPeer {
+	t.Helper()
+	run, err := pythonSetup()
+	if err != nil {
+		if os.Getenv(requirePythonEnv) != "" {
+			t.Fatal(err)
+		}
+		t.Skip(err)
+	}
+	script, err := filepath.Abs("testdata/python_peer.py")
+	require.NoError(t, err)
+	p := &pythonPeer{cmd: exec.Command(run.python, script, role), done: make(chan error, 1)}
+	p.cmd.Env = append(os.Environ(), "PYTHONPATH="+run.pkg, "TENSORMP_LIB="+run.lib, "ENDPOINT="+addr)
+	p.cmd.Stdout, p.cmd.Stderr = &p.out, &p.out
+	require.NoError(t, p.cmd.Start())
+	go func() { p.done <- p.cmd.Wait() }()
+	t.Cleanup(func() {
+		_ = p.cmd.Process.Kill()
+		<-p.done
+	})
+	return p
+}
+
+// wait waits for the peer to exit and fails t, with its output, unless it
+// exited 0.
+func (p *pythonPeer) wait(t *testing.T) {
+	t.Helper()
+	select {
+	case err := <-p.done:
+		p.done <- err
+		require.NoError(t, err, "python peer:\n%s", p.out.String())
+	case <-time.After(time.Minute):
+		_ = p.cmd.Process.Kill()
+		t.Fatalf("python peer did not exit:\n%s", p.output())
+	}
+}
+
+// output returns what the peer printed, once it has exited: it is given
+// a few seconds, then killed.
+func (p *pythonPeer) output() string {
+	select {
+	case err := <-p.done:
+		p.done <- err
+	case <-time.After(5 * time.Second):
+		_ = p.cmd.Process.Kill()
+		p.done <- <-p.done
+	}
+	return p.out.String()
+}
+
+// check fails t on err, with what was being done and the peer's output.
+func (p *pythonPeer) check(t *testing.T, err error, format string, args ...any) {
+	t.Helper()
+	if err != nil {
+		t.Fatalf("%s: %v\npython peer:\n%s", fmt.Sprintf(format, args...), err, p.output())
+	}
+}
+
+// acceptPython listens on a fresh abstract name, starts the peer in role
+// and returns the listener and the peer's pipe.
+func acceptPython(t *testing.T, ctx context.Context, role string) (*pythonPeer, *mp.Pipe) {
+	t.Helper()
+	addr := "@tensormp-python-" + strconv.Itoa(os.Getpid()) + "-" + strings.ReplaceAll(t.Name(), "/", "-")
+	l, err := mp.Listen(addr)
+	require.NoError(t, err)
+	defer l.Close()
+	peer := startPython(t, role, addr)
+	p, cred, err := l.Accept(ctx)
+	peer.check(t, err, "accept")
+	assert.Equal(t, peer.cmd.Process.Pid, cred.PID)
+	t.Cleanup(func() { _ = p.Close() })
+	return peer, p
+}
+
+// sharedDTypes are the dtypes torch and NumPy both take, and bfloat16
+// (torch only).
+var sharedDTypes = []tensor.DType{
+	tensor.Bool, tensor.Uint8, tensor.Int8, tensor.Int16, tensor.Int32, tensor.Int64,
+	tensor.Float16, tensor.BFloat16, tensor.Float32, tensor.Float64,
+	tensor.Complex64, tensor.Complex128,
+}
+
+// elements returns t's elements in row-major order as complex numbers.
+func elements(t *tensor.Tensor) ([]complex128, error) {
+	switch t.DType() {
+	case tensor.Bool:
+		return convert(func(v bool) complex128 {
+			if v {
+				return 1
+			}
+			return 0
+		})(tensor.Values[bool](t))
+	case tensor.Uint8:
+		return convert(func(v uint8) complex128 { return complex(float64(v), 0) })(tensor.Values[uint8](t))
+	case tensor.Int8:
+		return convert(func(v int8) complex128 { return complex(float64(v), 0) })(tensor.Values[int8](t))
+	case tensor.Int16:
+		return convert(func(v int16) complex128 { return complex(float64(v), 0) })(tensor.Values[int16](t))
+	case tensor.Int32:
+		return convert(func(v int32) complex128 { return complex(float64(v), 0) })(tensor.Values[int32](t))
+	case tensor.Int64:
+		return convert(func(v int64) complex128 { return complex(float64(v), 0) })(tensor.Values[int64](t))
+	case tensor.Float16:
+		return convert(func(v tensor.Half) complex128 { return complex(float64(v.Float32()), 0) })(tensor.Values[tensor.Half](t))
+	case tensor.BFloat16:
+		return convert(func(v tensor.BHalf) complex128 { return complex(float64(v.Float32()), 0) })(tensor.Values[tensor.BHalf](t))
+	case tensor.Float32:
+		return convert(func(v float32) complex128 { return complex(float64(v), 0) })(tensor.Values[float32](t))
+	case tensor.Float64:
+		return convert(func(v float64) complex128 { return complex(v, 0) })(tensor.Values[float64](t))
+	case tensor.Complex64:
+		return convert(func(v complex64) complex128 { return complex128(v) })(tensor.Values[complex64](t))
+	case tensor.Complex128:
+		return tensor.Values[complex128](t)
+	}
+	return nil, fmt.Errorf("no elements for %v", t.DType())
+}
+
+// convert returns a function that converts what tensor.Values returns
+// with f.
+func convert[T any](f func(T) complex128) func([]T, error) ([]complex128, error) {
+	return func(vs []T, err error) ([]complex128, error) {
+		if err != nil {
+			return nil, err
+		}
+		out := make([]complex128, len(vs))
+		for i, v := range vs {
+			out[i] = f(v)
+		}
+		return out, nil
+	}
+}
+
+// pyElements turns the peer's [re, im] pairs and plain numbers into
+// complex numbers.
+func pyElements(vs []any) []complex128 {
+	out := make([]complex128, len(vs))
+	for i, v := range vs {
+		switch x := v.(type) {
+		case []any:
+			out[i] = complex(toFloat(x[0]), toFloat(x[1]))
+		default:
+			out[i] = complex(toFloat(x), 0)
+		}
+	}
+	return out
+}
+
+func toFloat(v any) float64 {
+	switch x := v.(type) {
+	case float64:
+		return x
+	case float32:
+		return float64(x)
+	case int64:
+		return float64(x)
+	case uint64:
+		return float64(x)
+	case int8, int16, int32, uint8, uint16, uint32:
+		n, _ := strconv.ParseFloat(fmt.Sprint(x), 64)
+		return n
+	}
+	return -1
+}
+
+func ints(vs []any) []int {
+	out := make([]int, len(vs))
+	for i, v := range vs {
+		out[i] = int(toFloat(v))
+	}
+	return out
+}
+
+// Go tensors of every dtype, contiguous and not, reach a PyTorch and a
+// NumPy consumer without a copy: they see the values and layout Go has,
+// and their in-place writes show in Go's memory.
+func TestPythonConsumerWritesInPlace(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	pool := mmapalloc.DefaultPool()
+	inUse := pool.InUse()
+	peer, p := acceptPython(t, ctx, "consumer")
+	for _, dt := range sharedDTypes {
+		for _, lib := range []string{"torch", "numpy"} {
+			if lib == "numpy" && dt == tensor.BFloat16 {
+				continue // NumPy has no bfloat16
+			}
+			base, err := tensor.On(device.CPU()).Shared().Arange(dt, 24)
+			require.NoError(t, err)
+			base, err = base.Reshape(4, 6)
+			require.NoError(t, err)
+			transposed, err := base.Transpose(0, 1)
+			require.NoError(t, err)
+			narrowed, err := base.Narrow(1, 1, 3)
+			require.NoError(t, err)
+			for name, x := range map[string]*tensor.Tensor{"contiguous": base, "transposed": transposed, "narrowed": narrowed} {
+				what := fmt.Sprintf("%v %s through %s", dt, name, lib)
+				want, err := elements(x)
+				require.NoError(t, err)
+				require.NoError(t, p.Send(ctx, map[string]any{"t": x, "lib": lib}), what)
+				var got map[string]any
+				peer.check(t, p.Recv(ctx, &got), "%s", what)
+				assert.Equal(t, dt.String(), got["dtype"], what)
+				assert.Equal(t, x.Shape(), ints(got["shape"].([]any)), what)
+				assert.Equal(t, x.Strides(), ints(got["strides"].([]any)), "%s: the consumer views Go's layout", what)
+				assert.Equal(t, want, pyElements(got["values"].([]any)), what)
+				after, err := elements(x)
+				require.NoError(t, err)
+				wrote := complex(42, 0)
+				if dt == tensor.Bool {
+					wrote = 1
+				}
+				assert.Equal(t, wrote, after[0], "%s: the consumer's write shows in Go's memory", what)
+				assert.Equal(t, want[1:], after[1:], what)
+			}
+			require.NoError(t, base.Release())
+		}
+	}
+	// The consumer dropped every view: the library unmapped Go's blocks
+	// with no exit and no collection needed.
+	deadline := time.Now().Add(gone)
+	for pool.InUse() > inUse && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	assert.Equal(t, inUse, pool.InUse(), "blocks still held by the live consumer")
+	require.NoError(t, p.Send(ctx, "bye"))
+	peer.wait(t)
+}
+
+// Tensors a PyTorch and NumPy producer makes reach Go with their values,
+// dtype and shape, views included: copied once into shared memory when
+// torch or NumPy made them, shared in place when they were born in
+// tensormp's memory (Go's write shows in Python).
+func TestPythonProducerToGo(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	peer, p := acceptPython(t, ctx, "producer")
+	names := make([]string, len(sharedDTypes))
+	for i, dt := range sharedDTypes {
+		names[i] = dt.String()
+	}
+	require.NoError(t, p.Send(ctx, names))
+	// The index into base, 4 x 6, of element (r, c) of each kind of view.
+	views := map[string]struct {
+		shape []int
+		index func(r, c int) int
+	}{
+		"torch":            {[]int{4, 6}, func(r, c int) int { return r*6 + c }},
+		"torch-view":       {[]int{4, 3}, func(r, c int) int { return r*6 + 1 + 2*c }},
+		"torch-transposed": {[]int{6, 4}, func(r, c int) int { return c*6 + r }},
+		"numpy":            {[]int{4, 6}, func(r, c int) int { return r*6 + c }},
+		"numpy-view":       {[]int{2, 2}, func(r, c int) int { return 2*r*6 + 3*c }},
+		"born":             {[]int{3, 4}, func(r, c int) int { return (r+1)*6 + c + 2 }},
+	}
+	seen := map[string]int{}
+	for {
+		var msg any
+		peer.check(t, p.Recv(ctx, &msg), "recv")
+		if msg == "end" {
+			break
+		}
+		m := msg.(map[string]any)
+		kind, name := m["kind"].(string), m["dtype"].(string)
+		x := m["t"].(*tensor.Tensor)
+		what := name + " " + kind
+		seen[kind]++
+		assert.Equal(t, name, x.DType().String(), what)
+		v := views[kind]
+		require.Equal(t, v.shape, x.Shape(), what)
+		got, err := elements(x)
+		require.NoError(t, err, what)
+		want := make([]complex128, 0, len(got))
+		for r := range v.shape[0] {
+			for c := range v.shape[1] {
+				i := v.index(r, c)
+				if x.DType() == tensor.Bool {
+					i %= 2
+				}
+				want = append(want, complex(float64(i), 0))
+			}
+		}
+		assert.Equal(t, want, got, what)
+		assert.True(t, x.IsShared(), what)
+		if kind == "born" {
+			assert.Equal(t, []int{6, 1}, x.Strides(), "%s: shared as the view it is, not copied", what)
+			assert.Equal(t, int64(x.DType().Size())*8, x.Offset(), what)
+			var err error
+			if x.DType() == tensor.Bool {
+				err = tensor.Set(x, false, 0, 0)
+			} else {
+				err = tensor.Copy(x, must(tensor.Full(x.DType(), 7, x.Shape()...)))
+			}
+			require.NoError(t, err)
+			require.NoError(t, p.Send(ctx, "wrote"))
+			var reply map[string]any
+			peer.check(t, p.Recv(ctx, &reply), "recv")
+			wantSeen := complex(7, 0)
+			if x.DType() == tensor.Bool {
+				wantSeen = 0
+			}
+			assert.Equal(t, []complex128{wantSeen}, pyElements(reply["seen"].([]any)), "%s: Go's write shows in Python", what)
+		}
+		require.NoError(t, x.Release())
+	}
+	assert.Equal(t, map[string]int{
+		"torch": len(names), "torch-view": len(names), "torch-transposed": len(names),
+		"numpy": len(names) - 1, "numpy-view": len(names) - 1, "born": len(names),
+	}, seen)
+	peer.wait(t)
+}
+
+func must[T any](v T, err error) T {
+	if err != nil {
+		panic(err)
+	}
+	return v
+}
+
+// A Python process SIGKILLed while it holds Go's tensors and tensors of
+// its own gives Go's memory back, leaves nothing in /dev/shm, and what
+// it sent stays readable in Go.
+func TestPythonKilledWhileHolding(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	shmBefore := tensormpEntries(t)
+	pool := mmapalloc.DefaultPool()
+	inUse := pool.InUse()
+	peer, p := acceptPython(t, ctx, "hold")
+	sent := make([]*tensor.Tensor, 16)
+	for i := range sent {
+		sent[i] = must(tensor.On(device.CPU()).Shared().Full(tensor.Float32, float64(i), 1024))
+	}
+	require.NoError(t, p.Send(ctx, sent))
+	var holding map[string]any
+	peer.check(t, p.Recv(ctx, &holding), "recv")
+	assert.Equal(t, float64(len(sent)), toFloat(holding["holding"]))
+	var own *tensor.Tensor
+	require.NoError(t, p.Recv(ctx, &own))
+	for _, x := range sent {
+		require.NoError(t, x.Release())
+	}
+	require.Greater(t, pool.InUse(), inUse, "the Python process holds Go's blocks")
+
+	require.NoError(t, peer.cmd.Process.Signal(syscall.SIGKILL))
+	err := <-peer.done
+	peer.done <- err
+	var xe *exec.ExitError
+	require.True(t, errors.As(err, &xe), "killed: %v", err)
+	deadline := time.Now().Add(gone)
+	for pool.InUse() > inUse && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	assert.Equal(t, inUse, pool.InUse(), "Go's blocks came back when the holder died")
+	vs, err := tensor.Values[uint8](own)
+	require.NoError(t, err)
+	assert.Equal(t, 1<<20, len(vs))
+	assert.Equal(t, -1, slices.IndexFunc(vs, func(v uint8) bool { return v != 1 }), "the dead process's tensor is still whole here")
+	require.NoError(t, own.Release())
+	assert.Equal(t, shmBefore, tensormpEntries(t), "nothing left in /dev/shm")
+	err = p.Recv(ctx, new(any))
+	assert.ErrorIs(t, err, mp.ErrClosed, "the dead peer's pipe is closed")
+}
+
+// tensormpEntries lists the tensormp_ entries of the shared-memory
+// directory.
+func tensormpEntries(t *testing.T) []string {
+	t.Helper()
+	entries, err := os.ReadDir(mmapalloc.Dir())
+	require.NoError(t, err)
+	var names []string
+	for _, e := range entries {
+		if strings.HasPrefix(e.Name(), "tensormp_") {
+			names = append(names, e.Name())
+		}
+	}
+	return names
+}
+
+// The library answers bad input from Python with errors that say what was
+// wrong, and goes on working.
+func TestPythonMalformedInput(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	peer, p := acceptPython(t, ctx, "malformed")
+	var report map[string]string
+	peer.check(t, p.Recv(ctx, &report), "recv")
+	for name, want := range map[string]string{
+		"not-json":              "Error: value is not JSON",
+		"text-after":            "Error: value is not JSON: text after the value",
+		"unknown-handle":        "Error: no object has handle 987654",
+		"handle-not-number":     "Error: tensor object without a numeric handle",
+		"wrong-kind-handle":     "is a pipe, not a tensor",
+		"unknown-kind":          "Error: unknown $tensormp object kind bomb",
+		"bad-base64":            "Error: bytes object: illegal base64",
+		"bad-float":             "Error: float object with value big",
+		"too-deep":              "nested deeper than 100",
+		"closed-handle":         "Error: Tensor is closed",
+		"bad-dtype":             "float8",
+		"negative-shape":        "negative size -1",
+		"overflow-shape":        "overflows",
+		"too-many-dims":         "65 dimensions",
+		"recv-on-tensor":        "is neither a queue nor a pipe",
+		"close-unknown":         "Error: no object has handle 123456789",
+		"dlpack-unknown-handle": "Error: no object has handle 999999",
+		"dlpack-bad-as":         "Error: dtype int8 cannot stand for float32",
+		"null-dlpack":           "Error: DLManagedTensor is NULL",
+		"dial-nowhere":          "Error: mp: dial /nonexistent/tensormp.sock",
+		"not-a-tensor":          "TypeError: tensormp: cannot send a object",
+		"dict-key":              "TypeError: tensormp: dict key 1 is not a string",
+		"own-key":               "ValueError: tensormp: dict key '$tensormp' is tensormp's own",
+		"deleter-twice":         "no error",
+	} {
+		assert.Contains(t, report[name], want, name)
+	}
+	x := must(tensor.On(device.CPU()).Shared().Full(tensor.Int32, 41, 8))
+	require.NoError(t, p.Send(ctx, x))
+	var done string
+	peer.check(t, p.Recv(ctx, &done), "recv")
+	assert.Equal(t, "incremented", done)
+	vs := must(tensor.Values[int32](x))
+	assert.Equal(t, []int32{42, 42, 42, 42, 42, 42, 42, 42}, vs, "the library still works after bad input")
+	require.NoError(t, x.Release())
+	peer.wait(t)
+}
+
+// A Python process that speaks to an endpoint without the library, with
+// messages that are not tensormp's and a descriptor, gets the Go side an
+// error, not a crash, and leaves no descriptor behind.
+func TestPythonRawSocketIsRefused(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	peer, p := acceptPython(t, ctx, "raw")
+	for i, want := range []string{"frame says 0+0 descriptors, 1 arrived", "mp: decoding", "malformed"} {
+		var v any
+		err := p.Recv(ctx, &v)
+		require.Error(t, err, "message %d", i)
+		assert.Contains(t, err.Error(), want, "message %d", i)
+		assert.Nil(t, v, "message %d", i)
+	}
+	require.NoError(t, p.Close())
+	peer.wait(t)
+}

@@ -1,0 +1,187 @@
+"""The Python side of tests/python_test.go: a PyTorch and NumPy process
+that reaches the test's Go process through tensormp's named endpoint
+(ENDPOINT) and plays the role named by its first argument. It reports
+through the pipe; anything unexpected ends it with a traceback and a
+non-zero exit code."""
+
+import os
+import signal
+import socket
+import struct
+import sys
+import time
+
+import numpy
+import torch
+
+import tensormp
+
+TORCH = {"uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16,
+         "int32": torch.int32, "int64": torch.int64, "float16": torch.float16,
+         "bfloat16": torch.bfloat16, "float32": torch.float32,
+         "float64": torch.float64, "complex64": torch.complex64,
+         "complex128": torch.complex128, "bool": torch.bool}
+
+
+def plain(values):
+    """A flat list of JSON numbers: complex values as [re, im] pairs."""
+    out = []
+    for v in values:
+        if isinstance(v, complex):
+            out.append([v.real, v.imag])
+        else:
+            out.append(float(v))
+    return out
+
+
+def consumer(pipe):
+    """Receives tensors, views each with torch or NumPy, reports what it
+    sees and writes one element in place."""
+    while True:
+        msg = pipe.recv(timeout=60)
+        if msg == "bye":
+            return
+        t, lib = msg["t"], msg["lib"]
+        if lib == "torch":
+            x = t.torch() if t.dtype == "bool" else torch.from_dlpack(t)
+            values = x.flatten().tolist()
+            strides = list(x.stride())
+            x[(0,) * x.dim()] = True if t.dtype == "bool" else 42
+            dtype = str(x.dtype).replace("torch.", "")
+        else:
+            x = t.numpy()  # writable; numpy.from_dlpack's view is read-only
+            values = x.flatten().tolist()
+            if t.dtype != "bool":  # NumPy 1.24 takes no bool through DLPack
+                ro = numpy.from_dlpack(t)
+                if ro.flatten().tolist() != values or ro.ctypes.data != x.ctypes.data:
+                    raise SystemExit("numpy.from_dlpack sees other memory than Tensor.numpy")
+                del ro
+            strides = [s // x.itemsize for s in x.strides]
+            x[(0,) * x.ndim] = True if t.dtype == "bool" else 42
+            dtype = {"bool": "bool"}.get(str(x.dtype), str(x.dtype))
+        pipe.send({"values": plain(values), "dtype": dtype, "shape": list(x.shape),
+                   "strides": strides})
+        del x
+        t.close()
+
+
+def producer(pipe):
+    """Sends tensors made by torch and NumPy (copied once into shared
+    memory), views of them, and tensors born in shared memory (shared in
+    place: the Go side's write shows here)."""
+    for name in pipe.recv(timeout=60):
+        base = torch.arange(24).reshape(4, 6) % 100
+        if name == "bool":
+            base = base % 2 == 1
+        else:
+            base = base.to(TORCH[name])
+        pipe.send({"dtype": name, "kind": "torch", "t": base}, timeout=60)
+        pipe.send({"dtype": name, "kind": "torch-view", "t": base[:, 1::2]}, timeout=60)
+        pipe.send({"dtype": name, "kind": "torch-transposed", "t": base.t()}, timeout=60)
+        if name != "bfloat16":
+            a = base.numpy()
+            pipe.send({"dtype": name, "kind": "numpy", "t": a}, timeout=60)
+            pipe.send({"dtype": name, "kind": "numpy-view", "t": a[::2, ::3]}, timeout=60)
+        born = tensormp.empty((4, 6), name)
+        b = born.torch()
+        b.copy_(base)
+        pipe.send({"dtype": name, "kind": "born", "t": b[1:, 2:]}, timeout=60)
+        if pipe.recv(timeout=60) != "wrote":
+            raise SystemExit("expected 'wrote'")
+        seen = b[1, 2].item()
+        pipe.send({"seen": plain([seen])}, timeout=60)
+        del b
+        born.close()
+    pipe.send("end", timeout=60)
+
+
+def hold(pipe):
+    """Holds what it receives, and memory of its own, until killed."""
+    got = pipe.recv(timeout=60)
+    views = [torch.from_dlpack(t) for t in got]
+    own = tensormp.empty((1 << 20,), "uint8")
+    mine = own.numpy()
+    mine[:] = 1
+    pipe.send({"holding": len(views), "pid": os.getpid()}, timeout=60)
+    pipe.send(own, timeout=60)
+    while True:
+        time.sleep(1)
+
+
+def malformed(pipe):
+    """Feeds the library bad input and reports, for each, the error it
+    raised; then shows the library still works."""
+    lib = tensormp._lib
+    report = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+        except tensormp.Error as e:
+            report[name] = "Error: " + str(e)
+        except (TypeError, ValueError) as e:
+            report[name] = type(e).__name__ + ": " + str(e)
+        else:
+            report[name] = "no error"
+
+    h = pipe._handle()
+    send = lambda text: tensormp._call(tensormp._send, h, text, 1000)
+    attempt("not-json", lambda: send(b"{"))
+    attempt("text-after", lambda: send(b"1 2"))
+    attempt("unknown-handle", lambda: send(b'{"$tensormp": "tensor", "h": 987654}'))
+    attempt("handle-not-number", lambda: send(b'{"$tensormp": "tensor", "h": "x"}'))
+    attempt("wrong-kind-handle", lambda: send(('{"$tensormp": "tensor", "h": %d}' % h).encode()))
+    attempt("unknown-kind", lambda: send(b'{"$tensormp": "bomb"}'))
+    attempt("bad-base64", lambda: send(b'{"$tensormp": "bytes", "b64": "%%%"}'))
+    attempt("bad-float", lambda: send(b'{"$tensormp": "float", "v": "big"}'))
+    attempt("too-deep", lambda: send(b"[" * 200 + b"]" * 200))
+    attempt("closed-handle", lambda: (lambda t: (t.close(), pipe.send(t)))(tensormp.empty(4)))
+    attempt("bad-dtype", lambda: tensormp.empty((2,), "float8"))
+    attempt("negative-shape", lambda: tensormp.empty((2, -1)))
+    attempt("overflow-shape", lambda: tensormp.empty((1 << 40, 1 << 40)))
+    attempt("too-many-dims", lambda: tensormp.empty((1,) * 65))
+    attempt("recv-on-tensor", lambda: (lambda t: tensormp._recv_value(t._handle(), 0.1))(tensormp.empty(1)))
+    attempt("close-unknown", lambda: tensormp._call(tensormp._close, 123456789))
+    attempt("dlpack-unknown-handle", lambda: tensormp.Tensor(999999, "float32", (1,), (1,)).__dlpack__())
+    attempt("dlpack-bad-as", lambda: tensormp.empty(4, "float32").__dlpack__(_as="int8"))
+    attempt("null-dlpack", lambda: tensormp._call(tensormp._from_dlpack, None, None, None))
+    attempt("dial-nowhere", lambda: tensormp.dial("/nonexistent/tensormp.sock", timeout=1))
+    attempt("not-a-tensor", lambda: pipe.send(object()))
+    attempt("dict-key", lambda: pipe.send({1: 2}))
+    attempt("own-key", lambda: pipe.send({"$tensormp": "tensor"}))
+    attempt("deleter-twice", lambda: lib.tensormp_dlpack_deleter(None))
+    pipe.send(report, timeout=60)
+    x = torch.from_dlpack(pipe.recv(timeout=60))
+    x += 1
+    pipe.send("incremented", timeout=60)
+
+
+def raw(address):
+    """Speaks to the endpoint without the library: a frame that lies about
+    its descriptors, a well-framed message whose payload claims a queue
+    it does not hold, and a message shorter than a frame's header."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(address if address[0] != "@" else "\0" + address[1:])
+    header = struct.pack("<BIIQ", 0, 0, 0, 0)  # flags, descriptors, carried, spilled
+    with open("/dev/null", "rb") as f:
+        socket.send_fds(s, [header + b"\x01"], [f.fileno()])
+        header = struct.pack("<BIIQ", 0, 1, 0, 0)
+        socket.send_fds(s, [header + b"\xc7\x03\x51abc"], [f.fileno()])
+    s.send(b"\x01")
+    s.recv(1)  # until the Go side hangs up
+
+
+def main():
+    role = sys.argv[1]
+    address = os.environ["ENDPOINT"]
+    if role == "raw":
+        raw(address)
+        return
+    with tensormp.dial(address, timeout=30) as pipe:
+        {"consumer": consumer, "producer": producer, "hold": hold,
+         "malformed": malformed}[role](pipe)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    main()
