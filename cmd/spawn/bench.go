@@ -226,8 +226,13 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&o.profile, "cpuprofile", "", "write CPU profiles of the parent and the worker to `prefix`.parent and prefix.worker")
 	loaderMode := fs.Bool("loader", false, "measure package loader instead (see below)")
 	batches := fs.Int("batches", 200, "batches read in each -loader case, after a warm-up")
+	pythonMode := fs.Bool("python", false, "measure Go <-> PyTorch instead (see below)")
+	var po pythonOpts
+	fs.StringVar(&po.python, "python3", "python3", "the Python with torch that -python runs")
+	fs.StringVar(&po.lib, "pylib", os.Getenv("TENSORMP_LIB"), "libtensormp.so for -python (default: $TENSORMP_LIB, else built from ./cmd/libtensormp)")
+	fs.StringVar(&po.pkg, "pypath", "python", "the directory holding the tensormp Python package, for -python")
 	fs.Usage = func() {
-		fmt.Fprintf(stderr, "usage: spawn bench [flags]\n\n%s\n\n%s\n\nflags:\n", benchHelp, loaderHelp)
+		fmt.Fprintf(stderr, "usage: spawn bench [flags]\n\n%s\n\n%s\n\n%s\n\nflags:\n", benchHelp, loaderHelp, pythonHelp)
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -260,6 +265,10 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 			return 2
 		}
 		return runLoaderBench(*batches, *asJSON, stdout, stderr, progress)
+	}
+	if *pythonMode {
+		po.trips = o.trips
+		return runPythonBench(po, *asJSON, stdout, stderr, progress)
 	}
 	var results []benchResult
 	emit := func(r benchResult) {

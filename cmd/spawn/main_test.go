@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -246,4 +247,37 @@ func TestBenchJSON(t *testing.T) {
 		"floor_stream": 2, "stream": 2, "floor_stream_batch": 2, "stream_batch": 2,
 		"fds": 6,
 	}, cases)
+}
+
+func TestBenchPythonJSON(t *testing.T) {
+	python := os.Getenv("TENSORMP_PYTHON")
+	if python == "" {
+		python = "/usr/bin/python3"
+	}
+	if err := exec.Command(python, "-c", "import torch").Run(); err != nil {
+		if os.Getenv("TENSORMP_REQUIRE_PYTHON") != "" {
+			t.Fatalf("%s cannot import torch: %v", python, err)
+		}
+		t.Skipf("%s cannot import torch (Debian: apt-get install python3-torch): %v", python, err)
+	}
+	leakcheck.Check(t)
+	lib := filepath.Join(t.TempDir(), "libtensormp.so")
+	build := exec.Command("go", "build", "-buildmode=c-shared", "-o", lib, "../libtensormp")
+	out, err := build.CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	var stdout, stderr bytes.Buffer
+	code := run([]string{"bench", "-python", "-json", "-trips", "20", "-python3", python, "-pylib", lib, "-pypath", "../../python"}, &stdout, &stderr)
+	require.Equal(t, 0, code, stderr.String())
+	rows := map[string]int{}
+	for _, line := range strings.Split(strings.TrimSpace(stdout.String()), "\n") {
+		var r benchResult
+		require.NoError(t, json.Unmarshal([]byte(line), &r), line)
+		rows[fmt.Sprintf("%s/%d", r.Case, r.Bytes)]++
+		assert.Positive(t, r.P50us, line)
+		assert.GreaterOrEqual(t, r.P99us, r.P50us, line)
+	}
+	assert.Equal(t, map[string]int{
+		"python_roundtrip/4096": 1, "python_roundtrip/67108864": 1,
+		"torch_roundtrip/4096": 1, "torch_roundtrip/67108864": 1,
+	}, rows)
 }

@@ -1,0 +1,222 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	_ "embed"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/mp"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+const pythonHelp = `With -python, measures tensormp between Go and PyTorch instead: the round
+trip of a shared float32 tensor of 4 KiB and 64 MiB from Go to a PyTorch
+process, which views it with torch.from_dlpack and puts that torch tensor
+back, to Go (python_roundtrip), beside torch.multiprocessing's own round
+trip of the same tensor between two Python processes over two Queues
+(torch_roundtrip), in the same run. Run it from the repository's root:
+it loads python/ and builds libtensormp.so unless -pylib names one.`
+
+//go:embed pybench.py
+var pybenchScript []byte
+
+type pythonOpts struct {
+	python, lib, pkg string
+	trips            int
+}
+
+// pythonSizes are the sizes -python measures, with the share of -trips
+// each gets.
+var pythonSizes = []struct {
+	bytes int64
+	div   int
+}{{4 << 10, 1}, {64 << 20, 10}}
+
+func runPythonBench(o pythonOpts, asJSON bool, stdout, stderr io.Writer, progress func(string)) int {
+	dir, err := os.MkdirTemp("", "tensormp-pybench")
+	if err != nil {
+		fmt.Fprintln(stderr, "spawn bench:", err)
+		return 1
+	}
+	defer os.RemoveAll(dir)
+	if o.lib == "" {
+		o.lib = filepath.Join(dir, "libtensormp.so")
+		progress("building libtensormp.so")
+		build := exec.Command("go", "build", "-buildmode=c-shared", "-o", o.lib, "./cmd/libtensormp")
+		if out, err := build.CombinedOutput(); err != nil {
+			fmt.Fprintf(stderr, "spawn bench: building libtensormp.so (run from the repository's root, or give -pylib): %v\n%s", err, out)
+			return 1
+		}
+	}
+	script := filepath.Join(dir, "pybench.py")
+	if err := os.WriteFile(script, pybenchScript, 0o600); err != nil {
+		fmt.Fprintln(stderr, "spawn bench:", err)
+		return 1
+	}
+	var results []benchResult
+	emit := func(r benchResult) {
+		results = append(results, r)
+		if asJSON {
+			b, _ := json.Marshal(r)
+			fmt.Fprintln(stdout, string(b))
+		}
+	}
+	for _, run := range []func(pythonOpts, string, func(string), func(benchResult)) error{benchGoPython, benchTorch} {
+		if err := run(o, script, progress, emit); err != nil {
+			fmt.Fprintln(stderr, "spawn bench:", err)
+			return 1
+		}
+	}
+	if !asJSON {
+		printPythonTable(stdout, results)
+	}
+	return 0
+}
+
+// pythonCmd returns the command that runs the bench script in args.
+func pythonCmd(ctx context.Context, o pythonOpts, script string, args ...string) (*exec.Cmd, error) {
+	pkg, err := filepath.Abs(o.pkg)
+	if err != nil {
+		return nil, err
+	}
+	lib, err := filepath.Abs(o.lib)
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.CommandContext(ctx, o.python, append([]string{script}, args...)...)
+	cmd.Env = append(os.Environ(), "PYTHONPATH="+pkg, "TENSORMP_LIB="+lib)
+	cmd.Stderr = os.Stderr
+	return cmd, nil
+}
+
+// benchGoPython measures python_roundtrip.
+func benchGoPython(o pythonOpts, script string, progress func(string), emit func(benchResult)) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	addr := "@tensormp-pybench-" + strconv.Itoa(os.Getpid())
+	l, err := mp.Listen(addr)
+	if err != nil {
+		return err
+	}
+	defer l.Close()
+	cmd, err := pythonCmd(ctx, o, script, "echo")
+	if err != nil {
+		return err
+	}
+	cmd.Env = append(cmd.Env, "ENDPOINT="+addr)
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("starting %s: %w", o.python, err)
+	}
+	defer func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	}()
+	accepted, acceptCancel := context.WithTimeout(ctx, time.Minute)
+	p, _, err := l.Accept(accepted)
+	acceptCancel()
+	if err != nil {
+		return fmt.Errorf("waiting for the python process: %w", err)
+	}
+	defer p.Close()
+	for _, sz := range pythonSizes {
+		n := max(o.trips/sz.div, 10)
+		progress(fmt.Sprintf("python_roundtrip %s x %d", formatBytes(sz.bytes), n))
+		x, err := tensor.On(device.CPU()).Shared().Zeros(tensor.Float32, int(sz.bytes/4))
+		if err != nil {
+			return err
+		}
+		ds := make([]time.Duration, 0, n)
+		for i := range n + min(n, 20) {
+			start := time.Now()
+			var back *tensor.Tensor
+			if err := p.Send(ctx, x); err != nil {
+				return err
+			}
+			if err := p.Recv(ctx, &back); err != nil {
+				return fmt.Errorf("python_roundtrip: %w", err)
+			}
+			if i >= min(n, 20) {
+				ds = append(ds, time.Since(start))
+			}
+			if back.Storage() != x.Storage() {
+				return errors.New("python_roundtrip: the tensor came back on other memory than it left on")
+			}
+		}
+		slices.Sort(ds)
+		emit(benchResult{Strategy: "file_descriptor", Case: "python_roundtrip", Bytes: sz.bytes, P50us: pct(ds, 50), P99us: pct(ds, 99)})
+		if err := x.Release(); err != nil {
+			return err
+		}
+	}
+	if err := p.Send(ctx, "stop"); err != nil {
+		return err
+	}
+	return cmd.Wait()
+}
+
+// benchTorch measures torch_roundtrip: the script reports it.
+func benchTorch(o pythonOpts, script string, progress func(string), emit func(benchResult)) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	var sizes, counts []string
+	for _, sz := range pythonSizes {
+		sizes = append(sizes, strconv.FormatInt(sz.bytes, 10))
+		counts = append(counts, strconv.Itoa(max(o.trips/sz.div, 10)))
+	}
+	progress("torch_roundtrip")
+	cmd, err := pythonCmd(ctx, o, script, "torch", strings.Join(sizes, ","), strings.Join(counts, ","))
+	if err != nil {
+		return err
+	}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return err
+	}
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("starting %s: %w", o.python, err)
+	}
+	lines := bufio.NewScanner(out)
+	for lines.Scan() {
+		var r benchResult
+		if err := json.Unmarshal(lines.Bytes(), &r); err != nil {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+			return fmt.Errorf("torch_roundtrip: %q: %w", lines.Text(), err)
+		}
+		r.Strategy, r.Case = "file_descriptor", "torch_roundtrip"
+		emit(r)
+	}
+	if err := cmd.Wait(); err != nil {
+		return fmt.Errorf("torch_roundtrip: %w", err)
+	}
+	return nil
+}
+
+// printPythonTable prints the -python results, each python_roundtrip
+// beside torch's time for its size.
+func printPythonTable(w io.Writer, rs []benchResult) {
+	const row = "%-18s %8s %10s %10s %10s\n"
+	fmt.Fprintf(w, row, "case", "bytes", "p50", "p99", "x torch")
+	for _, r := range rs {
+		ratio := "-"
+		for _, t := range rs {
+			if r.Case == "python_roundtrip" && t.Case == "torch_roundtrip" && t.Bytes == r.Bytes && t.P50us > 0 {
+				ratio = fmt.Sprintf("%.2f", r.P50us/t.P50us)
+			}
+		}
+		us := func(v float64) string { return formatDuration(time.Duration(v * 1000)) }
+		fmt.Fprintf(w, row, r.Case, formatBytes(r.Bytes), us(r.P50us), us(r.P99us), ratio)
+	}
+}

@@ -1,0 +1,73 @@
+"""The Python side of spawn bench -python.
+
+  pybench.py echo      dial $ENDPOINT with tensormp and send every tensor
+                       received back, viewed through torch.from_dlpack,
+                       until told "stop"
+  pybench.py torch S N torch.multiprocessing's own round trip, Python to
+                       Python over two Queues, of a shared float32 tensor
+                       of S bytes, N times (comma-separated lists); one
+                       JSON object per size on stdout
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+
+def echo():
+    import tensormp
+    with tensormp.dial(os.environ["ENDPOINT"], timeout=30) as pipe:
+        last = None  # keeps the last tensor mapped, as torch's child does
+        while True:
+            v = pipe.recv()
+            if isinstance(v, str):
+                return
+            x = torch.from_dlpack(v)
+            pipe.send(x)
+            last = (v, x)
+
+
+def torch_child(qin, qout):
+    last = None
+    while True:
+        x = qin.get()
+        if x is None:
+            return
+        last = x
+        qout.put(x)
+
+
+def torch_roundtrip(sizes, counts):
+    import torch.multiprocessing as mp
+    qin, qout = mp.Queue(), mp.Queue()
+    child = mp.Process(target=torch_child, args=(qin, qout))
+    child.start()
+    try:
+        for nbytes, n in zip(sizes, counts):
+            x = torch.zeros(nbytes // 4).share_memory_()
+            for _ in range(min(n, 20)):
+                qin.put(x)
+                qout.get()
+            ds = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                qin.put(x)
+                qout.get()
+                ds.append(time.perf_counter() - t0)
+            ds.sort()
+            print(json.dumps({"bytes": nbytes, "p50_us": ds[len(ds) // 2] * 1e6,
+                              "p99_us": ds[min(len(ds) - 1, len(ds) * 99 // 100)] * 1e6}), flush=True)
+    finally:
+        qin.put(None)
+        child.join()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "echo":
+        echo()
+    else:
+        torch_roundtrip([int(s) for s in sys.argv[2].split(",")],
+                        [int(n) for n in sys.argv[3].split(",")])
