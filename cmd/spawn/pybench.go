@@ -14,6 +14,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/tensormp/tensormp/device"
@@ -97,8 +98,36 @@ func pythonCmd(ctx context.Context, o pythonOpts, script string, args ...string)
 	}
 	cmd := exec.CommandContext(ctx, o.python, append([]string{script}, args...)...)
 	cmd.Env = append(os.Environ(), "PYTHONPATH="+pkg, "TENSORMP_LIB="+lib)
-	cmd.Stderr = os.Stderr
+	cmd.Stderr = &tailWriter{}
 	return cmd, nil
+}
+
+// tailWriter keeps the last 4 KiB written to it: a Python traceback.
+type tailWriter struct {
+	mu  sync.Mutex
+	buf []byte
+}
+
+func (w *tailWriter) Write(b []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.buf = append(w.buf, b...)
+	if over := len(w.buf) - 4096; over > 0 {
+		w.buf = w.buf[over:]
+	}
+	return len(b), nil
+}
+
+// pythonErr adds what the Python process printed to err.
+func pythonErr(cmd *exec.Cmd, err error) error {
+	if w, ok := cmd.Stderr.(*tailWriter); ok && err != nil {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		if len(w.buf) > 0 {
+			return fmt.Errorf("%w; python says:\n%s", err, w.buf)
+		}
+	}
+	return err
 }
 
 // benchGoPython measures python_roundtrip.
@@ -119,17 +148,24 @@ func benchGoPython(o pythonOpts, script string, progress func(string), emit func
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("starting %s: %w", o.python, err)
 	}
-	defer func() {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-	}()
 	accepted, acceptCancel := context.WithTimeout(ctx, time.Minute)
 	p, _, err := l.Accept(accepted)
 	acceptCancel()
 	if err != nil {
-		return fmt.Errorf("waiting for the python process: %w", err)
+		_ = cmd.Process.Kill()
+		return pythonErr(cmd, errors.Join(fmt.Errorf("waiting for the python process: %w", err), cmd.Wait()))
 	}
 	defer p.Close()
+	if err := goPythonTrips(ctx, o, p, progress, emit); err != nil {
+		_ = cmd.Process.Kill()
+		return pythonErr(cmd, errors.Join(err, cmd.Wait()))
+	}
+	return pythonErr(cmd, cmd.Wait())
+}
+
+// goPythonTrips sends each size's tensor to the Python process over p and
+// times its return.
+func goPythonTrips(ctx context.Context, o pythonOpts, p *mp.Pipe, progress func(string), emit func(benchResult)) error {
 	for _, sz := range pythonSizes {
 		n := max(o.trips/sz.div, 10)
 		progress(fmt.Sprintf("python_roundtrip %s x %d", formatBytes(sz.bytes), n))
@@ -160,10 +196,7 @@ func benchGoPython(o pythonOpts, script string, progress func(string), emit func
 			return err
 		}
 	}
-	if err := p.Send(ctx, "stop"); err != nil {
-		return err
-	}
-	return cmd.Wait()
+	return p.Send(ctx, "stop")
 }
 
 // benchTorch measures torch_roundtrip: the script reports it.
@@ -199,7 +232,7 @@ func benchTorch(o pythonOpts, script string, progress func(string), emit func(be
 		emit(r)
 	}
 	if err := cmd.Wait(); err != nil {
-		return fmt.Errorf("torch_roundtrip: %w", err)
+		return pythonErr(cmd, fmt.Errorf("torch_roundtrip: %w", err))
 	}
 	return nil
 }
