@@ -19,6 +19,7 @@ import (
 
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/mp"
+	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -46,6 +47,12 @@ var pythonSizes = []struct {
 }{{4 << 10, 1}, {64 << 20, 10}}
 
 func runPythonBench(o pythonOpts, asJSON bool, stdout, stderr io.Writer, progress func(string)) int {
+	// A Python process takes no file_system segments: they belong to a
+	// session of Go processes.
+	if err := strategy.Set(strategy.FileDescriptor); err != nil {
+		fmt.Fprintln(stderr, "spawn bench:", err)
+		return 1
+	}
 	dir, err := os.MkdirTemp("", "tensormp-pybench")
 	if err != nil {
 		fmt.Fprintln(stderr, "spawn bench:", err)
@@ -152,15 +159,27 @@ func benchGoPython(o pythonOpts, script string, progress func(string), emit func
 	p, _, err := l.Accept(accepted)
 	acceptCancel()
 	if err != nil {
-		_ = cmd.Process.Kill()
-		return pythonErr(cmd, errors.Join(fmt.Errorf("waiting for the python process: %w", err), cmd.Wait()))
+		return pythonErr(cmd, errors.Join(fmt.Errorf("waiting for the python process: %w", err), waitOrKill(cmd)))
 	}
 	defer p.Close()
 	if err := goPythonTrips(ctx, o, p, progress, emit); err != nil {
-		_ = cmd.Process.Kill()
-		return pythonErr(cmd, errors.Join(err, cmd.Wait()))
+		return pythonErr(cmd, errors.Join(err, waitOrKill(cmd)))
 	}
 	return pythonErr(cmd, cmd.Wait())
+}
+
+// waitOrKill gives a failed process a few seconds to finish its last
+// words and exit, then kills it.
+func waitOrKill(cmd *exec.Cmd) error {
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(5 * time.Second):
+		_ = cmd.Process.Kill()
+		return <-done
+	}
 }
 
 // goPythonTrips sends each size's tensor to the Python process over p and
