@@ -214,6 +214,16 @@ func (q *Queue) putShared(ctx context.Context, p *mp.Pipe, v any) error {
 	if a.Err != "" {
 		return fmt.Errorf("dist: put on queue %q: %s", q.name, a.Err)
 	}
+	// The owner has room: it takes the value once told this Put still
+	// waits (see serveSharedPut), and says when the value is in, so that
+	// the putter's next value comes after it. From the acknowledgement on
+	// the Put is committed: it waits for that word whatever ctx says.
+	if err := p.Send(ctx, sharedValue{}); err != nil {
+		return q.sharedErr(ctx, "put", err)
+	}
+	if err := p.Recv(q.g.ctx, &a); err != nil {
+		return q.sharedErr(q.g.ctx, "put", err)
+	}
 	return nil
 }
 
@@ -301,16 +311,29 @@ func (q *queueState) serveSharedPut(ctx context.Context, p *mp.Pipe, timeout tim
 		return
 	}
 	it := item{data: sv.Data, bodies: sv.Bodies, shared: true}
-	var extra sharedValue
-	wctx, done := awaitPeer(ctx, p, &extra)
+	var ack sharedValue
+	wctx, done := awaitPeer(ctx, p, &ack)
 	if err := q.reserve(wctx); err != nil {
 		_ = p.Send(ctx, sharedAnswer{Err: err.Error()})
-	} else {
+		_ = p.Close()
+		<-done
+		return
+	}
+	// Room. The value goes in only if the putter is still waiting: it
+	// acknowledges the answer. One that gave up meanwhile closes instead,
+	// and its Put, which failed, leaves nothing behind.
+	err = p.Send(ctx, sharedAnswer{})
+	if err != nil {
+		_ = p.Close() // ends the pending receive
+	}
+	if rerr := <-done; err == nil && rerr == nil {
 		q.push(it)
-		_ = p.Send(ctx, sharedAnswer{})
+		_ = p.Send(ctx, sharedAnswer{}) // in: the putter's next Put comes after
+	} else {
+		q.unreserve()
+		it.release()
 	}
 	_ = p.Close()
-	<-done
 }
 
 // serveSharedGet sends the head of the queue to a same-host getter on p

@@ -70,6 +70,9 @@ func TestMalformedValueIsDropped(t *testing.T) {
 			var a sharedAnswer
 			require.NoError(t, p.Recv(ctx, &a))
 			require.Empty(t, a.Err, "the owner queues what it cannot judge")
+			require.NoError(t, p.Send(ctx, sharedValue{}), "the putter still waits: the owner takes the value")
+			require.NoError(t, p.Recv(ctx, &a), "the owner says the value is in")
+			require.Empty(t, a.Err)
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
