@@ -256,23 +256,7 @@ func empty(name string, cshape *C.int64_t, ndim C.int32_t) (*tensor.Tensor, erro
 			shape[i] = int(n)
 		}
 	}
-	if err := tensor.CheckView(dt, 0, shape, make([]int, ndim), int64(dt.Size())); err != nil {
-		return nil, err
-	}
-	n := int64(dt.Size())
-	for _, d := range shape {
-		n *= int64(d)
-	}
-	s, err := tensor.AllocSharedStorage(n)
-	if err != nil {
-		return nil, err
-	}
-	holds.hold(s)
-	t, err := tensor.FromStorage(s, dt, 0, shape, contiguous(shape))
-	if err != nil {
-		holds.drop(s)
-	}
-	return t, err
+	return newShared(dt, shape)
 }
 
 // tensormp_from_dlpack takes a DLPack tensor and sets *out to a handle to

@@ -183,12 +183,7 @@ func fromDLPack(m *C.DLManagedTensor, as tensor.DType) (*tensor.Tensor, error) {
 	src := unsafe.Add(dl.data, dl.byte_offset)
 	p := uintptr(src)
 	if empty {
-		s, err := tensor.AllocSharedStorage(0)
-		if err != nil {
-			return nil, err
-		}
-		holds.hold(s)
-		return tensor.FromStorage(s, dt, 0, shape, contiguous(shape))
+		return newShared(dt, shape)
 	}
 	if lo == 0 {
 		if s := holds.holdAt(p, uintptr(hi)); s != nil {
@@ -241,17 +236,29 @@ func extent(dt tensor.DType, shape, strides []int) (lo, hi int64, empty bool, er
 // copyForeign copies the elements of a view of memory this process does
 // not hold into new shared memory, compact.
 func copyForeign(src unsafe.Pointer, dt tensor.DType, shape, strides []int) (*tensor.Tensor, error) {
-	item := dt.Size()
-	n := item
-	for _, d := range shape {
-		n *= d
+	t, err := newShared(dt, shape)
+	if err != nil {
+		return nil, err
 	}
-	s, err := tensor.AllocSharedStorage(int64(n))
+	gather(t.Storage().Bytes(), src, dt.Size(), shape, strides)
+	return t, nil
+}
+
+// newShared returns a compact tensor of dt and shape in new shared
+// memory, not cleared, holding its storage once: the caller drops it.
+func newShared(dt tensor.DType, shape []int) (*tensor.Tensor, error) {
+	if err := tensor.CheckView(dt, 0, shape, make([]int, len(shape)), int64(dt.Size())); err != nil {
+		return nil, err
+	}
+	n := int64(dt.Size())
+	for _, d := range shape {
+		n *= int64(d)
+	}
+	s, err := tensor.AllocSharedStorage(n)
 	if err != nil {
 		return nil, err
 	}
 	holds.hold(s)
-	gather(s.Bytes(), src, item, shape, strides)
 	t, err := tensor.FromStorage(s, dt, 0, shape, contiguous(shape))
 	if err != nil {
 		holds.drop(s)
