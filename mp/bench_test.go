@@ -61,3 +61,72 @@ func BenchmarkQueueSharedTensor(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkPutMany4K is the batched stream's per-tensor cost in one
+// process: make 16 tensors of 4 KiB in shared memory, send them in one
+// message, receive them, release both ends. ns/op is per tensor.
+func BenchmarkPutMany4K(b *testing.B) {
+	const batch = 16
+	q, err := mp.NewQueue()
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer q.Close()
+	ctx := context.Background()
+	born := tensor.On(device.CPU()).Shared()
+	xs := make([]*tensor.Tensor, batch)
+	var ys []*tensor.Tensor
+	b.ReportAllocs()
+	for i := 0; b.Loop(); i++ {
+		if i%batch != 0 {
+			continue
+		}
+		for j := range xs {
+			if xs[j], err = born.Zeros(tensor.Uint8, 4<<10); err != nil {
+				b.Fatal(err)
+			}
+		}
+		if err := mp.PutMany(ctx, q, xs); err != nil {
+			b.Fatal(err)
+		}
+		if ys, err = mp.GetMany(ctx, q, ys[:0]); err != nil {
+			b.Fatal(err)
+		}
+		if len(ys) != batch {
+			b.Fatalf("got %d tensors, sent %d", len(ys), batch)
+		}
+		for j := range xs {
+			_ = ys[j].Release()
+			_ = xs[j].Release()
+		}
+	}
+}
+
+// BenchmarkQueueStream4K is the single-tensor stream's per-tensor cost
+// in one process: make a 4 KiB tensor in shared memory, send it in a
+// message of its own, receive it, release both ends.
+func BenchmarkQueueStream4K(b *testing.B) {
+	q, err := mp.NewQueue()
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer q.Close()
+	ctx := context.Background()
+	born := tensor.On(device.CPU()).Shared()
+	b.ReportAllocs()
+	for b.Loop() {
+		x, err := born.Zeros(tensor.Uint8, 4<<10)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if err := q.Put(ctx, x); err != nil {
+			b.Fatal(err)
+		}
+		var y *tensor.Tensor
+		if err := q.Get(ctx, &y); err != nil {
+			b.Fatal(err)
+		}
+		_ = y.Release()
+		_ = x.Release()
+	}
+}
