@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -266,7 +267,27 @@ func (r *metaReader) str() string {
 	default:
 		r.fail(fmt.Errorf("code %#x where a string belongs", c))
 	}
-	return string(r.take(n))
+	return intern(r.take(n))
+}
+
+// intern returns b as a string, without an allocation for the strings
+// most metadata carries: the strategies and the CPU's place.
+func intern(b []byte) string {
+	switch string(b) { // compiled without a conversion
+	case "":
+		return ""
+	case "file_descriptor":
+		return "file_descriptor"
+	case "file_system":
+		return "file_system"
+	case StrategyBody:
+		return StrategyBody
+	case StrategyCUDAIPC:
+		return StrategyCUDAIPC
+	case "cpu":
+		return "cpu"
+	}
+	return string(b)
 }
 
 // bytes reads a bin value; nil reads as nil.
@@ -328,7 +349,21 @@ func (r *metaReader) arrayLen() int {
 	return n
 }
 
-func (r *metaReader) ints() []int {
+// peekFixArray returns the length of the array next in r if it is a
+// short one (up to 15 elements), else 0. It reads nothing.
+func (r *metaReader) peekFixArray() int {
+	if len(r.b) > 0 && r.b[0] >= 0x90 && r.b[0] <= 0x9f {
+		return int(r.b[0] & 0x0f)
+	}
+	return 0
+}
+
+func (r *metaReader) ints() []int { return r.appendInts(nil) }
+
+// appendInts reads an array of ints onto the end of dst and returns the
+// array read, which shares dst's memory when it has room. An empty array
+// reads as an empty slice, and nil after an error.
+func (r *metaReader) appendInts(dst []int) []int {
 	n := r.arrayLen()
 	if n <= 0 || r.err != nil {
 		if n == 0 {
@@ -336,7 +371,8 @@ func (r *metaReader) ints() []int {
 		}
 		return nil
 	}
-	out := make([]int, n)
+	dst = slices.Grow(dst, n)
+	out := dst[len(dst) : len(dst)+n : len(dst)+n]
 	for i := range out {
 		v := r.int()
 		if v > math.MaxInt || v < math.MinInt {
@@ -371,8 +407,16 @@ func parseMeta(b []byte, m *Meta) error {
 		dt = 0
 	}
 	m.DType = tensor.DType(dt)
-	m.Shape = r.ints()
-	m.Strides = r.ints()
+	// Shape and strides share one array, sized for as many strides as
+	// dims.
+	dims := make([]int, 0, 2*r.peekFixArray())
+	m.Shape = r.appendInts(dims)
+	if n := len(m.Shape); n <= cap(dims) {
+		dims = dims[n:n]
+	} else {
+		dims = nil
+	}
+	m.Strides = r.appendInts(dims)
 	if n := r.arrayLen(); n >= 0 && r.err == nil {
 		m.LoD = make([][]int, n)
 		for i := range m.LoD {

@@ -19,12 +19,20 @@ func TestMetaCodecRoundTrip(t *testing.T) {
 			Shape: []int{0, 70000, 3}, Strides: []int{math.MinInt32, 1, math.MaxInt64}, LoD: [][]int{{0, 2, 5}, {}}, Place: "gpu:3",
 			IPC: make([]byte, 64), IPCEvent: []byte{1, 2, 3}, DevOffset: 1 << 33},
 		{Version: Version, FD: -1, Block: -1, Shape: []int{}, Strides: []int{}, Place: "cpu"},
+		// Shape and strides are read into one array sized by the shape:
+		// more strides than dims, more than 15 dims, none at all.
+		{Version: Version, FD: -1, Block: -1, Shape: []int{2, 3}, Strides: []int{3, 1, 7, 9}, Place: "cpu"},
+		{Version: Version, FD: -1, Block: -1, Shape: make([]int, 16), Strides: make([]int, 16), Place: "cpu"},
+		{Version: Version, FD: -1, Block: -1, Shape: []int{4}, Strides: []int{}, Place: "cpu"},
 	}
 	for _, m := range cases {
 		b := appendMeta(nil, &m)
 		var got Meta
 		require.NoError(t, parseMeta(b, &got))
 		assert.Equal(t, m, got)
+		// Growing the shape leaves the strides as they are.
+		_ = append(got.Shape, -1, -1, -1, -1)
+		assert.Equal(t, m.Strides, got.Strides)
 
 		// The hand-written form is ordinary msgpack, both ways.
 		var viaLib Meta

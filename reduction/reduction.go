@@ -144,11 +144,10 @@ func viewMeta(t *tensor.Tensor) Meta {
 		Block:   -1,
 		Offset:  t.Offset(),
 		DType:   t.DType(),
-		Shape:   t.Shape(),
-		Strides: t.Strides(),
 		LoD:     t.LoD(),
 		Place:   t.Place().String(),
 	}
+	m.Shape, m.Strides = t.Dims()
 	if t.Numel() == 0 {
 		m.Offset = 0
 		m.Strides = make([]int, len(m.Shape))

@@ -73,7 +73,9 @@ func (f Factory) Zeros(dt DType, shape ...int) (*Tensor, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Tensor{storage: s, dtype: dt, shape: slices.Clone(shape), strides: contiguousStrides(shape)}, nil
+	t := &Tensor{storage: s, dtype: dt}
+	t.shape, t.strides = contiguousDims(shape)
+	return t, nil
 }
 
 // Full returns a tensor with every element v, converted to dt.
@@ -161,7 +163,9 @@ func FromStorage(s *Storage, dt DType, offset int64, shape, strides []int) (*Ten
 	if err := checkView(dt, offset, shape, strides, s.Size()); err != nil {
 		return nil, err
 	}
-	return &Tensor{storage: s, offset: offset, dtype: dt, shape: slices.Clone(shape), strides: slices.Clone(strides)}, nil
+	t := &Tensor{storage: s, offset: offset, dtype: dt}
+	t.shape, t.strides = cloneDims(shape, strides)
+	return t, nil
 }
 
 func checkNewShape(dt DType, shape []int) error {
@@ -241,12 +245,40 @@ func numel(shape []int) int {
 
 func contiguousStrides(shape []int) []int {
 	st := make([]int, len(shape))
+	fillContiguous(st, shape)
+	return st
+}
+
+func fillContiguous(strides, shape []int) {
 	acc := 1
 	for i := len(shape) - 1; i >= 0; i-- {
-		st[i] = acc
+		strides[i] = acc
 		acc *= max(shape[i], 1)
 	}
-	return st
+}
+
+// cloneDims returns copies of shape and strides, made with one allocation
+// (they are copied for every tensor received). A nil one stays nil.
+func cloneDims(shape, strides []int) ([]int, []int) {
+	if shape == nil || strides == nil {
+		return slices.Clone(shape), slices.Clone(strides)
+	}
+	d := make([]int, len(shape)+len(strides))
+	n := copy(d, shape)
+	copy(d[n:], strides)
+	return d[:n:n], d[n:]
+}
+
+// contiguousDims returns a copy of shape and its contiguous strides, made
+// with one allocation. A nil shape stays nil.
+func contiguousDims(shape []int) ([]int, []int) {
+	if shape == nil {
+		return nil, []int{}
+	}
+	d := make([]int, 2*len(shape))
+	n := copy(d, shape)
+	fillContiguous(d[n:], shape)
+	return d[:n:n], d[n:]
 }
 
 // DType returns the element type.
@@ -257,6 +289,10 @@ func (t *Tensor) Shape() []int { return slices.Clone(t.shape) }
 
 // Strides returns a copy of the strides, in elements.
 func (t *Tensor) Strides() []int { return slices.Clone(t.strides) }
+
+// Dims returns copies of the shape and the strides, as Shape and Strides
+// do, with one allocation for both.
+func (t *Tensor) Dims() (shape, strides []int) { return cloneDims(t.shape, t.strides) }
 
 // Dim returns the number of dimensions.
 func (t *Tensor) Dim() int { return len(t.shape) }

@@ -85,6 +85,14 @@ func TestConstructors(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, []int{2, 3}, z.Shape())
 	assert.Equal(t, []int{3, 1}, z.Strides())
+	shape, strides := z.Dims()
+	assert.Equal(t, []int{2, 3}, shape)
+	assert.Equal(t, []int{3, 1}, strides)
+	shape[0] = 9
+	_ = append(shape, 9) // the copies share an array; the shape's growth must not reach the strides
+	assert.Equal(t, []int{3, 1}, strides)
+	assert.Equal(t, []int{2, 3}, z.Shape(), "Dims returns copies")
+	assert.Equal(t, []int{3, 1}, z.Strides())
 	assert.Equal(t, 6, z.Numel())
 	assert.Equal(t, int64(24), z.Nbytes())
 	assert.True(t, z.IsContiguous())
