@@ -542,19 +542,21 @@ func recvCarried(fd, want int) (fds []int, err error) {
 	return fds, nil
 }
 
-// parseRights returns every descriptor in a control message.
+// parseRights returns every descriptor in a control message. After an
+// error it returns those it read before, for the caller to close.
 func parseRights(oob []byte) ([]int, error) {
-	msgs, err := unix.ParseSocketControlMessage(oob)
-	if err != nil {
-		return nil, fmt.Errorf("mp: receive: control message: %w", err)
-	}
 	var fds []int
-	for i := range msgs {
-		got, err := unix.ParseUnixRights(&msgs[i])
+	for len(oob) > 0 {
+		h, data, rest, err := unix.ParseOneSocketControlMessage(oob)
 		if err != nil {
-			continue
+			return fds, fmt.Errorf("mp: receive: control message: %w", err)
 		}
-		fds = append(fds, got...)
+		if h.Level == unix.SOL_SOCKET && h.Type == unix.SCM_RIGHTS {
+			for ; len(data) >= 4; data = data[4:] {
+				fds = append(fds, int(int32(binary.NativeEndian.Uint32(data))))
+			}
+		}
+		oob = rest
 	}
 	return fds, nil
 }

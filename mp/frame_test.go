@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -116,4 +117,29 @@ func TestMessageBeforeResetIsDelivered(t *testing.T) {
 	done()
 	_, _, _, err = c.recv(ctx, true)
 	assert.ErrorIs(t, err, ErrClosed)
+}
+
+// TestParseRights reads the descriptors of every SCM_RIGHTS message in a
+// control buffer, skips other kinds, and returns what it read before a
+// malformed one, for the caller to close.
+func TestParseRights(t *testing.T) {
+	other := make([]byte, unix.CmsgSpace(4))
+	h := (*unix.Cmsghdr)(unsafe.Pointer(&other[0]))
+	h.Level, h.Type = unix.SOL_SOCKET, unix.SCM_RIGHTS+0x40 // another kind
+	h.SetLen(unix.CmsgLen(4))
+
+	oob := append(unix.UnixRights(7, 8), other...)
+	oob = append(oob, unix.UnixRights(9)...)
+	fds, err := parseRights(oob)
+	require.NoError(t, err)
+	assert.Equal(t, []int{7, 8, 9}, fds)
+
+	bad := append(unix.UnixRights(7, 8), 1, 2, 3) // a header cut short
+	fds, err = parseRights(bad)
+	assert.ErrorContains(t, err, "control message")
+	assert.Equal(t, []int{7, 8}, fds)
+
+	fds, err = parseRights(nil)
+	require.NoError(t, err)
+	assert.Empty(t, fds)
 }
