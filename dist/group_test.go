@@ -134,6 +134,16 @@ func rankMain() int {
 	return 0
 }
 
+// ownUntilTaken opens queue name, owned by rank owner, and serves it
+// until the test sets name/taken in the store.
+func ownUntilTaken(ctx context.Context, g *dist.Group, name string, owner int) error {
+	if _, err := g.Queue(ctx, name, dist.WithOwner(owner)); err != nil {
+		return err
+	}
+	_, err := g.Store().Get(ctx, name+"/taken", 0)
+	return err
+}
+
 var scenarios = map[string]func(ctx context.Context, g *dist.Group) error{
 	"put-samples": func(ctx context.Context, g *dist.Group) error {
 		owner, _ := strconv.Atoi(os.Getenv("TEST_OWNER"))
@@ -143,13 +153,7 @@ var scenarios = map[string]func(ctx context.Context, g *dist.Group) error{
 		}
 		return putSamples(ctx, q)
 	},
-	"own-samples": func(ctx context.Context, g *dist.Group) error {
-		if _, err := g.Queue(ctx, "samples", dist.WithOwner(g.Rank())); err != nil {
-			return err
-		}
-		_, err := g.Store().Get(ctx, "samples/taken", 0)
-		return err
-	},
+	"own-samples": func(ctx context.Context, g *dist.Group) error { return ownUntilTaken(ctx, g, "samples", g.Rank()) },
 	"pipe-echo": func(ctx context.Context, g *dist.Group) error {
 		p, err := g.Pipe(ctx, 0)
 		if err != nil {
@@ -212,13 +216,7 @@ var scenarios = map[string]func(ctx context.Context, g *dist.Group) error{
 		// Close waits until every value was taken.
 		return g.Store().Set(ctx, "refs/put", []byte("yes"))
 	},
-	"own-refs": func(ctx context.Context, g *dist.Group) error {
-		if _, err := g.Queue(ctx, "refs", dist.WithOwner(2)); err != nil {
-			return err
-		}
-		_, err := g.Store().Get(ctx, "refs/taken", 0)
-		return err
-	},
+	"own-refs": func(ctx context.Context, g *dist.Group) error { return ownUntilTaken(ctx, g, "refs", 2) },
 	"pipe-write": func(ctx context.Context, g *dist.Group) error {
 		p, err := g.Pipe(ctx, 0)
 		if err != nil {
