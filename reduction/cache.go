@@ -69,6 +69,7 @@ func (c *storageCache) get(k cacheKey, size int64) *tensor.Storage {
 // put caches s under k unless a live Storage is cached there already, and
 // returns the one that is cached afterwards.
 func (c *storageCache) put(k cacheKey, s *tensor.Storage) *tensor.Storage {
+	w := s.Weak() // not under c.mu: s.mu is taken before it, by Release
 	c.mu.Lock()
 	if w, ok := c.m[k]; ok {
 		if old := w.Value(); old != nil && !old.Released() {
@@ -79,7 +80,6 @@ func (c *storageCache) put(k cacheKey, s *tensor.Storage) *tensor.Storage {
 	if len(c.m) >= c.sweepAt {
 		c.sweepLocked()
 	}
-	w := weak.Make(s)
 	c.m[k] = w
 	c.mu.Unlock()
 	// Not under c.mu: a storage released meanwhile runs forget at once.

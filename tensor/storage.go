@@ -4,10 +4,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"runtime"
 	"sync"
 	"sync/atomic"
 	"unsafe"
+	"weak"
 
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/mmapalloc"
@@ -102,17 +102,19 @@ var releasedMemory = &memory{released: true}
 // segment, or a device buffer. Views made from a tensor share its Storage.
 //
 // A Storage owns its segment or buffer. Release gives it back; a Storage
-// that becomes unreachable without Release gives it back through a
-// runtime cleanup, so memory is never lost, but only Release says when.
+// that becomes unreachable without Release gives it back after a garbage
+// collection (see safetyNet), so memory is never lost, but only Release
+// says when.
 type Storage struct {
 	place  device.Place
 	nbytes int64
 
-	mu        sync.Mutex // serialises changes of mem and cleanup, and onRelease
+	mu        sync.Mutex // serialises changes of mem, self, armed and slot, and onRelease
 	mem       atomic.Pointer[memory]
-	cleanup   runtime.Cleanup
-	hasSafe   bool     // cleanup is armed
-	onRelease []func() // run by Release, once
+	self      weak.Pointer[Storage] // made once, by Weak or arm
+	armed     bool                  // mem is in the safety net,
+	slot      int32                 // in this slot
+	onRelease []func()              // run by Release, once
 }
 
 // newHeapStorage allocates nbytes of zeroed host memory, aligned for every
@@ -150,7 +152,7 @@ func newStorage(p device.Place, nbytes int64) (*Storage, error) {
 	}
 	s := &Storage{place: p, nbytes: nbytes}
 	s.mem.Store(&memory{buf: buf})
-	s.arm(func() { _ = buf.Free() })
+	s.arm()
 	return s, nil
 }
 
@@ -160,7 +162,7 @@ func newStorage(p device.Place, nbytes int64) (*Storage, error) {
 func NewSharedStorage(a *mmapalloc.Allocation) *Storage {
 	s := &Storage{place: device.CPU(), nbytes: a.Size()}
 	s.mem.Store(&memory{bytes: a.Bytes(), alloc: a, shared: true})
-	s.arm(func() { _ = a.Close() })
+	s.arm()
 	return s
 }
 
@@ -170,7 +172,7 @@ func NewSharedStorage(a *mmapalloc.Allocation) *Storage {
 func NewDeviceStorage(p device.Place, nbytes int64, b Buffer) *Storage {
 	s := &Storage{place: p, nbytes: nbytes}
 	s.mem.Store(&memory{buf: b, shared: true})
-	s.arm(func() { _ = b.Free() })
+	s.arm()
 	return s
 }
 
@@ -180,7 +182,7 @@ func NewDeviceStorage(p device.Place, nbytes int64, b Buffer) *Storage {
 func NewBlockStorage(b *mmapalloc.Block) *Storage {
 	s := &Storage{place: device.CPU(), nbytes: b.Size()}
 	s.mem.Store(&memory{bytes: b.Bytes(), block: b, shared: true})
-	s.arm(func() { _ = b.Release() })
+	s.arm()
 	return s
 }
 
@@ -192,18 +194,34 @@ func NewEmptySharedStorage() *Storage {
 	return s
 }
 
-// arm registers release as the safety net run when s becomes unreachable.
-// release must not refer to s. Callers hold s.mu or own s exclusively.
-func (s *Storage) arm(release func()) {
-	s.cleanup = runtime.AddCleanup(s, func(f func()) { f() }, release)
-	s.hasSafe = true
+// arm puts s's memory in the safety net, which releases it if s becomes
+// unreachable unreleased. Callers hold s.mu or own s exclusively.
+func (s *Storage) arm() {
+	s.slot, s.armed = safety.arm(s.weakLocked(), s.mem.Load()), true
 }
 
+// disarm takes s's memory out of the safety net. Callers hold s.mu.
 func (s *Storage) disarm() {
-	if s.hasSafe {
-		s.cleanup.Stop()
-		s.hasSafe = false
+	if s.armed {
+		safety.disarm(s.slot)
+		s.armed = false
 	}
+}
+
+// Weak returns a weak pointer to s, the same one each time. Package
+// reduction caches storages by it: a Storage in shared memory has one
+// already, and making another with weak.Make would cost as much again.
+func (s *Storage) Weak() weak.Pointer[Storage] {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.weakLocked()
+}
+
+func (s *Storage) weakLocked() weak.Pointer[Storage] {
+	if s.self == (weak.Pointer[Storage]{}) {
+		s.self = weak.Make(s)
+	}
+	return s.self
 }
 
 // Place returns where the storage's memory lives.
@@ -264,7 +282,7 @@ func (s *Storage) ShareMemory(st strategy.Strategy) error {
 		return fmt.Errorf("tensor: share memory (%d bytes, %s): %w", s.nbytes, st, err)
 	}
 	s.mem.Store(nm)
-	s.armFor(nm)
+	s.arm()
 	return nil
 }
 
@@ -287,7 +305,7 @@ func AllocSharedStorage(nbytes int64) (*Storage, error) {
 		return nil, err
 	}
 	s.mem.Store(m)
-	s.armFor(m)
+	s.arm()
 	return s, nil
 }
 
@@ -303,7 +321,7 @@ func newSharedStorage(nbytes int64, st strategy.Strategy) (*Storage, error) {
 		return nil, err
 	}
 	s.mem.Store(m)
-	s.armFor(m)
+	s.arm()
 	return s, nil
 }
 
@@ -342,18 +360,6 @@ func blockMemory(pool *mmapalloc.Pool, nbytes int64, st strategy.Strategy, zero 
 		}
 	}
 	return &memory{bytes: b.Bytes(), block: b, shared: true}, nil
-}
-
-// armFor arms the safety net that releases m's segment or block.
-func (s *Storage) armFor(m *memory) {
-	switch {
-	case m.block != nil:
-		b := m.block
-		s.arm(func() { _ = b.Release() })
-	case m.alloc != nil:
-		a := m.alloc
-		s.arm(func() { _ = a.Close() })
-	}
 }
 
 // Release gives the storage's memory back now: it unmaps a shared segment
