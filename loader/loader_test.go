@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"iter"
 	"os"
+	"path/filepath"
 	"slices"
 	"sync/atomic"
 	"syscall"
@@ -34,14 +35,16 @@ func TestMain(m *testing.M) {
 
 // numbered is a map-style dataset of N samples: sample i holds a tensor
 // of four i's made in its batch, i itself, and the pid of the process
-// that read it. It fails at FailAt, and kills its worker at KillAt.
+// that read it. It fails at FailAt, and kills its worker at KillAt (once
+// the file KillWhen exists, if it names one).
 type numbered struct{ numberedArgs }
 
 type numberedArgs struct {
-	N       int
-	FailAt  int
-	KillAt  int
-	SleepMs int
+	N        int
+	FailAt   int
+	KillAt   int
+	KillWhen string
+	SleepMs  int
 }
 
 type sample struct {
@@ -62,6 +65,11 @@ var workerInitRan atomic.Bool
 
 func (d numbered) Len() int { return d.N }
 
+func exists(path string) bool {
+	_, err := os.Stat(path)
+	return err == nil
+}
+
 func (d numbered) Get(ctx context.Context, i int) (sample, error) {
 	if d.SleepMs > 0 {
 		select {
@@ -75,6 +83,13 @@ func (d numbered) Get(ctx context.Context, i int) (sample, error) {
 	case i == d.FailAt:
 		return sample{}, fmt.Errorf("sample %d is unreadable", i)
 	case i == d.KillAt && inWorker:
+		for d.KillWhen != "" && !exists(d.KillWhen) {
+			select {
+			case <-time.After(time.Millisecond):
+			case <-ctx.Done():
+				return sample{}, ctx.Err()
+			}
+		}
 		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
 		select {}
 	}
@@ -478,7 +493,10 @@ func TestLoaderUnderFileSystemLeavesNothing(t *testing.T) {
 	require.NoError(t, strategy.Set(strategy.FileSystem))
 	defer func() { require.NoError(t, strategy.Set(prev)) }()
 	leakcheck.Check(t) // this session's named segments included
-	l, err := loader.New[batch](numbers, numberedArgs{N: 64, FailAt: -1, KillAt: 40}, loader.Options{BatchSize: 8, NumWorkers: 2})
+	// The worker dies once a batch has arrived: a death noticed
+	// first ends the epoch before any.
+	arrived := filepath.Join(t.TempDir(), "arrived")
+	l, err := loader.New[batch](numbers, numberedArgs{N: 64, FailAt: -1, KillAt: 40, KillWhen: arrived}, loader.Options{BatchSize: 8, NumWorkers: 2})
 	require.NoError(t, err)
 	defer l.Close()
 	var kept []batch // held past the worker's death, then released
@@ -489,6 +507,7 @@ func TestLoaderUnderFileSystemLeavesNothing(t *testing.T) {
 			break
 		}
 		kept = append(kept, b)
+		require.NoError(t, os.WriteFile(arrived, nil, 0o600))
 	}
 	var ee *mp.ExitError
 	require.ErrorAs(t, last, &ee)
