@@ -550,42 +550,33 @@ func (b *bencher) stream(n, batch int) (time.Duration, error) {
 	// file_system a receiver opens them by name after Put returns) and
 	// releases older ones, as a real producer would.
 	const streamWindow = 4096
-	window := make([]*tensor.Tensor, 0, streamWindow+batch)
-	defer func() {
-		for _, x := range window {
-			_ = x.Release()
-		}
-	}()
+	var window ring
+	defer window.releaseAll()
 	runtime.GC()
 	start := time.Now()
 	if err := b.in.Put(b.ctx, benchMsg{Op: "count", N: n, Batch: batch}); err != nil {
 		return 0, err
 	}
 	born := tensor.On(device.CPU()).Shared() // a producer streaming tensors makes them in shared memory
+	xs := make([]*tensor.Tensor, batch)
 	for sent := 0; sent < n; sent += batch {
-		k := len(window)
-		for range min(batch, n-sent) {
+		xs = xs[:min(batch, n-sent)]
+		for i := range xs {
 			x, err := born.Zeros(tensor.Uint8, 4<<10)
 			if err != nil {
 				return 0, err
 			}
-			window = append(window, x)
+			xs[i] = x
+			window.push(x, streamWindow)
 		}
 		var err error
 		if batch == 1 {
-			err = b.in.Put(b.ctx, window[k])
+			err = b.in.Put(b.ctx, xs[0])
 		} else {
-			err = mp.PutMany(b.ctx, b.in, window[k:])
+			err = mp.PutMany(b.ctx, b.in, xs)
 		}
 		if err != nil {
 			return 0, err
-		}
-		if len(window) > streamWindow {
-			old := len(window) - streamWindow
-			for _, x := range window[:old] {
-				_ = x.Release()
-			}
-			window = append(window[:0], window[old:]...)
 		}
 	}
 	var got int
@@ -596,6 +587,29 @@ func (b *bencher) stream(n, batch int) (time.Duration, error) {
 		return 0, fmt.Errorf("stream: the worker counted %d tensors, not %d", got, n)
 	}
 	return time.Since(start), nil
+}
+
+// ring keeps the last tensors pushed into it alive, releasing older ones.
+type ring struct {
+	xs   []*tensor.Tensor
+	next int // where the next push goes, once xs is full
+}
+
+// push adds x, releasing the oldest tensor once the ring holds n.
+func (r *ring) push(x *tensor.Tensor, n int) {
+	if len(r.xs) < n {
+		r.xs = append(r.xs, x)
+		return
+	}
+	_ = r.xs[r.next].Release()
+	r.xs[r.next] = x
+	r.next = (r.next + 1) % n
+}
+
+func (r *ring) releaseAll() {
+	for _, x := range r.xs {
+		_ = x.Release()
+	}
 }
 
 // fds has the worker hold n received tensors of size bytes and report the
