@@ -8,6 +8,7 @@ import (
 	"io"
 	"sync"
 	"sync/atomic"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -77,6 +78,12 @@ type conn struct {
 	buf  []byte        // read buffer, made on first use, under rmu
 	oob  []byte        // control buffer, made on first use, under rmu
 	once sync.Once
+
+	// The message being sent, its descriptors and its control message,
+	// under wmu: reused, so that a send allocates nothing.
+	wbuf    []byte
+	wfds    []int
+	wrights []byte
 }
 
 // newConn wraps s, a SOCK_SEQPACKET socket (or an end of a queue's places
@@ -295,7 +302,7 @@ func (c *conn) send(ctx context.Context, data []byte, fds []int, block bool) err
 	defer func() { <-c.wmu }()
 
 	var hdr [headerLen]byte
-	var rights []int
+	rights := c.wfds[:0]
 	var cleanup []func()
 	defer func() {
 		for _, f := range cleanup {
@@ -333,12 +340,14 @@ func (c *conn) send(ctx context.Context, data []byte, fds []int, block bool) err
 	}
 	binary.LittleEndian.PutUint32(hdr[1:], uint32(len(direct)))
 	rights = append(rights, direct...)
+	c.wfds = rights
 
-	msg := make([]byte, 0, headerLen+len(payload))
-	msg = append(append(msg, hdr[:]...), payload...)
+	msg := append(append(c.wbuf[:0], hdr[:]...), payload...)
+	c.wbuf = msg
 	var oob []byte
 	if len(rights) > 0 {
-		oob = unix.UnixRights(rights...)
+		oob = appendRights(c.wrights[:0], rights)
+		c.wrights = oob
 	}
 	return c.io(ctx, unix.POLLOUT, "send", block, func(s int) error {
 		n, err := unix.SendmsgN(s, msg, oob, nil, sendFlags)
@@ -347,6 +356,22 @@ func (c *conn) send(ctx context.Context, data []byte, fds []int, block bool) err
 		}
 		return err
 	})
+}
+
+// appendRights appends to b the control message that carries fds, as
+// unix.UnixRights makes it, for a buffer the caller reuses.
+func appendRights(b []byte, fds []int) []byte {
+	start, n := len(b), 4*len(fds)
+	b = append(b, make([]byte, unix.CmsgSpace(n))...)
+	h := (*unix.Cmsghdr)(unsafe.Pointer(&b[start]))
+	h.Level = unix.SOL_SOCKET
+	h.Type = unix.SCM_RIGHTS
+	h.SetLen(unix.CmsgLen(n))
+	data := b[start+unix.CmsgLen(0):]
+	for i, fd := range fds {
+		binary.NativeEndian.PutUint32(data[4*i:], uint32(int32(fd)))
+	}
+	return b
 }
 
 // sendCarried puts fds into a new private socket, maxFDs at a time, and

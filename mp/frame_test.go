@@ -143,3 +143,22 @@ func TestParseRights(t *testing.T) {
 	require.NoError(t, err)
 	assert.Empty(t, fds)
 }
+
+// appendRights writes what unix.UnixRights makes, after what the buffer
+// held, and parseRights reads it back.
+func TestAppendRights(t *testing.T) {
+	for _, n := range []int{1, 2, 3, maxFDs} {
+		fds := make([]int, n)
+		for i := range fds {
+			fds[i] = 3 + 7*i
+		}
+		assert.Equal(t, unix.UnixRights(fds...), appendRights(nil, fds), "%d descriptors", n)
+
+		reused := appendRights(make([]byte, 0, 8), []int{9, 9, 9, 9, 9})
+		got := appendRights(reused[:0], fds)
+		assert.Equal(t, unix.UnixRights(fds...), got, "a reused buffer holds only the new message")
+		back, err := parseRights(got)
+		require.NoError(t, err)
+		assert.Equal(t, fds, back)
+	}
+}
