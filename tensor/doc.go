@@ -16,7 +16,8 @@
 //
 // Ownership: a Storage owns its memory (segment, device buffer). Release
 // gives it back at once, for every tensor on it; a Storage that becomes
-// unreachable is released by a runtime cleanup as a safety net.
+// unreachable is released as a safety net, after the garbage collection
+// that finds it so.
 //
 // Shared memory a peer cut short (a truncated file_system segment) makes
 // this package's reads and writes return errors wrapping
