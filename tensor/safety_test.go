@@ -18,12 +18,7 @@ import (
 // collected unreleased.
 func TestSafetyNet(t *testing.T) {
 	leakcheck.Check(t) // fails if a collected storage's block was not released
-	typ, err := device.RegisterType("net_dev")
-	require.NoError(t, err)
-	be := &hostBackend{}
-	tensor.RegisterBackend(typ, be)
-	dev, err := device.Custom("net_dev", 0)
-	require.NoError(t, err)
+	dev, be := hostDevice(t, "net_dev", 0)
 
 	base := tensor.Armed()
 	const n = 64

@@ -362,13 +362,20 @@ func (b *hostBuffer) Free() error {
 	return nil
 }
 
-func TestPlaceFollowsContext(t *testing.T) {
-	typ, err := device.RegisterType("test_dev")
+// hostDevice registers a device type served by a new hostBackend and
+// returns device i of it.
+func hostDevice(t *testing.T, kind string, i int) (device.Place, *hostBackend) {
+	typ, err := device.RegisterType(kind)
 	require.NoError(t, err)
 	be := &hostBackend{}
 	tensor.RegisterBackend(typ, be)
-	dev, err := device.Custom("test_dev", 1)
+	dev, err := device.Custom(kind, i)
 	require.NoError(t, err)
+	return dev, be
+}
+
+func TestPlaceFollowsContext(t *testing.T) {
+	dev, be := hostDevice(t, "test_dev", 1)
 
 	ctx := device.With(context.Background(), dev)
 	x, err := tensor.In(ctx).Arange(tensor.Float32, 6)
