@@ -140,12 +140,7 @@ func TestGPUAllocationAndCopies(t *testing.T) {
 func TestGPUIPCWorkerWritesParentSees(t *testing.T) {
 	rt := requireGPU(t)
 	leakcheck.Check(t)
-	status, err := mp.NewQueue()
-	require.NoError(t, err)
-	defer status.Close()
-	ack, err := mp.NewQueue()
-	require.NoError(t, err)
-	defer ack.Close()
+	status, ack := testQueues(t)
 	x, err := tensor.On(device.GPU(0)).Arange(tensor.Int32, 1<<16)
 	require.NoError(t, err)
 
@@ -178,12 +173,7 @@ func TestGPUWorkerLeavesNoDriverFiles(t *testing.T) {
 	requireGPU(t)
 	leakcheck.Check(t)
 	before := driverFiles(t)
-	status, err := mp.NewQueue()
-	require.NoError(t, err)
-	defer status.Close()
-	ack, err := mp.NewQueue()
-	require.NoError(t, err)
-	defer ack.Close()
+	status, ack := testQueues(t)
 
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()

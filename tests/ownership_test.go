@@ -99,6 +99,14 @@ func programKillHolder() int {
 	return 0
 }
 
+// testQueues returns two new queues that t closes at its end.
+func testQueues(t *testing.T) (*mp.Queue, *mp.Queue) {
+	a, b, err := queues()
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = a.Close(), b.Close() })
+	return a, b
+}
+
 func queues() (*mp.Queue, *mp.Queue, error) {
 	a, err := mp.NewQueue()
 	if err != nil {

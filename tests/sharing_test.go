@@ -81,12 +81,7 @@ func TestSharingAcrossProcesses(t *testing.T) {
 
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
-			in, err := mp.NewQueue()
-			require.NoError(t, err)
-			defer in.Close()
-			out, err := mp.NewQueue()
-			require.NoError(t, err)
-			defer out.Close()
+			in, out := testQueues(t)
 			g, err := mp.Spawn(ctx, "share.echo", 2, mp.WithArgs(echoArgs{In: in, Out: out}))
 			require.NoError(t, err)
 
