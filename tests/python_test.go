@@ -30,6 +30,11 @@ import (
 // fail the Python tests instead of skipping them (CI sets it).
 const requirePythonEnv = "TENSORMP_REQUIRE_PYTHON"
 
+// libEnv names a libtensormp.so built already, for the Python tests to
+// use instead of building one (on a machine without Go, say). The Python
+// package reads the same variable.
+const libEnv = "TENSORMP_LIB"
+
 // pythonSetup is the Python interpreter the tests run and the library
 // they give it, found and built once.
 var pythonSetup = sync.OnceValues(func() (pythonRun, error) {
@@ -48,6 +53,14 @@ var pythonSetup = sync.OnceValues(func() (pythonRun, error) {
 	if run.python == "" {
 		return run, fmt.Errorf("no Python 3 with torch and numpy among %v (Debian: apt-get install python3-torch python3-numpy)", candidates)
 	}
+	var err error
+	if run.pkg, err = filepath.Abs("../python"); err != nil {
+		return run, err
+	}
+	if lib := os.Getenv(libEnv); lib != "" {
+		run.lib, err = filepath.Abs(lib)
+		return run, err
+	}
 	dir, err := os.MkdirTemp("", "tensormp-python")
 	if err != nil {
 		return run, err
@@ -59,8 +72,7 @@ var pythonSetup = sync.OnceValues(func() (pythonRun, error) {
 	if out, err := build.CombinedOutput(); err != nil {
 		return run, fmt.Errorf("building libtensormp: %v\n%s", err, out)
 	}
-	run.pkg, err = filepath.Abs("../python")
-	return run, err
+	return run, nil
 })
 
 // pythonCleanup removes what pythonSetup made; TestMain calls it.
@@ -92,7 +104,7 @@ func startPython(t *testing.T, role, addr string) *pythonPeer {
 	script, err := filepath.Abs("testdata/python_peer.py")
 	require.NoError(t, err)
 	p := &pythonPeer{cmd: exec.Command(run.python, script, role), done: make(chan error, 1)}
-	p.cmd.Env = append(os.Environ(), "PYTHONPATH="+run.pkg, "TENSORMP_LIB="+run.lib, "ENDPOINT="+addr)
+	p.cmd.Env = append(os.Environ(), "PYTHONPATH="+run.pkg, libEnv+"="+run.lib, "ENDPOINT="+addr)
 	p.cmd.Stdout, p.cmd.Stderr = &p.out, &p.out
 	require.NoError(t, p.cmd.Start())
 	go func() { p.done <- p.cmd.Wait() }()
