@@ -307,3 +307,40 @@ func TestCloseIsFinal(t *testing.T) {
 	assert.Equal(t, ctxs, drv.Contexts(0), "no context is made again")
 	assert.Equal(t, live+1, drv.Live(), "what the closed context held goes with the process")
 }
+
+// TestCopyIn: memory another library allocated is copied in whole, and
+// waited for; a range that leaves its allocation, or an address the
+// driver does not know, copies nothing.
+func TestCopyIn(t *testing.T) {
+	rt, err := cuda.Default()
+	require.NoError(t, err)
+	foreign, err := rt.Alloc(0, 32) // stands for another library's allocation
+	require.NoError(t, err)
+	defer foreign.Free()
+	src := make([]byte, 32)
+	for i := range src {
+		src[i] = byte(i + 1)
+	}
+	require.NoError(t, foreign.Write(src, 0))
+	b, err := rt.Alloc(0, 16)
+	require.NoError(t, err)
+	defer b.Free()
+
+	syncs := fake.Syncs()
+	require.NoError(t, b.CopyIn(foreign.Ptr()+8, 16))
+	assert.Greater(t, fake.Syncs(), syncs, "CopyIn waits for its copy")
+	got := make([]byte, 16)
+	require.NoError(t, b.Read(got, 0))
+	assert.Equal(t, src[8:24], got)
+
+	require.NoError(t, b.Write(make([]byte, 16), 0))
+	assert.ErrorContains(t, b.CopyIn(foreign.Ptr()+20, 16), "the allocation there ends at")
+	assert.ErrorContains(t, b.CopyIn(1<<20, 16), "CUDA_ERROR_INVALID_VALUE")
+	assert.ErrorContains(t, b.CopyIn(foreign.Ptr(), 17), "outside a buffer of 16 bytes")
+	require.NoError(t, b.Read(got, 0))
+	assert.Equal(t, make([]byte, 16), got, "a refused copy copies nothing")
+
+	require.NoError(t, b.Sync())
+	require.NoError(t, foreign.Free())
+	assert.ErrorContains(t, foreign.Sync(), "freed")
+}

@@ -56,6 +56,9 @@ type Driver interface {
 	MemcpyDtoD(dst, src DevicePtr, n int64) error
 	// MemGetAddressRange returns the allocation that contains p.
 	MemGetAddressRange(p DevicePtr) (base DevicePtr, size int64, err error)
+	// Synchronize waits for the work queued on the current context's
+	// default stream: every copy and memset above queues there.
+	Synchronize() error
 
 	IPCGetMemHandle(p DevicePtr) (IPCMemHandle, error)
 	IPCOpenMemHandle(h IPCMemHandle) (DevicePtr, error)

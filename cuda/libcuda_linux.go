@@ -21,7 +21,7 @@ enum {
 	F_INIT, F_DEVCOUNT, F_DEVGET, F_PCTXRETAIN, F_PCTXRELEASE, F_CTXSET,
 	F_MALLOC, F_FREE, F_MEMSET, F_HTOD, F_DTOH, F_DTOD, F_ADDRRANGE,
 	F_IPCGETMEM, F_IPCOPENMEM, F_IPCCLOSEMEM,
-	F_EVCREATE, F_EVRECORD, F_EVSYNC, F_EVDESTROY, F_IPCGETEV, F_IPCOPENEV,
+	F_STREAMSYNC, F_EVCREATE, F_EVRECORD, F_EVSYNC, F_EVDESTROY, F_IPCGETEV, F_IPCOPENEV,
 	F_ERRNAME, F_ERRSTR, F_COUNT
 };
 
@@ -57,6 +57,7 @@ static CUresult tm_evcreate(CUevent *e) {
 	// CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS
 	return ((CUresult (*)(CUevent *, unsigned int))tm_fns[F_EVCREATE])(e, 0x2 | 0x4);
 }
+static CUresult tm_streamsync(void) { return ((CUresult (*)(CUstream))tm_fns[F_STREAMSYNC])(0); }
 static CUresult tm_evrecord(CUevent e) { return ((CUresult (*)(CUevent, CUstream))tm_fns[F_EVRECORD])(e, 0); }
 static CUresult tm_evsync(CUevent e) { return ((CUresult (*)(CUevent))tm_fns[F_EVSYNC])(e); }
 static CUresult tm_evdestroy(CUevent e) { return ((CUresult (*)(CUevent))tm_fns[F_EVDESTROY])(e); }
@@ -104,6 +105,7 @@ var symbols = [C.F_COUNT][]string{
 	C.F_IPCGETMEM:   {"cuIpcGetMemHandle"},
 	C.F_IPCOPENMEM:  {"cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"},
 	C.F_IPCCLOSEMEM: {"cuIpcCloseMemHandle"},
+	C.F_STREAMSYNC:  {"cuStreamSynchronize"},
 	C.F_EVCREATE:    {"cuEventCreate"},
 	C.F_EVRECORD:    {"cuEventRecord"},
 	C.F_EVSYNC:      {"cuEventSynchronize"},
@@ -246,6 +248,8 @@ func (libcuda) IPCOpenMemHandle(h IPCMemHandle) (DevicePtr, error) {
 func (libcuda) IPCCloseMemHandle(p DevicePtr) error {
 	return check("cuIpcCloseMemHandle", C.tm_ipcclosemem(C.CUdeviceptr(p)))
 }
+
+func (libcuda) Synchronize() error { return check("cuStreamSynchronize", C.tm_streamsync()) }
 
 func (libcuda) EventCreateInterprocess() (Event, error) {
 	var e C.CUevent

@@ -208,6 +208,50 @@ func (b *Buffer) CopyFrom(src tensor.Buffer, srcOff, n int64) (bool, error) {
 	return true, e.Do(func() error { return b.rt.drv.MemcpyDtoD(b.ptr, s.ptr+DevicePtr(srcOff), n) })
 }
 
+// CopyIn copies n bytes from device address src to the start of b and
+// returns once the copy is done, so that src may be freed at once. src is
+// memory of b's device that this process got by other means: another
+// library's allocation, handed over through DLPack, say. The n bytes must
+// lie within one allocation the driver knows of; anything else is an
+// error, and nothing is copied.
+func (b *Buffer) CopyIn(src DevicePtr, n int64) error {
+	if err := b.check(0, n); err != nil || n == 0 {
+		return err
+	}
+	e, err := b.exec()
+	if err != nil {
+		return err
+	}
+	return e.Do(func() error {
+		base, size, err := b.rt.drv.MemGetAddressRange(src)
+		if err != nil {
+			return fmt.Errorf("cuda: copying from %#x on gpu:%d: %w", uint64(src), b.dev, err)
+		}
+		if int64(src-base) > size-n {
+			return fmt.Errorf("cuda: copying %d bytes from %#x on gpu:%d: the allocation there ends at %#x", n, uint64(src), b.dev, uint64(base)+uint64(size))
+		}
+		if err := b.rt.drv.MemcpyDtoD(b.ptr, src, n); err != nil {
+			return err
+		}
+		return b.rt.drv.Synchronize()
+	})
+}
+
+// Sync returns once the work tensormp queued on b's device so far (its
+// zeroing, copies into it) is done. Code that uses b's memory on streams
+// of its own calls it first; a buffer received from another process has
+// waited for its producer's work already.
+func (b *Buffer) Sync() error {
+	if b.freed.Load() {
+		return errors.New("cuda: buffer freed")
+	}
+	e, err := b.exec()
+	if err != nil {
+		return err
+	}
+	return e.Do(b.rt.drv.Synchronize)
+}
+
 // Free gives the memory back, once. An allocation that other processes
 // still use waits in the limbo until they let go; an opened one is
 // closed when no storage of this process uses it.

@@ -22,6 +22,7 @@ type Driver struct {
 	nextEv   cuda.Event
 	limit    int64 // bytes that may be allocated at once; 0: no limit
 	used     int64
+	syncs    int // Synchronize calls
 
 	// Threads records, per device, the OS threads device work ran on.
 	Threads map[int]map[int]bool
@@ -249,6 +250,25 @@ func (d *Driver) IPCCloseMemHandle(p cuda.DevicePtr) error {
 	}
 	d.opened[p]--
 	return nil
+}
+
+// Synchronize waits for nothing: the fake does its work at once. It
+// counts the calls (Syncs).
+func (d *Driver) Synchronize() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if _, err := d.ctxDev("cuStreamSynchronize"); err != nil {
+		return err
+	}
+	d.syncs++
+	return nil
+}
+
+// Syncs returns how many times Synchronize was called.
+func (d *Driver) Syncs() int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.syncs
 }
 
 func (d *Driver) EventCreateInterprocess() (cuda.Event, error) {
