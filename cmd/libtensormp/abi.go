@@ -23,6 +23,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -62,6 +63,16 @@ func setHandle(out *C.int64_t, h int64) {
 
 //export tensormp_free
 func tensormp_free(p unsafe.Pointer) { C.free(p) }
+
+// tensormp_shutdown is for a process about to exit: it gives the GPU
+// contexts back, so that the CUDA driver removes the files it made in
+// /dev/shm for this process's exports. GPU calls fail after it; CPU
+// tensors keep working.
+//
+//export tensormp_shutdown
+func tensormp_shutdown(errOut **C.char) C.int {
+	return status(tensor.CloseBackends(), errOut)
+}
 
 //export tensormp_listen
 func tensormp_listen(addr *C.char, mode C.uint32_t, out *C.int64_t, errOut **C.char) C.int {
@@ -226,12 +237,13 @@ func receive(ctx context.Context, e endpoint) ([]byte, error) {
 }
 
 // tensormp_empty makes a tensor of the given dtype (by name: "float32",
-// ...) and shape in new shared memory, not cleared, and sets *out to its
-// handle.
+// ...) and shape and sets *out to its handle. where names the device: NULL,
+// "" or "cpu" for new shared memory, not cleared; "cuda:N" (or "gpu:N")
+// for memory of GPU N, zeroed.
 //
 //export tensormp_empty
-func tensormp_empty(dtype *C.char, shape *C.int64_t, ndim C.int32_t, out *C.int64_t, errOut **C.char) C.int {
-	t, err := empty(C.GoString(dtype), shape, ndim)
+func tensormp_empty(dtype *C.char, shape *C.int64_t, ndim C.int32_t, where *C.char, out *C.int64_t, errOut **C.char) C.int {
+	t, err := empty(C.GoString(dtype), shape, ndim, C.GoString(where))
 	if err == nil {
 		setHandle(out, handles.add(t))
 		holds.drop(t.Storage())
@@ -239,10 +251,16 @@ func tensormp_empty(dtype *C.char, shape *C.int64_t, ndim C.int32_t, out *C.int6
 	return status(err, errOut)
 }
 
-func empty(name string, cshape *C.int64_t, ndim C.int32_t) (*tensor.Tensor, error) {
+func empty(name string, cshape *C.int64_t, ndim C.int32_t, where string) (*tensor.Tensor, error) {
 	dt, err := tensor.ParseDType(name)
 	if err != nil {
 		return nil, err
+	}
+	place := device.CPU()
+	if where != "" {
+		if place, err = device.Parse(where); err != nil {
+			return nil, err
+		}
 	}
 	if ndim < 0 || ndim > tensor.MaxDims {
 		return nil, fmt.Errorf("shape of %d dimensions (at most %d)", ndim, tensor.MaxDims)
@@ -256,7 +274,7 @@ func empty(name string, cshape *C.int64_t, ndim C.int32_t) (*tensor.Tensor, erro
 			shape[i] = int(n)
 		}
 	}
-	return newShared(dt, shape)
+	return newTensor(place, dt, shape)
 }
 
 // tensormp_from_dlpack takes a DLPack tensor and sets *out to a handle to

@@ -15,6 +15,11 @@ static void tensormp_call_deleter(DLManagedTensor *m) {
 static void tensormp_set_deleter(DLManagedTensor *m) {
 	m->deleter = tensormp_dlpack_deleter;
 }
+
+// A device address is no Go pointer: it goes into data from an integer.
+static void tensormp_set_device_data(DLTensor *t, uint64_t addr) {
+	t->data = (void *)(uintptr_t)addr;
+}
 */
 import "C"
 
@@ -24,6 +29,8 @@ import (
 	"sync"
 	"unsafe"
 
+	"github.com/tensormp/tensormp/cuda"
+	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -67,6 +74,10 @@ var exports = &exportTable{m: make(map[*C.DLManagedTensor]*tensor.Storage)}
 // storage until the consumer calls the deleter. as, if valid, is the
 // dtype DLPack is told, of the same size as t's. The struct, shape and
 // strides are one C allocation, freed by the deleter.
+//
+// A GPU tensor's memory is ready on every stream: it was received (and
+// its producer's work waited for) or made here, and what this library
+// queues on it is waited for before the caller gets it back.
 func toDLPack(t *tensor.Tensor, as tensor.DType) (*C.DLManagedTensor, error) {
 	dt := t.DType()
 	if as != tensor.Invalid {
@@ -76,15 +87,24 @@ func toDLPack(t *tensor.Tensor, as tensor.DType) (*C.DLManagedTensor, error) {
 		dt = as
 	}
 	s := t.Storage()
-	if !s.Place().IsCPU() {
-		return nil, fmt.Errorf("tensor on %s: only CPU tensors are exported through DLPack", s.Place())
-	}
-	if !s.IsShared() {
-		return nil, errors.New("tensor is not in shared memory")
-	}
-	b := s.Bytes()
-	if b == nil {
+	if s.Released() {
 		return nil, tensor.ErrReleased
+	}
+	var host []byte
+	var gpu *cuda.Buffer
+	switch p := s.Place(); {
+	case p.IsCPU():
+		if !s.IsShared() {
+			return nil, errors.New("tensor is not in shared memory")
+		}
+		host = s.Bytes()
+	case p.IsGPU():
+		var ok bool
+		if gpu, ok = s.Buffer().(*cuda.Buffer); !ok {
+			return nil, fmt.Errorf("tensor on %s has no CUDA memory", p)
+		}
+	default:
+		return nil, fmt.Errorf("tensor on %s: only CPU and CUDA tensors are exported through DLPack", p)
 	}
 	shape, strides := t.Shape(), t.Strides()
 	nd := len(shape)
@@ -102,10 +122,16 @@ func toDLPack(t *tensor.Tensor, as tensor.DType) (*C.DLManagedTensor, error) {
 	// A tensor with no bytes still gets a pointer that is not NULL: some
 	// consumers refuse NULL. Nothing is read through it.
 	dl.data = unsafe.Pointer(m)
-	if len(b) > 0 {
-		dl.data = unsafe.Add(unsafe.Pointer(unsafe.SliceData(b)), t.Offset())
-	}
 	dl.device = C.DLDevice{device_type: C.kDLCPU}
+	switch {
+	case gpu != nil:
+		dl.device = C.DLDevice{device_type: C.kDLCUDA, device_id: C.int32_t(gpu.Device())}
+		if s.Size() > 0 {
+			C.tensormp_set_device_data(dl, C.uint64_t(uint64(gpu.Ptr())+uint64(t.Offset())))
+		}
+	case len(host) > 0:
+		dl.data = unsafe.Add(unsafe.Pointer(unsafe.SliceData(host)), t.Offset())
+	}
 	dl.ndim = C.int32_t(nd)
 	code := dlTypes[dt]
 	dl.dtype = C.DLDataType{code: C.uint8_t(code[0]), bits: C.uint8_t(code[1]), lanes: 1}
@@ -123,19 +149,30 @@ func toDLPack(t *tensor.Tensor, as tensor.DType) (*C.DLManagedTensor, error) {
 
 // fromDLPack returns a tensor for a DLPack tensor: on the same storage
 // when its memory lies in a storage this process holds (a tensor it
-// received, or made with tensormp_empty), else a copy in new shared
-// memory, laid out compact. as, if valid, overrides the element type of
-// the same size (a bool tensor sent as uint8). It consumes m: its deleter
-// is called before fromDLPack returns. The tensor returned holds its
-// storage once; the caller drops it.
+// received, or made with tensormp_empty), else a copy in new memory:
+// shared memory for a CPU tensor, laid out compact; memory of the same
+// GPU for a CUDA tensor, laid out as the original (the bytes its elements
+// span are copied whole, on the device). as, if valid, overrides the
+// element type of the same size (a bool tensor sent as uint8). It
+// consumes m: its deleter is called before fromDLPack returns, and a copy
+// from a GPU is done by then. The tensor returned holds its storage once;
+// the caller drops it.
 func fromDLPack(m *C.DLManagedTensor, as tensor.DType) (*tensor.Tensor, error) {
 	if m == nil {
 		return nil, errors.New("DLManagedTensor is NULL")
 	}
 	defer consume(m)
 	dl := &m.dl_tensor
-	if dl.device.device_type != C.kDLCPU && dl.device.device_type != C.kDLCUDAHost {
-		return nil, fmt.Errorf("DLPack device type %d: only CPU memory is taken", dl.device.device_type)
+	place := device.CPU()
+	switch dl.device.device_type {
+	case C.kDLCPU, C.kDLCUDAHost:
+	case C.kDLCUDA:
+		if dl.device.device_id < 0 {
+			return nil, fmt.Errorf("DLPack CUDA device %d", dl.device.device_id)
+		}
+		place = device.GPU(int(dl.device.device_id))
+	default:
+		return nil, fmt.Errorf("DLPack device type %d: only CPU and CUDA memory is taken", dl.device.device_type)
 	}
 	dt, err := dtypeOf(dl.dtype)
 	if err != nil {
@@ -180,14 +217,14 @@ func fromDLPack(m *C.DLManagedTensor, as tensor.DType) (*tensor.Tensor, error) {
 	if err != nil {
 		return nil, err
 	}
+	if empty {
+		return newTensor(place, dt, shape)
+	}
 	src := unsafe.Add(dl.data, dl.byte_offset)
 	p := uintptr(src)
-	if empty {
-		return newShared(dt, shape)
-	}
 	if lo == 0 {
-		if s := holds.holdAt(p, uintptr(hi)); s != nil {
-			base := uintptr(unsafe.Pointer(unsafe.SliceData(s.Bytes())))
+		if s := holds.holdAt(place, p, uintptr(hi)); s != nil {
+			base, _, _ := rangeOf(s)
 			t, err := tensor.FromStorage(s, dt, int64(p-base), shape, strides)
 			if err == nil {
 				return t, nil
@@ -195,7 +232,36 @@ func fromDLPack(m *C.DLManagedTensor, as tensor.DType) (*tensor.Tensor, error) {
 			holds.drop(s) // not a view tensormp can express: copy it
 		}
 	}
+	if place.IsGPU() {
+		return copyCUDA(place, p, dt, shape, strides, lo, hi)
+	}
 	return copyForeign(src, dt, shape, strides)
+}
+
+// copyCUDA copies the bytes [p+lo, p+hi) of GPU memory this process does
+// not hold into a new allocation on the same device and returns a tensor
+// of the original layout on it. The copy is done when it returns.
+func copyCUDA(place device.Place, p uintptr, dt tensor.DType, shape, strides []int, lo, hi int64) (*tensor.Tensor, error) {
+	rt, err := cuda.Default()
+	if err != nil {
+		return nil, err
+	}
+	n := hi - lo
+	b, err := rt.Alloc(place.Index(), n)
+	if err != nil {
+		return nil, err
+	}
+	if err := b.CopyIn(cuda.DevicePtr(int64(p)+lo), n); err != nil {
+		return nil, errors.Join(err, b.Free())
+	}
+	s := tensor.NewDeviceStorage(place, n, b)
+	holds.hold(s)
+	t, err := tensor.FromStorage(s, dt, -lo, shape, strides)
+	if err != nil {
+		holds.drop(s)
+		return nil, err
+	}
+	return t, nil
 }
 
 // consume calls m's deleter: the consumer is done with it.
@@ -241,6 +307,32 @@ func copyForeign(src unsafe.Pointer, dt tensor.DType, shape, strides []int) (*te
 		return nil, err
 	}
 	gather(t.Storage().Bytes(), src, dt.Size(), shape, strides)
+	return t, nil
+}
+
+// newTensor returns a compact tensor of dt and shape in new memory on
+// place, holding its storage once: the caller drops it. CPU memory is
+// shared and not cleared; GPU memory is zeroed, and the zeroing is done
+// when newTensor returns.
+func newTensor(place device.Place, dt tensor.DType, shape []int) (*tensor.Tensor, error) {
+	if place.IsCPU() {
+		return newShared(dt, shape)
+	}
+	if !place.IsGPU() {
+		return nil, fmt.Errorf("tensors on %s: only CPU and CUDA tensors are made here", place)
+	}
+	t, err := tensor.On(place).Zeros(dt, shape...)
+	if err != nil {
+		return nil, err
+	}
+	s := t.Storage()
+	holds.hold(s)
+	if b, ok := s.Buffer().(*cuda.Buffer); ok && s.Size() > 0 {
+		if err := b.Sync(); err != nil {
+			holds.drop(s)
+			return nil, err
+		}
+	}
 	return t, nil
 }
 

@@ -5,6 +5,8 @@ import (
 	"sync"
 	"unsafe"
 
+	"github.com/tensormp/tensormp/cuda"
+	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -26,10 +28,26 @@ type holdTable struct {
 	pending   map[*tensor.Storage]struct{}
 }
 
-// span is the address range of a held storage's bytes.
+// span is the address range of a held storage's bytes: host addresses for
+// a CPU storage, device addresses for a GPU one. CUDA gives host and
+// device memory one address space, so the ranges never overlap.
 type span struct {
 	base, end uintptr
 	s         *tensor.Storage
+}
+
+// rangeOf returns the address range of s's bytes, or ok false when it has
+// none.
+func rangeOf(s *tensor.Storage) (base, end uintptr, ok bool) {
+	if b := s.Bytes(); len(b) > 0 {
+		base = uintptr(unsafe.Pointer(unsafe.SliceData(b)))
+		return base, base + uintptr(len(b)), true
+	}
+	if b, isGPU := s.Buffer().(*cuda.Buffer); isGPU && s.Size() > 0 {
+		base = uintptr(b.Ptr())
+		return base, base + uintptr(s.Size()), true
+	}
+	return 0, 0, false
 }
 
 var holds = &holdTable{n: make(map[*tensor.Storage]int), pending: make(map[*tensor.Storage]struct{})}
@@ -47,12 +65,11 @@ func (h *holdTable) holdLocked(s *tensor.Storage) {
 		return
 	}
 	delete(h.pending, s)
-	if b := s.Bytes(); len(b) > 0 {
-		base := uintptr(unsafe.Pointer(unsafe.SliceData(b)))
+	if base, end, ok := rangeOf(s); ok {
 		i := sort.Search(len(h.spans), func(i int) bool { return h.spans[i].base >= base })
 		h.spans = append(h.spans, span{})
 		copy(h.spans[i+1:], h.spans[i:])
-		h.spans[i] = span{base: base, end: base + uintptr(len(b)), s: s}
+		h.spans[i] = span{base: base, end: end, s: s}
 	}
 }
 
@@ -107,9 +124,9 @@ func (h *holdTable) endReceive(got []*tensor.Storage) {
 	clear(h.pending)
 }
 
-// holdAt returns the held storage whose bytes hold [p, p+n), with one
-// more reference counted to it, or nil.
-func (h *holdTable) holdAt(p, n uintptr) *tensor.Storage {
+// holdAt returns the held storage on place whose bytes hold [p, p+n),
+// with one more reference counted to it, or nil.
+func (h *holdTable) holdAt(place device.Place, p, n uintptr) *tensor.Storage {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	i := sort.Search(len(h.spans), func(i int) bool { return h.spans[i].base > p })
@@ -117,7 +134,7 @@ func (h *holdTable) holdAt(p, n uintptr) *tensor.Storage {
 		return nil
 	}
 	sp := h.spans[i-1]
-	if p+n < p || p+n > sp.end {
+	if p+n < p || p+n > sp.end || sp.s.Place() != place {
 		return nil
 	}
 	h.holdLocked(sp.s)

@@ -9,7 +9,8 @@
 // named endpoints (mp.Listen, mp.Dial), sends and receives values over the
 // Pipes and Queues they give, and takes tensors as DLPack
 // DLManagedTensors, with no copy: a tensor received is the sender's shared
-// memory, mapped into this process.
+// memory, mapped into this process, or, for a GPU tensor, the sender's
+// device memory, opened here through CUDA IPC (DLPack device kDLCUDA).
 //
 // Every call returns a status (TENSORMP_OK, or one of the failures below)
 // and, on failure, sets *err to a message the caller frees with
@@ -19,14 +20,18 @@
 // tensormp_to_dlpack is given back through its deleter. The memory of a
 // tensor is unmapped when its last handle and export are gone; reference
 // counting stays on the Go side. When the process exits, however it exits,
-// the kernel takes back what it held: nothing is left in /dev/shm.
+// the kernel takes back what it held: nothing is left in /dev/shm. (A
+// process that exported GPU memory calls tensormp_shutdown before it
+// exits: the CUDA driver removes the files it keeps in /dev/shm for the
+// exports only when the process gives its contexts back.)
 //
 // Values travel as JSON text: null, booleans, numbers, strings, arrays and
 // objects, with tensormp's objects as {"$tensormp": "tensor" | "queue" |
 // "pipe", "h": handle}, byte strings as {"$tensormp": "bytes", "b64": ...}
 // and infinities and NaN as {"$tensormp": "float", "v": "inf" | "-inf" |
-// "nan"}. A received tensor's object also carries its "dtype", "shape"
-// and "strides" (in elements); its handle is the caller's.
+// "nan"}. A received tensor's object also carries its "dtype", "shape",
+// "strides" (in elements) and "device" ("cpu", "gpu:N"); its handle is the
+// caller's.
 //
 // Tensors are shared under the file_descriptor strategy, whatever
 // TENSORMP_SHARING_STRATEGY says: file_system segments belong to a session

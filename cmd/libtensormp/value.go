@@ -242,6 +242,7 @@ func tensorForm(h int64, t *tensor.Tensor) map[string]any {
 	return map[string]any{
 		objectKey: "tensor", "h": h,
 		"dtype": t.DType().String(), "shape": t.Shape(), "strides": t.Strides(),
+		"device": t.Place().String(),
 	}
 }
 

@@ -25,11 +25,23 @@ counted on the Go side: it is unmapped here when the last Tensor, torch
 tensor or NumPy array on it is gone. Whenever the process exits, the
 kernel takes back what it held: nothing is left in /dev/shm.
 
+CUDA tensors travel the same way, through CUDA IPC: a GPU tensor received
+is the sender's device memory, which ``torch.from_dlpack(t)`` views on
+its device (``t.device`` is "cuda:N"); a torch CUDA tensor sent is copied
+once, on its GPU, into memory of tensormp's, unless it is on such memory
+already (made with ``empty(..., device="cuda")``, or received). Work
+queued on torch's current stream before the send is waited for. As with
+torch.multiprocessing, a process that sent GPU memory keeps it alive for
+its consumers only while it runs. At exit the package gives the GPU
+contexts back, so that the CUDA driver removes the files it keeps in
+/dev/shm for them.
+
 Do not fork a process after it has loaded the library (the child of a
 fork has none of the Go runtime's threads): start workers with the
 "spawn" method.
 """
 
+import atexit
 import base64
 import ctypes
 import ctypes.util
@@ -97,10 +109,11 @@ _queue_new = _declare("tensormp_queue_new", _i64, _p_i64)
 _close = _declare("tensormp_close", _i64)
 _send = _declare("tensormp_send", _i64, ctypes.c_char_p, _i64)
 _recv = _declare("tensormp_recv", _i64, _i64, ctypes.POINTER(ctypes.c_void_p))
-_empty = _declare("tensormp_empty", ctypes.c_char_p, _p_i64, ctypes.c_int32, _p_i64)
+_empty = _declare("tensormp_empty", ctypes.c_char_p, _p_i64, ctypes.c_int32, ctypes.c_char_p, _p_i64)
 _from_dlpack = _declare("tensormp_from_dlpack", ctypes.c_void_p, ctypes.c_char_p, _p_i64)
 _describe = _declare("tensormp_describe", _i64, ctypes.POINTER(ctypes.c_void_p))
 _to_dlpack = _declare("tensormp_to_dlpack", _i64, ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p))
+_shutdown = _declare("tensormp_shutdown")
 _free = _lib.tensormp_free
 _free.argtypes, _free.restype = [ctypes.c_void_p], None
 _deleter = _lib.tensormp_dlpack_deleter
@@ -209,28 +222,36 @@ class _Handle:
 
 
 class Tensor(_Handle):
-    """A tensor in shared memory: received, or made by ``empty``.
+    """A tensor in tensormp's memory (shared memory, or a GPU's): received,
+    or made by ``empty``.
 
-    It is a DLPack producer: ``torch.from_dlpack(t)`` and
+    It is a DLPack producer: ``torch.from_dlpack(t)`` and, on the CPU,
     ``numpy.from_dlpack(t)`` view its memory. ``torch()`` and ``numpy()``
     do the same for every dtype, bool included (which torch 1.13 and
     NumPy 1.24 take through DLPack only as uint8). The memory stays mapped
-    while the Tensor or any view made from it lives.
+    while the Tensor or any view made from it lives. ``device`` is "cpu"
+    or "cuda:N", as torch writes it.
     """
 
-    def __init__(self, h, dtype, shape, strides):
+    def __init__(self, h, dtype, shape, strides, device="cpu"):
         super().__init__(h)
         self.dtype = dtype
         self.shape = tuple(shape)
         self.strides = tuple(strides)  # in elements
+        self.device = device
 
     def __repr__(self):
-        return f"tensormp.Tensor(dtype={self.dtype}, shape={self.shape}, strides={self.strides})"
+        return (f"tensormp.Tensor(dtype={self.dtype}, shape={self.shape}, "
+                f"strides={self.strides}, device={self.device!r})")
 
     def __dlpack_device__(self):
+        if self.device.startswith("cuda:"):
+            return (2, int(self.device[5:]))  # kDLCUDA
         return (1, 0)  # kDLCPU
 
     def __dlpack__(self, stream=None, _as=None):
+        # GPU memory is ready on every stream when it gets here (see the
+        # library's tensormp_to_dlpack): stream has nothing to wait for.
         out = ctypes.c_void_p()
         _call(_to_dlpack, self._handle(), _as.encode() if _as else None, ctypes.byref(out))
         try:
@@ -249,6 +270,8 @@ class Tensor(_Handle):
     def numpy(self):
         """Returns a writable NumPy array on this tensor's memory
         (numpy.from_dlpack gives a read-only one)."""
+        if self.device != "cpu":
+            raise TypeError(f"tensormp: a tensor on {self.device} has no NumPy view: use torch()")
         import numpy
         return numpy.asarray(_ArrayView(self))
 
@@ -302,16 +325,17 @@ class _As:
         return self._t.__dlpack__(_as=self._dtype)
 
 
-def empty(shape, dtype="float32"):
+def empty(shape, dtype="float32", device="cpu"):
     """Returns a tensor of shape and dtype (a name: "float32", ...) in new
-    shared memory, not cleared. Sending it, or a torch tensor or NumPy array
-    made on it, shares it in place."""
+    shared memory, not cleared, or, with device "cuda" or "cuda:N", in
+    new memory of that GPU, zeroed. Sending it, or a torch tensor or NumPy
+    array made on it, shares it in place."""
     if isinstance(shape, int):
         shape = (shape,)
     shape = tuple(int(n) for n in shape)
     dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
     out = ctypes.c_int64()
-    _call(_empty, str(dtype).encode(), dims, len(shape), ctypes.byref(out))
+    _call(_empty, str(dtype).encode(), dims, len(shape), str(device).encode(), ctypes.byref(out))
     return _tensor(out.value)
 
 
@@ -336,7 +360,8 @@ def _dtype_name(obj):
 def share(obj):
     """Returns a Tensor for a torch tensor, NumPy array or any DLPack
     producer: on the same memory when it is tensormp's, else a copy in new
-    shared memory."""
+    shared memory (for a CUDA tensor: in new memory of its GPU, made
+    after the work queued on torch's current stream)."""
     if isinstance(obj, Tensor):
         return obj
     as_dtype = None
@@ -408,7 +433,8 @@ def _decode(v):
         if kind is None:
             return {k: _decode(e) for k, e in v.items()}
         if kind == "tensor":
-            return Tensor(v["h"], v["dtype"], v["shape"], v["strides"])
+            device = v.get("device", "cpu").replace("gpu:", "cuda:")
+            return Tensor(v["h"], v["dtype"], v["shape"], v["strides"], device)
         if kind == "queue":
             return Queue(_handle=v["h"])
         if kind == "pipe":
@@ -500,3 +526,11 @@ def dial(address, timeout=None):
         _call(_dial, os.fsencode(address), ms, ctypes.byref(out))
         return Pipe(out.value)
     return _waiting(once, timeout)
+
+
+@atexit.register
+def _give_back_gpus():
+    try:
+        _call(_shutdown)
+    except Error:
+        pass  # the process is exiting: nothing more to do
