@@ -78,13 +78,16 @@ func (backend) Alloc(p device.Place, n int64) (tensor.Buffer, error) {
 	return r.Alloc(p.Index(), n)
 }
 
-// Close closes the Default Runtime, if there is one: see Runtime.Close.
+// Close closes the Default Runtime, if there is one (see Runtime.Close),
+// and removes the files libcuda keeps in /dev/shm for this process's
+// exports even when another library holds the contexts on.
 func (backend) Close() error {
 	rtMu.Lock()
 	r := rt
 	rtMu.Unlock()
 	if r != nil {
 		r.Close()
+		removeOwnDriverFiles(r.drv)
 	}
 	return nil
 }

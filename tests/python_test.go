@@ -19,6 +19,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/mmapalloc"
@@ -270,17 +271,39 @@ func ints(vs []any) []int {
 // and their in-place writes show in Go's memory.
 func TestPythonConsumerWritesInPlace(t *testing.T) {
 	leakcheck.Check(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
 	pool := mmapalloc.DefaultPool()
 	inUse := pool.InUse()
+	consumeInPython(t, device.CPU(), func() bool { return pool.InUse() <= inUse }, "torch", "numpy")
+}
+
+// The same for GPU tensors and a PyTorch consumer: it views Go's device
+// memory on its device, through CUDA IPC and DLPack.
+func TestPythonGPUConsumerWritesInPlace(t *testing.T) {
+	rt := requireGPU(t)
+	leakcheck.Check(t)
+	files := driverFiles(t)
+	consumeInPython(t, device.GPU(0), func() bool {
+		rt.CollectLimbo()
+		return rt.Limbo() == 0
+	}, "torch")
+	assert.Equal(t, files, driverFiles(t), "the consumer left no driver files")
+}
+
+// consumeInPython sends a consumer Go tensors on place of every dtype,
+// contiguous and not, once through each of libs, and checks what the
+// consumer saw and wrote. let go reports whether the consumer has let go
+// of every tensor it was sent; it must, with no exit and no collection
+// needed.
+func consumeInPython(t *testing.T, place device.Place, letGo func() bool, libs ...string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
 	peer, p := acceptPython(t, ctx, "consumer")
 	for _, dt := range sharedDTypes {
-		for _, lib := range []string{"torch", "numpy"} {
+		for _, lib := range libs {
 			if lib == "numpy" && dt == tensor.BFloat16 {
 				continue // NumPy has no bfloat16
 			}
-			base, err := tensor.On(device.CPU()).Shared().Arange(dt, 24)
+			base, err := tensor.On(place).Shared().Arange(dt, 24)
 			require.NoError(t, err)
 			base, err = base.Reshape(4, 6)
 			require.NoError(t, err)
@@ -289,18 +312,17 @@ func TestPythonConsumerWritesInPlace(t *testing.T) {
 			narrowed, err := base.Narrow(1, 1, 3)
 			require.NoError(t, err)
 			for name, x := range map[string]*tensor.Tensor{"contiguous": base, "transposed": transposed, "narrowed": narrowed} {
-				what := fmt.Sprintf("%v %s through %s", dt, name, lib)
-				want, err := elements(x)
-				require.NoError(t, err)
+				what := fmt.Sprintf("%v %s on %s through %s", dt, name, place, lib)
+				want := hostElements(t, x)
 				require.NoError(t, p.Send(ctx, map[string]any{"t": x, "lib": lib}), what)
 				var got map[string]any
 				peer.check(t, p.Recv(ctx, &got), "%s", what)
 				assert.Equal(t, dt.String(), got["dtype"], what)
+				assert.Equal(t, strings.Replace(place.String(), "gpu", "cuda", 1), got["device"], what)
 				assert.Equal(t, x.Shape(), ints(got["shape"].([]any)), what)
 				assert.Equal(t, x.Strides(), ints(got["strides"].([]any)), "%s: the consumer views Go's layout", what)
 				assert.Equal(t, want, pyElements(got["values"].([]any)), what)
-				after, err := elements(x)
-				require.NoError(t, err)
+				after := hostElements(t, x)
 				wrote := complex(42, 0)
 				if dt == tensor.Bool {
 					wrote = 1
@@ -311,15 +333,28 @@ func TestPythonConsumerWritesInPlace(t *testing.T) {
 			require.NoError(t, base.Release())
 		}
 	}
-	// The consumer dropped every view: the library unmapped Go's blocks
-	// with no exit and no collection needed.
 	deadline := time.Now().Add(gone)
-	for pool.InUse() > inUse && time.Now().Before(deadline) {
+	for !letGo() && time.Now().Before(deadline) {
 		time.Sleep(5 * time.Millisecond)
 	}
-	assert.Equal(t, inUse, pool.InUse(), "blocks still held by the live consumer")
+	assert.True(t, letGo(), "memory still held by the live consumer")
 	require.NoError(t, p.Send(ctx, "bye"))
 	peer.wait(t)
+}
+
+// hostElements returns x's elements, read through host memory when x is
+// on a GPU.
+func hostElements(t *testing.T, x *tensor.Tensor) []complex128 {
+	t.Helper()
+	if !x.Place().IsCPU() {
+		h, err := x.To(device.CPU())
+		require.NoError(t, err)
+		defer h.Release()
+		x = h
+	}
+	vs, err := elements(x)
+	require.NoError(t, err)
+	return vs
 }
 
 // Tensors a PyTorch and NumPy producer makes reach Go with their values,
@@ -328,6 +363,22 @@ func TestPythonConsumerWritesInPlace(t *testing.T) {
 // tensormp's memory (Go's write shows in Python).
 func TestPythonProducerToGo(t *testing.T) {
 	leakcheck.Check(t)
+	produceInPython(t, device.CPU())
+}
+
+// The same for PyTorch's CUDA tensors: copied once on the GPU when torch
+// made them, shared in place when born in tensormp's GPU memory.
+func TestPythonGPUProducerToGo(t *testing.T) {
+	rt := requireGPU(t)
+	leakcheck.Check(t)
+	files := driverFiles(t)
+	produceInPython(t, device.GPU(0))
+	assert.Equal(t, files, driverFiles(t), "the producer's exit took its driver files, though torch held its context")
+	rt.CollectLimbo()
+	assert.Equal(t, 0, rt.Limbo(), "the producer is gone: nothing of its memory waits here")
+}
+
+func produceInPython(t *testing.T, place device.Place) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	peer, p := acceptPython(t, ctx, "producer")
@@ -335,7 +386,9 @@ func TestPythonProducerToGo(t *testing.T) {
 	for i, dt := range sharedDTypes {
 		names[i] = dt.String()
 	}
-	require.NoError(t, p.Send(ctx, names))
+	onCPU := place.IsCPU()
+	torchDevice := strings.Replace(place.String(), "gpu", "cuda", 1)
+	require.NoError(t, p.Send(ctx, map[string]any{"dtypes": names, "device": torchDevice}))
 	// The index into base, 4 x 6, of element (r, c) of each kind of view.
 	views := map[string]struct {
 		shape []int
@@ -358,13 +411,13 @@ func TestPythonProducerToGo(t *testing.T) {
 		m := msg.(map[string]any)
 		kind, name := m["kind"].(string), m["dtype"].(string)
 		x := m["t"].(*tensor.Tensor)
-		what := name + " " + kind
+		what := name + " " + kind + " on " + place.String()
 		seen[kind]++
 		assert.Equal(t, name, x.DType().String(), what)
+		assert.Equal(t, place, x.Place(), what)
 		v := views[kind]
 		require.Equal(t, v.shape, x.Shape(), what)
-		got, err := elements(x)
-		require.NoError(t, err, what)
+		got := hostElements(t, x)
 		want := make([]complex128, 0, len(got))
 		for r := range v.shape[0] {
 			for c := range v.shape[1] {
@@ -376,33 +429,60 @@ func TestPythonProducerToGo(t *testing.T) {
 			}
 		}
 		assert.Equal(t, want, got, what)
-		assert.True(t, x.IsShared(), what)
+		if onCPU {
+			assert.True(t, x.IsShared(), what)
+		}
 		if kind == "born" {
 			assert.Equal(t, []int{6, 1}, x.Strides(), "%s: shared as the view it is, not copied", what)
 			assert.Equal(t, int64(x.DType().Size())*8, x.Offset(), what)
-			var err error
-			if x.DType() == tensor.Bool {
-				err = tensor.Set(x, false, 0, 0)
-			} else {
-				err = tensor.Copy(x, must(tensor.Full(x.DType(), 7, x.Shape()...)))
-			}
-			require.NoError(t, err)
-			require.NoError(t, p.Send(ctx, "wrote"))
-			var reply map[string]any
-			peer.check(t, p.Recv(ctx, &reply), "recv")
 			wantSeen := complex(7, 0)
 			if x.DType() == tensor.Bool {
 				wantSeen = 0
 			}
+			writeFirst(t, x, real(wantSeen))
+			require.NoError(t, p.Send(ctx, "wrote"))
+			var reply map[string]any
+			peer.check(t, p.Recv(ctx, &reply), "recv")
 			assert.Equal(t, []complex128{wantSeen}, pyElements(reply["seen"].([]any)), "%s: Go's write shows in Python", what)
 		}
 		require.NoError(t, x.Release())
 	}
-	assert.Equal(t, map[string]int{
+	numpy := len(names) - 1 // NumPy has no bfloat16
+	if !onCPU {
+		numpy = 0
+	}
+	assert.Equal(t, omitZero(map[string]int{
 		"torch": len(names), "torch-view": len(names), "torch-transposed": len(names),
-		"numpy": len(names) - 1, "numpy-view": len(names) - 1, "born": len(names),
-	}, seen)
+		"numpy": numpy, "numpy-view": numpy, "born": len(names),
+	}), seen)
 	peer.wait(t)
+}
+
+// writeFirst sets x's first element to v and returns once the write is
+// done, for another process to see.
+func writeFirst(t *testing.T, x *tensor.Tensor, v float64) {
+	t.Helper()
+	one := must(tensor.Full(x.DType(), v, 1))
+	if x.Place().IsCPU() {
+		first := must(x.Narrow(0, 0, 1))
+		first = must(first.Narrow(1, 0, 1))
+		require.NoError(t, tensor.Copy(first, must(one.Reshape(1, 1))))
+		return
+	}
+	b := x.Storage().Buffer().(*cuda.Buffer)
+	require.NoError(t, b.Write(one.Storage().Bytes(), x.Offset()))
+	require.NoError(t, b.Sync())
+}
+
+// omitZero returns m without its zero counts.
+func omitZero(m map[string]int) map[string]int {
+	out := map[string]int{}
+	for k, n := range m {
+		if n != 0 {
+			out[k] = n
+		}
+	}
+	return out
 }
 
 func must[T any](v T, err error) T {
@@ -417,26 +497,70 @@ func must[T any](v T, err error) T {
 // it sent stays readable in Go.
 func TestPythonKilledWhileHolding(t *testing.T) {
 	leakcheck.Check(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
 	shmBefore := tensormpEntries(t)
 	pool := mmapalloc.DefaultPool()
 	inUse := pool.InUse()
+	own, _ := killWhileHolding(t, device.CPU(), func(holding bool) bool {
+		return pool.InUse() > inUse == holding
+	})
+	vs, err := tensor.Values[uint8](own)
+	require.NoError(t, err)
+	assert.Equal(t, 1<<20, len(vs))
+	assert.Equal(t, -1, slices.IndexFunc(vs, func(v uint8) bool { return v != 1 }), "the dead process's tensor is still whole here")
+	require.NoError(t, own.Release())
+	assert.Equal(t, shmBefore, tensormpEntries(t), "nothing left in /dev/shm")
+}
+
+// The same with GPU tensors: the GPU memory Go sent is freed once its
+// holder is dead, and the GPU memory it sent stays readable here. The one
+// thing left in /dev/shm is the CUDA driver's file for the dead process's
+// interprocess events, which only that process could remove.
+func TestPythonGPUKilledWhileHolding(t *testing.T) {
+	rt := requireGPU(t)
+	leakcheck.Check(t)
+	shmBefore := tensormpEntries(t)
+	files := driverFiles(t)
+	own, pid := killWhileHolding(t, device.GPU(0), func(holding bool) bool {
+		rt.CollectLimbo()
+		return rt.Limbo() > 0 == holding
+	})
+	host := must(own.To(device.CPU()))
+	vs := must(tensor.Values[uint8](host))
+	assert.Equal(t, 1<<20, len(vs))
+	assert.Equal(t, -1, slices.IndexFunc(vs, func(v uint8) bool { return v != 1 }), "the dead process's GPU tensor is still whole here")
+	require.NoError(t, own.Release())
+	assert.Equal(t, shmBefore, tensormpEntries(t), "nothing of tensormp's left in /dev/shm")
+	dead := "." + strconv.FormatInt(int64(pid), 16) + "."
+	for _, f := range driverFiles(t) {
+		assert.True(t, slices.Contains(files, f) || strings.Contains(filepath.Base(f), dead), "driver file %s is not the dead process's", f)
+	}
+}
+
+// killWhileHolding sends a Python process tensors on place, takes one of
+// its own, SIGKILLs it while it holds both, and returns its tensor and
+// its process id.
+// holding(true) reports whether the process holds Go's memory, holding
+// (false) whether it is all back.
+func killWhileHolding(t *testing.T, place device.Place, holding func(bool) bool) (*tensor.Tensor, int) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
 	peer, p := acceptPython(t, ctx, "hold")
 	sent := make([]*tensor.Tensor, 16)
 	for i := range sent {
-		sent[i] = must(tensor.On(device.CPU()).Shared().Full(tensor.Float32, float64(i), 1024))
+		sent[i] = must(tensor.On(place).Shared().Full(tensor.Float32, float64(i), 1024))
 	}
-	require.NoError(t, p.Send(ctx, sent))
-	var holding map[string]any
-	peer.check(t, p.Recv(ctx, &holding), "recv")
-	assert.Equal(t, float64(len(sent)), toFloat(holding["holding"]))
+	torchDevice := strings.Replace(place.String(), "gpu", "cuda", 1)
+	require.NoError(t, p.Send(ctx, map[string]any{"t": sent, "device": torchDevice}))
+	var report map[string]any
+	peer.check(t, p.Recv(ctx, &report), "recv")
+	assert.Equal(t, float64(len(sent)), toFloat(report["holding"]))
 	var own *tensor.Tensor
 	require.NoError(t, p.Recv(ctx, &own))
+	assert.Equal(t, place, own.Place())
 	for _, x := range sent {
 		require.NoError(t, x.Release())
 	}
-	require.Greater(t, pool.InUse(), inUse, "the Python process holds Go's blocks")
+	require.True(t, holding(true), "the Python process holds Go's memory")
 
 	require.NoError(t, peer.cmd.Process.Signal(syscall.SIGKILL))
 	err := <-peer.done
@@ -444,18 +568,13 @@ func TestPythonKilledWhileHolding(t *testing.T) {
 	var xe *exec.ExitError
 	require.True(t, errors.As(err, &xe), "killed: %v", err)
 	deadline := time.Now().Add(gone)
-	for pool.InUse() > inUse && time.Now().Before(deadline) {
+	for !holding(false) && time.Now().Before(deadline) {
 		time.Sleep(5 * time.Millisecond)
 	}
-	assert.Equal(t, inUse, pool.InUse(), "Go's blocks came back when the holder died")
-	vs, err := tensor.Values[uint8](own)
-	require.NoError(t, err)
-	assert.Equal(t, 1<<20, len(vs))
-	assert.Equal(t, -1, slices.IndexFunc(vs, func(v uint8) bool { return v != 1 }), "the dead process's tensor is still whole here")
-	require.NoError(t, own.Release())
-	assert.Equal(t, shmBefore, tensormpEntries(t), "nothing left in /dev/shm")
+	assert.True(t, holding(false), "Go's memory came back when the holder died")
 	err = p.Recv(ctx, new(any))
 	assert.ErrorIs(t, err, mp.ErrClosed, "the dead peer's pipe is closed")
+	return own, peer.cmd.Process.Pid
 }
 
 // tensormpEntries lists the tensormp_ entries of the shared-memory
@@ -517,6 +636,41 @@ func TestPythonMalformedInput(t *testing.T) {
 	assert.Equal(t, "incremented", done)
 	vs := must(tensor.Values[int32](x))
 	assert.Equal(t, []int32{42, 42, 42, 42, 42, 42, 42, 42}, vs, "the library still works after bad input")
+	require.NoError(t, x.Release())
+	peer.wait(t)
+}
+
+// DLPack CUDA tensors that lie about their memory, and other bad GPU
+// input from Python, get errors that say what was wrong; the library
+// goes on working, on the GPU too.
+func TestPythonGPUMalformedInput(t *testing.T) {
+	requireGPU(t)
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	peer, p := acceptPython(t, ctx, "malformed-gpu")
+	var report map[string]string
+	peer.check(t, p.Recv(ctx, &report), "recv")
+	for name, want := range map[string]string{
+		"bogus-pointer":     "Error: cuda: copying from 0x1000 on gpu:0",
+		"host-pointer":      "Error: cuda: copying from 0x",
+		"past-allocation":   "the allocation there ends at",
+		"no-such-gpu":       "Error: cuda: device 7 does not exist",
+		"negative-gpu":      "Error: DLPack CUDA device -1",
+		"managed":           "Error: DLPack device type 13: only CPU and CUDA memory is taken",
+		"numpy-of-gpu":      "TypeError: tensormp: a tensor on cuda:0 has no NumPy view",
+		"empty-no-such-gpu": "cuda: device 7 does not exist",
+		"empty-bad-device":  "unknown device type",
+	} {
+		assert.Contains(t, report[name], want, name)
+	}
+	x := must(tensor.On(device.GPU(0)).Full(tensor.Int32, 41, 8))
+	require.NoError(t, p.Send(ctx, x))
+	var done string
+	peer.check(t, p.Recv(ctx, &done), "recv")
+	assert.Equal(t, "incremented", done)
+	host := must(x.To(device.CPU()))
+	assert.Equal(t, []int32{42, 42, 42, 42, 42, 42, 42, 42}, must(tensor.Values[int32](host)), "the library still works after bad input")
 	require.NoError(t, x.Release())
 	peer.wait(t)
 }

@@ -7,6 +7,7 @@ non-zero exit code."""
 import os
 import signal
 import socket
+import ctypes
 import struct
 import sys
 import time
@@ -34,9 +35,16 @@ def plain(values):
     return out
 
 
+def settle(x):
+    """Waits for the work torch queued on x's GPU: another process reads
+    the memory next, outside torch's streams."""
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+
+
 def consumer(pipe):
-    """Receives tensors, views each with torch or NumPy, reports what it
-    sees and writes one element in place."""
+    """Receives tensors, CPU or GPU, views each with torch or NumPy,
+    reports what it sees and writes one element in place."""
     while True:
         msg = pipe.recv(timeout=60)
         if msg == "bye":
@@ -47,6 +55,7 @@ def consumer(pipe):
             values = x.flatten().tolist()
             strides = list(x.stride())
             x[(0,) * x.dim()] = True if t.dtype == "bool" else 42
+            settle(x)
             dtype = str(x.dtype).replace("torch.", "")
         else:
             x = t.numpy()  # writable; numpy.from_dlpack's view is read-only
@@ -59,30 +68,35 @@ def consumer(pipe):
             strides = [s // x.itemsize for s in x.strides]
             x[(0,) * x.ndim] = True if t.dtype == "bool" else 42
             dtype = {"bool": "bool"}.get(str(x.dtype), str(x.dtype))
+        device = str(x.device) if lib == "torch" else "cpu"
         pipe.send({"values": plain(values), "dtype": dtype, "shape": list(x.shape),
-                   "strides": strides})
+                   "strides": strides, "device": device})
         del x
         t.close()
 
 
 def producer(pipe):
-    """Sends tensors made by torch and NumPy (copied once into shared
-    memory), views of them, and tensors born in shared memory (shared in
-    place: the Go side's write shows here)."""
-    for name in pipe.recv(timeout=60):
+    """Sends tensors made by torch and NumPy (copied once into tensormp's
+    memory), views of them, and tensors born in tensormp's memory (shared
+    in place: the Go side's write shows here), on the device the Go side
+    names."""
+    order = pipe.recv(timeout=60)
+    device = order["device"]
+    for name in order["dtypes"]:
         base = torch.arange(24).reshape(4, 6) % 100
         if name == "bool":
             base = base % 2 == 1
         else:
             base = base.to(TORCH[name])
+        base = base.to(device)
         pipe.send({"dtype": name, "kind": "torch", "t": base}, timeout=60)
         pipe.send({"dtype": name, "kind": "torch-view", "t": base[:, 1::2]}, timeout=60)
         pipe.send({"dtype": name, "kind": "torch-transposed", "t": base.t()}, timeout=60)
-        if name != "bfloat16":
+        if name != "bfloat16" and device == "cpu":
             a = base.numpy()
             pipe.send({"dtype": name, "kind": "numpy", "t": a}, timeout=60)
             pipe.send({"dtype": name, "kind": "numpy-view", "t": a[::2, ::3]}, timeout=60)
-        born = tensormp.empty((4, 6), name)
+        born = tensormp.empty((4, 6), name, device=device)
         b = born.torch()
         b.copy_(base)
         pipe.send({"dtype": name, "kind": "born", "t": b[1:, 2:]}, timeout=60)
@@ -96,12 +110,14 @@ def producer(pipe):
 
 
 def hold(pipe):
-    """Holds what it receives, and memory of its own, until killed."""
+    """Holds what it receives, and memory of its own on the device the Go
+    side names, until killed."""
     got = pipe.recv(timeout=60)
-    views = [torch.from_dlpack(t) for t in got]
-    own = tensormp.empty((1 << 20,), "uint8")
-    mine = own.numpy()
-    mine[:] = 1
+    views = [torch.from_dlpack(t) for t in got["t"]]
+    own = tensormp.empty((1 << 20,), "uint8", device=got["device"])
+    mine = own.torch()
+    mine.fill_(1)
+    settle(mine)
     pipe.send({"holding": len(views), "pid": os.getpid()}, timeout=60)
     pipe.send(own, timeout=60)
     while True:
@@ -156,6 +172,57 @@ def malformed(pipe):
     pipe.send("incremented", timeout=60)
 
 
+class _Managed(ctypes.Structure):
+    _fields_ = [("dl", tensormp._DLTensor), ("ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+def malformed_gpu(pipe):
+    """Feeds the library DLPack CUDA tensors that lie about their memory
+    and other bad GPU input, reports the errors, then shows the library
+    still works."""
+    report = {}
+    keep = []
+
+    def attempt(name, fn):
+        try:
+            fn()
+        except tensormp.Error as e:
+            report[name] = "Error: " + str(e)
+        except TypeError as e:
+            report[name] = "TypeError: " + str(e)
+        else:
+            report[name] = "no error"
+
+    def take(device_type, device_id, data, n):
+        m = _Managed()
+        shape = (ctypes.c_int64 * 1)(n)
+        keep.append(shape)
+        m.dl.data, m.dl.device_type, m.dl.device_id = data, device_type, device_id
+        m.dl.ndim, m.dl.code, m.dl.bits, m.dl.lanes = 1, 1, 8, 1
+        m.dl.shape = shape
+        out = ctypes.c_int64()
+        tensormp._call(tensormp._from_dlpack, ctypes.addressof(m), None, ctypes.byref(out))
+        tensormp._call(tensormp._close, out.value)
+
+    host = ctypes.create_string_buffer(64)
+    small = torch.zeros(1024, dtype=torch.uint8, device="cuda")
+    attempt("bogus-pointer", lambda: take(2, 0, 0x1000, 16))
+    attempt("host-pointer", lambda: take(2, 0, ctypes.addressof(host), 16))
+    attempt("past-allocation", lambda: take(2, 0, small.data_ptr(), 64 << 20))
+    attempt("no-such-gpu", lambda: take(2, 7, small.data_ptr(), 16))
+    attempt("negative-gpu", lambda: take(2, -1, small.data_ptr(), 16))
+    attempt("managed", lambda: take(13, 0, small.data_ptr(), 16))
+    attempt("numpy-of-gpu", lambda: tensormp.empty(4, device="cuda").numpy())
+    attempt("empty-no-such-gpu", lambda: tensormp.empty(4, device="cuda:7"))
+    attempt("empty-bad-device", lambda: tensormp.empty(4, device="tpu"))
+    pipe.send(report, timeout=60)
+    t = pipe.recv(timeout=60)
+    x = torch.from_dlpack(t)
+    x += 1
+    settle(x)
+    pipe.send("incremented", timeout=60)
+
+
 def raw(address):
     """Speaks to the endpoint without the library: a frame that lies about
     its descriptors, a well-framed message whose payload claims a queue
@@ -179,7 +246,7 @@ def main():
         return
     with tensormp.dial(address, timeout=30) as pipe:
         {"consumer": consumer, "producer": producer, "hold": hold,
-         "malformed": malformed}[role](pipe)
+         "malformed": malformed, "malformed-gpu": malformed_gpu}[role](pipe)
 
 
 if __name__ == "__main__":
