@@ -208,6 +208,7 @@ type benchResult struct {
 	Batch    int     `json:"batch,omitempty"` // tensors per message
 	Held     int     `json:"held,omitempty"`  // tensors the receiver holds
 	FDs      int     `json:"fds,omitempty"`
+	Device   string  `json:"device,omitempty"` // where -python's tensors are, when not the CPU
 }
 
 var benchSizes = []int64{4 << 10, 1 << 20, 64 << 20, 256 << 20}
@@ -231,6 +232,7 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&po.python, "python3", "python3", "the Python with torch that -python runs")
 	fs.StringVar(&po.lib, "pylib", os.Getenv("TENSORMP_LIB"), "libtensormp.so for -python (default: $TENSORMP_LIB, else built from ./cmd/libtensormp)")
 	fs.StringVar(&po.pkg, "pypath", "python", "the directory holding the tensormp Python package, for -python")
+	fs.StringVar(&po.device, "pydevice", "cpu", "where -python's tensors are: cpu, or cuda:N")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "usage: spawn bench [flags]\n\n%s\n\n%s\n\n%s\n\nflags:\n", benchHelp, loaderHelp, pythonHelp)
 		fs.PrintDefaults()

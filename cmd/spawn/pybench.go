@@ -28,14 +28,19 @@ trip of a shared float32 tensor of 4 KiB and 64 MiB from Go to a PyTorch
 process, which views it with torch.from_dlpack and puts that torch tensor
 back, to Go (python_roundtrip), beside torch.multiprocessing's own round
 trip of the same tensor between two Python processes over two Queues
-(torch_roundtrip), in the same run. Run it from the repository's root:
-it loads python/ and builds libtensormp.so unless -pylib names one.`
+(torch_roundtrip), in the same run. With -pydevice cuda:N the tensors are
+on that GPU and travel by CUDA IPC; torch's child then answers with a
+word instead of the tensor (torch will not send a CUDA tensor back to
+the process it came from), so torch's round trip does less than
+tensormp's. Run it from the repository's root: it loads python/ and
+builds libtensormp.so unless -pylib names one.`
 
 //go:embed pybench.py
 var pybenchScript []byte
 
 type pythonOpts struct {
 	python, lib, pkg string
+	device           string // where the tensors are, as torch names it
 	trips            int
 }
 
@@ -47,6 +52,12 @@ var pythonSizes = []struct {
 }{{4 << 10, 1}, {64 << 20, 10}}
 
 func runPythonBench(o pythonOpts, asJSON bool, stdout, stderr io.Writer, progress func(string)) int {
+	place, err := device.Parse(o.device)
+	if err != nil || !place.IsCPU() && !place.IsGPU() {
+		fmt.Fprintf(stderr, "spawn bench: -pydevice %q: want cpu or cuda:N\n", o.device)
+		return 2
+	}
+	o.device = strings.Replace(place.String(), "gpu", "cuda", 1)
 	// A Python process takes no file_system segments: they belong to a
 	// session of Go processes.
 	if err := strategy.Set(strategy.FileDescriptor); err != nil {
@@ -75,6 +86,9 @@ func runPythonBench(o pythonOpts, asJSON bool, stdout, stderr io.Writer, progres
 	}
 	var results []benchResult
 	emit := func(r benchResult) {
+		if o.device != "cpu" {
+			r.Device = o.device
+		}
 		results = append(results, r)
 		if asJSON {
 			b, _ := json.Marshal(r)
@@ -188,7 +202,7 @@ func goPythonTrips(ctx context.Context, o pythonOpts, p *mp.Pipe, progress func(
 	for _, sz := range pythonSizes {
 		n := max(o.trips/sz.div, 10)
 		progress(fmt.Sprintf("python_roundtrip %s x %d", formatBytes(sz.bytes), n))
-		x, err := tensor.On(device.CPU()).Shared().Zeros(tensor.Float32, int(sz.bytes/4))
+		x, err := tensor.On(device.MustParse(o.device)).Shared().Zeros(tensor.Float32, int(sz.bytes/4))
 		if err != nil {
 			return err
 		}
@@ -228,7 +242,7 @@ func benchTorch(o pythonOpts, script string, progress func(string), emit func(be
 		counts = append(counts, strconv.Itoa(max(o.trips/sz.div, 10)))
 	}
 	progress("torch_roundtrip")
-	cmd, err := pythonCmd(ctx, o, script, "torch", strings.Join(sizes, ","), strings.Join(counts, ","))
+	cmd, err := pythonCmd(ctx, o, script, "torch", strings.Join(sizes, ","), strings.Join(counts, ","), o.device)
 	if err != nil {
 		return err
 	}
@@ -259,8 +273,8 @@ func benchTorch(o pythonOpts, script string, progress func(string), emit func(be
 // printPythonTable prints the -python results, each python_roundtrip
 // beside torch's time for its size.
 func printPythonTable(w io.Writer, rs []benchResult) {
-	const row = "%-18s %8s %10s %10s %10s\n"
-	fmt.Fprintf(w, row, "case", "bytes", "p50", "p99", "x torch")
+	const row = "%-18s %8s %7s %10s %10s %10s\n"
+	fmt.Fprintf(w, row, "case", "bytes", "device", "p50", "p99", "x torch")
 	for _, r := range rs {
 		ratio := "-"
 		for _, t := range rs {
@@ -269,6 +283,10 @@ func printPythonTable(w io.Writer, rs []benchResult) {
 			}
 		}
 		us := func(v float64) string { return formatDuration(time.Duration(v * 1000)) }
-		fmt.Fprintf(w, row, r.Case, formatBytes(r.Bytes), us(r.P50us), us(r.P99us), ratio)
+		dev := r.Device
+		if dev == "" {
+			dev = "cpu"
+		}
+		fmt.Fprintf(w, row, r.Case, formatBytes(r.Bytes), dev, us(r.P50us), us(r.P99us), ratio)
 	}
 }

@@ -3,10 +3,12 @@
   pybench.py echo      dial $ENDPOINT with tensormp and send every tensor
                        received back, viewed through torch.from_dlpack,
                        until told "stop"
-  pybench.py torch S N torch.multiprocessing's own round trip, Python to
+  pybench.py torch S N D
+                       torch.multiprocessing's own round trip, Python to
                        Python over two Queues, of a shared float32 tensor
-                       of S bytes, N times (comma-separated lists); one
-                       JSON object per size on stdout
+                       of S bytes on device D, N times (comma-separated
+                       lists); one JSON object per size on stdout. On a
+                       GPU the child answers with a word, not the tensor
 """
 
 import json
@@ -30,24 +32,28 @@ def echo():
             last = (v, x)
 
 
-def torch_child(qin, qout):
+def torch_child(qin, qout, ack_only):
     last = None
     while True:
         x = qin.get()
         if x is None:
             return
         last = x
-        qout.put(x)
+        # torch puts a CUDA tensor received from a process on no Queue
+        # back to that process: the child answers with a word instead.
+        qout.put(True if ack_only else x)
 
 
-def torch_roundtrip(sizes, counts):
+def torch_roundtrip(sizes, counts, device):
     import torch.multiprocessing as mp
+    if device != "cpu":
+        mp = mp.get_context("spawn")  # CUDA tensors travel only to spawned children
     qin, qout = mp.Queue(), mp.Queue()
-    child = mp.Process(target=torch_child, args=(qin, qout))
+    child = mp.Process(target=torch_child, args=(qin, qout, device != "cpu"))
     child.start()
     try:
         for nbytes, n in zip(sizes, counts):
-            x = torch.zeros(nbytes // 4).share_memory_()
+            x = torch.zeros(nbytes // 4, device=device).share_memory_()
             for _ in range(min(n, 20)):
                 qin.put(x)
                 qout.get()
@@ -70,4 +76,4 @@ if __name__ == "__main__":
         echo()
     else:
         torch_roundtrip([int(s) for s in sys.argv[2].split(",")],
-                        [int(n) for n in sys.argv[3].split(",")])
+                        [int(n) for n in sys.argv[3].split(",")], sys.argv[4])
