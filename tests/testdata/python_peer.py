@@ -124,12 +124,9 @@ def hold(pipe):
         time.sleep(1)
 
 
-def malformed(pipe):
-    """Feeds the library bad input and reports, for each, the error it
-    raised; then shows the library still works."""
-    lib = tensormp._lib
-    report = {}
-
+def recorder(report):
+    """Returns attempt(name, fn), which calls fn and records in report the
+    error it raised."""
     def attempt(name, fn):
         try:
             fn()
@@ -139,6 +136,24 @@ def malformed(pipe):
             report[name] = type(e).__name__ + ": " + str(e)
         else:
             report[name] = "no error"
+    return attempt
+
+
+def increment(pipe):
+    """Adds 1 in place to the tensor it receives, to show the library
+    still works."""
+    x = torch.from_dlpack(pipe.recv(timeout=60))
+    x += 1
+    settle(x)
+    pipe.send("incremented", timeout=60)
+
+
+def malformed(pipe):
+    """Feeds the library bad input and reports, for each, the error it
+    raised; then shows the library still works."""
+    lib = tensormp._lib
+    report = {}
+    attempt = recorder(report)
 
     h = pipe._handle()
     send = lambda text: tensormp._call(tensormp._send, h, text, 1000)
@@ -167,9 +182,7 @@ def malformed(pipe):
     attempt("own-key", lambda: pipe.send({"$tensormp": "tensor"}))
     attempt("deleter-twice", lambda: lib.tensormp_dlpack_deleter(None))
     pipe.send(report, timeout=60)
-    x = torch.from_dlpack(pipe.recv(timeout=60))
-    x += 1
-    pipe.send("incremented", timeout=60)
+    increment(pipe)
 
 
 class _Managed(ctypes.Structure):
@@ -181,17 +194,8 @@ def malformed_gpu(pipe):
     and other bad GPU input, reports the errors, then shows the library
     still works."""
     report = {}
+    attempt = recorder(report)
     keep = []
-
-    def attempt(name, fn):
-        try:
-            fn()
-        except tensormp.Error as e:
-            report[name] = "Error: " + str(e)
-        except TypeError as e:
-            report[name] = "TypeError: " + str(e)
-        else:
-            report[name] = "no error"
 
     def take(device_type, device_id, data, n):
         m = _Managed()
@@ -216,11 +220,7 @@ def malformed_gpu(pipe):
     attempt("empty-no-such-gpu", lambda: tensormp.empty(4, device="cuda:7"))
     attempt("empty-bad-device", lambda: tensormp.empty(4, device="tpu"))
     pipe.send(report, timeout=60)
-    t = pipe.recv(timeout=60)
-    x = torch.from_dlpack(t)
-    x += 1
-    settle(x)
-    pipe.send("incremented", timeout=60)
+    increment(pipe)
 
 
 def raw(address):
