@@ -536,6 +536,28 @@ func TestPythonGPUKilledWhileHolding(t *testing.T) {
 	}
 }
 
+// A GPU tensor written on one of torch's side streams and sent before
+// the write is done, as the Tensor or as a torch view, arrives with the
+// write: the receiver waits for the work torch had queued.
+func TestPythonGPUSideStreamWriteArrives(t *testing.T) {
+	requireGPU(t)
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	peer, p := acceptPython(t, ctx, "side-stream")
+	for range 2 {
+		var m map[string]any
+		peer.check(t, p.Recv(ctx, &m), "recv")
+		x := m["t"].(*tensor.Tensor)
+		vs := hostElements(t, x)
+		stale := slices.IndexFunc(vs, func(v complex128) bool { return v != 7 })
+		assert.Equal(t, -1, stale, "sent as %s: element %d is not written", m["how"], stale)
+		require.NoError(t, x.Release())
+		require.NoError(t, p.Send(ctx, "seen"))
+	}
+	peer.wait(t)
+}
+
 // killWhileHolding sends a Python process tensors on place, takes one of
 // its own, SIGKILLs it while it holds both, and returns its tensor and
 // its process id.

@@ -48,6 +48,7 @@ import ctypes.util
 import json
 import math
 import os
+import sys
 import threading
 import time
 
@@ -357,6 +358,12 @@ def _dtype_name(obj):
     return {"bool_": "bool"}.get(name, name) if name else None
 
 
+def _on_cuda(obj):
+    """Reports whether a DLPack producer's memory is a CUDA device's."""
+    device = getattr(obj, "__dlpack_device__", None)
+    return device is not None and device()[0] == 2  # kDLCUDA
+
+
 def share(obj):
     """Returns a Tensor for a torch tensor, NumPy array or any DLPack
     producer: on the same memory when it is tensormp's, else a copy in new
@@ -375,7 +382,14 @@ def share(obj):
             obj = view("uint8")
     if not hasattr(obj, "__dlpack__"):
         raise TypeError(f"tensormp: a {type(obj).__name__} is not a tensor (no __dlpack__)")
-    capsule = obj.__dlpack__()
+    if _on_cuda(obj):
+        # Stream 1 is CUDA's legacy default stream, where the library
+        # copies and marks what a receiver waits for: the producer orders
+        # it after the work queued on its current stream. (Without a
+        # stream, torch orders nothing.)
+        capsule = obj.__dlpack__(stream=1)
+    else:
+        capsule = obj.__dlpack__()
     ptr = _PyCapsule_GetPointer(id(capsule), _DLTENSOR)
     if not ptr:
         raise Error("tensormp: __dlpack__ gave no DLPack tensor")
@@ -413,6 +427,8 @@ def _encode(v, temps, depth=0):
             out[k] = _encode(e, temps, depth + 1)
         return out
     if isinstance(v, Tensor):
+        if v.device != "cpu":
+            _after_torch(v.device)
         return {_KEY: "tensor", "h": v._handle()}
     if isinstance(v, Queue):
         return {_KEY: "queue", "h": v._handle()}
@@ -445,6 +461,19 @@ def _decode(v):
             return float(v["v"])
         raise Error(f"tensormp: unknown object kind {kind!r}")
     return v
+
+
+def _after_torch(device):
+    """Orders the default stream of device, where the library marks what a
+    receiver waits for, after the work queued so far on torch's current
+    stream, as torch's own __dlpack__ does for a torch tensor sent."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return  # torch queued nothing on this GPU
+    current = torch.cuda.current_stream(device)
+    default = torch.cuda.default_stream(device)
+    if current != default:
+        default.wait_stream(current)
 
 
 def _send_value(h, value, timeout):

@@ -124,6 +124,24 @@ def hold(pipe):
         time.sleep(1)
 
 
+def side_stream(pipe):
+    """Writes GPU tensors born in tensormp's memory on a side stream behind
+    a long wait, and sends each at once, as the Tensor and as a torch
+    view: the Go side must see the write."""
+    for how in ("tensor", "torch"):
+        t = tensormp.empty((1 << 20,), "float32", device="cuda:0")
+        x = t.torch()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            torch.cuda._sleep(int(1e9))  # about half a second of GPU time
+            x.fill_(7)
+            pipe.send({"how": how, "t": t if how == "tensor" else x}, timeout=60)
+        if pipe.recv(timeout=60) != "seen":
+            raise SystemExit("expected 'seen'")
+        torch.cuda.synchronize()
+        del x
+        t.close()
+
+
 def recorder(report):
     """Returns attempt(name, fn), which calls fn and records in report the
     error it raised."""
@@ -246,7 +264,8 @@ def main():
         return
     with tensormp.dial(address, timeout=30) as pipe:
         {"consumer": consumer, "producer": producer, "hold": hold,
-         "malformed": malformed, "malformed-gpu": malformed_gpu}[role](pipe)
+         "malformed": malformed, "malformed-gpu": malformed_gpu,
+         "side-stream": side_stream}[role](pipe)
 
 
 if __name__ == "__main__":
