@@ -29,10 +29,12 @@ CUDA tensors travel the same way, through CUDA IPC: a GPU tensor received
 is the sender's device memory, which ``torch.from_dlpack(t)`` views on
 its device (``t.device`` is "cuda:N"); a torch CUDA tensor sent is copied
 once, on its GPU, into memory of tensormp's, unless it is on such memory
-already (made with ``empty(..., device="cuda")``, or received). Work
-queued on torch's current stream before the send is waited for. As with
-torch.multiprocessing, a process that sent GPU memory keeps it alive for
-its consumers only while it runs. At exit the package gives the GPU
+already (made with ``empty(..., device="cuda")``, or received). A
+receiver waits for the work queued on torch's current stream before the
+send the first time it opens that GPU allocation, not for memory it
+holds already: after writing to such memory, ``torch.cuda.synchronize()``
+before telling its holder. As with torch.multiprocessing, a process that
+sent GPU memory keeps it alive for its consumers only while it runs. At exit the package gives the GPU
 contexts back, so that the CUDA driver removes the files it keeps in
 /dev/shm for them.
 
