@@ -220,8 +220,9 @@ func fromDLPack(m *C.DLManagedTensor, as tensor.DType) (*tensor.Tensor, error) {
 	if empty {
 		return newTensor(place, dt, shape)
 	}
-	src := unsafe.Add(dl.data, dl.byte_offset)
-	p := uintptr(src)
+	// A CUDA tensor's address is no host memory: it is kept as an
+	// integer, never as a pointer the collector would look at.
+	p := uintptr(dl.data) + uintptr(dl.byte_offset)
 	if lo == 0 {
 		if s := holds.holdAt(place, p, uintptr(hi)); s != nil {
 			base, _, _ := rangeOf(s)
@@ -235,7 +236,7 @@ func fromDLPack(m *C.DLManagedTensor, as tensor.DType) (*tensor.Tensor, error) {
 	if place.IsGPU() {
 		return copyCUDA(place, p, dt, shape, strides, lo, hi)
 	}
-	return copyForeign(src, dt, shape, strides)
+	return copyForeign(unsafe.Add(dl.data, dl.byte_offset), dt, shape, strides)
 }
 
 // copyCUDA copies the bytes [p+lo, p+hi) of GPU memory this process does
