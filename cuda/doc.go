@@ -23,5 +23,19 @@
 // producer's Free puts an allocation still referenced elsewhere in the
 // limbo, and CollectLimbo (run on every Free) frees it once nobody else
 // holds it. A consumer opens each handle once per process and closes it
-// with its last buffer on it.
+// with its last buffer on it, and waits for the producer's work (its
+// event) when it opens it; memory it holds already is not waited for
+// again.
+//
+// Memory another library allocated on the device (a PyTorch tensor handed
+// over through DLPack) is never exported as it is: Buffer.CopyIn copies
+// it into a Buffer of tensormp's, within the bounds of its allocation, so
+// that the other library's allocator keeps sole charge of its own.
+//
+// The driver keeps a file in /dev/shm for each process's interprocess
+// events and removes it when the process's context goes. Closing the
+// Default Runtime (tensor.CloseBackends, at a worker's exit) gives the
+// contexts back, and also removes this process's files when another
+// library in it still holds the context; only a killed process's file
+// stays.
 package cuda
