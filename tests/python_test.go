@@ -273,7 +273,7 @@ func TestPythonConsumerWritesInPlace(t *testing.T) {
 	leakcheck.Check(t)
 	pool := mmapalloc.DefaultPool()
 	inUse := pool.InUse()
-	consumeInPython(t, device.CPU(), func() bool { return pool.InUse() <= inUse }, "torch", "numpy")
+	consumeInPython(t, device.CPU(), func() bool { return pool.InUse() > inUse }, "torch", "numpy")
 }
 
 // The same for GPU tensors and a PyTorch consumer: it views Go's device
@@ -282,19 +282,16 @@ func TestPythonGPUConsumerWritesInPlace(t *testing.T) {
 	rt := requireGPU(t)
 	leakcheck.Check(t)
 	files := driverFiles(t)
-	consumeInPython(t, device.GPU(0), func() bool {
-		rt.CollectLimbo()
-		return rt.Limbo() == 0
-	}, "torch")
+	consumeInPython(t, device.GPU(0), gpuHeld(rt), "torch")
 	assert.Equal(t, files, driverFiles(t), "the consumer left no driver files")
 }
 
 // consumeInPython sends a consumer Go tensors on place of every dtype,
 // contiguous and not, once through each of libs, and checks what the
-// consumer saw and wrote. let go reports whether the consumer has let go
-// of every tensor it was sent; it must, with no exit and no collection
-// needed.
-func consumeInPython(t *testing.T, place device.Place, letGo func() bool, libs ...string) {
+// consumer saw and wrote. held reports whether another process still
+// holds memory of this one; once the consumer has dropped every tensor it
+// was sent it must be false, with no exit and no collection needed.
+func consumeInPython(t *testing.T, place device.Place, held func() bool, libs ...string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	peer, p := acceptPython(t, ctx, "consumer")
@@ -318,7 +315,7 @@ func consumeInPython(t *testing.T, place device.Place, letGo func() bool, libs .
 				var got map[string]any
 				peer.check(t, p.Recv(ctx, &got), "%s", what)
 				assert.Equal(t, dt.String(), got["dtype"], what)
-				assert.Equal(t, strings.Replace(place.String(), "gpu", "cuda", 1), got["device"], what)
+				assert.Equal(t, torchDevice(place), got["device"], what)
 				assert.Equal(t, x.Shape(), ints(got["shape"].([]any)), what)
 				assert.Equal(t, x.Strides(), ints(got["strides"].([]any)), "%s: the consumer views Go's layout", what)
 				assert.Equal(t, want, pyElements(got["values"].([]any)), what)
@@ -334,10 +331,10 @@ func consumeInPython(t *testing.T, place device.Place, letGo func() bool, libs .
 		}
 	}
 	deadline := time.Now().Add(gone)
-	for !letGo() && time.Now().Before(deadline) {
+	for held() && time.Now().Before(deadline) {
 		time.Sleep(5 * time.Millisecond)
 	}
-	assert.True(t, letGo(), "memory still held by the live consumer")
+	assert.False(t, held(), "memory still held by the live consumer")
 	require.NoError(t, p.Send(ctx, "bye"))
 	peer.wait(t)
 }
@@ -355,6 +352,21 @@ func hostElements(t *testing.T, x *tensor.Tensor) []complex128 {
 	vs, err := elements(x)
 	require.NoError(t, err)
 	return vs
+}
+
+// torchDevice names place as torch does: "cpu", "cuda:N".
+func torchDevice(place device.Place) string {
+	return strings.Replace(place.String(), "gpu", "cuda", 1)
+}
+
+// gpuHeld returns a function that reports whether another process still
+// holds GPU memory this one freed: whether rt's limbo, once collected,
+// is not empty.
+func gpuHeld(rt *cuda.Runtime) func() bool {
+	return func() bool {
+		rt.CollectLimbo()
+		return rt.Limbo() > 0
+	}
 }
 
 // Tensors a PyTorch and NumPy producer makes reach Go with their values,
@@ -387,8 +399,7 @@ func produceInPython(t *testing.T, place device.Place) {
 		names[i] = dt.String()
 	}
 	onCPU := place.IsCPU()
-	torchDevice := strings.Replace(place.String(), "gpu", "cuda", 1)
-	require.NoError(t, p.Send(ctx, map[string]any{"dtypes": names, "device": torchDevice}))
+	require.NoError(t, p.Send(ctx, map[string]any{"dtypes": names, "device": torchDevice(place)}))
 	// The index into base, 4 x 6, of element (r, c) of each kind of view.
 	views := map[string]struct {
 		shape []int
@@ -447,14 +458,11 @@ func produceInPython(t *testing.T, place device.Place) {
 		}
 		require.NoError(t, x.Release())
 	}
-	numpy := len(names) - 1 // NumPy has no bfloat16
-	if !onCPU {
-		numpy = 0
+	want := map[string]int{"torch": len(names), "torch-view": len(names), "torch-transposed": len(names), "born": len(names)}
+	if onCPU {
+		want["numpy"], want["numpy-view"] = len(names)-1, len(names)-1 // NumPy has no bfloat16
 	}
-	assert.Equal(t, omitZero(map[string]int{
-		"torch": len(names), "torch-view": len(names), "torch-transposed": len(names),
-		"numpy": numpy, "numpy-view": numpy, "born": len(names),
-	}), seen)
+	assert.Equal(t, want, seen)
 	peer.wait(t)
 }
 
@@ -474,17 +482,6 @@ func writeFirst(t *testing.T, x *tensor.Tensor, v float64) {
 	require.NoError(t, b.Sync())
 }
 
-// omitZero returns m without its zero counts.
-func omitZero(m map[string]int) map[string]int {
-	out := map[string]int{}
-	for k, n := range m {
-		if n != 0 {
-			out[k] = n
-		}
-	}
-	return out
-}
-
 func must[T any](v T, err error) T {
 	if err != nil {
 		panic(err)
@@ -500,9 +497,7 @@ func TestPythonKilledWhileHolding(t *testing.T) {
 	shmBefore := tensormpEntries(t)
 	pool := mmapalloc.DefaultPool()
 	inUse := pool.InUse()
-	own, _ := killWhileHolding(t, device.CPU(), func(holding bool) bool {
-		return pool.InUse() > inUse == holding
-	})
+	own, _ := killWhileHolding(t, device.CPU(), func() bool { return pool.InUse() > inUse })
 	vs, err := tensor.Values[uint8](own)
 	require.NoError(t, err)
 	assert.Equal(t, 1<<20, len(vs))
@@ -520,10 +515,7 @@ func TestPythonGPUKilledWhileHolding(t *testing.T) {
 	leakcheck.Check(t)
 	shmBefore := tensormpEntries(t)
 	files := driverFiles(t)
-	own, pid := killWhileHolding(t, device.GPU(0), func(holding bool) bool {
-		rt.CollectLimbo()
-		return rt.Limbo() > 0 == holding
-	})
+	own, pid := killWhileHolding(t, device.GPU(0), gpuHeld(rt))
 	host := must(own.To(device.CPU()))
 	vs := must(tensor.Values[uint8](host))
 	assert.Equal(t, 1<<20, len(vs))
@@ -560,10 +552,9 @@ func TestPythonGPUSideStreamWriteArrives(t *testing.T) {
 
 // killWhileHolding sends a Python process tensors on place, takes one of
 // its own, SIGKILLs it while it holds both, and returns its tensor and
-// its process id.
-// holding(true) reports whether the process holds Go's memory, holding
-// (false) whether it is all back.
-func killWhileHolding(t *testing.T, place device.Place, holding func(bool) bool) (*tensor.Tensor, int) {
+// its process id. held reports whether another process still holds
+// memory of this one.
+func killWhileHolding(t *testing.T, place device.Place, held func() bool) (*tensor.Tensor, int) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	peer, p := acceptPython(t, ctx, "hold")
@@ -571,8 +562,7 @@ func killWhileHolding(t *testing.T, place device.Place, holding func(bool) bool)
 	for i := range sent {
 		sent[i] = must(tensor.On(place).Shared().Full(tensor.Float32, float64(i), 1024))
 	}
-	torchDevice := strings.Replace(place.String(), "gpu", "cuda", 1)
-	require.NoError(t, p.Send(ctx, map[string]any{"t": sent, "device": torchDevice}))
+	require.NoError(t, p.Send(ctx, map[string]any{"t": sent, "device": torchDevice(place)}))
 	var report map[string]any
 	peer.check(t, p.Recv(ctx, &report), "recv")
 	assert.Equal(t, float64(len(sent)), toFloat(report["holding"]))
@@ -582,7 +572,7 @@ func killWhileHolding(t *testing.T, place device.Place, holding func(bool) bool)
 	for _, x := range sent {
 		require.NoError(t, x.Release())
 	}
-	require.True(t, holding(true), "the Python process holds Go's memory")
+	require.True(t, held(), "the Python process holds Go's memory")
 
 	require.NoError(t, peer.cmd.Process.Signal(syscall.SIGKILL))
 	err := <-peer.done
@@ -590,10 +580,10 @@ func killWhileHolding(t *testing.T, place device.Place, holding func(bool) bool)
 	var xe *exec.ExitError
 	require.True(t, errors.As(err, &xe), "killed: %v", err)
 	deadline := time.Now().Add(gone)
-	for !holding(false) && time.Now().Before(deadline) {
+	for held() && time.Now().Before(deadline) {
 		time.Sleep(5 * time.Millisecond)
 	}
-	assert.True(t, holding(false), "Go's memory came back when the holder died")
+	assert.False(t, held(), "Go's memory came back when the holder died")
 	err = p.Recv(ctx, new(any))
 	assert.ErrorIs(t, err, mp.ErrClosed, "the dead peer's pipe is closed")
 	return own, peer.cmd.Process.Pid
