@@ -40,7 +40,8 @@ var pybenchScript []byte
 
 type pythonOpts struct {
 	python, lib, pkg string
-	device           string // where the tensors are, as torch names it
+	device           string       // where the tensors are, as torch names it
+	place            device.Place // the same, parsed
 	trips            int
 }
 
@@ -57,7 +58,7 @@ func runPythonBench(o pythonOpts, asJSON bool, stdout, stderr io.Writer, progres
 		fmt.Fprintf(stderr, "spawn bench: -pydevice %q: want cpu or cuda:N\n", o.device)
 		return 2
 	}
-	o.device = strings.Replace(place.String(), "gpu", "cuda", 1)
+	o.place, o.device = place, strings.Replace(place.String(), "gpu", "cuda", 1)
 	// A Python process takes no file_system segments: they belong to a
 	// session of Go processes.
 	if err := strategy.Set(strategy.FileDescriptor); err != nil {
@@ -202,7 +203,7 @@ func goPythonTrips(ctx context.Context, o pythonOpts, p *mp.Pipe, progress func(
 	for _, sz := range pythonSizes {
 		n := max(o.trips/sz.div, 10)
 		progress(fmt.Sprintf("python_roundtrip %s x %d", formatBytes(sz.bytes), n))
-		x, err := tensor.On(device.MustParse(o.device)).Shared().Zeros(tensor.Float32, int(sz.bytes/4))
+		x, err := tensor.On(o.place).Shared().Zeros(tensor.Float32, int(sz.bytes/4))
 		if err != nil {
 			return err
 		}
