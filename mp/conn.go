@@ -72,6 +72,9 @@ type conn struct {
 	// reader and the writer, for close and cancellation to interrupt.
 	rwait, wwait atomic.Pointer[waitSlot]
 	park         parking // registration with the package's poller
+	// recvBlock: s is a message socket whose receives may block in the
+	// kernel, for at most kernelWait (see blockingReceives).
+	recvBlock bool
 
 	rmu  chan struct{} // held by the one reader
 	wmu  chan struct{} // held by the one writer
@@ -93,16 +96,20 @@ func newConn(s *fd.FD, name string) (*conn, error) {
 	if err != nil {
 		return nil, fmt.Errorf("mp: %s: %w", name, err)
 	}
-	if err := unix.SetNonblock(raw, true); err != nil {
-		_ = unix.Close(raw)
-		return nil, fmt.Errorf("mp: %s: %w", name, err)
+	recvBlock := blockingReceives(raw)
+	if !recvBlock {
+		if err := unix.SetNonblock(raw, true); err != nil {
+			_ = unix.Close(raw)
+			return nil, fmt.Errorf("mp: %s: %w", name, err)
+		}
 	}
 	return &conn{
-		s:    raw,
-		done: make(chan struct{}),
-		park: newParking(),
-		rmu:  make(chan struct{}, 1),
-		wmu:  make(chan struct{}, 1),
+		s:         raw,
+		done:      make(chan struct{}),
+		park:      newParking(),
+		rmu:       make(chan struct{}, 1),
+		wmu:       make(chan struct{}, 1),
+		recvBlock: recvBlock,
 	}, nil
 }
 
@@ -164,7 +171,7 @@ func (c *conn) close() error {
 
 func interrupt(sl *waitSlot) {
 	if sl != nil {
-		sl.signal()
+		sl.interrupt()
 	}
 }
 
@@ -200,15 +207,27 @@ func lock(ctx context.Context, sem chan struct{}, block bool) error {
 // is closed it returns ErrClosed, once ctx is done ctx's error, at once
 // from either wait. Unless block, it returns errWouldBlock instead of
 // waiting.
-func (c *conn) io(ctx context.Context, ev int16, what string, block bool, op func(s int) error) error {
+//
+// wait, if not nil, is op's blocking form, a receive: on a socket whose
+// receives may block, the first wait is that call itself, which the
+// message wakes with the message (one system call where a poll costs two).
+func (c *conn) io(ctx context.Context, ev int16, what string, block bool, op, wait func(s int) error) error {
 	c.use.RLock()
 	defer c.use.RUnlock()
 	reset := false
+	canBlock := wait != nil && c.recvBlock // the first wait may be the blocking call
+	blocking := false                      // this round makes it
 	for {
 		if c.closed.Load() {
 			return errConnClosed
 		}
-		err := op(c.s)
+		var err error
+		if blocking {
+			blocking = false
+			err = c.blockingCall(ctx, wait)
+		} else {
+			err = op(c.s)
+		}
 		switch {
 		case err == nil:
 			return nil
@@ -229,6 +248,9 @@ func (c *conn) io(ctx context.Context, ev int16, what string, block bool, op fun
 			return errWouldBlock
 		case ctx.Err() != nil:
 			return ctx.Err()
+		case canBlock:
+			canBlock, blocking = false, true
+			continue
 		}
 		if c.waitKernel(ctx, ev) {
 			continue
@@ -355,7 +377,7 @@ func (c *conn) send(ctx context.Context, data []byte, fds []int, block bool) err
 			return fmt.Errorf("short write (%d of %d bytes)", n, len(msg))
 		}
 		return err
-	})
+	}, nil)
 }
 
 // appendRights appends to b the control message that carries fds, as
@@ -423,11 +445,14 @@ func (c *conn) recvLocked(ctx context.Context, block bool) (data []byte, fds []i
 		c.oob = make([]byte, unix.CmsgSpace(maxFDs*4))
 	}
 	var n, oobn, flags int
-	err = c.io(ctx, unix.POLLIN, "receive", block, func(s int) error {
+	recv := func(s, how int) error {
 		var err error
-		n, oobn, flags, _, err = unix.Recvmsg(s, c.buf, c.oob, recvFlags|unix.MSG_DONTWAIT)
+		n, oobn, flags, _, err = unix.Recvmsg(s, c.buf, c.oob, recvFlags|how)
 		return err
-	})
+	}
+	err = c.io(ctx, unix.POLLIN, "receive", block,
+		func(s int) error { return recv(s, unix.MSG_DONTWAIT) },
+		func(s int) error { return recv(s, 0) })
 	if err == nil && n == 0 && oobn == 0 {
 		if c.peerGone() {
 			err = connErr(io.EOF)

@@ -160,7 +160,7 @@ func (l *Listener) Accept(ctx context.Context) (*Pipe, Cred, error) {
 		var err error
 		s, err = accept(ls)
 		return err
-	})
+	}, nil)
 	if err != nil {
 		if errors.Is(err, errConnClosed) {
 			err = ErrClosed

@@ -303,7 +303,7 @@ func (q *Queue) takePlace(ctx context.Context, block bool) error {
 			return io.EOF // every writing end closed: not while q holds one
 		}
 		return err
-	})
+	}, nil)
 }
 
 // givePlace puts a byte back into the places pipe. It never waits: the
@@ -312,7 +312,7 @@ func (q *Queue) givePlace() {
 	_ = q.freed.io(context.Background(), unix.POLLOUT, "giving a place back to a queue", false, func(s int) error {
 		_, err := unix.Write(s, []byte{1})
 		return err
-	})
+	}, nil)
 }
 
 // Close releases this process's hold on the queue and wakes its blocked

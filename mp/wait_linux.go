@@ -1,6 +1,8 @@
 package mp
 
 import (
+	"context"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -15,9 +17,12 @@ const sendFlags = unix.MSG_DONTWAIT | unix.MSG_NOSIGNAL
 // before another caller that needs its wait slot takes it. A reply that
 // comes within it wakes the caller's thread directly: the runtime's poller
 // would instead wake a thread of its own and then schedule the caller,
-// about a third of a round trip. Kernel waits have no timeout of their
-// own (arming a timer for each costs as much as it saves); a caller that
-// waited longer gives its slot up only when asked, and then parks.
+// about a third of a round trip. A receive on a message socket first
+// waits in the receive call itself, which kernelWait bounds as the
+// socket's receive timeout (see blockingReceives). Then, and for other
+// calls, the caller polls without a timeout (arming a timer for each poll
+// costs as much as it saves); one that waited longer gives its slot up
+// only when asked, and then parks.
 const kernelWait = time.Millisecond
 
 // kernelWaiters bounds the threads that wait in the kernel at once: a
@@ -35,7 +40,13 @@ type waitSlot struct {
 	// since is when the slot's caller took it, in nanoseconds after
 	// epoch; 0 while it is free.
 	since atomic.Int64
+	// tid is the thread blocked in a receive call with the slot, which a
+	// signal interrupts instead of the eventfd; 0 while none is.
+	tid atomic.Int32
 }
+
+// pid is this process's, for signalling its threads.
+var pid = unix.Getpid()
 
 var (
 	waitSlots     [kernelWaiters]waitSlot
@@ -80,11 +91,80 @@ func takeWaitSlot() *waitSlot {
 
 func putWaitSlot(sl *waitSlot) { sl.since.Store(0) }
 
-// signal ends the slot's current wait, or its next one: a signal that
-// comes late wakes the slot's next caller once, which then parks.
+// signal ends the slot's current wait, or its next poll: a signal that
+// comes late wakes the slot's next poll once, which then parks. A thread
+// blocked in a receive gets SIGURG, which the runtime takes for a
+// preemption request it did not make and ignores; the receive fails with
+// EINTR (a socket with a receive timeout is never restarted).
 func (sl *waitSlot) signal() {
+	if tid := sl.tid.Load(); tid != 0 {
+		_ = unix.Tgkill(pid, int(tid), unix.SIGURG)
+		return
+	}
 	one := [8]byte{1}
 	_, _ = unix.Write(sl.efd, one[:])
+}
+
+// interrupt ends the slot's current wait at once, for close and
+// cancellation. A thread blocked in a receive is signalled until it has
+// left it, since a signal that comes just before the call begins is lost;
+// after kernelWait the call's own timeout has ended it anyway.
+func (sl *waitSlot) interrupt() {
+	tid := sl.tid.Load()
+	sl.signal()
+	for deadline := time.Now().Add(kernelWait); tid != 0 && sl.tid.Load() == tid && time.Now().Before(deadline); {
+		time.Sleep(kernelWait / 20)
+		sl.signal()
+	}
+}
+
+// blockingReceives readies s, if it is a connected message socket, for
+// receives that wait in the receive call itself, and reports whether it
+// did: the socket's description is made blocking and its receive timeout
+// kernelWait, which bounds every such wait, also one whose interrupting
+// signal was lost. The description is shared with every process holding
+// the socket, which all do the same; every other call on the socket says
+// MSG_DONTWAIT.
+func blockingReceives(s int) bool {
+	if t, err := unix.GetsockoptInt(s, unix.SOL_SOCKET, unix.SO_TYPE); err != nil || t != unix.SOCK_SEQPACKET {
+		return false
+	}
+	if l, err := unix.GetsockoptInt(s, unix.SOL_SOCKET, unix.SO_ACCEPTCONN); err != nil || l != 0 {
+		return false
+	}
+	tv := unix.NsecToTimeval(int64(kernelWait))
+	if unix.SetsockoptTimeval(s, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv) != nil {
+		return false
+	}
+	return unix.SetNonblock(s, false) == nil
+}
+
+// blockingCall makes call, a receive that blocks, on c's socket: the
+// message wakes this thread with itself, where a poll would wake it to
+// make a second call. The socket's receive timeout bounds it (see
+// blockingReceives); close and the end of ctx interrupt it. Without a
+// free wait slot it returns EAGAIN at once, and the caller parks.
+func (c *conn) blockingCall(ctx context.Context, call func(s int) error) error {
+	sl := takeWaitSlot()
+	if sl == nil {
+		return unix.EAGAIN
+	}
+	defer putWaitSlot(sl)
+	runtime.LockOSThread() // the thread the signal is for
+	defer runtime.UnlockOSThread()
+	sl.tid.Store(int32(unix.Gettid()))
+	defer sl.tid.Store(0)
+	// Publish the slot, then look, as waitKernel does.
+	c.rwait.Store(sl)
+	defer c.rwait.Store(nil)
+	if ctx.Done() != nil {
+		stop := context.AfterFunc(ctx, sl.interrupt)
+		defer stop()
+	}
+	if c.closed.Load() || ctx.Err() != nil {
+		return unix.EINTR
+	}
+	return call(c.s)
 }
 
 // wait waits for s to be ready for ev, or for a signal, and reports

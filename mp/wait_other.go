@@ -2,7 +2,11 @@
 
 package mp
 
-import "golang.org/x/sys/unix"
+import (
+	"context"
+
+	"golang.org/x/sys/unix"
+)
 
 // sendFlags: never block.
 const sendFlags = unix.MSG_DONTWAIT
@@ -15,7 +19,13 @@ type waitSlot struct{}
 func takeWaitSlot() *waitSlot          { return nil }
 func putWaitSlot(*waitSlot)            {}
 func (*waitSlot) signal()              {}
+func (*waitSlot) interrupt()           {}
 func (*waitSlot) wait(int, int16) bool { return false }
+
+// Receives do not block in the call: they poll.
+func blockingReceives(int) bool { return false }
+
+func (*conn) blockingCall(context.Context, func(int) error) error { return unix.EAGAIN }
 
 type parking struct{ ready chan struct{} }
 

@@ -172,3 +172,36 @@ func TestPutBlockedOnAFullQueue(t *testing.T) {
 		t.Fatal("a Put is still blocked after Close")
 	}
 }
+
+// A message and a cancellation racing a Get that waits in the kernel lose
+// nothing: the Get returns the message, or the cancellation, and then the
+// message is still queued for the next Get.
+func TestGetRacingCancelLosesNothing(t *testing.T) {
+	leakcheck.Check(t)
+	q, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer q.Close()
+	cancelled := 0
+	for i := range 300 {
+		ctx, cancel := context.WithCancel(context.Background())
+		var got int
+		errc := make(chan error, 1)
+		go func() { errc <- q.Get(ctx, &got) }()
+		time.Sleep(time.Duration(i%8) * 100 * time.Microsecond) // before, in and after the receive call
+		go cancel()
+		require.NoError(t, q.Put(context.Background(), i+1))
+		select {
+		case err = <-errc:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("Get %d still blocked after a message and a cancellation", i)
+		}
+		if err != nil {
+			require.ErrorIs(t, err, context.Canceled, "Get %d", i)
+			cancelled++
+			require.NoError(t, q.Get(context.Background(), &got), "the message of Get %d", i)
+		}
+		require.Equal(t, i+1, got, "Get %d", i)
+		cancel()
+	}
+	t.Logf("%d of 300 Gets were cancelled first", cancelled)
+}

@@ -1,0 +1,95 @@
+//go:build linux
+
+package mp
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/leakcheck"
+)
+
+// inBlockingReceive waits until a receive on c is blocked in the receive
+// call itself, its thread published for signals.
+func inBlockingReceive(t *testing.T, c *conn) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		sl := c.rwait.Load()
+		return sl != nil && sl.tid.Load() != 0
+	}, 5*time.Second, 100*time.Microsecond, "the receive never blocked in the kernel")
+	time.Sleep(time.Millisecond) // from published to inside the call
+}
+
+// A receive blocked in the receive call wakes for a message, and for close
+// and cancellation by a signal to its thread: the socket's receive timeout
+// is an hour here, so only the signal can end those waits in time.
+func TestBlockingReceiveIsInterrupted(t *testing.T) {
+	leakcheck.Check(t)
+	blocked := func(t *testing.T) (*conn, int) {
+		c, raw := rawPair(t)
+		t.Cleanup(func() { _ = unix.Close(raw) })
+		require.True(t, c.recvBlock, "a socket pair's end receives in the receive call")
+		hour := unix.NsecToTimeval(int64(time.Hour))
+		require.NoError(t, unix.SetsockoptTimeval(c.s, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &hour))
+		return c, raw
+	}
+	recv := func(ctx context.Context, c *conn) <-chan error {
+		errc := make(chan error, 1)
+		go func() {
+			data, fds, done, err := c.recv(ctx, true)
+			if err == nil {
+				assert.Equal(t, []byte("hello"), data)
+				assert.Empty(t, fds)
+				done()
+			}
+			errc <- err
+		}()
+		return errc
+	}
+	hello := append(make([]byte, headerLen), "hello"...) // a frame with no descriptors
+	returns := func(t *testing.T, errc <-chan error, raw int) error {
+		t.Helper()
+		select {
+		case err := <-errc:
+			return err
+		case <-time.After(10 * time.Second):
+			_ = unix.Sendmsg(raw, hello, nil, nil, 0) // so that the test can end
+			t.Fatal("the receive is still blocked")
+			return nil
+		}
+	}
+
+	t.Run("message", func(t *testing.T) {
+		c, raw := blocked(t)
+		errc := recv(context.Background(), c)
+		inBlockingReceive(t, c)
+		require.NoError(t, unix.Sendmsg(raw, hello, nil, nil, 0))
+		assert.NoError(t, returns(t, errc, raw))
+	})
+	t.Run("close", func(t *testing.T) {
+		c, raw := blocked(t)
+		errc := recv(context.Background(), c)
+		inBlockingReceive(t, c)
+		closed := make(chan error, 1)
+		go func() { closed <- c.close() }() // waits for the receive to return
+		assert.ErrorIs(t, returns(t, errc, raw), ErrClosed)
+		assert.NoError(t, <-closed)
+	})
+	t.Run("cancel", func(t *testing.T) {
+		c, raw := blocked(t)
+		ctx, cancel := context.WithCancel(context.Background())
+		errc := recv(ctx, c)
+		inBlockingReceive(t, c)
+		cancel()
+		assert.ErrorIs(t, returns(t, errc, raw), context.Canceled)
+
+		// The connection goes on: the next receive gets the next message.
+		require.NoError(t, unix.Sendmsg(raw, hello, nil, nil, 0))
+		assert.NoError(t, returns(t, recv(context.Background(), c), raw))
+	})
+}
