@@ -8,6 +8,7 @@ import (
 	"io"
 	"sync"
 	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -75,6 +76,9 @@ type conn struct {
 	// recvBlock: s is a message socket whose receives may block in the
 	// kernel, for at most kernelWait (see blockingReceives).
 	recvBlock bool
+	// recvWaited: the last receive waited, so the next goes to the
+	// blocking call at once, without trying first.
+	recvWaited atomic.Bool
 
 	rmu  chan struct{} // held by the one reader
 	wmu  chan struct{} // held by the one writer
@@ -129,6 +133,10 @@ func fdHint(err error) string {
 	}
 	return ""
 }
+
+// waitedMin is the least time a receive that waited took: a thread's
+// sleep and wakeup. One that took less found its message there.
+const waitedMin = 5 * time.Microsecond
 
 // errWouldBlock is what a call that may not wait returns instead.
 var errWouldBlock = errors.New("mp: would block")
@@ -211,12 +219,15 @@ func lock(ctx context.Context, sem chan struct{}, block bool) error {
 // wait, if not nil, is op's blocking form, a receive: on a socket whose
 // receives may block, the first wait is that call itself, which the
 // message wakes with the message (one system call where a poll costs two).
+// When the last receive waited, as every one does in a conversation, the
+// blocking call is also the first try.
 func (c *conn) io(ctx context.Context, ev int16, what string, block bool, op, wait func(s int) error) error {
 	c.use.RLock()
 	defer c.use.RUnlock()
 	reset := false
-	canBlock := wait != nil && c.recvBlock // the first wait may be the blocking call
-	blocking := false                      // this round makes it
+	canBlock := wait != nil && c.recvBlock && block // the first wait may be the blocking call
+	blocking := canBlock && c.recvWaited.Load()     // this round makes it
+	canBlock = canBlock && !blocking
 	for {
 		if c.closed.Load() {
 			return errConnClosed
@@ -224,12 +235,19 @@ func (c *conn) io(ctx context.Context, ev int16, what string, block bool, op, wa
 		var err error
 		if blocking {
 			blocking = false
+			start := time.Now()
 			err = c.blockingCall(ctx, wait)
+			// A message that was there already comes within a system
+			// call's time; one that was waited for, after a sleep.
+			c.recvWaited.Store(err != nil || time.Since(start) > waitedMin)
 		} else {
 			err = op(c.s)
 		}
 		switch {
 		case err == nil:
+			if canBlock {
+				c.recvWaited.Store(false) // found at the first try
+			}
 			return nil
 		case err == unix.EINTR:
 			continue
@@ -250,6 +268,7 @@ func (c *conn) io(ctx context.Context, ev int16, what string, block bool, op, wa
 			return ctx.Err()
 		case canBlock:
 			canBlock, blocking = false, true
+			c.recvWaited.Store(true)
 			continue
 		}
 		if c.waitKernel(ctx, ev) {
