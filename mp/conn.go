@@ -82,9 +82,16 @@ type conn struct {
 
 	rmu  chan struct{} // held by the one reader
 	wmu  chan struct{} // held by the one writer
-	buf  []byte        // read buffer, made on first use, under rmu
-	oob  []byte        // control buffer, made on first use, under rmu
 	once sync.Once
+
+	// The message being received, under rmu: the buffers and the calls
+	// that receive into them, made on first use, and what the last call
+	// got. Reused, so that a receive allocates no more than its result.
+	buf, oob          []byte
+	tryRecv, waitRecv func(s int) error
+	endRecv           func() // recvDone
+	got               received
+	spill             []byte // the mapping the message lies in, if spilled
 
 	// The message being sent, its descriptors and its control message,
 	// under wmu: reused, so that a send allocates nothing.
@@ -448,12 +455,17 @@ func (c *conn) recv(ctx context.Context, block bool) (data []byte, fds []int, do
 		<-c.rmu
 		return nil, nil, nil, err
 	}
-	return data, fds, func() {
-		if spill != nil {
-			_ = mmapalloc.Unmap(spill)
-		}
-		<-c.rmu
-	}, nil
+	c.spill = spill
+	return data, fds, c.endRecv, nil
+}
+
+// recvDone ends the receive that recv began.
+func (c *conn) recvDone() {
+	if c.spill != nil {
+		_ = mmapalloc.Unmap(c.spill)
+		c.spill = nil
+	}
+	<-c.rmu
 }
 
 // recvLocked is recv with the read lock held; spill is the mapping data
@@ -462,16 +474,13 @@ func (c *conn) recvLocked(ctx context.Context, block bool) (data []byte, fds []i
 	if c.buf == nil {
 		c.buf = make([]byte, headerLen+maxInline)
 		c.oob = make([]byte, unix.CmsgSpace(maxFDs*4))
+		c.tryRecv = func(s int) error { return c.recvmsg(s, unix.MSG_DONTWAIT) }
+		c.waitRecv = func(s int) error { return c.recvmsg(s, 0) }
+		c.endRecv = c.recvDone
 	}
-	var n, oobn, flags int
-	recv := func(s, how int) error {
-		var err error
-		n, oobn, flags, _, err = unix.Recvmsg(s, c.buf, c.oob, recvFlags|how)
-		return err
-	}
-	err = c.io(ctx, unix.POLLIN, "receive", block,
-		func(s int) error { return recv(s, unix.MSG_DONTWAIT) },
-		func(s int) error { return recv(s, 0) })
+	c.got = received{}
+	err = c.io(ctx, unix.POLLIN, "receive", block, c.tryRecv, c.waitRecv)
+	n, oobn, flags := c.got.n, c.got.oobn, c.got.flags
 	if err == nil && n == 0 && oobn == 0 {
 		if c.peerGone() {
 			err = connErr(io.EOF)
@@ -505,6 +514,18 @@ func (c *conn) recvLocked(ctx context.Context, block bool) (data []byte, fds []i
 		return nil, fds, nil, fmt.Errorf("mp: receive: %w: %d bytes, shorter than a header", ErrMalformed, n)
 	}
 	return c.unframe(c.buf[:n], fds)
+}
+
+// received is what a receive call got: the message's length, its
+// control data's, and the flags the kernel returned.
+type received struct{ n, oobn, flags int }
+
+// recvmsg receives a message into c.buf and c.oob, how says whether it
+// may wait, and leaves what it got in c.got.
+func (c *conn) recvmsg(s, how int) error {
+	n, oobn, flags, err := recvmsg(s, c.buf, c.oob, recvFlags|how)
+	c.got = received{n, oobn, flags}
+	return err
 }
 
 // peerGone reports whether the other end of the socket is closed in
@@ -557,7 +578,7 @@ func (c *conn) unframe(msg []byte, rights []int) (payload []byte, fds []int, spi
 		payload = spill
 		next++
 	}
-	fds = append([]int(nil), rights[special:]...)
+	fds = rights[special:] // rights is the caller's, made for this message
 	if flags&flagCarrier != 0 {
 		more, err := recvCarried(rights[next], carried)
 		rights[next] = -1

@@ -3,6 +3,7 @@ package mp
 import (
 	"fmt"
 	"syscall"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -53,4 +54,19 @@ func peerCred(s int) (Cred, error) {
 		return Cred{}, fmt.Errorf("reading the peer's credentials: %w", err)
 	}
 	return Cred{PID: int(u.Pid), UID: int(u.Uid), GID: int(u.Gid)}, nil
+}
+
+// recvmsg is unix.Recvmsg for a connected socket, without the sender's
+// address, which that allocates for each call.
+func recvmsg(s int, p, oob []byte, flags int) (n, oobn, recvflags int, err error) {
+	iov := unix.Iovec{Base: &p[0]}
+	iov.SetLen(len(p))
+	msg := unix.Msghdr{Iov: &iov, Control: &oob[0]}
+	msg.SetIovlen(1)
+	msg.SetControllen(len(oob))
+	r, _, errno := unix.Syscall(unix.SYS_RECVMSG, uintptr(s), uintptr(unsafe.Pointer(&msg)), uintptr(flags))
+	if errno != 0 {
+		return 0, 0, 0, errno
+	}
+	return int(r), int(msg.Controllen), int(msg.Flags), nil
 }

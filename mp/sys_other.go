@@ -54,3 +54,8 @@ func accept(ls int) (int, error) {
 func peerCred(int) (Cred, error) {
 	return Cred{}, errors.New("reading a peer's credentials needs Linux")
 }
+
+func recvmsg(s int, p, oob []byte, flags int) (n, oobn, recvflags int, err error) {
+	n, oobn, recvflags, _, err = unix.Recvmsg(s, p, oob, flags)
+	return n, oobn, recvflags, err
+}
