@@ -300,9 +300,7 @@ func (seg *segment) transferLocked() error {
 	if len(errs) > 0 {
 		return errors.Join(errs...) // keep the adopted descriptors: they still hold
 	}
-	for _, fd := range seg.adopted {
-		_ = unix.Close(fd)
-	}
+	closeFDs(seg.adopted)
 	clear(seg.adopted)
 	seg.adopted = seg.adopted[:0]
 	return nil
