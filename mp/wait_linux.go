@@ -30,11 +30,12 @@ const kernelWait = time.Millisecond
 // a thousand threads. Callers beyond it park.
 const kernelWaiters = 4
 
-// A waitSlot is one of the kernelWaiters ways to wait in the kernel: an
-// eventfd polled beside the socket, which close, cancellation and a
-// caller needing the slot signal to end the wait at once. The slots
-// belong to the package for the life of the process; whoever takes one
-// gives it back.
+// A waitSlot is one of the kernelWaiters ways to wait in the kernel: a
+// receive call, or a poll of the socket and of an eventfd, which close,
+// cancellation and a caller needing the slot signal (the receive's thread
+// with SIGURG, the poll through the eventfd) to end the wait at once. The
+// slots belong to the package for the life of the process; whoever takes
+// one gives it back.
 type waitSlot struct {
 	efd int
 	// since is when the slot's caller took it, in nanoseconds after
