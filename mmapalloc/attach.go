@@ -300,7 +300,9 @@ func (seg *segment) transferLocked() error {
 	if len(errs) > 0 {
 		return errors.Join(errs...) // keep the adopted descriptors: they still hold
 	}
-	closeFDs(seg.adopted)
+	for _, fd := range seg.adopted {
+		_ = unix.Close(fd)
+	}
 	clear(seg.adopted)
 	seg.adopted = seg.adopted[:0]
 	return nil

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
-	"slices"
 
 	"golang.org/x/sys/unix"
 
@@ -488,25 +487,3 @@ func MapSealed(fd int, n int64) ([]byte, error) {
 
 // Unmap releases a mapping made by MapSealed.
 func Unmap(b []byte) error { return unix.Munmap(b) }
-
-// closeFDs closes fds, which are the caller's, and sorts them: each run of
-// neighbouring numbers in one close_range call (a message's descriptors
-// arrive at the lowest free numbers, so a receiver's usually neighbour).
-// Where the kernel has no close_range, it closes them one by one.
-func closeFDs(fds []int) {
-	slices.Sort(fds)
-	for i := 0; i < len(fds); {
-		j := i + 1
-		for j < len(fds) && fds[j] == fds[j-1]+1 {
-			j++
-		}
-		if j-i == 1 || unix.CloseRange(uint(fds[i]), uint(fds[j-1]), 0) != nil {
-			// close_range fails before it closes anything (ENOSYS on
-			// kernels before 5.9, EPERM under some seccomp filters).
-			for _, fd := range fds[i:j] {
-				_ = unix.Close(fd)
-			}
-		}
-		i = j
-	}
-}

@@ -54,9 +54,3 @@ func MapSealed(fd int, n int64) ([]byte, error) { return nil, ErrUnsupported }
 
 // Unmap does nothing on this system.
 func Unmap(b []byte) error { return nil }
-
-func closeFDs(fds []int) {
-	for _, fd := range fds {
-		_ = syscall.Close(fd)
-	}
-}
