@@ -79,6 +79,12 @@ type conn struct {
 	// recvWaited: the last receive waited, so the next goes to the
 	// blocking call at once, without trying first.
 	recvWaited atomic.Bool
+	// watched is the context whose end interrupts a blocking receive, the
+	// last one a receive waited with: a loop of receives on one context
+	// registers with it once. unwatch ends the registration. Both are
+	// changed by blocking receives, and by close once none runs.
+	watched context.Context
+	unwatch func() bool
 
 	rmu  chan struct{} // held by the one reader
 	wmu  chan struct{} // held by the one writer
@@ -178,6 +184,9 @@ func (c *conn) close() error {
 		interrupt(c.wwait.Load())
 		c.use.Lock()
 		defer c.use.Unlock()
+		if c.unwatch != nil {
+			c.unwatch()
+		}
 		c.park.release(c.s)
 		err = unix.Close(c.s)
 	})

@@ -92,4 +92,21 @@ func TestBlockingReceiveIsInterrupted(t *testing.T) {
 		require.NoError(t, unix.Sendmsg(raw, hello, nil, nil, 0))
 		assert.NoError(t, returns(t, recv(context.Background(), c), raw))
 	})
+	t.Run("cancel after receives on the same context", func(t *testing.T) {
+		// The context is watched once, from the first receive that waits
+		// with it, and still interrupts the last.
+		c, raw := blocked(t)
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		for range 3 {
+			errc := recv(ctx, c)
+			inBlockingReceive(t, c)
+			require.NoError(t, unix.Sendmsg(raw, hello, nil, nil, 0))
+			require.NoError(t, returns(t, errc, raw))
+		}
+		errc := recv(ctx, c)
+		inBlockingReceive(t, c)
+		cancel()
+		assert.ErrorIs(t, returns(t, errc, raw), context.Canceled)
+	})
 }

@@ -158,9 +158,11 @@ func (c *conn) blockingCall(ctx context.Context, call func(s int) error) error {
 	// Publish the slot, then look, as waitKernel does.
 	c.rwait.Store(sl)
 	defer c.rwait.Store(nil)
-	if ctx.Done() != nil {
-		stop := context.AfterFunc(ctx, sl.interrupt)
-		defer stop()
+	if ctx.Done() != nil && ctx != c.watched {
+		if c.unwatch != nil {
+			c.unwatch()
+		}
+		c.watched, c.unwatch = ctx, context.AfterFunc(ctx, func() { interrupt(c.rwait.Load()) })
 	}
 	if c.closed.Load() || ctx.Err() != nil {
 		return unix.EINTR
