@@ -51,11 +51,10 @@ or with -json one JSON object per line.`
 
 // benchMsg is what the bench worker receives: a command and a tensor.
 type benchMsg struct {
-	Op     string // "echo", "count", "hold", "release", "floor", "stop"
-	N      int
-	Batch  int // tensors per message for "count"
-	Tensor *tensor.Tensor
-	Floor  floorSocket // for "floor"
+	Op    string // "echo", "count", "hold", "release", "floor", "stop"
+	N     int
+	Batch int         // tensors per message for "count"
+	Floor floorSocket // for "floor"
 }
 
 type benchArgs struct {
@@ -119,9 +118,18 @@ func benchWorker(ctx context.Context, w *mp.Worker) error {
 		}
 		switch m.Op {
 		case "echo":
-			last = m.Tensor
-			if err := a.Out.Put(ctx, last); err != nil {
-				return err
+			// N round trips of a bare tensor, as the floor's carry a bare
+			// record: what is measured is the hand-off, not this loop's
+			// commands.
+			for range m.N {
+				var x *tensor.Tensor
+				if err := a.In.Get(ctx, &x); err != nil {
+					return err
+				}
+				last = x
+				if err := a.Out.Put(ctx, x); err != nil {
+					return err
+				}
 			}
 		case "count":
 			for got := 0; got < m.N; {
@@ -396,9 +404,15 @@ func (b *bencher) run() error {
 	return nil
 }
 
+// echo has the worker send back the next n tensors it gets.
+func (b *bencher) echo(n int) error {
+	return b.in.Put(b.ctx, benchMsg{Op: "echo", N: n})
+}
+
+// roundTrip sends x to the worker, which echo has made send it back.
 func (b *bencher) roundTrip(x *tensor.Tensor) (time.Duration, error) {
 	start := time.Now()
-	if err := b.in.Put(b.ctx, benchMsg{Op: "echo", Tensor: x}); err != nil {
+	if err := b.in.Put(b.ctx, x); err != nil {
 		return 0, err
 	}
 	var back *tensor.Tensor
@@ -440,6 +454,9 @@ func (b *bencher) roundTrips(size int64) error {
 		warm := 0
 		if r == 0 {
 			warm = 1000
+		}
+		if err := b.echo(warm + per); err != nil {
+			return err
 		}
 		if ds, err = sample(ds, per, warm, func() (time.Duration, error) { return b.roundTrip(x) }); err != nil {
 			return err
@@ -486,6 +503,9 @@ func (b *bencher) firstShares(size int64) error {
 		// A new batch, written by its producer: its pages are there.
 		y, err := cpu.Full(tensor.Uint8, 1, int(size))
 		if err != nil {
+			return err
+		}
+		if err := b.echo(1); err != nil {
 			return err
 		}
 		d, err := b.roundTrip(y)
