@@ -79,12 +79,14 @@ type conn struct {
 	// recvWaited: the last receive waited, so the next goes to the
 	// blocking call at once, without trying first.
 	recvWaited atomic.Bool
-	// watched is the context whose end interrupts a blocking receive, the
-	// last one a receive waited with: a loop of receives on one context
-	// registers with it once. unwatch ends the registration. Both are
-	// changed by blocking receives, and by close once none runs.
-	watched context.Context
-	unwatch func() bool
+	// watching is the Done channel of the context whose end interrupts a
+	// blocking receive, the last one a receive waited with: a loop of
+	// receives on one context registers with it once. unwatch ends the
+	// registration. Both are written under watchMu, by blocking receives
+	// and by close.
+	watchMu  sync.Mutex
+	watching <-chan struct{}
+	unwatch  func() bool
 
 	rmu  chan struct{} // held by the one reader
 	wmu  chan struct{} // held by the one writer
@@ -184,13 +186,41 @@ func (c *conn) close() error {
 		interrupt(c.wwait.Load())
 		c.use.Lock()
 		defer c.use.Unlock()
-		if c.unwatch != nil {
-			c.unwatch()
-		}
+		c.watch(nil)
 		c.park.release(c.s)
 		err = unix.Close(c.s)
 	})
 	return err
+}
+
+// watch makes the end of ctx interrupt c's blocking receives from now on,
+// and stops the last context's doing so; a ctx that never ends (nil
+// included) only stops it. A context that ends once another is watched
+// interrupts nothing: a caller that cancels its context after its receive
+// has returned does not disturb the next receive. Contexts are told apart
+// by their Done channels, which any context type has comparable.
+func (c *conn) watch(ctx context.Context) {
+	var done <-chan struct{}
+	if ctx != nil {
+		done = ctx.Done()
+	}
+	c.watchMu.Lock()
+	defer c.watchMu.Unlock()
+	if c.unwatch != nil {
+		c.unwatch()
+	}
+	c.watching, c.unwatch = done, nil
+	if done == nil {
+		return
+	}
+	c.unwatch = context.AfterFunc(ctx, func() {
+		c.watchMu.Lock()
+		current := c.watching == done
+		c.watchMu.Unlock()
+		if current {
+			interrupt(c.rwait.Load())
+		}
+	})
 }
 
 func interrupt(sl *waitSlot) {

@@ -109,4 +109,30 @@ func TestBlockingReceiveIsInterrupted(t *testing.T) {
 		cancel()
 		assert.ErrorIs(t, returns(t, errc, raw), context.Canceled)
 	})
+	t.Run("a context cancelled after its receive leaves the next alone", func(t *testing.T) {
+		// The cancel comes as the next receive begins (as a caller's
+		// deferred cancel does), or while it waits.
+		c, raw := blocked(t)
+		for _, next := range []context.Context{context.Background(), t.Context()} {
+			for _, early := range []bool{true, false} {
+				ctx, cancel := context.WithCancel(context.Background())
+				errc := recv(ctx, c)
+				inBlockingReceive(t, c)
+				require.NoError(t, unix.Sendmsg(raw, hello, nil, nil, 0))
+				require.NoError(t, returns(t, errc, raw))
+
+				if early {
+					cancel()
+				}
+				errc = recv(next, c)
+				inBlockingReceive(t, c)
+				cancel()
+				time.Sleep(50 * time.Millisecond) // for the context's callbacks
+				sl := c.rwait.Load()
+				assert.True(t, sl != nil && sl.tid.Load() != 0, "the next receive was interrupted by the last one's context")
+				require.NoError(t, unix.Sendmsg(raw, hello, nil, nil, 0))
+				require.NoError(t, returns(t, errc, raw))
+			}
+		}
+	})
 }

@@ -155,15 +155,12 @@ func (c *conn) blockingCall(ctx context.Context, call func(s int) error) error {
 	defer runtime.UnlockOSThread()
 	sl.tid.Store(int32(unix.Gettid()))
 	defer sl.tid.Store(0)
+	if ctx.Done() != c.watching {
+		c.watch(ctx)
+	}
 	// Publish the slot, then look, as waitKernel does.
 	c.rwait.Store(sl)
 	defer c.rwait.Store(nil)
-	if ctx.Done() != nil && ctx != c.watched {
-		if c.unwatch != nil {
-			c.unwatch()
-		}
-		c.watched, c.unwatch = ctx, context.AfterFunc(ctx, func() { interrupt(c.rwait.Load()) })
-	}
 	if c.closed.Load() || ctx.Err() != nil {
 		return unix.EINTR
 	}
