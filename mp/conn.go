@@ -186,7 +186,7 @@ func (c *conn) close() error {
 		interrupt(c.wwait.Load())
 		c.use.Lock()
 		defer c.use.Unlock()
-		c.watch(nil)
+		c.watch(context.Background()) // stops the last one's watch
 		c.park.release(c.s)
 		err = unix.Close(c.s)
 	})
@@ -194,16 +194,13 @@ func (c *conn) close() error {
 }
 
 // watch makes the end of ctx interrupt c's blocking receives from now on,
-// and stops the last context's doing so; a ctx that never ends (nil
-// included) only stops it. A context that ends once another is watched
-// interrupts nothing: a caller that cancels its context after its receive
-// has returned does not disturb the next receive. Contexts are told apart
-// by their Done channels, which any context type has comparable.
+// and stops the last context's doing so; a ctx that never ends only stops
+// it. A context that ends once another is watched interrupts nothing: a
+// caller that cancels its context after its receive has returned does not
+// disturb the next receive. Contexts are told apart by their Done
+// channels, which any context type has comparable.
 func (c *conn) watch(ctx context.Context) {
-	var done <-chan struct{}
-	if ctx != nil {
-		done = ctx.Done()
-	}
+	done := ctx.Done()
 	c.watchMu.Lock()
 	defer c.watchMu.Unlock()
 	if c.unwatch != nil {
