@@ -211,18 +211,27 @@ func (c *conn) watch(ctx context.Context) {
 		return
 	}
 	c.unwatch = context.AfterFunc(ctx, func() {
+		// Which wait to end is read with the watch: a receive waiting
+		// with another context has replaced it before it waits.
 		c.watchMu.Lock()
-		current := c.watching == done
+		var sl *waitSlot
+		var call uint64
+		if c.watching == done {
+			if sl = c.rwait.Load(); sl != nil {
+				call = sl.current()
+			}
+		}
 		c.watchMu.Unlock()
-		if current {
-			interrupt(c.rwait.Load())
+		if sl != nil {
+			sl.interrupt(call)
 		}
 	})
 }
 
+// interrupt ends the wait of sl, if any, at once.
 func interrupt(sl *waitSlot) {
 	if sl != nil {
-		sl.interrupt()
+		sl.interrupt(sl.current())
 	}
 }
 
@@ -342,7 +351,7 @@ func (c *conn) waitKernel(ctx context.Context, ev int16) bool {
 	slot.Store(sl)
 	defer slot.Store(nil)
 	if ctx.Done() != nil {
-		stop := context.AfterFunc(ctx, sl.signal)
+		stop := context.AfterFunc(ctx, sl.poke)
 		defer stop()
 	}
 	if c.closed.Load() || ctx.Err() != nil {

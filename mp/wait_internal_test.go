@@ -20,7 +20,7 @@ func inBlockingReceive(t *testing.T, c *conn) {
 	t.Helper()
 	require.Eventually(t, func() bool {
 		sl := c.rwait.Load()
-		return sl != nil && sl.tid.Load() != 0
+		return sl != nil && sl.current() != 0
 	}, 5*time.Second, 100*time.Microsecond, "the receive never blocked in the kernel")
 	time.Sleep(time.Millisecond) // from published to inside the call
 }
@@ -129,7 +129,7 @@ func TestBlockingReceiveIsInterrupted(t *testing.T) {
 				cancel()
 				time.Sleep(50 * time.Millisecond) // for the context's callbacks
 				sl := c.rwait.Load()
-				assert.True(t, sl != nil && sl.tid.Load() != 0, "the next receive was interrupted by the last one's context")
+				assert.True(t, sl != nil && sl.current() != 0, "the next receive was interrupted by the last one's context")
 				require.NoError(t, unix.Sendmsg(raw, hello, nil, nil, 0))
 				require.NoError(t, returns(t, errc, raw))
 			}

@@ -41,13 +41,18 @@ type waitSlot struct {
 	// since is when the slot's caller took it, in nanoseconds after
 	// epoch; 0 while it is free.
 	since atomic.Int64
-	// tid is the thread blocked in a receive call with the slot, which a
-	// signal interrupts instead of the eventfd; 0 while none is.
-	tid atomic.Int32
+	// call is the receive call blocked with the slot, which a signal
+	// interrupts instead of the eventfd: its thread's id in the high 32
+	// bits, a number of its own in the low ones, so that a signal meant
+	// for it never reaches a later call of the same thread; 0 while none
+	// is blocked.
+	call atomic.Uint64
 }
 
-// pid is this process's, for signalling its threads.
-var pid = unix.Getpid()
+var (
+	pid   = unix.Getpid() // this process's, for signalling its threads
+	calls atomic.Uint32   // numbers the blocked calls
+)
 
 var (
 	waitSlots     [kernelWaiters]waitSlot
@@ -85,37 +90,38 @@ func takeWaitSlot() *waitSlot {
 		}
 	}
 	if oldest != nil {
-		oldest.signal()
+		oldest.poke() // a poll: blocked calls end within kernelWait
 	}
 	return nil
 }
 
 func putWaitSlot(sl *waitSlot) { sl.since.Store(0) }
 
-// signal ends the slot's current wait, or its next poll: a signal that
-// comes late wakes the slot's next poll once, which then parks. A thread
-// blocked in a receive gets SIGURG, which the runtime takes for a
-// preemption request it did not make and ignores; the receive fails with
-// EINTR (a socket with a receive timeout is never restarted).
-func (sl *waitSlot) signal() {
-	if tid := sl.tid.Load(); tid != 0 {
-		_ = unix.Tgkill(pid, int(tid), unix.SIGURG)
-		return
-	}
+// poke ends the slot's current poll, or its next one: a poke that comes
+// late wakes the slot's next poll once, which then parks.
+func (sl *waitSlot) poke() {
 	one := [8]byte{1}
 	_, _ = unix.Write(sl.efd, one[:])
 }
 
-// interrupt ends the slot's current wait at once, for close and
-// cancellation. A thread blocked in a receive is signalled until it has
-// left it, since a signal that comes just before the call begins is lost;
-// after kernelWait the call's own timeout has ended it anyway.
-func (sl *waitSlot) interrupt() {
-	tid := sl.tid.Load()
-	sl.signal()
-	for deadline := time.Now().Add(kernelWait); tid != 0 && sl.tid.Load() == tid && time.Now().Before(deadline); {
+// current returns the receive call blocked with the slot, 0 if none is.
+func (sl *waitSlot) current() uint64 { return sl.call.Load() }
+
+// interrupt ends the slot's wait at once, for close and cancellation: a
+// poll (call 0) through the eventfd, a blocked receive call by SIGURG to
+// its thread, which the runtime takes for a preemption request it did not
+// make and ignores; the call fails with EINTR (a socket with a receive
+// timeout is never restarted). The signal is repeated until the thread
+// has left the call, since one that comes just before the call begins is
+// lost; after kernelWait the call's own timeout has ended it anyway.
+func (sl *waitSlot) interrupt(call uint64) {
+	if call == 0 {
+		sl.poke()
+		return
+	}
+	for deadline := time.Now().Add(kernelWait); sl.call.Load() == call && time.Now().Before(deadline); {
+		_ = unix.Tgkill(pid, int(call>>32), unix.SIGURG)
 		time.Sleep(kernelWait / 20)
-		sl.signal()
 	}
 }
 
@@ -140,12 +146,12 @@ func blockingReceives(s int) bool {
 	return unix.SetNonblock(s, false) == nil
 }
 
-// blockingCall makes call, a receive that blocks, on c's socket: the
+// blockingCall makes recv, a receive that blocks, on c's socket: the
 // message wakes this thread with itself, where a poll would wake it to
 // make a second call. The socket's receive timeout bounds it (see
 // blockingReceives); close and the end of ctx interrupt it. Without a
 // free wait slot it returns EAGAIN at once, and the caller parks.
-func (c *conn) blockingCall(ctx context.Context, call func(s int) error) error {
+func (c *conn) blockingCall(ctx context.Context, recv func(s int) error) error {
 	sl := takeWaitSlot()
 	if sl == nil {
 		return unix.EAGAIN
@@ -153,8 +159,8 @@ func (c *conn) blockingCall(ctx context.Context, call func(s int) error) error {
 	defer putWaitSlot(sl)
 	runtime.LockOSThread() // the thread the signal is for
 	defer runtime.UnlockOSThread()
-	sl.tid.Store(int32(unix.Gettid()))
-	defer sl.tid.Store(0)
+	sl.call.Store(uint64(unix.Gettid())<<32 | uint64(calls.Add(1)))
+	defer sl.call.Store(0)
 	if ctx.Done() != c.watching {
 		c.watch(ctx)
 	}
@@ -164,7 +170,7 @@ func (c *conn) blockingCall(ctx context.Context, call func(s int) error) error {
 	if c.closed.Load() || ctx.Err() != nil {
 		return unix.EINTR
 	}
-	return call(c.s)
+	return recv(c.s)
 }
 
 // wait waits for s to be ready for ev, or for a signal, and reports

@@ -18,8 +18,9 @@ type waitSlot struct{}
 
 func takeWaitSlot() *waitSlot          { return nil }
 func putWaitSlot(*waitSlot)            {}
-func (*waitSlot) signal()              {}
-func (*waitSlot) interrupt()           {}
+func (*waitSlot) poke()                {}
+func (*waitSlot) current() uint64      { return 0 }
+func (*waitSlot) interrupt(uint64)     {}
 func (*waitSlot) wait(int, int16) bool { return false }
 
 // Receives do not block in the call: they poll.
