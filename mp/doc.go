@@ -20,6 +20,14 @@
 // tensormp did not frame is an error wrapping ErrMalformed, and the queue
 // goes on.
 //
+// A Get, a Recv or an Accept that must wait holds no thread for it: it
+// waits in the kernel for up to a millisecond, where the message wakes it
+// directly (a receive waits in the receive call itself), and then parks
+// on the package's one poller. At most four callers of a process wait in
+// the kernel at once. Close and a context's end interrupt a receive call
+// with SIGURG to its thread, which the Go runtime already uses for
+// preemption; a program that asks os/signal for SIGURG sees these too.
+//
 // A Pool keeps worker processes that run functions registered with
 // RegisterFunc over many items (Map, Imap, ImapUnordered, Apply), and
 // replaces a worker that dies; package loader builds torch's DataLoader
