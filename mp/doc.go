@@ -20,13 +20,15 @@
 // tensormp did not frame is an error wrapping ErrMalformed, and the queue
 // goes on.
 //
-// A Get, a Recv or an Accept that must wait holds no thread for it: it
-// waits in the kernel for up to a millisecond, where the message wakes it
-// directly (a receive waits in the receive call itself), and then parks
-// on the package's one poller. At most four callers of a process wait in
-// the kernel at once. Close and a context's end interrupt a receive call
-// with SIGURG to its thread, which the Go runtime already uses for
-// preemption; a program that asks os/signal for SIGURG sees these too.
+// A call that must wait first waits in the kernel, where readiness wakes
+// its thread directly; a receive waits in the receive call itself, for up
+// to a millisecond, and then polls. At most four callers of a process wait
+// in the kernel at once: the others park on the package's one poller, and
+// one that has waited over a millisecond gives its place to a caller that
+// needs it, so a thousand blocked Gets hold a few threads, not a
+// thousand. Close and a context's end interrupt a receive call with
+// SIGURG to its thread, which the Go runtime already uses for preemption;
+// a program that asks os/signal for SIGURG sees these too.
 //
 // A Pool keeps worker processes that run functions registered with
 // RegisterFunc over many items (Map, Imap, ImapUnordered, Apply), and
