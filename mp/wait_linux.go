@@ -31,11 +31,11 @@ const kernelWait = time.Millisecond
 const kernelWaiters = 4
 
 // A waitSlot is one of the kernelWaiters ways to wait in the kernel: a
-// receive call, or a poll of the socket and of an eventfd, which close,
-// cancellation and a caller needing the slot signal (the receive's thread
-// with SIGURG, the poll through the eventfd) to end the wait at once. The
-// slots belong to the package for the life of the process; whoever takes
-// one gives it back.
+// receive call, or a poll of the socket and of an eventfd. Close and
+// cancellation end either at once (the call by SIGURG to its thread, the
+// poll through the eventfd), and a caller needing the slot ends a poll.
+// The slots belong to the package for the life of the process; whoever
+// takes one gives it back.
 type waitSlot struct {
 	efd int
 	// since is when the slot's caller took it, in nanoseconds after
