@@ -319,8 +319,7 @@ func (c *conn) io(ctx context.Context, ev int16, what string, block bool, op, wa
 		case ctx.Err() != nil:
 			return ctx.Err()
 		case canBlock:
-			canBlock, blocking = false, true
-			c.recvWaited.Store(true)
+			canBlock, blocking = false, true // which records whether it waited
 			continue
 		}
 		if c.waitKernel(ctx, ev) {
