@@ -255,14 +255,7 @@ func copyCUDA(place device.Place, p uintptr, dt tensor.DType, shape, strides []i
 	if err := b.CopyIn(cuda.DevicePtr(int64(p)+lo), n); err != nil {
 		return nil, errors.Join(err, b.Free())
 	}
-	s := tensor.NewDeviceStorage(place, n, b)
-	holds.hold(s)
-	t, err := tensor.FromStorage(s, dt, -lo, shape, strides)
-	if err != nil {
-		holds.drop(s)
-		return nil, err
-	}
-	return t, nil
+	return heldView(tensor.NewDeviceStorage(place, n, b), dt, -lo, shape, strides)
 }
 
 // consume calls m's deleter: the consumer is done with it.
@@ -351,8 +344,15 @@ func newShared(dt tensor.DType, shape []int) (*tensor.Tensor, error) {
 	if err != nil {
 		return nil, err
 	}
+	return heldView(s, dt, 0, shape, contiguous(shape))
+}
+
+// heldView returns a tensor of the view on s, a storage just made, and
+// holds s once: the caller drops it. If the view is refused, dropping the
+// hold gives s back.
+func heldView(s *tensor.Storage, dt tensor.DType, off int64, shape, strides []int) (*tensor.Tensor, error) {
 	holds.hold(s)
-	t, err := tensor.FromStorage(s, dt, 0, shape, contiguous(shape))
+	t, err := tensor.FromStorage(s, dt, off, shape, strides)
 	if err != nil {
 		holds.drop(s)
 		return nil, err
