@@ -34,9 +34,9 @@ receiver waits for the work queued on torch's current stream before the
 send the first time it opens that GPU allocation, not for memory it
 holds already: after writing to such memory, ``torch.cuda.synchronize()``
 before telling its holder. As with torch.multiprocessing, a process that
-sent GPU memory keeps it alive for its consumers only while it runs. At exit the package gives the GPU
-contexts back, so that the CUDA driver removes the files it keeps in
-/dev/shm for them.
+sent GPU memory keeps it alive for its consumers only while it runs. At
+exit the package gives the GPU contexts back, so that the CUDA driver
+removes the files it keeps in /dev/shm for them.
 
 Do not fork a process after it has loaded the library (the child of a
 fork has none of the Go runtime's threads): start workers with the
