@@ -36,6 +36,9 @@
 // events and removes it when the process's context goes. Closing the
 // Default Runtime (tensor.CloseBackends, at a worker's exit) gives the
 // contexts back, and also removes this process's files when another
-// library in it still holds the context; only a killed process's file
-// stays.
+// library in it still holds the context. A killed worker cannot: the
+// process that started it with mp.Spawn removes its files after it died
+// and before it reaps it, while its pid still names nobody else. Only
+// the file of a killed process that no tensormp process started stays
+// (a PyTorch process, say).
 package cuda

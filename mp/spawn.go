@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/leftover"
 	"github.com/tensormp/tensormp/internal/reexec"
 	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/reduction"
@@ -287,6 +288,12 @@ func (g *Group) watch(p *proc) {
 	defer close(p.done)
 	var res result
 	reportErr := get(context.Background(), p.ctl, &res, true)
+	// A worker that died without cleaning up leaves files named after its
+	// pid (the CUDA driver's): they go while its zombie keeps that pid
+	// from naming another process.
+	if pid := p.cmd.Process.Pid; leftover.Any() && waitExited(pid) == nil {
+		leftover.Remove(pid)
+	}
 	waitErr := p.cmd.Wait()
 	_ = p.ctl.close()
 	for _, w := range p.out {

@@ -70,3 +70,15 @@ func recvmsg(s int, p, oob []byte, flags int) (n, oobn, recvflags int, err error
 	}
 	return int(r), int(msg.Controllen), int(msg.Flags), nil
 }
+
+// waitExited waits until child pid has exited and leaves it unreaped: its
+// pid stays its own until Wait.
+func waitExited(pid int) error {
+	var info unix.Siginfo
+	for {
+		err := unix.Waitid(unix.P_PID, pid, &info, unix.WEXITED|unix.WNOWAIT, nil)
+		if err != unix.EINTR {
+			return err
+		}
+	}
+}

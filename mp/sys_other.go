@@ -59,3 +59,6 @@ func recvmsg(s int, p, oob []byte, flags int) (n, oobn, recvflags int, err error
 	n, oobn, recvflags, _, err = unix.Recvmsg(s, p, oob, flags)
 	return n, oobn, recvflags, err
 }
+
+// waitExited is Linux's: elsewhere a dead worker's leftovers stay.
+func waitExited(int) error { return errors.ErrUnsupported }
