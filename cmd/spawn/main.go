@@ -15,6 +15,7 @@ import (
 
 	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/mp"
+	"github.com/tensormp/tensormp/tensor"
 )
 
 const demoHelp = `Spawns worker processes, sends them tensors of several dtypes and sizes
@@ -44,7 +45,13 @@ Environment: TENSORMP_SHARING_STRATEGY, TENSORMP_SHM_DIR, TENSORMP_LOG.
 
 func main() {
 	mp.Init()
-	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
+	code := run(os.Args[1:], os.Stdout, os.Stderr)
+	// bench -pydevice cuda:N sent GPU memory: the driver's files for it
+	// go with the contexts.
+	if err := tensor.CloseBackends(); err != nil {
+		fmt.Fprintln(os.Stderr, "spawn:", err)
+	}
+	os.Exit(code)
 }
 
 func run(args []string, stdout, stderr io.Writer) int {
