@@ -3,7 +3,9 @@ package cuda_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
+	"runtime"
 	"sync"
 	"testing"
 	"time"
@@ -27,34 +29,48 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-func TestExecutorRunsOnOneThread(t *testing.T) {
+// Do runs work on the caller's thread with the device's context current,
+// from many goroutines at once, and leaves the thread's context as it
+// found it: none, or another device's.
+func TestExecutorMakesItsContextCurrent(t *testing.T) {
 	e, err := cuda.NewExecutor(fake, 0)
 	require.NoError(t, err)
 	defer e.Stop()
-	tids := map[int]bool{}
-	var mu sync.Mutex
+	own, err := fake.RetainPrimaryContext(0)
+	require.NoError(t, err)
+	defer fake.ReleasePrimaryContext(0)
+	other, err := fake.RetainPrimaryContext(1)
+	require.NoError(t, err)
+	defer fake.ReleasePrimaryContext(1)
 	var wg sync.WaitGroup
-	for range 8 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+	for g := range 8 {
+		wg.Go(func() {
+			runtime.LockOSThread()
+			defer runtime.UnlockOSThread()
+			before := cuda.Context(0)
+			if g%2 == 1 {
+				before = other // a thread another library set up
+			}
+			assert.NoError(t, fake.SetCurrent(before))
+			defer fake.SetCurrent(0)
 			for range 50 {
 				assert.NoError(t, e.Do(func() error {
-					mu.Lock()
-					tids[unix.Gettid()] = true
-					mu.Unlock()
+					if c, _ := fake.Current(); c != own {
+						return fmt.Errorf("context %v current inside Do, not device 0's %v", c, own)
+					}
 					p, err := fake.MemAlloc(16) // needs the context current here
 					if err != nil {
 						return err
 					}
 					return fake.MemFree(p)
 				}))
+				c, err := fake.Current()
+				assert.NoError(t, err)
+				assert.Equal(t, before, c, "the thread's context is back as it was")
 			}
-		}()
+		})
 	}
 	wg.Wait()
-	assert.Len(t, tids, 1, "every call ran on the executor's one thread")
-	assert.Equal(t, 1, fake.Contexts(0), "the primary context is retained once")
 }
 
 func TestExecutorReentrantCallRunsInline(t *testing.T) {
@@ -65,9 +81,12 @@ func TestExecutorReentrantCallRunsInline(t *testing.T) {
 	go func() {
 		done <- e.Do(func() error {
 			outer := unix.Gettid()
-			return e.Do(func() error { // would deadlock if queued
+			return e.Do(func() error {
 				if unix.Gettid() != outer {
-					return errors.New("the inner call left the executor's thread")
+					return errors.New("the inner call left the outer call's thread")
+				}
+				if c, _ := fake.Current(); c == 0 {
+					return errors.New("the inner call has no context current")
 				}
 				return nil
 			})
@@ -77,8 +96,35 @@ func TestExecutorReentrantCallRunsInline(t *testing.T) {
 	case err := <-done:
 		assert.NoError(t, err)
 	case <-time.After(10 * time.Second):
-		t.Fatal("a call from the executor's own thread deadlocked")
+		t.Fatal("a call from inside a call deadlocked")
 	}
+}
+
+// Stop waits for a call under way before it gives the context back.
+func TestExecutorStopWaitsForCalls(t *testing.T) {
+	e, err := cuda.NewExecutor(fake, 0)
+	require.NoError(t, err)
+	held := fake.Contexts(0)
+	inside, release := make(chan struct{}), make(chan struct{})
+	called := make(chan error, 1)
+	go func() {
+		called <- e.Do(func() error {
+			close(inside)
+			<-release
+			_, err := fake.MemAlloc(16) // the context is still there
+			return err
+		})
+	}()
+	<-inside
+	stopped := make(chan struct{})
+	go func() { e.Stop(); close(stopped) }()
+	require.Eventually(t, func() bool { return errors.Is(e.Do(func() error { return nil }), cuda.ErrStopped) },
+		10*time.Second, time.Millisecond, "Stop refuses new calls at once")
+	assert.Equal(t, held, fake.Contexts(0), "the context stays retained while a call is under way")
+	close(release)
+	<-stopped
+	assert.NoError(t, <-called)
+	assert.Equal(t, held-1, fake.Contexts(0), "Stop released the context")
 }
 
 func TestExecutorPanicAndStop(t *testing.T) {
@@ -343,4 +389,19 @@ func TestCopyIn(t *testing.T) {
 	require.NoError(t, b.Sync())
 	require.NoError(t, foreign.Free())
 	assert.ErrorContains(t, foreign.Sync(), "freed")
+}
+
+// BenchmarkExecutorDo is the cost Do adds to a driver call, on the fake
+// driver (whose context calls each take a lock and a gettid).
+func BenchmarkExecutorDo(b *testing.B) {
+	e, err := cuda.NewExecutor(fake, 0)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer e.Stop()
+	for b.Loop() {
+		if err := e.Do(func() error { return nil }); err != nil {
+			b.Fatal(err)
+		}
+	}
 }

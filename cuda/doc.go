@@ -8,9 +8,11 @@
 // description.
 //
 // The CUDA current context belongs to an OS thread, so each device has an
-// Executor: a goroutine locked to its own thread, with the device's primary
-// context current, that runs the device's work from a ready queue; work
-// that calls back into its own executor runs inline.
+// Executor that holds the device's primary context and runs the device's
+// work on the calling goroutine's thread, locked to it for the call, with
+// the context made current there and the thread's previous context put
+// back afterwards (a Python thread calling in keeps PyTorch's). Work that
+// calls the executor again runs at once.
 //
 // Importing the package registers the gpu backend of package tensor:
 // tensor.On(device.GPU(0)).Zeros(...) allocates on the device, and To moves

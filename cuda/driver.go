@@ -41,11 +41,14 @@ type IPCEventHandle [64]byte
 // Driver is the part of the CUDA driver API tensormp uses. The real one is
 // libcuda.so.1, opened at run time; tests use a fake. Calls that act on
 // "the current context" must be made on a thread where the device's
-// context is current: an Executor's.
+// context is current: inside an Executor's Do.
 type Driver interface {
 	DeviceCount() (int, error)
 	RetainPrimaryContext(dev int) (Context, error)
 	ReleasePrimaryContext(dev int) error
+	// Current returns the context current on the calling thread, or 0.
+	Current() (Context, error)
+	// SetCurrent makes ctx current on the calling thread; 0 makes none.
 	SetCurrent(ctx Context) error
 
 	MemAlloc(n int64) (DevicePtr, error)

@@ -10,70 +10,38 @@ import (
 // ErrStopped is returned by an Executor that was stopped.
 var ErrStopped = errors.New("cuda: executor stopped")
 
-// Executor runs work for one device on one OS thread, where the device's
-// primary context is current. The CUDA current context belongs to an OS
-// thread, and goroutines move between threads, so every driver call that
-// uses the context goes through the device's Executor: a goroutine locked
-// to its own thread, fed by a ready queue (the device-thread design of
-// PyTorch's autograd engine). A call made from the executor's own thread,
-// work that calls Do again, runs inline instead of waiting for itself.
+// Executor runs driver work for one device with the device's primary
+// context current. The CUDA current context belongs to an OS thread, and
+// goroutines move between threads, so Do locks the calling goroutine to
+// its thread for the call, makes the context current there, and puts
+// back whatever was current before: a thread that another library uses
+// too (a Python thread calling into tensormp, whose current device
+// PyTorch keeps in that context) finds it as it was. A call costs three
+// context switches inside the driver, not the two thread wake-ups that a
+// device thread of its own would cost (tens of microseconds on a busy
+// machine). Work may call Do again.
 type Executor struct {
-	dev   int
-	drv   Driver
-	ready chan task
-	done  chan struct{}
+	dev int
+	drv Driver
+	ctx Context // the device's primary context, retained until Stop
 
-	tidMu sync.Mutex
-	tid   int // the executor's OS thread id, once started
-
-	stopOnce sync.Once
-	mu       sync.RWMutex // held shared by Do while it enqueues; Stop takes it exclusively
+	mu       sync.RWMutex // held shared while Do admits a call; Stop takes it exclusively
 	stopped  bool
+	calls    sync.WaitGroup // admitted calls not yet returned
+	stopOnce sync.Once
 }
 
-type task struct {
-	fn   func() error
-	errc chan error
-}
-
-// NewExecutor starts an executor for device dev: it locks a new goroutine
-// to its thread, retains the device's primary context and makes it
-// current. Stop ends it.
+// NewExecutor returns an executor for device dev: it retains the device's
+// primary context. Stop releases it.
 func NewExecutor(drv Driver, dev int) (*Executor, error) {
-	e := &Executor{dev: dev, drv: drv, ready: make(chan task), done: make(chan struct{})}
-	started := make(chan error, 1)
-	go e.loop(started)
-	if err := <-started; err != nil {
-		return nil, err
-	}
-	return e, nil
-}
-
-func (e *Executor) loop(started chan<- error) {
-	runtime.LockOSThread() // never unlocked: the thread dies with the loop
-	defer close(e.done)
-	ctx, err := e.drv.RetainPrimaryContext(e.dev)
-	if err == nil {
-		if err = e.drv.SetCurrent(ctx); err != nil {
-			_ = e.drv.ReleasePrimaryContext(e.dev)
-		}
-	}
+	ctx, err := drv.RetainPrimaryContext(dev)
 	if err != nil {
-		started <- fmt.Errorf("cuda: starting the executor of device %d: %w", e.dev, err)
-		return
+		return nil, fmt.Errorf("cuda: retaining the primary context of device %d: %w", dev, err)
 	}
-	e.tidMu.Lock()
-	e.tid = gettid()
-	e.tidMu.Unlock()
-	started <- nil
-	for t := range e.ready {
-		t.errc <- run(t.fn)
-	}
-	_ = e.drv.ReleasePrimaryContext(e.dev)
+	return &Executor{dev: dev, drv: drv, ctx: ctx}, nil
 }
 
-// run calls fn, turning a panic into an error so that the executor
-// survives it.
+// run calls fn, turning a panic into an error.
 func run(fn func() error) (err error) {
 	defer func() {
 		if p := recover(); p != nil {
@@ -86,40 +54,42 @@ func run(fn func() error) (err error) {
 // Device returns the executor's device ordinal.
 func (e *Executor) Device() int { return e.dev }
 
-// onThread reports whether the caller runs on the executor's thread.
-func (e *Executor) onThread() bool {
-	e.tidMu.Lock()
-	defer e.tidMu.Unlock()
-	return e.tid > 0 && e.tid == gettid()
-}
-
-// Do runs fn on the executor's thread and returns its error. Calls from
-// many goroutines run one at a time, in arrival order; a call from the
-// executor's thread itself runs at once.
-func (e *Executor) Do(fn func() error) error {
-	if e.onThread() {
-		return run(fn)
-	}
+// Do runs fn on the calling goroutine's thread with the device's context
+// current, and returns fn's error.
+func (e *Executor) Do(fn func() error) (err error) {
 	e.mu.RLock()
 	if e.stopped {
 		e.mu.RUnlock()
 		return ErrStopped
 	}
-	errc := make(chan error, 1)
-	e.ready <- task{fn: fn, errc: errc}
+	e.calls.Add(1)
 	e.mu.RUnlock()
-	return <-errc
+	defer e.calls.Done()
+
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	prev, err := e.drv.Current()
+	if err != nil {
+		return err
+	}
+	if prev != e.ctx {
+		if err := e.drv.SetCurrent(e.ctx); err != nil {
+			return err
+		}
+		defer func() { err = errors.Join(err, e.drv.SetCurrent(prev)) }()
+	}
+	return run(fn)
 }
 
-// Stop finishes the queued work, releases the device's context and ends
-// the executor's thread. Later calls to Do return ErrStopped.
+// Stop waits for the calls under way, then releases the device's context.
+// Later calls to Do return ErrStopped.
 func (e *Executor) Stop() {
 	e.stopOnce.Do(func() {
 		e.mu.Lock()
 		e.stopped = true
-		close(e.ready)
 		e.mu.Unlock()
-		<-e.done
+		e.calls.Wait()
+		_ = e.drv.ReleasePrimaryContext(e.dev)
 	})
 }
 

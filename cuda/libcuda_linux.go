@@ -18,7 +18,7 @@ typedef struct { char reserved[64]; } CUipcMemHandle;
 typedef struct { char reserved[64]; } CUipcEventHandle;
 
 enum {
-	F_INIT, F_DEVCOUNT, F_DEVGET, F_PCTXRETAIN, F_PCTXRELEASE, F_CTXSET,
+	F_INIT, F_DEVCOUNT, F_DEVGET, F_PCTXRETAIN, F_PCTXRELEASE, F_CTXGET, F_CTXSET,
 	F_MALLOC, F_FREE, F_MEMSET, F_HTOD, F_DTOH, F_DTOD, F_ADDRRANGE,
 	F_IPCGETMEM, F_IPCOPENMEM, F_IPCCLOSEMEM,
 	F_STREAMSYNC, F_EVCREATE, F_EVRECORD, F_EVSYNC, F_EVDESTROY, F_IPCGETEV, F_IPCOPENEV,
@@ -37,6 +37,7 @@ static CUresult tm_devcount(int *n) { return ((CUresult (*)(int *))tm_fns[F_DEVC
 static CUresult tm_devget(CUdevice *d, int ordinal) { return ((CUresult (*)(CUdevice *, int))tm_fns[F_DEVGET])(d, ordinal); }
 static CUresult tm_pctxretain(CUcontext *c, CUdevice d) { return ((CUresult (*)(CUcontext *, CUdevice))tm_fns[F_PCTXRETAIN])(c, d); }
 static CUresult tm_pctxrelease(CUdevice d) { return ((CUresult (*)(CUdevice))tm_fns[F_PCTXRELEASE])(d); }
+static CUresult tm_ctxget(CUcontext *c) { return ((CUresult (*)(CUcontext *))tm_fns[F_CTXGET])(c); }
 static CUresult tm_ctxset(CUcontext c) { return ((CUresult (*)(CUcontext))tm_fns[F_CTXSET])(c); }
 static CUresult tm_malloc(CUdeviceptr *p, size_t n) { return ((CUresult (*)(CUdeviceptr *, size_t))tm_fns[F_MALLOC])(p, n); }
 static CUresult tm_free(CUdeviceptr p) { return ((CUresult (*)(CUdeviceptr))tm_fns[F_FREE])(p); }
@@ -94,6 +95,7 @@ var symbols = [C.F_COUNT][]string{
 	C.F_DEVGET:      {"cuDeviceGet"},
 	C.F_PCTXRETAIN:  {"cuDevicePrimaryCtxRetain"},
 	C.F_PCTXRELEASE: {"cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease"},
+	C.F_CTXGET:      {"cuCtxGetCurrent"},
 	C.F_CTXSET:      {"cuCtxSetCurrent"},
 	C.F_MALLOC:      {"cuMemAlloc_v2"},
 	C.F_FREE:        {"cuMemFree_v2"},
@@ -188,6 +190,12 @@ func (libcuda) ReleasePrimaryContext(dev int) error {
 		return err
 	}
 	return check("cuDevicePrimaryCtxRelease", C.tm_pctxrelease(d))
+}
+
+func (libcuda) Current() (Context, error) {
+	var c C.CUcontext
+	err := check("cuCtxGetCurrent", C.tm_ctxget(&c))
+	return Context(unsafe.Pointer(c)), err
 }
 
 func (libcuda) SetCurrent(ctx Context) error {

@@ -96,10 +96,20 @@ func (d *Driver) ReleasePrimaryContext(dev int) error {
 	return nil
 }
 
+func (d *Driver) Current() (cuda.Context, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.current[unix.Gettid()], nil
+}
+
 func (d *Driver) SetCurrent(c cuda.Context) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	d.current[unix.Gettid()] = c
+	if c == 0 {
+		delete(d.current, unix.Gettid())
+	} else {
+		d.current[unix.Gettid()] = c
+	}
 	return nil
 }
 

@@ -1,5 +1,0 @@
-package cuda
-
-import "golang.org/x/sys/unix"
-
-func gettid() int { return unix.Gettid() }
