@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"path/filepath"
+	"runtime"
 	"sync"
 	"testing"
 	"time"
@@ -135,6 +136,35 @@ func TestGPUAllocationAndCopies(t *testing.T) {
 	require.NoError(t, err)
 	defer c.Release()
 	assert.True(t, tensor.Equal(c, want), "device -> device")
+}
+
+// GPU work leaves the calling thread's current context as it found it:
+// none here, or whatever another library in the process had made current.
+func TestGPUWorkLeavesTheThreadsContext(t *testing.T) {
+	requireGPU(t)
+	drv, err := cuda.Load()
+	require.NoError(t, err)
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	require.NoError(t, drv.SetCurrent(0))
+	x, err := tensor.On(device.GPU(0)).Arange(tensor.Int32, 1<<10) // allocates and copies here
+	require.NoError(t, err)
+	c, err := drv.Current()
+	require.NoError(t, err)
+	assert.Zero(t, c, "no context is left current on a thread that had none")
+
+	own, err := drv.RetainPrimaryContext(0)
+	require.NoError(t, err)
+	defer drv.ReleasePrimaryContext(0)
+	require.NoError(t, drv.SetCurrent(own))
+	defer drv.SetCurrent(0)
+	host, err := x.To(device.CPU())
+	require.NoError(t, err)
+	assert.Equal(t, int32(1<<10-1), must(tensor.At[int32](host, 1<<10-1)))
+	require.NoError(t, x.Release())
+	c, err = drv.Current()
+	require.NoError(t, err)
+	assert.Equal(t, own, c, "the context another library made current stays current")
 }
 
 func TestGPUIPCWorkerWritesParentSees(t *testing.T) {
