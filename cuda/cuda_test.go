@@ -176,8 +176,7 @@ func TestTensorsOnGPU(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, device.GPU(1), y.Place())
 	assert.True(t, tensor.Equal(x, y))
-	assert.Len(t, fake.Threads[1], 1, "device 1's work ran on its own executor")
-	assert.NotEqual(t, fake.Threads[0], fake.Threads[1])
+	assert.NotEmpty(t, fake.Threads[1], "device 1's work ran with device 1's context current")
 
 	ctx := device.With(context.Background(), device.GPU(1))
 	z, err := tensor.In(ctx).Zeros(tensor.Int8, 3)
