@@ -5,7 +5,11 @@ import (
 	"encoding/binary"
 	"path/filepath"
 	"runtime"
+	"slices"
+	"strconv"
+	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -195,31 +199,55 @@ func TestGPUIPCWorkerWritesParentSees(t *testing.T) {
 	assert.Equal(t, 0, rt.Limbo(), "the worker is gone: the memory is freed")
 }
 
-// TestGPUWorkerLeavesNoDriverFiles: a worker that sent GPU memory gives
-// its context back when its function returns, so the driver removes the
-// interprocess-event file it made for the export; a plain exit would
-// leave it in /dev/shm.
+// A worker that sent GPU memory leaves no driver file in /dev/shm. One
+// whose function returns gives its context back, so the driver removes
+// the interprocess-event file it made for the export (a plain exit would
+// leave it); one that is killed has its file removed by its parent. What
+// it sent stays readable here until it is released.
 func TestGPUWorkerLeavesNoDriverFiles(t *testing.T) {
 	requireGPU(t)
-	leakcheck.Check(t)
-	before := driverFiles(t)
-	status, ack := testQueues(t)
+	for _, killed := range []bool{false, true} {
+		t.Run(map[bool]string{false: "returns", true: "killed"}[killed], func(t *testing.T) {
+			leakcheck.Check(t)
+			before := driverFiles(t)
+			status, ack := testQueues(t)
 
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	g, err := mp.Spawn(ctx, "gpu.make", 1, mp.WithArgs(gpuArgs{Status: status, Ack: ack}))
-	require.NoError(t, err)
-	var x *tensor.Tensor
-	require.NoError(t, status.Get(ctx, &x))
-	assert.True(t, x.Place().IsGPU())
-	host, err := x.To(device.CPU())
-	require.NoError(t, err)
-	last, err := tensor.At[int32](host, 1<<10-1)
-	require.NoError(t, err)
-	assert.Equal(t, int32(1<<10-1), last)
-	assert.Greater(t, len(driverFiles(t)), len(before), "the worker's export made a driver file")
-	require.NoError(t, x.Release())
-	require.NoError(t, ack.Put(ctx, "seen"))
-	require.NoError(t, g.Join())
-	assert.Equal(t, before, driverFiles(t), "the worker's driver file went with its context")
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			defer cancel()
+			g, err := mp.Spawn(ctx, "gpu.make", 1, mp.WithArgs(gpuArgs{Status: status, Ack: ack}))
+			require.NoError(t, err)
+			var x *tensor.Tensor
+			require.NoError(t, status.Get(ctx, &x))
+			assert.True(t, x.Place().IsGPU())
+			own := "." + strconv.FormatInt(int64(g.Pids()[0]), 16) + "."
+			require.True(t, slices.ContainsFunc(driverFiles(t), func(f string) bool { return strings.Contains(filepath.Base(f), own) }),
+				"the worker's export made a driver file of its own")
+			if killed {
+				killWorker(t, g)
+			}
+			host, err := x.To(device.CPU())
+			require.NoError(t, err)
+			last, err := tensor.At[int32](host, 1<<10-1)
+			require.NoError(t, err)
+			assert.Equal(t, int32(1<<10-1), last)
+			require.NoError(t, x.Release())
+			if !killed {
+				require.NoError(t, ack.Put(ctx, "seen"))
+				require.NoError(t, g.Join())
+			}
+			assert.Equal(t, before, driverFiles(t), "the worker's driver file is gone")
+		})
+	}
+}
+
+// killWorker SIGKILLs g's one worker and checks that Join reports the
+// kill.
+func killWorker(t *testing.T, g *mp.Group) {
+	t.Helper()
+	pids := g.Pids()
+	require.Len(t, pids, 1)
+	require.NoError(t, syscall.Kill(pids[0], syscall.SIGKILL))
+	var xe *mp.ExitError
+	require.ErrorAs(t, g.Join(), &xe)
+	assert.Equal(t, syscall.SIGKILL, xe.Signal)
 }
