@@ -16,10 +16,10 @@ var ErrStopped = errors.New("cuda: executor stopped")
 // its thread for the call, makes the context current there, and puts
 // back whatever was current before: a thread that another library uses
 // too (a Python thread calling into tensormp, whose current device
-// PyTorch keeps in that context) finds it as it was. That costs a call
-// adds at most three cheap driver calls (get, set, set back), where
-// handing each call to a device thread of its own cost two thread
-// wake-ups (20-40 µs on a busy two-core machine). Calls from several
+// PyTorch keeps in that context) finds it as it was. Each call adds at
+// most three cheap driver calls (get, set, set back), where handing it to
+// a device thread of its own cost two thread wake-ups (20-40 µs on a busy
+// two-core machine). Calls from several
 // goroutines run at once, as the driver allows; work may call Do again.
 type Executor struct {
 	dev int
