@@ -19,8 +19,8 @@ var ErrStopped = errors.New("cuda: executor stopped")
 // PyTorch keeps in that context) finds it as it was. Each call adds at
 // most three cheap driver calls (get, set, set back), where handing it to
 // a device thread of its own cost two thread wake-ups (20-40 µs on a busy
-// two-core machine). Calls from several
-// goroutines run at once, as the driver allows; work may call Do again.
+// two-core machine). Calls from several goroutines run at once, as the
+// driver allows; work may call Do again.
 type Executor struct {
 	dev int
 	drv Driver
