@@ -71,6 +71,12 @@ func driverFiles(t *testing.T) []string {
 	return names
 }
 
+// ofProcess reports whether driver file f is process pid's: its name is
+// cuda.shm.<n>.<pid in hex>.<n>.
+func ofProcess(f string, pid int) bool {
+	return strings.Contains(filepath.Base(f), "."+strconv.FormatInt(int64(pid), 16)+".")
+}
+
 type gpuArgs struct {
 	Tensor *tensor.Tensor
 	Status *mp.Queue
@@ -219,8 +225,8 @@ func TestGPUWorkerLeavesNoDriverFiles(t *testing.T) {
 			var x *tensor.Tensor
 			require.NoError(t, status.Get(ctx, &x))
 			assert.True(t, x.Place().IsGPU())
-			own := "." + strconv.FormatInt(int64(g.Pids()[0]), 16) + "."
-			require.True(t, slices.ContainsFunc(driverFiles(t), func(f string) bool { return strings.Contains(filepath.Base(f), own) }),
+			pid := g.Pids()[0]
+			require.True(t, slices.ContainsFunc(driverFiles(t), func(f string) bool { return ofProcess(f, pid) }),
 				"the worker's export made a driver file of its own")
 			if killed {
 				killWorker(t, g)

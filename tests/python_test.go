@@ -522,9 +522,8 @@ func TestPythonGPUKilledWhileHolding(t *testing.T) {
 	assert.Equal(t, -1, slices.IndexFunc(vs, func(v uint8) bool { return v != 1 }), "the dead process's GPU tensor is still whole here")
 	require.NoError(t, own.Release())
 	assert.Equal(t, shmBefore, tensormpEntries(t), "nothing of tensormp's left in /dev/shm")
-	dead := "." + strconv.FormatInt(int64(pid), 16) + "."
 	for _, f := range driverFiles(t) {
-		assert.True(t, slices.Contains(files, f) || strings.Contains(filepath.Base(f), dead), "driver file %s is not the dead process's", f)
+		assert.True(t, slices.Contains(files, f) || ofProcess(f, pid), "driver file %s is not the dead process's", f)
 	}
 }
 

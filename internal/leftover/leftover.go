@@ -2,7 +2,7 @@
 // own process id, where only that process could have removed it: the
 // CUDA driver's /dev/shm files of a worker that was killed, say.
 //
-// A package that leaves such files registers a Remover; package mp calls
+// A package that leaves such files registers a remover; package mp calls
 // Remove for each worker it started once the worker is dead and before
 // it reaps it, so that the process id cannot yet name another process.
 package leftover
