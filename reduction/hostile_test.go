@@ -35,9 +35,11 @@ func dupFD(t testing.TB, fd int) int {
 	return d
 }
 
-func validMeta() Meta {
+// validMeta is a 32 x 32 float32 tensor filling file_descriptor segment
+// id, whose descriptor is the message's first.
+func validMeta(id mmapalloc.ID) Meta {
 	return Meta{
-		Version: Version, Strategy: "file_descriptor", FD: 0, Size: 4096, Block: -1,
+		Version: Version, Strategy: "file_descriptor", FD: 0, Dev: id.Dev, Ino: id.Ino, Size: 4096, Block: -1,
 		DType: tensor.Float32, Shape: []int{32, 32}, Strides: []int{32, 1}, Place: "cpu",
 	}
 }
@@ -55,11 +57,22 @@ func TestHostileInput(t *testing.T) {
 	defer unix.Close(pipe[0])
 	defer unix.Close(pipe[1])
 
-	with := func(f func(m *Meta)) []byte {
-		m := validMeta()
+	other, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
+	require.NoError(t, err)
+	defer other.Close()
+
+	// with varies the valid Meta; one that leaves the file_descriptor
+	// strategy loses the segment's identity too, which withID keeps.
+	vary := func(f func(m *Meta), keepID bool) []byte {
+		m := validMeta(seg.ID())
 		f(&m)
+		if m.Strategy != "file_descriptor" && !keepID {
+			m.Dev, m.Ino = 0, 0
+		}
 		return extMessage(t, m)
 	}
+	with := func(f func(m *Meta)) []byte { return vary(f, false) }
+	withID := func(f func(m *Meta)) []byte { return vary(f, true) }
 	segFD := func() []int { return []int{dupFD(t, seg.FD())} }
 	cases := []struct {
 		name string
@@ -83,10 +96,22 @@ func TestHostileInput(t *testing.T) {
 		{"negative size", with(func(m *Meta) { m.Size = -1 }), segFD, "negative segment size"},
 		{"fd index out of range", with(func(m *Meta) { m.FD = 3 }), segFD, "out of range"},
 		{"fd index negative", with(func(m *Meta) { m.FD = -1 }), segFD, "out of range"},
-		{"no fds", validMetaMsg(t), func() []int { return nil }, "out of range"},
-		{"extra fds", validMetaMsg(t), func() []int { return []int{dupFD(t, seg.FD()), dupFD(t, seg.FD())} }, "not used"},
-		{"fd not a file", validMetaMsg(t), func() []int { return []int{dupFD(t, pipe[0])} }, "not a regular file"},
+		{"no fds", validMetaMsg(t, seg.ID()), func() []int { return nil }, "out of range"},
+		{"extra fds", validMetaMsg(t, seg.ID()), func() []int { return []int{dupFD(t, seg.FD()), dupFD(t, seg.FD())} }, "not used"},
+		{"fd not a file", validMetaMsg(t, seg.ID()), func() []int { return []int{dupFD(t, pipe[0])} }, "not a regular file"},
 		{"fd strategy with name", with(func(m *Meta) { m.Name = "x" }), segFD, "carries a name"},
+		{"fd strategy naming no segment", with(func(m *Meta) { m.Dev, m.Ino = 0, 0 }), segFD, "names no segment"},
+		{"descriptor of another segment", with(func(m *Meta) { m.Dev, m.Ino = other.ID().Dev, other.ID().Ino }), segFD, "that the metadata names"},
+		{"block with descriptor of another segment", with(func(m *Meta) {
+			m.Dev, m.Ino = other.ID().Dev, other.ID().Ino
+			m.Segment, m.Block, m.Gen = 1<<20, 4096, 1
+		}), segFD, "that the metadata names"},
+		{"identity in fs metadata", withID(func(m *Meta) {
+			m.Strategy = "file_system"
+			m.FD = -1
+			m.Name = mmapalloc.SessionPrefix() + "1_0123456789abcdef"
+		}), nil, "carries a file_descriptor segment's identity"},
+		{"identity in empty metadata", withID(func(m *Meta) { m.Strategy = ""; m.FD = -1; m.Size = 0; m.Shape = []int{0}; m.Strides = []int{1} }), nil, "carries a file_descriptor segment's identity"},
 		{"name traversal", with(func(m *Meta) { m.Strategy = "file_system"; m.FD = -1; m.Name = "../../etc/passwd" }), nil, "not a tensormp segment name"},
 		{"absolute name", with(func(m *Meta) {
 			m.Strategy = "file_system"
@@ -124,8 +149,8 @@ func TestHostileInput(t *testing.T) {
 		{"cuda_ipc without handles", with(func(m *Meta) { m.Place = "gpu:0"; m.Strategy = StrategyCUDAIPC }), segFD, "handles"},
 		{"cuda_ipc on the cpu", with(func(m *Meta) { m.Strategy = StrategyCUDAIPC }), segFD, `strategy "cuda_ipc" for a tensor on cpu`},
 		{"bad lod", with(func(m *Meta) { m.LoD = [][]int{{3, 1}} }), segFD, "LoD"},
-		{"truncated", validMetaMsg(t)[:10], segFD, ""},
-		{"trailing bytes", append(validMetaMsg(t), 0xc0), segFD, "bytes after the value"},
+		{"truncated", validMetaMsg(t, seg.ID())[:10], segFD, ""},
+		{"trailing bytes", append(validMetaMsg(t, seg.ID()), 0xc0), segFD, "bytes after the value"},
 		{"ext length past end", []byte{0xc7, 0xff, byte(tensorExt), 0x01}, segFD, "runs past the message"},
 		{"garbage payload", []byte{0xd4, byte(tensorExt), 0xc1}, segFD, "invalid code 0xc1"},
 		{"garbage storage payload", []byte{0xd4, byte(storageExt), 0xc1}, segFD, "invalid code 0xc1"},
@@ -157,19 +182,19 @@ func TestHostileInput(t *testing.T) {
 
 	// The baseline the cases vary is itself valid.
 	var x *tensor.Tensor
-	require.NoError(t, Unmarshal(validMetaMsg(t), []int{dupFD(t, seg.FD())}, &x))
+	require.NoError(t, Unmarshal(validMetaMsg(t, seg.ID()), []int{dupFD(t, seg.FD())}, &x))
 	assert.Equal(t, []int{32, 32}, x.Shape())
 	require.NoError(t, x.Release())
 }
 
-func validMetaMsg(t testing.TB) []byte { return extMessage(t, validMeta()) }
+func validMetaMsg(t testing.TB, id mmapalloc.ID) []byte { return extMessage(t, validMeta(id)) }
 
 // hugeShapeMsg is a tensor whose metadata claims a shape of 2^32-1
 // dimensions in a few bytes.
 func hugeShapeMsg(t testing.TB) []byte {
 	payload := []byte{0x9b, 0x01, 0xaf}
 	payload = append(payload, "file_descriptor"...)
-	payload = append(payload, 0x00, 0xa0, 0xcd, 0x10, 0x00, 0x00, 0x09, 0xdd, 0xff, 0xff, 0xff, 0xff)
+	payload = append(payload, 0x00, 0x01, 0x02, 0xa0, 0xcd, 0x10, 0x00, 0x00, 0x09, 0xdd, 0xff, 0xff, 0xff, 0xff)
 	return append([]byte{0xc7, byte(len(payload)), byte(tensorExt)}, payload...)
 }
 
@@ -177,21 +202,21 @@ func hugeShapeMsg(t testing.TB) []byte {
 // whatever the input, no panic, and every descriptor is either owned by a
 // rebuilt tensor or closed.
 func FuzzUnmarshal(f *testing.F) {
-	f.Add(validMetaMsg(f), uint8(1))
-	empty := validMeta()
-	empty.Strategy, empty.FD, empty.Size, empty.Shape, empty.Strides = "", -1, 0, []int{0, 3}, []int{0, 0}
-	f.Add(extMessage(f, empty), uint8(0))
-	view := validMeta()
-	view.Offset, view.Shape, view.Strides = 128, []int{8, 4}, []int{1, 32}
-	f.Add(extMessage(f, view), uint8(1))
-	fs := validMeta()
-	fs.Strategy, fs.FD, fs.Name = "file_system", -1, mmapalloc.SessionPrefix()+"1_0123456789abcdef"
-	f.Add(extMessage(f, fs), uint8(0))
-	f.Add([]byte{0x92, 0x01, 0xc0}, uint8(2))
-
 	seg, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
 	require.NoError(f, err)
 	f.Cleanup(func() { seg.Close() })
+
+	f.Add(validMetaMsg(f, seg.ID()), uint8(1))
+	empty := validMeta(mmapalloc.ID{})
+	empty.Strategy, empty.FD, empty.Size, empty.Shape, empty.Strides = "", -1, 0, []int{0, 3}, []int{0, 0}
+	f.Add(extMessage(f, empty), uint8(0))
+	view := validMeta(seg.ID())
+	view.Offset, view.Shape, view.Strides = 128, []int{8, 4}, []int{1, 32}
+	f.Add(extMessage(f, view), uint8(1))
+	fs := validMeta(mmapalloc.ID{})
+	fs.Strategy, fs.FD, fs.Name = "file_system", -1, mmapalloc.SessionPrefix()+"1_0123456789abcdef"
+	f.Add(extMessage(f, fs), uint8(0))
+	f.Add([]byte{0x92, 0x01, 0xc0}, uint8(2))
 	base := leakcheck.Count()
 
 	f.Fuzz(func(t *testing.T, data []byte, nfds uint8) {
@@ -269,13 +294,13 @@ func TestCacheKeepsLiveStoragesAndDropsDeadOnes(t *testing.T) {
 }
 
 func FuzzBodyDecode(f *testing.F) {
-	body := validMeta()
+	body := validMeta(mmapalloc.ID{})
 	body.Strategy, body.FD, body.Block, body.Segment, body.Gen = StrategyBody, 0, -1, 0, 0
 	f.Add(extMessage(f, body), uint16(4096), uint8(1))
 	view := body
 	view.Offset, view.Shape, view.Strides = 128, []int{8, 4}, []int{1, 32}
 	f.Add(extMessage(f, view), uint16(4096), uint8(2))
-	f.Add(validMetaMsg(f), uint16(4096), uint8(1))
+	f.Add(validMetaMsg(f, mmapalloc.ID{Dev: 1, Ino: 2}), uint16(4096), uint8(1))
 	f.Add([]byte{0x92, 0x01, 0xc0}, uint16(0), uint8(0))
 
 	f.Fuzz(func(t *testing.T, data []byte, size uint16, n uint8) {

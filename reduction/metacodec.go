@@ -14,7 +14,7 @@ import (
 // written and read by hand rather than by reflection: it is on the path of
 // every tensor sent, and the reader is simpler to make strict.
 
-const metaFields = 17
+const metaFields = 19
 
 // appendMeta appends m's msgpack encoding to b.
 func appendMeta(b []byte, m *Meta) []byte {
@@ -22,6 +22,8 @@ func appendMeta(b []byte, m *Meta) []byte {
 	b = appendUint(b, uint64(m.Version))
 	b = appendString(b, m.Strategy)
 	b = appendInt(b, int64(m.FD))
+	b = appendUint(b, m.Dev)
+	b = appendUint(b, m.Ino)
 	b = appendString(b, m.Name)
 	b = appendInt(b, m.Size)
 	b = appendInt(b, m.Segment)
@@ -396,6 +398,8 @@ func parseMeta(b []byte, m *Meta) error {
 	m.Version = uint8(version)
 	m.Strategy = r.str()
 	m.FD = r.small()
+	m.Dev = r.uint()
+	m.Ino = r.uint()
 	m.Name = r.str()
 	m.Size = r.int()
 	m.Segment = r.int()

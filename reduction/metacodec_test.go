@@ -8,12 +8,13 @@ import (
 	"github.com/stretchr/testify/require"
 	"github.com/vmihailenco/msgpack/v5"
 
+	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/tensor"
 )
 
 func TestMetaCodecRoundTrip(t *testing.T) {
 	cases := []Meta{
-		validMeta(),
+		validMeta(mmapalloc.ID{Dev: 1 << 40, Ino: math.MaxUint64}),
 		{Version: Version, Strategy: "file_system", FD: -1, Name: "tensormp_abc_1_0123456789abcdef", Size: math.MaxInt64,
 			Segment: 1 << 40, Block: -1, Gen: math.MaxUint64, Offset: -300000, DType: tensor.Complex128,
 			Shape: []int{0, 70000, 3}, Strides: []int{math.MinInt32, 1, math.MaxInt64}, LoD: [][]int{{0, 2, 5}, {}}, Place: "gpu:3",
@@ -56,8 +57,8 @@ func TestMetaCodecRejects(t *testing.T) {
 		"too few fields": {0x93, 0x02, 0xa0, 0x00},
 		"truncated":      good[:len(good)-2],
 		"trailing":       append(append([]byte(nil), good...), 0x00),
-		"string as int":  append([]byte{0xdc, 0x00, 0x11, 0xa1, 'x'}, good[4:]...),
-		"old version":    append([]byte{0xdc, 0x00, 0x11, 0x01}, good[4:]...),
+		"string as int":  append([]byte{0xdc, 0x00, metaFields, 0xa1, 'x'}, good[4:]...),
+		"old version":    append([]byte{0xdc, 0x00, metaFields, 0x04}, good[4:]...),
 	} {
 		t.Run(name, func(t *testing.T) {
 			var m Meta
@@ -67,7 +68,7 @@ func TestMetaCodecRejects(t *testing.T) {
 }
 
 func BenchmarkMetaCodec(b *testing.B) {
-	m := validMeta()
+	m := validMeta(mmapalloc.ID{Dev: 64769, Ino: 1 << 20})
 	var buf []byte
 	b.ReportAllocs()
 	for b.Loop() {

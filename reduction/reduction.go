@@ -12,7 +12,7 @@ import (
 )
 
 // Version is the version of Meta this package writes and reads.
-const Version = 4
+const Version = 5
 
 // ErrDeviceTensor is returned for a tensor whose memory is not on the
 // CPU: device tensors cross processes through CUDA IPC, which this
@@ -28,6 +28,7 @@ type Meta struct {
 	Version  uint8
 	Strategy string // "file_descriptor", "file_system", or "" for an empty tensor
 	FD       int    // index in the message of the segment's descriptor (a pooled block's ticket); else -1
+	Dev, Ino uint64 // file_descriptor: the segment's identity (see Rebuild)
 	Name     string // file_system: the segment's name in the shared-memory directory
 	Size     int64  // the storage's bytes
 	Segment  int64  // pooled block: the segment's size
@@ -110,6 +111,7 @@ func reduce(t *tensor.Tensor) (Meta, int, lease, error) {
 			storages.put(namedBlockKey(m.Name, m.Block, m.Gen), s)
 		} else {
 			m.Strategy = string(strategy.FileDescriptor)
+			m.Dev, m.Ino = seg.ID().Dev, seg.ID().Ino
 			storages.put(blockKey(seg.ID(), m.Block, m.Gen), s)
 		}
 		return m, tk.FD(), tk, nil
@@ -130,6 +132,7 @@ func reduce(t *tensor.Tensor) (Meta, int, lease, error) {
 		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
 	}
 	m.Strategy = string(strategy.FileDescriptor)
+	m.Dev, m.Ino = a.ID().Dev, a.ID().Ino
 	storages.put(idKey(a.ID()), s)
 	return m, fd, lentFD{a}, nil
 }
@@ -159,6 +162,14 @@ func viewMeta(t *tensor.Tensor) Meta {
 // it. It checks the metadata against the segment before mapping anything,
 // and a segment this process maps already (received before, or its own)
 // yields a tensor on the same Storage.
+//
+// A file_descriptor segment is named twice: by its descriptor, and by its
+// identity (Dev, Ino) in m. Memory this process holds a live Storage of
+// under that identity is found by it, without a look at the descriptor:
+// while the Storage lives its mapping keeps the file, so no other file can
+// have the identity, and a message can name that way only memory this
+// process holds already. Anything else is mapped from the descriptor,
+// whose identity must then be the one m names.
 //
 // The descriptors stay the caller's: Rebuild duplicates the one it keeps.
 func Rebuild(m Meta, fds []int) (*tensor.Tensor, error) {
@@ -241,6 +252,9 @@ func rebuildTensor(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tenso
 		return nil, err
 	}
 
+	if (m.Dev != 0 || m.Ino != 0) && m.Strategy != string(strategy.FileDescriptor) {
+		return nil, fmt.Errorf("metadata of strategy %q carries a file_descriptor segment's identity", m.Strategy)
+	}
 	var s *tensor.Storage
 	switch strategy.Strategy(m.Strategy) {
 	case "":
@@ -264,6 +278,9 @@ func rebuildTensor(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tenso
 	case strategy.FileDescriptor:
 		if m.Name != "" {
 			return nil, errors.New("file_descriptor metadata carries a name")
+		}
+		if m.Ino == 0 {
+			return nil, errors.New("file_descriptor metadata names no segment")
 		}
 		if m.Block >= 0 {
 			s, err = openBlock(m, fds, made)
@@ -303,17 +320,22 @@ func productNonZero(shape []int) bool {
 	return true
 }
 
+// openFD maps the segment m describes, or finds the storage this process
+// has for it already.
 func openFD(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
-	st, err := fds.stat(m.FD)
+	if _, err := fds.fd(m.FD); err != nil { // referenced even when the storage is cached
+		return nil, err
+	}
+	key := idKey(m.segmentID())
+	if s := storages.get(key, m.Size); s != nil {
+		return s, nil
+	}
+	st, err := checkedStat(m, fds)
 	if err != nil {
 		return nil, err
 	}
 	if st.Size < m.Size {
 		return nil, fmt.Errorf("segment holds %d bytes, fewer than the %d claimed", st.Size, m.Size)
-	}
-	key := idKey(st.ID)
-	if s := storages.get(key, m.Size); s != nil {
-		return s, nil
 	}
 	own, err := fds.take(m.FD)
 	if err != nil {
@@ -331,14 +353,33 @@ func openFD(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, err
 // block's ticket: it holds the block until this process holds it too, and
 // the decoder closes it afterwards.
 func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
-	st, err := fds.stat(m.FD)
-	if err != nil {
+	if _, err := fds.fd(m.FD); err != nil { // referenced even when the storage is cached
 		return nil, err
 	}
-	return adoptBlock(blockKey(st.ID, m.Block, m.Gen), m, made, func() (*mmapalloc.Block, error) {
+	return adoptBlock(blockKey(m.segmentID(), m.Block, m.Gen), m, made, func() (*mmapalloc.Block, error) {
+		st, err := checkedStat(m, fds)
+		if err != nil {
+			return nil, err
+		}
 		fd, covered := fds.ticket(m.FD, st.ID)
 		return mmapalloc.AttachBlock(fd, st, covered, m.Segment, m.Block, m.Size, m.Gen)
 	})
+}
+
+// segmentID is the identity of the file_descriptor segment m names.
+func (m *Meta) segmentID() mmapalloc.ID { return mmapalloc.ID{Dev: m.Dev, Ino: m.Ino} }
+
+// checkedStat returns the status of the message's descriptor for m,
+// which must be of the segment m names.
+func checkedStat(m Meta, fds fdSource) (mmapalloc.FileStat, error) {
+	st, err := fds.stat(m.FD)
+	if err != nil {
+		return st, err
+	}
+	if st.ID != m.segmentID() {
+		return st, fmt.Errorf("descriptor %d is of segment %v, not of %v that the metadata names", m.FD, st.ID, m.segmentID())
+	}
+	return st, nil
 }
 
 // openNamedBlock is openBlock for a block of a named segment of this

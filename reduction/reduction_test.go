@@ -184,7 +184,7 @@ func receivedSegment(t *testing.T, n int) (*mmapalloc.Allocation, reduction.Meta
 	require.NoError(t, err)
 	t.Cleanup(func() { a.Close() })
 	return a, reduction.Meta{
-		Version: reduction.Version, Strategy: "file_descriptor", FD: 0, Size: int64(n) * 4, Block: -1,
+		Version: reduction.Version, Strategy: "file_descriptor", FD: 0, Dev: a.ID().Dev, Ino: a.ID().Ino, Size: int64(n) * 4, Block: -1,
 		DType: tensor.Float32, Shape: []int{n}, Strides: []int{1}, Place: "cpu",
 	}
 }
@@ -216,6 +216,43 @@ func TestSameSegmentMapsOnce(t *testing.T) {
 	require.NoError(t, err, "a released storage is not served from the cache")
 	assert.NotSame(t, first.Storage(), third.Storage())
 	require.NoError(t, third.Release())
+}
+
+// A segment this process holds a live storage of is found by the identity
+// the metadata names, without a look at the descriptor: a pipe in its
+// place is closed, not inspected. Memory it holds no storage of is mapped
+// from the descriptor, which must then be that segment.
+func TestHeldSegmentIsFoundByItsIdentity(t *testing.T) {
+	leakcheck.Check(t)
+	var p [2]int
+	require.NoError(t, unix.Pipe2(p[:], unix.O_CLOEXEC))
+	defer closeAll(p[:])
+
+	a, m := receivedSegment(t, 1024)
+	first, err := reduction.Rebuild(m, []int{a.FD()})
+	require.NoError(t, err)
+	again, err := reduction.Rebuild(m, []int{p[0]})
+	require.NoError(t, err)
+	assert.Same(t, first.Storage(), again.Storage())
+	require.NoError(t, first.Release())
+	_, err = reduction.Rebuild(m, []int{p[0]})
+	assert.ErrorContains(t, err, "not a regular file", "a released storage is not found by its identity")
+
+	// A pooled block, and the whole decoder: the message's descriptor is
+	// closed either way.
+	x, err := tensor.On(device.CPU()).Shared().Zeros(tensor.Float32, 64)
+	require.NoError(t, err)
+	defer x.Release()
+	data, fds, err := reduction.Marshal(x)
+	require.NoError(t, err)
+	closeAll(fds)
+	held, err := unix.Dup(p[0])
+	require.NoError(t, err)
+	var y *tensor.Tensor
+	require.NoError(t, reduction.Unmarshal(data, []int{held}, &y))
+	assert.Same(t, x.Storage(), y.Storage())
+	_, err = unix.FcntlInt(uintptr(held), unix.F_GETFD, 0)
+	assert.ErrorIs(t, err, unix.EBADF, "the descriptor is closed")
 }
 
 func TestConcurrentRebuildSharesOneStorage(t *testing.T) {
