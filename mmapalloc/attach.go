@@ -14,7 +14,7 @@ import (
 // attached is the process's table of segments it received blocks of.
 // Receivers map each segment once and share the mapping among the blocks
 // they attach.
-var attached = &segmentTable{m: map[ID]*segment{}}
+var attached = &segmentTable{m: map[ID]*segment{}, names: map[string]ID{}}
 
 // A receiver keeps up to idleMax segments that no block of its uses any
 // more mapped, idleBytes at most, because their producer keeps recycling
@@ -28,7 +28,8 @@ const (
 type segmentTable struct {
 	mu        sync.Mutex
 	m         map[ID]*segment
-	idle      []*segment // mapped, unused, oldest first
+	names     map[string]ID // the named segments in m, by name
+	idle      []*segment    // mapped, unused, oldest first
 	idleBytes int64
 }
 
@@ -51,7 +52,7 @@ func AttachBlock(ticket int, st FileStat, covered bool, segSize, off, size int64
 	if st.Size < segSize {
 		return nil, fmt.Errorf("mmapalloc: segment holds %d bytes, fewer than the %d claimed", st.Size, segSize)
 	}
-	return attached.attach(st.ID, covered, segSize, off, size, gen, func() (*Allocation, error) {
+	return attached.attach(st.ID, "", covered, segSize, off, size, gen, func() (*Allocation, error) {
 		fd, err := reopen(ticket)
 		if err != nil {
 			return nil, err
@@ -59,6 +60,45 @@ func AttachBlock(ticket int, st FileStat, covered bool, segSize, off, size int64
 		return OpenFD(fd, segSize, KeepFD) // checks the seals
 	})
 }
+
+// AttachMappedBlock is AttachBlock for a block of segment id that this
+// process maps already, found by its identity alone: no look at ticket.
+// It returns ErrNotMapped, having done nothing, if the process maps no
+// such segment of segSize bytes or more; then the caller stats ticket and
+// calls AttachBlock.
+//
+// With covered, the caller vouches that ticket is a descriptor of segment
+// id, as a message's ticket is: a ticket of another file would hold
+// nothing, and the block could be recycled under this process until its
+// hold moves to this process's own description. Only a peer that could
+// write the segment anyway can send such a ticket. Without covered, the
+// slot is locked at once, as by AttachBlock.
+func AttachMappedBlock(id ID, covered bool, segSize, off, size int64, gen uint64) (*Block, error) {
+	return attached.attach(id, "", covered, segSize, off, size, gen, nil)
+}
+
+// MappedName returns the identity of the named segment called name that
+// this process maps already, for AttachMappedNamedBlock, and false if it
+// maps none.
+func MappedName(name string) (ID, bool) {
+	attached.mu.Lock()
+	defer attached.mu.Unlock()
+	id, ok := attached.names[name]
+	return id, ok
+}
+
+// AttachMappedNamedBlock is AttachMappedBlock for a block of the named
+// segment called name, whose identity MappedName gave: it returns
+// ErrNotMapped if the process no longer maps it under that identity.
+func AttachMappedNamedBlock(name string, id ID, covered bool, segSize, off, size int64, gen uint64) (*Block, error) {
+	if name == "" {
+		return nil, ErrNotMapped
+	}
+	return attached.attach(id, name, covered, segSize, off, size, gen, nil)
+}
+
+// ErrNotMapped: AttachMappedBlock found no mapping of the segment.
+var ErrNotMapped = errors.New("segment is not mapped by this process")
 
 // AttachNamedBlock is AttachBlock for a block of a named (file_system)
 // segment in Dir, which this process opens by name; ticket is the
@@ -69,7 +109,7 @@ func AttachNamedBlock(name string, ticket int, st FileStat, covered bool, segSiz
 		return nil, &Error{Op: "open", Path: fmt.Sprintf("%q", name), Err: ErrBadName}
 	}
 	id := st.ID
-	return attached.attach(id, covered, segSize, off, size, gen, func() (*Allocation, error) {
+	return attached.attach(id, "", covered, segSize, off, size, gen, func() (*Allocation, error) {
 		a, err := OpenName(name, segSize, KeepFD)
 		if err != nil {
 			return nil, err
@@ -109,11 +149,16 @@ func AdoptTicket(ticket int, id ID) {
 var ErrUnsealed = errors.New("segment is not sealed")
 
 // attach finds or maps the segment id and holds the block at off in it.
-func (t *segmentTable) attach(id ID, covered bool, segSize, off, size int64, gen uint64, open func() (*Allocation, error)) (*Block, error) {
+// Without open, a segment not mapped yet, or one not called name if name
+// is not empty, is ErrNotMapped.
+func (t *segmentTable) attach(id ID, name string, covered bool, segSize, off, size int64, gen uint64, open func() (*Allocation, error)) (*Block, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	seg, ok := t.m[id]
-	if !ok || seg.alloc.Size() < segSize {
+	if !ok || seg.alloc.Size() < segSize || name != "" && seg.alloc.Name() != name {
+		if open == nil {
+			return nil, ErrNotMapped
+		}
 		a, err := open()
 		if outOfFDs(err) {
 			// Idle mappings keep a descriptor each: give them up first.
@@ -136,6 +181,9 @@ func (t *segmentTable) attach(id ID, covered bool, segSize, off, size int64, gen
 			}
 		}
 		t.m[id] = seg
+		if seg.named {
+			t.names[seg.alloc.Name()] = id
+		}
 		liveSegments.add(seg)
 	} else if seg.users == 0 {
 		t.unidleLocked(seg)
@@ -400,6 +448,9 @@ func (t *segmentTable) dropIfAbandoned(seg *segment) {
 func (t *segmentTable) forgetLocked(seg *segment) {
 	if t.m[seg.alloc.ID()] == seg {
 		delete(t.m, seg.alloc.ID())
+		if seg.named {
+			delete(t.names, seg.alloc.Name())
+		}
 	}
 	t.unidleLocked(seg)
 }

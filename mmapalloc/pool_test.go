@@ -265,6 +265,47 @@ func TestAttachBlock(t *testing.T) {
 	require.NoError(t, b.Release())
 }
 
+// A block of a segment the process maps already is found by the
+// segment's identity: no descriptor, no new mapping. Its slot is held all
+// the same, and its generation checked.
+func TestAttachMappedBlock(t *testing.T) {
+	p := testPool(t)
+	a, err := p.Alloc(4 << 10)
+	require.NoError(t, err)
+	b, err := p.Alloc(4 << 10)
+	require.NoError(t, err)
+	seg := a.Segment()
+	require.Equal(t, seg.ID(), b.Segment().ID(), "one segment")
+
+	_, err = mmapalloc.AttachMappedBlock(seg.ID(), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	require.ErrorIs(t, err, mmapalloc.ErrNotMapped, "its producer's pool is not a mapping received")
+
+	ma := send(t, a)
+	ra, err := mmapalloc.AttachBlock(ma, statOf(t, ma), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	require.NoError(t, err)
+	before, err := leakcheck.Mappings()
+	require.NoError(t, err)
+	rb, err := mmapalloc.AttachMappedBlock(seg.ID(), false, seg.Size(), b.Offset(), 4<<10, b.Gen())
+	require.NoError(t, err)
+	after, err := leakcheck.Mappings()
+	require.NoError(t, err)
+	assert.Equal(t, before, after, "no new mapping")
+	rb.Bytes()[0] = 'B'
+	assert.Equal(t, byte('B'), b.Bytes()[0])
+
+	_, err = mmapalloc.AttachMappedBlock(seg.ID(), false, seg.Size()*2, b.Offset(), 4<<10, b.Gen())
+	assert.ErrorIs(t, err, mmapalloc.ErrNotMapped, "a mapping too small for the segment claimed")
+	_, err = mmapalloc.AttachMappedBlock(seg.ID(), false, seg.Size(), b.Offset(), 4<<10, b.Gen()+1)
+	assert.ErrorIs(t, err, mmapalloc.ErrStaleBlock)
+
+	require.NoError(t, unix.Close(ma)) // no message holds anything now
+	assert.True(t, b.Busy(), "the receiver holds the block it found by identity")
+	require.NoError(t, rb.Release())
+	require.NoError(t, ra.Release())
+	require.NoError(t, a.Release())
+	require.NoError(t, b.Release())
+}
+
 // A native library in a worker writes past the end of its tensor: the
 // next tensor's bytes may suffer, its ownership may not.
 func TestOverrunCannotChangeOwnership(t *testing.T) {
@@ -446,12 +487,33 @@ func TestNamedPool(t *testing.T) {
 	defer other.Close()
 	_, err = mmapalloc.AttachNamedBlock(seg.Name(), other.FD(), statOf(t, other.FD()), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
 	assert.ErrorContains(t, err, "not the file", "the message's descriptor must be of the named segment")
+
+	// Another block of the segment is found by its name, with no
+	// descriptor and no new mapping.
+	b, err := p.Alloc(4 << 10)
+	require.NoError(t, err)
+	require.Equal(t, seg.ID(), b.Segment().ID(), "one segment")
+	id, ok := mmapalloc.MappedName(seg.Name())
+	require.True(t, ok, "the receiver maps the segment")
+	assert.Equal(t, seg.ID(), id)
+	_, ok = mmapalloc.MappedName(seg.Name() + "0")
+	assert.False(t, ok)
+	rb, err := mmapalloc.AttachMappedNamedBlock(seg.Name(), id, false, seg.Size(), b.Offset(), 4<<10, b.Gen())
+	require.NoError(t, err)
+	assert.Same(t, r.Segment(), rb.Segment(), "one mapping")
+	_, err = mmapalloc.AttachMappedNamedBlock(seg.Name()+"0", id, false, seg.Size(), b.Offset(), 4<<10, b.Gen())
+	assert.ErrorIs(t, err, mmapalloc.ErrNotMapped, "the identity is mapped under another name")
+	require.NoError(t, rb.Release())
+	require.NoError(t, b.Release())
+
 	require.NoError(t, unix.Close(msg)) // the receiver holds it now
 	require.NoError(t, r.Release())
 	require.NoError(t, a.Release())
 
 	mmapalloc.Trim()
 	assert.False(t, inDir(seg.Name()), "trimming a named segment removes its name")
+	_, ok = mmapalloc.MappedName(seg.Name())
+	assert.False(t, ok, "and its mapping")
 }
 
 // statOf is mmapalloc.StatFile for a descriptor the test knows is good.

@@ -164,12 +164,12 @@ func viewMeta(t *tensor.Tensor) Meta {
 // yields a tensor on the same Storage.
 //
 // A file_descriptor segment is named twice: by its descriptor, and by its
-// identity (Dev, Ino) in m. Memory this process holds a live Storage of
-// under that identity is found by it, without a look at the descriptor:
-// while the Storage lives its mapping keeps the file, so no other file can
-// have the identity, and a message can name that way only memory this
-// process holds already. Anything else is mapped from the descriptor,
-// whose identity must then be the one m names.
+// identity (Dev, Ino) in m. A segment this process maps already, as a
+// Storage or as received blocks, is found by its identity, without a look
+// at the descriptor: while the mapping lives it keeps the file, so no
+// other file can have the identity, and a message can name that way only
+// memory this process maps already. Anything else is mapped from the
+// descriptor, whose identity must then be the one m names.
 //
 // The descriptors stay the caller's: Rebuild duplicates the one it keeps.
 func Rebuild(m Meta, fds []int) (*tensor.Tensor, error) {
@@ -351,17 +351,25 @@ func openFD(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, err
 // openBlock attaches the pooled block m describes, or finds the storage
 // this process has for it already. The message's descriptor is the
 // block's ticket: it holds the block until this process holds it too, and
-// the decoder closes it afterwards.
+// the decoder closes it afterwards. A block of a segment this process maps
+// already is attached by the segment's identity, with the ticket taken
+// for what m says it is (see mmapalloc.AttachMappedBlock); only a segment
+// not mapped yet costs an fstat.
 func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
 	if _, err := fds.fd(m.FD); err != nil { // referenced even when the storage is cached
 		return nil, err
 	}
-	return adoptBlock(blockKey(m.segmentID(), m.Block, m.Gen), m, made, func() (*mmapalloc.Block, error) {
+	id := m.segmentID()
+	return adoptBlock(blockKey(id, m.Block, m.Gen), m, made, func() (*mmapalloc.Block, error) {
+		fd, covered := fds.ticket(m.FD, id)
+		b, err := mmapalloc.AttachMappedBlock(id, covered, m.Segment, m.Block, m.Size, m.Gen)
+		if !errors.Is(err, mmapalloc.ErrNotMapped) {
+			return b, err
+		}
 		st, err := checkedStat(m, fds)
 		if err != nil {
 			return nil, err
 		}
-		fd, covered := fds.ticket(m.FD, st.ID)
 		return mmapalloc.AttachBlock(fd, st, covered, m.Segment, m.Block, m.Size, m.Gen)
 	})
 }
@@ -392,6 +400,13 @@ func openNamedBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Stor
 		return nil, err
 	}
 	return adoptBlock(namedBlockKey(m.Name, m.Block, m.Gen), m, made, func() (*mmapalloc.Block, error) {
+		if id, ok := mmapalloc.MappedName(m.Name); ok {
+			_, covered := fds.ticket(m.FD, id)
+			b, err := mmapalloc.AttachMappedNamedBlock(m.Name, id, covered, m.Segment, m.Block, m.Size, m.Gen)
+			if !errors.Is(err, mmapalloc.ErrNotMapped) {
+				return b, err
+			}
+		}
 		st, err := fds.stat(m.FD)
 		if err != nil {
 			return nil, err

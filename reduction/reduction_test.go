@@ -255,6 +255,38 @@ func TestHeldSegmentIsFoundByItsIdentity(t *testing.T) {
 	assert.ErrorIs(t, err, unix.EBADF, "the descriptor is closed")
 }
 
+// A new block of a segment this process maps already is attached by the
+// segment's identity: its descriptor, the block's ticket, is taken for
+// what the metadata says it is, not inspected. (Blocks of named segments,
+// found by name, are mmapalloc's TestNamedPool.)
+func TestMappedSegmentNeedsNoStat(t *testing.T) {
+	leakcheck.Check(t)
+	born := tensor.On(device.CPU()).Shared()
+	x, err := born.Zeros(tensor.Float32, 64)
+	require.NoError(t, err)
+	y, err := born.Zeros(tensor.Float32, 64)
+	require.NoError(t, err)
+	require.Equal(t, x.Storage().Block().Segment().ID(), y.Storage().Block().Segment().ID(), "one segment")
+	// Sent and let go of by their producer: only the messages hold them.
+	xdata, xfds, err := reduction.Marshal(x)
+	require.NoError(t, err)
+	ydata, yfds, err := reduction.Marshal(y)
+	require.NoError(t, err)
+	defer closeAll(yfds)
+	require.NoError(t, x.Release())
+	require.NoError(t, y.Release())
+
+	var rx, ry *tensor.Tensor
+	require.NoError(t, reduction.Unmarshal(xdata, xfds, &rx), "the first block maps the segment")
+	defer rx.Release()
+	var p [2]int
+	require.NoError(t, unix.Pipe2(p[:], unix.O_CLOEXEC))
+	defer unix.Close(p[1])
+	require.NoError(t, reduction.Unmarshal(ydata, []int{p[0]}, &ry), "the second is found by the segment's identity")
+	defer ry.Release()
+	assert.Equal(t, rx.Storage().Block().Segment(), ry.Storage().Block().Segment(), "one mapping")
+}
+
 func TestConcurrentRebuildSharesOneStorage(t *testing.T) {
 	leakcheck.Check(t)
 	a, m := receivedSegment(t, 4096)
