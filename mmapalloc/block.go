@@ -119,7 +119,8 @@ type segment struct {
 	dataOff int64
 	named   bool // file_system: receivers open it by name
 
-	tickets tickets
+	tickets   tickets
+	slotUsers slotUsers // who uses each slot in this process (see Block.SetUser)
 
 	// producer side, guarded by pool.mu
 	pool     *Pool
@@ -255,6 +256,7 @@ func (b *Block) Release() error {
 	if !b.released.CompareAndSwap(false, true) {
 		return nil
 	}
+	b.forgetUser()
 	if b.pool != nil {
 		b.pool.put(b)
 		return nil

@@ -225,6 +225,7 @@ func (p *Pool) growLocked(c *sizeClass) error {
 	p.segs[seg] = struct{}{}
 	c.segs = append(c.segs, seg)
 	liveSegments.add(seg)
+	produced.add(seg)
 	p.cached += seg.alloc.Size()
 	for slot := nslots - 1; slot >= 0; slot-- { // handed out from slot 0 up: pages are reserved in order
 		c.free = append(c.free, &Block{seg: seg, slot: int(slot), gen: 1, pool: p})
@@ -340,6 +341,7 @@ func (p *Pool) trimLocked(keep int64) {
 // nobody opens it any more, then its mapping and descriptors.
 func (seg *segment) close() {
 	liveSegments.remove(seg)
+	produced.remove(seg)
 	seg.tickets.rotate()
 	_ = seg.alloc.Remove()
 	_ = seg.alloc.Close()

@@ -523,3 +523,41 @@ func statOf(t *testing.T, fd int) mmapalloc.FileStat {
 	require.NoError(t, err)
 	return st
 }
+
+// A Block's registered user is found from the segment's identity (or
+// name), offset and generation, by the producer and by a receiver; a live
+// user is kept over a newcomer, a dead one replaced, and Release ends the
+// registration.
+func TestSlotUsers(t *testing.T) {
+	p := testPool(t)
+	a, err := p.Alloc(4 << 10)
+	require.NoError(t, err)
+	seg := a.Segment()
+	dead := map[any]bool{}
+	alive := func(u any) bool { return !dead[u] }
+	assert.Nil(t, mmapalloc.FindUser(seg.ID(), a.Offset(), a.Gen()))
+
+	assert.Equal(t, "producer's", a.SetUser("producer's", alive))
+	assert.Equal(t, "producer's", mmapalloc.FindUser(seg.ID(), a.Offset(), a.Gen()))
+	assert.Nil(t, mmapalloc.FindUser(seg.ID(), a.Offset(), a.Gen()+1), "another generation")
+	assert.Nil(t, mmapalloc.FindUser(seg.ID(), a.Offset()+1, a.Gen()), "not a slot")
+	assert.Nil(t, mmapalloc.FindUser(mmapalloc.ID{Ino: 1}, a.Offset(), a.Gen()), "another segment")
+
+	msg := send(t, a)
+	r, err := mmapalloc.AttachBlock(msg, statOf(t, msg), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	require.NoError(t, err)
+	require.NoError(t, unix.Close(msg))
+	assert.Equal(t, "first", r.SetUser("first", alive))
+	r2, err := mmapalloc.AttachMappedBlock(seg.ID(), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	require.NoError(t, err)
+	assert.Equal(t, "first", r2.SetUser("second", alive), "the live user stays")
+	assert.Equal(t, "first", mmapalloc.FindUser(seg.ID(), a.Offset(), a.Gen()), "the receiver's mapping is asked first")
+	dead["first"] = true
+	assert.Equal(t, "second", r2.SetUser("second", alive), "a dead user is replaced")
+	require.NoError(t, r.Release())
+	assert.Equal(t, "second", mmapalloc.FindUser(seg.ID(), a.Offset(), a.Gen()), "another Block's release leaves it")
+	require.NoError(t, r2.Release())
+	assert.Equal(t, "producer's", mmapalloc.FindUser(seg.ID(), a.Offset(), a.Gen()), "then the producer's is found")
+	require.NoError(t, a.Release())
+	assert.Nil(t, mmapalloc.FindUser(seg.ID(), a.Offset(), a.Gen()))
+}

@@ -12,24 +12,18 @@ import (
 // dead ones to drop.
 const sweepMin = 1 << 10
 
-// cacheKey names a storage's memory: a pooled block by its segment's
-// device and inode, offset and generation; a whole file_descriptor
-// segment by device and inode; a file_system segment by name.
+// cacheKey names a storage's memory: a whole file_descriptor segment by
+// device and inode, a file_system segment by name, a GPU allocation by
+// its handle and offset. (A pooled block's storage is found through its
+// slot instead: see registerBlock.)
 type cacheKey struct {
 	id   mmapalloc.ID
 	name string
-	off  int64  // a pooled block's offset in its segment, else -1
-	gen  uint64 // a pooled block's generation
+	off  int64 // a GPU storage's offset in its allocation, else -1
 }
 
 func idKey(id mmapalloc.ID) cacheKey { return cacheKey{id: id, off: -1} }
 func nameKey(name string) cacheKey   { return cacheKey{name: name, off: -1} }
-func blockKey(id mmapalloc.ID, off int64, gen uint64) cacheKey {
-	return cacheKey{id: id, off: off, gen: gen}
-}
-func namedBlockKey(name string, off int64, gen uint64) cacheKey {
-	return cacheKey{name: name, off: off, gen: gen}
-}
 
 // storageCache maps segments to the Storage this process has for them, so
 // that one segment received twice is mapped once. It holds its storages
@@ -113,4 +107,40 @@ func (c *storageCache) len() int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return len(c.m)
+}
+
+// Pooled blocks are not in the cache: each Storage on a block is
+// registered as the user of the block's slot (see
+// mmapalloc.Block.SetUser), weakly, where finding it again costs no
+// hashing.
+
+// registerBlock registers s as the storage of its block in this process,
+// unless a live storage is registered already: then it returns that one.
+func registerBlock(s *tensor.Storage) *tensor.Storage {
+	b, w := s.Block(), s.Weak()
+	alive := func(u any) bool { return liveUser(u, s.Size()) != nil }
+	for {
+		u := b.SetUser(w, alive)
+		if u == any(w) {
+			return s
+		}
+		if won := liveUser(u, s.Size()); won != nil {
+			return won
+		}
+		// The registered storage was released since: take its place.
+	}
+}
+
+// liveUser returns the storage u, a block's registered user, stands for,
+// if it is live, on a block, and of size bytes; else nil.
+func liveUser(u any, size int64) *tensor.Storage {
+	w, ok := u.(weak.Pointer[tensor.Storage])
+	if !ok {
+		return nil
+	}
+	s := w.Value()
+	if s == nil || s.Released() || s.Block() == nil || s.Size() != size {
+		return nil
+	}
+	return s
 }

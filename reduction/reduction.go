@@ -108,12 +108,11 @@ func reduce(t *tensor.Tensor) (Meta, int, lease, error) {
 		m.Size, m.Segment, m.Block, m.Gen = b.Size(), seg.Size(), b.Offset(), b.Gen()
 		if b.Named() {
 			m.Strategy, m.Name = string(strategy.FileSystem), seg.Name()
-			storages.put(namedBlockKey(m.Name, m.Block, m.Gen), s)
 		} else {
 			m.Strategy = string(strategy.FileDescriptor)
 			m.Dev, m.Ino = seg.ID().Dev, seg.ID().Ino
-			storages.put(blockKey(seg.ID(), m.Block, m.Gen), s)
 		}
+		registerBlock(s)
 		return m, tk.FD(), tk, nil
 	}
 	a := s.Allocation()
@@ -360,7 +359,7 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 		return nil, err
 	}
 	id := m.segmentID()
-	return adoptBlock(blockKey(id, m.Block, m.Gen), m, made, func() (*mmapalloc.Block, error) {
+	return adoptBlock(mmapalloc.FindUser(id, m.Block, m.Gen), m, made, func() (*mmapalloc.Block, error) {
 		fd, covered := fds.ticket(m.FD, id)
 		b, err := mmapalloc.AttachMappedBlock(id, covered, m.Segment, m.Block, m.Size, m.Gen)
 		if !errors.Is(err, mmapalloc.ErrNotMapped) {
@@ -399,7 +398,7 @@ func openNamedBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Stor
 	if _, err := fds.fd(m.FD); err != nil { // referenced even when the storage is cached
 		return nil, err
 	}
-	return adoptBlock(namedBlockKey(m.Name, m.Block, m.Gen), m, made, func() (*mmapalloc.Block, error) {
+	return adoptBlock(mmapalloc.FindNamedUser(m.Name, m.Block, m.Gen), m, made, func() (*mmapalloc.Block, error) {
 		if id, ok := mmapalloc.MappedName(m.Name); ok {
 			_, covered := fds.ticket(m.FD, id)
 			b, err := mmapalloc.AttachMappedNamedBlock(m.Name, id, covered, m.Segment, m.Block, m.Size, m.Gen)
@@ -429,17 +428,25 @@ func checkName(name string) error {
 	return nil
 }
 
-// adoptBlock returns the storage this process has for the block under
-// key, or attaches the block, which then holds it for its storage.
-func adoptBlock(key cacheKey, m Meta, made *[]*tensor.Storage, attach func() (*mmapalloc.Block, error)) (*tensor.Storage, error) {
-	if s := storages.get(key, m.Size); s != nil && s.Block() != nil {
+// adoptBlock returns the storage this process has for the block whose
+// registered user (see mmapalloc.FindUser) is found, or attaches the
+// block, which then holds it for a new storage.
+func adoptBlock(found any, m Meta, made *[]*tensor.Storage, attach func() (*mmapalloc.Block, error)) (*tensor.Storage, error) {
+	if s := liveUser(found, m.Size); s != nil {
 		return s, nil
 	}
 	b, err := attach()
 	if err != nil {
 		return nil, err
 	}
-	return keep(key, tensor.NewBlockStorage(b), made)
+	s := tensor.NewBlockStorage(b)
+	if won := registerBlock(s); won != s {
+		return won, s.Release() // another goroutine's, made meanwhile
+	}
+	if made != nil {
+		*made = append(*made, s)
+	}
+	return s, nil
 }
 
 func openName(m Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {

@@ -287,6 +287,38 @@ func TestMappedSegmentNeedsNoStat(t *testing.T) {
 	assert.Equal(t, rx.Storage().Block().Segment(), ry.Storage().Block().Segment(), "one mapping")
 }
 
+// Goroutines decoding the same pooled block at once all get one storage:
+// the first registered wins, and the others give back what they attached.
+func TestConcurrentReceiptsOfABlockShareOneStorage(t *testing.T) {
+	leakcheck.Check(t)
+	x, err := tensor.On(device.CPU()).Shared().Zeros(tensor.Float32, 64)
+	require.NoError(t, err)
+	data, fds, err := reduction.Marshal(x)
+	require.NoError(t, err)
+	defer closeAll(fds)
+	require.NoError(t, x.Release()) // the message holds it; receivers attach it
+	const n = 16
+	got := make([]*tensor.Tensor, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			fd, err := unix.Dup(fds[0])
+			if !assert.NoError(t, err) {
+				return
+			}
+			assert.NoError(t, reduction.Unmarshal(data, []int{fd}, &got[i]))
+		}()
+	}
+	wg.Wait()
+	for _, y := range got {
+		require.NotNil(t, y)
+		assert.Same(t, got[0].Storage(), y.Storage())
+	}
+	require.NoError(t, got[0].Release())
+}
+
 func TestConcurrentRebuildSharesOneStorage(t *testing.T) {
 	leakcheck.Check(t)
 	a, m := receivedSegment(t, 4096)

@@ -1,0 +1,154 @@
+package mmapalloc
+
+import "sync"
+
+// A process finds what it has already of a block a message names through
+// its slots' users: the package above registers what it keeps on each
+// Block it uses (package tensor's Storage, held weakly), and a receiver
+// sent the same block again, or a producer sent its own block back, gets
+// that user instead of making a second one. A registration costs a store
+// in the segment's table; it ends when its Block is released.
+
+// slotUser is a slot's registered user, with the Block that registered it
+// and the block's generation.
+type slotUser struct {
+	b   *Block
+	gen uint64
+	u   any
+}
+
+// slotUsers is a segment's table of users, one entry per slot, made at
+// the first registration.
+type slotUsers struct {
+	mu    sync.Mutex
+	slots []slotUser
+}
+
+// SetUser registers u as the user of b's slot in this process, unless the
+// user registered already, through b or another Block of the slot's
+// generation, is one that alive accepts: then it returns that one and
+// registers nothing. Otherwise it returns u. alive is called with no lock
+// of this package's held but the table's, and must not call back into it.
+// The registration ends when b is released.
+func (b *Block) SetUser(u any, alive func(any) bool) any {
+	t := &b.seg.slotUsers
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.slots == nil {
+		t.slots = make([]slotUser, b.seg.nslots)
+	}
+	cur := &t.slots[b.slot]
+	if cur.b != nil && cur.gen == b.gen && alive(cur.u) {
+		return cur.u
+	}
+	*cur = slotUser{b: b, gen: b.gen, u: u}
+	return u
+}
+
+// forgetUser ends b's registration, if it has one, before its slot goes.
+func (b *Block) forgetUser() {
+	t := &b.seg.slotUsers
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.slots != nil && t.slots[b.slot].b == b {
+		t.slots[b.slot] = slotUser{}
+	}
+}
+
+// user returns the user registered for the block at data offset off with
+// generation gen, or nil.
+func (seg *segment) user(off int64, gen uint64) any {
+	rel := off - seg.dataOff
+	if rel < 0 || rel%seg.cap != 0 || rel/seg.cap >= int64(seg.nslots) {
+		return nil
+	}
+	t := &seg.slotUsers
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.slots == nil {
+		return nil
+	}
+	if cur := t.slots[rel/seg.cap]; cur.b != nil && cur.gen == gen {
+		return cur.u
+	}
+	return nil
+}
+
+// FindUser returns the user registered (see Block.SetUser) for the block
+// at data offset off with generation gen of segment id, which this process
+// holds as its producer or as a receiver, or nil.
+func FindUser(id ID, off int64, gen uint64) any {
+	attached.mu.Lock()
+	seg := attached.m[id]
+	attached.mu.Unlock()
+	if seg != nil {
+		if u := seg.user(off, gen); u != nil {
+			return u
+		}
+	}
+	if seg := produced.byID(id); seg != nil {
+		return seg.user(off, gen)
+	}
+	return nil
+}
+
+// FindNamedUser is FindUser for a block of the named segment called name.
+func FindNamedUser(name string, off int64, gen uint64) any {
+	attached.mu.Lock()
+	var seg *segment
+	if id, ok := attached.names[name]; ok {
+		seg = attached.m[id]
+	}
+	attached.mu.Unlock()
+	if seg != nil {
+		if u := seg.user(off, gen); u != nil {
+			return u
+		}
+	}
+	if seg := produced.byName(name); seg != nil {
+		return seg.user(off, gen)
+	}
+	return nil
+}
+
+// produced indexes the segments this process's pools made, by identity
+// and, for named ones, by name.
+var produced = &segmentIndex{ids: map[ID]*segment{}, names: map[string]*segment{}}
+
+type segmentIndex struct {
+	mu    sync.Mutex
+	ids   map[ID]*segment
+	names map[string]*segment
+}
+
+func (x *segmentIndex) add(seg *segment) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	x.ids[seg.alloc.ID()] = seg
+	if seg.named {
+		x.names[seg.alloc.Name()] = seg
+	}
+}
+
+func (x *segmentIndex) remove(seg *segment) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if x.ids[seg.alloc.ID()] == seg {
+		delete(x.ids, seg.alloc.ID())
+	}
+	if seg.named && x.names[seg.alloc.Name()] == seg {
+		delete(x.names, seg.alloc.Name())
+	}
+}
+
+func (x *segmentIndex) byID(id ID) *segment {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	return x.ids[id]
+}
+
+func (x *segmentIndex) byName(name string) *segment {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	return x.names[name]
+}
