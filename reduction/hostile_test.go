@@ -152,10 +152,10 @@ func TestHostileInput(t *testing.T) {
 		{"truncated", validMetaMsg(t, seg.ID())[:10], segFD, ""},
 		{"trailing bytes", append(validMetaMsg(t, seg.ID()), 0xc0), segFD, "bytes after the value"},
 		{"ext length past end", []byte{0xc7, 0xff, byte(tensorExt), 0x01}, segFD, "runs past the message"},
-		{"garbage payload", []byte{0xd4, byte(tensorExt), 0xc1}, segFD, "invalid code 0xc1"},
-		{"garbage storage payload", []byte{0xd4, byte(storageExt), 0xc1}, segFD, "invalid code 0xc1"},
+		{"garbage payload", []byte{0xd4, byte(tensorExt), 0xc1}, segFD, "code 0xc1 where an array belongs"},
+		{"storage for a tensor", []byte{0xd4, byte(storageExt), 0xc1}, segFD, "ext type"},
 		{"huge array header", []byte{0xdd, 0xdd, 0xdd, 0xdd, 0xdd, 0xc0}, segFD, "runs past the message"},
-		{"huge shape in metadata", hugeShapeMsg(t), segFD, "runs past the message"},
+		{"huge shape in metadata", hugeShapeMsg(t), segFD, "unexpected end of tensor metadata"},
 		{"deep nesting", append(bytes.Repeat([]byte{0x91}, 100000), 0xc0), segFD, "nested deeper"},
 		{"wrong ext type", []byte{0xd4, 0x01, 0x00}, segFD, "ext"},
 		{"empty message", nil, segFD, "unexpected end"},
@@ -192,9 +192,10 @@ func validMetaMsg(t testing.TB, id mmapalloc.ID) []byte { return extMessage(t, v
 // hugeShapeMsg is a tensor whose metadata claims a shape of 2^32-1
 // dimensions in a few bytes.
 func hugeShapeMsg(t testing.TB) []byte {
-	payload := []byte{0x9b, 0x01, 0xaf}
+	payload := []byte{0xdc, 0x00, metaFields, Version, 0xaf}
 	payload = append(payload, "file_descriptor"...)
-	payload = append(payload, 0x00, 0x01, 0x02, 0xa0, 0xcd, 0x10, 0x00, 0x00, 0x09, 0xdd, 0xff, 0xff, 0xff, 0xff)
+	// FD, Dev, Ino, Name, Size, Segment, Block, Gen, Offset, DType, Shape
+	payload = append(payload, 0x00, 0x01, 0x02, 0xa0, 0xcd, 0x10, 0x00, 0xff, 0xff, 0x00, 0x00, 0x09, 0xdd, 0xff, 0xff, 0xff, 0xff)
 	return append([]byte{0xc7, byte(len(payload)), byte(tensorExt)}, payload...)
 }
 

@@ -13,8 +13,10 @@ const maxDepth = 256
 // hostile header ("an array of four billion elements") cannot make the
 // decoder allocate gigabytes, that nesting stays under maxDepth, so that
 // decoding cannot exhaust the stack, and that the message is exactly one
-// value. Tensor metadata inside extensions (tensors' and storages') is
-// checked the same way.
+// value. An extension's payload is only checked to fit: msgpack's decoder
+// never reads inside one, and the tensor metadata that tensors' and
+// storages' carry is read by parseMeta, which checks every length and
+// depth itself.
 func checkWellFormed(b []byte) error { return CheckWellFormed(b) }
 
 // CheckWellFormed checks a msgpack message received from a peer before
@@ -45,7 +47,7 @@ func skipValue(b []byte, depth int) (int, error) {
 	case k == kindArray || k == kindMap:
 		return skipItems(b, head, items, depth)
 	case k == kindExt:
-		return ext(b, head, body-1, depth)
+		return ext(b, head, body-1)
 	}
 	return span(b, head, body)
 }
@@ -152,22 +154,8 @@ func span(b []byte, head, n int) (int, error) {
 	return head + n, nil
 }
 
-func ext(b []byte, head, n, depth int) (int, error) {
-	end, err := span(b, head+1, n) // +1 for the type byte
-	if err != nil {
-		return 0, err
-	}
-	if t := int8(b[head]); t == tensorExt || t == storageExt { // both carry a Meta
-		payload := b[head+1 : end]
-		used, err := skipValue(payload, depth+1)
-		if err != nil {
-			return 0, err
-		}
-		if used != len(payload) {
-			return 0, fmt.Errorf("tensor metadata has %d trailing bytes", len(payload)-used)
-		}
-	}
-	return end, nil
+func ext(b []byte, head, n int) (int, error) {
+	return span(b, head+1, n) // +1 for the type byte
 }
 
 // skipItems skips n values after a header of head bytes. Every value takes
