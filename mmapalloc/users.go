@@ -81,15 +81,7 @@ func FindUser(id ID, off int64, gen uint64) any {
 	attached.mu.Lock()
 	seg := attached.m[id]
 	attached.mu.Unlock()
-	if seg != nil {
-		if u := seg.user(off, gen); u != nil {
-			return u
-		}
-	}
-	if seg := produced.byID(id); seg != nil {
-		return seg.user(off, gen)
-	}
-	return nil
+	return userIn(seg, func() *segment { return produced.byID(id) }, off, gen)
 }
 
 // FindNamedUser is FindUser for a block of the named segment called name.
@@ -100,12 +92,19 @@ func FindNamedUser(name string, off int64, gen uint64) any {
 		seg = attached.m[id]
 	}
 	attached.mu.Unlock()
-	if seg != nil {
-		if u := seg.user(off, gen); u != nil {
+	return userIn(seg, func() *segment { return produced.byName(name) }, off, gen)
+}
+
+// userIn returns the user registered in received, this process's mapping
+// of a segment it received, if any, else in the segment own returns, its
+// pool's.
+func userIn(received *segment, own func() *segment, off int64, gen uint64) any {
+	if received != nil {
+		if u := received.user(off, gen); u != nil {
 			return u
 		}
 	}
-	if seg := produced.byName(name); seg != nil {
+	if seg := own(); seg != nil {
 		return seg.user(off, gen)
 	}
 	return nil

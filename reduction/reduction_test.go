@@ -297,39 +297,35 @@ func TestConcurrentReceiptsOfABlockShareOneStorage(t *testing.T) {
 	require.NoError(t, err)
 	defer closeAll(fds)
 	require.NoError(t, x.Release()) // the message holds it; receivers attach it
-	const n = 16
-	got := make([]*tensor.Tensor, n)
-	var wg sync.WaitGroup
-	for i := range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			fd, err := unix.Dup(fds[0])
-			if !assert.NoError(t, err) {
-				return
-			}
-			assert.NoError(t, reduction.Unmarshal(data, []int{fd}, &got[i]))
-		}()
-	}
-	wg.Wait()
-	for _, y := range got {
-		require.NotNil(t, y)
-		assert.Same(t, got[0].Storage(), y.Storage())
-	}
-	require.NoError(t, got[0].Release())
+	s := oneStorageFromAll(t, func() (*tensor.Tensor, error) {
+		fd, err := unix.Dup(fds[0])
+		if err != nil {
+			return nil, err
+		}
+		var y *tensor.Tensor
+		return y, reduction.Unmarshal(data, []int{fd}, &y)
+	})
+	require.NoError(t, s.Release())
 }
 
 func TestConcurrentRebuildSharesOneStorage(t *testing.T) {
 	leakcheck.Check(t)
 	a, m := receivedSegment(t, 4096)
-	const n = 16
-	got := make([]*tensor.Tensor, n)
+	s := oneStorageFromAll(t, func() (*tensor.Tensor, error) { return reduction.Rebuild(m, []int{a.FD()}) })
+	require.NoError(t, s.Release())
+}
+
+// oneStorageFromAll runs rebuild in 16 goroutines at once and checks that
+// the tensors they made are all on one storage, which it returns.
+func oneStorageFromAll(t *testing.T, rebuild func() (*tensor.Tensor, error)) *tensor.Storage {
+	t.Helper()
+	got := make([]*tensor.Tensor, 16)
 	var wg sync.WaitGroup
-	for i := range n {
+	for i := range got {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			x, err := reduction.Rebuild(m, []int{a.FD()})
+			x, err := rebuild()
 			if assert.NoError(t, err) {
 				got[i] = x
 			}
@@ -340,7 +336,7 @@ func TestConcurrentRebuildSharesOneStorage(t *testing.T) {
 		require.NotNil(t, x)
 		assert.Same(t, got[0].Storage(), x.Storage())
 	}
-	require.NoError(t, got[0].Release())
+	return got[0].Storage()
 }
 
 func TestRebuildBorrowsDescriptors(t *testing.T) {
