@@ -50,16 +50,19 @@
 // a ticket descriptor it was given, so that their blocks may be recycled
 // while in flight (their receivers then get ErrStaleBlock, unless the
 // peer also rewrote the generation); keep a ticket descriptor open, which
-// keeps its sender's blocks from being reused while it lives; and, under
-// file_system, truncate a named segment it can open, which makes the
-// mappings of it fault.
+// keeps its sender's blocks from being reused while it lives; send, for a
+// block of a segment its receiver maps already, a ticket of another file
+// (AttachMappedBlock takes it for the segment's without a look), so that
+// the block is held by nothing until the receiver's own lock takes over,
+// milliseconds later; and, under file_system, truncate a named segment it
+// can open, which makes the mappings of it fault.
 //
 // Ownership: an Allocation owns its mapping, its descriptor (KeepFD) and
 // its reference (RefCount), and Close releases each exactly once. OpenFD
 // takes ownership of the descriptor it is given, also when it fails. A
 // Block holds its slot until Release; a Ticket's descriptor is the
 // Ticket's until Done or Discard. Names and sizes from other processes are
-// checked (ValidName, fstat, the slot table) before use.
+// checked (ValidName, fstat, the slot table) before a segment is mapped.
 //
 // Segments are Linux only; elsewhere the package builds and its functions
 // return ErrUnsupported.
