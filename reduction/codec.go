@@ -1,6 +1,7 @@
 package reduction
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -85,11 +86,30 @@ func (e *Encoder) Encode(v any) (data []byte, fds []int, err error) {
 	}
 	e.w.reset()
 	e.enc.Reset(&e.w)
-	if err := e.enc.Encode(v); err != nil {
+	if t, ok := v.(*tensor.Tensor); ok && t != nil {
+		err = e.encodeBare(t)
+	} else {
+		err = e.enc.Encode(v)
+	}
+	if err != nil {
 		e.Discard()
 		return nil, nil, err
 	}
 	return e.w.buf, e.w.fds, nil
+}
+
+// encodeBare encodes a bare tensor, the commonest message, as msgpack
+// would (an extension holding its Meta) but without its reflection.
+func (e *Encoder) encodeBare(t *tensor.Tensor) error {
+	meta, err := e.w.tensor(t)
+	if err != nil {
+		return err
+	}
+	if err := e.enc.EncodeExtHeader(tensorExt, len(meta)); err != nil {
+		return err
+	}
+	_, err = e.w.Write(meta)
+	return err
 }
 
 // Done tells the Encoder that the last message was sent: the descriptors
@@ -255,6 +275,12 @@ func encodeTensor(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {
 	if !ok {
 		return nil, errors.New("reduction: tensors must be encoded with reduction.Marshal or an Encoder, which carry their descriptors")
 	}
+	return w.tensor(t)
+}
+
+// tensor returns the encoding of t's Meta, adding its descriptor to the
+// message's. The bytes are valid until the next tensor.
+func (w *fdWriter) tensor(t *tensor.Tensor) ([]byte, error) {
 	m, raw, l, err := reduce(t)
 	if err != nil {
 		return nil, err
@@ -313,7 +339,52 @@ func (d *Decoder) Decode(data []byte, fds []int, v any) (err error) {
 		d.r.closeRest()
 		d.r.reset(nil, nil)
 	}()
+	if p, ok := v.(**tensor.Tensor); ok && p != nil {
+		if payload, ok := bareTensor(data); ok {
+			return d.r.decodeBare(payload, p)
+		}
+	}
 	return decodeChecked(d.dec, data, v)
+}
+
+// bareTensor returns the payload of data if it is one tensor extension
+// and nothing else, the commonest message.
+func bareTensor(data []byte) ([]byte, bool) {
+	if len(data) < 2 {
+		return nil, false
+	}
+	head, n := 2, 0
+	switch c := data[0]; {
+	case c >= 0xd4 && c <= 0xd8: // fixext 1, 2, 4, 8, 16
+		head, n = 1, 1<<(c-0xd4)
+	case c == 0xc7:
+		head, n = 2, int(data[1])
+	case c == 0xc8 && len(data) >= 3:
+		head, n = 3, int(binary.BigEndian.Uint16(data[1:]))
+	case c == 0xc9 && len(data) >= 5:
+		head, n = 5, int(binary.BigEndian.Uint32(data[1:]))
+	default:
+		return nil, false
+	}
+	if len(data) != head+1+n || int8(data[head]) != tensorExt {
+		return nil, false
+	}
+	return data[head+1:], true
+}
+
+// decodeBare decodes a bare tensor's payload into *p, as msgpack would
+// through decodeTensor but without its reflection.
+func (r *fdReader) decodeBare(payload []byte, p **tensor.Tensor) error {
+	var m Meta
+	if err := parseMeta(payload, &m); err != nil {
+		return fmt.Errorf("reduction: %w", err)
+	}
+	t, err := rebuild(m, r, &r.made)
+	if err != nil {
+		return err
+	}
+	*p = t
+	return nil
 }
 
 // decodeChecked decodes one received message into v once it is known to

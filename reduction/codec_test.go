@@ -116,6 +116,54 @@ func TestEncoderReuse(t *testing.T) {
 	}
 }
 
+// A bare tensor, the commonest message, is encoded and decoded without
+// msgpack's reflection: its bytes are those msgpack writes for it inside
+// any other value, and they decode alike into a tensor and into any.
+func TestBareTensorIsPlainMsgpack(t *testing.T) {
+	leakcheck.Check(t)
+	x, err := tensor.Arange(tensor.Float32, 24)
+	require.NoError(t, err)
+	defer x.Release()
+	m, err := x.Reshape(4, 6)
+	require.NoError(t, err)
+	view, err := m.Transpose(0, 1)
+	require.NoError(t, err)
+	view, err = view.Narrow(0, 1, 3)
+	require.NoError(t, err)
+
+	enc := reduction.NewEncoder()
+	bare, fds, err := enc.Encode(view)
+	require.NoError(t, err)
+	bare = append([]byte(nil), bare...)
+	require.Len(t, fds, 1)
+	enc.Done()
+	inSlice, _, err := enc.Encode([]*tensor.Tensor{view})
+	require.NoError(t, err)
+	enc.Done()
+	assert.Equal(t, []byte{0x91}, inSlice[:1], "an array of one")
+	assert.Equal(t, inSlice[1:], bare, "the same tensor encoding inside the array")
+
+	_, fds, err = reduction.Marshal(view)
+	require.NoError(t, err)
+	dup, err := unix.Dup(fds[0])
+	require.NoError(t, err)
+	var got *tensor.Tensor
+	require.NoError(t, reduction.Unmarshal(bare, fds, &got))
+	var asAny any
+	require.NoError(t, reduction.Unmarshal(bare, []int{dup}, &asAny))
+	viaAny, ok := asAny.(*tensor.Tensor)
+	require.True(t, ok, "%T", asAny)
+	for _, y := range []*tensor.Tensor{got, viaAny} {
+		assert.Same(t, x.Storage(), y.Storage())
+		assert.Equal(t, view.Shape(), y.Shape())
+		assert.Equal(t, view.Offset(), y.Offset())
+		gotShape, gotStrides := y.Dims()
+		wantShape, wantStrides := view.Dims()
+		assert.Equal(t, wantShape, gotShape)
+		assert.Equal(t, wantStrides, gotStrides)
+	}
+}
+
 func TestPlainMsgpackRefusesTensors(t *testing.T) {
 	x, err := tensor.Zeros(tensor.Float32, 2)
 	require.NoError(t, err)
