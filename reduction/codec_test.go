@@ -165,14 +165,16 @@ func TestBareTensorIsPlainMsgpack(t *testing.T) {
 }
 
 func TestPlainMsgpackRefusesTensors(t *testing.T) {
+	leakcheck.Check(t)
 	x, err := tensor.Zeros(tensor.Float32, 2)
 	require.NoError(t, err)
 	_, err = msgpack.Marshal(map[string]*tensor.Tensor{"x": x})
 	assert.ErrorContains(t, err, "reduction.Marshal")
 	assert.False(t, x.IsShared(), "nothing was shared for a failed encode")
 
-	data, _, err := reduction.Marshal(map[string]*tensor.Tensor{"x": x})
+	data, fds, err := reduction.Marshal(map[string]*tensor.Tensor{"x": x})
 	require.NoError(t, err)
+	defer closeAll(fds) // the message's holds, which would otherwise outlive the test
 	defer x.Release()
 	var got map[string]*tensor.Tensor
 	err = msgpack.Unmarshal(data, &got)
