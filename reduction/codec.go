@@ -1,7 +1,6 @@
 package reduction
 
 import (
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -350,23 +349,8 @@ func (d *Decoder) Decode(data []byte, fds []int, v any) (err error) {
 // bareTensor returns the payload of data if it is one tensor extension
 // and nothing else, the commonest message.
 func bareTensor(data []byte) ([]byte, bool) {
-	if len(data) < 2 {
-		return nil, false
-	}
-	head, n := 2, 0
-	switch c := data[0]; {
-	case c >= 0xd4 && c <= 0xd8: // fixext 1, 2, 4, 8, 16
-		head, n = 1, 1<<(c-0xd4)
-	case c == 0xc7:
-		head, n = 2, int(data[1])
-	case c == 0xc8 && len(data) >= 3:
-		head, n = 3, int(binary.BigEndian.Uint16(data[1:]))
-	case c == 0xc9 && len(data) >= 5:
-		head, n = 5, int(binary.BigEndian.Uint32(data[1:]))
-	default:
-		return nil, false
-	}
-	if len(data) != head+1+n || int8(data[head]) != tensorExt {
+	k, _, head, body, err := peek(data)
+	if err != nil || k != kindExt || len(data) != head+body || int8(data[head]) != tensorExt {
 		return nil, false
 	}
 	return data[head+1:], true
@@ -375,11 +359,7 @@ func bareTensor(data []byte) ([]byte, bool) {
 // decodeBare decodes a bare tensor's payload into *p, as msgpack would
 // through decodeTensor but without its reflection.
 func (r *fdReader) decodeBare(payload []byte, p **tensor.Tensor) error {
-	var m Meta
-	if err := parseMeta(payload, &m); err != nil {
-		return fmt.Errorf("reduction: %w", err)
-	}
-	t, err := rebuild(m, r, &r.made)
+	t, err := tensorOf(payload, r, &r.made)
 	if err != nil {
 		return err
 	}
@@ -575,6 +555,15 @@ func (r *fdReader) closeRest() {
 	}
 }
 
+// tensorOf rebuilds the tensor whose Meta payload holds (see rebuild).
+func tensorOf(payload []byte, src fdSource, made *[]*tensor.Storage) (*tensor.Tensor, error) {
+	var m Meta
+	if err := parseMeta(payload, &m); err != nil {
+		return nil, fmt.Errorf("reduction: %w", err)
+	}
+	return rebuild(m, src, made)
+}
+
 func decodeTensor(dec *msgpack.Decoder, v reflect.Value, extLen int) error {
 	var (
 		r    *msgReader
@@ -593,11 +582,7 @@ func decodeTensor(dec *msgpack.Decoder, v reflect.Value, extLen int) error {
 	if err != nil {
 		return err
 	}
-	var m Meta
-	if err := parseMeta(payload, &m); err != nil {
-		return fmt.Errorf("reduction: %w", err)
-	}
-	t, err := rebuild(m, src, made)
+	t, err := tensorOf(payload, src, made)
 	if err != nil {
 		return err
 	}

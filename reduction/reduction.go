@@ -110,7 +110,7 @@ func reduce(t *tensor.Tensor) (Meta, int, lease, error) {
 			m.Strategy, m.Name = string(strategy.FileSystem), seg.Name()
 		} else {
 			m.Strategy = string(strategy.FileDescriptor)
-			m.Dev, m.Ino = seg.ID().Dev, seg.ID().Ino
+			m.setSegmentID(seg.ID())
 		}
 		registerBlock(s)
 		return m, tk.FD(), tk, nil
@@ -131,7 +131,7 @@ func reduce(t *tensor.Tensor) (Meta, int, lease, error) {
 		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
 	}
 	m.Strategy = string(strategy.FileDescriptor)
-	m.Dev, m.Ino = a.ID().Dev, a.ID().Ino
+	m.setSegmentID(a.ID())
 	storages.put(idKey(a.ID()), s)
 	return m, fd, lentFD{a}, nil
 }
@@ -375,6 +375,8 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 
 // segmentID is the identity of the file_descriptor segment m names.
 func (m *Meta) segmentID() mmapalloc.ID { return mmapalloc.ID{Dev: m.Dev, Ino: m.Ino} }
+
+func (m *Meta) setSegmentID(id mmapalloc.ID) { m.Dev, m.Ino = id.Dev, id.Ino }
 
 // checkedStat returns the status of the message's descriptor for m,
 // which must be of the segment m names.

@@ -46,8 +46,6 @@ func skipValue(b []byte, depth int) (int, error) {
 		return 0, err
 	case k == kindArray || k == kindMap:
 		return skipItems(b, head, items, depth)
-	case k == kindExt:
-		return ext(b, head, body-1)
 	}
 	return span(b, head, body)
 }
@@ -152,10 +150,6 @@ func span(b []byte, head, n int) (int, error) {
 		return 0, fmt.Errorf("a value of %d bytes runs past the message", n)
 	}
 	return head + n, nil
-}
-
-func ext(b []byte, head, n int) (int, error) {
-	return span(b, head+1, n) // +1 for the type byte
 }
 
 // skipItems skips n values after a header of head bytes. Every value takes
