@@ -52,7 +52,7 @@ func AttachBlock(ticket int, st FileStat, covered bool, segSize, off, size int64
 	if st.Size < segSize {
 		return nil, fmt.Errorf("mmapalloc: segment holds %d bytes, fewer than the %d claimed", st.Size, segSize)
 	}
-	return attached.attach(st.ID, "", covered, segSize, off, size, gen, func() (*Allocation, error) {
+	return attached.attach(st.ID, covered, segSize, off, size, gen, func() (*Allocation, error) {
 		fd, err := reopen(ticket)
 		if err != nil {
 			return nil, err
@@ -74,27 +74,20 @@ func AttachBlock(ticket int, st FileStat, covered bool, segSize, off, size int64
 // write the segment anyway can send such a ticket. Without covered, the
 // slot is locked at once, as by AttachBlock.
 func AttachMappedBlock(id ID, covered bool, segSize, off, size int64, gen uint64) (*Block, error) {
-	return attached.attach(id, "", covered, segSize, off, size, gen, nil)
-}
-
-// MappedName returns the identity of the named segment called name that
-// this process maps already, for AttachMappedNamedBlock, and false if it
-// maps none.
-func MappedName(name string) (ID, bool) {
-	attached.mu.Lock()
-	defer attached.mu.Unlock()
-	id, ok := attached.names[name]
-	return id, ok
+	return attached.attach(id, covered, segSize, off, size, gen, nil)
 }
 
 // AttachMappedNamedBlock is AttachMappedBlock for a block of the named
-// segment called name, whose identity MappedName gave: it returns
-// ErrNotMapped if the process no longer maps it under that identity.
-func AttachMappedNamedBlock(name string, id ID, covered bool, segSize, off, size int64, gen uint64) (*Block, error) {
-	if name == "" {
+// segment called name, found by its name. covered is asked, with the
+// segment's identity, whether the message's ticket covers the block.
+func AttachMappedNamedBlock(name string, covered func(ID) bool, segSize, off, size int64, gen uint64) (*Block, error) {
+	attached.mu.Lock()
+	defer attached.mu.Unlock()
+	id, ok := attached.names[name]
+	if !ok {
 		return nil, ErrNotMapped
 	}
-	return attached.attach(id, name, covered, segSize, off, size, gen, nil)
+	return attached.attachLocked(id, covered(id), segSize, off, size, gen, nil)
 }
 
 // ErrNotMapped: AttachMappedBlock found no mapping of the segment.
@@ -109,7 +102,7 @@ func AttachNamedBlock(name string, ticket int, st FileStat, covered bool, segSiz
 		return nil, &Error{Op: "open", Path: fmt.Sprintf("%q", name), Err: ErrBadName}
 	}
 	id := st.ID
-	return attached.attach(id, "", covered, segSize, off, size, gen, func() (*Allocation, error) {
+	return attached.attach(id, covered, segSize, off, size, gen, func() (*Allocation, error) {
 		a, err := OpenName(name, segSize, KeepFD)
 		if err != nil {
 			return nil, err
@@ -149,13 +142,16 @@ func AdoptTicket(ticket int, id ID) {
 var ErrUnsealed = errors.New("segment is not sealed")
 
 // attach finds or maps the segment id and holds the block at off in it.
-// Without open, a segment not mapped yet, or one not called name if name
-// is not empty, is ErrNotMapped.
-func (t *segmentTable) attach(id ID, name string, covered bool, segSize, off, size int64, gen uint64, open func() (*Allocation, error)) (*Block, error) {
+// Without open, a segment not mapped yet is ErrNotMapped.
+func (t *segmentTable) attach(id ID, covered bool, segSize, off, size int64, gen uint64, open func() (*Allocation, error)) (*Block, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	return t.attachLocked(id, covered, segSize, off, size, gen, open)
+}
+
+func (t *segmentTable) attachLocked(id ID, covered bool, segSize, off, size int64, gen uint64, open func() (*Allocation, error)) (*Block, error) {
 	seg, ok := t.m[id]
-	if !ok || seg.alloc.Size() < segSize || name != "" && seg.alloc.Name() != name {
+	if !ok || seg.alloc.Size() < segSize {
 		if open == nil {
 			return nil, ErrNotMapped
 		}

@@ -493,16 +493,14 @@ func TestNamedPool(t *testing.T) {
 	b, err := p.Alloc(4 << 10)
 	require.NoError(t, err)
 	require.Equal(t, seg.ID(), b.Segment().ID(), "one segment")
-	id, ok := mmapalloc.MappedName(seg.Name())
-	require.True(t, ok, "the receiver maps the segment")
-	assert.Equal(t, seg.ID(), id)
-	_, ok = mmapalloc.MappedName(seg.Name() + "0")
-	assert.False(t, ok)
-	rb, err := mmapalloc.AttachMappedNamedBlock(seg.Name(), id, false, seg.Size(), b.Offset(), 4<<10, b.Gen())
-	require.NoError(t, err)
+	var asked []mmapalloc.ID
+	uncovered := func(id mmapalloc.ID) bool { asked = append(asked, id); return false }
+	rb, err := mmapalloc.AttachMappedNamedBlock(seg.Name(), uncovered, seg.Size(), b.Offset(), 4<<10, b.Gen())
+	require.NoError(t, err, "the receiver maps the segment")
+	assert.Equal(t, []mmapalloc.ID{seg.ID()}, asked, "the segment's identity")
 	assert.Same(t, r.Segment(), rb.Segment(), "one mapping")
-	_, err = mmapalloc.AttachMappedNamedBlock(seg.Name()+"0", id, false, seg.Size(), b.Offset(), 4<<10, b.Gen())
-	assert.ErrorIs(t, err, mmapalloc.ErrNotMapped, "the identity is mapped under another name")
+	_, err = mmapalloc.AttachMappedNamedBlock(seg.Name()+"0", uncovered, seg.Size(), b.Offset(), 4<<10, b.Gen())
+	assert.ErrorIs(t, err, mmapalloc.ErrNotMapped, "no segment of that name is mapped")
 	require.NoError(t, rb.Release())
 	require.NoError(t, b.Release())
 
@@ -512,8 +510,8 @@ func TestNamedPool(t *testing.T) {
 
 	mmapalloc.Trim()
 	assert.False(t, inDir(seg.Name()), "trimming a named segment removes its name")
-	_, ok = mmapalloc.MappedName(seg.Name())
-	assert.False(t, ok, "and its mapping")
+	_, err = mmapalloc.AttachMappedNamedBlock(seg.Name(), uncovered, seg.Size(), b.Offset(), 4<<10, b.Gen())
+	assert.ErrorIs(t, err, mmapalloc.ErrNotMapped, "and its mapping")
 }
 
 // statOf is mmapalloc.StatFile for a descriptor the test knows is good.

@@ -401,12 +401,10 @@ func openNamedBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Stor
 		return nil, err
 	}
 	return adoptBlock(mmapalloc.FindNamedUser(m.Name, m.Block, m.Gen), m, made, func() (*mmapalloc.Block, error) {
-		if id, ok := mmapalloc.MappedName(m.Name); ok {
-			_, covered := fds.ticket(m.FD, id)
-			b, err := mmapalloc.AttachMappedNamedBlock(m.Name, id, covered, m.Segment, m.Block, m.Size, m.Gen)
-			if !errors.Is(err, mmapalloc.ErrNotMapped) {
-				return b, err
-			}
+		ticketCovers := func(id mmapalloc.ID) bool { _, ok := fds.ticket(m.FD, id); return ok }
+		b, err := mmapalloc.AttachMappedNamedBlock(m.Name, ticketCovers, m.Segment, m.Block, m.Size, m.Gen)
+		if !errors.Is(err, mmapalloc.ErrNotMapped) {
+			return b, err
 		}
 		st, err := fds.stat(m.FD)
 		if err != nil {
