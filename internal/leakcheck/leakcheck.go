@@ -7,6 +7,7 @@ package leakcheck
 import (
 	"fmt"
 	"os"
+	"path/filepath"
 	"runtime"
 	"slices"
 	"strconv"
@@ -14,6 +15,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/mmapalloc"
 )
@@ -90,6 +93,9 @@ func Check(t testing.TB) {
 				}
 				if len(segs) > 0 {
 					t.Errorf("leakcheck: segments left in %s: %s", mmapalloc.Dir(), strings.Join(segs, ", "))
+					for _, s := range segs {
+						t.Logf("leakcheck: %s: %s", s, describe(s))
+					}
 				}
 				return
 			}
@@ -200,4 +206,50 @@ func Mappings() (int, error) {
 		prevFile, prevEnd, prevOff = file, end, off+(end-start)
 	}
 	return n, nil
+}
+
+// describe says what keeps a segment left behind: its size, whether the
+// process that made it lives, the kernel's locks on it and the processes
+// that have it open or mapped.
+func describe(name string) string {
+	path := filepath.Join(mmapalloc.Dir(), name)
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		return err.Error()
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "%d bytes, inode %d", st.Size, st.Ino)
+	if n, ok := mmapalloc.ParseName(name); ok && n.Pid > 0 {
+		fmt.Fprintf(&b, "; its maker %d ", n.Pid)
+		if unix.Kill(n.Pid, 0) == nil {
+			b.WriteString("lives")
+		} else {
+			b.WriteString("is gone")
+		}
+	}
+	ino := ":" + strconv.FormatUint(st.Ino, 10) + " "
+	if locks, err := os.ReadFile("/proc/locks"); err == nil {
+		for line := range strings.Lines(string(locks)) {
+			if strings.Contains(line, ino) {
+				fmt.Fprintf(&b, "; lock %s", strings.TrimSpace(line))
+			}
+		}
+	}
+	procs, _ := filepath.Glob("/proc/[0-9]*")
+	for _, p := range procs {
+		var how []string
+		fds, _ := os.ReadDir(p + "/fd")
+		for _, fd := range fds {
+			if target, err := os.Readlink(p + "/fd/" + fd.Name()); err == nil && strings.HasSuffix(target, name) {
+				how = append(how, "fd "+fd.Name())
+			}
+		}
+		if maps, err := os.ReadFile(p + "/maps"); err == nil && strings.Contains(string(maps), name) {
+			how = append(how, "mapped")
+		}
+		if len(how) > 0 {
+			fmt.Fprintf(&b, "; process %s: %s", filepath.Base(p), strings.Join(how, ", "))
+		}
+	}
+	return b.String()
 }
