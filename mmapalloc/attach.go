@@ -466,10 +466,17 @@ func (seg *segment) afterTicketsRotated() {
 // any lock on the segment: no producer keeps it, no process holds a block
 // of it, no message carries one. The caller holds no lock of its own on it
 // but perhaps the pool's, which this call does not keep. A named segment
-// found abandoned loses its name.
+// found abandoned loses its name; a received one found held elsewhere is
+// watched (orphans), in case no process that holds it looks again.
 func (seg *segment) abandoned() bool {
 	ok, err := lockWrite(seg.alloc.fd, lockBase, 0)
-	if !ok || err != nil {
+	if err != nil {
+		return false
+	}
+	if !ok {
+		if seg.named && seg.pool == nil {
+			orphans.watch(seg.alloc.path, seg.alloc.ID())
+		}
 		return false
 	}
 	_ = unlock(seg.alloc.fd, lockBase, 0)

@@ -32,7 +32,9 @@
 // included, and when a message carrying it is dropped unread. A producer
 // reuses a block once no description but its own holds it. A named
 // segment is removed by its pool, or, once its producer is gone, by the
-// last process to let go of it.
+// last process to let go of it; a process that lets go of one that a
+// message or a dying producer still holds looks again by name for a
+// minute, and removes it once nobody holds anything (orphans.go).
 //
 // # What a peer can and cannot do
 //

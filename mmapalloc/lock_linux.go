@@ -90,3 +90,29 @@ func checkSealed(fd int) error {
 	}
 	return nil
 }
+
+// removeIfAbandoned removes the name path if it still names the segment id
+// and no description holds any lock on it. It reports whether the watch
+// is over: the name is gone, names another file, or was removed now.
+func removeIfAbandoned(path string, id ID) bool {
+	fd, err := unix.Open(path, unix.O_RDWR|unix.O_NOFOLLOW|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return err != unix.EINTR && err != unix.EMFILE && err != unix.ENFILE
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil || (ID{Dev: st.Dev, Ino: st.Ino}) != id {
+		return true
+	}
+	ok, err := lockWrite(fd, lockBase, 0)
+	if err != nil {
+		return true
+	}
+	if !ok {
+		return false
+	}
+	// Nobody can take a hold while this lock is in the way, and once the
+	// name is gone nobody can open the segment to try.
+	_ = unix.Unlink(path)
+	return true
+}

@@ -11,6 +11,7 @@ import (
 	"sync"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -24,6 +25,7 @@ import (
 func TestMain(m *testing.M) {
 	reexec.Register("write-by-name", helperWriteByName)
 	reexec.Register("tmpfs-full", helperTmpfsFull)
+	reexec.Register("produce-named-and-die", helperProduceNamedAndDie)
 	reexec.Main()
 	os.Exit(m.Run())
 }
@@ -303,6 +305,87 @@ func TestCrossProcessByName(t *testing.T) {
 	require.NoError(t, cmd.Run())
 	assert.Equal(t, strconv.Itoa(cmd.Process.Pid), string(a.Bytes()[:len(strconv.Itoa(cmd.Process.Pid))]))
 	assert.Equal(t, int32(1), a.Refs(), "the child's Close gave its reference back")
+}
+
+// helperProduceNamedAndDie sends, over the socket it inherits as
+// descriptor 3, a block of a named pool segment (its name, segment size,
+// offset and generation, and the message's ticket), then is killed
+// holding it.
+func helperProduceNamedAndDie() int {
+	mmapalloc.EnableNamedPool()
+	b, err := mmapalloc.NamedPool().Alloc(4 << 10)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	copy(b.Bytes(), "orphan")
+	tk, err := b.Ticket()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	msg := fmt.Sprintf("%s %d %d %d", b.Segment().Name(), b.Segment().Size(), b.Offset(), b.Gen())
+	if err := unix.Sendmsg(3, []byte(msg), unix.UnixRights(tk.FD()), nil, 0); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	tk.Done()
+	_ = unix.Kill(os.Getpid(), unix.SIGKILL)
+	select {}
+}
+
+// The last holder of a killed producer's named segment can be a message
+// nobody reads. The receiver that let go of the segment while that message
+// held it looks again by name, and removes the name once the message is
+// dropped.
+func TestOrphanedNamedSegmentIsRemoved(t *testing.T) {
+	leakcheck.Check(t)
+	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	require.NoError(t, err)
+	defer unix.Close(pair[0])
+	theirs := os.NewFile(uintptr(pair[1]), "producer")
+	cmd, err := reexec.Command(context.Background(), "produce-named-and-die")
+	require.NoError(t, err)
+	cmd.ExtraFiles = []*os.File{theirs}
+	require.NoError(t, cmd.Start())
+	require.NoError(t, theirs.Close())
+	buf, oob := make([]byte, 512), make([]byte, unix.CmsgSpace(4))
+	n, oobn, _, _, err := unix.Recvmsg(pair[0], buf, oob, unix.MSG_CMSG_CLOEXEC)
+	require.NoError(t, err)
+	var ticket int
+	{
+		cmsgs, err := unix.ParseSocketControlMessage(oob[:oobn])
+		require.NoError(t, err)
+		require.Len(t, cmsgs, 1)
+		fds, err := unix.ParseUnixRights(&cmsgs[0])
+		require.NoError(t, err)
+		require.Len(t, fds, 1)
+		ticket = fds[0]
+	}
+	var name string
+	var segSize, off int64
+	var gen uint64
+	_, err = fmt.Sscan(string(buf[:n]), &name, &segSize, &off, &gen)
+	require.NoError(t, err)
+	require.ErrorContains(t, cmd.Wait(), "killed")
+
+	// A copy of the message goes into a socket nobody reads.
+	unread, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	require.NoError(t, err)
+	require.NoError(t, unix.Sendmsg(unread[0], []byte("m"), unix.UnixRights(ticket), nil, 0))
+
+	r, err := mmapalloc.AttachNamedBlock(name, ticket, statOf(t, ticket), false, segSize, off, 4<<10, gen)
+	require.NoError(t, err)
+	require.NoError(t, unix.Close(ticket))
+	assert.Equal(t, "orphan", string(r.Bytes()[:6]))
+	require.NoError(t, r.Release())
+	mmapalloc.Trim() // unmaps it; the unread message still holds the block
+	assert.True(t, inDir(name), "a segment a message holds keeps its name")
+
+	require.NoError(t, unix.Close(unread[0]))
+	require.NoError(t, unix.Close(unread[1])) // the message is dropped unread
+	assert.Eventually(t, func() bool { return !inDir(name) }, 5*time.Second, 10*time.Millisecond,
+		"the receiver looked again and removed the name")
 }
 
 // helperTmpfsFull runs in a private mount namespace: it mounts a 1 MiB
