@@ -116,3 +116,13 @@ func removeIfAbandoned(path string, id ID) bool {
 	_ = unix.Unlink(path)
 	return true
 }
+
+// statName returns the identity of the regular file at path, not
+// following a link.
+func statName(path string) (ID, bool) {
+	var st unix.Stat_t
+	if err := unix.Lstat(path, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return ID{}, false
+	}
+	return ID{Dev: st.Dev, Ino: st.Ino}, true
+}

@@ -12,3 +12,4 @@ func lockedElsewhere(fd int, off, n int64) (bool, error) { return false, ErrUnsu
 func reopen(fd int) (int, error)                         { return -1, ErrUnsupported }
 func checkSealed(fd int) error                           { return ErrUnsupported }
 func removeIfAbandoned(path string, id ID) bool          { return true }
+func statName(path string) (ID, bool)                    { return ID{}, false }

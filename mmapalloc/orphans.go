@@ -1,6 +1,8 @@
 package mmapalloc
 
 import (
+	"os"
+	"path/filepath"
 	"sync"
 	"time"
 )
@@ -13,9 +15,11 @@ import (
 // reaping by a few milliseconds. A process that lets go of a received
 // named segment while someone else still holds something of it therefore
 // looks again, by name, for a while (orphans.watch), and removes the name
-// once nobody holds anything. What is left after that, and the segments of
-// a killed producer that nobody received, go when the session's keeper
-// removes the session's entries.
+// once nobody holds anything. The process that reaps a producer watches
+// the producer's segments the same way (WatchSegmentsOf): a producer killed
+// with messages nobody will read leaves segments no process maps. What is
+// still held when its watch ends goes with the last process to let go of
+// it, or when the session's keeper removes the session's entries.
 //
 // Each look opens the name afresh and asks the kernel for a write lock on
 // every lock byte (one open, fstat, fcntl and close); a segment whose
@@ -43,6 +47,29 @@ type orphan struct {
 	next  time.Time
 	wait  time.Duration
 	until time.Time
+}
+
+// WatchSegmentsOf watches this session's named segments that process pid
+// made, for the process that reaped pid: each loses its name once nobody
+// holds anything of it, within the watch's minute. A producer killed with
+// messages that nobody will read leaves segments that no process maps;
+// this is what removes them before the session ends. A segment of a
+// process that lives (pid reused) is held by its producer and stays.
+func WatchSegmentsOf(pid int) {
+	entries, err := os.ReadDir(Dir())
+	if err != nil {
+		return
+	}
+	for _, e := range entries {
+		n, ok := ParseName(e.Name())
+		if !ok || n.Lock || n.Pid != pid || n.Session != session() || !e.Type().IsRegular() {
+			continue
+		}
+		path := filepath.Join(Dir(), e.Name())
+		if id, ok := statName(path); ok {
+			orphans.watch(path, id)
+		}
+	}
 }
 
 // watch starts watching the segment at path, whose identity is id. A path

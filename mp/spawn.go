@@ -295,6 +295,9 @@ func (g *Group) watch(p *proc) {
 		leftover.Remove(pid)
 	}
 	waitErr := p.cmd.Wait()
+	// Its named segments go once nobody holds them: segments of a killed
+	// worker whose messages nobody reads are mapped by no process.
+	mmapalloc.WatchSegmentsOf(p.cmd.Process.Pid)
 	_ = p.ctl.close()
 	for _, w := range p.out {
 		w.flush()

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
@@ -16,6 +17,7 @@ import (
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
@@ -53,6 +55,28 @@ func registerFaultPrograms() {
 				return err
 			}
 		}
+	})
+	// fault.put-and-die puts tensors that nobody will read, says its pid,
+	// and is killed.
+	mp.Register("fault.put-and-die", func(ctx context.Context, w *mp.Worker) error {
+		var a holdArgs
+		if err := w.Args(&a); err != nil {
+			return err
+		}
+		for range 4 {
+			x, err := tensor.Arange(tensor.Float32, 256)
+			if err != nil {
+				return err
+			}
+			if err := a.Tasks.Put(ctx, x); err != nil {
+				return err
+			}
+		}
+		if err := a.Status.Put(ctx, os.Getpid()); err != nil {
+			return err
+		}
+		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+		select {}
 	})
 	reexec.Register("program.kill-worker", programKillWorker)
 	reexec.Register("program.stream", programStream)
@@ -278,4 +302,32 @@ func keeperOf(session string) int {
 		}
 	}
 	return 0
+}
+
+// TestKilledProducersUnreadTensorsLeaveNothing: a worker is killed after
+// putting tensors that nobody reads, so no process ever maps its named
+// segment. Once the queue that holds them is closed, the segment goes,
+// while the session lives on.
+func TestKilledProducersUnreadTensorsLeaveNothing(t *testing.T) {
+	old := strategy.Get()
+	require.NoError(t, strategy.Set(strategy.FileSystem))
+	defer strategy.Set(old)
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	unread, status := testQueues(t)
+	g, err := mp.Spawn(ctx, "fault.put-and-die", 1, mp.WithArgs(holdArgs{Tasks: unread, Status: status}))
+	require.NoError(t, err)
+	var pid int
+	require.NoError(t, status.Get(ctx, &pid))
+	var ee *mp.ExitError
+	require.ErrorAs(t, g.Join(), &ee)
+	made := func() []string {
+		m, _ := filepath.Glob(filepath.Join(mmapalloc.Dir(), mmapalloc.SessionPrefix()+strconv.Itoa(pid)+"_*"))
+		return m
+	}
+	require.NotEmpty(t, made(), "the unread tensors hold the worker's segment")
+	require.NoError(t, unread.Close()) // drops them
+	assert.Eventually(t, func() bool { return len(made()) == 0 }, 5*time.Second, 10*time.Millisecond,
+		"the killed worker's segment goes once nothing holds it")
 }
