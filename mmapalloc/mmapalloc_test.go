@@ -388,6 +388,27 @@ func TestOrphanedNamedSegmentIsRemoved(t *testing.T) {
 		"the receiver looked again and removed the name")
 }
 
+// A watched name whose producer lives stays: the producer's own lock is in
+// the way. Once the name is gone, its watch ends.
+func TestWatchedSegmentOfALiveProducerStays(t *testing.T) {
+	leakcheck.Check(t)
+	mmapalloc.EnableNamedPool()
+	b, err := mmapalloc.NamedPool().Alloc(4 << 10)
+	require.NoError(t, err)
+	name := b.Segment().Name()
+	mmapalloc.WatchSegmentsOf(os.Getpid())
+	require.True(t, mmapalloc.WatchingOrphan(name))
+	mmapalloc.LookAtOrphansNow()
+	assert.True(t, inDir(name), "its producer keeps it")
+	assert.True(t, mmapalloc.WatchingOrphan(name), "and the watch goes on")
+
+	require.NoError(t, b.Release())
+	mmapalloc.Trim()
+	assert.False(t, inDir(name), "the pool removed it")
+	mmapalloc.LookAtOrphansNow()
+	assert.False(t, mmapalloc.WatchingOrphan(name), "the watch of a name that is gone ends")
+}
+
 // helperTmpfsFull runs in a private mount namespace: it mounts a 1 MiB
 // tmpfs, points TENSORMP_SHM_DIR at it and checks that a named segment
 // that does not fit is an ENOSPC error that leaves nothing behind, that a
