@@ -309,9 +309,7 @@ func keeperOf(session string) int {
 // segment. Once the queue that holds them is closed, the segment goes,
 // while the session lives on.
 func TestKilledProducersUnreadTensorsLeaveNothing(t *testing.T) {
-	old := strategy.Get()
-	require.NoError(t, strategy.Set(strategy.FileSystem))
-	defer strategy.Set(old)
+	useStrategy(t, strategy.FileSystem)
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()

@@ -175,6 +175,14 @@ func bytesContains(b, sub []byte) bool { return strings.Contains(string(b), stri
 
 // sessionEntries lists the session's entries in the shared-memory
 // directory.
+// useStrategy sets the sharing strategy for the rest of t.
+func useStrategy(t *testing.T, st strategy.Strategy) {
+	t.Helper()
+	old := strategy.Get()
+	require.NoError(t, strategy.Set(st))
+	t.Cleanup(func() { require.NoError(t, strategy.Set(old)) })
+}
+
 func sessionEntries(session string) []string {
 	matches, _ := filepath.Glob(filepath.Join(mmapalloc.Dir(), mmapalloc.NamePrefix+session+"_*"))
 	return matches

@@ -74,9 +74,7 @@ func registerSharingWorkers() {
 func TestSharingAcrossProcesses(t *testing.T) {
 	for _, st := range strategy.All() {
 		t.Run(st.String(), func(t *testing.T) {
-			old := strategy.Get()
-			require.NoError(t, strategy.Set(st))
-			defer strategy.Set(old)
+			useStrategy(t, st)
 			leakcheck.Check(t)
 
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
