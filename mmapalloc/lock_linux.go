@@ -1,6 +1,7 @@
 package mmapalloc
 
 import (
+	"encoding/binary"
 	"fmt"
 	"strconv"
 
@@ -102,6 +103,12 @@ func removeIfAbandoned(path string, id ID) bool {
 	defer unix.Close(fd)
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil || (ID{Dev: st.Dev, Ino: st.Ino}) != id {
+		return true
+	}
+	// Only a pool's segment is held through locks; any other (a RefCount
+	// segment counts its holders in its header) is not this watch's.
+	var magic [4]byte
+	if n, err := unix.Pread(fd, magic[:], 0); err != nil || n != len(magic) || binary.LittleEndian.Uint32(magic[:]) != slabMagic {
 		return true
 	}
 	ok, err := lockWrite(fd, lockBase, 0)

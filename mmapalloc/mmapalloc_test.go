@@ -389,18 +389,23 @@ func TestOrphanedNamedSegmentIsRemoved(t *testing.T) {
 }
 
 // A watched name whose producer lives stays: the producer's own lock is in
-// the way. Once the name is gone, its watch ends.
+// the way. A RefCount segment, which no lock holds, stays too. Once the
+// name is gone, its watch ends.
 func TestWatchedSegmentOfALiveProducerStays(t *testing.T) {
 	leakcheck.Check(t)
 	mmapalloc.EnableNamedPool()
 	b, err := mmapalloc.NamedPool().Alloc(4 << 10)
 	require.NoError(t, err)
 	name := b.Segment().Name()
+	counted, err := mmapalloc.Create(4096, mmapalloc.RefCount)
+	require.NoError(t, err)
+	defer counted.Close()
 	mmapalloc.WatchSegmentsOf(os.Getpid())
 	require.True(t, mmapalloc.WatchingOrphan(name))
 	mmapalloc.LookAtOrphansNow()
 	assert.True(t, inDir(name), "its producer keeps it")
 	assert.True(t, mmapalloc.WatchingOrphan(name), "and the watch goes on")
+	assert.True(t, inDir(counted.Name()), "a segment that counts its holders in its header is not the watch's")
 
 	require.NoError(t, b.Release())
 	mmapalloc.Trim()
