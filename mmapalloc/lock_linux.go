@@ -101,8 +101,7 @@ func removeIfAbandoned(path string, id ID) bool {
 		return err != unix.EINTR && err != unix.EMFILE && err != unix.ENFILE
 	}
 	defer unix.Close(fd)
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil || (ID{Dev: st.Dev, Ino: st.Ino}) != id {
+	if st, err := StatFile(fd); err != nil || st.ID != id {
 		return true
 	}
 	// Only a pool's segment is held through locks; any other (a RefCount
@@ -131,5 +130,5 @@ func statName(path string) (ID, bool) {
 	if err := unix.Lstat(path, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG {
 		return ID{}, false
 	}
-	return ID{Dev: st.Dev, Ino: st.Ino}, true
+	return idOf(&st), true
 }

@@ -215,7 +215,7 @@ func setUp(raw int, path string, total int64, flags Flags, create bool) (a *Allo
 		fd:      -1,
 		path:    path,
 		flags:   flags,
-		id:      ID{Dev: st.Dev, Ino: st.Ino},
+		id:      idOf(&st),
 	}
 	if flags&RefCount != 0 {
 		a.data = mapping[HeaderSize:]
@@ -394,8 +394,11 @@ func StatFile(fd int) (FileStat, error) {
 	if err != nil {
 		return FileStat{}, err
 	}
-	return FileStat{ID: ID{Dev: st.Dev, Ino: st.Ino}, Size: st.Size}, nil
+	return FileStat{ID: idOf(&st), Size: st.Size}, nil
 }
+
+// idOf is the identity of the file st describes.
+func idOf(st *unix.Stat_t) ID { return ID{Dev: st.Dev, Ino: st.Ino} }
 
 // statFile returns fd's status, checking that it is a regular file: a
 // segment, never a pipe, socket or device another process slipped us.
