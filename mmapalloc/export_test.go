@@ -25,3 +25,6 @@ func WatchingOrphan(name string) bool {
 	_, ok := orphans.due[filepath.Join(Dir(), name)]
 	return ok
 }
+
+// WatchSegmentsOf is what package mp has run for each worker it reaps.
+var WatchSegmentsOf = watchSegmentsOf

@@ -5,6 +5,8 @@ import (
 	"path/filepath"
 	"sync"
 	"time"
+
+	"github.com/tensormp/tensormp/internal/leftover"
 )
 
 // A named segment whose producer is gone loses its name with the last
@@ -16,7 +18,7 @@ import (
 // named segment while someone else still holds something of it therefore
 // looks again, by name, for a while (orphans.watch), and removes the name
 // once nobody holds anything. The process that reaps a producer watches
-// the producer's segments the same way (WatchSegmentsOf): a producer killed
+// the producer's segments the same way (watchSegmentsOf): a producer killed
 // with messages nobody will read leaves segments no process maps. What is
 // still held when its watch ends goes with the last process to let go of
 // it, or when the session's keeper removes the session's entries.
@@ -49,13 +51,15 @@ type orphan struct {
 	until time.Time
 }
 
-// WatchSegmentsOf watches this session's named segments that process pid
-// made, for the process that reaped pid: each loses its name once nobody
-// holds anything of it, within the watch's minute. A producer killed with
-// messages that nobody will read leaves segments that no process maps;
-// this is what removes them before the session ends. A segment of a
-// process that lives (pid reused) is held by its producer and stays.
-func WatchSegmentsOf(pid int) {
+func init() { leftover.Register(watchSegmentsOf) }
+
+// watchSegmentsOf watches this session's named segments that process pid
+// made; package mp has it run (through package leftover) for each worker
+// it reaps. Each loses its name once nobody holds anything of it, within
+// the watch's minute. A producer killed with messages that nobody will
+// read leaves segments that no process maps; this is what removes them
+// before the session ends.
+func watchSegmentsOf(pid int) {
 	entries, err := os.ReadDir(Dir())
 	if err != nil {
 		return

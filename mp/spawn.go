@@ -289,15 +289,12 @@ func (g *Group) watch(p *proc) {
 	var res result
 	reportErr := get(context.Background(), p.ctl, &res, true)
 	// A worker that died without cleaning up leaves files named after its
-	// pid (the CUDA driver's): they go while its zombie keeps that pid
-	// from naming another process.
+	// pid (the CUDA driver's, and named segments nobody else maps): they
+	// go while its zombie keeps that pid from naming another process.
 	if pid := p.cmd.Process.Pid; leftover.Any() && waitExited(pid) == nil {
 		leftover.Remove(pid)
 	}
 	waitErr := p.cmd.Wait()
-	// Its named segments go once nobody holds them: segments of a killed
-	// worker whose messages nobody reads are mapped by no process.
-	mmapalloc.WatchSegmentsOf(p.cmd.Process.Pid)
 	_ = p.ctl.close()
 	for _, w := range p.out {
 		w.flush()

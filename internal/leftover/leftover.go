@@ -1,6 +1,8 @@
 // Package leftover removes what a dead process left behind under its
 // own process id, where only that process could have removed it: the
-// CUDA driver's /dev/shm files of a worker that was killed, say.
+// CUDA driver's /dev/shm files of a worker that was killed, say, or the
+// named segments of one whose messages nobody read (mmapalloc watches
+// those until nobody holds them).
 //
 // A package that leaves such files registers a remover; package mp calls
 // Remove for each worker it started once the worker is dead and before
