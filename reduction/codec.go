@@ -85,9 +85,20 @@ func (e *Encoder) Encode(v any) (data []byte, fds []int, err error) {
 	}
 	e.w.reset()
 	e.enc.Reset(&e.w)
-	if t, ok := v.(*tensor.Tensor); ok && t != nil {
-		err = e.encodeBare(t)
-	} else {
+	switch x := v.(type) {
+	case *tensor.Tensor:
+		if x != nil {
+			err = e.encodeBare(x)
+			break
+		}
+		err = e.enc.Encode(v)
+	case []*tensor.Tensor:
+		if x != nil && !slices.Contains(x, nil) {
+			err = e.encodeBatch(x)
+			break
+		}
+		err = e.enc.Encode(v)
+	default:
 		err = e.enc.Encode(v)
 	}
 	if err != nil {
@@ -109,6 +120,21 @@ func (e *Encoder) encodeBare(t *tensor.Tensor) error {
 	}
 	_, err = e.w.Write(meta)
 	return err
+}
+
+// encodeBatch encodes a batch of tensors (what mp.PutMany sends) as
+// msgpack would encode the slice, an array of extensions, without its
+// reflection.
+func (e *Encoder) encodeBatch(ts []*tensor.Tensor) error {
+	if err := e.enc.EncodeArrayLen(len(ts)); err != nil {
+		return err
+	}
+	for _, t := range ts {
+		if err := e.encodeBare(t); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // Done tells the Encoder that the last message was sent: the descriptors
@@ -338,22 +364,44 @@ func (d *Decoder) Decode(data []byte, fds []int, v any) (err error) {
 		d.r.closeRest()
 		d.r.reset(nil, nil)
 	}()
-	if p, ok := v.(**tensor.Tensor); ok && p != nil {
-		if payload, ok := bareTensor(data); ok {
+	switch p := v.(type) {
+	case **tensor.Tensor:
+		if payload, rest, ok := nextBare(data); ok && p != nil && len(rest) == 0 {
 			return d.r.decodeBare(payload, p)
+		}
+	case *[]*tensor.Tensor:
+		if items, n, ok := bareBatch(data); ok && p != nil {
+			return d.r.decodeBatch(items, n, p)
 		}
 	}
 	return decodeChecked(d.dec, data, v)
 }
 
-// bareTensor returns the payload of data if it is one tensor extension
-// and nothing else, the commonest message.
-func bareTensor(data []byte) ([]byte, bool) {
-	k, _, head, body, err := peek(data)
-	if err != nil || k != kindExt || len(data) != head+body || int8(data[head]) != tensorExt {
-		return nil, false
+// nextBare splits the tensor extension at the start of b, returning its
+// payload and what follows it. A bare tensor, the commonest message, is
+// one of them and nothing else.
+func nextBare(b []byte) (payload, rest []byte, ok bool) {
+	k, _, head, body, err := peek(b)
+	if err != nil || k != kindExt || head+body > len(b) || int8(b[head]) != tensorExt {
+		return nil, nil, false
 	}
-	return data[head+1:], true
+	return b[head+1 : head+body], b[head+body:], true
+}
+
+// bareBatch reports whether data is an array of n tensor extensions and
+// nothing else, a batch that mp.PutMany sent, and returns the extensions.
+func bareBatch(data []byte) (items []byte, n int, ok bool) {
+	k, n, head, _, err := peek(data)
+	if err != nil || k != kindArray || n == 0 {
+		return nil, 0, false
+	}
+	items = data[head:]
+	for rest, i := items, 0; i < n; i++ {
+		if _, rest, ok = nextBare(rest); !ok || (i == n-1) != (len(rest) == 0) {
+			return nil, 0, false
+		}
+	}
+	return items, n, true
 }
 
 // decodeBare decodes a bare tensor's payload into *p, as msgpack would
@@ -364,6 +412,24 @@ func (r *fdReader) decodeBare(payload []byte, p **tensor.Tensor) error {
 		return err
 	}
 	*p = t
+	return nil
+}
+
+// decodeBatch decodes the n tensor extensions of items, which bareBatch
+// checked, into *p, reusing its room as msgpack would but without its
+// reflection.
+func (r *fdReader) decodeBatch(items []byte, n int, p *[]*tensor.Tensor) error {
+	ts := slices.Grow((*p)[:0], n)
+	defer func() { *p = ts }()
+	for range n {
+		payload, rest, _ := nextBare(items)
+		items = rest
+		t, err := tensorOf(payload, r, &r.made)
+		if err != nil {
+			return err
+		}
+		ts = append(ts, t)
+	}
 	return nil
 }
 

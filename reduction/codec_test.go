@@ -2,6 +2,7 @@ package reduction_test
 
 import (
 	"fmt"
+	"slices"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -137,7 +138,7 @@ func TestBareTensorIsPlainMsgpack(t *testing.T) {
 	bare = append([]byte(nil), bare...)
 	require.Len(t, fds, 1)
 	enc.Done()
-	inSlice, _, err := enc.Encode([]*tensor.Tensor{view})
+	inSlice, _, err := enc.Encode([]any{view}) // through msgpack
 	require.NoError(t, err)
 	enc.Done()
 	assert.Equal(t, []byte{0x91}, inSlice[:1], "an array of one")
@@ -162,6 +163,111 @@ func TestBareTensorIsPlainMsgpack(t *testing.T) {
 		assert.Equal(t, wantShape, gotShape)
 		assert.Equal(t, wantStrides, gotStrides)
 	}
+}
+
+// A batch of tensors, what mp.PutMany sends, is encoded and decoded
+// without msgpack's reflection too: its bytes are msgpack's for the same
+// tensors in any array, and they decode alike through both paths.
+func TestTensorBatchIsPlainMsgpack(t *testing.T) {
+	leakcheck.Check(t)
+	x, err := tensor.Arange(tensor.Float32, 24)
+	require.NoError(t, err)
+	defer x.Release()
+	m, err := x.Reshape(4, 6)
+	require.NoError(t, err)
+	view, err := m.Transpose(0, 1)
+	require.NoError(t, err)
+	y, err := tensor.Full(tensor.Int64, 7, 3)
+	require.NoError(t, err)
+	defer y.Release()
+	batch := []*tensor.Tensor{x, view, y, x}
+
+	enc := reduction.NewEncoder()
+	fast, fds, err := enc.Encode(batch)
+	require.NoError(t, err)
+	fast = append([]byte(nil), fast...)
+	nfds := len(fds)
+	enc.Done()
+	viaMsgpack, fds, err := enc.Encode([]any{x, view, y, x})
+	require.NoError(t, err)
+	assert.Len(t, fds, nfds)
+	assert.Equal(t, viaMsgpack, fast)
+	enc.Done()
+
+	check := func(t *testing.T, got []*tensor.Tensor) {
+		t.Helper()
+		require.Len(t, got, len(batch))
+		for i, want := range batch {
+			assert.Same(t, want.Storage(), got[i].Storage(), "tensor %d", i)
+			gotShape, gotStrides := got[i].Dims()
+			wantShape, wantStrides := want.Dims()
+			assert.Equal(t, wantShape, gotShape, "tensor %d", i)
+			assert.Equal(t, wantStrides, gotStrides, "tensor %d", i)
+		}
+	}
+	t.Run("into a slice with room", func(t *testing.T) {
+		data, fds, err := reduction.Marshal(batch)
+		require.NoError(t, err)
+		room := make([]*tensor.Tensor, 1, 8)
+		got := room[1:]
+		require.NoError(t, reduction.Unmarshal(data, fds, &got))
+		check(t, got)
+		assert.Same(t, &room[:2][1], &got[0], "the slice's room is reused")
+	})
+	t.Run("into a nil slice", func(t *testing.T) {
+		data, fds, err := reduction.Marshal(batch)
+		require.NoError(t, err)
+		var got []*tensor.Tensor
+		require.NoError(t, reduction.Unmarshal(data, fds, &got))
+		check(t, got)
+	})
+	t.Run("into any", func(t *testing.T) {
+		data, fds, err := reduction.Marshal(batch)
+		require.NoError(t, err)
+		var got []any
+		require.NoError(t, reduction.Unmarshal(data, fds, &got))
+		ts := make([]*tensor.Tensor, len(got))
+		for i, v := range got {
+			ts[i] = v.(*tensor.Tensor)
+		}
+		check(t, ts)
+	})
+	t.Run("with a nil tensor", func(t *testing.T) {
+		data, fds, err := reduction.Marshal([]*tensor.Tensor{x, nil})
+		require.NoError(t, err)
+		var got []*tensor.Tensor
+		require.NoError(t, reduction.Unmarshal(data, fds, &got))
+		require.Len(t, got, 2)
+		assert.Same(t, x.Storage(), got[0].Storage())
+		assert.Nil(t, got[1])
+	})
+	t.Run("malformed", func(t *testing.T) {
+		data, fds, err := reduction.Marshal(batch)
+		require.NoError(t, err)
+		closeAll := func(fds []int) {
+			for _, d := range fds {
+				_ = unix.Close(d)
+			}
+		}
+		defer closeAll(fds)
+		dups := func() []int {
+			out := make([]int, len(fds))
+			for i, d := range fds {
+				out[i], err = unix.Dup(d)
+				require.NoError(t, err)
+			}
+			return out
+		}
+		short := slices.Clone(data)
+		short[0] = 0x95 // five tensors announced, four there
+		long := append(slices.Clone(data), 0xc0)
+		mixed := append([]byte{0x95}, append(slices.Clone(data[1:]), 0x01)...) // four tensors and an integer
+		for name, msg := range map[string][]byte{"short": short, "trailing": long, "mixed": mixed} {
+			var got []*tensor.Tensor
+			err := reduction.Unmarshal(msg, dups(), &got)
+			assert.Error(t, err, name)
+		}
+	})
 }
 
 func TestPlainMsgpackRefusesTensors(t *testing.T) {
