@@ -87,7 +87,7 @@ func (w *bodyWriter) encode(t *tensor.Tensor) ([]byte, error) {
 	if !t.Place().IsCPU() {
 		return nil, fmt.Errorf("reduction: encode %v: %w", t, ErrDeviceTensor)
 	}
-	m := viewMeta(t)
+	m := viewMeta(t, nil)
 	if t.Numel() > 0 {
 		s := t.Storage()
 		i, ok := w.index[s]

@@ -204,6 +204,7 @@ type fdWriter struct {
 
 	leases []lease // on the message's descriptors, until it is sent
 	meta   []byte  // scratch for one tensor's metadata
+	dims   []int   // scratch for its shape and strides
 }
 
 // settle ends every lease the same way.
@@ -306,7 +307,8 @@ func encodeTensor(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {
 // tensor returns the encoding of t's Meta, adding its descriptor to the
 // message's. The bytes are valid until the next tensor.
 func (w *fdWriter) tensor(t *tensor.Tensor) ([]byte, error) {
-	m, raw, l, err := reduce(t)
+	w.dims = slices.Grow(w.dims[:0], 2*t.Dim()) // room for reduce to fill
+	m, raw, l, err := reduce(t, w.dims)
 	if err != nil {
 		return nil, err
 	}

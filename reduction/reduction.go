@@ -65,7 +65,7 @@ const StrategyCUDAIPC = "cuda_ipc"
 // closing it unsent is how metadata that will never be rebuilt is
 // discarded.
 func Reduce(t *tensor.Tensor) (Meta, []int, error) {
-	m, fd, l, err := reduce(t)
+	m, fd, l, err := reduce(t, nil)
 	if err != nil || fd < 0 {
 		return m, nil, err
 	}
@@ -80,8 +80,9 @@ func Reduce(t *tensor.Tensor) (Meta, []int, error) {
 
 // reduce is Reduce returning the descriptor itself, or -1, and the lease
 // that keeps it open, and its block held, until the message is sent: a
-// pooled block's ticket, or a segment's lent descriptor.
-func reduce(t *tensor.Tensor) (Meta, int, lease, error) {
+// pooled block's ticket, or a segment's lent descriptor. The Meta's shape
+// and strides are appended to room (see viewMeta).
+func reduce(t *tensor.Tensor, room []int) (Meta, int, lease, error) {
 	if t.Place().IsGPU() {
 		return reduceGPU(t)
 	}
@@ -89,7 +90,7 @@ func reduce(t *tensor.Tensor) (Meta, int, lease, error) {
 		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, ErrDeviceTensor)
 	}
 	s := t.Storage()
-	m := viewMeta(t)
+	m := viewMeta(t, room)
 	if s.Released() {
 		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
 	}
@@ -138,8 +139,10 @@ func reduce(t *tensor.Tensor) (Meta, int, lease, error) {
 
 // viewMeta returns the Meta of t's view of its storage, naming no
 // segment yet. An empty tensor's view is normalised: no offset, zero
-// strides.
-func viewMeta(t *tensor.Tensor) Meta {
+// strides. Its shape and strides are appended to room[:0], which a caller
+// that encodes the Meta at once reuses for the next one; a nil room
+// makes them new.
+func viewMeta(t *tensor.Tensor, room []int) Meta {
 	m := Meta{
 		Version: Version,
 		FD:      -1,
@@ -149,7 +152,8 @@ func viewMeta(t *tensor.Tensor) Meta {
 		LoD:     t.LoD(),
 		Place:   t.Place().String(),
 	}
-	m.Shape, m.Strides = t.Dims()
+	d, n := t.AppendDims(room[:0]), t.Dim()
+	m.Shape, m.Strides = d[:n:n], d[n:]
 	if t.Numel() == 0 {
 		m.Offset = 0
 		m.Strides = make([]int, len(m.Shape))

@@ -28,7 +28,15 @@ type Tensor struct {
 	shape   []int
 	strides []int // elements
 	lod     [][]int
+	// dims holds shape and strides for tensors of up to inlineDims
+	// dimensions, made with the tensor instead of beside it: a tensor
+	// sent or received is one allocation fewer.
+	dims [2 * inlineDims]int
 }
+
+// inlineDims is the most dimensions whose shape and strides a Tensor
+// holds in itself.
+const inlineDims = 4
 
 // Factory makes tensors on one place. In and On return one; the
 // package-level constructors use the process default place.
@@ -74,7 +82,7 @@ func (f Factory) Zeros(dt DType, shape ...int) (*Tensor, error) {
 		return nil, err
 	}
 	t := &Tensor{storage: s, dtype: dt}
-	t.shape, t.strides = contiguousDims(shape)
+	t.shape, t.strides = contiguousDims(shape, t.dims[:])
 	return t, nil
 }
 
@@ -164,7 +172,7 @@ func FromStorage(s *Storage, dt DType, offset int64, shape, strides []int) (*Ten
 		return nil, err
 	}
 	t := &Tensor{storage: s, offset: offset, dtype: dt}
-	t.shape, t.strides = cloneDims(shape, strides)
+	t.shape, t.strides = cloneDims(shape, strides, t.dims[:])
 	return t, nil
 }
 
@@ -257,28 +265,37 @@ func fillContiguous(strides, shape []int) {
 	}
 }
 
-// cloneDims returns copies of shape and strides, made with one allocation
-// (they are copied for every tensor received). A nil one stays nil.
-func cloneDims(shape, strides []int) ([]int, []int) {
+// cloneDims returns copies of shape and strides (they are copied for
+// every tensor received), in room if they fit, else in one allocation. A
+// nil one stays nil.
+func cloneDims(shape, strides, room []int) ([]int, []int) {
 	if shape == nil || strides == nil {
 		return slices.Clone(shape), slices.Clone(strides)
 	}
-	d := make([]int, len(shape)+len(strides))
+	d := dimsIn(room, len(shape)+len(strides))
 	n := copy(d, shape)
 	copy(d[n:], strides)
 	return d[:n:n], d[n:]
 }
 
-// contiguousDims returns a copy of shape and its contiguous strides, made
-// with one allocation. A nil shape stays nil.
-func contiguousDims(shape []int) ([]int, []int) {
+// contiguousDims returns a copy of shape and its contiguous strides, in
+// room if they fit, else in one allocation. A nil shape stays nil.
+func contiguousDims(shape, room []int) ([]int, []int) {
 	if shape == nil {
 		return nil, []int{}
 	}
-	d := make([]int, 2*len(shape))
+	d := dimsIn(room, 2*len(shape))
 	n := copy(d, shape)
 	fillContiguous(d[n:], shape)
 	return d[:n:n], d[n:]
+}
+
+// dimsIn returns n ints of room, or new ones if room is too small.
+func dimsIn(room []int, n int) []int {
+	if n <= len(room) {
+		return room[:n:n]
+	}
+	return make([]int, n)
 }
 
 // DType returns the element type.
@@ -292,7 +309,15 @@ func (t *Tensor) Strides() []int { return slices.Clone(t.strides) }
 
 // Dims returns copies of the shape and the strides, as Shape and Strides
 // do, with one allocation for both.
-func (t *Tensor) Dims() (shape, strides []int) { return cloneDims(t.shape, t.strides) }
+func (t *Tensor) Dims() (shape, strides []int) { return cloneDims(t.shape, t.strides, nil) }
+
+// AppendDims appends the shape and then the strides to dst and returns
+// the extended slice, for a caller that reuses one buffer where Dims
+// would allocate: the shape is the Dim() elements after dst's, the strides
+// the Dim() elements after those.
+func (t *Tensor) AppendDims(dst []int) []int {
+	return append(append(dst, t.shape...), t.strides...)
+}
 
 // Dim returns the number of dimensions.
 func (t *Tensor) Dim() int { return len(t.shape) }
