@@ -127,6 +127,9 @@ func (t Type) String() string {
 // (an alias of gpu, as torch users write it) or "kind:N" for a registered
 // custom kind. A kind without an index means index 0.
 func Parse(s string) (Place, error) {
+	if s == "cpu" { // what every received CPU tensor names: no lookup
+		return CPU(), nil
+	}
 	if s == "" {
 		return Place{}, errors.New("device: empty place string")
 	}

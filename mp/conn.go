@@ -242,11 +242,11 @@ func lock(ctx context.Context, sem chan struct{}, block bool) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	if !block {
-		select {
-		case sem <- struct{}{}:
-			return nil
-		default:
+	select {
+	case sem <- struct{}{}: // free, the common case: no select over ctx
+		return nil
+	default:
+		if !block {
 			return errWouldBlock // another call of this process is waiting
 		}
 	}

@@ -467,8 +467,9 @@ type fdReader struct {
 	used []bool // referenced by some tensor
 	kept []bool // owned by a storage now
 	// tickets[i]: the segment whose blocks descriptor i covers, as their
-	// ticket, until the message is decoded and mmapalloc adopts it.
-	tickets map[int]mmapalloc.ID
+	// ticket, until the message is decoded and mmapalloc adopts it; the
+	// zero ID (which no segment has) if none.
+	tickets []mmapalloc.ID
 	stats   []mmapalloc.FileStat // stats[i]: descriptor i's, once statted[i]
 	statted []bool
 	made    []*tensor.Storage
@@ -484,6 +485,7 @@ func (r *fdReader) reset(data []byte, fds []int) {
 	clear(r.used)
 	clear(r.kept)
 	clear(r.statted)
+	r.tickets = slices.Grow(r.tickets[:0], len(fds))[:len(fds)]
 	clear(r.tickets)
 	clear(r.made)
 	r.made = r.made[:0]
@@ -574,14 +576,11 @@ func (r *fdReader) take(i int) (int, error) {
 // lends itself to a lock taken at once.
 func (r *fdReader) ticket(i int, id mmapalloc.ID) (int, bool) {
 	fd := r.fds[i]
-	if got, ok := r.tickets[i]; ok {
+	if got := r.tickets[i]; got != (mmapalloc.ID{}) {
 		return fd, got == id
 	}
-	if r.kept[i] {
+	if r.kept[i] || id == (mmapalloc.ID{}) {
 		return fd, false
-	}
-	if r.tickets == nil {
-		r.tickets = map[int]mmapalloc.ID{}
 	}
 	r.tickets[i] = id
 	return fd, true
@@ -591,7 +590,7 @@ func (r *fdReader) ticket(i int, id mmapalloc.ID) (int, bool) {
 // once every block of the message is held.
 func (r *fdReader) adoptTickets() {
 	for i, id := range r.tickets {
-		if !r.kept[i] {
+		if id != (mmapalloc.ID{}) && !r.kept[i] {
 			r.kept[i] = true
 			mmapalloc.AdoptTicket(r.fds[i], id)
 		}
