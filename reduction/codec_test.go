@@ -117,19 +117,26 @@ func TestEncoderReuse(t *testing.T) {
 	}
 }
 
+// transposed returns a 24-element tensor and a transposed 4 x 6 view of
+// it, which the test releases at its end.
+func transposed(t *testing.T) (x, view *tensor.Tensor) {
+	x, err := tensor.Arange(tensor.Float32, 24)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = x.Release() })
+	m, err := x.Reshape(4, 6)
+	require.NoError(t, err)
+	view, err = m.Transpose(0, 1)
+	require.NoError(t, err)
+	return x, view
+}
+
 // A bare tensor, the commonest message, is encoded and decoded without
 // msgpack's reflection: its bytes are those msgpack writes for it inside
 // any other value, and they decode alike into a tensor and into any.
 func TestBareTensorIsPlainMsgpack(t *testing.T) {
 	leakcheck.Check(t)
-	x, err := tensor.Arange(tensor.Float32, 24)
-	require.NoError(t, err)
-	defer x.Release()
-	m, err := x.Reshape(4, 6)
-	require.NoError(t, err)
-	view, err := m.Transpose(0, 1)
-	require.NoError(t, err)
-	view, err = view.Narrow(0, 1, 3)
+	x, view := transposed(t)
+	view, err := view.Narrow(0, 1, 3)
 	require.NoError(t, err)
 
 	enc := reduction.NewEncoder()
@@ -170,13 +177,7 @@ func TestBareTensorIsPlainMsgpack(t *testing.T) {
 // tensors in any array, and they decode alike through both paths.
 func TestTensorBatchIsPlainMsgpack(t *testing.T) {
 	leakcheck.Check(t)
-	x, err := tensor.Arange(tensor.Float32, 24)
-	require.NoError(t, err)
-	defer x.Release()
-	m, err := x.Reshape(4, 6)
-	require.NoError(t, err)
-	view, err := m.Transpose(0, 1)
-	require.NoError(t, err)
+	x, view := transposed(t)
 	y, err := tensor.Full(tensor.Int64, 7, 3)
 	require.NoError(t, err)
 	defer y.Release()
