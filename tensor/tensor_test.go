@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"runtime"
+	"slices"
 	"sync"
 	"testing"
 
@@ -78,6 +79,49 @@ func TestHalfConversions(t *testing.T) {
 	assert.Equal(t, float32(-3.140625), tensor.BHalfFromFloat32(-3.14159).Float32())
 	assert.Equal(t, uint16(0x3f80), uint16(tensor.BHalfFromFloat32(1.00390625)), "a tie rounds to even")
 	assert.True(t, math.IsNaN(float64(tensor.BHalfFromFloat32(float32(math.NaN())).Float32())))
+}
+
+// Shapes and strides are right on both sides of the most dimensions a
+// tensor holds in itself, and AppendDims appends the same as Dims returns.
+func TestDimsAtEveryRank(t *testing.T) {
+	for rank := 0; rank <= 6; rank++ {
+		shape := make([]int, rank)
+		for i := range shape {
+			shape[i] = i + 2
+		}
+		x, err := tensor.Zeros(tensor.Int8, shape...)
+		require.NoError(t, err)
+		gotShape, gotStrides := x.Dims()
+		assert.Equal(t, len(shape), len(gotShape), "rank %d", rank)
+		if rank > 0 {
+			assert.Equal(t, shape, gotShape, "rank %d", rank)
+		}
+		assert.Len(t, gotStrides, rank)
+		for i := range rank {
+			want := 1
+			for _, n := range shape[i+1:] {
+				want *= n
+			}
+			assert.Equal(t, want, gotStrides[i], "rank %d, stride %d", rank, i)
+		}
+		y, err := tensor.FromStorage(x.Storage(), tensor.Int8, 0, gotShape, gotStrides)
+		require.NoError(t, err)
+		yShape, yStrides := y.Dims()
+		assert.Equal(t, gotShape, yShape, "rank %d", rank)
+		assert.Equal(t, gotStrides, yStrides, "rank %d", rank)
+		if rank > 0 {
+			gotShape[0] = 99
+			assert.Equal(t, shape[0], y.Shape()[0], "y holds its own copy of the shape")
+		}
+
+		dst := []int{-1}
+		d := y.AppendDims(dst)
+		require.Len(t, d, 1+2*rank)
+		assert.Equal(t, -1, d[0], "what dst held stays")
+		assert.True(t, slices.Equal(yShape, d[1:1+rank]), "rank %d: shape %v, appended %v", rank, yShape, d)
+		assert.True(t, slices.Equal(yStrides, d[1+rank:]), "rank %d: strides %v, appended %v", rank, yStrides, d)
+		require.NoError(t, x.Release())
+	}
 }
 
 func TestConstructors(t *testing.T) {
