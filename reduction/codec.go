@@ -78,34 +78,31 @@ func NewEncoder() *Encoder {
 // send the message, then call Done, or Discard if it will not be sent.
 // The next Encode does Done for a message left without either.
 func (e *Encoder) Encode(v any) (data []byte, fds []int, err error) {
-	if v != nil {
-		if err := checkType(reflect.TypeOf(v)); err != nil {
-			return nil, nil, err
-		}
-	}
 	e.w.reset()
 	e.enc.Reset(&e.w)
-	switch x := v.(type) {
-	case *tensor.Tensor:
-		if x != nil {
-			err = e.encodeBare(x)
-			break
-		}
-		err = e.enc.Encode(v)
-	case []*tensor.Tensor:
-		if x != nil && !slices.Contains(x, nil) {
-			err = e.encodeBatch(x)
-			break
-		}
-		err = e.enc.Encode(v)
-	default:
-		err = e.enc.Encode(v)
+	if t, ok := v.(*tensor.Tensor); ok && t != nil {
+		err = e.encodeBare(t)
+	} else if ts, ok := v.([]*tensor.Tensor); ok && ts != nil && !slices.Contains(ts, nil) {
+		err = e.encodeBatch(ts)
+	} else {
+		err = e.encodeValue(v)
 	}
 	if err != nil {
 		e.Discard()
 		return nil, nil, err
 	}
 	return e.w.buf, e.w.fds, nil
+}
+
+// encodeValue encodes any value that carries only what can travel (see
+// checkType) through msgpack.
+func (e *Encoder) encodeValue(v any) error {
+	if v != nil {
+		if err := checkType(reflect.TypeOf(v)); err != nil {
+			return err
+		}
+	}
+	return e.enc.Encode(v)
 }
 
 // encodeBare encodes a bare tensor, the commonest message, as msgpack
@@ -482,10 +479,10 @@ func (r *fdReader) reset(data []byte, fds []int) {
 	r.kept = slices.Grow(r.kept[:0], len(fds))[:len(fds)]
 	r.stats = slices.Grow(r.stats[:0], len(fds))[:len(fds)]
 	r.statted = slices.Grow(r.statted[:0], len(fds))[:len(fds)]
+	r.tickets = slices.Grow(r.tickets[:0], len(fds))[:len(fds)]
 	clear(r.used)
 	clear(r.kept)
 	clear(r.statted)
-	r.tickets = slices.Grow(r.tickets[:0], len(fds))[:len(fds)]
 	clear(r.tickets)
 	clear(r.made)
 	r.made = r.made[:0]
