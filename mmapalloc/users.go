@@ -4,10 +4,11 @@ import "sync"
 
 // A process finds what it has already of a block a message names through
 // its slots' users: the package above registers what it keeps on each
-// Block it uses (package tensor's Storage, held weakly), and a receiver
-// sent the same block again, or a producer sent its own block back, gets
-// that user instead of making a second one. A registration costs a store
-// in the segment's table; it ends when its Block is released.
+// Block it uses (a reference to package tensor's Storage that does not
+// keep it alive), and a receiver sent the same block again, or a producer
+// sent its own block back, gets that user instead of making a second one.
+// A registration costs a store in the segment's table; it ends when its
+// Block is released.
 
 // slotUser is a slot's registered user, with the Block that registered it
 // and the block's generation.

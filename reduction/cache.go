@@ -2,7 +2,6 @@ package reduction
 
 import (
 	"sync"
-	"weak"
 
 	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/tensor"
@@ -27,29 +26,30 @@ func nameKey(name string) cacheKey   { return cacheKey{name: name, off: -1} }
 
 // storageCache maps segments to the Storage this process has for them, so
 // that one segment received twice is mapped once. It holds its storages
-// weakly: a Storage nobody uses is collected (and unmapped) as if the cache
-// did not exist. It never drops a live Storage, however many there are:
+// by their references (tensor.StorageRef), which do not keep them: a
+// Storage nobody uses is collected (and unmapped) as if the cache did not
+// exist. It never drops a live Storage, however many there are:
 // a released storage's entry goes at its Release; one collected
 // unreleased goes when looked up, or in a sweep each time the cache has
 // doubled since the last one, which costs a constant time per entry.
 type storageCache struct {
 	mu      sync.Mutex
-	m       map[cacheKey]weak.Pointer[tensor.Storage]
+	m       map[cacheKey]*tensor.StorageRef
 	sweepAt int // the size at which the next put sweeps
 }
 
 // storages is the process's cache, guarded by its mutex.
-var storages = &storageCache{m: make(map[cacheKey]weak.Pointer[tensor.Storage]), sweepAt: sweepMin}
+var storages = &storageCache{m: make(map[cacheKey]*tensor.StorageRef), sweepAt: sweepMin}
 
 // get returns the live Storage cached under k if it has size bytes.
 func (c *storageCache) get(k cacheKey, size int64) *tensor.Storage {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	w, ok := c.m[k]
+	r, ok := c.m[k]
 	if !ok {
 		return nil
 	}
-	s := w.Value()
+	s := r.Value()
 	if s == nil || s.Released() {
 		delete(c.m, k)
 		return nil
@@ -63,10 +63,10 @@ func (c *storageCache) get(k cacheKey, size int64) *tensor.Storage {
 // put caches s under k unless a live Storage is cached there already, and
 // returns the one that is cached afterwards.
 func (c *storageCache) put(k cacheKey, s *tensor.Storage) *tensor.Storage {
-	w := s.Weak() // not under c.mu: s.mu is taken before it, by Release
+	r := s.Ref() // not under c.mu: s.mu is taken before it, by Release
 	c.mu.Lock()
-	if w, ok := c.m[k]; ok {
-		if old := w.Value(); old != nil && !old.Released() {
+	if cur, ok := c.m[k]; ok {
+		if old := cur.Value(); old != nil && !old.Released() {
 			c.mu.Unlock()
 			return old // s itself, when a sender registers again
 		}
@@ -74,19 +74,19 @@ func (c *storageCache) put(k cacheKey, s *tensor.Storage) *tensor.Storage {
 	if len(c.m) >= c.sweepAt {
 		c.sweepLocked()
 	}
-	c.m[k] = w
+	c.m[k] = r
 	c.mu.Unlock()
 	// Not under c.mu: a storage released meanwhile runs forget at once.
-	s.OnRelease(func() { c.forget(k, w) })
+	s.OnRelease(func() { c.forget(k, r) })
 	return s
 }
 
 // forget drops the entry of a storage that was released, unless another
 // storage took its key since.
-func (c *storageCache) forget(k cacheKey, w weak.Pointer[tensor.Storage]) {
+func (c *storageCache) forget(k cacheKey, r *tensor.StorageRef) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.m[k] == w {
+	if c.m[k] == r {
 		delete(c.m, k)
 	}
 }
@@ -94,8 +94,8 @@ func (c *storageCache) forget(k cacheKey, w weak.Pointer[tensor.Storage]) {
 // sweepLocked drops the entries of storages that were released or
 // collected, and sets the size of the next sweep.
 func (c *storageCache) sweepLocked() {
-	for k, w := range c.m {
-		if s := w.Value(); s == nil || s.Released() {
+	for k, r := range c.m {
+		if s := r.Value(); s == nil || s.Released() {
 			delete(c.m, k)
 		}
 	}
@@ -111,17 +111,17 @@ func (c *storageCache) len() int {
 
 // Pooled blocks are not in the cache: each Storage on a block is
 // registered as the user of the block's slot (see
-// mmapalloc.Block.SetUser), weakly, where finding it again costs no
-// hashing.
+// mmapalloc.Block.SetUser) by its reference, where finding it again
+// costs no hashing.
 
 // registerBlock registers s as the storage of its block in this process,
 // unless a live storage is registered already: then it returns that one.
 func registerBlock(s *tensor.Storage) *tensor.Storage {
-	b, w := s.Block(), s.Weak()
+	b, r := s.Block(), s.Ref()
 	alive := func(u any) bool { return liveUser(u, s.Size()) != nil }
 	for {
-		u := b.SetUser(w, alive)
-		if u == any(w) {
+		u := b.SetUser(r, alive)
+		if u == any(r) {
 			return s
 		}
 		if won := liveUser(u, s.Size()); won != nil {
@@ -134,11 +134,11 @@ func registerBlock(s *tensor.Storage) *tensor.Storage {
 // liveUser returns the storage u, a block's registered user, stands for,
 // if it is live, on a block, and of size bytes; else nil.
 func liveUser(u any, size int64) *tensor.Storage {
-	w, ok := u.(weak.Pointer[tensor.Storage])
+	r, ok := u.(*tensor.StorageRef)
 	if !ok {
 		return nil
 	}
-	s := w.Value()
+	s := r.Value()
 	if s == nil || s.Released() || s.Block() == nil || s.Size() != size {
 		return nil
 	}

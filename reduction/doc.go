@@ -18,7 +18,8 @@
 // ticket is handed to mmapalloc once every block it covers is held, a
 // whole segment's descriptor goes to its storage, and the rest are closed.
 // Receiving a segment the process already maps returns a tensor on the same
-// Storage, through a guarded, bounded cache that holds storages weakly.
+// Storage, through a guarded cache that does not keep storages alive (see
+// tensor.StorageRef).
 //
 // Everything received is checked before use: version, dtype, shape,
 // strides and offset against the segment's real size, descriptor indexes,

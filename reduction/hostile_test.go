@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"math"
 	"testing"
-	"weak"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -261,7 +260,7 @@ func releaseAll(v any) {
 // back is the same storage"), and its size follows the live ones: dead
 // entries are swept.
 func TestCacheKeepsLiveStoragesAndDropsDeadOnes(t *testing.T) {
-	c := &storageCache{m: make(map[cacheKey]weak.Pointer[tensor.Storage]), sweepAt: sweepMin}
+	c := &storageCache{m: make(map[cacheKey]*tensor.StorageRef), sweepAt: sweepMin}
 	const n = 20_000
 	live := make([]*tensor.Storage, 0, n)
 	for i := range n {

@@ -3,53 +3,63 @@ package tensor
 import (
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"weak"
 )
 
 // The safety net gives back the memory of a Storage that became
 // unreachable without Release.
 //
-// It holds each armed Storage's memory beside the Storage's weak pointer,
+// It holds each armed Storage's memory beside the Storage's StorageRef,
 // in a slot the Storage keeps, and after every garbage collection it
-// releases the memory of those whose weak pointer went nil. A Storage
-// thus carries one runtime special, its weak handle, which package
-// reduction's cache of storages uses too (see Storage.Weak), where a
-// runtime.AddCleanup per Storage would add a second: each special costs a
+// releases the memory of those whose reference went nil. A young
+// reference holds its Storage strongly and costs the runtime nothing; the
+// sweep after the first whole collection cycle the Storage lives through
+// makes it weak, which adds the Storage's one runtime special, its weak
+// handle. Most storages in shared memory are released within microseconds
+// or milliseconds of being made or received, so they never get one: each special costs a
 // walk of its span's list of specials when it is added and when it is
-// removed, the largest single cost of streaming small tensors. A sweep
-// costs a constant time per armed Storage, once per collection, on the
-// runtime's cleanup goroutine.
+// removed, the largest single cost of streaming small tensors. Package
+// reduction's caches of storages use the same references (see
+// Storage.Ref), where a runtime.AddCleanup per Storage would add a second
+// special. A sweep costs a constant time per armed Storage, and a weak
+// handle per Storage still young, once per collection, on the runtime's
+// cleanup goroutine. A Storage dropped unreleased is thus given back
+// after the third collection that follows, not the first.
 type safetyNet struct {
 	mu    sync.Mutex
 	slots []netSlot // a Storage's slot is its index here
 	free  []int32   // indexes of empty slots
 	start sync.Once
+	// sweeps counts the sweeps begun: a reference made when it was e is
+	// young until sweep e+2, the first that follows a whole cycle.
+	sweeps atomic.Uint32
 }
 
-// netSlot is one armed Storage: its weak pointer and its memory. An
-// empty slot has neither.
+// netSlot is one armed Storage: its reference and its memory. An empty
+// slot has neither.
 type netSlot struct {
-	w weak.Pointer[Storage]
+	r *StorageRef
 	m *memory
 }
 
 // safety is the process's safety net, guarded by its mutex.
 var safety = &safetyNet{}
 
-// arm puts m, w's memory, in the net and returns its slot: the memory is
-// released once w's Storage is unreachable, unless disarm takes it out
-// first.
-func (n *safetyNet) arm(w weak.Pointer[Storage], m *memory) int32 {
+// arm puts m, r's Storage's memory, in the net and returns its slot: the
+// memory is released once r's Storage is unreachable, unless disarm takes
+// it out first.
+func (n *safetyNet) arm(r *StorageRef, m *memory) int32 {
 	n.start.Do(func() { afterEachGC(n.sweep) })
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	if k := len(n.free); k > 0 {
 		i := n.free[k-1]
 		n.free = n.free[:k-1]
-		n.slots[i] = netSlot{w, m}
+		n.slots[i] = netSlot{r, m}
 		return i
 	}
-	n.slots = append(n.slots, netSlot{w, m})
+	n.slots = append(n.slots, netSlot{r, m})
 	return int32(len(n.slots) - 1)
 }
 
@@ -65,17 +75,29 @@ func (n *safetyNet) emptyLocked(i int32) {
 	n.free = append(n.free, i)
 }
 
-// sweep releases the memory of every armed Storage that was collected.
+// sweep releases the memory of every armed Storage that was collected,
+// and makes the references of those still young weak.
 func (n *safetyNet) sweep() {
 	var dead []*memory
+	var young []*StorageRef
+	epoch := n.sweeps.Add(1)
 	n.mu.Lock()
 	for i, sl := range n.slots {
-		if sl.m != nil && sl.w.Value() == nil {
+		switch {
+		case sl.m == nil:
+		case sl.r.young.Load() != nil:
+			if epoch-sl.r.born >= 2 {
+				young = append(young, sl.r)
+			}
+		case sl.r.Value() == nil:
 			dead = append(dead, sl.m)
 			n.emptyLocked(int32(i))
 		}
 	}
 	n.mu.Unlock()
+	for _, r := range young {
+		r.age()
+	}
 	for _, m := range dead {
 		_ = m.release()
 	}
@@ -101,3 +123,60 @@ func afterEachGC(f func()) {
 		afterEachGC(f)
 	}, struct{}{})
 }
+
+// A StorageRef refers to a Storage without keeping it from being
+// collected, as a weak pointer does, but some collections later: a
+// reference to a Storage in shared memory or on a device starts young,
+// holding the Storage, and turns weak after the first whole garbage
+// collection cycle the Storage lives through, unless Release comes first.
+// Making a weak pointer costs the runtime more than a tensor's whole
+// hand-off to another process, and most such storages are released long
+// before that. Package reduction caches storages by their references (see
+// Storage.Ref).
+type StorageRef struct {
+	young atomic.Pointer[Storage]               // the Storage, while young and unreleased
+	weak  atomic.Pointer[weak.Pointer[Storage]] // set before young is cleared, once it ages
+	born  uint32                                // the net's sweeps when it was made
+}
+
+// Value returns the Storage r refers to, or nil once it was collected or,
+// if it was released young, released.
+func (r *StorageRef) Value() *Storage {
+	if s := r.young.Load(); s != nil {
+		return s
+	}
+	if w := r.weak.Load(); w != nil {
+		return w.Value()
+	}
+	return nil
+}
+
+// youngRef returns a young reference to s.
+func youngRef(s *Storage) *StorageRef {
+	r := &StorageRef{born: safety.sweeps.Load()}
+	r.young.Store(s)
+	return r
+}
+
+// weakRef returns a reference to s that is weak from the start.
+func weakRef(s *Storage) *StorageRef {
+	r := &StorageRef{}
+	w := weak.Make(s)
+	r.weak.Store(&w)
+	return r
+}
+
+// age makes r weak if it is young. The weak pointer is set before the
+// Storage is let go, so that Value finds one or the other.
+func (r *StorageRef) age() {
+	s := r.young.Load()
+	if s == nil {
+		return
+	}
+	w := weak.Make(s) // the same handle, however often it is made for s
+	r.weak.CompareAndSwap(nil, &w)
+	r.young.CompareAndSwap(s, nil)
+}
+
+// drop lets a released Storage go.
+func (r *StorageRef) drop() { r.young.Store(nil) }

@@ -2,6 +2,7 @@ package tensor_test
 
 import (
 	"runtime"
+	"sync"
 	"testing"
 	"time"
 
@@ -40,8 +41,8 @@ func TestSafetyNet(t *testing.T) {
 	assert.Equal(t, base+n+2, tensor.Armed(), "device memory is netted")
 
 	s := xs[0].Storage()
-	assert.Equal(t, s.Weak(), s.Weak(), "one weak pointer per storage")
-	assert.Same(t, s, s.Weak().Value())
+	assert.Same(t, s.Ref(), s.Ref(), "one reference per storage")
+	assert.Same(t, s, s.Ref().Value())
 
 	for _, x := range xs[:n/2] {
 		require.NoError(t, x.Release())
@@ -57,4 +58,94 @@ func TestSafetyNet(t *testing.T) {
 		defer be.mu.Unlock()
 		return tensor.Armed() == base && be.live == 0
 	}, 5*time.Second, 10*time.Millisecond, "collected storages leave the net, their memory freed")
+}
+
+// A storage's reference holds it until the first collection it lives
+// through, then weakly: a live storage is always found through it, a
+// released one at once no more, a dropped one after collections.
+func TestStorageRefAges(t *testing.T) {
+	leakcheck.Check(t)
+	base := tensor.Armed()
+
+	x, err := tensor.On(device.CPU()).Shared().Zeros(tensor.Uint8, 4<<10)
+	require.NoError(t, err)
+	r := x.Storage().Ref()
+	assert.True(t, tensor.Young(r), "a storage in shared memory starts young")
+	require.Eventually(t, func() bool {
+		runtime.GC()
+		return !tensor.Young(r)
+	}, 5*time.Second, 10*time.Millisecond, "the sweep after a collection makes the reference weak")
+	assert.Same(t, x.Storage(), r.Value(), "a live storage is found after it aged")
+	assert.Same(t, r, x.Storage().Ref())
+
+	y, err := tensor.On(device.CPU()).Shared().Zeros(tensor.Uint8, 4<<10)
+	require.NoError(t, err)
+	ry := y.Storage().Ref()
+	require.NoError(t, y.Release())
+	assert.Nil(t, ry.Value(), "a storage released young is let go at once")
+
+	h, err := tensor.Zeros(tensor.Uint8, 16)
+	require.NoError(t, err)
+	rh := h.Storage().Ref()
+	assert.False(t, tensor.Young(rh), "a storage the net does not hold is referred to weakly from the start")
+	assert.Same(t, h.Storage(), rh.Value())
+
+	assert.Equal(t, base+1, tensor.Armed())
+	x, h = nil, nil
+	require.Eventually(t, func() bool {
+		runtime.GC()
+		return r.Value() == nil && rh.Value() == nil && tensor.Armed() == base
+	}, 5*time.Second, 10*time.Millisecond, "dropped storages are collected through their references, their memory given back")
+}
+
+// References are made, read, aged and let go from many goroutines at
+// once, with collections running: under the race detector this checks
+// that the net, Release and Value agree on who holds what.
+func TestStorageRefConcurrent(t *testing.T) {
+	leakcheck.Check(t)
+	base := tensor.Armed()
+	stop := make(chan struct{})
+	gcDone := make(chan struct{})
+	go func() {
+		defer close(gcDone)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+				runtime.GC()
+			}
+		}
+	}()
+	var wg sync.WaitGroup
+	for g := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range 500 {
+				x, err := tensor.On(device.CPU()).Shared().Zeros(tensor.Uint8, 4<<10)
+				if !assert.NoError(t, err) {
+					return
+				}
+				r := x.Storage().Ref()
+				if !assert.Same(t, x.Storage(), r.Value(), "a live storage is found through its reference") {
+					return
+				}
+				if (g+i)%2 == 0 {
+					assert.NoError(t, x.Release())
+					if s := r.Value(); s != nil {
+						assert.True(t, s.Released(), "a released storage is found released, or not at all")
+					}
+				}
+				// Odd ones are dropped unreleased, for the net.
+			}
+		}()
+	}
+	wg.Wait()
+	close(stop)
+	<-gcDone
+	require.Eventually(t, func() bool {
+		runtime.GC()
+		return tensor.Armed() == base
+	}, 5*time.Second, 10*time.Millisecond, "every storage left the net")
 }

@@ -7,7 +7,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"unsafe"
-	"weak"
 
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/mmapalloc"
@@ -102,19 +101,19 @@ var releasedMemory = &memory{released: true}
 // segment, or a device buffer. Views made from a tensor share its Storage.
 //
 // A Storage owns its segment or buffer. Release gives it back; a Storage
-// that becomes unreachable without Release gives it back after a garbage
-// collection (see safetyNet), so memory is never lost, but only Release
+// that becomes unreachable without Release gives it back after some garbage
+// collections (see safetyNet), so memory is never lost, but only Release
 // says when.
 type Storage struct {
 	place  device.Place
 	nbytes int64
 
-	mu        sync.Mutex // serialises changes of mem, self, armed and slot, and onRelease
+	mu        sync.Mutex // serialises changes of mem, ref, armed and slot, and onRelease
 	mem       atomic.Pointer[memory]
-	self      weak.Pointer[Storage] // made once, by Weak or arm
-	armed     bool                  // mem is in the safety net,
-	slot      int32                 // in this slot
-	onRelease []func()              // run by Release, once
+	ref       *StorageRef // made once, by Ref or arm
+	armed     bool        // mem is in the safety net,
+	slot      int32       // in this slot
+	onRelease []func()    // run by Release, once
 }
 
 // newHeapStorage allocates nbytes of zeroed host memory, aligned for every
@@ -197,7 +196,10 @@ func NewEmptySharedStorage() *Storage {
 // arm puts s's memory in the safety net, which releases it if s becomes
 // unreachable unreleased. Callers hold s.mu or own s exclusively.
 func (s *Storage) arm() {
-	s.slot, s.armed = safety.arm(s.weakLocked(), s.mem.Load()), true
+	if s.ref == nil {
+		s.ref = youngRef(s)
+	}
+	s.slot, s.armed = safety.arm(s.ref, s.mem.Load()), true
 }
 
 // disarm takes s's memory out of the safety net. Callers hold s.mu.
@@ -208,20 +210,16 @@ func (s *Storage) disarm() {
 	}
 }
 
-// Weak returns a weak pointer to s, the same one each time. Package
-// reduction caches storages by it: a Storage in shared memory has one
-// already, and making another with weak.Make would cost as much again.
-func (s *Storage) Weak() weak.Pointer[Storage] {
+// Ref returns a reference to s, the same one each time, that keeps s from
+// being collected at most until its first whole garbage collection cycle
+// is over (see StorageRef). Package reduction caches storages by it.
+func (s *Storage) Ref() *StorageRef {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.weakLocked()
-}
-
-func (s *Storage) weakLocked() weak.Pointer[Storage] {
-	if s.self == (weak.Pointer[Storage]{}) {
-		s.self = weak.Make(s)
+	if s.ref == nil {
+		s.ref = weakRef(s) // not armed: nothing would make a young one weak
 	}
-	return s.self
+	return s.ref
 }
 
 // Place returns where the storage's memory lives.
@@ -374,7 +372,10 @@ func (s *Storage) Release() error {
 		return nil
 	}
 	s.mem.Store(releasedMemory)
-	s.disarm()
+	s.disarm() // before the reference lets s go: a sweep would take s for collected
+	if s.ref != nil {
+		s.ref.drop()
+	}
 	for _, f := range s.onRelease {
 		f()
 	}
