@@ -151,13 +151,6 @@ func (r *StorageRef) Value() *Storage {
 	return nil
 }
 
-// youngRef returns a young reference to s.
-func youngRef(s *Storage) *StorageRef {
-	r := &StorageRef{born: safety.sweeps.Load()}
-	r.young.Store(s)
-	return r
-}
-
 // weakRef returns a reference to s that is weak from the start.
 func weakRef(s *Storage) *StorageRef {
 	r := &StorageRef{}

@@ -150,8 +150,7 @@ func newStorage(p device.Place, nbytes int64) (*Storage, error) {
 		return nil, fmt.Errorf("tensor: allocating %d bytes on %s: %w", nbytes, p, err)
 	}
 	s := &Storage{place: p, nbytes: nbytes}
-	s.mem.Store(&memory{buf: buf})
-	s.arm()
+	s.arm(memory{buf: buf})
 	return s, nil
 }
 
@@ -160,8 +159,7 @@ func newStorage(p device.Place, nbytes int64) (*Storage, error) {
 // it.
 func NewSharedStorage(a *mmapalloc.Allocation) *Storage {
 	s := &Storage{place: device.CPU(), nbytes: a.Size()}
-	s.mem.Store(&memory{bytes: a.Bytes(), alloc: a, shared: true})
-	s.arm()
+	s.arm(memory{bytes: a.Bytes(), alloc: a, shared: true})
 	return s
 }
 
@@ -170,8 +168,7 @@ func NewSharedStorage(a *mmapalloc.Allocation) *Storage {
 // of b: Release, or the cleanup of an unreachable Storage, frees it once.
 func NewDeviceStorage(p device.Place, nbytes int64, b Buffer) *Storage {
 	s := &Storage{place: p, nbytes: nbytes}
-	s.mem.Store(&memory{buf: b, shared: true})
-	s.arm()
+	s.arm(memory{buf: b, shared: true})
 	return s
 }
 
@@ -180,8 +177,7 @@ func NewDeviceStorage(p device.Place, nbytes int64, b Buffer) *Storage {
 // unreachable Storage, releases it.
 func NewBlockStorage(b *mmapalloc.Block) *Storage {
 	s := &Storage{place: device.CPU(), nbytes: b.Size()}
-	s.mem.Store(&memory{bytes: b.Bytes(), block: b, shared: true})
-	s.arm()
+	s.arm(memory{bytes: b.Bytes(), block: b, shared: true})
 	return s
 }
 
@@ -193,13 +189,26 @@ func NewEmptySharedStorage() *Storage {
 	return s
 }
 
-// arm puts s's memory in the safety net, which releases it if s becomes
-// unreachable unreleased. Callers hold s.mu or own s exclusively.
-func (s *Storage) arm() {
+// armedMemory is memory in the safety net together with the reference
+// the net holds its Storage by, if the Storage had none yet: one
+// allocation for both.
+type armedMemory struct {
+	memory
+	ref StorageRef
+}
+
+// arm makes m s's memory and puts it in the safety net, which releases it
+// if s becomes unreachable unreleased. Callers hold s.mu or own s
+// exclusively.
+func (s *Storage) arm(m memory) {
+	am := &armedMemory{memory: m}
 	if s.ref == nil {
-		s.ref = youngRef(s)
+		am.ref.young.Store(s)
+		am.ref.born = safety.sweeps.Load()
+		s.ref = &am.ref
 	}
-	s.slot, s.armed = safety.arm(s.ref, s.mem.Load()), true
+	s.mem.Store(&am.memory)
+	s.slot, s.armed = safety.arm(s.ref, &am.memory), true
 }
 
 // disarm takes s's memory out of the safety net. Callers hold s.mu.
@@ -279,8 +288,7 @@ func (s *Storage) ShareMemory(st strategy.Strategy) error {
 		_ = nm.release()
 		return fmt.Errorf("tensor: share memory (%d bytes, %s): %w", s.nbytes, st, err)
 	}
-	s.mem.Store(nm)
-	s.arm()
+	s.arm(nm)
 	return nil
 }
 
@@ -302,8 +310,7 @@ func AllocSharedStorage(nbytes int64) (*Storage, error) {
 	if err != nil {
 		return nil, err
 	}
-	s.mem.Store(m)
-	s.arm()
+	s.arm(m)
 	return s, nil
 }
 
@@ -318,8 +325,7 @@ func newSharedStorage(nbytes int64, st strategy.Strategy) (*Storage, error) {
 	if err != nil {
 		return nil, err
 	}
-	s.mem.Store(m)
-	s.arm()
+	s.arm(m)
 	return s, nil
 }
 
@@ -328,7 +334,7 @@ func newSharedStorage(nbytes int64, st strategy.Strategy) (*Storage, error) {
 // of a named segment in a process whose session has a keeper, else a
 // reference-counted segment of its own. With zero, a recycled block is cleared of its last user's
 // bytes; without, the caller overwrites all of it.
-func newSharedMemory(nbytes int64, st strategy.Strategy, zero bool) (*memory, error) {
+func newSharedMemory(nbytes int64, st strategy.Strategy, zero bool) (memory, error) {
 	switch st {
 	case strategy.FileDescriptor:
 		return blockMemory(mmapalloc.DefaultPool(), nbytes, st, zero)
@@ -338,26 +344,26 @@ func newSharedMemory(nbytes int64, st strategy.Strategy, zero bool) (*memory, er
 		}
 		a, err := mmapalloc.Create(nbytes, mmapalloc.RefCount)
 		if err != nil {
-			return nil, fmt.Errorf("tensor: share memory (%d bytes, %s): %w", nbytes, st, err)
+			return memory{}, fmt.Errorf("tensor: share memory (%d bytes, %s): %w", nbytes, st, err)
 		}
-		return &memory{bytes: a.Bytes(), alloc: a, shared: true}, nil
+		return memory{bytes: a.Bytes(), alloc: a, shared: true}, nil
 	}
-	return nil, fmt.Errorf("tensor: share memory: unknown strategy %q", st)
+	return memory{}, fmt.Errorf("tensor: share memory: unknown strategy %q", st)
 }
 
 // blockMemory returns nbytes of a block of pool, cleared with zero.
-func blockMemory(pool *mmapalloc.Pool, nbytes int64, st strategy.Strategy, zero bool) (*memory, error) {
+func blockMemory(pool *mmapalloc.Pool, nbytes int64, st strategy.Strategy, zero bool) (memory, error) {
 	b, err := pool.Alloc(nbytes)
 	if err != nil {
-		return nil, fmt.Errorf("tensor: share memory (%d bytes, %s): %w", nbytes, st, err)
+		return memory{}, fmt.Errorf("tensor: share memory (%d bytes, %s): %w", nbytes, st, err)
 	}
 	if zero {
 		if err := mmapalloc.Guard(func() { clear(b.Bytes()) }); err != nil {
 			_ = b.Release()
-			return nil, fmt.Errorf("tensor: share memory (%d bytes, %s): %w", nbytes, st, err)
+			return memory{}, fmt.Errorf("tensor: share memory (%d bytes, %s): %w", nbytes, st, err)
 		}
 	}
-	return &memory{bytes: b.Bytes(), block: b, shared: true}, nil
+	return memory{bytes: b.Bytes(), block: b, shared: true}, nil
 }
 
 // Release gives the storage's memory back now: it unmaps a shared segment
