@@ -406,7 +406,7 @@ func bareBatch(data []byte) (items []byte, n int, ok bool) {
 // decodeBare decodes a bare tensor's payload into *p, as msgpack would
 // through decodeTensor but without its reflection.
 func (r *fdReader) decodeBare(payload []byte, p **tensor.Tensor) error {
-	t, err := tensorOf(payload, r, &r.made)
+	t, err := tensorOf(payload, r, &r.made, r.dims[:])
 	if err != nil {
 		return err
 	}
@@ -423,7 +423,7 @@ func (r *fdReader) decodeBatch(items []byte, n int, p *[]*tensor.Tensor) error {
 	for range n {
 		payload, rest, _ := nextBare(items)
 		items = rest
-		t, err := tensorOf(payload, r, &r.made)
+		t, err := tensorOf(payload, r, &r.made, r.dims[:])
 		if err != nil {
 			return err
 		}
@@ -493,6 +493,9 @@ func (r *fdReader) reset(data []byte, fds []int) {
 type msgReader struct {
 	data []byte
 	pos  int
+	// dims is room for the shape and strides of the tensor being
+	// decoded, which its Tensor copies.
+	dims [2 * 4]int
 }
 
 func (r *msgReader) Read(p []byte) (int, error) {
@@ -620,9 +623,9 @@ func (r *fdReader) closeRest() {
 }
 
 // tensorOf rebuilds the tensor whose Meta payload holds (see rebuild).
-func tensorOf(payload []byte, src fdSource, made *[]*tensor.Storage) (*tensor.Tensor, error) {
+func tensorOf(payload []byte, src fdSource, made *[]*tensor.Storage, room []int) (*tensor.Tensor, error) {
 	var m Meta
-	if err := parseMeta(payload, &m); err != nil {
+	if err := parseMeta(payload, &m, room); err != nil {
 		return nil, fmt.Errorf("reduction: %w", err)
 	}
 	return rebuild(m, src, made)
@@ -646,7 +649,7 @@ func decodeTensor(dec *msgpack.Decoder, v reflect.Value, extLen int) error {
 	if err != nil {
 		return err
 	}
-	t, err := tensorOf(payload, src, made)
+	t, err := tensorOf(payload, src, made, r.dims[:])
 	if err != nil {
 		return err
 	}

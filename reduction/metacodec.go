@@ -386,7 +386,9 @@ func (r *metaReader) appendInts(dst []int) []int {
 }
 
 // parseMeta reads m from its encoding, which must be exactly one Meta.
-func parseMeta(b []byte, m *Meta) error {
+// m's Shape and Strides are made in room if it has the capacity, so they
+// are the caller's only until it uses room again.
+func parseMeta(b []byte, m *Meta, room []int) error {
 	r := &metaReader{b: b}
 	if n := r.arrayLen(); r.err == nil && n != metaFields {
 		return fmt.Errorf("tensor metadata has %d fields, want %d", n, metaFields)
@@ -413,7 +415,10 @@ func parseMeta(b []byte, m *Meta) error {
 	m.DType = tensor.DType(dt)
 	// Shape and strides share one array, sized for as many strides as
 	// dims.
-	dims := make([]int, 0, 2*r.peekFixArray())
+	dims := room[:0]
+	if n := 2 * r.peekFixArray(); cap(dims) < n {
+		dims = make([]int, 0, n)
+	}
 	m.Shape = r.appendInts(dims)
 	if n := len(m.Shape); n <= cap(dims) {
 		dims = dims[n:n]

@@ -3,6 +3,7 @@ package reduction
 import (
 	"math"
 	"testing"
+	"unsafe"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -29,11 +30,19 @@ func TestMetaCodecRoundTrip(t *testing.T) {
 	for _, m := range cases {
 		b := appendMeta(nil, &m)
 		var got Meta
-		require.NoError(t, parseMeta(b, &got))
+		require.NoError(t, parseMeta(b, &got, nil))
 		assert.Equal(t, m, got)
 		// Growing the shape leaves the strides as they are.
 		_ = append(got.Shape, -1, -1, -1, -1)
 		assert.Equal(t, m.Strides, got.Strides)
+		// Room the dims fit in is used; room too small is not.
+		for _, room := range [][]int{make([]int, 0, 3), make([]int, 40)} {
+			var inRoom Meta
+			require.NoError(t, parseMeta(b, &inRoom, room))
+			assert.Equal(t, m, inRoom)
+			fits := 2*len(m.Shape) <= cap(room) && len(m.Shape) > 0
+			assert.Equal(t, fits, unsafe.SliceData(inRoom.Shape) == unsafe.SliceData(room), "shape in room, %d dims, room for %d", len(m.Shape), cap(room))
+		}
 
 		// The hand-written form is ordinary msgpack, both ways.
 		var viaLib Meta
@@ -42,7 +51,7 @@ func TestMetaCodecRoundTrip(t *testing.T) {
 		lib, err := msgpack.Marshal(&m)
 		require.NoError(t, err)
 		var fromLib Meta
-		require.NoError(t, parseMeta(lib, &fromLib))
+		require.NoError(t, parseMeta(lib, &fromLib, nil))
 		assert.Equal(t, m.Shape, fromLib.Shape)
 		assert.Equal(t, m.Gen, fromLib.Gen)
 		assert.Equal(t, m.Offset, fromLib.Offset)
@@ -62,7 +71,7 @@ func TestMetaCodecRejects(t *testing.T) {
 	} {
 		t.Run(name, func(t *testing.T) {
 			var m Meta
-			assert.Error(t, parseMeta(b, &m))
+			assert.Error(t, parseMeta(b, &m, nil))
 		})
 	}
 }
@@ -70,11 +79,12 @@ func TestMetaCodecRejects(t *testing.T) {
 func BenchmarkMetaCodec(b *testing.B) {
 	m := validMeta(mmapalloc.ID{Dev: 64769, Ino: 1 << 20})
 	var buf []byte
+	var room [8]int
 	b.ReportAllocs()
 	for b.Loop() {
 		buf = appendMeta(buf[:0], &m)
 		var got Meta
-		if err := parseMeta(buf, &got); err != nil {
+		if err := parseMeta(buf, &got, room[:]); err != nil {
 			b.Fatal(err)
 		}
 	}
