@@ -45,9 +45,8 @@ type segmentTable struct {
 // description at once. With covered, no call is made: the ticket holds the
 // slot, so the caller keeps it open until it hands it to AdoptTicket, which
 // keeps it until this process's holds are moved to its own description in
-// a batch, within milliseconds (at once when the process lets go of the
-// last block it has of the segment). Receiving a stream of blocks costs no
-// lock call that way.
+// a batch, within milliseconds. Receiving a stream of blocks costs no lock
+// call that way, and one close call per batch of descriptors.
 func AttachBlock(ticket int, st FileStat, covered bool, segSize, off, size int64, gen uint64) (*Block, error) {
 	if st.Size < segSize {
 		return nil, fmt.Errorf("mmapalloc: segment holds %d bytes, fewer than the %d claimed", st.Size, segSize)
@@ -129,7 +128,7 @@ func AdoptTicket(ticket int, id ID) {
 		return
 	}
 	seg.adopted = append(seg.adopted, ticket)
-	if len(seg.adopted) >= adoptMax {
+	if len(seg.adopted) >= 2*adoptMax {
 		_ = seg.transferLocked()
 	} else if len(seg.adopted) == 1 {
 		transfers.schedule(seg)
@@ -219,14 +218,16 @@ func readSlab(a *Allocation) (*segment, error) {
 }
 
 // adoptMax is how many message descriptors a receiver keeps per segment
-// before it moves their holds to its own description.
+// before it closes them, in one call, once it lets go of the segment's
+// last block; at twice as many it moves the holds of the blocks it still
+// has to its own description and closes them at once.
 const adoptMax = 8
 
-// transferDelay is how long a receiver that still holds blocks of a
-// segment keeps the descriptors it adopted, and the locks of blocks it let
-// go of, before it settles them in one batch (a segment no block uses any
-// more is settled at once). It is a timer's period: each firing wakes a
-// thread.
+// transferDelay is how long a receiver keeps the descriptors it adopted,
+// and, while it still holds blocks of the segment, the locks of blocks it
+// let go of, before it settles them in one batch (the locks of a segment
+// no block uses any more are dropped at once). It is a timer's period:
+// each firing wakes a thread.
 const transferDelay = 10 * time.Millisecond
 
 var transfers = newLater(transferDelay, func(seg *segment) bool {
@@ -344,15 +345,26 @@ func (seg *segment) transferLocked() error {
 	if len(errs) > 0 {
 		return errors.Join(errs...) // keep the adopted descriptors: they still hold
 	}
-	for _, fd := range seg.adopted {
-		_ = unix.Close(fd)
-	}
+	closeAll(seg.adopted)
 	clear(seg.adopted)
 	seg.adopted = seg.adopted[:0]
 	return nil
 }
 
-// runs turns slots into runs of neighbours, [first, length] each.
+// closeAll closes fds, which the caller owns: each run of neighbouring
+// numbers, as a stream of messages leaves them, in one close_range call.
+func closeAll(fds []int) {
+	for _, r := range runs(fds) {
+		if r[1] == 1 || closeRange(r[0], r[0]+r[1]-1) != nil {
+			for fd := r[0]; fd < r[0]+r[1]; fd++ {
+				_ = unix.Close(fd)
+			}
+		}
+	}
+}
+
+// runs turns slots (or descriptors) into runs of neighbours, [first,
+// length] each, sorting them.
 func runs(slots []int) [][2]int {
 	slices.Sort(slots)
 	var out [][2]int
@@ -368,18 +380,22 @@ func runs(slots []int) [][2]int {
 }
 
 // settleLocked decides the fate of a segment no block of this process
-// uses: its holds are settled at once, and it is kept mapped for the next
-// block from it, unless nobody else holds anything of it a while later
-// (see idleChecks).
+// uses: the locks of the blocks it let go of are dropped at once, and it
+// is kept mapped for the next block from it, unless nobody else holds
+// anything of it a while later (see idleChecks).
 func (t *segmentTable) settleLocked(seg *segment) error {
 	if seg.users > 0 {
 		return nil
 	}
-	// This process's ticket description, if it sent from the segment,
-	// stays for the next message; rotation retires it within
-	// milliseconds.
-	if err := seg.transferLocked(); err != nil {
-		return err
+	// The descriptors of messages received from it hold nothing this
+	// process uses now; they go once there are adoptMax, or within
+	// transferDelay, in one system call (see closeAll). This
+	// process's ticket description, if it sent from the segment, stays
+	// for the next message; rotation retires it within milliseconds.
+	if len(seg.onFD) > 0 || len(seg.adopted) >= adoptMax {
+		if err := seg.transferLocked(); err != nil {
+			return err
+		}
 	}
 	idleChecks.schedule(seg)
 	if t.m[seg.alloc.ID()] != seg {
@@ -432,7 +448,8 @@ func (t *segmentTable) dropIfAbandoned(seg *segment) {
 	if seg.users > 0 || seg.tickets.open() || !t.isIdleLocked(seg) && t.m[seg.alloc.ID()] != seg {
 		return // in use again, or dropped already
 	}
-	if !seg.abandoned() {
+	// Its adopted descriptors go first: they would hold it.
+	if seg.transferLocked() != nil || !seg.abandoned() {
 		return
 	}
 	t.forgetLocked(seg)

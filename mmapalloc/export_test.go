@@ -28,3 +28,10 @@ func WatchingOrphan(name string) bool {
 
 // WatchSegmentsOf is what package mp has run for each worker it reaps.
 var WatchSegmentsOf = watchSegmentsOf
+
+// AdoptMax is how many adopted descriptors a receiver that uses no block
+// of their segment keeps.
+const AdoptMax = adoptMax
+
+// CloseAll is closeAll.
+var CloseAll = closeAll

@@ -204,6 +204,71 @@ func TestTwiceDeliveredKeepsItsHold(t *testing.T) {
 	require.NoError(t, c.Release())
 }
 
+// A receiver that lets go of every block it had of a segment keeps the
+// descriptors of the messages that brought them until it has AdoptMax,
+// then closes them all; fewer go within milliseconds. Either way the
+// producer gets its blocks back.
+func TestAdoptedTicketsCloseInBatches(t *testing.T) {
+	p := testPool(t)
+	a, err := p.Alloc(4 << 10)
+	require.NoError(t, err)
+	seg, off, gen := a.Segment(), a.Offset(), a.Gen()
+	id, _, err := mmapalloc.Stat(seg.FD())
+	require.NoError(t, err)
+	open := func(fd int) bool { // still the segment's: not closed, nor reused
+		got, _, err := mmapalloc.Stat(fd)
+		return err == nil && got == id
+	}
+	receive := func() int {
+		msg := send(t, a)
+		r, err := mmapalloc.AttachBlock(msg, statOf(t, msg), true, seg.Size(), off, 4<<10, gen)
+		require.NoError(t, err)
+		mmapalloc.AdoptTicket(msg, id)
+		require.NoError(t, r.Release())
+		return msg
+	}
+
+	var kept []int
+	for range mmapalloc.AdoptMax - 1 {
+		kept = append(kept, receive())
+	}
+	for _, fd := range kept {
+		assert.True(t, open(fd), "fewer than AdoptMax descriptors are kept a while")
+	}
+	last := receive()
+	for _, fd := range append(kept, last) {
+		assert.False(t, open(fd), "the AdoptMax-th closes them all")
+	}
+
+	few := []int{receive(), receive()}
+	require.NoError(t, a.Release())
+	require.Eventually(t, func() bool { return !open(few[0]) && !open(few[1]) }, time.Second, 5*time.Millisecond, "fewer go within milliseconds")
+	require.Eventually(t, func() bool { return p.InUse() == 0 }, time.Second, 5*time.Millisecond, "and the block is free again")
+}
+
+// closeAll closes runs of neighbouring descriptors in one call and the
+// rest one by one, and nothing else.
+func TestCloseAll(t *testing.T) {
+	leakcheck.Check(t)
+	var fds []int
+	for range 6 {
+		fd, err := unix.Eventfd(0, unix.EFD_CLOEXEC)
+		require.NoError(t, err)
+		fds = append(fds, fd)
+	}
+	// A run of two, then one alone, out of order; 2, 4 and 5 stay.
+	mmapalloc.CloseAll([]int{fds[3], fds[0], fds[1]})
+	for i, fd := range fds {
+		_, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0)
+		if i == 2 || i >= 4 {
+			assert.NoError(t, err, "descriptor %d is not the caller's to close", i)
+			require.NoError(t, unix.Close(fd))
+		} else {
+			assert.ErrorIs(t, err, unix.EBADF, "descriptor %d is closed", i)
+		}
+	}
+}
+
 func TestAttachBlock(t *testing.T) {
 	p := testPool(t)
 	a, err := p.Alloc(4 << 10)
