@@ -32,11 +32,13 @@ func GetMany[T any](ctx context.Context, q *Queue, batch []T) ([]T, error) {
 	}
 	defer done()
 	if len(data) == 0 || !(msgpcode.IsFixedArray(data[0]) || data[0] == msgpcode.Array16 || data[0] == msgpcode.Array32) {
-		var one T
-		if err := decode(data, fds, &one); err != nil {
-			return batch, err
+		var zero T
+		batch = append(batch, zero) // decoded in place: a T of its own would escape
+		if err := decode(data, fds, &batch[len(batch)-1]); err != nil {
+			batch[len(batch)-1] = zero
+			return batch[:len(batch)-1], err
 		}
-		return append(batch, one), nil
+		return batch, nil
 	}
 	got := batch[len(batch):] // empty, with the room batch has left
 	if err := decode(data, fds, &got); err != nil {

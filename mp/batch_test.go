@@ -128,6 +128,8 @@ func TestGetManyTakesSingleValuesAndKeepsBatchOnError(t *testing.T) {
 	b, err = mp.GetMany(ctx, q, b)
 	require.Error(t, err)
 	assert.Equal(t, []int{1, 7, 8, 9}, b, "a value of another type leaves the batch as it was")
+	require.Greater(t, cap(b), len(b))
+	assert.Zero(t, b[:len(b)+1][len(b)], "and nothing of it in the slice's room")
 	b2 := make([]int, 0, 8)
 	b2, err = mp.GetMany(ctx, q, b2)
 	require.Error(t, err, "a batch of another type is refused")
