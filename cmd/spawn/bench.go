@@ -228,7 +228,7 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	strategies := fs.String("strategy", "file_descriptor,file_system", "comma-separated sharing strategies to measure")
 	var o benchOpts
 	fs.IntVar(&o.trips, "trips", 5000, "round trips per size (fewer for large first shares)")
-	fs.IntVar(&o.stream, "stream", 50000, "tensors sent in each stream case")
+	fs.IntVar(&o.stream, "stream", 300000, "tensors sent in each stream case, over five rounds")
 	fs.IntVar(&o.batch, "batch", 16, "tensors per message in the batched stream")
 	fs.IntVar(&o.hold, "hold", 10000, "tensors held in the fds cases (and ten times as many 4 KiB ones)")
 	fs.Int64Var(&o.maxSize, "max", 256<<20, "largest tensor size to measure, in bytes")
