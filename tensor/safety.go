@@ -24,8 +24,8 @@ import (
 // Storage.Ref), where a runtime.AddCleanup per Storage would add a second
 // special. A sweep costs a constant time per armed Storage, and a weak
 // handle per Storage still young, once per collection, on the runtime's
-// cleanup goroutine. A Storage dropped unreleased is thus given back
-// after the third collection that follows, not the first.
+// cleanup goroutine. A Storage dropped unreleased while young is thus
+// given back after the third collection that follows, not the first.
 type safetyNet struct {
 	mu    sync.Mutex
 	slots []netSlot // a Storage's slot is its index here
