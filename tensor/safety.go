@@ -16,14 +16,14 @@ import (
 // reference holds its Storage strongly and costs the runtime nothing; the
 // sweep after the first whole collection cycle the Storage lives through
 // makes it weak, which adds the Storage's one runtime special, its weak
-// handle. Most storages in shared memory are released within microseconds
-// or milliseconds of being made or received, so they never get one: each special costs a
-// walk of its span's list of specials when it is added and when it is
-// removed, the largest single cost of streaming small tensors. Package
-// reduction's caches of storages use the same references (see
+// handle. Each special costs a walk of its span's list of specials when it
+// is added and when it is removed, the largest single cost of streaming
+// small tensors; most storages in shared memory are released within
+// microseconds or milliseconds of being made or received, and never get
+// one. Package reduction's caches of storages use the same references (see
 // Storage.Ref), where a runtime.AddCleanup per Storage would add a second
 // special. A sweep costs a constant time per armed Storage, and a weak
-// handle per Storage still young, once per collection, on the runtime's
+// handle per Storage that ages, once per collection, on the runtime's
 // cleanup goroutine. A Storage dropped unreleased while young is thus
 // given back after the third collection that follows, not the first.
 type safetyNet struct {
