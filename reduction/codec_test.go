@@ -245,11 +245,6 @@ func TestTensorBatchIsPlainMsgpack(t *testing.T) {
 	t.Run("malformed", func(t *testing.T) {
 		data, fds, err := reduction.Marshal(batch)
 		require.NoError(t, err)
-		closeAll := func(fds []int) {
-			for _, d := range fds {
-				_ = unix.Close(d)
-			}
-		}
 		defer closeAll(fds)
 		dups := func() []int {
 			out := make([]int, len(fds))

@@ -444,13 +444,7 @@ func adoptBlock(found any, m Meta, made *[]*tensor.Storage, attach func() (*mmap
 		return nil, err
 	}
 	s := tensor.NewBlockStorage(b)
-	if won := registerBlock(s); won != s {
-		return won, s.Release() // another goroutine's, made meanwhile
-	}
-	if made != nil {
-		*made = append(*made, s)
-	}
-	return s, nil
+	return kept(s, registerBlock(s), made)
 }
 
 func openName(m Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {
@@ -475,13 +469,18 @@ func adopt(key cacheKey, a *mmapalloc.Allocation, made *[]*tensor.Storage) (*ten
 	return keep(key, tensor.NewSharedStorage(a), made)
 }
 
-// keep caches s, a storage just made for what key names, and returns it,
-// unless another goroutine cached a storage for the same memory
-// meanwhile: then that one wins and s is released, which also gives back
-// whatever reference s held for the message. New storages are appended to
-// *made, so that a failed decode can release them.
+// keep caches s, a storage just made for what key names, and returns the
+// storage the process keeps for that memory (see kept).
 func keep(key cacheKey, s *tensor.Storage, made *[]*tensor.Storage) (*tensor.Storage, error) {
-	if won := storages.put(key, s); won != s {
+	return kept(s, storages.put(key, s), made)
+}
+
+// kept returns won, the storage registered for the memory of s, a storage
+// just made. If another goroutine registered won meanwhile, s is released,
+// which also gives back whatever reference s held for the message; else s
+// is appended to *made, so that a failed decode can release it.
+func kept(s, won *tensor.Storage, made *[]*tensor.Storage) (*tensor.Storage, error) {
+	if won != s {
 		return won, s.Release()
 	}
 	if made != nil {
