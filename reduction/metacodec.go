@@ -127,10 +127,25 @@ func appendInts(b []byte, v []int) []byte {
 var errShort = errors.New("unexpected end of tensor metadata")
 
 // metaReader reads msgpack values strictly: each read checks its type and
-// that its bytes are there; the first error sticks.
+// that its bytes are there; the first error sticks. Reading moves off, never
+// b: a reader writes no pointer per value, so it pays no write barrier
+// while the collector runs.
 type metaReader struct {
 	b   []byte
+	off int // bytes of b read
 	err error
+}
+
+// left returns how many bytes of b are not read yet.
+func (r *metaReader) left() int { return len(r.b) - r.off }
+
+// next returns the byte next in b without reading it, or 0xc1 (never used
+// by msgpack) at its end.
+func (r *metaReader) next() byte {
+	if r.off < len(r.b) {
+		return r.b[r.off]
+	}
+	return 0xc1
 }
 
 func (r *metaReader) fail(err error) {
@@ -143,12 +158,12 @@ func (r *metaReader) take(n int) []byte {
 	if r.err != nil {
 		return nil
 	}
-	if n < 0 || n > len(r.b) {
+	if n < 0 || n > r.left() {
 		r.fail(errShort)
 		return nil
 	}
-	out := r.b[:n]
-	r.b = r.b[n:]
+	out := r.b[r.off : r.off+n]
+	r.off += n
 	return out
 }
 
@@ -218,7 +233,7 @@ func (r *metaReader) int() int64 {
 // uint reads an integer that must not be negative; a uint64 above
 // MaxInt64 is allowed.
 func (r *metaReader) uint() uint64 {
-	if len(r.b) > 0 && r.b[0] == 0xcf {
+	if r.next() == 0xcf {
 		r.code()
 		if b := r.take(8); b != nil {
 			return binary.BigEndian.Uint64(b)
@@ -344,7 +359,7 @@ func (r *metaReader) arrayLen() int {
 	default:
 		r.fail(fmt.Errorf("code %#x where an array belongs", c))
 	}
-	if n > len(r.b) { // every element takes a byte at least
+	if n > r.left() { // every element takes a byte at least
 		r.fail(errShort)
 		return 0
 	}
@@ -354,8 +369,8 @@ func (r *metaReader) arrayLen() int {
 // peekFixArray returns the length of the array next in r if it is a
 // short one (up to 15 elements), else 0. It reads nothing.
 func (r *metaReader) peekFixArray() int {
-	if len(r.b) > 0 && r.b[0] >= 0x90 && r.b[0] <= 0x9f {
-		return int(r.b[0] & 0x0f)
+	if c := r.next(); c >= 0x90 && c <= 0x9f {
+		return int(c & 0x0f)
 	}
 	return 0
 }
@@ -439,8 +454,8 @@ func parseMeta(b []byte, m *Meta, room []int) error {
 	if r.err != nil {
 		return fmt.Errorf("decoding tensor metadata: %w", r.err)
 	}
-	if len(r.b) != 0 {
-		return fmt.Errorf("tensor metadata has %d trailing bytes", len(r.b))
+	if n := r.left(); n != 0 {
+		return fmt.Errorf("tensor metadata has %d trailing bytes", n)
 	}
 	return nil
 }
