@@ -190,6 +190,7 @@ type Block struct {
 	gen      uint64
 	pool     *Pool // the producer's pool; nil in a receiver
 	released atomic.Bool
+	held     bool // the pool's last reclaim found the slot held; guarded by pool.mu
 }
 
 // Bytes returns the block's data. It aliases memory shared with other

@@ -1,8 +1,11 @@
 package mmapalloc
 
 import (
+	"fmt"
 	"path/filepath"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // SetRefsForTest overwrites a RefCount segment's shared reference count.
@@ -35,3 +38,23 @@ const AdoptMax = adoptMax
 
 // CloseAll is closeAll.
 var CloseAll = closeAll
+
+// SlotOf returns the slot b lives in.
+func SlotOf(b *Block) int { return b.slot }
+
+// HoldSlots locks slots of b's segment through a description of its own,
+// as a receiver that moved its holds would, until the returned function
+// closes that description.
+func HoldSlots(b *Block, slots ...int) (func() error, error) {
+	fd, err := reopen(b.seg.alloc.fd)
+	if err != nil {
+		return nil, err
+	}
+	for _, s := range slots {
+		if ok, err := lockRead(fd, slotByte(s), 1); !ok || err != nil {
+			_ = unix.Close(fd)
+			return nil, fmt.Errorf("holding slot %d: %v, %w", s, ok, err)
+		}
+	}
+	return func() error { return unix.Close(fd) }, nil
+}

@@ -3,6 +3,7 @@ package mmapalloc
 import (
 	"encoding/binary"
 	"fmt"
+	"math"
 	"strconv"
 
 	"golang.org/x/sys/unix"
@@ -55,11 +56,27 @@ func setLock(fd int, typ int16, off, n int64) (bool, error) {
 // lockedElsewhere reports whether a description other than fd's holds a
 // lock on any of n bytes at off.
 func lockedElsewhere(fd int, off, n int64) (bool, error) {
+	_, _, held, err := lockInWay(fd, off, n)
+	return held, err
+}
+
+// lockInWay reports whether a description other than fd's holds a lock on
+// any of n bytes at off and, if one does, the bytes [from, to) of one such
+// lock, all of them held. Which lock the kernel names, when several are in
+// the way, is its choice.
+func lockInWay(fd int, off, n int64) (from, to int64, held bool, err error) {
 	lk := unix.Flock_t{Type: unix.F_WRLCK, Whence: 0, Start: off, Len: n}
 	if err := unix.FcntlFlock(uintptr(fd), unix.F_OFD_GETLK, &lk); err != nil {
-		return false, &Error{Op: "lock", Path: "fd " + strconv.Itoa(fd), Err: err}
+		return 0, 0, false, &Error{Op: "lock", Path: "fd " + strconv.Itoa(fd), Err: err}
 	}
-	return lk.Type != unix.F_UNLCK, nil
+	if lk.Type == unix.F_UNLCK {
+		return 0, 0, false, nil
+	}
+	to = math.MaxInt64 // a length of 0 locks to the end of any file
+	if lk.Len > 0 {
+		to = lk.Start + lk.Len
+	}
+	return lk.Start, to, true, nil
 }
 
 // reopen returns a new descriptor, close-on-exec, of the file behind fd

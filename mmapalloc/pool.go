@@ -1,9 +1,11 @@
 package mmapalloc
 
 import (
+	"cmp"
 	"fmt"
 	"math/bits"
 	"os"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -17,6 +19,7 @@ type sizeClass struct {
 	cap     int64
 	free    []*Block // nobody holds them
 	pending []*Block // released here, perhaps still held elsewhere
+	asking  []*Block // reclaimLocked's room
 	segs    []*segment
 }
 
@@ -158,33 +161,37 @@ func (p *Pool) reserveLocked(b *Block) error {
 
 // reclaimLocked moves the class's pending slots that no other description
 // holds to its free list, bumping their generations. A slot this process's
-// own ticket description holds is skipped without asking the kernel, and
-// a segment none of whose slots anybody holds is answered in one call.
+// own ticket description holds is skipped without asking the kernel; the
+// others are asked about segment by segment (see askHeld).
 func (p *Pool) reclaimLocked(c *sizeClass) {
-	var clear_ map[*segment]bool // segment -> no slot of it held
-	kept := c.pending[:0]
+	ask := c.asking[:0]
 	for _, b := range c.pending {
-		seg := b.seg
-		if seg.tickets.open() {
+		b.held = true // until the kernel says otherwise
+		if !b.seg.tickets.open() {
+			ask = append(ask, b)
+		}
+	}
+	slices.SortFunc(ask, func(x, y *Block) int {
+		return cmp.Or(cmp.Compare(x.seg.alloc.fd, y.seg.alloc.fd), cmp.Compare(x.slot, y.slot))
+	})
+	for rest := ask; len(rest) > 0; {
+		n := 1
+		for n < len(rest) && rest[n].seg == rest[0].seg {
+			n++
+		}
+		askHeld(rest[0].seg.alloc.fd, rest[:n])
+		rest = rest[n:]
+	}
+	clear(ask)
+	c.asking = ask[:0]
+
+	kept := c.pending[:0]
+	for _, b := range c.pending { // in the order released: the last is the warmest, handed out first
+		if b.held {
 			kept = append(kept, b)
 			continue
 		}
-		if clear_ == nil {
-			clear_ = map[*segment]bool{}
-		}
-		free, ok := clear_[seg]
-		if !ok {
-			held, err := lockedElsewhere(seg.alloc.fd, slotByte(0), int64(seg.nslots))
-			free = !held && err == nil
-			clear_[seg] = free
-		}
-		if !free {
-			held, err := lockedElsewhere(seg.alloc.fd, slotByte(b.slot), 1)
-			if held || err != nil {
-				kept = append(kept, b)
-				continue
-			}
-		}
+		seg := b.seg
 		if Guard(func() { b.gen = seg.gen(b.slot).Add(1) }) != nil {
 			kept = append(kept, b) // cut short under us: never handed out again
 			continue
@@ -194,6 +201,45 @@ func (p *Pool) reclaimLocked(c *sizeClass) {
 	}
 	clear(c.pending[len(kept):])
 	c.pending = kept
+}
+
+// askHeld sets held for each of bs, blocks of the segment whose
+// descriptor is fd sorted by slot, to whether a description other than
+// fd's holds its slot. It asks about runs of slots: the kernel answers a
+// run with one lock in its way, whose slots are all held, and the parts
+// of the run on either side of that lock are asked about again. So a run
+// nobody holds is one call, and so is one that a ticket description,
+// which locks every slot, holds. A slot the kernel could not be asked
+// about counts as held, to be asked again at the next reclaim.
+func askHeld(fd int, bs []*Block) {
+	var room [16][]*Block
+	runs := append(room[:0], bs)
+	for len(runs) > 0 {
+		run := runs[len(runs)-1]
+		runs = runs[:len(runs)-1]
+		first, last := run[0].slot, run[len(run)-1].slot
+		from, to, held, err := lockInWay(fd, slotByte(first), int64(last-first+1))
+		if err != nil || !held {
+			for _, b := range run {
+				b.held = err != nil
+			}
+			continue
+		}
+		i, _ := slices.BinarySearchFunc(run, from, func(b *Block, off int64) int { return cmp.Compare(slotByte(b.slot), off) })
+		j, _ := slices.BinarySearchFunc(run, to, func(b *Block, off int64) int { return cmp.Compare(slotByte(b.slot), off) })
+		// The lock overlaps run's span, so it covers run's first or last
+		// slot, or falls between two of its slots (i == j, 0 < i <
+		// len(run)): either way each part asked about again is smaller.
+		for _, b := range run[i:j] {
+			b.held = true
+		}
+		if i > 0 {
+			runs = append(runs, run[:i])
+		}
+		if j < len(run) {
+			runs = append(runs, run[j:])
+		}
+	}
 }
 
 // rotateLocked replaces this process's dirty ticket descriptions of the

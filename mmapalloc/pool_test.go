@@ -2,6 +2,7 @@ package mmapalloc_test
 
 import (
 	"fmt"
+	"maps"
 	"slices"
 	"sync"
 	"testing"
@@ -138,6 +139,50 @@ func TestPoolRecyclesOnlyWhenNobodyHolds(t *testing.T) {
 	require.NoError(t, unix.Close(stale))
 	require.NoError(t, b.Release())
 	require.NoError(t, c.Release())
+}
+
+func TestPoolReclaimsAroundHeldSlots(t *testing.T) {
+	p := testPool(t)
+	var blocks []*mmapalloc.Block
+	for range 64 {
+		b, err := p.Alloc(4 << 10)
+		require.NoError(t, err)
+		blocks = append(blocks, b)
+	}
+	segs, _, _ := p.Stats()
+	require.Equal(t, 1, segs, "the blocks share one slab")
+	// Slots held through another description, alone and in a run, at both
+	// ends and between: the pool asks about runs of slots, and must find
+	// each of these and only these.
+	held := map[int]bool{}
+	for _, i := range []int{0, 5, 6, 7, 20, 41, 63} {
+		held[mmapalloc.SlotOf(blocks[i])] = true
+	}
+	release, err := mmapalloc.HoldSlots(blocks[0], slices.Collect(maps.Keys(held))...)
+	require.NoError(t, err)
+	msg := send(t, blocks[1]) // its ticket description holds every slot
+	for _, b := range blocks {
+		require.NoError(t, b.Release())
+	}
+	p.Trim(1 << 30) // retires this process's copy of the ticket description
+	assert.Equal(t, 64, p.InUse(), "a message in flight holds every slot of its segment")
+	require.NoError(t, unix.Close(msg))
+	assert.Equal(t, len(held), p.InUse(), "once it is gone, only the slots held elsewhere stay taken")
+
+	var again []*mmapalloc.Block
+	for range 200 {
+		b, err := p.Alloc(4 << 10)
+		require.NoError(t, err)
+		again = append(again, b)
+		if b.Segment() == blocks[0].Segment() {
+			assert.False(t, held[mmapalloc.SlotOf(b)], "slot %d is held elsewhere but was handed out", mmapalloc.SlotOf(b))
+		}
+	}
+	require.NoError(t, release())
+	for _, b := range again {
+		require.NoError(t, b.Release())
+	}
+	assert.Equal(t, 0, p.InUse(), "with the holds gone, every slot comes back")
 }
 
 func TestUnreceivedMessageDropsItsHold(t *testing.T) {
