@@ -127,6 +127,7 @@ type segment struct {
 	class    *sizeClass
 	inUse    int      // slots handed out or waiting in pending
 	reserved []uint64 // bit i: the segment's reserveChunk i has its pages
+	held     int8     // reclaimLocked's answer of askWhole while it runs, else unasked
 
 	// receiver side, guarded by attached.mu
 	users   int          // live blocks of this process in it

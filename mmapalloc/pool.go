@@ -160,30 +160,42 @@ func (p *Pool) reserveLocked(b *Block) error {
 }
 
 // reclaimLocked moves the class's pending slots that no other description
-// holds to its free list, bumping their generations. A slot this process's
-// own ticket description holds is skipped without asking the kernel; the
-// others are asked about segment by segment (see askHeld).
+// holds to its free list, bumping their generations. The kernel is asked
+// once per segment about all its slots: the common answers, nobody holds
+// any or a ticket description holds them all, settle every pending slot
+// of the segment. A segment this process's own ticket description holds
+// is not asked about, and only the pending slots of a segment held in
+// part are asked about in runs (see askHeld).
 func (p *Pool) reclaimLocked(c *sizeClass) {
 	ask := c.asking[:0]
 	for _, b := range c.pending {
-		b.held = true // until the kernel says otherwise
-		if !b.seg.tickets.open() {
+		seg := b.seg
+		if seg.held == unasked {
+			seg.held = seg.askWhole()
+		}
+		b.held = seg.held != heldNone
+		if seg.held == heldPart {
 			ask = append(ask, b)
 		}
 	}
-	slices.SortFunc(ask, func(x, y *Block) int {
-		return cmp.Or(cmp.Compare(x.seg.alloc.fd, y.seg.alloc.fd), cmp.Compare(x.slot, y.slot))
-	})
-	for rest := ask; len(rest) > 0; {
-		n := 1
-		for n < len(rest) && rest[n].seg == rest[0].seg {
-			n++
+	if len(ask) > 0 {
+		slices.SortFunc(ask, func(x, y *Block) int {
+			return cmp.Or(cmp.Compare(x.seg.alloc.fd, y.seg.alloc.fd), cmp.Compare(x.slot, y.slot))
+		})
+		for rest := ask; len(rest) > 0; {
+			n := 1
+			for n < len(rest) && rest[n].seg == rest[0].seg {
+				n++
+			}
+			askHeld(rest[0].seg.alloc.fd, rest[:n])
+			rest = rest[n:]
 		}
-		askHeld(rest[0].seg.alloc.fd, rest[:n])
-		rest = rest[n:]
+		clear(ask)
 	}
-	clear(ask)
 	c.asking = ask[:0]
+	for _, b := range c.pending {
+		b.seg.held = unasked
+	}
 
 	kept := c.pending[:0]
 	for _, b := range c.pending { // in the order released: the last is the warmest, handed out first
@@ -201,6 +213,33 @@ func (p *Pool) reclaimLocked(c *sizeClass) {
 	}
 	clear(c.pending[len(kept):])
 	c.pending = kept
+}
+
+// Answers of segment.askWhole: which of a segment's slots other
+// descriptions hold.
+const (
+	unasked  = iota
+	heldNone // no slot
+	heldAll  // every slot, or the kernel could not be asked
+	heldPart // some
+)
+
+// askWhole returns which of the segment's slots descriptions other than
+// alloc.fd's hold, as far as one question tells: heldAll for a segment
+// whose ticket description this process holds open.
+func (s *segment) askWhole() int8 {
+	if s.tickets.open() {
+		return heldAll
+	}
+	first, end := slotByte(0), slotByte(s.nslots)
+	from, to, held, err := lockInWay(s.alloc.fd, first, end-first)
+	switch {
+	case err != nil || held && from <= first && to >= end:
+		return heldAll
+	case held:
+		return heldPart
+	}
+	return heldNone
 }
 
 // askHeld sets held for each of bs, blocks of the segment whose
