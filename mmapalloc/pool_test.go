@@ -185,6 +185,35 @@ func TestPoolReclaimsAroundHeldSlots(t *testing.T) {
 	assert.Equal(t, 0, p.InUse(), "with the holds gone, every slot comes back")
 }
 
+func TestTicketCoversItsSegment(t *testing.T) {
+	p := testPool(t)
+	a, err := p.Alloc(4 << 10)
+	require.NoError(t, err)
+	b, err := p.Alloc(4 << 10)
+	require.NoError(t, err)
+	other, err := p.Alloc(large)
+	require.NoError(t, err)
+	require.Equal(t, a.Segment(), b.Segment())
+	tk, err := a.Ticket()
+	require.NoError(t, err)
+	assert.True(t, tk.Covers(a))
+	assert.True(t, tk.Covers(b), "a ticket locks every slot of its segment")
+	assert.False(t, tk.Covers(other), "not a block of another segment")
+	assert.False(t, (*mmapalloc.Ticket)(nil).Covers(a))
+
+	// A message that carries tk for b holds b as a ticket of b's own would.
+	fd, err := mmapalloc.Dup(tk.FD())
+	require.NoError(t, err)
+	tk.Done()
+	require.NoError(t, b.Release())
+	p.Trim(1 << 30) // retires this process's copy of the ticket description
+	assert.True(t, b.Busy(), "the message holds b")
+	require.NoError(t, unix.Close(fd))
+	assert.False(t, b.Busy(), "nobody holds b once the message is gone")
+	require.NoError(t, a.Release())
+	require.NoError(t, other.Release())
+}
+
 func TestUnreceivedMessageDropsItsHold(t *testing.T) {
 	p := testPool(t)
 	a, err := p.Alloc(large)

@@ -40,6 +40,12 @@ type Ticket struct {
 // Done or Discard.
 func (t *Ticket) FD() int { return t.raw }
 
+// Covers reports whether t, pinned for a message, holds b's slot too: it
+// is a ticket of b's segment, whose description locks every slot. A
+// message that carries t needs no other ticket for b. A nil t covers
+// nothing.
+func (t *Ticket) Covers(b *Block) bool { return t != nil && t.set == &b.seg.tickets }
+
 // Done unpins the ticket once the message that carries it was sent.
 func (t *Ticket) Done() { _ = t.fd.Return() }
 

@@ -199,9 +199,10 @@ type fdWriter struct {
 	fds   []int
 	index map[int]int // descriptor -> its position in fds
 
-	leases []lease // on the message's descriptors, until it is sent
-	meta   []byte  // scratch for one tensor's metadata
-	dims   []int   // scratch for its shape and strides
+	leases []lease           // on the message's descriptors, until it is sent
+	ticket *mmapalloc.Ticket // the last ticket among them, for tensors of its segment
+	meta   []byte            // scratch for one tensor's metadata
+	dims   []int             // scratch for its shape and strides
 }
 
 // settle ends every lease the same way.
@@ -211,6 +212,7 @@ func (w *fdWriter) settle(end func(lease)) {
 	}
 	clear(w.leases)
 	w.leases = w.leases[:0]
+	w.ticket = nil
 }
 
 func (w *fdWriter) reset() {
@@ -305,12 +307,15 @@ func encodeTensor(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {
 // message's. The bytes are valid until the next tensor.
 func (w *fdWriter) tensor(t *tensor.Tensor) ([]byte, error) {
 	w.dims = slices.Grow(w.dims[:0], 2*t.Dim()) // room for reduce to fill
-	m, raw, l, err := reduce(t, w.dims)
+	m, raw, l, err := reduce(t, w.dims, w.ticket)
 	if err != nil {
 		return nil, err
 	}
 	if l != nil {
 		w.leases = append(w.leases, l)
+		if tk, ok := l.(*mmapalloc.Ticket); ok {
+			w.ticket = tk
+		}
 	}
 	if raw >= 0 {
 		m.FD = w.addFD(raw) // kept open by its lease until the message is sent

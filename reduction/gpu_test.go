@@ -50,7 +50,7 @@ func TestGPUTensorOpenedByAReceiver(t *testing.T) {
 	live := gpuFake.Live()
 	x, err := tensor.On(device.GPU(0)).Full(tensor.Int32, 7, 8)
 	require.NoError(t, err)
-	meta, fd, tok, err := reduce(x, nil)
+	meta, fd, tok, err := reduce(x, nil, nil)
 	require.NoError(t, err)
 	require.NotNil(t, tok)
 	assert.Equal(t, StrategyCUDAIPC, meta.Strategy)

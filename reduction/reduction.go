@@ -65,7 +65,7 @@ const StrategyCUDAIPC = "cuda_ipc"
 // closing it unsent is how metadata that will never be rebuilt is
 // discarded.
 func Reduce(t *tensor.Tensor) (Meta, []int, error) {
-	m, fd, l, err := reduce(t, nil)
+	m, fd, l, err := reduce(t, nil, nil)
 	if err != nil || fd < 0 {
 		return m, nil, err
 	}
@@ -81,8 +81,10 @@ func Reduce(t *tensor.Tensor) (Meta, []int, error) {
 // reduce is Reduce returning the descriptor itself, or -1, and the lease
 // that keeps it open, and its block held, until the message is sent: a
 // pooled block's ticket, or a segment's lent descriptor. The Meta's shape
-// and strides are appended to room (see viewMeta).
-func reduce(t *tensor.Tensor, room []int) (Meta, int, lease, error) {
+// and strides are appended to room (see viewMeta). pinned is a ticket the
+// message holds already, or nil: a block it covers is sent with it, and
+// reduce returns no lease of its own.
+func reduce(t *tensor.Tensor, room []int, pinned *mmapalloc.Ticket) (Meta, int, lease, error) {
 	if t.Place().IsGPU() {
 		return reduceGPU(t)
 	}
@@ -101,9 +103,13 @@ func reduce(t *tensor.Tensor, room []int) (Meta, int, lease, error) {
 		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
 	}
 	if b := s.Block(); b != nil {
-		tk, err := b.Ticket()
-		if err != nil {
-			return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
+		tk, l := pinned, lease(nil)
+		if !tk.Covers(b) {
+			var err error
+			if tk, err = b.Ticket(); err != nil {
+				return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
+			}
+			l = tk
 		}
 		seg := b.Segment()
 		m.Size, m.Segment, m.Block, m.Gen = b.Size(), seg.Size(), b.Offset(), b.Gen()
@@ -114,7 +120,7 @@ func reduce(t *tensor.Tensor, room []int) (Meta, int, lease, error) {
 			m.setSegmentID(seg.ID())
 		}
 		registerBlock(s)
-		return m, tk.FD(), tk, nil
+		return m, tk.FD(), l, nil
 	}
 	a := s.Allocation()
 	if a == nil {
