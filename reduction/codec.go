@@ -629,8 +629,8 @@ func (r *fdReader) closeRest() {
 
 // tensorOf rebuilds the tensor whose Meta payload holds (see rebuild).
 func tensorOf(payload []byte, src fdSource, made *[]*tensor.Storage, room []int) (*tensor.Tensor, error) {
-	var m Meta
-	if err := parseMeta(payload, &m, room); err != nil {
+	m, err := parseMeta(payload, room)
+	if err != nil {
 		return nil, fmt.Errorf("reduction: %w", err)
 	}
 	return rebuild(m, src, made)

@@ -400,17 +400,20 @@ func (r *metaReader) appendInts(dst []int) []int {
 	return out
 }
 
-// parseMeta reads m from its encoding, which must be exactly one Meta.
-// m's Shape and Strides are made in room if it has the capacity, so they
-// are the caller's only until it uses room again.
-func parseMeta(b []byte, m *Meta, room []int) error {
+// parseMeta reads a Meta from its encoding, which must be exactly one.
+// Its Shape and Strides are made in room if it has the capacity, so they
+// are the caller's only until it uses room again. The Meta is returned,
+// not written through a pointer: a stack Meta takes its fields without a
+// write barrier while the collector runs.
+func parseMeta(b []byte, room []int) (Meta, error) {
+	var m Meta
 	r := &metaReader{b: b}
 	if n := r.arrayLen(); r.err == nil && n != metaFields {
-		return fmt.Errorf("tensor metadata has %d fields, want %d", n, metaFields)
+		return Meta{}, fmt.Errorf("tensor metadata has %d fields, want %d", n, metaFields)
 	}
 	version := r.uint()
 	if r.err == nil && version != Version {
-		return fmt.Errorf("metadata version %d, want %d", version, Version)
+		return Meta{}, fmt.Errorf("metadata version %d, want %d", version, Version)
 	}
 	m.Version = uint8(version)
 	m.Strategy = r.str()
@@ -452,10 +455,10 @@ func parseMeta(b []byte, m *Meta, room []int) error {
 	m.IPCEvent = r.bytes()
 	m.DevOffset = r.int()
 	if r.err != nil {
-		return fmt.Errorf("decoding tensor metadata: %w", r.err)
+		return Meta{}, fmt.Errorf("decoding tensor metadata: %w", r.err)
 	}
 	if n := r.left(); n != 0 {
-		return fmt.Errorf("tensor metadata has %d trailing bytes", n)
+		return Meta{}, fmt.Errorf("tensor metadata has %d trailing bytes", n)
 	}
-	return nil
+	return m, nil
 }

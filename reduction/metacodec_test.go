@@ -29,16 +29,16 @@ func TestMetaCodecRoundTrip(t *testing.T) {
 	}
 	for _, m := range cases {
 		b := appendMeta(nil, &m)
-		var got Meta
-		require.NoError(t, parseMeta(b, &got, nil))
+		got, err := parseMeta(b, nil)
+		require.NoError(t, err)
 		assert.Equal(t, m, got)
 		// Growing the shape leaves the strides as they are.
 		_ = append(got.Shape, -1, -1, -1, -1)
 		assert.Equal(t, m.Strides, got.Strides)
 		// Room the dims fit in is used; room too small is not.
 		for _, room := range [][]int{make([]int, 0, 3), make([]int, 40)} {
-			var inRoom Meta
-			require.NoError(t, parseMeta(b, &inRoom, room))
+			inRoom, err := parseMeta(b, room)
+			require.NoError(t, err)
 			assert.Equal(t, m, inRoom)
 			fits := 2*len(m.Shape) <= cap(room) && len(m.Shape) > 0
 			assert.Equal(t, fits, unsafe.SliceData(inRoom.Shape) == unsafe.SliceData(room), "shape in room, %d dims, room for %d", len(m.Shape), cap(room))
@@ -50,8 +50,8 @@ func TestMetaCodecRoundTrip(t *testing.T) {
 		assert.Equal(t, m, viaLib)
 		lib, err := msgpack.Marshal(&m)
 		require.NoError(t, err)
-		var fromLib Meta
-		require.NoError(t, parseMeta(lib, &fromLib, nil))
+		fromLib, err := parseMeta(lib, nil)
+		require.NoError(t, err)
 		assert.Equal(t, m.Shape, fromLib.Shape)
 		assert.Equal(t, m.Gen, fromLib.Gen)
 		assert.Equal(t, m.Offset, fromLib.Offset)
@@ -70,8 +70,8 @@ func TestMetaCodecRejects(t *testing.T) {
 		"old version":    append([]byte{0xdc, 0x00, metaFields, 0x04}, good[4:]...),
 	} {
 		t.Run(name, func(t *testing.T) {
-			var m Meta
-			assert.Error(t, parseMeta(b, &m, nil))
+			_, err := parseMeta(b, nil)
+			assert.Error(t, err)
 		})
 	}
 }
@@ -83,8 +83,7 @@ func BenchmarkMetaCodec(b *testing.B) {
 	b.ReportAllocs()
 	for b.Loop() {
 		buf = appendMeta(buf[:0], &m)
-		var got Meta
-		if err := parseMeta(buf, &got, room[:]); err != nil {
+		if _, err := parseMeta(buf, room[:]); err != nil {
 			b.Fatal(err)
 		}
 	}
