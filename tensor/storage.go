@@ -110,10 +110,10 @@ type Storage struct {
 
 	mu        sync.Mutex // serialises changes of mem, ref, armed and slot, and onRelease
 	mem       atomic.Pointer[memory]
-	ref       *StorageRef // made once, by Ref or arm
-	armed     bool        // mem is in the safety net,
-	slot      int32       // in this slot
-	onRelease []func()    // run by Release, once
+	ref       atomic.Pointer[StorageRef] // set once, by Ref or arm, under mu
+	armed     bool                       // mem is in the safety net,
+	slot      int32                      // in this slot
+	onRelease []func()                   // run by Release, once
 }
 
 // newHeapStorage allocates nbytes of zeroed host memory, aligned for every
@@ -202,13 +202,15 @@ type armedMemory struct {
 // exclusively.
 func (s *Storage) arm(m memory) {
 	am := &armedMemory{memory: m}
-	if s.ref == nil {
+	r := s.ref.Load()
+	if r == nil {
 		am.ref.young.Store(s)
 		am.ref.born = safety.sweeps.Load()
-		s.ref = &am.ref
+		r = &am.ref
+		s.ref.Store(r)
 	}
 	s.mem.Store(&am.memory)
-	s.slot, s.armed = safety.arm(s.ref, &am.memory), true
+	s.slot, s.armed = safety.arm(r, &am.memory), true
 }
 
 // disarm takes s's memory out of the safety net. Callers hold s.mu.
@@ -223,12 +225,17 @@ func (s *Storage) disarm() {
 // being collected at most until its first whole garbage collection cycle
 // is over (see StorageRef). Package reduction caches storages by it.
 func (s *Storage) Ref() *StorageRef {
+	if r := s.ref.Load(); r != nil {
+		return r
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.ref == nil {
-		s.ref = weakRef(s) // not armed: nothing would make a young one weak
+	r := s.ref.Load()
+	if r == nil {
+		r = weakRef(s) // not armed: nothing would make a young one weak
+		s.ref.Store(r)
 	}
-	return s.ref
+	return r
 }
 
 // Place returns where the storage's memory lives.
@@ -266,6 +273,9 @@ func (s *Storage) Released() bool { return s.mem.Load().released }
 // on the storage sees the shared memory from then on; slices taken from it
 // before keep pointing at the old, private memory.
 func (s *Storage) ShareMemory(st strategy.Strategy) error {
+	if m := s.mem.Load(); m.shared && !m.released {
+		return nil // shared memory stays shared until Release
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	m := s.mem.Load()
@@ -379,8 +389,8 @@ func (s *Storage) Release() error {
 	}
 	s.mem.Store(releasedMemory)
 	s.disarm() // before the reference lets s go: a sweep would take s for collected
-	if s.ref != nil {
-		s.ref.drop()
+	if r := s.ref.Load(); r != nil {
+		r.drop()
 	}
 	for _, f := range s.onRelease {
 		f()
