@@ -193,12 +193,10 @@ func (p *Pool) reclaimLocked(c *sizeClass) {
 		clear(ask)
 	}
 	c.asking = ask[:0]
-	for _, b := range c.pending {
-		b.seg.held = unasked
-	}
 
 	kept := c.pending[:0]
 	for _, b := range c.pending { // in the order released: the last is the warmest, handed out first
+		b.seg.held = unasked // for the next reclaim
 		if b.held {
 			kept = append(kept, b)
 			continue
