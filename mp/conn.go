@@ -96,6 +96,7 @@ type conn struct {
 	// that receive into them, made on first use, and what the last call
 	// got. Reused, so that a receive allocates no more than its result.
 	buf, oob          []byte
+	rfds              []int // the message's descriptors, in a slice reused
 	tryRecv, waitRecv func(s int) error
 	endRecv           func() // recvDone
 	got               received
@@ -486,10 +487,11 @@ func sendCarried(fds []int) (int, error) {
 }
 
 // recv receives one message. The caller owns the returned descriptors.
-// The data stays valid, and the connection reserved to the caller, until
-// it calls done: a message's bytes are in the connection's buffer, or, if
-// it was spilled, in a mapping of the sender's sealed copy. Unless block,
-// an empty socket is errWouldBlock.
+// The data and the slice of descriptors stay valid, and the connection
+// reserved to the caller, until it calls done: a message's bytes and
+// descriptor numbers are in the connection's buffers, or its bytes, if
+// spilled, in a mapping of the sender's sealed copy. Unless block, an
+// empty socket is errWouldBlock.
 func (c *conn) recv(ctx context.Context, block bool) (data []byte, fds []int, done func(), err error) {
 	if err := lock(ctx, c.rmu, block); err != nil {
 		return nil, nil, nil, err
@@ -534,8 +536,8 @@ func (c *conn) recvLocked(ctx context.Context, block bool) (data []byte, fds []i
 		}
 	}
 	if oobn > 0 {
-		got, perr := parseRights(c.oob[:oobn])
-		fds = got
+		got, perr := parseRights(c.rfds[:0], c.oob[:oobn])
+		fds, c.rfds = got, got
 		if perr != nil && err == nil {
 			err = perr
 		}
@@ -654,8 +656,8 @@ func recvCarried(fd, want int) (fds []int, err error) {
 	for len(fds) < want {
 		_, oobn, flags, _, err := unix.Recvmsg(fd, b[:], oob, recvFlags|unix.MSG_DONTWAIT)
 		if oobn > 0 {
-			got, perr := parseRights(oob[:oobn])
-			fds = append(fds, got...)
+			var perr error
+			fds, perr = parseRights(fds, oob[:oobn])
 			if perr != nil && err == nil {
 				err = perr
 			}
@@ -676,10 +678,9 @@ func recvCarried(fd, want int) (fds []int, err error) {
 	return fds, nil
 }
 
-// parseRights returns every descriptor in a control message. After an
-// error it returns those it read before, for the caller to close.
-func parseRights(oob []byte) ([]int, error) {
-	var fds []int
+// parseRights appends to fds every descriptor in a control message. After
+// an error it returns those it read before, for the caller to close.
+func parseRights(fds []int, oob []byte) ([]int, error) {
 	for len(oob) > 0 {
 		h, data, rest, err := unix.ParseOneSocketControlMessage(oob)
 		if err != nil {

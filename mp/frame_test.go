@@ -130,18 +130,22 @@ func TestParseRights(t *testing.T) {
 
 	oob := append(unix.UnixRights(7, 8), other...)
 	oob = append(oob, unix.UnixRights(9)...)
-	fds, err := parseRights(oob)
+	fds, err := parseRights(nil, oob)
 	require.NoError(t, err)
 	assert.Equal(t, []int{7, 8, 9}, fds)
 
 	bad := append(unix.UnixRights(7, 8), 1, 2, 3) // a header cut short
-	fds, err = parseRights(bad)
+	fds, err = parseRights(nil, bad)
 	assert.ErrorContains(t, err, "control message")
 	assert.Equal(t, []int{7, 8}, fds)
 
-	fds, err = parseRights(nil)
+	fds, err = parseRights(nil, nil)
 	require.NoError(t, err)
 	assert.Empty(t, fds)
+
+	fds, err = parseRights([]int{5}, oob)
+	require.NoError(t, err)
+	assert.Equal(t, []int{5, 7, 8, 9}, fds, "appended after what the slice held")
 }
 
 // appendRights writes what unix.UnixRights makes, after what the buffer
@@ -157,7 +161,7 @@ func TestAppendRights(t *testing.T) {
 		reused := appendRights(make([]byte, 0, 8), []int{9, 9, 9, 9, 9})
 		got := appendRights(reused[:0], fds)
 		assert.Equal(t, unix.UnixRights(fds...), got, "a reused buffer holds only the new message")
-		back, err := parseRights(got)
+		back, err := parseRights(nil, got)
 		require.NoError(t, err)
 		assert.Equal(t, fds, back)
 	}
