@@ -173,8 +173,6 @@ func isZombie(stat []byte) bool {
 
 func bytesContains(b, sub []byte) bool { return strings.Contains(string(b), string(sub)) }
 
-// sessionEntries lists the session's entries in the shared-memory
-// directory.
 // useStrategy sets the sharing strategy for the rest of t.
 func useStrategy(t *testing.T, st strategy.Strategy) {
 	t.Helper()
@@ -183,6 +181,8 @@ func useStrategy(t *testing.T, st strategy.Strategy) {
 	t.Cleanup(func() { require.NoError(t, strategy.Set(old)) })
 }
 
+// sessionEntries lists the session's entries in the shared-memory
+// directory.
 func sessionEntries(session string) []string {
 	matches, _ := filepath.Glob(filepath.Join(mmapalloc.Dir(), mmapalloc.NamePrefix+session+"_*"))
 	return matches
