@@ -176,6 +176,9 @@ func FromStorage(s *Storage, dt DType, offset int64, shape, strides []int) (*Ten
 	return t, nil
 }
 
+// checkNewShape checks a new tensor's dtype and shape. Its errors, like
+// checkView's, show a copy of shape, so that shape does not escape: a
+// caller's variadic shape stays on the caller's stack.
 func checkNewShape(dt DType, shape []int) error {
 	if !dt.Valid() {
 		return fmt.Errorf("tensor: invalid dtype %v", dt)
@@ -186,11 +189,11 @@ func checkNewShape(dt DType, shape []int) error {
 	total := uint64(dt.Size())
 	for i, n := range shape {
 		if n < 0 {
-			return fmt.Errorf("tensor: negative size %d in dimension %d of shape %v", n, i, shape)
+			return fmt.Errorf("tensor: negative size %d in dimension %d of shape %v", n, i, slices.Clone(shape))
 		}
 		hi, lo := bits.Mul64(total, uint64(n))
 		if hi != 0 || lo > math.MaxInt64 {
-			return fmt.Errorf("tensor: shape %v of %v overflows", shape, dt)
+			return fmt.Errorf("tensor: shape %v of %v overflows", slices.Clone(shape), dt)
 		}
 		total = lo
 	}
@@ -231,14 +234,14 @@ func checkView(dt DType, offset int64, shape, strides []int, size int64) error {
 		hi, lo := bits.Mul64(uint64(n-1), uint64(st))
 		sum, carry := bits.Add64(last, lo, 0)
 		if hi != 0 || carry != 0 || sum > math.MaxInt64 {
-			return fmt.Errorf("tensor: strides %v with shape %v overflow", strides, shape)
+			return fmt.Errorf("tensor: strides %v with shape %v overflow", slices.Clone(strides), slices.Clone(shape))
 		}
 		last = sum
 	}
 	hi, endElems := bits.Mul64(last+1, uint64(item))
 	end, carry := bits.Add64(endElems, uint64(offset), 0)
 	if hi != 0 || carry != 0 || end > uint64(size) {
-		return fmt.Errorf("tensor: shape %v, strides %v and offset %d reach past the storage's %d bytes", shape, strides, offset, size)
+		return fmt.Errorf("tensor: shape %v, strides %v and offset %d reach past the storage's %d bytes", slices.Clone(shape), slices.Clone(strides), offset, size)
 	}
 	return nil
 }
