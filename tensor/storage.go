@@ -114,6 +114,37 @@ type Storage struct {
 	armed     bool                       // mem is in the safety net,
 	slot      int32                      // in this slot
 	onRelease []func()                   // run by Release, once
+
+	// spare is the Tensor made in one allocation with the Storage, until
+	// the first tensor made on the Storage takes it (see newTensor).
+	spare atomic.Pointer[Tensor]
+}
+
+// storageAndTensor is a Storage and the Tensor that is usually made on it
+// next, allocated together: one allocation fewer for each tensor made,
+// sent or received. Either keeps the other's memory until both are
+// unreachable, which a tensor does to its storage anyway.
+type storageAndTensor struct {
+	s Storage
+	t Tensor
+}
+
+// allocStorage returns a Storage of nbytes on p, without memory yet, with
+// a spare Tensor.
+func allocStorage(p device.Place, nbytes int64) *Storage {
+	st := &storageAndTensor{s: Storage{place: p, nbytes: nbytes}}
+	st.s.spare.Store(&st.t)
+	return &st.s
+}
+
+// newTensor returns a zero Tensor for s: its spare, the first time.
+func (s *Storage) newTensor() *Tensor {
+	if s.spare.Load() != nil {
+		if t := s.spare.Swap(nil); t != nil {
+			return t
+		}
+	}
+	return new(Tensor)
 }
 
 // newHeapStorage allocates nbytes of zeroed host memory, aligned for every
@@ -126,7 +157,7 @@ func newHeapStorage(nbytes int64) *Storage {
 	} else {
 		b = []byte{}
 	}
-	s := &Storage{place: device.CPU(), nbytes: nbytes}
+	s := allocStorage(device.CPU(), nbytes)
 	s.mem.Store(&memory{bytes: b})
 	return s
 }
@@ -149,7 +180,7 @@ func newStorage(p device.Place, nbytes int64) (*Storage, error) {
 	if err != nil {
 		return nil, fmt.Errorf("tensor: allocating %d bytes on %s: %w", nbytes, p, err)
 	}
-	s := &Storage{place: p, nbytes: nbytes}
+	s := allocStorage(p, nbytes)
 	s.arm(memory{buf: buf})
 	return s, nil
 }
@@ -158,7 +189,7 @@ func newStorage(p device.Place, nbytes int64) (*Storage, error) {
 // ownership of a: Release, or the cleanup of an unreachable Storage, closes
 // it.
 func NewSharedStorage(a *mmapalloc.Allocation) *Storage {
-	s := &Storage{place: device.CPU(), nbytes: a.Size()}
+	s := allocStorage(device.CPU(), a.Size())
 	s.arm(memory{bytes: a.Bytes(), alloc: a, shared: true})
 	return s
 }
@@ -167,7 +198,7 @@ func NewSharedStorage(a *mmapalloc.Allocation) *Storage {
 // received from another process, as storage. The Storage takes ownership
 // of b: Release, or the cleanup of an unreachable Storage, frees it once.
 func NewDeviceStorage(p device.Place, nbytes int64, b Buffer) *Storage {
-	s := &Storage{place: p, nbytes: nbytes}
+	s := allocStorage(p, nbytes)
 	s.arm(memory{buf: b, shared: true})
 	return s
 }
@@ -176,7 +207,7 @@ func NewDeviceStorage(p device.Place, nbytes int64, b Buffer) *Storage {
 // storage. The Storage takes ownership of b: Release, or the cleanup of an
 // unreachable Storage, releases it.
 func NewBlockStorage(b *mmapalloc.Block) *Storage {
-	s := &Storage{place: device.CPU(), nbytes: b.Size()}
+	s := allocStorage(device.CPU(), b.Size())
 	s.arm(memory{bytes: b.Bytes(), block: b, shared: true})
 	return s
 }
@@ -184,7 +215,7 @@ func NewBlockStorage(b *mmapalloc.Block) *Storage {
 // NewEmptySharedStorage returns an empty storage that counts as shared: the
 // storage of an empty tensor received from another process.
 func NewEmptySharedStorage() *Storage {
-	s := &Storage{place: device.CPU()}
+	s := allocStorage(device.CPU(), 0)
 	s.mem.Store(&memory{bytes: []byte{}, shared: true})
 	return s
 }
@@ -311,7 +342,7 @@ func AllocSharedStorage(nbytes int64) (*Storage, error) {
 	if nbytes < 0 {
 		return nil, fmt.Errorf("tensor: shared storage of %d bytes", nbytes)
 	}
-	s := &Storage{place: device.CPU(), nbytes: nbytes}
+	s := allocStorage(device.CPU(), nbytes)
 	if nbytes == 0 {
 		s.mem.Store(&memory{bytes: []byte{}, shared: true})
 		return s, nil
@@ -326,7 +357,7 @@ func AllocSharedStorage(nbytes int64) (*Storage, error) {
 
 // newSharedStorage returns a storage of nbytes of zeroed shared memory.
 func newSharedStorage(nbytes int64, st strategy.Strategy) (*Storage, error) {
-	s := &Storage{place: device.CPU(), nbytes: nbytes}
+	s := allocStorage(device.CPU(), nbytes)
 	if nbytes == 0 {
 		s.mem.Store(&memory{bytes: []byte{}, shared: true})
 		return s, nil

@@ -81,7 +81,8 @@ func (f Factory) Zeros(dt DType, shape ...int) (*Tensor, error) {
 	if err != nil {
 		return nil, err
 	}
-	t := &Tensor{storage: s, dtype: dt}
+	t := s.newTensor()
+	*t = Tensor{storage: s, dtype: dt}
 	t.shape, t.strides = contiguousDims(shape, t.dims[:])
 	return t, nil
 }
@@ -171,7 +172,8 @@ func FromStorage(s *Storage, dt DType, offset int64, shape, strides []int) (*Ten
 	if err := checkView(dt, offset, shape, strides, s.Size()); err != nil {
 		return nil, err
 	}
-	t := &Tensor{storage: s, offset: offset, dtype: dt}
+	t := s.newTensor()
+	*t = Tensor{storage: s, offset: offset, dtype: dt}
 	t.shape, t.strides = cloneDims(shape, strides, t.dims[:])
 	return t, nil
 }
@@ -411,7 +413,9 @@ func (t *Tensor) checkDim(dim int) error {
 }
 
 func (t *Tensor) view(offset int64, shape, strides []int) *Tensor {
-	return &Tensor{storage: t.storage, offset: offset, dtype: t.dtype, shape: shape, strides: strides}
+	v := t.storage.newTensor()
+	*v = Tensor{storage: t.storage, offset: offset, dtype: t.dtype, shape: shape, strides: strides}
+	return v
 }
 
 // Narrow returns a view of length elements of dimension dim starting at
@@ -505,7 +509,9 @@ func (t *Tensor) Clone() (*Tensor, error) {
 			return out, err
 		}
 	}
-	c := &Tensor{storage: newHeapStorage(t.Nbytes()), dtype: t.dtype, shape: slices.Clone(t.shape), strides: contiguousStrides(t.shape), lod: cloneLoD(t.lod)}
+	s := newHeapStorage(t.Nbytes())
+	c := s.newTensor()
+	*c = Tensor{storage: s, dtype: t.dtype, shape: slices.Clone(t.shape), strides: contiguousStrides(t.shape), lod: cloneLoD(t.lod)}
 	if err := t.readInto(c.storage.Bytes()); err != nil {
 		return nil, err
 	}
@@ -666,7 +672,8 @@ func (t *Tensor) copyOnDevices(p device.Place) (out *Tensor, ok bool, err error)
 		}
 		return nil, false, nil
 	}
-	out = &Tensor{storage: s, dtype: t.dtype, shape: slices.Clone(t.shape), strides: contiguousStrides(t.shape), lod: cloneLoD(t.lod)}
+	out = s.newTensor()
+	*out = Tensor{storage: s, dtype: t.dtype, shape: slices.Clone(t.shape), strides: contiguousStrides(t.shape), lod: cloneLoD(t.lod)}
 	return out, true, nil
 }
 

@@ -495,6 +495,48 @@ func TestFromStorageChecksBounds(t *testing.T) {
 	assert.NoError(t, err, "an empty view may sit at the end")
 }
 
+// The first tensor made on a new storage is allocated with it, and every
+// other is a tensor of its own, however many goroutines make them at once.
+func TestFirstTensorComesWithItsStorage(t *testing.T) {
+	leakcheck.Check(t)
+	shared := tensor.On(device.CPU()).Shared()
+	allocs := testing.AllocsPerRun(100, func() {
+		x, err := shared.Zeros(tensor.Uint8, 4<<10)
+		if err != nil {
+			panic(err)
+		}
+		_ = x.Release()
+	})
+	assert.Equal(t, 2.0, allocs, "a pooled block's tensor: the storage with its tensor, and the safety net's record of the memory")
+	allocs = testing.AllocsPerRun(100, func() {
+		if _, err := tensor.Zeros(tensor.Float32, 4); err != nil {
+			panic(err)
+		}
+	})
+	assert.Equal(t, 3.0, allocs, "a heap tensor: the bytes, their record, and the storage with its tensor")
+
+	s := tensor.NewEmptySharedStorage()
+	const n = 8
+	made := make([]*tensor.Tensor, n)
+	var wg sync.WaitGroup
+	for i := range made {
+		wg.Go(func() {
+			x, err := tensor.FromStorage(s, tensor.Float32, 0, []int{0, i}, []int{i, 1})
+			assert.NoError(t, err)
+			made[i] = x
+		})
+	}
+	wg.Wait()
+	for i, x := range made {
+		require.NotNil(t, x)
+		assert.Equal(t, []int{0, i}, x.Shape(), "tensor %d kept its own shape", i)
+		assert.Same(t, s, x.Storage())
+		for _, y := range made[:i] {
+			assert.NotSame(t, x, y)
+		}
+	}
+}
+
 func ExampleTensor_ShareMemory() {
 	x, _ := tensor.Arange(tensor.Float32, 6)
 	m, _ := x.Reshape(2, 3)
