@@ -137,14 +137,14 @@ func allocStorage(p device.Place, nbytes int64) *Storage {
 	return &st.s
 }
 
-// newTensor returns a zero Tensor for s: its spare, the first time.
-func (s *Storage) newTensor() *Tensor {
-	if s.spare.Load() != nil {
-		if t := s.spare.Swap(nil); t != nil {
-			return t
-		}
+// newTensor returns v in a Tensor of its own: s's spare, the first time.
+func (s *Storage) newTensor(v Tensor) *Tensor {
+	t := s.spare.Load()
+	if t == nil || !s.spare.CompareAndSwap(t, nil) {
+		t = new(Tensor)
 	}
-	return new(Tensor)
+	*t = v
+	return t
 }
 
 // newHeapStorage allocates nbytes of zeroed host memory, aligned for every

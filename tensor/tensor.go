@@ -81,8 +81,7 @@ func (f Factory) Zeros(dt DType, shape ...int) (*Tensor, error) {
 	if err != nil {
 		return nil, err
 	}
-	t := s.newTensor()
-	*t = Tensor{storage: s, dtype: dt}
+	t := s.newTensor(Tensor{storage: s, dtype: dt})
 	t.shape, t.strides = contiguousDims(shape, t.dims[:])
 	return t, nil
 }
@@ -172,8 +171,7 @@ func FromStorage(s *Storage, dt DType, offset int64, shape, strides []int) (*Ten
 	if err := checkView(dt, offset, shape, strides, s.Size()); err != nil {
 		return nil, err
 	}
-	t := s.newTensor()
-	*t = Tensor{storage: s, offset: offset, dtype: dt}
+	t := s.newTensor(Tensor{storage: s, offset: offset, dtype: dt})
 	t.shape, t.strides = cloneDims(shape, strides, t.dims[:])
 	return t, nil
 }
@@ -413,9 +411,7 @@ func (t *Tensor) checkDim(dim int) error {
 }
 
 func (t *Tensor) view(offset int64, shape, strides []int) *Tensor {
-	v := t.storage.newTensor()
-	*v = Tensor{storage: t.storage, offset: offset, dtype: t.dtype, shape: shape, strides: strides}
-	return v
+	return t.storage.newTensor(Tensor{storage: t.storage, offset: offset, dtype: t.dtype, shape: shape, strides: strides})
 }
 
 // Narrow returns a view of length elements of dimension dim starting at
@@ -509,9 +505,7 @@ func (t *Tensor) Clone() (*Tensor, error) {
 			return out, err
 		}
 	}
-	s := newHeapStorage(t.Nbytes())
-	c := s.newTensor()
-	*c = Tensor{storage: s, dtype: t.dtype, shape: slices.Clone(t.shape), strides: contiguousStrides(t.shape), lod: cloneLoD(t.lod)}
+	c := t.contiguousOn(newHeapStorage(t.Nbytes()))
 	if err := t.readInto(c.storage.Bytes()); err != nil {
 		return nil, err
 	}
@@ -625,9 +619,8 @@ func (t *Tensor) To(p device.Place) (*Tensor, error) {
 	if out, ok, err := t.copyOnDevices(p); ok || err != nil {
 		return out, err
 	}
-	out := &Tensor{dtype: t.dtype, shape: slices.Clone(t.shape), strides: contiguousStrides(t.shape), lod: cloneLoD(t.lod)}
 	if p.IsCPU() {
-		out.storage = newHeapStorage(t.Nbytes())
+		out := t.contiguousOn(newHeapStorage(t.Nbytes()))
 		return out, t.readInto(out.storage.Bytes())
 	}
 	dense, err := t.denseHost()
@@ -642,8 +635,7 @@ func (t *Tensor) To(p device.Place) (*Tensor, error) {
 		_ = s.Release()
 		return nil, fmt.Errorf("tensor: copying %d bytes to %s: %w", len(dense), p, err)
 	}
-	out.storage = s
-	return out, nil
+	return t.contiguousOn(s), nil
 }
 
 // copyOnDevices copies a contiguous device tensor to another device
@@ -672,9 +664,15 @@ func (t *Tensor) copyOnDevices(p device.Place) (out *Tensor, ok bool, err error)
 		}
 		return nil, false, nil
 	}
-	out = s.newTensor()
-	*out = Tensor{storage: s, dtype: t.dtype, shape: slices.Clone(t.shape), strides: contiguousStrides(t.shape), lod: cloneLoD(t.lod)}
-	return out, true, nil
+	return t.contiguousOn(s), true, nil
+}
+
+// contiguousOn returns a contiguous tensor of t's dtype, shape and LoD on
+// s, a new storage of t's size, for a copy of t to fill.
+func (t *Tensor) contiguousOn(s *Storage) *Tensor {
+	c := s.newTensor(Tensor{storage: s, dtype: t.dtype, lod: cloneLoD(t.lod)})
+	c.shape, c.strides = contiguousDims(t.shape, c.dims[:])
+	return c
 }
 
 // Equal reports whether a and b have the same dtype, shape and element
