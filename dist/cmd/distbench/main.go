@@ -12,13 +12,17 @@
 //
 // per_s is bytes per second at the receiver, from its first byte to its
 // last; cpu_s_per_gib is the CPU time of both processes (user + system)
-// per GiB moved. The child's copies of its tensors into its own queue
+// per GiB moved. The dist cases start the clock after the first -warm
+// tensors, once the connection is up and the shared-memory pools of both
+// ends have grown to what the stream keeps in flight (the putter's
+// offers and queue, the getter's destination blocks): the floor's buffers
+// are faulted in before its clock starts too. The child's copies of its tensors into its own queue
 // (dist_get) are not counted: they are the owner's local Put, not the
 // transfer.
 //
 // Usage:
 //
-//	go run ./cmd/distbench [-bytes N] [-n reps] [-chunk N] [-addr IP] [-json]
+//	go run ./cmd/distbench [-bytes N] [-n reps] [-warm N] [-chunk N] [-addr IP] [-json]
 //	                       [-child-netns NS -child-addr IP]
 //
 // With -child-netns (as root) the child runs in network namespace NS
@@ -52,6 +56,10 @@ import (
 // chunk is the record-batch size both ends use.
 var chunk int
 
+// warm is the number of tensors each dist case sends before its clock
+// starts.
+var warm int
+
 // childNetns and childAddr place the child in another network namespace.
 var childNetns, childAddr string
 
@@ -71,9 +79,14 @@ func main() {
 	addr := flag.String("addr", "127.0.0.1", "the address both ends use")
 	asJSON := flag.Bool("json", false, "one JSON object per line")
 	flag.IntVar(&chunk, "chunk", dist.DefaultChunk, "bytes per record batch")
+	flag.IntVar(&warm, "warm", 4, "tensors sent in each dist case before the clock starts")
 	flag.StringVar(&childNetns, "child-netns", "", "network namespace to run the child in (root)")
 	flag.StringVar(&childAddr, "child-addr", "", "the child's address (default: -addr)")
 	flag.Parse()
+	if warm < 1 || *n <= warm {
+		fmt.Fprintf(os.Stderr, "distbench: -warm must be at least 1 and less than -n (%d)\n", *n)
+		os.Exit(2)
+	}
 	if err := run(*size, *n, *addr, *asJSON); err != nil {
 		fmt.Fprintln(os.Stderr, "distbench:", err)
 		os.Exit(1)
@@ -131,6 +144,7 @@ func startChild(c string, size, n int, target string) (*childProc, error) {
 	}
 	cmd.Env = append(cmd.Env, "DISTBENCH_CASE="+c, "DISTBENCH_SIZE="+strconv.Itoa(size),
 		"DISTBENCH_N="+strconv.Itoa(n), "DISTBENCH_TARGET="+target, "DISTBENCH_CHUNK="+strconv.Itoa(chunk),
+		"DISTBENCH_WARM="+strconv.Itoa(warm),
 		"DISTBENCH_ADDR="+childAddr)
 	if childNetns != "" {
 		ip, err := exec.LookPath("ip")
@@ -222,8 +236,8 @@ func benchDist(c string, size, n int, addr string) (result, error) {
 	var start time.Time
 	var cpu0 time.Duration
 	for i := range n {
-		if i == 1 {
-			// The first tensor warms the pools and the connection.
+		if i == warm {
+			// The first tensors warm the pools and the connection.
 			start, cpu0 = time.Now(), cpu()
 		}
 		var x *tensor.Tensor
@@ -253,7 +267,7 @@ func benchDist(c string, size, n int, addr string) (result, error) {
 	if err := ch.wait(); err != nil {
 		return result{}, err
 	}
-	return newResult(c, size, n-1, elapsed, used+time.Duration(childCPU)), nil
+	return newResult(c, size, n-warm, elapsed, used+time.Duration(childCPU)), nil
 }
 
 // join makes this process rank r of the two and opens case c's queue:
@@ -284,6 +298,7 @@ func child() int {
 	n, _ := strconv.Atoi(os.Getenv("DISTBENCH_N"))
 	target := os.Getenv("DISTBENCH_TARGET")
 	chunk, _ = strconv.Atoi(os.Getenv("DISTBENCH_CHUNK"))
+	warm, _ = strconv.Atoi(os.Getenv("DISTBENCH_WARM"))
 	var err error
 	switch c := os.Getenv("DISTBENCH_CASE"); c {
 	case "tcp":
@@ -341,14 +356,14 @@ func childDist(c string, size, n int, store string) error {
 	}
 	var local, cpu0 time.Duration
 	for i := range n {
-		if i == 1 {
+		if i == warm {
 			cpu0 = cpu()
 		}
 		before := threadCPU()
 		if err := q.Put(ctx, x); err != nil {
 			return err
 		}
-		if owner == 1 && i >= 1 {
+		if owner == 1 && i >= warm {
 			local += threadCPU() - before // the owner's own copy into its queue
 		}
 	}
