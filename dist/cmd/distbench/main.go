@@ -16,9 +16,9 @@
 // tensors, once the connection is up and the shared-memory pools of both
 // ends have grown to what the stream keeps in flight (the putter's
 // offers and queue, the getter's destination blocks): the floor's buffers
-// are faulted in before its clock starts too. The child's copies of its tensors into its own queue
-// (dist_get) are not counted: they are the owner's local Put, not the
-// transfer.
+// are faulted in before its clock starts too. The child's copies of its
+// tensors into its own queue (dist_get) are not counted: they are the
+// owner's local Put, not the transfer.
 //
 // Usage:
 //
