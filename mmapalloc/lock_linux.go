@@ -53,13 +53,6 @@ func setLock(fd int, typ int16, off, n int64) (bool, error) {
 	}
 }
 
-// lockedElsewhere reports whether a description other than fd's holds a
-// lock on any of n bytes at off.
-func lockedElsewhere(fd int, off, n int64) (bool, error) {
-	_, _, held, err := lockInWay(fd, off, n)
-	return held, err
-}
-
 // lockInWay reports whether a description other than fd's holds a lock on
 // any of n bytes at off and, if one does, the bytes [from, to) of one such
 // lock, all of them held. Which lock the kernel names, when several are in
