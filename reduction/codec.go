@@ -500,8 +500,12 @@ type msgReader struct {
 	pos  int
 	// dims is room for the shape and strides of the tensor being
 	// decoded, which its Tensor copies.
-	dims [2 * 4]int
+	dims [2 * roomDims]int
 }
+
+// roomDims is the most dimensions a reader parses without allocating:
+// more than most tensors have.
+const roomDims = 4
 
 func (r *msgReader) Read(p []byte) (int, error) {
 	if r.pos >= len(r.data) {

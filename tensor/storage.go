@@ -373,8 +373,9 @@ func newSharedStorage(nbytes int64, st strategy.Strategy) (*Storage, error) {
 // newSharedMemory returns nbytes of shared memory made under strategy st:
 // a pooled block for file_descriptor, and for file_system a pooled block
 // of a named segment in a process whose session has a keeper, else a
-// reference-counted segment of its own. With zero, a recycled block is cleared of its last user's
-// bytes; without, the caller overwrites all of it.
+// reference-counted segment of its own. With zero, a recycled block is
+// cleared of its last user's bytes; without, the caller overwrites all of
+// it.
 func newSharedMemory(nbytes int64, st strategy.Strategy, zero bool) (memory, error) {
 	switch st {
 	case strategy.FileDescriptor:
