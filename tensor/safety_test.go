@@ -119,9 +119,7 @@ func TestStorageRefConcurrent(t *testing.T) {
 	}()
 	var wg sync.WaitGroup
 	for g := range 4 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			for i := range 500 {
 				x, err := tensor.On(device.CPU()).Shared().Zeros(tensor.Uint8, 4<<10)
 				if !assert.NoError(t, err) {
@@ -139,7 +137,7 @@ func TestStorageRefConcurrent(t *testing.T) {
 				}
 				// Odd ones are dropped unreleased, for the net.
 			}
-		}()
+		})
 	}
 	wg.Wait()
 	close(stop)
