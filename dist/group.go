@@ -39,6 +39,7 @@ type options struct {
 	maxValue    int64
 	refAbove    int64
 	lease       time.Duration
+	pullConns   int
 	noLocal     bool
 	serverTLS   *tls.Config
 	clientTLS   *tls.Config
@@ -107,6 +108,21 @@ func WithSameHostShortcut(on bool) Option { return func(o *options) { o.noLocal 
 // value was dropped.
 func WithLease(d time.Duration) Option { return func(o *options) { o.lease = d } }
 
+// WithPullConns sets over how many connections a getter pulls a value by
+// reference from its putter (default DefaultPullConns; at most
+// MaxPullConns). Each connection carries every n-th chunk of the value,
+// so that receiving, which one gRPC connection does on one goroutine,
+// runs on several cores. The extra connections are dialled at the first
+// pull from a rank.
+func WithPullConns(n int) Option { return func(o *options) { o.pullConns = n } }
+
+// DefaultPullConns is the connections a pull uses unless WithPullConns
+// says otherwise.
+const DefaultPullConns = 2
+
+// MaxPullConns bounds WithPullConns.
+const MaxPullConns = 16
+
 // Group is this process's membership of a group of ranks: its Flight
 // server, its connections to the others, and the group's fate. The first
 // failure anywhere in the group (a rank lost, a rank's Abort) ends the
@@ -130,7 +146,7 @@ type Group struct {
 
 	peersMu sync.Mutex
 	peers   []peer
-	conns   map[int]*grpc.ClientConn
+	conns   map[connKey]*grpc.ClientConn
 
 	ctx    context.Context
 	cancel context.CancelCauseFunc
@@ -167,12 +183,15 @@ type peer struct {
 // address.
 func Init(ctx context.Context, opts ...Option) (*Group, error) {
 	o := options{timeout: 5 * time.Minute, heartbeat: time.Second, chunk: DefaultChunk, refAbove: DefaultReferenceAbove,
-		lease: DefaultLease, rank: -1, getenv: os.Getenv}
+		lease: DefaultLease, pullConns: DefaultPullConns, rank: -1, getenv: os.Getenv}
 	for _, f := range opts {
 		f(&o)
 	}
 	if o.lease <= 0 {
 		return nil, fmt.Errorf("dist: a lease of %v", o.lease)
+	}
+	if o.pullConns < 1 || o.pullConns > MaxPullConns {
+		return nil, fmt.Errorf("dist: %d connections per pull: must be 1 to %d", o.pullConns, MaxPullConns)
 	}
 	l, found, err := detect(o.getenv)
 	if err != nil {
@@ -210,7 +229,7 @@ func Init(ctx context.Context, opts ...Option) (*Group, error) {
 		l.bind = "127.0.0.1"
 	}
 
-	g := &Group{rank: l.rank, world: l.world, o: o, l: l, host: hostID(), conns: map[int]*grpc.ClientConn{}, done: make(chan struct{})}
+	g := &Group{rank: l.rank, world: l.world, o: o, l: l, host: hostID(), conns: map[connKey]*grpc.ClientConn{}, done: make(chan struct{})}
 	g.ctx, g.cancel = context.WithCancelCause(context.Background())
 	if err := g.serve(); err != nil {
 		return nil, err
@@ -403,14 +422,24 @@ const window = 16 << 20
 // write and read, rather than two.
 const ioBuffer = 1 << 20
 
+// connKey names a connection to a rank: line 0 carries every call, lines
+// 1 and up the extra stripes of pulls.
+type connKey struct{ rank, line int }
+
 // client returns a Flight client of rank r, dialling it on first use.
 func (g *Group) client(r int) (flight.FlightServiceClient, error) {
+	return g.clientOn(r, 0)
+}
+
+// clientOn returns a Flight client of rank r on connection line,
+// dialling it on first use.
+func (g *Group) clientOn(r, line int) (flight.FlightServiceClient, error) {
 	g.peersMu.Lock()
 	defer g.peersMu.Unlock()
 	if g.conns == nil {
 		return nil, ErrClosed
 	}
-	if c, ok := g.conns[r]; ok {
+	if c, ok := g.conns[connKey{r, line}]; ok {
 		return flight.NewFlightServiceClient(c), nil
 	}
 	addr := g.l.store
@@ -440,7 +469,7 @@ func (g *Group) client(r int) (flight.FlightServiceClient, error) {
 	if err != nil {
 		return nil, fmt.Errorf("dist: dialling rank %d at %s: %w", r, addr, err)
 	}
-	g.conns[r] = c
+	g.conns[connKey{r, line}] = c
 	return flight.NewFlightServiceClient(c), nil
 }
 

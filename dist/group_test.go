@@ -50,10 +50,11 @@ func freeStore(t *testing.T) string {
 func hostAddr(h int) string { return "127.0.0." + strconv.Itoa(2+h) }
 
 // join makes this test process rank r, on fake host r.
-func join(t *testing.T, ctx context.Context, r, world int, store string) *dist.Group {
+func join(t *testing.T, ctx context.Context, r, world int, store string, extra ...dist.Option) *dist.Group {
 	t.Helper()
-	g, err := dist.Init(ctx, dist.WithRank(r, world), dist.WithStore(store), dist.WithAddr(hostAddr(r)),
-		dist.WithHeartbeat(heartbeat), dist.WithTimeout(30*time.Second))
+	opts := []dist.Option{dist.WithRank(r, world), dist.WithStore(store), dist.WithAddr(hostAddr(r)),
+		dist.WithHeartbeat(heartbeat), dist.WithTimeout(30 * time.Second)}
+	g, err := dist.Init(ctx, append(opts, extra...)...)
 	require.NoError(t, err)
 	return g
 }
@@ -613,27 +614,41 @@ const fileSystem = "TENSORMP_SHARING_STRATEGY=file_system"
 // Values by reference travel from the putter to the getter: the owner,
 // on a third host, holds only their tickets, and the putter's copies go
 // once they were taken.
+// The getter pulls each value from its putter over one connection, or
+// striped over several (the default, and more).
 func TestLargeValuesGoByReference(t *testing.T) {
-	leakcheck.Check(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	store := freeStore(t)
-	putter := startRank(t, "put-refs", 1, 3, store, "TEST_REF_ABOVE=1", fileSystem)
-	owner := startRank(t, "own-refs", 2, 3, store, "TEST_REF_ABOVE=1", fileSystem)
-	g := join(t, ctx, 0, 3, store)
-	_, err := g.Store().Get(ctx, "refs/put", 0)
-	require.NoError(t, err)
-	assertEmptyDir(t, owner.shm) // every value waits in the queue, none of it here
+	for _, conns := range []int{1, dist.DefaultPullConns, 3} {
+		t.Run(fmt.Sprintf("conns=%d", conns), func(t *testing.T) {
+			leakcheck.Check(t)
+			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+			defer cancel()
+			store := freeStore(t)
+			putter := startRank(t, "put-refs", 1, 3, store, "TEST_REF_ABOVE=1", fileSystem)
+			owner := startRank(t, "own-refs", 2, 3, store, "TEST_REF_ABOVE=1", fileSystem)
+			g := join(t, ctx, 0, 3, store, dist.WithPullConns(conns))
+			_, err := g.Store().Get(ctx, "refs/put", 0)
+			require.NoError(t, err)
+			assertEmptyDir(t, owner.shm) // every value waits in the queue, none of it here
 
-	q, err := g.Queue(ctx, "refs", dist.WithOwner(2))
-	require.NoError(t, err)
-	getSamples(t, ctx, q)
-	assert.Equal(t, 0, putter.wait(t), "the putter's Close returns once everything was taken")
-	require.NoError(t, g.Store().Set(ctx, "refs/taken", []byte("yes")))
-	assert.Equal(t, 0, owner.wait(t))
-	require.NoError(t, g.Close())
-	assertEmptyDir(t, putter.shm)
-	assertEmptyDir(t, owner.shm)
+			q, err := g.Queue(ctx, "refs", dist.WithOwner(2))
+			require.NoError(t, err)
+			getSamples(t, ctx, q)
+			assert.Equal(t, 0, putter.wait(t), "the putter's Close returns once everything was taken")
+			require.NoError(t, g.Store().Set(ctx, "refs/taken", []byte("yes")))
+			assert.Equal(t, 0, owner.wait(t))
+			require.NoError(t, g.Close())
+			assertEmptyDir(t, putter.shm)
+			assertEmptyDir(t, owner.shm)
+		})
+	}
+}
+
+func TestPullConnsAreBounded(t *testing.T) {
+	for _, n := range []int{0, -1, dist.MaxPullConns + 1} {
+		_, err := dist.Init(context.Background(), dist.WithRank(0, 1), dist.WithStore("127.0.0.1:1"), dist.WithPullConns(n))
+		require.Error(t, err, "%d connections", n)
+		assert.Contains(t, err.Error(), "connections per pull")
+	}
 }
 
 // Two ranks of one host talk over an mp.Pipe: a tensor is shared, so the

@@ -3,8 +3,10 @@ package dist
 import (
 	"context"
 	"crypto/rand"
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -70,9 +72,12 @@ func newOffers(lease time.Duration) *offers {
 	return &offers{lease: lease, m: map[string]*offer{}, changed: make(chan struct{})}
 }
 
+// ticketLen is the length of an offer's ticket.
+const ticketLen = 16
+
 // add keeps bodies, which it takes over, under a new ticket.
 func (o *offers) add(bodies []*tensor.Storage) ([]byte, error) {
-	t := make([]byte, 16)
+	t := make([]byte, ticketLen)
 	_, _ = rand.Read(t)
 	o.mu.Lock()
 	defer o.mu.Unlock()
@@ -240,14 +245,60 @@ func snapshot(bodies []*tensor.Storage) ([]*tensor.Storage, error) {
 	return out, nil
 }
 
-// DoGet sends the bodies of an offer.
+// A striped pull's tickets are the offer's ticket followed by which
+// stripe the stream carries and the getter's chunk size: part, parts
+// (a byte each) and chunk (4 bytes, big-endian). A plain ticket asks for
+// every chunk, in the putter's chunk size.
+const stripeSuffix = 6
+
+// minStripeChunk bounds the chunk size a getter may ask for from below:
+// a peer may not make the putter send a value a few bytes at a time.
+const minStripeChunk = 64 << 10
+
+// stripeTicket returns the ticket that asks for stripe st of the offer
+// ticket names, in chunks of chunk bytes.
+func stripeTicket(ticket []byte, st stripe, chunk int) []byte {
+	t := append(slices.Clip(ticket), byte(st.part), byte(st.parts))
+	return binary.BigEndian.AppendUint32(t, uint32(chunk))
+}
+
+// parseTicket splits a DoGet ticket into the offer's ticket, the stripe
+// asked for and the chunk size (0 for the putter's own).
+func parseTicket(t []byte) (offer []byte, st stripe, chunk int, err error) {
+	switch len(t) {
+	case ticketLen:
+		return t, stripe{}, 0, nil
+	case ticketLen + stripeSuffix:
+	default:
+		return nil, stripe{}, 0, status.Errorf(codes.InvalidArgument, "a ticket of %d bytes", len(t))
+	}
+	suffix := t[ticketLen:]
+	st = stripe{part: int(suffix[0]), parts: int(suffix[1])}
+	chunk = int(binary.BigEndian.Uint32(suffix[2:]))
+	if st.parts < 2 || st.parts > MaxPullConns || st.part >= st.parts || chunk < minStripeChunk || chunk > maxMessage/2 {
+		return nil, stripe{}, 0, status.Errorf(codes.InvalidArgument, "stripe %d of %d in chunks of %d bytes", st.part, st.parts, chunk)
+	}
+	return t[:ticketLen], st, chunk, nil
+}
+
+// DoGet sends the bodies of an offer, or the stripe of them the ticket
+// asks for.
 func (n *node) DoGet(t *flight.Ticket, s flight.FlightService_DoGetServer) error {
-	bodies, done, ok := n.offers.pull(t.GetTicket())
+	key, st, chunk, err := parseTicket(t.GetTicket())
+	if err != nil {
+		return err
+	}
+	bodies, done, ok := n.offers.pull(key)
 	if !ok {
 		return status.Error(codes.NotFound, "no such value: its lease expired or it was taken")
 	}
 	defer done()
-	return newWriter(s, n.g.o.chunk).sendRaw(nil, bodies)
+	if chunk == 0 {
+		chunk = n.g.o.chunk
+	}
+	w := newWriter(s, chunk)
+	w.stripe = st
+	return w.sendRaw(nil, bodies)
 }
 
 // doOfferAction serves the actions on offers; ok is false for others.
@@ -284,26 +335,108 @@ func (g *Group) pull(ctx context.Context, r int, ticket []byte) ([]*tensor.Stora
 		}
 		return bodies, nil
 	}
+	// Ending the streams' context ends what is left of them: a stream
+	// not read to its end would keep gRPC's resources until it is.
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var bodies []*tensor.Storage
+	var err error
+	if g.o.pullConns == 1 || g.o.chunk < minStripeChunk || g.o.chunk > maxMessage/2 {
+		bodies, err = g.pullWhole(sctx, r, ticket)
+	} else {
+		bodies, err = g.pullStriped(sctx, r, ticket)
+	}
+	if status.Code(err) == codes.NotFound {
+		return nil, fmt.Errorf("%w (put by rank %d)", ErrLeaseExpired, r)
+	}
+	if err != nil {
+		return nil, g.opErr(ctx, r, "pull", err)
+	}
+	return bodies, nil
+}
+
+// pullWhole receives a value by reference on one stream.
+func (g *Group) pullWhole(ctx context.Context, r int, ticket []byte) ([]*tensor.Storage, error) {
 	c, err := g.client(r)
 	if err != nil {
 		return nil, err
 	}
 	s, err := c.DoGet(ctx, &flight.Ticket{Ticket: ticket})
 	if err != nil {
-		return nil, g.opErr(ctx, r, "pull", err)
+		return nil, err
 	}
 	rd := newReader(s, g.o.maxValue)
 	f, err := rd.next()
-	if err == nil {
-		var bodies []*tensor.Storage
-		if bodies, err = rd.raw(f); err == nil {
-			return bodies, nil
+	if err != nil {
+		return nil, err
+	}
+	return rd.raw(f)
+}
+
+// pullStriped receives a value by reference on one stream per pull
+// connection, each carrying a stripe of its chunks into the same
+// storages. Every stream begins with the value's frame: the first
+// stream's says what to allocate, and the others must say the same. The
+// first stream to fail ends the others.
+func (g *Group) pullStriped(ctx context.Context, r int, ticket []byte) ([]*tensor.Storage, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	parts := g.o.pullConns
+	readers := make([]*reader, parts)
+	for k := range readers {
+		c, err := g.clientOn(r, k)
+		if err != nil {
+			return nil, err
+		}
+		s, err := c.DoGet(ctx, &flight.Ticket{Ticket: stripeTicket(ticket, stripe{k, parts}, g.o.chunk)})
+		if err != nil {
+			return nil, err
+		}
+		readers[k] = newReader(s, g.o.maxValue)
+	}
+	head, err := readers[0].next()
+	if err != nil {
+		return nil, err
+	}
+	bodies, err := readers[0].alloc(head)
+	if err != nil {
+		return nil, err
+	}
+	var (
+		wg       sync.WaitGroup
+		errOnce  sync.Once
+		firstErr error
+	)
+	for k, rd := range readers {
+		wg.Go(func() {
+			err := g.receiveStripe(rd, head, bodies, stripe{k, parts})
+			if err != nil {
+				errOnce.Do(func() { firstErr = err })
+				cancel()
+			}
+		})
+	}
+	wg.Wait()
+	if firstErr != nil {
+		release(bodies)
+		return nil, firstErr
+	}
+	return bodies, nil
+}
+
+// receiveStripe receives stripe st of a value whose frame is head into
+// bodies; the stream of the first stripe has had its frame read already.
+func (g *Group) receiveStripe(rd *reader, head frame, bodies []*tensor.Storage, st stripe) error {
+	if st.part > 0 {
+		f, err := rd.next()
+		if err != nil {
+			return err
+		}
+		if f.Kind != kindValue || !slices.Equal(f.Sizes, head.Sizes) || len(f.Data) > 0 || len(f.Ticket) > 0 {
+			return fmt.Errorf("dist: stripe %d of a pull began with a frame of kind %d and %d bodies, not the value's", st.part, f.Kind, len(f.Sizes))
 		}
 	}
-	if status.Code(err) == codes.NotFound {
-		return nil, fmt.Errorf("%w (put by rank %d)", ErrLeaseExpired, r)
-	}
-	return nil, g.opErr(ctx, r, "pull", err)
+	return rd.receive(bodies, st, g.o.chunk)
 }
 
 // letGo releases a pulled value on its putter, rank r. A failure is left

@@ -107,8 +107,18 @@ type writer struct {
 	s       msgStream
 	enc     *reduction.BodyEncoder
 	chunk   int
+	stripe  stripe // the chunks this stream carries; the zero stripe is all
 	started bool
 }
+
+// A stripe is the share of a value's chunks one of the streams of a
+// striped pull carries (see Group.pull): the chunks are numbered across
+// the value's bodies in order, and stripe part of parts carries those
+// whose number is part modulo parts. A stripe of parts 0 or 1 is all.
+type stripe struct{ part, parts int }
+
+// carries reports whether the stripe carries chunk number c.
+func (s stripe) carries(c int) bool { return s.parts <= 1 || c%s.parts == s.part }
 
 func newWriter(s msgStream, chunk int) *writer {
 	if chunk <= 0 {
@@ -162,21 +172,29 @@ func (w *writer) sendValue(head frame, bodies []*tensor.Storage) (err error) {
 	if err := w.s.SendMsg(&outData{header: empty, meta: head.marshal()}); err != nil {
 		return err
 	}
+	var chunks int // numbered across the bodies, for the stripe
 	for i, s := range bodies {
-		if err := w.sendBody(i, s, p); err != nil {
+		if err := w.sendBody(i, s, p, &chunks); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-func (w *writer) sendBody(i int, s *tensor.Storage, p *pins) error {
+// sendBody sends the chunks of body i that the writer's stripe carries;
+// chunks counts the value's chunks so far.
+func (w *writer) sendBody(i int, s *tensor.Storage, p *pins, chunks *int) error {
 	b := s.Bytes()
 	if b == nil {
 		return fmt.Errorf("dist: sending %v: %w", s, tensor.ErrReleased)
 	}
 	stage := !zeroCopySafe(s)
 	for off := 0; off < len(b); off += w.chunk {
+		c := *chunks
+		*chunks++
+		if !w.stripe.carries(c) {
+			continue
+		}
 		piece := b[off:min(off+w.chunk, len(b))]
 		if stage {
 			// A copy of its own per chunk: gRPC may hold it after
@@ -277,6 +295,20 @@ func (r *reader) value(f frame, v any) error {
 // raw receives the bodies a kindValue frame announced, without decoding
 // the value. The caller owns them.
 func (r *reader) raw(f frame) ([]*tensor.Storage, error) {
+	bodies, err := r.alloc(f)
+	if err != nil {
+		return nil, err
+	}
+	if err := r.receive(bodies, stripe{}, 0); err != nil {
+		release(bodies)
+		return nil, err
+	}
+	return bodies, nil
+}
+
+// alloc checks the sizes a kindValue frame announced and returns fresh
+// shared-memory storages of those sizes, which the caller owns.
+func (r *reader) alloc(f frame) ([]*tensor.Storage, error) {
 	if f.Kind != kindValue {
 		return nil, fmt.Errorf("dist: a frame of kind %d where a value was due", f.Kind)
 	}
@@ -314,20 +346,39 @@ func (r *reader) raw(f frame) ([]*tensor.Storage, error) {
 		}
 		bodies = append(bodies, s)
 	}
-	for i, s := range bodies {
-		if err := r.body(i, s); err != nil {
-			return nil, err
-		}
-	}
 	ok = true
 	return bodies, nil
 }
 
-// body receives body i into s, chunk by chunk, in order.
-func (r *reader) body(i int, s *tensor.Storage) error {
+// receive receives into bodies the chunks that st carries, in order. A
+// striped stream's chunks are chunk bytes each, but for a body's last;
+// without a stripe any sizes are taken, each chunk where the last ended.
+func (r *reader) receive(bodies []*tensor.Storage, st stripe, chunk int) error {
+	var chunks int
+	for i, s := range bodies {
+		if err := r.body(i, s, st, chunk, &chunks); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// body receives the chunks of body i into s that st carries; chunks
+// counts the value's chunks so far.
+func (r *reader) body(i int, s *tensor.Storage, st stripe, chunk int, chunks *int) error {
 	b := s.Bytes()
 	var off int64
 	for off < int64(len(b)) {
+		want := int64(len(b)) - off // any length, unstriped
+		if st.parts > 1 {
+			want = min(want, int64(chunk))
+			c := *chunks
+			*chunks++
+			if !st.carries(c) {
+				off += want
+				continue
+			}
+		}
 		r.in.dest = func(meta []byte, n int) ([]byte, error) {
 			f, err := parseFrame(meta)
 			if err != nil {
@@ -336,7 +387,7 @@ func (r *reader) body(i int, s *tensor.Storage) error {
 			if f.Kind != kindChunk || f.Body != i || f.Off != off {
 				return nil, fmt.Errorf("dist: chunk (kind %d, body %d, offset %d) where body %d at offset %d was due", f.Kind, f.Body, f.Off, i, off)
 			}
-			if f.Len <= 0 || f.Len > int64(len(b))-off || int64(n) < f.Len || int64(n)-f.Len >= 64 {
+			if f.Len <= 0 || f.Len > want || st.parts > 1 && f.Len != want || int64(n) < f.Len || int64(n)-f.Len >= 64 {
 				return nil, fmt.Errorf("dist: chunk of %d bytes (%d with padding) at offset %d of body %d of %d bytes", f.Len, n, off, i, len(b))
 			}
 			return b[off : off+f.Len], nil

@@ -9,7 +9,9 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/mem"
+	"google.golang.org/grpc/status"
 
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -161,4 +163,133 @@ func TestFrameDeclaringHugeArrayIsRefused(t *testing.T) {
 	runtime.ReadMemStats(&after)
 	require.Error(t, err)
 	assert.Less(t, after.TotalAlloc-before.TotalAlloc, uint64(1<<20), "refused without allocating")
+}
+
+// striped sends bodies as parts stripes of chunk bytes, each on a pipe of
+// its own, and receives them as a striped pull does.
+func striped(t *testing.T, bodies []*tensor.Storage, parts, chunk int) ([]*tensor.Storage, error) {
+	t.Helper()
+	readers := make([]*reader, parts)
+	for k := range readers {
+		p := wirePipe{make(chan []byte, 4096)}
+		w := newWriter(p, chunk)
+		w.stripe = stripe{k, parts}
+		require.NoError(t, w.sendRaw(nil, bodies))
+		readers[k] = newReader(p, 0)
+	}
+	head, err := readers[0].next()
+	require.NoError(t, err)
+	out, err := readers[0].alloc(head)
+	require.NoError(t, err)
+	g := &Group{o: options{chunk: chunk}}
+	for k, rd := range readers {
+		if err := g.receiveStripe(rd, head, out, stripe{k, parts}); err != nil {
+			release(out)
+			return nil, err
+		}
+	}
+	return out, nil
+}
+
+func TestStripedBodies(t *testing.T) {
+	const chunk = minStripeChunk
+	for _, sizes := range [][]int{
+		{chunk - 1}, {chunk}, {chunk + 1}, {5*chunk + 3},
+		{chunk + 1, 1, 2 * chunk, 0, 3*chunk - 1}, // numbering runs on across bodies
+	} {
+		for _, parts := range []int{2, 3, 4} {
+			t.Run(fmt.Sprint(sizes, parts), func(t *testing.T) {
+				var in []*tensor.Storage
+				for i, n := range sizes {
+					s, err := tensor.AllocSharedStorage(int64(n))
+					require.NoError(t, err)
+					for j := range s.Bytes() {
+						s.Bytes()[j] = byte(j*7 + i)
+					}
+					in = append(in, s)
+				}
+				defer release(in)
+				out, err := striped(t, in, parts, chunk)
+				require.NoError(t, err)
+				defer release(out)
+				require.Len(t, out, len(in))
+				for i := range in {
+					assert.Equal(t, in[i].Bytes(), out[i].Bytes(), "body %d", i)
+				}
+			})
+		}
+	}
+}
+
+// A stream that carries another stripe's chunks, or chunks of another
+// size, is an error, not a body with holes.
+func TestStripeMismatchIsAnError(t *testing.T) {
+	const chunk = minStripeChunk
+	s, err := tensor.AllocSharedStorage(4 * chunk)
+	require.NoError(t, err)
+	defer func() { _ = s.Release() }()
+	body := []*tensor.Storage{s}
+
+	send := func(st stripe, chunk int) *reader {
+		p := wirePipe{make(chan []byte, 64)}
+		w := newWriter(p, chunk)
+		w.stripe = st
+		require.NoError(t, w.sendRaw(nil, body))
+		return newReader(p, 0)
+	}
+	g := &Group{o: options{chunk: chunk}}
+	for name, rd := range map[string]*reader{
+		"another stripe":     send(stripe{0, 2}, chunk),
+		"another chunk size": send(stripe{1, 2}, 2*chunk),
+		"every chunk":        send(stripe{}, chunk),
+	} {
+		t.Run(name, func(t *testing.T) {
+			head := frame{Kind: kindValue, Sizes: []int64{4 * chunk}}
+			out, err := rd.alloc(head)
+			require.NoError(t, err)
+			defer release(out)
+			err = g.receiveStripe(rd, head, out, stripe{1, 2})
+			require.Error(t, err)
+			assert.Contains(t, err.Error(), "chunk")
+		})
+	}
+
+	t.Run("another value's frame", func(t *testing.T) {
+		rd := send(stripe{1, 2}, chunk)
+		other := frame{Kind: kindValue, Sizes: []int64{chunk}}
+		out, err := rd.alloc(other)
+		require.NoError(t, err)
+		defer release(out)
+		err = g.receiveStripe(rd, other, out, stripe{1, 2})
+		require.Error(t, err)
+		assert.Contains(t, err.Error(), "not the value's")
+	})
+}
+
+func TestStripeTickets(t *testing.T) {
+	offer := bytes.Repeat([]byte{0xab}, ticketLen)
+	key, st, chunk, err := parseTicket(stripeTicket(offer, stripe{2, 3}, DefaultChunk))
+	require.NoError(t, err)
+	assert.Equal(t, offer, key)
+	assert.Equal(t, stripe{2, 3}, st)
+	assert.Equal(t, DefaultChunk, chunk)
+
+	key, st, chunk, err = parseTicket(offer)
+	require.NoError(t, err)
+	assert.Equal(t, offer, key)
+	assert.Equal(t, stripe{}, st, "a plain ticket asks for everything")
+	assert.Zero(t, chunk)
+
+	for name, tk := range map[string][]byte{
+		"short":            offer[:ticketLen-1],
+		"long":             append(stripeTicket(offer, stripe{0, 2}, DefaultChunk), 0),
+		"one part":         stripeTicket(offer, stripe{0, 1}, DefaultChunk),
+		"part past parts":  stripeTicket(offer, stripe{2, 2}, DefaultChunk),
+		"too many parts":   stripeTicket(offer, stripe{0, MaxPullConns + 1}, DefaultChunk),
+		"tiny chunks":      stripeTicket(offer, stripe{0, 2}, minStripeChunk-1),
+		"chunks too large": stripeTicket(offer, stripe{0, 2}, maxMessage),
+	} {
+		_, _, _, err := parseTicket(tk)
+		assert.Equal(t, codes.InvalidArgument, status.Code(err), name)
+	}
 }

@@ -69,6 +69,8 @@ type result struct {
 	PerS       float64 `json:"per_s"`
 	CPUPerGiB  float64 `json:"cpu_s_per_gib"`
 	RatioOfTCP float64 `json:"ratio_of_tcp,omitempty"`
+	// RatioOfGRPC, for the dist cases, is PerS over the grpc case's.
+	RatioOfGRPC float64 `json:"ratio_of_grpc,omitempty"`
 }
 
 func main() {
@@ -99,13 +101,19 @@ func run(size, n int, addr string, asJSON bool) error {
 	if err != nil {
 		return fmt.Errorf("tcp: %w", err)
 	}
-	results = append(results, tcp)
+	grpcFloor, err := benchGRPC(size, n, addr)
+	if err != nil {
+		return fmt.Errorf("grpc: %w", err)
+	}
+	grpcFloor.RatioOfTCP = grpcFloor.PerS / tcp.PerS
+	results = append(results, tcp, grpcFloor)
 	for _, c := range []string{"dist_put", "dist_get"} {
 		r, err := benchDist(c, size, n, addr)
 		if err != nil {
 			return fmt.Errorf("%s: %w", c, err)
 		}
 		r.RatioOfTCP = r.PerS / tcp.PerS
+		r.RatioOfGRPC = r.PerS / grpcFloor.PerS
 		results = append(results, r)
 	}
 	if asJSON {
@@ -118,13 +126,15 @@ func run(size, n int, addr string, asJSON bool) error {
 		return nil
 	}
 	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(w, "case\tbytes\tMB/s\tCPU-s/GiB\tof tcp\t")
-	for _, r := range results {
-		ratio := "-"
-		if r.RatioOfTCP > 0 {
-			ratio = fmt.Sprintf("%.0f%%", 100*r.RatioOfTCP)
+	fmt.Fprintln(w, "case\tbytes\tMB/s\tCPU-s/GiB\tof tcp\tof grpc\t")
+	percent := func(r float64) string {
+		if r == 0 {
+			return "-"
 		}
-		fmt.Fprintf(w, "%s\t%d\t%.0f\t%.2f\t%s\t\n", r.Case, r.Bytes, r.PerS/1e6, r.CPUPerGiB, ratio)
+		return fmt.Sprintf("%.0f%%", 100*r)
+	}
+	for _, r := range results {
+		fmt.Fprintf(w, "%s\t%d\t%.0f\t%.2f\t%s\t%s\t\n", r.Case, r.Bytes, r.PerS/1e6, r.CPUPerGiB, percent(r.RatioOfTCP), percent(r.RatioOfGRPC))
 	}
 	return w.Flush()
 }
@@ -303,6 +313,8 @@ func child() int {
 	switch c := os.Getenv("DISTBENCH_CASE"); c {
 	case "tcp":
 		err = childTCP(size, n, target)
+	case "grpc":
+		err = childGRPC(size, n, target)
 	default:
 		err = childDist(c, size, n, target)
 	}

@@ -1,0 +1,245 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strconv"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/mem"
+	"google.golang.org/grpc/metadata"
+)
+
+// The grpc case is the engine's own floor: the child streams each tensor
+// as -chunk byte messages to the parent over one gRPC stream, with the
+// windows and socket buffers package dist sets, and nothing else. The
+// child hands gRPC its buffer without a copy and the parent drops what it
+// receives, so neither end copies outside gRPC and the kernel. dist's
+// cases do all of this plus Arrow's framing and the getter's copy into
+// shared memory.
+//
+// The child dials the parent, as in the tcp case, and serves the stream
+// on the connection it dialled; the parent is the gRPC client, as the
+// getter is in dist's cases.
+
+// As package dist sets them (see its serve and client).
+const (
+	grpcWindow   = 16 << 20
+	grpcIOBuffer = 1 << 20
+	grpcMaxMsg   = 64 << 20
+)
+
+// pullStream is the floor's one method: the client sends an empty
+// message and the server answers with the whole stream.
+var pullStream = grpc.StreamDesc{StreamName: "Pull", ServerStreams: true}
+
+const pullMethod = "/distbench.Floor/Pull"
+
+// piece is a message of the floor's stream: bytes lent to gRPC on the
+// way out, or what gRPC received on the way in.
+type piece struct{ b mem.BufferSlice }
+
+// rawCodec passes pieces to and from gRPC as they are.
+type rawCodec struct{}
+
+func (rawCodec) Name() string { return "distbench-raw" }
+
+func (rawCodec) Marshal(v any) (mem.BufferSlice, error) {
+	p, ok := v.(*piece)
+	if !ok {
+		return nil, fmt.Errorf("distbench: cannot marshal %T", v)
+	}
+	return p.b, nil
+}
+
+func (rawCodec) Unmarshal(data mem.BufferSlice, v any) error {
+	p, ok := v.(*piece)
+	if !ok {
+		return fmt.Errorf("distbench: cannot unmarshal into %T", v)
+	}
+	p.b = nil
+	if data.Len() > 0 {
+		data.Ref() // gRPC frees data once Unmarshal returns: keep it for the caller
+		p.b = data
+	}
+	return nil
+}
+
+func benchGRPC(size, n int, addr string) (result, error) {
+	l, err := net.Listen("tcp", net.JoinHostPort(addr, "0"))
+	if err != nil {
+		return result{}, err
+	}
+	defer l.Close()
+	ch, err := startChild("grpc", size, n, l.Addr().String())
+	if err != nil {
+		return result{}, err
+	}
+	c, err := l.Accept()
+	if err != nil {
+		return result{}, err
+	}
+	var once sync.Once
+	dial := func(context.Context, string) (net.Conn, error) {
+		err := errors.New("distbench: the floor's one connection is gone")
+		var got net.Conn
+		once.Do(func() { got, err = c, nil })
+		return got, err
+	}
+	cc, err := grpc.NewClient("passthrough:///floor",
+		grpc.WithContextDialer(dial),
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithInitialWindowSize(grpcWindow), grpc.WithInitialConnWindowSize(grpcWindow),
+		grpc.WithWriteBufferSize(grpcIOBuffer), grpc.WithReadBufferSize(grpcIOBuffer),
+		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(rawCodec{}), grpc.MaxCallRecvMsgSize(grpcMaxMsg)))
+	if err != nil {
+		_ = c.Close()
+		return result{}, err
+	}
+	defer cc.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	s, err := cc.NewStream(ctx, &pullStream, pullMethod)
+	if err != nil {
+		return result{}, err
+	}
+	if err := s.SendMsg(&piece{}); err != nil {
+		return result{}, err
+	}
+	if err := s.CloseSend(); err != nil {
+		return result{}, err
+	}
+	var start time.Time
+	var cpu0 time.Duration
+	var got int
+	for {
+		if got == warm*size && start.IsZero() {
+			// The first tensors warm the connection and its windows.
+			start, cpu0 = time.Now(), cpu()
+		}
+		var p piece
+		err := s.RecvMsg(&p)
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return result{}, err
+		}
+		got += p.b.Len()
+		p.b.Free()
+	}
+	elapsed, used := time.Since(start), cpu()-cpu0
+	if got != n*size {
+		return result{}, fmt.Errorf("got %d bytes, sent %d", got, n*size)
+	}
+	childCPU, err := strconv.ParseInt(firstOf(s.Trailer().Get("cpu")), 10, 64)
+	if err != nil {
+		return result{}, fmt.Errorf("the child's CPU time: %w", err)
+	}
+	_ = cc.Close() // the child's server waits for the parent to hang up
+	if err := ch.wait(); err != nil {
+		return result{}, err
+	}
+	return newResult("grpc", size, n-warm, elapsed, used+time.Duration(childCPU)), nil
+}
+
+func firstOf(vs []string) string {
+	if len(vs) == 0 {
+		return ""
+	}
+	return vs[0]
+}
+
+// childGRPC dials the parent at target and serves the floor's stream on
+// that connection: n tensors of size bytes, chunk bytes to a message.
+func childGRPC(size, n int, target string) error {
+	c, err := net.Dial("tcp", target)
+	if err != nil {
+		return err
+	}
+	buf := make([]byte, size)
+	for i := range buf {
+		buf[i] = byte(i)
+	}
+	done := make(chan error, 1)
+	pull := func(_ any, s grpc.ServerStream) error {
+		var req piece
+		if err := s.RecvMsg(&req); err != nil {
+			return err
+		}
+		var cpu0 time.Duration
+		for i := range n {
+			if i == warm {
+				cpu0 = cpu()
+			}
+			for off := 0; off < size; off += chunk {
+				// A SliceBuffer lends buf: gRPC writes from it, no copy.
+				p := piece{b: mem.BufferSlice{mem.SliceBuffer(buf[off:min(off+chunk, size)])}}
+				if err := s.SendMsg(&p); err != nil {
+					return err
+				}
+			}
+		}
+		s.SetTrailer(metadata.Pairs("cpu", strconv.FormatInt(int64(cpu()-cpu0), 10)))
+		return nil
+	}
+	desc := grpc.ServiceDesc{
+		ServiceName: "distbench.Floor",
+		HandlerType: (*any)(nil),
+		Streams: []grpc.StreamDesc{{StreamName: pullStream.StreamName, ServerStreams: true,
+			Handler: func(srv any, s grpc.ServerStream) error {
+				err := pull(srv, s)
+				done <- err
+				return err
+			}}},
+	}
+	srv := grpc.NewServer(
+		grpc.ForceServerCodecV2(rawCodec{}),
+		grpc.MaxRecvMsgSize(grpcMaxMsg),
+		grpc.InitialWindowSize(grpcWindow), grpc.InitialConnWindowSize(grpcWindow),
+		grpc.WriteBufferSize(grpcIOBuffer), grpc.ReadBufferSize(grpcIOBuffer))
+	srv.RegisterService(&desc, struct{}{})
+	go func() { _ = srv.Serve(&oneConn{c: c, closed: make(chan struct{})}) }()
+	select {
+	case err = <-done:
+		srv.GracefulStop() // returns once the parent has read the trailer and hung up
+	case <-time.After(5 * time.Minute):
+		srv.Stop()
+		err = errors.New("the parent never pulled the stream")
+	}
+	return err
+}
+
+// oneConn is a net.Listener that yields one connection, then blocks until
+// it is closed.
+type oneConn struct {
+	mu     sync.Mutex
+	c      net.Conn
+	closed chan struct{}
+	once   sync.Once
+}
+
+func (l *oneConn) Accept() (net.Conn, error) {
+	l.mu.Lock()
+	c := l.c
+	l.c = nil
+	l.mu.Unlock()
+	if c != nil {
+		return c, nil
+	}
+	<-l.closed
+	return nil, net.ErrClosed
+}
+
+func (l *oneConn) Close() error {
+	l.once.Do(func() { close(l.closed) })
+	return nil
+}
+
+func (l *oneConn) Addr() net.Addr { return &net.TCPAddr{} }
