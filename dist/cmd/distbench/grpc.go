@@ -8,6 +8,7 @@ import (
 	"net"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc"
@@ -17,15 +18,16 @@ import (
 )
 
 // The grpc case is the engine's own floor: the child streams each tensor
-// as -chunk byte messages to the parent over one gRPC stream, with the
-// windows and socket buffers package dist sets, and nothing else. The
-// child hands gRPC its buffer without a copy and the parent drops what it
-// receives, so neither end copies outside gRPC and the kernel. dist's
-// cases do all of this plus Arrow's framing and the getter's copy into
-// shared memory.
+// to the parent as -chunk byte messages over -conns gRPC streams, one per
+// connection, each carrying every -conns-th chunk as a striped pull does,
+// with the windows and socket buffers package dist sets, and nothing
+// else. The child hands gRPC its buffer without a copy and the parent
+// drops what it receives, so neither end copies outside gRPC and the
+// kernel. dist's cases do all of this plus Arrow's framing, the putter's
+// copy into an offer and the getter's copy into shared memory.
 //
-// The child dials the parent, as in the tcp case, and serves the stream
-// on the connection it dialled; the parent is the gRPC client, as the
+// The child dials the parent, as in the tcp case, and serves the streams
+// on the connections it dialled; the parent is the gRPC client, as the
 // getter is in dist's cases.
 
 // As package dist sets them (see its serve and client).
@@ -81,13 +83,63 @@ func benchGRPC(size, n int, addr string) (result, error) {
 	if err != nil {
 		return result{}, err
 	}
-	c, err := l.Accept()
-	if err != nil {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	var (
+		mu       sync.Mutex
+		got      int // bytes received on every stream
+		start    time.Time
+		cpu0     time.Duration
+		childCPU time.Duration
+	)
+	// count adds n received bytes; the clock starts once the first -warm
+	// tensors are in.
+	count := func(n int) {
+		mu.Lock()
+		defer mu.Unlock()
+		got += n
+		if start.IsZero() && got >= warm*size {
+			start, cpu0 = time.Now(), cpu()
+		}
+	}
+	errs := make(chan error, conns)
+	for range conns {
+		c, err := l.Accept()
+		if err != nil {
+			return result{}, err
+		}
+		go func() {
+			used, err := pullFloor(ctx, c, count)
+			mu.Lock()
+			childCPU = max(childCPU, used) // each stream reports the whole child's
+			mu.Unlock()
+			errs <- err
+		}()
+	}
+	for range conns {
+		if err := <-errs; err != nil {
+			cancel()
+			_ = ch.wait()
+			return result{}, err
+		}
+	}
+	elapsed, used := time.Since(start), cpu()-cpu0
+	if err := ch.wait(); err != nil {
 		return result{}, err
 	}
+	if got != n*size {
+		return result{}, fmt.Errorf("got %d bytes, sent %d", got, n*size)
+	}
+	return newResult("grpc", size, n-warm, elapsed, used+childCPU), nil
+}
+
+// pullFloor reads one of the floor's streams as a gRPC client on c,
+// which it closes, counting what arrives; it returns the child's CPU time
+// that the stream's trailer reports.
+func pullFloor(ctx context.Context, c net.Conn, count func(int)) (time.Duration, error) {
 	var once sync.Once
 	dial := func(context.Context, string) (net.Conn, error) {
-		err := errors.New("distbench: the floor's one connection is gone")
+		err := errors.New("distbench: the floor's connection is gone")
 		var got net.Conn
 		once.Do(func() { got, err = c, nil })
 		return got, err
@@ -100,53 +152,36 @@ func benchGRPC(size, n int, addr string) (result, error) {
 		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(rawCodec{}), grpc.MaxCallRecvMsgSize(grpcMaxMsg)))
 	if err != nil {
 		_ = c.Close()
-		return result{}, err
+		return 0, err
 	}
-	defer cc.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
+	defer cc.Close() // the child's server waits for the parent to hang up
 	s, err := cc.NewStream(ctx, &pullStream, pullMethod)
 	if err != nil {
-		return result{}, err
+		return 0, err
 	}
 	if err := s.SendMsg(&piece{}); err != nil {
-		return result{}, err
+		return 0, err
 	}
 	if err := s.CloseSend(); err != nil {
-		return result{}, err
+		return 0, err
 	}
-	var start time.Time
-	var cpu0 time.Duration
-	var got int
 	for {
-		if got == warm*size && start.IsZero() {
-			// The first tensors warm the connection and its windows.
-			start, cpu0 = time.Now(), cpu()
-		}
 		var p piece
 		err := s.RecvMsg(&p)
 		if err == io.EOF {
 			break
 		}
 		if err != nil {
-			return result{}, err
+			return 0, err
 		}
-		got += p.b.Len()
+		count(p.b.Len())
 		p.b.Free()
 	}
-	elapsed, used := time.Since(start), cpu()-cpu0
-	if got != n*size {
-		return result{}, fmt.Errorf("got %d bytes, sent %d", got, n*size)
-	}
-	childCPU, err := strconv.ParseInt(firstOf(s.Trailer().Get("cpu")), 10, 64)
+	used, err := strconv.ParseInt(firstOf(s.Trailer().Get("cpu")), 10, 64)
 	if err != nil {
-		return result{}, fmt.Errorf("the child's CPU time: %w", err)
+		return 0, fmt.Errorf("the child's CPU time: %w", err)
 	}
-	_ = cc.Close() // the child's server waits for the parent to hang up
-	if err := ch.wait(); err != nil {
-		return result{}, err
-	}
-	return newResult("grpc", size, n-warm, elapsed, used+time.Duration(childCPU)), nil
+	return time.Duration(used), nil
 }
 
 func firstOf(vs []string) string {
@@ -156,45 +191,70 @@ func firstOf(vs []string) string {
 	return vs[0]
 }
 
-// childGRPC dials the parent at target and serves the floor's stream on
-// that connection: n tensors of size bytes, chunk bytes to a message.
+// childGRPC dials the parent at target -conns times and serves the
+// floor's streams on those connections: n tensors of size bytes, chunk
+// bytes to a message, every conns-th chunk on each stream.
 func childGRPC(size, n int, target string) error {
-	c, err := net.Dial("tcp", target)
-	if err != nil {
-		return err
-	}
 	buf := make([]byte, size)
 	for i := range buf {
 		buf[i] = byte(i)
 	}
+	var cpu0 atomic.Int64 // the child's CPU time when the first stream passed the warm-up
+	cpu0.Store(-1)
+	errs := make(chan error, conns)
+	for part := range conns {
+		c, err := net.Dial("tcp", target)
+		if err != nil {
+			return err
+		}
+		go func() { errs <- serveFloor(c, buf, n, stripe{part, conns}, &cpu0) }()
+	}
+	for range conns {
+		if err := <-errs; err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// stripe is the share of the chunks one of the floor's streams carries:
+// chunk number c if c%parts == part.
+type stripe struct{ part, parts int }
+
+// serveFloor serves one floor stream on c: stripe st of n copies of buf.
+func serveFloor(c net.Conn, buf []byte, n int, st stripe, cpu0 *atomic.Int64) error {
 	done := make(chan error, 1)
-	pull := func(_ any, s grpc.ServerStream) error {
+	pull := func(s grpc.ServerStream) error {
 		var req piece
 		if err := s.RecvMsg(&req); err != nil {
 			return err
 		}
-		var cpu0 time.Duration
+		var chunks int
 		for i := range n {
 			if i == warm {
-				cpu0 = cpu()
+				cpu0.CompareAndSwap(-1, int64(cpu()))
 			}
-			for off := 0; off < size; off += chunk {
+			for off := 0; off < len(buf); off += chunk {
+				chunks++
+				if (chunks-1)%st.parts != st.part {
+					continue
+				}
 				// A SliceBuffer lends buf: gRPC writes from it, no copy.
-				p := piece{b: mem.BufferSlice{mem.SliceBuffer(buf[off:min(off+chunk, size)])}}
+				p := piece{b: mem.BufferSlice{mem.SliceBuffer(buf[off:min(off+chunk, len(buf))])}}
 				if err := s.SendMsg(&p); err != nil {
 					return err
 				}
 			}
 		}
-		s.SetTrailer(metadata.Pairs("cpu", strconv.FormatInt(int64(cpu()-cpu0), 10)))
+		s.SetTrailer(metadata.Pairs("cpu", strconv.FormatInt(int64(cpu())-cpu0.Load(), 10)))
 		return nil
 	}
 	desc := grpc.ServiceDesc{
 		ServiceName: "distbench.Floor",
 		HandlerType: (*any)(nil),
 		Streams: []grpc.StreamDesc{{StreamName: pullStream.StreamName, ServerStreams: true,
-			Handler: func(srv any, s grpc.ServerStream) error {
-				err := pull(srv, s)
+			Handler: func(_ any, s grpc.ServerStream) error {
+				err := pull(s)
 				done <- err
 				return err
 			}}},
@@ -206,6 +266,7 @@ func childGRPC(size, n int, target string) error {
 		grpc.WriteBufferSize(grpcIOBuffer), grpc.ReadBufferSize(grpcIOBuffer))
 	srv.RegisterService(&desc, struct{}{})
 	go func() { _ = srv.Serve(&oneConn{c: c, closed: make(chan struct{})}) }()
+	var err error
 	select {
 	case err = <-done:
 		srv.GracefulStop() // returns once the parent has read the trailer and hung up

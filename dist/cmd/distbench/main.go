@@ -1,10 +1,14 @@
 // Command distbench measures package dist between two processes over
-// loopback (or the address given), beside the floor of the same path in
-// the same run: raw TCP with 64 MiB writes.
+// loopback (or the address given), beside two floors of the same path in
+// the same run: raw TCP with 64 MiB writes, and gRPC, the engine dist
+// rides, alone.
 //
 // Cases, all one way, parent receiving:
 //
 //	tcp       raw TCP, 64 MiB writes into a pre-faulted buffer
+//	grpc      gRPC streams of -chunk byte messages, one on each of -conns
+//	          connections, with dist's windows and buffers and no copy
+//	          outside gRPC (grpc.go)
 //	dist_put  the child Puts tensors on a queue the parent owns (by
 //	          reference: the child copies each into an offer, the
 //	          parent's Get pulls it)
@@ -12,7 +16,8 @@
 //
 // per_s is bytes per second at the receiver, from its first byte to its
 // last; cpu_s_per_gib is the CPU time of both processes (user + system)
-// per GiB moved. The dist cases start the clock after the first -warm
+// per GiB moved; ratio_of_tcp and ratio_of_grpc divide per_s by the
+// floors'. The grpc and dist cases start the clock after the first -warm
 // tensors, once the connection is up and the shared-memory pools of both
 // ends have grown to what the stream keeps in flight (the putter's
 // offers and queue, the getter's destination blocks): the floor's buffers
@@ -22,7 +27,7 @@
 //
 // Usage:
 //
-//	go run ./cmd/distbench [-bytes N] [-n reps] [-warm N] [-chunk N] [-addr IP] [-json]
+//	go run ./cmd/distbench [-bytes N] [-n reps] [-warm N] [-chunk N] [-conns N] [-addr IP] [-json]
 //	                       [-child-netns NS -child-addr IP]
 //
 // With -child-netns (as root) the child runs in network namespace NS
@@ -60,6 +65,9 @@ var chunk int
 // starts.
 var warm int
 
+// conns is the connections a pull (and the grpc floor) uses.
+var conns int
+
 // childNetns and childAddr place the child in another network namespace.
 var childNetns, childAddr string
 
@@ -82,11 +90,16 @@ func main() {
 	asJSON := flag.Bool("json", false, "one JSON object per line")
 	flag.IntVar(&chunk, "chunk", dist.DefaultChunk, "bytes per record batch")
 	flag.IntVar(&warm, "warm", 4, "tensors sent in each dist case before the clock starts")
+	flag.IntVar(&conns, "conns", dist.DefaultPullConns, "connections a pull uses, and the grpc floor")
 	flag.StringVar(&childNetns, "child-netns", "", "network namespace to run the child in (root)")
 	flag.StringVar(&childAddr, "child-addr", "", "the child's address (default: -addr)")
 	flag.Parse()
 	if warm < 1 || *n <= warm {
 		fmt.Fprintf(os.Stderr, "distbench: -warm must be at least 1 and less than -n (%d)\n", *n)
+		os.Exit(2)
+	}
+	if conns < 1 || conns > dist.MaxPullConns {
+		fmt.Fprintf(os.Stderr, "distbench: -conns must be 1 to %d\n", dist.MaxPullConns)
 		os.Exit(2)
 	}
 	if err := run(*size, *n, *addr, *asJSON); err != nil {
@@ -154,7 +167,7 @@ func startChild(c string, size, n int, target string) (*childProc, error) {
 	}
 	cmd.Env = append(cmd.Env, "DISTBENCH_CASE="+c, "DISTBENCH_SIZE="+strconv.Itoa(size),
 		"DISTBENCH_N="+strconv.Itoa(n), "DISTBENCH_TARGET="+target, "DISTBENCH_CHUNK="+strconv.Itoa(chunk),
-		"DISTBENCH_WARM="+strconv.Itoa(warm),
+		"DISTBENCH_WARM="+strconv.Itoa(warm), "DISTBENCH_CONNS="+strconv.Itoa(conns),
 		"DISTBENCH_ADDR="+childAddr)
 	if childNetns != "" {
 		ip, err := exec.LookPath("ip")
@@ -286,7 +299,7 @@ func join(ctx context.Context, c string, r int, store, addr string) (*dist.Group
 	// Both ends run on one machine: the same-host shortcut, which would
 	// skip the network, is off, as between two hosts.
 	g, err := dist.Init(ctx, dist.WithRank(r, 2), dist.WithStore(store), dist.WithAddr(addr), dist.WithTimeout(time.Minute),
-		dist.WithChunk(chunk), dist.WithSameHostShortcut(false))
+		dist.WithChunk(chunk), dist.WithPullConns(conns), dist.WithSameHostShortcut(false))
 	if err != nil {
 		return nil, nil, 0, err
 	}
@@ -309,6 +322,7 @@ func child() int {
 	target := os.Getenv("DISTBENCH_TARGET")
 	chunk, _ = strconv.Atoi(os.Getenv("DISTBENCH_CHUNK"))
 	warm, _ = strconv.Atoi(os.Getenv("DISTBENCH_WARM"))
+	conns, _ = strconv.Atoi(os.Getenv("DISTBENCH_CONNS"))
 	var err error
 	switch c := os.Getenv("DISTBENCH_CASE"); c {
 	case "tcp":
