@@ -30,7 +30,11 @@
 // queue's owner renews, the owner queues a Flight ticket, and the getter
 // pulls the tensors from the putter with DoGet. Its tensors cross the
 // network once; a value whose lease ran out fails one Get with
-// ErrLeaseExpired.
+// ErrLeaseExpired. A queue's owner likewise lends a value that large,
+// which it holds itself, to a getter on another host for the time of its
+// Get. A getter pulls over WithPullConns connections (default 2), each
+// carrying every other chunk, so that receiving, which gRPC does on one
+// goroutine per connection, runs on more than one core.
 //
 // Failures are errors, never hangs. Every rank watches rank 0 over a
 // stream with heartbeats (WithHeartbeat, default 1 s): a rank whose

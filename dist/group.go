@@ -93,7 +93,9 @@ func WithToken(token string) Option { return func(o *options) { o.token = token 
 
 // WithReferenceAbove sends a queued value whose tensors come to n bytes or
 // more by reference (default DefaultReferenceAbove; 0: never): its owner
-// queues a ticket, and the getter pulls the tensors from the putter.
+// queues a ticket, and the getter pulls the tensors from the putter. A
+// queue's owner also lends a value that large, which it holds itself, to
+// a getter on another host, which pulls it the same way.
 func WithReferenceAbove(n int64) Option { return func(o *options) { o.refAbove = n } }
 
 // WithSameHostShortcut turns the same-host shortcut on (the default) or

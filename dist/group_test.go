@@ -394,12 +394,14 @@ func TestQueueCarriesEveryKindOfValueThroughAnOwner(t *testing.T) {
 		name                string
 		getter, putter, own string // the fake hosts of ranks 0, 1 and 2
 		refAbove            string // the putter's WithReferenceAbove, if set
+		ownRefAbove         string // the owner's: it lends values this large to getters
 	}{
-		{"three hosts", "h0", "h1", "h2", ""},
-		{"owner with getter", "h0", "h1", "h0", ""},
-		{"owner with getter, by reference", "h0", "h1", "h0", "1"},
-		{"owner with putter", "h0", "h1", "h1", ""},
-		{"one host", "h0", "h0", "h0", ""},
+		{"three hosts", "h0", "h1", "h2", "", ""},
+		{"three hosts, lent by the owner", "h0", "h1", "h2", "", "1"},
+		{"owner with getter", "h0", "h1", "h0", "", ""},
+		{"owner with getter, by reference", "h0", "h1", "h0", "1", ""},
+		{"owner with putter", "h0", "h1", "h1", "", ""},
+		{"one host", "h0", "h0", "h0", "", ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			leakcheck.Check(t)
@@ -408,7 +410,7 @@ func TestQueueCarriesEveryKindOfValueThroughAnOwner(t *testing.T) {
 			t.Setenv("TENSORMP_DIST_HOST", tc.getter)
 			store := freeStore(t)
 			putter := startRank(t, "put-samples", 1, 3, store, "TENSORMP_DIST_HOST="+tc.putter, "TEST_OWNER=2", "TEST_REF_ABOVE="+tc.refAbove)
-			owner := startRank(t, "own-samples", 2, 3, store, "TENSORMP_DIST_HOST="+tc.own)
+			owner := startRank(t, "own-samples", 2, 3, store, "TENSORMP_DIST_HOST="+tc.own, "TEST_REF_ABOVE="+tc.ownRefAbove)
 			g := join(t, ctx, 0, 3, store)
 			q, err := g.Queue(ctx, "samples", dist.WithOwner(2))
 			require.NoError(t, err)

@@ -320,16 +320,19 @@ func (it item) release() {
 
 // queueState is a queue on its owner.
 type queueState struct {
-	name     string
-	world    int
-	cap      int
-	chunk    int
-	maxValue int64
-	mu       sync.Mutex
-	items    []item
-	reserved int           // room promised to puts receiving their bodies
-	changed  chan struct{} // closed and replaced at every change
-	closed   bool
+	name      string
+	world     int
+	cap       int
+	chunk     int
+	maxValue  int64
+	rank      int     // the owner's
+	offers    *offers // where values of lendAbove bytes or more are lent to getters
+	lendAbove int64
+	mu        sync.Mutex
+	items     []item
+	reserved  int           // room promised to puts receiving their bodies
+	changed   chan struct{} // closed and replaced at every change
+	closed    bool
 }
 
 // queue returns the queue called name, made with capacity cap if new.
@@ -344,7 +347,8 @@ func (n *node) queue(name string, cap int) (*queueState, error) {
 	defer n.mu.Unlock()
 	q, ok := n.queues[name]
 	if !ok {
-		q = &queueState{name: name, world: n.g.world, cap: cap, chunk: n.g.o.chunk, maxValue: n.g.o.maxValue, changed: make(chan struct{})}
+		q = &queueState{name: name, world: n.g.world, cap: cap, chunk: n.g.o.chunk, maxValue: n.g.o.maxValue, changed: make(chan struct{}),
+			rank: n.g.rank, offers: n.offers, lendAbove: n.g.o.refAbove}
 		n.queues[name] = q
 	}
 	return q, nil
@@ -499,14 +503,25 @@ func (q *queueState) servePut(s flight.FlightService_DoExchangeServer) error {
 }
 
 // serveGet sends the head of the queue and removes it once the getter
-// acknowledges it; a getter that fails first leaves it at the head.
+// acknowledges it; a getter that fails first leaves it at the head. A
+// value of lendAbove bytes or more is lent rather than sent on the
+// stream: the getter pulls it with DoGet, as a value by reference, over
+// as many connections as it pulls with.
 func (q *queueState) serveGet(s flight.FlightService_DoExchangeServer) error {
 	return q.handOut(s.Context(), func(it item) error {
 		w := newWriter(s, q.chunk)
 		var err error
-		if it.ref != nil {
+		switch {
+		case it.ref != nil:
 			err = w.sendValue(frame{Kind: kindValue, Data: it.data, Rank: it.ref.rank, Ticket: it.ref.ticket}, nil)
-		} else {
+		case q.lendAbove > 0 && bodySize(it.bodies) >= q.lendAbove:
+			ticket, end, lerr := q.offers.lend(it.bodies)
+			if lerr != nil {
+				return lerr
+			}
+			defer end() // before the value is released or goes back to the head
+			err = w.sendValue(frame{Kind: kindValue, Data: it.data, Rank: q.rank, Ticket: ticket}, nil)
+		default:
 			err = w.sendRaw(it.data, it.bodies)
 		}
 		if err != nil {

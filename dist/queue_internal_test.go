@@ -249,3 +249,46 @@ func TestSameHostPutAndGetGiveUp(t *testing.T) {
 	assert.True(t, tensor.Equal(x, got))
 	assert.NoError(t, g0.Err())
 }
+
+// A loan's bodies stay its lender's: nothing but end withdraws it, and
+// end waits for the pull streaming them.
+func TestLentOfferStaysTheLenders(t *testing.T) {
+	s, err := tensor.AllocSharedStorage(1 << 10)
+	require.NoError(t, err)
+	defer func() { _ = s.Release() }()
+	o := newOffers(time.Minute)
+	ticket, end, err := o.lend([]*tensor.Storage{s})
+	require.NoError(t, err)
+
+	o.release(ticket) // a getter's letGo
+	_, ok := o.take(ticket)
+	assert.False(t, ok, "a loan is not taken")
+	_, ok = o.renew(ticket)
+	assert.True(t, ok, "a loan is renewed while its lender waits")
+	bodies, done, ok := o.pull(ticket)
+	require.True(t, ok, "a loan is there to pull after a release")
+	assert.Same(t, s, bodies[0])
+
+	ended := make(chan struct{})
+	go func() { end(); close(ended) }()
+	select {
+	case <-ended:
+		t.Fatal("end returned while a pull streams the bodies")
+	case <-time.After(50 * time.Millisecond):
+	}
+	_, _, ok = o.pull(ticket)
+	assert.False(t, ok, "an ended loan is not pulled again")
+	done()
+	select {
+	case <-ended:
+	case <-time.After(10 * time.Second):
+		t.Fatal("end did not return after the last pull")
+	}
+	assert.False(t, s.Released(), "the bodies are the lender's")
+
+	o.close()
+	_, end2, err := o.lend([]*tensor.Storage{s})
+	assert.ErrorIs(t, err, ErrClosed)
+	assert.Nil(t, end2)
+	assert.False(t, s.Released())
+}

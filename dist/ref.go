@@ -50,13 +50,17 @@ const DefaultReferenceAbove = 8 << 20
 // DefaultLease is how long an offer lives without a renewal.
 const DefaultLease = 30 * time.Second
 
-// offer is a value's bodies, kept by its putter for the getter.
+// offer is a value's bodies, kept by its putter for the getter, or lent
+// by a queue's owner for the time a remote getter takes its value (see
+// lend).
 type offer struct {
 	bodies  []*tensor.Storage
 	expires time.Time
-	timer   *time.Timer
-	pulls   int  // DoGets streaming it now
-	dropped bool // released or expired while pulled: the last pull releases it
+	timer   *time.Timer   // nil for a loan, which has no lease
+	pulls   int           // DoGets streaming it now
+	dropped bool          // released or expired while pulled: the last pull releases it
+	lent    bool          // the bodies are the lender's: never released here
+	idle    chan struct{} // a loan's: closed when it is dropped and its last pull ends
 }
 
 // offers are the values this rank put by reference and still keeps.
@@ -92,6 +96,35 @@ func (o *offers) add(bodies []*tensor.Storage) ([]byte, error) {
 	return t, nil
 }
 
+// lend offers bodies, which stay the caller's, under a new ticket, for a
+// getter to pull while the caller waits for its answer; end withdraws the
+// offer and returns once no DoGet streams the bodies any more, so that
+// the caller may release them or hand them to the next getter.
+func (o *offers) lend(bodies []*tensor.Storage) (ticket []byte, end func(), err error) {
+	t := make([]byte, ticketLen)
+	_, _ = rand.Read(t)
+	key := string(t)
+	of := &offer{bodies: bodies, lent: true, idle: make(chan struct{})}
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.closed {
+		return nil, nil, ErrClosed
+	}
+	o.m[key] = of
+	return t, func() {
+		o.mu.Lock()
+		if o.m[key] == of && !of.dropped {
+			of.dropped = true
+			if of.pulls == 0 {
+				o.removeLocked(key)
+				close(of.idle)
+			}
+		}
+		o.mu.Unlock()
+		<-of.idle
+	}, nil
+}
+
 // expire releases the offer if its lease ended and nobody pulls it;
 // otherwise it waits for the lease's new end.
 func (o *offers) expire(key string) {
@@ -113,7 +146,7 @@ func (o *offers) expire(key string) {
 
 // removeLocked forgets an offer; its caller releases the bodies.
 func (o *offers) removeLocked(key string) {
-	if of := o.m[key]; of != nil {
+	if of := o.m[key]; of != nil && of.timer != nil {
 		of.timer.Stop()
 	}
 	delete(o.m, key)
@@ -128,6 +161,9 @@ func (o *offers) renew(t []byte) (time.Time, bool) {
 	of, ok := o.m[string(t)]
 	if !ok || of.dropped {
 		return time.Time{}, false
+	}
+	if of.lent {
+		return time.Now().Add(o.lease), true // a loan lasts while its lender waits
 	}
 	of.expires = time.Now().Add(o.lease)
 	return of.expires, true
@@ -150,9 +186,12 @@ func (o *offers) pull(t []byte) (bodies []*tensor.Storage, done func(), ok bool)
 		last := of.dropped && of.pulls == 0
 		if last {
 			o.removeLocked(key)
+			if of.lent {
+				close(of.idle)
+			}
 		}
 		o.mu.Unlock()
-		if last {
+		if last && !of.lent {
 			release(of.bodies)
 		}
 	}, true
@@ -164,18 +203,19 @@ func (o *offers) take(t []byte) ([]*tensor.Storage, bool) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	of, ok := o.m[string(t)]
-	if !ok || of.dropped || of.pulls > 0 {
+	if !ok || of.dropped || of.pulls > 0 || of.lent {
 		return nil, false
 	}
 	o.removeLocked(string(t))
 	return of.bodies, true
 }
 
-// release lets an offer go; a pulled one goes with its last pull.
+// release lets an offer go; a pulled one goes with its last pull. A
+// loan is its lender's to end: releasing one does nothing.
 func (o *offers) release(t []byte) {
 	o.mu.Lock()
 	of, ok := o.m[string(t)]
-	if !ok || of.dropped {
+	if !ok || of.dropped || of.lent {
 		o.mu.Unlock()
 		return
 	}
@@ -204,6 +244,9 @@ func (o *offers) close() {
 	o.closed = true
 	var free [][]*tensor.Storage
 	for key, of := range o.m {
+		if of.lent {
+			continue // its lender ends it
+		}
 		if of.pulls > 0 {
 			of.dropped = true
 			continue
