@@ -238,32 +238,26 @@ func TestStripeMismatchIsAnError(t *testing.T) {
 		return newReader(p, 0)
 	}
 	g := &Group{o: options{chunk: chunk}}
-	for name, rd := range map[string]*reader{
-		"another stripe":     send(stripe{0, 2}, chunk),
-		"another chunk size": send(stripe{1, 2}, 2*chunk),
-		"every chunk":        send(stripe{}, chunk),
+	value := frame{Kind: kindValue, Sizes: []int64{4 * chunk}}
+	for name, tc := range map[string]struct {
+		rd   *reader
+		head frame // the first stream's frame
+		want string
+	}{
+		"another stripe":        {send(stripe{0, 2}, chunk), value, "chunk"},
+		"another chunk size":    {send(stripe{1, 2}, 2*chunk), value, "chunk"},
+		"every chunk":           {send(stripe{}, chunk), value, "chunk"},
+		"another value's frame": {send(stripe{1, 2}, chunk), frame{Kind: kindValue, Sizes: []int64{chunk}}, "not the value's"},
 	} {
 		t.Run(name, func(t *testing.T) {
-			head := frame{Kind: kindValue, Sizes: []int64{4 * chunk}}
-			out, err := rd.alloc(head)
+			out, err := tc.rd.alloc(tc.head)
 			require.NoError(t, err)
 			defer release(out)
-			err = g.receiveStripe(rd, head, out, stripe{1, 2})
+			err = g.receiveStripe(tc.rd, tc.head, out, stripe{1, 2})
 			require.Error(t, err)
-			assert.Contains(t, err.Error(), "chunk")
+			assert.Contains(t, err.Error(), tc.want)
 		})
 	}
-
-	t.Run("another value's frame", func(t *testing.T) {
-		rd := send(stripe{1, 2}, chunk)
-		other := frame{Kind: kindValue, Sizes: []int64{chunk}}
-		out, err := rd.alloc(other)
-		require.NoError(t, err)
-		defer release(out)
-		err = g.receiveStripe(rd, other, out, stripe{1, 2})
-		require.Error(t, err)
-		assert.Contains(t, err.Error(), "not the value's")
-	})
 }
 
 func TestStripeTickets(t *testing.T) {

@@ -74,15 +74,11 @@ func (rawCodec) Unmarshal(data mem.BufferSlice, v any) error {
 }
 
 func benchGRPC(size, n int, addr string) (result, error) {
-	l, err := net.Listen("tcp", net.JoinHostPort(addr, "0"))
+	l, ch, err := listenFor("grpc", size, n, addr)
 	if err != nil {
 		return result{}, err
 	}
 	defer l.Close()
-	ch, err := startChild("grpc", size, n, l.Addr().String())
-	if err != nil {
-		return result{}, err
-	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	var (

@@ -186,16 +186,26 @@ func startChild(c string, size, n int, target string) (*childProc, error) {
 
 type childProc struct{ wait func() error }
 
-func benchTCP(size, n int, addr string) (result, error) {
+// listenFor listens on addr and starts case c's child, which dials it.
+func listenFor(c string, size, n int, addr string) (net.Listener, *childProc, error) {
 	l, err := net.Listen("tcp", net.JoinHostPort(addr, "0"))
+	if err != nil {
+		return nil, nil, err
+	}
+	ch, err := startChild(c, size, n, l.Addr().String())
+	if err != nil {
+		_ = l.Close()
+		return nil, nil, err
+	}
+	return l, ch, nil
+}
+
+func benchTCP(size, n int, addr string) (result, error) {
+	l, ch, err := listenFor("tcp", size, n, addr)
 	if err != nil {
 		return result{}, err
 	}
 	defer l.Close()
-	ch, err := startChild("tcp", size, n, l.Addr().String())
-	if err != nil {
-		return result{}, err
-	}
 	c, err := l.Accept()
 	if err != nil {
 		return result{}, err
