@@ -63,7 +63,8 @@ type offer struct {
 	idle    chan struct{} // a loan's: closed when it is dropped and its last pull ends
 }
 
-// offers are the values this rank put by reference and still keeps.
+// offers are the values this rank put by reference and still keeps, and
+// those its queues lend to getters now.
 type offers struct {
 	lease   time.Duration
 	mu      sync.Mutex
@@ -368,8 +369,9 @@ func (n *node) doOfferAction(a *flight.Action, s flight.FlightService_DoActionSe
 	return false, nil
 }
 
-// pull receives the bodies of a value put by reference on rank r. A
-// getter that is the putter takes them without a copy.
+// pull receives the bodies of a value put by reference on rank r, or
+// lent by r, over the group's pull connections. A getter that is the
+// putter takes them without a copy.
 func (g *Group) pull(ctx context.Context, r int, ticket []byte) ([]*tensor.Storage, error) {
 	if r == g.rank {
 		bodies, ok := g.node.offers.take(ticket)
