@@ -80,10 +80,16 @@ func newOffers(lease time.Duration) *offers {
 // ticketLen is the length of an offer's ticket.
 const ticketLen = 16
 
-// add keeps bodies, which it takes over, under a new ticket.
-func (o *offers) add(bodies []*tensor.Storage) ([]byte, error) {
+// newTicket returns a fresh random ticket.
+func newTicket() []byte {
 	t := make([]byte, ticketLen)
 	_, _ = rand.Read(t)
+	return t
+}
+
+// add keeps bodies, which it takes over, under a new ticket.
+func (o *offers) add(bodies []*tensor.Storage) ([]byte, error) {
+	t := newTicket()
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if o.closed {
@@ -102,8 +108,7 @@ func (o *offers) add(bodies []*tensor.Storage) ([]byte, error) {
 // offer and returns once no DoGet streams the bodies any more, so that
 // the caller may release them or hand them to the next getter.
 func (o *offers) lend(bodies []*tensor.Storage) (ticket []byte, end func(), err error) {
-	t := make([]byte, ticketLen)
-	_, _ = rand.Read(t)
+	t := newTicket()
 	key := string(t)
 	of := &offer{bodies: bodies, lent: true, idle: make(chan struct{})}
 	o.mu.Lock()
@@ -454,7 +459,7 @@ func (g *Group) pullStriped(ctx context.Context, r int, ticket []byte) ([]*tenso
 	)
 	for k, rd := range readers {
 		wg.Go(func() {
-			err := g.receiveStripe(rd, head, bodies, stripe{k, parts})
+			err := receiveStripe(rd, head, bodies, stripe{k, parts}, g.o.chunk)
 			if err != nil {
 				errOnce.Do(func() { firstErr = err })
 				cancel()
@@ -469,9 +474,10 @@ func (g *Group) pullStriped(ctx context.Context, r int, ticket []byte) ([]*tenso
 	return bodies, nil
 }
 
-// receiveStripe receives stripe st of a value whose frame is head into
-// bodies; the stream of the first stripe has had its frame read already.
-func (g *Group) receiveStripe(rd *reader, head frame, bodies []*tensor.Storage, st stripe) error {
+// receiveStripe receives stripe st, in chunks of chunk bytes, of a value
+// whose frame is head into bodies; the stream of the first stripe has had
+// its frame read already.
+func receiveStripe(rd *reader, head frame, bodies []*tensor.Storage, st stripe, chunk int) error {
 	if st.part > 0 {
 		f, err := rd.next()
 		if err != nil {
@@ -481,7 +487,7 @@ func (g *Group) receiveStripe(rd *reader, head frame, bodies []*tensor.Storage, 
 			return fmt.Errorf("dist: stripe %d of a pull began with a frame of kind %d and %d bodies, not the value's", st.part, f.Kind, len(f.Sizes))
 		}
 	}
-	return rd.receive(bodies, st, g.o.chunk)
+	return rd.receive(bodies, st, chunk)
 }
 
 // letGo releases a pulled value on its putter, rank r. A failure is left

@@ -181,9 +181,8 @@ func striped(t *testing.T, bodies []*tensor.Storage, parts, chunk int) ([]*tenso
 	require.NoError(t, err)
 	out, err := readers[0].alloc(head)
 	require.NoError(t, err)
-	g := &Group{o: options{chunk: chunk}}
 	for k, rd := range readers {
-		if err := g.receiveStripe(rd, head, out, stripe{k, parts}); err != nil {
+		if err := receiveStripe(rd, head, out, stripe{k, parts}, chunk); err != nil {
 			release(out)
 			return nil, err
 		}
@@ -237,7 +236,6 @@ func TestStripeMismatchIsAnError(t *testing.T) {
 		require.NoError(t, w.sendRaw(nil, body))
 		return newReader(p, 0)
 	}
-	g := &Group{o: options{chunk: chunk}}
 	value := frame{Kind: kindValue, Sizes: []int64{4 * chunk}}
 	for name, tc := range map[string]struct {
 		rd   *reader
@@ -253,7 +251,7 @@ func TestStripeMismatchIsAnError(t *testing.T) {
 			out, err := tc.rd.alloc(tc.head)
 			require.NoError(t, err)
 			defer release(out)
-			err = g.receiveStripe(tc.rd, tc.head, out, stripe{1, 2})
+			err = receiveStripe(tc.rd, tc.head, out, stripe{1, 2}, chunk)
 			require.Error(t, err)
 			assert.Contains(t, err.Error(), tc.want)
 		})
