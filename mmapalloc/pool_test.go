@@ -33,8 +33,7 @@ func TestPoolPacksSmallBlocks(t *testing.T) {
 		assert.Len(t, b.Bytes(), 4<<10)
 		require.NoError(t, b.Release())
 	}
-	big, err := p.Alloc(large)
-	require.NoError(t, err)
+	big := mustAlloc(t, p, large)
 	assert.GreaterOrEqual(t, int64(len(big.Bytes())), int64(large))
 	segs, _, _ = p.Stats()
 	assert.Equal(t, 2, segs, "a large block gets a segment of its own")
@@ -98,6 +97,15 @@ func testPool(t *testing.T) *mmapalloc.Pool {
 	return p
 }
 
+// mustAlloc returns a block of size bytes from p, failing the test if it
+// cannot.
+func mustAlloc(t *testing.T, p *mmapalloc.Pool, size int64) *mmapalloc.Block {
+	t.Helper()
+	b, err := p.Alloc(size)
+	require.NoError(t, err)
+	return b
+}
+
 // send stands for a message carrying b: it takes a ticket and returns a
 // duplicate of its descriptor, as sendmsg would put one in flight.
 func send(t *testing.T, b *mmapalloc.Block) int {
@@ -112,14 +120,12 @@ func send(t *testing.T, b *mmapalloc.Block) int {
 
 func TestPoolRecyclesOnlyWhenNobodyHolds(t *testing.T) {
 	p := testPool(t)
-	a, err := p.Alloc(large)
-	require.NoError(t, err)
+	a := mustAlloc(t, p, large)
 	seg, off, gen := a.Segment(), a.Offset(), a.Gen()
 	msg := send(t, a) // a message in flight
 	require.NoError(t, a.Release())
 
-	b, err := p.Alloc(large)
-	require.NoError(t, err)
+	b := mustAlloc(t, p, large)
 	assert.False(t, b.Segment() == seg && b.Offset() == off, "a block a message still refers to is not reused")
 	assert.True(t, a.Busy(), "the message holds it")
 
@@ -129,8 +135,7 @@ func TestPoolRecyclesOnlyWhenNobodyHolds(t *testing.T) {
 	require.NoError(t, unix.Close(msg))
 	require.NoError(t, r.Release())
 
-	c, err := p.Alloc(large)
-	require.NoError(t, err)
+	c := mustAlloc(t, p, large)
 	assert.True(t, c.Segment() == seg && c.Offset() == off, "once nobody holds it, the block is reused")
 	assert.Greater(t, c.Gen(), gen, "with a new generation")
 	stale := send(t, c)
@@ -187,12 +192,9 @@ func TestPoolReclaimsAroundHeldSlots(t *testing.T) {
 
 func TestTicketCoversItsSegment(t *testing.T) {
 	p := testPool(t)
-	a, err := p.Alloc(4 << 10)
-	require.NoError(t, err)
-	b, err := p.Alloc(4 << 10)
-	require.NoError(t, err)
-	other, err := p.Alloc(large)
-	require.NoError(t, err)
+	a := mustAlloc(t, p, 4<<10)
+	b := mustAlloc(t, p, 4<<10)
+	other := mustAlloc(t, p, large)
 	require.Equal(t, a.Segment(), b.Segment())
 	tk, err := a.Ticket()
 	require.NoError(t, err)
@@ -216,32 +218,28 @@ func TestTicketCoversItsSegment(t *testing.T) {
 
 func TestUnreceivedMessageDropsItsHold(t *testing.T) {
 	p := testPool(t)
-	a, err := p.Alloc(large)
-	require.NoError(t, err)
+	a := mustAlloc(t, p, large)
 	seg, off := a.Segment(), a.Offset()
 	msg := send(t, a)
 	require.NoError(t, a.Release())
 	assert.Equal(t, 1, p.InUse(), "the message holds the block")
 	require.NoError(t, unix.Close(msg)) // lost in flight: the kernel closes it
 
-	c, err := p.Alloc(large)
-	require.NoError(t, err)
+	c := mustAlloc(t, p, large)
 	assert.True(t, c.Segment() == seg && c.Offset() == off, "the lost message's hold went with its descriptor")
 	require.NoError(t, c.Release())
 }
 
 func TestDiscardedTicketDropsItsHold(t *testing.T) {
 	p := testPool(t)
-	a, err := p.Alloc(large)
-	require.NoError(t, err)
+	a := mustAlloc(t, p, large)
 	seg, off := a.Segment(), a.Offset()
 	tk, err := a.Ticket()
 	require.NoError(t, err)
 	tk.Discard() // never sent
 	require.NoError(t, a.Release())
 	assert.False(t, a.Busy())
-	c, err := p.Alloc(large)
-	require.NoError(t, err)
+	c := mustAlloc(t, p, large)
 	assert.True(t, c.Segment() == seg && c.Offset() == off)
 	require.NoError(t, c.Release())
 }
@@ -250,8 +248,7 @@ func TestDiscardedTicketDropsItsHold(t *testing.T) {
 // gives the receiver two holds; letting go of one keeps the other.
 func TestTwiceDeliveredKeepsItsHold(t *testing.T) {
 	p := testPool(t)
-	a, err := p.Alloc(large)
-	require.NoError(t, err)
+	a := mustAlloc(t, p, large)
 	seg, off, gen := a.Segment(), a.Offset(), a.Gen()
 	var got []*mmapalloc.Block
 	for _, covered := range []bool{true, false} {
@@ -270,8 +267,7 @@ func TestTwiceDeliveredKeepsItsHold(t *testing.T) {
 	require.NoError(t, a.Release())
 	require.NoError(t, got[0].Release())
 	assert.Equal(t, 1, p.InUse(), "the second delivery still holds the block")
-	c, err := p.Alloc(large)
-	require.NoError(t, err)
+	c := mustAlloc(t, p, large)
 	assert.False(t, c.Segment() == seg && c.Offset() == off, "so it is not handed out")
 	require.NoError(t, got[1].Release())
 	require.Eventually(t, func() bool { return p.InUse() == 1 }, time.Second, 5*time.Millisecond, "only c is in use once both are let go of")
@@ -284,8 +280,7 @@ func TestTwiceDeliveredKeepsItsHold(t *testing.T) {
 // producer gets its blocks back.
 func TestAdoptedTicketsCloseInBatches(t *testing.T) {
 	p := testPool(t)
-	a, err := p.Alloc(4 << 10)
-	require.NoError(t, err)
+	a := mustAlloc(t, p, 4<<10)
 	seg, off, gen := a.Segment(), a.Offset(), a.Gen()
 	id, _, err := mmapalloc.Stat(seg.FD())
 	require.NoError(t, err)
@@ -345,10 +340,8 @@ func TestCloseAll(t *testing.T) {
 
 func TestAttachBlock(t *testing.T) {
 	p := testPool(t)
-	a, err := p.Alloc(4 << 10)
-	require.NoError(t, err)
-	b, err := p.Alloc(4 << 10)
-	require.NoError(t, err)
+	a := mustAlloc(t, p, 4<<10)
+	b := mustAlloc(t, p, 4<<10)
 	copy(a.Bytes(), "first")
 	copy(b.Bytes(), "second")
 	ma, mb := send(t, a), send(t, b)
@@ -409,14 +402,12 @@ func TestAttachBlock(t *testing.T) {
 // the same, and its generation checked.
 func TestAttachMappedBlock(t *testing.T) {
 	p := testPool(t)
-	a, err := p.Alloc(4 << 10)
-	require.NoError(t, err)
-	b, err := p.Alloc(4 << 10)
-	require.NoError(t, err)
+	a := mustAlloc(t, p, 4<<10)
+	b := mustAlloc(t, p, 4<<10)
 	seg := a.Segment()
 	require.Equal(t, seg.ID(), b.Segment().ID(), "one segment")
 
-	_, err = mmapalloc.AttachMappedBlock(seg.ID(), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	_, err := mmapalloc.AttachMappedBlock(seg.ID(), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
 	require.ErrorIs(t, err, mmapalloc.ErrNotMapped, "its producer's pool is not a mapping received")
 
 	ma := send(t, a)
@@ -449,10 +440,8 @@ func TestAttachMappedBlock(t *testing.T) {
 // next tensor's bytes may suffer, its ownership may not.
 func TestOverrunCannotChangeOwnership(t *testing.T) {
 	p := testPool(t)
-	x, err := p.Alloc(4 << 10)
-	require.NoError(t, err)
-	y, err := p.Alloc(4 << 10)
-	require.NoError(t, err)
+	x := mustAlloc(t, p, 4<<10)
+	y := mustAlloc(t, p, 4<<10)
 	writer, victim := x, y // the writer's slot comes first
 	if y.Offset() < x.Offset() {
 		writer, victim = y, x
@@ -489,21 +478,19 @@ func TestOverrunCannotChangeOwnership(t *testing.T) {
 	require.NoError(t, held.Release())
 	require.NoError(t, writer.Release())
 
-	c, err := p.Alloc(4 << 10)
-	require.NoError(t, err)
+	c := mustAlloc(t, p, 4<<10)
 	assert.NoError(t, c.Release(), "once let go, the slot serves again")
 }
 
 func TestSegmentsAreSealed(t *testing.T) {
 	p := testPool(t)
-	a, err := p.Alloc(4 << 10)
-	require.NoError(t, err)
+	a := mustAlloc(t, p, 4<<10)
 	defer a.Release()
 	msg := send(t, a)
 	defer unix.Close(msg)
 	assert.ErrorIs(t, unix.Ftruncate(msg, 0), unix.EPERM, "a holder cannot shrink the segment under the others")
 	assert.ErrorIs(t, unix.Ftruncate(msg, a.Segment().Size()*2), unix.EPERM, "nor grow it")
-	_, err = unix.FcntlInt(uintptr(msg), unix.F_ADD_SEALS, unix.F_SEAL_WRITE)
+	_, err := unix.FcntlInt(uintptr(msg), unix.F_ADD_SEALS, unix.F_SEAL_WRITE)
 	assert.Error(t, err, "nor change the seals")
 
 	// A descriptor of an unsealed file is refused before it is mapped.
@@ -589,8 +576,7 @@ func BenchmarkPoolAllocRelease(b *testing.B) {
 func TestPoolHitAllocatesNothing(t *testing.T) {
 	p := mmapalloc.NewPool(1 << 30)
 	defer p.Trim(0)
-	warm, err := p.Alloc(4 << 10)
-	require.NoError(t, err)
+	warm := mustAlloc(t, p, 4<<10)
 	require.NoError(t, warm.Release())
 	allocs := testing.AllocsPerRun(100, func() {
 		b, err := p.Alloc(4 << 10)
@@ -607,8 +593,7 @@ func TestNamedPool(t *testing.T) {
 	mmapalloc.EnableNamedPool()
 	p := mmapalloc.NamedPool()
 	require.NotNil(t, p)
-	a, err := p.Alloc(4 << 10)
-	require.NoError(t, err)
+	a := mustAlloc(t, p, 4<<10)
 	seg := a.Segment()
 	require.NotEmpty(t, seg.Name())
 	assert.True(t, inDir(seg.Name()), "a named pool's segments keep their names")
@@ -629,8 +614,7 @@ func TestNamedPool(t *testing.T) {
 
 	// Another block of the segment is found by its name, with no
 	// descriptor and no new mapping.
-	b, err := p.Alloc(4 << 10)
-	require.NoError(t, err)
+	b := mustAlloc(t, p, 4<<10)
 	require.Equal(t, seg.ID(), b.Segment().ID(), "one segment")
 	var asked []mmapalloc.ID
 	uncovered := func(id mmapalloc.ID) bool { asked = append(asked, id); return false }
@@ -667,8 +651,7 @@ func statOf(t *testing.T, fd int) mmapalloc.FileStat {
 // registration.
 func TestSlotUsers(t *testing.T) {
 	p := testPool(t)
-	a, err := p.Alloc(4 << 10)
-	require.NoError(t, err)
+	a := mustAlloc(t, p, 4<<10)
 	seg := a.Segment()
 	dead := map[any]bool{}
 	alive := func(u any) bool { return !dead[u] }
