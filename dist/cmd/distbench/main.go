@@ -17,7 +17,10 @@
 // per_s is bytes per second at the receiver, from its first byte to its
 // last; cpu_s_per_gib is the CPU time of both processes (user + system)
 // per GiB moved; ratio_of_tcp and ratio_of_grpc divide per_s by the
-// floors'. The grpc and dist cases start the clock after the first -warm
+// floors'. The four cases run in turn -rounds times, and each figure is
+// the median over the rounds (a ratio, the median of each round's own):
+// on loopback one run's rates stray by a fifth from the next's, the
+// floors' too. The grpc and dist cases start the clock after the first -warm
 // tensors, once the connection is up and the shared-memory pools of both
 // ends have grown to what the stream keeps in flight (the putter's
 // offers and queue, the getter's destination blocks): the floor's buffers
@@ -27,7 +30,7 @@
 //
 // Usage:
 //
-//	go run ./cmd/distbench [-bytes N] [-n reps] [-warm N] [-chunk N] [-conns N] [-addr IP] [-json]
+//	go run ./cmd/distbench [-bytes N] [-n reps] [-rounds N] [-warm N] [-chunk N] [-conns N] [-addr IP] [-json]
 //	                       [-child-netns NS -child-addr IP]
 //
 // With -child-netns (as root) the child runs in network namespace NS
@@ -46,6 +49,7 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"slices"
 	"strconv"
 	"text/tabwriter"
 	"time"
@@ -79,6 +83,8 @@ type result struct {
 	RatioOfTCP float64 `json:"ratio_of_tcp,omitempty"`
 	// RatioOfGRPC, for the dist cases, is PerS over the grpc case's.
 	RatioOfGRPC float64 `json:"ratio_of_grpc,omitempty"`
+	// Rounds is the number of rounds the figures are the medians of.
+	Rounds int `json:"rounds"`
 }
 
 func main() {
@@ -86,6 +92,7 @@ func main() {
 	reexec.Main()
 	size := flag.Int("bytes", 64<<20, "tensor size in bytes")
 	n := flag.Int("n", 16, "tensors per case")
+	rounds := flag.Int("rounds", 5, "times every case is measured, in turn; each figure is the median")
 	addr := flag.String("addr", "127.0.0.1", "the address both ends use")
 	asJSON := flag.Bool("json", false, "one JSON object per line")
 	flag.IntVar(&chunk, "chunk", dist.DefaultChunk, "bytes per record batch")
@@ -98,37 +105,30 @@ func main() {
 		fmt.Fprintf(os.Stderr, "distbench: -warm must be at least 1 and less than -n (%d)\n", *n)
 		os.Exit(2)
 	}
+	if *rounds < 1 {
+		fmt.Fprintln(os.Stderr, "distbench: -rounds must be positive")
+		os.Exit(2)
+	}
 	if conns < 1 || conns > dist.MaxPullConns {
 		fmt.Fprintf(os.Stderr, "distbench: -conns must be 1 to %d\n", dist.MaxPullConns)
 		os.Exit(2)
 	}
-	if err := run(*size, *n, *addr, *asJSON); err != nil {
+	if err := run(*size, *n, *rounds, *addr, *asJSON); err != nil {
 		fmt.Fprintln(os.Stderr, "distbench:", err)
 		os.Exit(1)
 	}
 }
 
-func run(size, n int, addr string, asJSON bool) error {
-	var results []result
-	tcp, err := benchTCP(size, n, addr)
-	if err != nil {
-		return fmt.Errorf("tcp: %w", err)
-	}
-	grpcFloor, err := benchGRPC(size, n, addr)
-	if err != nil {
-		return fmt.Errorf("grpc: %w", err)
-	}
-	grpcFloor.RatioOfTCP = grpcFloor.PerS / tcp.PerS
-	results = append(results, tcp, grpcFloor)
-	for _, c := range []string{"dist_put", "dist_get"} {
-		r, err := benchDist(c, size, n, addr)
+func run(size, n, rounds int, addr string, asJSON bool) error {
+	var all [][]result
+	for range rounds {
+		rs, err := round(size, n, addr)
 		if err != nil {
-			return fmt.Errorf("%s: %w", c, err)
+			return err
 		}
-		r.RatioOfTCP = r.PerS / tcp.PerS
-		r.RatioOfGRPC = r.PerS / grpcFloor.PerS
-		results = append(results, r)
+		all = append(all, rs)
 	}
+	results := medians(all)
 	if asJSON {
 		enc := json.NewEncoder(os.Stdout)
 		for _, r := range results {
@@ -138,6 +138,7 @@ func run(size, n int, addr string, asJSON bool) error {
 		}
 		return nil
 	}
+	fmt.Printf("medians of %d rounds\n", rounds)
 	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(w, "case\tbytes\tMB/s\tCPU-s/GiB\tof tcp\tof grpc\t")
 	percent := func(r float64) string {
@@ -150,6 +151,61 @@ func run(size, n int, addr string, asJSON bool) error {
 		fmt.Fprintf(w, "%s\t%d\t%.0f\t%.2f\t%s\t%s\t\n", r.Case, r.Bytes, r.PerS/1e6, r.CPUPerGiB, percent(r.RatioOfTCP), percent(r.RatioOfGRPC))
 	}
 	return w.Flush()
+}
+
+// round measures every case once, the floors first, and returns their
+// results in that order, with each case's ratios to this round's floors.
+func round(size, n int, addr string) ([]result, error) {
+	tcp, err := benchTCP(size, n, addr)
+	if err != nil {
+		return nil, fmt.Errorf("tcp: %w", err)
+	}
+	grpcFloor, err := benchGRPC(size, n, addr)
+	if err != nil {
+		return nil, fmt.Errorf("grpc: %w", err)
+	}
+	grpcFloor.RatioOfTCP = grpcFloor.PerS / tcp.PerS
+	results := []result{tcp, grpcFloor}
+	for _, c := range []string{"dist_put", "dist_get"} {
+		r, err := benchDist(c, size, n, addr)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", c, err)
+		}
+		r.RatioOfTCP = r.PerS / tcp.PerS
+		r.RatioOfGRPC = r.PerS / grpcFloor.PerS
+		results = append(results, r)
+	}
+	return results, nil
+}
+
+// medians returns each case's medians over rounds, which all list the
+// same cases in the same order.
+func medians(rounds [][]result) []result {
+	out := make([]result, len(rounds[0]))
+	for i := range out {
+		median := func(f func(result) float64) float64 {
+			vs := make([]float64, len(rounds))
+			for k, rs := range rounds {
+				vs[k] = f(rs[i])
+			}
+			slices.Sort(vs)
+			m := len(vs) / 2
+			if len(vs)%2 == 0 {
+				return (vs[m-1] + vs[m]) / 2
+			}
+			return vs[m]
+		}
+		out[i] = result{
+			Case:        rounds[0][i].Case,
+			Bytes:       rounds[0][i].Bytes,
+			PerS:        median(func(r result) float64 { return r.PerS }),
+			CPUPerGiB:   median(func(r result) float64 { return r.CPUPerGiB }),
+			RatioOfTCP:  median(func(r result) float64 { return r.RatioOfTCP }),
+			RatioOfGRPC: median(func(r result) float64 { return r.RatioOfGRPC }),
+			Rounds:      len(rounds),
+		}
+	}
+	return out
 }
 
 // cpu returns the process's CPU time so far.
