@@ -385,16 +385,12 @@ func (g *Group) pull(ctx context.Context, r int, ticket []byte) ([]*tensor.Stora
 		}
 		return bodies, nil
 	}
-	// Ending the streams' context ends what is left of them: a stream
-	// not read to its end would keep gRPC's resources until it is.
-	sctx, cancel := context.WithCancel(ctx)
-	defer cancel()
 	var bodies []*tensor.Storage
 	var err error
 	if g.o.pullConns == 1 || g.o.chunk < minStripeChunk || g.o.chunk > maxMessage/2 {
-		bodies, err = g.pullWhole(sctx, r, ticket)
+		bodies, err = g.pullWhole(ctx, r, ticket)
 	} else {
-		bodies, err = g.pullStriped(sctx, r, ticket)
+		bodies, err = g.pullStriped(ctx, r, ticket)
 	}
 	if status.Code(err) == codes.NotFound {
 		return nil, fmt.Errorf("%w (put by rank %d)", ErrLeaseExpired, r)
@@ -405,8 +401,12 @@ func (g *Group) pull(ctx context.Context, r int, ticket []byte) ([]*tensor.Stora
 	return bodies, nil
 }
 
-// pullWhole receives a value by reference on one stream.
+// pullWhole receives a value by reference on one stream. Its context
+// ends with it, which ends what is left of the stream: a stream not read
+// to its end would keep gRPC's resources until then.
 func (g *Group) pullWhole(ctx context.Context, r int, ticket []byte) ([]*tensor.Storage, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	c, err := g.client(r)
 	if err != nil {
 		return nil, err
@@ -427,7 +427,8 @@ func (g *Group) pullWhole(ctx context.Context, r int, ticket []byte) ([]*tensor.
 // connection, each carrying a stripe of its chunks into the same
 // storages. Every stream begins with the value's frame: the first
 // stream's says what to allocate, and the others must say the same. The
-// first stream to fail ends the others.
+// first stream to fail ends the others, and every stream ends with the
+// pull, as pullWhole's does.
 func (g *Group) pullStriped(ctx context.Context, r int, ticket []byte) ([]*tensor.Storage, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()

@@ -20,13 +20,13 @@
 // floors'. The four cases run in turn -rounds times, and each figure is
 // the median over the rounds (a ratio, the median of each round's own):
 // on loopback one run's rates stray by a fifth from the next's, the
-// floors' too. The grpc and dist cases start the clock after the first -warm
-// tensors, once the connection is up and the shared-memory pools of both
-// ends have grown to what the stream keeps in flight (the putter's
-// offers and queue, the getter's destination blocks): the floor's buffers
-// are faulted in before its clock starts too. The child's copies of its
-// tensors into its own queue (dist_get) are not counted: they are the
-// owner's local Put, not the transfer.
+// floors' too. The grpc and dist cases start the clock after the first
+// -warm tensors, once the connection is up and the shared-memory pools of
+// both ends have grown to what the stream keeps in flight (the putter's
+// offers and queue, the getter's destination blocks): the floor's
+// buffers are faulted in before its clock starts too. The child's copies
+// of its tensors into its own queue (dist_get) are not counted: they are
+// the owner's local Put, not the transfer.
 //
 // Usage:
 //
