@@ -217,6 +217,8 @@ func childGRPC(size, n int, target string) error {
 // chunk number c if c%parts == part.
 type stripe struct{ part, parts int }
 
+func (s stripe) carries(c int) bool { return c%s.parts == s.part }
+
 // serveFloor serves one floor stream on c: stripe st of n copies of buf.
 func serveFloor(c net.Conn, buf []byte, n int, st stripe, cpu0 *atomic.Int64) error {
 	done := make(chan error, 1)
@@ -231,8 +233,9 @@ func serveFloor(c net.Conn, buf []byte, n int, st stripe, cpu0 *atomic.Int64) er
 				cpu0.CompareAndSwap(-1, int64(cpu()))
 			}
 			for off := 0; off < len(buf); off += chunk {
+				c := chunks
 				chunks++
-				if (chunks-1)%st.parts != st.part {
+				if !st.carries(c) {
 					continue
 				}
 				// A SliceBuffer lends buf: gRPC writes from it, no copy.
