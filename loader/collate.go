@@ -169,7 +169,7 @@ func numbers(vs []reflect.Value) (*tensor.Tensor, error) {
 	default:
 		dt = tensor.Float64
 	}
-	t, err := tensor.On(device.CPU()).Shared().Zeros(dt, len(vs))
+	t, err := tensor.On(device.CPU()).Shared().Empty(dt, len(vs))
 	if err != nil {
 		return nil, err
 	}

@@ -31,7 +31,7 @@ func Stack(ts []*tensor.Tensor) (*tensor.Tensor, error) {
 	if adjacent(ts) {
 		return viewAt(first.Storage(), dt, first.Offset(), full)
 	}
-	out, err := tensor.On(device.CPU()).Shared().Zeros(dt, full...)
+	out, err := tensor.On(device.CPU()).Shared().Empty(dt, full...)
 	if err != nil {
 		return nil, err
 	}

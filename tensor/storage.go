@@ -342,27 +342,18 @@ func AllocSharedStorage(nbytes int64) (*Storage, error) {
 	if nbytes < 0 {
 		return nil, fmt.Errorf("tensor: shared storage of %d bytes", nbytes)
 	}
-	s := allocStorage(device.CPU(), nbytes)
-	if nbytes == 0 {
-		s.mem.Store(&memory{bytes: []byte{}, shared: true})
-		return s, nil
-	}
-	m, err := newSharedMemory(nbytes, strategy.Get(), false)
-	if err != nil {
-		return nil, err
-	}
-	s.arm(m)
-	return s, nil
+	return newSharedStorage(nbytes, strategy.Get(), false)
 }
 
-// newSharedStorage returns a storage of nbytes of zeroed shared memory.
-func newSharedStorage(nbytes int64, st strategy.Strategy) (*Storage, error) {
+// newSharedStorage returns a storage of nbytes of shared memory, cleared
+// with zero.
+func newSharedStorage(nbytes int64, st strategy.Strategy, zero bool) (*Storage, error) {
 	s := allocStorage(device.CPU(), nbytes)
 	if nbytes == 0 {
 		s.mem.Store(&memory{bytes: []byte{}, shared: true})
 		return s, nil
 	}
-	m, err := newSharedMemory(nbytes, st, true)
+	m, err := newSharedMemory(nbytes, st, zero)
 	if err != nil {
 		return nil, err
 	}

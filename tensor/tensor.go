@@ -65,7 +65,18 @@ func (f Factory) Shared() Factory {
 }
 
 // Zeros returns a tensor of zeros.
-func (f Factory) Zeros(dt DType, shape ...int) (*Tensor, error) {
+func (f Factory) Zeros(dt DType, shape ...int) (*Tensor, error) { return f.make(dt, shape, true) }
+
+// Empty returns a tensor whose elements are not set, as torch.empty does:
+// for a caller that writes every element before it reads any, such as a
+// producer filling a batch. In shared memory it skips clearing a recycled
+// block, which still holds what its last user in this process wrote;
+// heap and device memory come zeroed all the same.
+func (f Factory) Empty(dt DType, shape ...int) (*Tensor, error) { return f.make(dt, shape, false) }
+
+// make returns a contiguous tensor of dt and shape on f's place, whose
+// shared memory is cleared with zero.
+func (f Factory) make(dt DType, shape []int, zero bool) (*Tensor, error) {
 	if err := checkNewShape(dt, shape); err != nil {
 		return nil, err
 	}
@@ -74,7 +85,7 @@ func (f Factory) Zeros(dt DType, shape ...int) (*Tensor, error) {
 	var s *Storage
 	var err error
 	if f.shared && f.place.IsCPU() {
-		s, err = newSharedStorage(nbytes, strategy.Get())
+		s, err = newSharedStorage(nbytes, strategy.Get(), zero)
 	} else {
 		s, err = newStorage(f.place, nbytes)
 	}
@@ -88,7 +99,7 @@ func (f Factory) Zeros(dt DType, shape ...int) (*Tensor, error) {
 
 // Full returns a tensor with every element v, converted to dt.
 func (f Factory) Full(dt DType, v float64, shape ...int) (*Tensor, error) {
-	host, err := f.hostZeros(dt, shape)
+	host, err := f.hostEmpty(dt, shape)
 	if err != nil {
 		return nil, err
 	}
@@ -108,17 +119,18 @@ func (f Factory) Arange(dt DType, n int) (*Tensor, error) {
 	return f.fill(dt, []int{n}, func(i int) float64 { return float64(i) })
 }
 
-// hostZeros makes the host tensor a constructor fills before moving it to
-// f's place: in shared memory already when f makes shared tensors.
-func (f Factory) hostZeros(dt DType, shape []int) (*Tensor, error) {
+// hostEmpty makes the host tensor a constructor fills, every element of
+// it, before moving it to f's place: in shared memory already when f
+// makes shared tensors.
+func (f Factory) hostEmpty(dt DType, shape []int) (*Tensor, error) {
 	if f.shared && f.place.IsCPU() {
-		return f.Zeros(dt, shape...)
+		return f.Empty(dt, shape...)
 	}
-	return On(device.CPU()).Zeros(dt, shape...)
+	return On(device.CPU()).Empty(dt, shape...)
 }
 
 func (f Factory) fill(dt DType, shape []int, at func(int) float64) (*Tensor, error) {
-	host, err := f.hostZeros(dt, shape)
+	host, err := f.hostEmpty(dt, shape)
 	if err != nil {
 		return nil, err
 	}
@@ -131,6 +143,10 @@ func (f Factory) fill(dt DType, shape []int, at func(int) float64) (*Tensor, err
 
 // Zeros returns a tensor of zeros on the process default place.
 func Zeros(dt DType, shape ...int) (*Tensor, error) { return On(device.Default()).Zeros(dt, shape...) }
+
+// Empty returns a tensor whose elements are not set on the process default
+// place (see Factory.Empty).
+func Empty(dt DType, shape ...int) (*Tensor, error) { return On(device.Default()).Empty(dt, shape...) }
 
 // Full returns a tensor filled with v on the process default place.
 func Full(dt DType, v float64, shape ...int) (*Tensor, error) {

@@ -171,6 +171,15 @@ func TestConstructors(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 2.5, x)
 
+	e, err := tensor.Empty(tensor.Int32, 3, 2)
+	require.NoError(t, err)
+	assert.Equal(t, []int{3, 2}, e.Shape())
+	assert.Equal(t, []int{2, 1}, e.Strides())
+	assert.Equal(t, int64(24), e.Nbytes())
+	assert.False(t, e.IsShared())
+	_, err = tensor.Empty(tensor.Float32, -1)
+	assert.ErrorContains(t, err, "negative size")
+
 	_, err = tensor.FromSlice([]int32{1, 2, 3}, 2, 2)
 	assert.ErrorContains(t, err, "do not fill")
 	_, err = tensor.Zeros(tensor.Float32, 2, -1)
@@ -497,6 +506,58 @@ func TestFromStorageChecksBounds(t *testing.T) {
 
 // The first tensor made on a new storage is allocated with it, and every
 // other is a tensor of its own, however many goroutines make them at once.
+// TestRecycledSharedBlocks checks what each constructor makes of a pooled
+// block that its last user wrote all over: Zeros clears it, Full and
+// Arange (which start from Empty) set every element, and Empty leaves it
+// as it was.
+func TestRecycledSharedBlocks(t *testing.T) {
+	leakcheck.Check(t)
+	shared := tensor.On(device.CPU()).Shared()
+	const n, size = 2048, 4 << 10 // more blocks than the pool's first slab holds
+	// round makes n tensors with mk, checks each with check, and
+	// releases them all at the end: the next round's blocks are these
+	// recycled, as the pool takes released blocks back once its free ones
+	// run out.
+	round := func(name string, mk func() (*tensor.Tensor, error), check func(b []byte) bool) (passed int) {
+		xs := make([]*tensor.Tensor, 0, n)
+		defer func() {
+			for _, x := range xs {
+				assert.NoError(t, x.Release())
+			}
+		}()
+		for range n {
+			x, err := mk()
+			require.NoError(t, err, name)
+			xs = append(xs, x)
+			b, err := tensor.Data[uint8](x)
+			require.NoError(t, err, name)
+			if check(b) {
+				passed++
+			}
+		}
+		return passed
+	}
+	all := func(v uint8) func([]byte) bool {
+		return func(b []byte) bool { return !slices.ContainsFunc(b, func(c byte) bool { return c != v }) }
+	}
+	written := func(b []byte) bool { clear(b); b[0], b[len(b)-1] = 0xab, 0xcd; return true }
+	round("dirty", func() (*tensor.Tensor, error) { return shared.Empty(tensor.Uint8, size) }, written)
+	assert.Equal(t, n, round("Zeros", func() (*tensor.Tensor, error) { return shared.Zeros(tensor.Uint8, size) }, all(0)))
+	assert.Equal(t, n, round("Full", func() (*tensor.Tensor, error) { return shared.Full(tensor.Uint8, 7, size) }, all(7)))
+	arange := func(b []byte) bool {
+		for i, c := range b {
+			if c != uint8(i) {
+				return false
+			}
+		}
+		return true
+	}
+	round("dirty again", func() (*tensor.Tensor, error) { return shared.Empty(tensor.Uint8, size) }, written)
+	assert.Equal(t, n, round("Arange", func() (*tensor.Tensor, error) { return shared.Arange(tensor.Uint8, size) }, arange))
+	kept := round("Empty", func() (*tensor.Tensor, error) { return shared.Empty(tensor.Uint8, size) }, arange)
+	assert.Positive(t, kept, "Empty hands out recycled blocks as their last user left them")
+}
+
 func TestFirstTensorComesWithItsStorage(t *testing.T) {
 	leakcheck.Check(t)
 	shared := tensor.On(device.CPU()).Shared()
