@@ -65,18 +65,18 @@ func (f Factory) Shared() Factory {
 }
 
 // Zeros returns a tensor of zeros.
-func (f Factory) Zeros(dt DType, shape ...int) (*Tensor, error) { return f.make(dt, shape, true) }
+func (f Factory) Zeros(dt DType, shape ...int) (*Tensor, error) { return f.create(dt, shape, true) }
 
 // Empty returns a tensor whose elements are not set, as torch.empty does:
 // for a caller that writes every element before it reads any, such as a
 // producer filling a batch. In shared memory it skips clearing a recycled
 // block, which still holds what its last user in this process wrote;
 // heap and device memory come zeroed all the same.
-func (f Factory) Empty(dt DType, shape ...int) (*Tensor, error) { return f.make(dt, shape, false) }
+func (f Factory) Empty(dt DType, shape ...int) (*Tensor, error) { return f.create(dt, shape, false) }
 
-// make returns a contiguous tensor of dt and shape on f's place, whose
+// create returns a contiguous tensor of dt and shape on f's place, whose
 // shared memory is cleared with zero.
-func (f Factory) make(dt DType, shape []int, zero bool) (*Tensor, error) {
+func (f Factory) create(dt DType, shape []int, zero bool) (*Tensor, error) {
 	if err := checkNewShape(dt, shape); err != nil {
 		return nil, err
 	}
