@@ -296,7 +296,7 @@ func extent(dt tensor.DType, shape, strides []int) (lo, hi int64, empty bool, er
 // copyForeign copies the elements of a view of memory this process does
 // not hold into new shared memory, compact.
 func copyForeign(src unsafe.Pointer, dt tensor.DType, shape, strides []int) (*tensor.Tensor, error) {
-	t, err := newShared(dt, shape)
+	t, err := newTensor(device.CPU(), dt, shape)
 	if err != nil {
 		return nil, err
 	}
@@ -306,16 +306,17 @@ func copyForeign(src unsafe.Pointer, dt tensor.DType, shape, strides []int) (*te
 
 // newTensor returns a compact tensor of dt and shape in new memory on
 // place, holding its storage once: the caller drops it. CPU memory is
-// shared and not cleared; GPU memory is zeroed, and the zeroing is done
-// when newTensor returns.
+// shared and not cleared (tensor.Factory.Empty); GPU memory is zeroed, and
+// the zeroing is done when newTensor returns.
 func newTensor(place device.Place, dt tensor.DType, shape []int) (*tensor.Tensor, error) {
-	if place.IsCPU() {
-		return newShared(dt, shape)
-	}
-	if !place.IsGPU() {
+	f := tensor.On(place)
+	switch {
+	case place.IsCPU():
+		f = f.Shared()
+	case !place.IsGPU():
 		return nil, fmt.Errorf("tensors on %s: only CPU and CUDA tensors are made here", place)
 	}
-	t, err := tensor.On(place).Zeros(dt, shape...)
+	t, err := f.Empty(dt, shape...)
 	if err != nil {
 		return nil, err
 	}
@@ -328,23 +329,6 @@ func newTensor(place device.Place, dt tensor.DType, shape []int) (*tensor.Tensor
 		}
 	}
 	return t, nil
-}
-
-// newShared returns a compact tensor of dt and shape in new shared
-// memory, not cleared, holding its storage once: the caller drops it.
-func newShared(dt tensor.DType, shape []int) (*tensor.Tensor, error) {
-	if err := tensor.CheckView(dt, 0, shape, make([]int, len(shape)), int64(dt.Size())); err != nil {
-		return nil, err
-	}
-	n := int64(dt.Size())
-	for _, d := range shape {
-		n *= int64(d)
-	}
-	s, err := tensor.AllocSharedStorage(n)
-	if err != nil {
-		return nil, err
-	}
-	return heldView(s, dt, 0, shape, contiguous(shape))
 }
 
 // heldView returns a tensor of the view on s, a storage just made, and
