@@ -7,7 +7,8 @@
 // Spawn starts n of them, each with a control socket on fd 3. Join reports
 // the first failure as a *WorkerError (the worker returned an error) or an
 // *ExitError (it exited non-zero or was killed); the first failure stops the
-// others with SIGTERM and, after a grace period, SIGKILL. Workers die with
+// others with SIGTERM, which cancels a worker's context and, if the worker
+// has not returned after a grace period, kills it. Workers die with
 // their parent (Pdeathsig, set from one locked OS thread, and EOF on the
 // control socket as a backstop).
 //

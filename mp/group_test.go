@@ -134,26 +134,113 @@ func TestStopIsGraceful(t *testing.T) {
 	}
 }
 
-// A worker deaf to its context is killed once the grace period is over.
-func TestStopKillsAfterGrace(t *testing.T) {
-	leakcheck.Check(t)
-	g, err := mp.Spawn(context.Background(), "stubborn", 1, mp.WithGrace(200*time.Millisecond))
-	require.NoError(t, err)
-	// JoinContext gives up without stopping anyone.
-	jctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
-	defer cancel()
-	assert.ErrorIs(t, g.JoinContext(jctx), context.DeadlineExceeded)
-	assert.False(t, g.State()[0].Exited, "JoinContext left the worker running")
+// A worker deaf to its context dies of SIGTERM once the grace period is
+// over, and one that ignores SIGTERM is killed with SIGKILL after that.
+func TestStopEndsDeafWorkersAfterGrace(t *testing.T) {
+	for _, c := range []struct {
+		worker string
+		signal syscall.Signal
+	}{
+		{"deaf", syscall.SIGTERM},
+		{"stubborn", syscall.SIGKILL},
+	} {
+		t.Run(c.worker, func(t *testing.T) {
+			leakcheck.Check(t)
+			q, err := mp.NewQueue()
+			require.NoError(t, err)
+			defer q.Close()
+			g, err := mp.Spawn(context.Background(), c.worker, 1, mp.WithArgs(q), mp.WithGrace(200*time.Millisecond))
+			require.NoError(t, err)
+			var s string
+			require.NoError(t, q.Get(context.Background(), &s))
+			require.Equal(t, "ready", s)
+			// JoinContext gives up without stopping anyone.
+			jctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+			defer cancel()
+			assert.ErrorIs(t, g.JoinContext(jctx), context.DeadlineExceeded)
+			assert.False(t, g.State()[0].Exited, "JoinContext left the worker running")
 
-	g.Stop(errors.New("stop"))
-	assert.Error(t, g.JoinContext(context.Background()))
+			stop := errors.New("stop")
+			g.Stop(stop)
+			assert.ErrorIs(t, g.JoinContext(context.Background()), stop)
+			st := g.State()[0]
+			assert.True(t, st.Exited)
+			assert.Equal(t, c.signal, st.Signal)
+			assert.Equal(t, -1, st.Code)
+			var xe *mp.ExitError
+			require.ErrorAs(t, st.Err, &xe)
+			assert.Equal(t, c.signal, xe.Signal)
+		})
+	}
+}
+
+// A SIGTERM from outside the group (a user, a supervisor, a container
+// runtime) cancels a worker's context as the group's own stop does. A
+// worker deaf to it dies of SIGTERM after the grace period, and a second
+// SIGTERM ends it at once, grace or not.
+func TestOutsideSIGTERM(t *testing.T) {
+	for _, c := range []struct {
+		name  string
+		grace time.Duration
+		twice bool
+	}{
+		{"after the grace period", 200 * time.Millisecond, false},
+		{"a second one at once", time.Hour, true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			leakcheck.Check(t)
+			q, err := mp.NewQueue()
+			require.NoError(t, err)
+			defer q.Close()
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			g, err := mp.Spawn(ctx, "deaf", 1, mp.WithArgs(q), mp.WithGrace(c.grace))
+			require.NoError(t, err)
+			var s string
+			require.NoError(t, q.Get(ctx, &s))
+			require.Equal(t, "ready", s)
+
+			pid := g.Pids()[0]
+			require.NoError(t, syscall.Kill(pid, syscall.SIGTERM))
+			require.NoError(t, q.Get(ctx, &s))
+			assert.Equal(t, "cancelled: SIGTERM cancelled the worker's context", s)
+			if c.twice {
+				require.NoError(t, syscall.Kill(pid, syscall.SIGTERM))
+			}
+			// Within the minute of ctx, far less than the hour's grace
+			// of the second case.
+			err = g.JoinContext(ctx)
+			var xe *mp.ExitError
+			require.ErrorAs(t, err, &xe)
+			assert.Equal(t, syscall.SIGTERM, xe.Signal)
+			assert.Equal(t, 0, xe.Rank)
+			assert.Equal(t, pid, xe.Pid)
+		})
+	}
+}
+
+// A worker that returns on its cancelled context after an outside
+// SIGTERM ends as it returns: cleanly here, with its error in
+// TestSpawnBehaviours' spawn.signal.
+func TestOutsideSIGTERMIsGraceful(t *testing.T) {
+	leakcheck.Check(t)
+	q, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer q.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	g, err := mp.Spawn(ctx, "graceful", 1, mp.WithArgs(q), mp.WithGrace(time.Hour))
+	require.NoError(t, err)
+	var s string
+	require.NoError(t, q.Get(ctx, &s))
+	require.Equal(t, "ready 0", s)
+	require.NoError(t, syscall.Kill(g.Pids()[0], syscall.SIGTERM))
+	require.NoError(t, q.Get(ctx, &s))
+	assert.Equal(t, "stopped 0", s)
+	require.NoError(t, g.JoinContext(ctx))
 	st := g.State()[0]
-	assert.True(t, st.Exited)
-	assert.Equal(t, syscall.SIGKILL, st.Signal)
-	assert.Equal(t, -1, st.Code)
-	var xe *mp.ExitError
-	require.ErrorAs(t, st.Err, &xe)
-	assert.Equal(t, syscall.SIGKILL, xe.Signal)
+	assert.Equal(t, 0, st.Code)
+	assert.Zero(t, st.Signal)
 }
 
 // WithRankArgs gives each worker a value of its own.

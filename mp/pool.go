@@ -675,7 +675,7 @@ func (p *Pool) Close() error {
 }
 
 // Terminate stops the workers now (torch's terminate): calls in progress
-// fail with ErrClosed; workers get SIGTERM, and SIGKILL after the grace
+// fail with ErrClosed; workers get SIGTERM, and die of it after the grace
 // period.
 func (p *Pool) Terminate() error { return p.terminate(ErrClosed) }
 

@@ -70,11 +70,20 @@ func WithArgs(v any) Option { return func(o *options) { o.args = v } }
 // shard of its own for each. f is called once per rank, in Spawn.
 func WithRankArgs(f func(rank int) any) Option { return func(o *options) { o.rankArgs = f } }
 
-// WithGrace sets how long workers get to return once the group is stopped
-// (after a failure, a cancelled context or Stop): each worker's context is
-// cancelled, by SIGTERM, and a worker still running after the grace period
-// is killed with SIGKILL. The default is 3 seconds.
+// WithGrace sets how long a worker gets to return once its context is
+// cancelled by SIGTERM: when the group is stopped (after a failure, a
+// cancelled context or Stop), or when anyone else sends the worker
+// SIGTERM. A worker still running after the grace period exits as killed
+// by SIGTERM; one that cannot (it ignores SIGTERM) is killed with SIGKILL
+// a second later. The default is 3 seconds.
 func WithGrace(d time.Duration) Option { return func(o *options) { o.grace = d } }
+
+// defaultGrace is the grace period without WithGrace.
+const defaultGrace = 3 * time.Second
+
+// killAfterGrace is how long after its grace period a stopped worker that
+// has not died of SIGTERM is killed with SIGKILL.
+const killAfterGrace = time.Second
 
 // WithPlace sets each worker's process default place, for example one GPU
 // per rank: WithPlace(func(r int) device.Place { return device.GPU(r) }).
@@ -103,7 +112,8 @@ type Group struct {
 
 	// ctx is cancelled at the first failure (see Context); each
 	// worker's command is tied to it, so that its cancellation stops
-	// them all: SIGTERM, then SIGKILL after the grace period.
+	// them all: SIGTERM, which they die of after the grace period, and
+	// SIGKILL for any that does not.
 	ctx    context.Context
 	cancel context.CancelCauseFunc
 }
@@ -140,11 +150,11 @@ type WorkerState struct {
 //
 // The first worker to fail stops the others: their contexts are cancelled
 // (by SIGTERM) and those still running after the grace period (WithGrace)
-// are killed. Cancelling ctx stops them all the same way. Join waits for
+// die of SIGTERM. Cancelling ctx stops them all the same way. Join waits for
 // every worker and reports the first failure.
 func Spawn(ctx context.Context, name string, n int, opts ...Option) (*Group, error) {
 	checkInit("mp.Spawn")
-	o := options{grace: 3 * time.Second}
+	o := options{grace: defaultGrace}
 	for _, opt := range opts {
 		opt(&o)
 	}
@@ -231,8 +241,9 @@ func Run(ctx context.Context, name string, n int, opts ...Option) error {
 }
 
 // start starts the worker of the given rank. Its command is tied to ctx,
-// the group's: once ctx is cancelled the worker gets SIGTERM, and SIGKILL
-// if it has not exited o.grace later.
+// the group's: once ctx is cancelled the worker gets SIGTERM, which it
+// dies of o.grace later (see workerContext), and SIGKILL if it has not
+// exited killAfterGrace after that.
 func start(ctx context.Context, name string, rank, world int, place device.Place, lock *os.File, o options, stdout, stderr *lineWriter) (*proc, error) {
 	pair, err := socketPair()
 	if err != nil {
@@ -261,6 +272,7 @@ func start(ctx context.Context, name string, rank, world int, place device.Place
 		envWorld+"="+strconv.Itoa(world),
 		envPlace+"="+place.String(),
 		envLockFD+"="+strconv.Itoa(lockFD),
+		envGrace+"="+o.grace.String(),
 		strategy.EnvVar+"="+strategy.Get().String(),
 		mmapalloc.EnvSession+"="+mmapalloc.Session(),
 	)
@@ -269,9 +281,10 @@ func start(ctx context.Context, name string, rank, world int, place device.Place
 	cmd.Stdout, cmd.Stderr = stdout, stderr
 	cmd.SysProcAttr = workerAttr()
 	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
-	// The grace period after SIGTERM; it also keeps a grandchild holding
-	// the worker's output pipes from hanging Wait.
-	cmd.WaitDelay = o.grace
+	// The grace period after SIGTERM, and the SIGKILL for a worker that
+	// outlives it; it also keeps a grandchild holding the worker's output
+	// pipes from hanging Wait.
+	cmd.WaitDelay = o.grace + killAfterGrace
 	if err := startOnSpawnerThread(cmd); err != nil {
 		_ = ctl.close()
 		return nil, fmt.Errorf("mp: starting worker %d: %w%s", rank, err, fdHint(err))
@@ -415,7 +428,8 @@ func (g *Group) Pids() []int {
 }
 
 // Stop stops every worker as a failure would (their contexts are
-// cancelled, then SIGKILL after the grace period) and records cause as the
+// cancelled, and those still running after the grace period die of
+// SIGTERM) and records cause as the
 // failure Join reports, unless there was one before.
 func (g *Group) Stop(cause error) { g.stop(cause) }
 

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/signal"
 	"strings"
 	"sync"
 	"syscall"
@@ -126,8 +127,34 @@ func registerWorkers() {
 	mp.Register("sleep", func(ctx context.Context, w *mp.Worker) error {
 		return sleep(ctx, time.Minute)
 	})
+	// deaf says when its context is cancelled, and why, but does not
+	// return: it dies of SIGTERM after the grace period.
+	mp.Register("deaf", func(ctx context.Context, w *mp.Worker) error {
+		var q *mp.Queue
+		if err := w.Args(&q); err != nil {
+			return err
+		}
+		go func() {
+			<-ctx.Done()
+			_ = q.Put(context.Background(), "cancelled: "+context.Cause(ctx).Error())
+		}()
+		if err := q.Put(ctx, "ready"); err != nil {
+			return err
+		}
+		time.Sleep(time.Hour)
+		return nil
+	})
+	// stubborn ignores SIGTERM altogether: only SIGKILL ends it.
 	mp.Register("stubborn", func(ctx context.Context, w *mp.Worker) error {
-		time.Sleep(time.Minute) // deaf to its context: killed after the grace period
+		var q *mp.Queue
+		if err := w.Args(&q); err != nil {
+			return err
+		}
+		signal.Ignore(syscall.SIGTERM)
+		if err := q.Put(ctx, "ready"); err != nil {
+			return err
+		}
+		time.Sleep(time.Hour)
 		return nil
 	})
 	mp.Register("graceful", func(ctx context.Context, w *mp.Worker) error {

@@ -29,6 +29,7 @@ const (
 	envWorld  = "TENSORMP_WORLD_SIZE"
 	envPlace  = "TENSORMP_PLACE"
 	envLockFD = "TENSORMP_LOCK_FD"
+	envGrace  = "TENSORMP_GRACE" // the group's grace period (WithGrace)
 	// EnvLog sets the level of tensormp's loggers: trace, debug, info,
 	// warn, error or off. The default is info.
 	EnvLog = "TENSORMP_LOG"
@@ -44,8 +45,11 @@ const workerPrefix = "mp.worker."
 
 // WorkerFunc is the body of a worker process. It returns nil on success;
 // an error is reported to the parent's Join as a *WorkerError. Its ctx is
-// cancelled when the group stops (the process gets SIGTERM): the worker
-// then has the grace period (WithGrace) to return before it is killed.
+// cancelled when the process gets SIGTERM, from its group stopping or
+// from anyone else: the worker then has the grace period (WithGrace) to
+// return. One that has not returned by then exits as killed by SIGTERM,
+// and a second SIGTERM ends it at once, as os/signal's NotifyContext
+// convention has it: the first signal asks, the default action follows.
 type WorkerFunc func(ctx context.Context, w *Worker) error
 
 // Register makes fn available to Spawn under name. Call it from an init
@@ -103,7 +107,11 @@ type result struct {
 func runWorker(name string, fn WorkerFunc) int {
 	// First, so that a group stopped while this worker starts finds its
 	// SIGTERM handled.
-	ctx, stop := workerContext()
+	grace, err := time.ParseDuration(os.Getenv(envGrace))
+	if err != nil || grace < 0 {
+		grace = defaultGrace
+	}
+	ctx, stop := workerContext(grace)
 	unix.CloseOnExec(ctlFD)
 	unix.CloseOnExec(lockFD)
 	keepSessionLock(lockFD)
@@ -180,25 +188,48 @@ func runWorker(name string, fn WorkerFunc) int {
 var errTerminated = errors.New("SIGTERM cancelled the worker's context")
 
 // workerContext returns the context a worker function runs under and the
-// function that releases it. SIGTERM, which the parent sends to stop the
-// group, cancels it with errTerminated as its cause; a second SIGTERM
-// kills the process as usual.
-func workerContext() (context.Context, func()) {
+// function to call once it has returned. The first SIGTERM, which the
+// parent sends to stop the group and anyone else may send, cancels the
+// context with errTerminated as its cause and gives SIGTERM back its
+// default action; if the function has not returned grace later, the
+// worker raises SIGTERM again and dies of it, so that its parent sees a
+// worker killed by SIGTERM. A second SIGTERM kills it at once.
+func workerContext(grace time.Duration) (context.Context, func()) {
 	ctx, cancel := context.WithCancelCause(context.Background())
 	sigs := make(chan os.Signal, 1)
 	signal.Notify(sigs, syscall.SIGTERM)
+	returned := make(chan struct{})
 	go func() {
 		select {
 		case <-sigs:
-			signal.Reset(syscall.SIGTERM)
-			cancel(errTerminated)
-		case <-ctx.Done():
+		case <-returned:
+			return
+		}
+		signal.Reset(syscall.SIGTERM)
+		cancel(errTerminated)
+		deadline := time.NewTimer(grace)
+		defer deadline.Stop()
+		select {
+		case <-deadline.C:
+			dieOf(syscall.SIGTERM)
+		case <-returned:
 		}
 	}()
 	return ctx, func() {
+		close(returned)
 		signal.Stop(sigs)
 		cancel(nil)
 	}
+}
+
+// dieOf ends the process by sig, whose default action must be to
+// terminate and which the caller has given back that action
+// (signal.Reset). A process that inherited sig ignored exits with the
+// shell's code for it instead.
+func dieOf(sig syscall.Signal) {
+	_ = unix.Kill(os.Getpid(), sig)
+	time.Sleep(100 * time.Millisecond)
+	os.Exit(128 + int(sig))
 }
 
 // report sends a worker's result to its parent on ctl, giving up after
