@@ -36,6 +36,7 @@ func init() {
 			}
 			return err
 		}
+		reduction.CloseIfFailed(dec, q)
 		v.Set(reflect.ValueOf(q))
 		return nil
 	})
@@ -50,6 +51,7 @@ func init() {
 			}
 			return err
 		}
+		reduction.CloseIfFailed(dec, p)
 		v.Set(reflect.ValueOf(p))
 		return nil
 	})
@@ -358,6 +360,14 @@ func decodeQueue(dec *msgpack.Decoder, n int) (*Queue, error) {
 	if err != nil {
 		return nil, err
 	}
+	err = errors.Join(checkSocket(fds[0]), checkSocket(fds[1]))
+	if err == nil && bounded {
+		err = checkPlaces(fds[2], fds[3])
+	}
+	if err != nil {
+		closeFDs(fds)
+		return nil, err
+	}
 	q, err := queueFrom(fds[0], fds[1])
 	if err != nil {
 		closeFDs(fds[2:])
@@ -425,6 +435,10 @@ func decodePipe(dec *msgpack.Decoder, n int) (*Pipe, error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := checkSocket(fds[0]); err != nil {
+		closeFDs(fds)
+		return nil, err
+	}
 	c, err := newConn(fds[0], "pipe")
 	if err != nil {
 		return nil, err
@@ -464,6 +478,50 @@ func takeFDs(dec *msgpack.Decoder, payload []byte, want int) ([]*fd.FD, error) {
 		fds = append(fds, f)
 	}
 	return fds, nil
+}
+
+// checkSocket checks that f, received for a queue or a pipe, is what
+// NewQueue and NewPipe make: an AF_UNIX SOCK_SEQPACKET socket. A peer can
+// put any descriptor it has in a queue's place; taken for one, it would
+// fail only at first use.
+func checkSocket(f *fd.FD) error {
+	raw, err := f.Lend()
+	if err != nil {
+		return err
+	}
+	defer f.Return()
+	if domain, typ, err := socketKind(raw); err != nil || domain != unix.AF_UNIX || typ != unix.SOCK_SEQPACKET {
+		return fmt.Errorf("mp: a received queue or pipe: %s is not a queue's or pipe's socket (AF_UNIX, SOCK_SEQPACKET)", describeFD(raw))
+	}
+	return nil
+}
+
+// checkPlaces checks that r and w, received for a bounded queue's places,
+// are the reading and the writing end of one pipe.
+func checkPlaces(r, w *fd.FD) error {
+	rr, err := r.Lend()
+	if err != nil {
+		return err
+	}
+	defer r.Return()
+	rw, err := w.Lend()
+	if err != nil {
+		return err
+	}
+	defer w.Return()
+	var rs, ws unix.Stat_t
+	if unix.Fstat(rr, &rs) != nil || unix.Fstat(rw, &ws) != nil ||
+		rs.Mode&unix.S_IFMT != unix.S_IFIFO || rs.Dev != ws.Dev || rs.Ino != ws.Ino ||
+		!accessMode(rr, unix.O_RDONLY) || !accessMode(rw, unix.O_WRONLY) {
+		return fmt.Errorf("mp: a received bounded queue: %s and %s are not the two ends of its places pipe", describeFD(rr), describeFD(rw))
+	}
+	return nil
+}
+
+// accessMode reports whether fd is open with access mode mode.
+func accessMode(fd, mode int) bool {
+	fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
+	return err == nil && fl&unix.O_ACCMODE == mode
 }
 
 func closeFDs(fds []*fd.FD) {

@@ -2,6 +2,8 @@ package mp
 
 import (
 	"fmt"
+	"os"
+	"strconv"
 	"syscall"
 	"unsafe"
 
@@ -81,4 +83,25 @@ func waitExited(pid int) error {
 			return err
 		}
 	}
+}
+
+// socketKind is what a received queue's or pipe's socket descriptor is,
+// for its check (checkSocket).
+func socketKind(s int) (domain, typ int, err error) {
+	if domain, err = unix.GetsockoptInt(s, unix.SOL_SOCKET, unix.SO_DOMAIN); err != nil {
+		return 0, 0, err
+	}
+	typ, err = unix.GetsockoptInt(s, unix.SOL_SOCKET, unix.SO_TYPE)
+	return domain, typ, err
+}
+
+// describeFD names what descriptor fd refers to, for errors about
+// descriptors that are not what they should be: the kernel's own name
+// of it ("socket:[123]", "pipe:[45]", "anon_inode:[eventfd]", a path).
+func describeFD(fd int) string {
+	target, err := os.Readlink("/proc/self/fd/" + strconv.Itoa(fd))
+	if err != nil {
+		return "an unknown descriptor"
+	}
+	return target
 }

@@ -62,3 +62,13 @@ func recvmsg(s int, p, oob []byte, flags int) (n, oobn, recvflags int, err error
 
 // waitExited is Linux's: elsewhere a dead worker's leftovers stay.
 func waitExited(int) error { return errors.ErrUnsupported }
+
+// socketKind is what a received queue's or pipe's socket descriptor is,
+// for its check (checkSocket). Without SO_DOMAIN, a socket that is not a
+// Unix one cannot be told here: its type is checked alone.
+func socketKind(s int) (domain, typ int, err error) {
+	typ, err = unix.GetsockoptInt(s, unix.SOL_SOCKET, unix.SO_TYPE)
+	return unix.AF_UNIX, typ, err
+}
+
+func describeFD(int) string { return "a descriptor" }

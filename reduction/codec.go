@@ -281,6 +281,16 @@ func TakeFD(dec *msgpack.Decoder, i int) (*fd.FD, error) {
 	return fd.New(raw), nil
 }
 
+// CloseIfFailed hands c, which a decoder of another type made of
+// descriptors it took with TakeFD, to the decode under way: should the
+// decode fail after all, c is closed with the message's other
+// descriptors, for its caller gets no value to close.
+func CloseIfFailed(dec *msgpack.Decoder, c io.Closer) {
+	if r, ok := dec.Buffered().(*fdReader); ok {
+		r.others = append(r.others, c)
+	}
+}
+
 // ReadExt returns the n payload bytes of an extension that dec is
 // decoding, for the decoders of types registered with RegisterExtDecoder.
 func ReadExt(dec *msgpack.Decoder, n int) ([]byte, error) {
@@ -344,8 +354,9 @@ func NewDecoder() *Decoder {
 // Decode takes ownership of fds: the descriptors a new storage keeps
 // become that storage's, and all others are closed before Decode returns,
 // also on error. A message whose descriptors are not each used by some
-// tensor is an error. On error, storages mapped by this call are released
-// and v may hold partial results that must not be used.
+// tensor is an error. On error, storages mapped by this call are
+// released, what it handed to CloseIfFailed is closed, and v may hold
+// partial results that must not be used.
 func (d *Decoder) Decode(data []byte, fds []int, v any) (err error) {
 	d.r.reset(data, fds)
 	d.dec.ResetReader(&d.r)
@@ -361,6 +372,9 @@ func (d *Decoder) Decode(data []byte, fds []int, v any) (err error) {
 			// covered it close.
 			for _, s := range d.r.made {
 				_ = s.Release()
+			}
+			for _, c := range d.r.others {
+				_ = c.Close()
 			}
 		} else {
 			d.r.adoptTickets()
@@ -475,6 +489,9 @@ type fdReader struct {
 	stats   []mmapalloc.FileStat // stats[i]: descriptor i's, once statted[i]
 	statted []bool
 	made    []*tensor.Storage
+	// others: what decoders of other types made of descriptors they
+	// took (CloseIfFailed), closed if the decode fails.
+	others []io.Closer
 }
 
 func (r *fdReader) reset(data []byte, fds []int) {
@@ -491,6 +508,8 @@ func (r *fdReader) reset(data []byte, fds []int) {
 	clear(r.tickets)
 	clear(r.made)
 	r.made = r.made[:0]
+	clear(r.others)
+	r.others = r.others[:0]
 }
 
 // msgReader reads one received message's bytes, for msgpack and for the
