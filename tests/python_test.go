@@ -22,6 +22,7 @@ import (
 	"github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/internal/pytorch"
 	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/tensor"
@@ -39,22 +40,11 @@ const libEnv = "TENSORMP_LIB"
 // pythonSetup is the Python interpreter the tests run and the library
 // they give it, found and built once.
 var pythonSetup = sync.OnceValues(func() (pythonRun, error) {
-	var candidates []string
-	if p := os.Getenv("TENSORMP_PYTHON"); p != "" {
-		candidates = append(candidates, p)
-	}
-	candidates = append(candidates, "/usr/bin/python3", "python3")
 	var run pythonRun
-	for _, c := range candidates {
-		if exec.Command(c, "-c", "import torch, numpy").Run() == nil {
-			run.python = c
-			break
-		}
-	}
-	if run.python == "" {
-		return run, fmt.Errorf("no Python 3 with torch and numpy among %v (Debian: apt-get install python3-torch python3-numpy)", candidates)
-	}
 	var err error
+	if run.python, err = pytorch.Find(pytorch.Candidates(os.Getenv(pytorch.EnvVar))...); err != nil {
+		return run, err
+	}
 	if run.pkg, err = filepath.Abs("../python"); err != nil {
 		return run, err
 	}

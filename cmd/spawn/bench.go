@@ -237,7 +237,7 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	batches := fs.Int("batches", 200, "batches read in each -loader case, after a warm-up")
 	pythonMode := fs.Bool("python", false, "measure Go <-> PyTorch instead (see below)")
 	var po pythonOpts
-	fs.StringVar(&po.python, "python3", "python3", "the Python with torch that -python runs")
+	fs.StringVar(&po.python, "python3", "", "the Python with torch and NumPy that -python runs (default: the first that has them of $TENSORMP_PYTHON, /usr/bin/python3, python3)")
 	fs.StringVar(&po.lib, "pylib", os.Getenv("TENSORMP_LIB"), "libtensormp.so for -python (default: $TENSORMP_LIB, else built from ./cmd/libtensormp)")
 	fs.StringVar(&po.pkg, "pypath", "python", "the directory holding the tensormp Python package, for -python")
 	fs.StringVar(&po.device, "pydevice", "cpu", "where -python's tensors are: cpu, or cuda:N")

@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/internal/pytorch"
 	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/mp"
 )
@@ -250,15 +251,12 @@ func TestBenchJSON(t *testing.T) {
 }
 
 func TestBenchPythonJSON(t *testing.T) {
-	python := os.Getenv("TENSORMP_PYTHON")
-	if python == "" {
-		python = "/usr/bin/python3"
-	}
-	if err := exec.Command(python, "-c", "import torch").Run(); err != nil {
+	python, err := pytorch.Find(pytorch.Candidates(os.Getenv(pytorch.EnvVar))...)
+	if err != nil {
 		if os.Getenv("TENSORMP_REQUIRE_PYTHON") != "" {
-			t.Fatalf("%s cannot import torch: %v", python, err)
+			t.Fatal(err)
 		}
-		t.Skipf("%s cannot import torch (Debian: apt-get install python3-torch): %v", python, err)
+		t.Skip(err)
 	}
 	leakcheck.Check(t)
 	lib := os.Getenv("TENSORMP_LIB") // a library built elsewhere, for a machine without Go
@@ -283,4 +281,18 @@ func TestBenchPythonJSON(t *testing.T) {
 		"python_roundtrip/4096": 1, "python_roundtrip/67108864": 1,
 		"torch_roundtrip/4096": 1, "torch_roundtrip/67108864": 1,
 	}, rows)
+}
+
+// spawn bench -python with a Python that has no torch fails at once and
+// says what to install, instead of waiting for a peer that never comes.
+func TestBenchPythonWithoutTorch(t *testing.T) {
+	fake := filepath.Join(t.TempDir(), "python3")
+	script := "#!/bin/sh\necho \"ModuleNotFoundError: No module named 'torch'\" >&2\nexit 1\n"
+	require.NoError(t, os.WriteFile(fake, []byte(script), 0o700))
+	var stdout, stderr bytes.Buffer
+	code := run([]string{"bench", "-python", "-python3", fake}, &stdout, &stderr)
+	assert.Equal(t, 2, code)
+	assert.Contains(t, stderr.String(), fake+": ModuleNotFoundError: No module named 'torch'")
+	assert.Contains(t, stderr.String(), pytorch.Hint)
+	assert.Empty(t, stdout.String())
 }

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/pytorch"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
@@ -59,6 +60,14 @@ func runPythonBench(o pythonOpts, asJSON bool, stdout, stderr io.Writer, progres
 		return 2
 	}
 	o.place, o.device = place, strings.Replace(place.String(), "gpu", "cuda", 1)
+	candidates := pytorch.Candidates(os.Getenv(pytorch.EnvVar))
+	if o.python != "" {
+		candidates = []string{o.python}
+	}
+	if o.python, err = pytorch.Find(candidates...); err != nil {
+		fmt.Fprintln(stderr, "spawn bench:", err)
+		return 2
+	}
 	// A Python process takes no file_system segments: they belong to a
 	// session of Go processes.
 	if err := strategy.Set(strategy.FileDescriptor); err != nil {
