@@ -26,7 +26,11 @@ var fake = cudafake.New(2)
 
 func TestMain(m *testing.M) {
 	cuda.UseDriver(fake) // every test here runs on the fake driver
-	os.Exit(m.Run())
+	code := m.Run()
+	// Gives the fake's contexts back, so that it removes the file it
+	// made in /dev/shm as the real driver does.
+	_ = tensor.CloseBackends()
+	os.Exit(code)
 }
 
 // Do runs work on the caller's thread with the device's context current,

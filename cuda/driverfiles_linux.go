@@ -4,15 +4,14 @@ package cuda
 
 import (
 	"os"
-	"path/filepath"
-	"strconv"
-	"strings"
 
+	"github.com/tensormp/tensormp/internal/cudashm"
 	"github.com/tensormp/tensormp/internal/leftover"
 )
 
-// A worker killed while it had GPU memory exported cannot remove its
-// driver files: the process that reaps it does (package mp).
+// A process killed, or one that exited without giving its context back,
+// cannot remove its driver files: the process that learns of its death
+// does (package mp, through package leftover).
 func init() { leftover.Register(removeDriverFiles) }
 
 // removeOwnDriverFiles removes the files libcuda made in /dev/shm for
@@ -25,24 +24,21 @@ func removeOwnDriverFiles(d Driver) {
 	if _, ok := d.(libcuda); !ok {
 		return // a fake, or a driver a program brought: its files are its own
 	}
-	removeDriverFiles(os.Getpid())
+	for _, f := range cudashm.Of(os.Getpid()) {
+		_ = os.Remove(f)
+	}
 }
 
-// removeDriverFiles removes the files libcuda made in /dev/shm for the
-// interprocess events of process pid, named cuda.shm.<n>.<pid in
-// hex>.<n>: this process's, or a dead child's that is not yet reaped.
-// Other processes' files are never touched.
+// removeDriverFiles removes the files the CUDA driver made in /dev/shm
+// for the interprocess events of process pid, once no live process has
+// pid. It lists them first and then checks (leftover.Dead), so that a
+// process that took pid over after that one died keeps what it makes.
 func removeDriverFiles(pid int) {
-	const dir = "/dev/shm"
-	entries, err := os.ReadDir(dir)
-	if err != nil {
+	files := cudashm.Of(pid)
+	if len(files) == 0 || !leftover.Dead(pid) {
 		return
 	}
-	hex := strconv.FormatInt(int64(pid), 16)
-	for _, e := range entries {
-		f := strings.Split(e.Name(), ".")
-		if len(f) == 5 && f[0] == "cuda" && f[1] == "shm" && f[3] == hex {
-			_ = os.Remove(filepath.Join(dir, e.Name()))
-		}
+	for _, f := range files {
+		_ = os.Remove(f)
 	}
 }

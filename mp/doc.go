@@ -39,9 +39,12 @@
 // Ownership: a Queue or Pipe owns its socket descriptors in each process
 // that holds it, until Close; one sent in a message travels as a duplicate
 // the message owns. Every process of a program belongs to one session; its
-// keeper removes the session's file_system segments once every member has
-// exited, however it died, and a killed keeper is replaced by the process
-// that started it. The session lock must be this user's own (mode 0600).
+// two keepers, either of which suffices, remove the session's file_system
+// segments, and the CUDA driver's files of its members, once every member
+// has exited, however it died; a killed keeper is replaced by the process
+// that started the session. The session lock must be this user's own
+// (mode 0600). An endpoint's connection removes the driver's files of the
+// process at its other end once that process dies.
 // Clean removes what sessions with no live member left behind: regular
 // files whose whole name is one tensormp gives, nothing else.
 package mp

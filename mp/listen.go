@@ -177,7 +177,7 @@ func (l *Listener) Accept(ctx context.Context) (*Pipe, Cred, error) {
 	if err != nil {
 		return nil, cred, err
 	}
-	return &Pipe{c: c}, cred, nil
+	return &Pipe{c: c, unwatch: watchPeer(cred.PID)}, cred, nil
 }
 
 // Close stops listening and removes the socket file Listen made.
@@ -233,12 +233,13 @@ func Dial(ctx context.Context, addr string, opts ...EndpointOption) (*Pipe, erro
 		case <-time.After(wait):
 		}
 	}
-	if _, err := checkPeer(s, o.check); err != nil {
+	cred, err := checkPeer(s, o.check)
+	if err != nil {
 		return fail(err)
 	}
 	c, err := newConn(sock, "endpoint")
 	if err != nil {
 		return nil, err
 	}
-	return &Pipe{c: c}, nil
+	return &Pipe{c: c, unwatch: watchPeer(cred.PID)}, nil
 }

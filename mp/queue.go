@@ -387,6 +387,9 @@ func decodeQueue(dec *msgpack.Decoder, n int) (*Queue, error) {
 // one to another process through Spawn's arguments or a Queue.
 type Pipe struct {
 	c *conn
+	// unwatch ends the watch on the process at the other end of an
+	// endpoint's connection (see watchPeer); nil for other pipes.
+	unwatch func()
 }
 
 // NewPipe returns the two connected ends of a new Pipe.
@@ -417,7 +420,12 @@ func (p *Pipe) Send(ctx context.Context, v any) error { return put(ctx, p.c, v, 
 func (p *Pipe) Recv(ctx context.Context, v any) error { return get(ctx, p.c, v, true) }
 
 // Close releases this process's end and wakes blocked calls on it.
-func (p *Pipe) Close() error { return p.c.close() }
+func (p *Pipe) Close() error {
+	if p.unwatch != nil {
+		p.unwatch()
+	}
+	return p.c.close()
+}
 
 func (p *Pipe) encode(enc *msgpack.Encoder) ([]byte, error) {
 	return encodeConns(enc, p.c)

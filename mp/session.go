@@ -10,12 +10,15 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/tensormp/tensormp/internal/leftover"
 	"github.com/tensormp/tensormp/internal/reexec"
 	"github.com/tensormp/tensormp/mmapalloc"
 )
@@ -23,13 +26,37 @@ import (
 // A session is a program's process and every worker it spawns, however
 // deep. Its segments are named tensormp_<session>_..., and every member
 // holds a shared flock on the session's lock file,
-// tensormp_<session>_lock. A keeper process, started with the session,
-// waits for an exclusive lock on that file, which the kernel grants only
-// once every member has exited, however it died, and then removes the
-// session's segments: what file_system segments a SIGKILL left behind
-// does not outlive the session.
+// tensormp_<session>_lock, through one open file description that the
+// first member opens and each worker inherits; each member also appends
+// its pid to that file, one decimal line each: the session's roll.
+//
+// Two keeper processes, started with the session in sessions of their
+// own, each wait for an exclusive lock on the file, which the kernel
+// grants only once every member has exited, however it died. The first
+// to get it ends the session: it removes what the members left under
+// their pids (the CUDA driver's files, through package leftover), then
+// the session's segments, then the lock; the other then finds no lock of
+// its own and exits. Two, so that a keeper killed at any moment, while
+// the last member exits or while it removes, leaves the other to finish;
+// a keeper killed while a member lives is replaced by the first member.
+//
+// The keepers make the lock file, and hold it shared for the first
+// member until it holds the lock itself and says so: a first member
+// killed while it starts the session leaves them to remove the lock.
 
-const keeperName = "mp.keeper"
+const (
+	keeperName = "mp.keeper"
+	// keepers is how many keepers a session has.
+	keepers = 2
+)
+
+// How a keeper opens the lock: keeperNew makes it if there is none (the
+// session's first keepers), keeperJoin only opens it (a replacement: a
+// lock that is gone means a session that ended).
+const (
+	keeperNew  = "new"
+	keeperJoin = "join"
+)
 
 func init() {
 	reexec.Register(keeperName, runKeeper)
@@ -49,9 +76,10 @@ func lockPath(dir, id string) string {
 // 0600) when create is set and there is none. An existing lock is used
 // only if it is a regular file of this user's with mode 0600: one planted
 // by another user, or writable by others, could be held by them to block
-// the keeper forever.
+// the keepers forever. Writes to it append: members add themselves to
+// the roll through it.
 func openLock(path string, create bool) (*os.File, error) {
-	const flags = os.O_RDWR | syscall.O_NOFOLLOW | syscall.O_CLOEXEC
+	const flags = os.O_RDWR | os.O_APPEND | syscall.O_NOFOLLOW | syscall.O_CLOEXEC
 	if create {
 		f, err := os.OpenFile(path, flags|os.O_CREATE|os.O_EXCL, 0o600)
 		if !errors.Is(err, os.ErrExist) {
@@ -78,19 +106,29 @@ func openLock(path string, create bool) (*os.File, error) {
 // may write, is in the way; tensormp refuses to use it.
 var ErrForeignLock = errors.New("mp: the session lock is not this user's own (regular file, mode 0600)")
 
-// keepSessionLock adopts the lock a worker inherited as fd.
+// keepSessionLock adopts the lock a worker inherited as fd, and adds the
+// worker to the session's roll.
 func keepSessionLock(fd int) {
 	session.mu.Lock()
 	defer session.mu.Unlock()
 	session.lock = os.NewFile(uintptr(fd), "session lock")
+	joinRoll(session.lock)
 	mmapalloc.EnableNamedPool() // the session's keeper removes what the pool keeps
 }
 
+// joinRoll appends this process's pid to the session's roll, through f,
+// the session lock, opened for appending.
+func joinRoll(f *os.File) {
+	if _, err := fmt.Fprintf(f, "%d\n", os.Getpid()); err != nil {
+		Logger().Warn("adding this process to the session's roll: the keepers will not remove what it leaves under its pid", "error", err)
+	}
+}
+
 // StartSession makes this process the first member of its session and
-// starts the session's keeper, once; Spawn calls it. A program that shares
-// tensors under file_system before spawning calls it early, so that its
-// segments are cleaned up even if it dies first. It returns the lock file,
-// which the process holds until it exits.
+// starts the session's keepers, once; Spawn calls it. A program that
+// shares tensors under file_system before spawning calls it early, so
+// that its segments are cleaned up even if it dies first. It returns the
+// lock file, which the process holds until it exits.
 func StartSession() (*os.File, error) {
 	checkInit("mp.StartSession")
 	session.mu.Lock()
@@ -110,96 +148,186 @@ func StartSession() (*os.File, error) {
 func startSession() (*os.File, error) {
 	dir, id := mmapalloc.Dir(), mmapalloc.Session()
 	path := lockPath(dir, id)
-	f, err := openLock(path, true)
-	if err != nil {
+	// A lock there already must be this user's own before any keeper
+	// adopts it.
+	if f, err := openLock(path, false); err == nil {
+		_ = f.Close()
+	} else if !errors.Is(err, os.ErrNotExist) {
 		return nil, fmt.Errorf("mp: session lock: %w%s", err, fdHint(err))
 	}
-	if err := flock(f, unix.LOCK_SH); err != nil {
-		_ = f.Close()
-		return nil, fmt.Errorf("mp: session lock %s: %w", path, err)
+	type start struct {
+		k   *keeper
+		err error
 	}
-	cmd, err := startKeeper(id, dir)
+	starts := make(chan start, keepers)
+	for range keepers {
+		go func() {
+			k, err := startKeeper(id, dir, keeperNew)
+			starts <- start{k, err}
+		}()
+	}
+	var ks []*keeper
+	var errs []error
+	for range keepers {
+		s := <-starts
+		if s.err != nil {
+			errs = append(errs, s.err)
+		} else {
+			ks = append(ks, s.k)
+		}
+	}
+	if len(ks) == 0 {
+		return nil, errs[0] // the same reason twice, as a rule: the program's main without Init
+	}
+	f, err := openLock(path, false)
+	if err == nil {
+		if err = flock(f, unix.LOCK_SH); err != nil {
+			_ = f.Close()
+		}
+	}
 	if err != nil {
-		// No keeper, and no other member yet: the lock is this
-		// process's to remove.
-		_ = os.Remove(path)
-		_ = f.Close()
-		return nil, err
+		// The keepers see this process go without a word, and remove
+		// the lock.
+		for _, k := range ks {
+			k.abandon()
+		}
+		return nil, fmt.Errorf("mp: session lock %s: %w%s", path, err, fdHint(err))
 	}
-	go keepKeeper(cmd, id, dir)
+	joinRoll(f)
+	for _, k := range ks {
+		k.held()
+		go keepKeeper(k, id, dir)
+	}
+	for range keepers - len(ks) {
+		// A keeper that did not start (killed as it started, say) is
+		// replaced as a killed one is.
+		go keepKeeper(nil, id, dir)
+	}
 	return f, nil
 }
 
-// The keeper says on its descriptor keeperFD that it runs, with
-// keeperReady, before it waits for the session to end. A keeper that
-// writes anything else, or exits first, did not start: its program's main
-// does not call Init first, and started running instead of keeping.
+// The keeper says on its descriptor keeperFD, a stream socket to the
+// process that started it, that it runs, with keeperReady, once it holds
+// the lock; that process answers keeperHeld once it holds the lock
+// itself, and the keeper then waits for the session to end. A keeper
+// that writes anything else, or exits first, did not start: it writes why
+// (its program's main does not call Init first, say). A keeper whose
+// starter goes without answering waits for the session's end at once.
 const (
 	keeperFD    = 3
 	keeperReady = "ready"
+	keeperHeld  = "held"
 	// keeperStart bounds how long a keeper may take to say it runs.
 	keeperStart = 10 * time.Second
 )
 
-// startKeeper starts the session's keeper process and waits until it
-// says it runs.
-func startKeeper(id, dir string) (*exec.Cmd, error) {
-	cmd, err := reexec.Command(context.Background(), keeperName, id, dir)
+// keeper is a keeper process this process started, and its end of the
+// keeper's socket until it has answered.
+type keeper struct {
+	cmd *exec.Cmd
+	ctl *os.File
+}
+
+// startKeeper starts a keeper of session id in dir, opening the lock as
+// how says (keeperNew or keeperJoin), and waits until it says it runs.
+func startKeeper(id, dir, how string) (*keeper, error) {
+	cmd, err := reexec.Command(context.Background(), keeperName, id, dir, how)
 	if err != nil {
 		return nil, err
 	}
-	r, w, err := os.Pipe()
+	pair, err := unix.Socketpair(unix.AF_UNIX, streamType, 0)
 	if err != nil {
 		return nil, fmt.Errorf("mp: starting the session keeper: %w%s", err, fdHint(err))
 	}
-	defer r.Close()
+	if err := unix.SetNonblock(pair[0], true); err != nil {
+		_, _ = unix.Close(pair[0]), unix.Close(pair[1])
+		return nil, fmt.Errorf("mp: starting the session keeper: %w", err)
+	}
+	ctl := os.NewFile(uintptr(pair[0]), "keeper control") // non-blocking: with deadlines
+	theirs := os.NewFile(uintptr(pair[1]), "keeper control")
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = nil, nil, nil
-	cmd.ExtraFiles = []*os.File{w}
+	cmd.ExtraFiles = []*os.File{theirs}
 	// Its own session: a kill of our process group does not reach it.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	err = cmd.Start()
-	_ = w.Close()
+	_ = theirs.Close()
 	if err != nil {
+		_ = ctl.Close()
 		return nil, fmt.Errorf("mp: starting the session keeper: %w", err)
 	}
-	_ = r.SetReadDeadline(time.Now().Add(keeperStart))
-	said, err := io.ReadAll(io.LimitReader(r, 4096))
-	if string(said) == keeperReady {
-		return cmd, nil
+	_ = ctl.SetReadDeadline(time.Now().Add(keeperStart))
+	said, err := readWord(ctl)
+	if said == keeperReady {
+		return &keeper{cmd: cmd, ctl: ctl}, nil
 	}
+	_ = ctl.Close()
 	_ = cmd.Process.Kill()
 	_ = cmd.Wait()
 	switch {
 	case len(said) > 0:
 		return nil, fmt.Errorf("mp: the session keeper did not start: %s", said)
-	case err != nil:
+	case err != nil && !errors.Is(err, io.EOF):
 		return nil, fmt.Errorf("mp: the session keeper did not start within %v: %w (%s)", keeperStart, err, initHint)
 	default:
 		return nil, fmt.Errorf("mp: the session keeper exited before it started: %s", initHint)
 	}
 }
 
-// keepKeeper reaps the keeper and starts another whenever it dies: a
-// keeper exits by itself only once every member, this process included,
-// is gone, so one that exits while this process runs was killed, and the
-// session would otherwise end with its segments and lock left behind. A
-// keeper that keeps dying at once is restarted ever more slowly.
-func keepKeeper(cmd *exec.Cmd, id, dir string) {
+// readWord reads what a keeper or its starter says on r: keeperReady or
+// keeperHeld, said whole, or a reason followed by the end of the stream.
+func readWord(r io.Reader) (string, error) {
+	buf := make([]byte, 0, 64)
+	for {
+		if len(buf) == cap(buf) {
+			buf = append(buf, 0)[:len(buf)] // more room, for a long reason
+		}
+		n, err := r.Read(buf[len(buf):cap(buf)])
+		buf = buf[:len(buf)+n]
+		if s := string(buf); s == keeperReady || s == keeperHeld || err != nil || len(buf) >= 4096 {
+			return s, err
+		}
+	}
+}
+
+// held tells the keeper that this process holds the lock, and lets go of
+// its socket.
+func (k *keeper) held() {
+	_, _ = k.ctl.Write([]byte(keeperHeld))
+	_ = k.ctl.Close()
+}
+
+// abandon lets go of a keeper without answering it: it ends the session
+// at once, and is reaped in the background.
+func (k *keeper) abandon() {
+	_ = k.ctl.Close()
+	go func() { _ = k.cmd.Wait() }()
+}
+
+// keepKeeper reaps keeper k and starts another whenever it dies (at once
+// when k is nil): a keeper exits by itself only once every member, this
+// process included, is gone, so one that exits while this process runs
+// was killed. A keeper that keeps dying at once is restarted ever more
+// slowly.
+func keepKeeper(k *keeper, id, dir string) {
 	backoff := 10 * time.Millisecond
 	for {
-		started := time.Now()
-		err := cmd.Wait()
-		Logger().Warn("session keeper died; starting another", "session", id, "error", err)
-		if time.Since(started) > time.Minute {
-			backoff = 10 * time.Millisecond
+		if k != nil {
+			started := time.Now()
+			err := k.cmd.Wait()
+			Logger().Warn("session keeper died; starting another", "session", id, "error", err)
+			if time.Since(started) > time.Minute {
+				backoff = 10 * time.Millisecond
+			}
 		}
 		for {
-			time.Sleep(backoff)
-			backoff = min(2*backoff, 10*time.Second)
-			if cmd, err = startKeeper(id, dir); err == nil {
+			var err error
+			if k, err = startKeeper(id, dir, keeperJoin); err == nil {
+				k.held()
 				break
 			}
 			Logger().Error("restarting the session keeper", "session", id, "error", err)
+			time.Sleep(backoff)
+			backoff = min(2*backoff, 10*time.Second)
 		}
 	}
 }
@@ -213,35 +341,57 @@ func flock(f *os.File, how int) error {
 	}
 }
 
-// runKeeper is the keeper's main: block until the session has no member,
-// then remove its segments and lock.
+// runKeeper is a keeper's main: hold the lock for the session's first
+// member until it holds it, block until the session has no member, then
+// end it.
 func runKeeper() int {
-	if len(os.Args) < 3 {
+	if len(os.Args) < 4 {
 		return 2
 	}
-	id, dir := os.Args[1], os.Args[2]
+	id, dir, how := os.Args[1], os.Args[2], os.Args[3]
 	unix.CloseOnExec(keeperFD)
-	f, err := openLock(lockPath(dir, id), false)
+	ctl := os.NewFile(keeperFD, "keeper control")
+	path := lockPath(dir, id)
+	f, err := openLock(path, how == keeperNew)
+	if err == nil {
+		err = flock(f, unix.LOCK_SH)
+	}
 	if err != nil {
-		_ = unix.Close(keeperFD)
+		_, _ = fmt.Fprintf(ctl, "session lock %s: %v", path, err)
+		_ = ctl.Close()
 		return 1
 	}
-	_, _ = unix.Write(keeperFD, []byte(keeperReady))
-	_ = unix.Close(keeperFD)
+	_, _ = ctl.Write([]byte(keeperReady))
+	// Until the starter holds the lock, or goes without a word.
+	_, _ = readWord(ctl)
+	_ = ctl.Close()
+	// Converts the shared lock: granted once no member, and no other
+	// keeper still waiting for its starter, holds one.
 	if err := flock(f, unix.LOCK_EX); err != nil {
 		return 1
 	}
-	if _, err := removeSession(dir, id, false); err != nil {
+	if !sameFile(f, path) {
+		return 0 // the other keeper ended the session
+	}
+	if _, err := removeSession(dir, id, false, membersGone); err != nil {
 		return 1
 	}
 	return 0
 }
 
+// sameFile reports whether path names the file f has open.
+func sameFile(f *os.File, path string) bool {
+	var a, b unix.Stat_t
+	return unix.Fstat(int(f.Fd()), &a) == nil && unix.Lstat(path, &b) == nil && a.Dev == b.Dev && a.Ino == b.Ino
+}
+
 // removeSession removes the session's entries from dir, the lock last,
-// and returns their names. An entry is the session's when it is a regular
-// file whose whole name is one of the session's (mmapalloc.ParseName);
+// and returns their names; before them, what the session's members left
+// under their pids (see removeMembers, which waits up to wait for members
+// that look alive). An entry is the session's when it is a regular file
+// whose whole name is one of the session's (mmapalloc.ParseName);
 // anything else stays. With dryRun it only lists them.
-func removeSession(dir, id string, dryRun bool) ([]string, error) {
+func removeSession(dir, id string, dryRun bool, wait time.Duration) ([]string, error) {
 	entries, err := os.ReadDir(dir)
 	if err != nil {
 		return nil, err
@@ -255,6 +405,9 @@ func removeSession(dir, id string, dryRun bool) ([]string, error) {
 	lock := mmapalloc.LockName(id)
 	if st, err := os.Lstat(filepath.Join(dir, lock)); err == nil && st.Mode().IsRegular() {
 		names = append(names, lock)
+		if !dryRun {
+			removeMembers(readRoll(filepath.Join(dir, lock)), wait)
+		}
 	}
 	var removed []string
 	var errs []error
@@ -272,6 +425,58 @@ func removeSession(dir, id string, dryRun bool) ([]string, error) {
 		}
 	}
 	return removed, errors.Join(errs...)
+}
+
+// maxRoll bounds what readRoll reads of a roll, which any process of the
+// user may write: a million members' pids.
+const maxRoll = 8 << 20
+
+// readRoll returns the pids in the roll of the session whose lock is at
+// path, each once, in the order they joined.
+func readRoll(path string) []int {
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK|syscall.O_CLOEXEC, 0)
+	if err != nil {
+		return nil
+	}
+	defer f.Close()
+	b, _ := io.ReadAll(io.LimitReader(f, maxRoll))
+	seen := map[int]bool{}
+	var pids []int
+	for line := range strings.Lines(string(b)) {
+		pid, err := strconv.Atoi(strings.TrimSuffix(line, "\n"))
+		if err == nil && pid > 0 && !seen[pid] {
+			seen[pid] = true
+			pids = append(pids, pid)
+		}
+	}
+	return pids
+}
+
+// membersGone bounds how long a keeper waits for a member that still
+// looks alive: one that let go of the lock as it exits but has not died
+// yet, or one whose pid another process took.
+const membersGone = 2 * time.Second
+
+// removeMembers removes what the processes pids, a session's members,
+// left under their pids (package leftover), each once it is dead,
+// waiting up to wait for those that look alive.
+func removeMembers(pids []int, wait time.Duration) {
+	deadline := time.Now().Add(wait)
+	for {
+		var alive []int
+		for _, pid := range pids {
+			if leftover.Dead(pid) {
+				leftover.Remove(pid)
+			} else {
+				alive = append(alive, pid)
+			}
+		}
+		if len(alive) == 0 || time.Now().After(deadline) {
+			return
+		}
+		pids = alive
+		time.Sleep(50 * time.Millisecond)
+	}
 }
 
 // Clean removes from dir the segments of sessions that have no live
@@ -299,7 +504,7 @@ func Clean(dir string, dryRun bool) ([]string, error) {
 		if sessionLive(dir, id, sessions[id]) {
 			continue
 		}
-		r, err := removeSession(dir, id, dryRun)
+		r, err := removeSession(dir, id, dryRun, 0)
 		removed = append(removed, r...)
 		if err != nil {
 			errs = append(errs, err)

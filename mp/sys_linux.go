@@ -8,11 +8,15 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/leftover"
 )
 
 const (
 	// sockType makes close-on-exec SOCK_SEQPACKET sockets.
 	sockType = unix.SOCK_SEQPACKET | unix.SOCK_CLOEXEC
+	// streamType makes close-on-exec SOCK_STREAM sockets.
+	streamType = unix.SOCK_STREAM | unix.SOCK_CLOEXEC
 	// pollPeerGone is the poll event of a socket whose peer is closed.
 	pollPeerGone = unix.POLLRDHUP
 	// recvFlags makes received descriptors close-on-exec atomically.
@@ -104,4 +108,43 @@ func describeFD(fd int) string {
 		return "an unknown descriptor"
 	}
 	return target
+}
+
+// watchPeer has what process pid leaves behind under its pid removed
+// (package leftover) as soon as it dies, until the returned stop is
+// called: pid is the peer of an endpoint, known by SO_PEERCRED. The wait
+// is a pidfd on the runtime's poller, not a thread. Without pidfds
+// (Linux before 5.3) nothing is watched.
+func watchPeer(pid int) (stop func()) {
+	if pid <= 0 || !leftover.Any() {
+		return func() {}
+	}
+	pfd, err := unix.PidfdOpen(pid, unix.PIDFD_NONBLOCK)
+	if err == unix.ESRCH {
+		leftover.Remove(pid) // dead already
+	}
+	if err != nil {
+		return func() {}
+	}
+	f := os.NewFile(uintptr(pfd), "pidfd of peer "+strconv.Itoa(pid))
+	rc, err := f.SyscallConn()
+	if err != nil {
+		_ = f.Close()
+		return func() {}
+	}
+	go func() {
+		// Ends when the peer exits, or with an error once stop closes f.
+		if rc.Read(func(fd uintptr) bool { return exited(int(fd)) }) == nil {
+			leftover.Remove(pid)
+		}
+		_ = f.Close()
+	}()
+	return func() { _ = f.Close() }
+}
+
+// exited reports whether the process of pidfd fd has exited.
+func exited(fd int) bool {
+	p := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+	n, err := unix.Poll(p, 0)
+	return err == nil && n == 1 && p[0].Revents&unix.POLLIN != 0
 }

@@ -14,6 +14,7 @@ import (
 // signal, only the control-socket backstop.
 const (
 	sockType     = unix.SOCK_SEQPACKET
+	streamType   = unix.SOCK_STREAM
 	recvFlags    = 0
 	pollPeerGone = unix.POLLHUP
 )
@@ -72,3 +73,6 @@ func socketKind(s int) (domain, typ int, err error) {
 }
 
 func describeFD(int) string { return "a descriptor" }
+
+// watchPeer is Linux's: elsewhere a dead peer's leftovers stay.
+func watchPeer(int) (stop func()) { return func() {} }

@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -81,6 +83,27 @@ func registerFaultPrograms() {
 	reexec.Register("program.kill-worker", programKillWorker)
 	reexec.Register("program.stream", programStream)
 	reexec.Register("program.hold-forever", programHoldForever)
+	reexec.Register("program.short", programShort)
+	// fault.double-row doubles the tensor it takes, in place.
+	mp.Register("fault.double-row", func(ctx context.Context, w *mp.Worker) error {
+		var q *mp.Queue
+		if err := w.Args(&q); err != nil {
+			return err
+		}
+		var x *tensor.Tensor
+		if err := q.Get(ctx, &x); err != nil {
+			return err
+		}
+		defer x.Release()
+		vals, err := tensor.Data[float32](x)
+		if err != nil {
+			return err
+		}
+		for i := range vals {
+			vals[i] *= 2
+		}
+		return nil
+	})
 }
 
 // startHolders spawns n fault.hold workers and gives each k tensors, which
@@ -271,37 +294,154 @@ func alive(pid int) bool {
 	return err == nil && !isZombie(stat)
 }
 
-// TestKilledKeeperIsReplaced: the keeper is SIGKILLed first, then the
-// whole program; the session must still end with nothing left.
+// TestKilledKeeperIsReplaced: a keeper is SIGKILLed first, then the
+// whole program; a new keeper takes the killed one's place, and the
+// session still ends with nothing left.
 func TestKilledKeeperIsReplaced(t *testing.T) {
 	leakcheck.Check(t)
 	p := startProgram(t, "program.hold-forever", strategy.FileSystem, true)
 	p.waitLine(t, "pids")
 	p.waitLine(t, "ready")
 	require.NotEmpty(t, sessionEntries(p.session), "the workers hold named segments")
-	keeper := keeperOf(p.session)
-	require.NotZero(t, keeper, "no keeper runs for the session")
-	require.NoError(t, syscall.Kill(keeper, syscall.SIGKILL))
-	var next int
+	keepers := keepersOf(p.session)
+	require.Len(t, keepers, 2, "the session's keepers")
+	require.NoError(t, syscall.Kill(keepers[0], syscall.SIGKILL))
+	var now []int
 	require.Eventually(t, func() bool {
-		next = keeperOf(p.session)
-		return next != 0 && next != keeper
+		now = keepersOf(p.session)
+		return len(now) == 2 && !slices.Contains(now, keepers[0])
 	}, 5*time.Second, 10*time.Millisecond, "no keeper replaced the killed one")
-	t.Logf("keeper %d killed, %d took over", keeper, next)
+	t.Logf("keeper %d killed; keepers now %v", keepers[0], now)
 	require.NoError(t, syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL))
 	p.wait(t)
 	p.expectGone(t)
 }
 
-// keeperOf returns the pid of the live keeper of session, or 0.
-func keeperOf(session string) int {
+// keepersOf returns the pids of the live keepers of session.
+func keepersOf(session string) []int {
+	var keepers []int
 	for _, pid := range sessionProcs(session) {
 		env, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/environ")
 		if err == nil && strings.Contains(string(env), "\x00"+reexec.EnvVar+"=mp.keeper\x00") {
-			return pid
+			keepers = append(keepers, pid)
 		}
 	}
+	return keepers
+}
+
+// programShort is a short run: two workers each take a tensor, double it
+// in place and exit, and the program checks what they wrote.
+func programShort() int {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	tasks, err := mp.NewQueue()
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	defer tasks.Close()
+	x, err := tensor.Full(tensor.Float32, 1, 2, 1024)
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	defer x.Release()
+	g, err := mp.Spawn(ctx, "fault.double-row", 2, mp.WithArgs(tasks))
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	for i := range 2 {
+		row, err := x.Narrow(0, i, 1)
+		if err == nil {
+			err = tasks.Put(ctx, row)
+		}
+		if err != nil {
+			fmt.Println("error", err)
+			return 1
+		}
+	}
+	if err := g.Join(); err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	vals, err := tensor.Values[float32](x)
+	if err != nil || slices.ContainsFunc(vals, func(v float32) bool { return v != 2 }) {
+		fmt.Println("error the workers' writes are missing", err)
+		return 1
+	}
+	fmt.Println("done")
 	return 0
+}
+
+// TestSessionEndsWhoeverDies kills the session's first member or one of
+// its keepers at a random moment of a short run (before the keepers say
+// they run, while the workers work, as the last member exits, after), a
+// hundred times per strategy: each time, the session ends with nothing
+// of it in the shared-memory directory and none of its processes alive
+// within a few seconds of its last member's exit.
+func TestSessionEndsWhoeverDies(t *testing.T) {
+	const runs = 100
+	// Under the race detector, each process sleeps a second as it exits
+	// (GORACE's atexit_sleep_ms), which a run of five processes would
+	// spend mostly waiting.
+	fast := "GORACE=atexit_sleep_ms=0"
+	leakcheck.Check(t)
+	for _, victim := range []string{"parent", "keeper"} {
+		for _, st := range strategy.All() {
+			t.Run(victim+"/"+st.String(), func(t *testing.T) {
+				t.Parallel()
+				// One run undisturbed, which says how long a run takes.
+				start := time.Now()
+				p := startProgramIn(t, newSession(), "program.short", st, false, fast)
+				require.Equal(t, "", p.waitLine(t, "done"))
+				require.Equal(t, 0, p.wait(t))
+				span := time.Since(start)
+				p.expectGone(t)
+				rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 0))
+				for i := range runs {
+					at := time.Duration(rng.Int64N(int64(span + span/4)))
+					p := startProgramIn(t, newSession(), "program.short", st, false, fast)
+					which := rng.IntN(2)
+					killed := make(chan int, 1)
+					go func() { killed <- killAt(p, victim, at, which) }()
+					code := p.wait(t)
+					pid := <-killed
+					if t.Failed() {
+						return
+					}
+					p.expectGone(t)
+					if t.Failed() {
+						t.Logf("run %d: %s %d killed %v in (a run takes %v); the program exited %d", i, victim, pid, at, span, code)
+						return
+					}
+				}
+			})
+		}
+	}
+}
+
+// killAt SIGKILLs p's victim ("parent", or keeper which of the session's
+// keepers) at, after the program started; a keeper not started by then
+// is killed as soon as it is. It returns the pid killed, or 0 if the
+// victim was gone first.
+func killAt(p *program, victim string, at time.Duration, which int) int {
+	time.Sleep(at)
+	if victim == "parent" {
+		_ = p.cmd.Process.Signal(syscall.SIGKILL)
+		return p.cmd.Process.Pid
+	}
+	for {
+		if keepers := keepersOf(p.session); len(keepers) > 0 {
+			pid := keepers[which%len(keepers)]
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+			return pid
+		}
+		if len(sessionProcs(p.session)) == 0 {
+			return 0
+		}
+		time.Sleep(time.Millisecond)
+	}
 }
 
 // TestKilledProducersUnreadTensorsLeaveNothing: a worker is killed after

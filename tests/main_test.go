@@ -14,6 +14,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -57,12 +58,11 @@ type program struct {
 	stdout  io.ReadCloser
 }
 
-var sessionCounter int
+var sessionCounter atomic.Int64
 
 // newSession returns a session id no program has used.
 func newSession() string {
-	sessionCounter++
-	return fmt.Sprintf("e2e%dx%d", os.Getpid(), sessionCounter)
+	return fmt.Sprintf("e2e%dx%d", os.Getpid(), sessionCounter.Add(1))
 }
 
 // startProgram runs role as a new program under strategy st, in a
@@ -72,8 +72,9 @@ func startProgram(t *testing.T, role string, st strategy.Strategy, ownGroup bool
 	return startProgramIn(t, newSession(), role, st, ownGroup)
 }
 
-// startProgramIn is startProgram in the given session.
-func startProgramIn(t *testing.T, session, role string, st strategy.Strategy, ownGroup bool) *program {
+// startProgramIn is startProgram in the given session, with env added
+// to the program's environment.
+func startProgramIn(t *testing.T, session, role string, st strategy.Strategy, ownGroup bool, env ...string) *program {
 	t.Helper()
 	cmd, err := reexec.Command(context.Background(), role)
 	require.NoError(t, err)
@@ -81,6 +82,7 @@ func startProgramIn(t *testing.T, session, role string, st strategy.Strategy, ow
 		mmapalloc.EnvSession+"="+session,
 		strategy.EnvVar+"="+st.String(),
 	)
+	cmd.Env = append(cmd.Env, env...)
 	if ownGroup {
 		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	}

@@ -2,11 +2,13 @@ package cudafake
 
 import (
 	"encoding/binary"
+	"os"
 	"sync"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/cuda"
+	"github.com/tensormp/tensormp/internal/cudashm"
 )
 
 // Driver is the fake. Its zero value is not usable; call New.
@@ -23,6 +25,11 @@ type Driver struct {
 	limit    int64 // bytes that may be allocated at once; 0: no limit
 	used     int64
 	syncs    int // Synchronize calls
+	// shmFile is the file the real driver keeps in /dev/shm for the
+	// process's interprocess events, made with the first one and
+	// removed when the last context reference is released; "" while
+	// there is none.
+	shmFile string
 
 	// Threads records, per device, the OS threads device work ran on.
 	Threads map[int]map[int]bool
@@ -93,6 +100,16 @@ func (d *Driver) ReleasePrimaryContext(dev int) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.retained[dev]--
+	for _, n := range d.retained {
+		if n > 0 {
+			return nil
+		}
+	}
+	// The last context is destroyed: the driver removes its file.
+	if d.shmFile != "" {
+		_ = os.Remove(d.shmFile)
+		d.shmFile = ""
+	}
 	return nil
 }
 
@@ -286,6 +303,18 @@ func (d *Driver) EventCreateInterprocess() (cuda.Event, error) {
 	defer d.mu.Unlock()
 	if _, err := d.ctxDev("cuEventCreate"); err != nil {
 		return 0, err
+	}
+	if d.shmFile == "" {
+		// The real driver keeps the interprocess events of a process in
+		// a file of its own, named after the process, until its context
+		// is destroyed: a process killed first leaves it.
+		name := cudashm.Name(os.Getpid(), 1)
+		f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE, 0o600)
+		if err != nil {
+			return 0, fail("cuEventCreate", 2, "CUDA_ERROR_OUT_OF_MEMORY")
+		}
+		_ = f.Close()
+		d.shmFile = name
 	}
 	e := d.nextEv
 	d.nextEv++

@@ -1,12 +1,22 @@
 // Package leftover removes what a dead process left behind under its
 // own process id, where only that process could have removed it: the
-// CUDA driver's /dev/shm files of a worker that was killed, say, or the
-// named segments of one whose messages nobody read (mmapalloc watches
-// those until nobody holds them).
+// CUDA driver's /dev/shm files of a process that was killed or exited
+// without giving its context back, say, or the named segments of one
+// whose messages nobody read (mmapalloc watches those until nobody
+// holds them).
 //
-// A package that leaves such files registers a remover; package mp calls
-// Remove for each worker it started once the worker is dead and before
-// it reaps it, so that the process id cannot yet name another process.
+// A package that leaves such files registers a remover. Package mp calls
+// Remove for every process whose death it learns of: the parent for each
+// worker it reaps, the session's keeper for each member of the session,
+// an endpoint for the peer it knows by SO_PEERCRED.
+//
+// A process id names another process once its process is reaped, and
+// only the parent of a worker can hold it unreaped. So a remover must
+// itself make sure that it removes no live process's files: list the
+// files named after pid first, then check that no live process has pid
+// (Dead), and remove only what it listed. A file listed before the check
+// was made by a process that had pid then; if no live process has pid at
+// the check, that process is dead, whichever it was.
 package leftover
 
 import "sync"
@@ -17,7 +27,8 @@ var (
 )
 
 // Register adds f to the removers Remove runs. f must touch only what
-// pid's process made, and must not block.
+// pid's process made, only once it is dead (see the package comment),
+// and must not block.
 func Register(f func(pid int)) {
 	mu.Lock()
 	defer mu.Unlock()
@@ -31,8 +42,8 @@ func Any() bool {
 	return len(removers) > 0
 }
 
-// Remove runs every registered remover for pid. The caller must hold pid
-// unreaped: a dead child not yet waited for.
+// Remove runs every registered remover for pid, a process the caller
+// learnt is dead.
 func Remove(pid int) {
 	mu.Lock()
 	fs := removers

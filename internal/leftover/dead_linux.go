@@ -1,0 +1,36 @@
+package leftover
+
+import (
+	"bytes"
+	"errors"
+	"io/fs"
+	"os"
+	"strconv"
+)
+
+// Dead reports whether no live process has pid now: none has it, or a
+// zombie does (dead, waiting to be reaped). A process whose state cannot
+// be read counts as live.
+func Dead(pid int) bool {
+	if pid <= 0 {
+		return false
+	}
+	stat, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if errors.Is(err, fs.ErrNotExist) {
+		return true
+	}
+	if err != nil {
+		return false
+	}
+	// The state follows the command name, which may hold spaces and
+	// parentheses: it comes after the last ')'.
+	i := bytes.LastIndexByte(stat, ')')
+	if i < 0 || i+2 >= len(stat) {
+		return false
+	}
+	switch stat[i+2] {
+	case 'Z', 'X':
+		return true
+	}
+	return false
+}
