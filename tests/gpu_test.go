@@ -5,9 +5,6 @@ import (
 	"encoding/binary"
 	"path/filepath"
 	"runtime"
-	"slices"
-	"strconv"
-	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -18,6 +15,7 @@ import (
 
 	"github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/cudashm"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/tensor"
@@ -66,15 +64,9 @@ func warmUp() error {
 // driverFiles returns the files the CUDA driver keeps in /dev/shm.
 func driverFiles(t *testing.T) []string {
 	t.Helper()
-	names, err := filepath.Glob("/dev/shm/cuda.shm.*")
+	names, err := filepath.Glob(filepath.Join(cudashm.Dir, "cuda.shm.*"))
 	require.NoError(t, err)
 	return names
-}
-
-// ofProcess reports whether driver file f is process pid's: its name is
-// cuda.shm.<n>.<pid in hex>.<n>.
-func ofProcess(f string, pid int) bool {
-	return strings.Contains(filepath.Base(f), "."+strconv.FormatInt(int64(pid), 16)+".")
 }
 
 type gpuArgs struct {
@@ -226,8 +218,7 @@ func TestGPUWorkerLeavesNoDriverFiles(t *testing.T) {
 			require.NoError(t, status.Get(ctx, &x))
 			assert.True(t, x.Place().IsGPU())
 			pid := g.Pids()[0]
-			require.True(t, slices.ContainsFunc(driverFiles(t), func(f string) bool { return ofProcess(f, pid) }),
-				"the worker's export made a driver file of its own")
+			require.NotEmpty(t, cudashm.Of(pid), "the worker's export made a driver file of its own")
 			if killed {
 				killWorker(t, g)
 			}
