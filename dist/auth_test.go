@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/tensormp/tensormp/dist"
+	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -45,6 +46,7 @@ func selfSigned(t *testing.T) (server, client *tls.Config) {
 // Two ranks (in one process: what is tested is the connection) with TLS
 // and a token move a tensor; a rank with the wrong token cannot join.
 func TestTLSAndToken(t *testing.T) {
+	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	srv, cli := selfSigned(t)

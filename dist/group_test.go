@@ -30,6 +30,7 @@ import (
 // same-host shortcut.
 
 func TestMain(m *testing.M) {
+	reexec.SkipRaceExitSleep()
 	reexec.Register("dist-rank", rankMain)
 	reexec.Main()
 	os.Exit(m.Run())

@@ -2,6 +2,7 @@ package dist
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"testing"
 	"time"
@@ -9,6 +10,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -44,6 +47,7 @@ func pair(t *testing.T, ctx context.Context, extra ...Option) (g0, g1 *Group) {
 // through Flight, and through the same-host shortcut (this process's two
 // ranks are on one host).
 func TestMalformedValueIsDropped(t *testing.T) {
+	leakcheck.Check(t)
 	// A tensor extension with garbage for metadata.
 	bad := []byte{0xc7, 0x03, 0x54, 0x01, 0x02, 0x03}
 	for _, tc := range []struct {
@@ -103,6 +107,7 @@ func TestMalformedValueIsDropped(t *testing.T) {
 // A value announcing more than WithMaxValue allows is refused before any
 // memory is taken for it.
 func TestMaxValue(t *testing.T) {
+	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	g0, g1 := pair(t, ctx, WithMaxValue(1024))
@@ -125,9 +130,34 @@ func TestMaxValue(t *testing.T) {
 	require.NoError(t, p.Close())
 }
 
+// A value announced over the bound is refused before any memory is taken
+// for it: a reader that took it first would have made a segment of its
+// own for a body over 16 MiB, which the pool would keep for reuse.
+func TestMaxValueTakesNoMemory(t *testing.T) {
+	leakcheck.Check(t)
+	const max = 16 << 20
+	pool := mmapalloc.DefaultPool()
+	segments, bytes, _ := pool.Stats()
+	r := newReader(nil, max)
+	_, err := r.alloc(frame{Kind: kindValue, Sizes: []int64{max + 1}})
+	require.ErrorContains(t, err, fmt.Sprintf("%d bytes announced, more than the %d allowed", max+1, max))
+	nowSegments, nowBytes, _ := pool.Stats()
+	assert.Equal(t, segments, nowSegments, "segments")
+	assert.Equal(t, bytes, nowBytes, "bytes of shared memory")
+
+	// Within the bound, the same reader takes it.
+	bodies, err := r.alloc(frame{Kind: kindValue, Sizes: []int64{max}})
+	require.NoError(t, err)
+	nowSegments, nowBytes, _ = pool.Stats()
+	assert.Greater(t, nowBytes, bytes, "a body of 16 MiB takes memory the count sees")
+	assert.GreaterOrEqual(t, nowSegments, segments)
+	release(bodies)
+}
+
 // An offer nobody renews is released when its lease ends, and a pull
 // that comes later is told so.
 func TestOfferExpires(t *testing.T) {
+	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	const lease = 300 * time.Millisecond
@@ -152,6 +182,7 @@ func TestOfferExpires(t *testing.T) {
 // The owner of a queue renews the leases of the values it holds, so a
 // value by reference outlives many leases while it waits.
 func TestOwnerRenewsLeases(t *testing.T) {
+	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	const lease = 300 * time.Millisecond
@@ -178,6 +209,7 @@ func TestOwnerRenewsLeases(t *testing.T) {
 // ErrLeaseExpired and is dropped; the owner's renewals drop such values
 // too.
 func TestExpiredValueIsDropped(t *testing.T) {
+	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	g0, g1 := pair(t, ctx, WithLease(time.Minute), WithReferenceAbove(1))
@@ -220,6 +252,7 @@ func offerCount(g *Group) int {
 // leaves nothing behind on the owner, and a Get that gives up takes
 // nothing.
 func TestSameHostPutAndGetGiveUp(t *testing.T) {
+	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	g0, _ := pair(t, ctx, WithSameHostShortcut(true))
@@ -253,6 +286,7 @@ func TestSameHostPutAndGetGiveUp(t *testing.T) {
 // A loan's bodies stay its lender's: nothing but end withdraws it, and
 // end waits for the pull streaming them.
 func TestLentOfferStaysTheLenders(t *testing.T) {
+	leakcheck.Check(t)
 	s, err := tensor.AllocSharedStorage(1 << 10)
 	require.NoError(t, err)
 	defer func() { _ = s.Release() }()

@@ -19,6 +19,7 @@ import (
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/cudafake"
 	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/internal/reexec"
 	"github.com/tensormp/tensormp/loader"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/strategy"
@@ -26,6 +27,7 @@ import (
 )
 
 func TestMain(m *testing.M) {
+	reexec.SkipRaceExitSleep()
 	mp.Init()
 	if _, err := mp.StartSession(); err != nil {
 		panic(err)
@@ -278,14 +280,21 @@ func TestLoaderWorkerErrorNamesTheSample(t *testing.T) {
 	assert.ErrorContains(t, last, "sample 13 is unreadable")
 	assert.Equal(t, seq(12), got, "the batches before the failing one arrive")
 
-	// The next epoch starts new workers and fails at the same sample.
-	for _, err := range l.Epoch(context.Background()) {
+	// The next epoch starts new workers and fails at the same sample,
+	// after the same batches.
+	got, last = nil, nil
+	for b, err := range l.Epoch(context.Background()) {
 		if err != nil {
-			require.ErrorAs(t, err, &se)
-			assert.Equal(t, 13, se.Index)
+			last = err
 			break
 		}
+		y, _ := tensor.Values[int64](b.Y)
+		got = append(got, y...)
+		require.NoError(t, loader.Release(b))
 	}
+	require.ErrorAs(t, last, &se, "the second epoch fails too")
+	assert.Equal(t, 13, se.Index)
+	assert.Equal(t, seq(12), got, "the batches before the failing one arrive again")
 }
 
 func TestLoaderWorkerKilledMidEpoch(t *testing.T) {

@@ -23,6 +23,7 @@ import (
 )
 
 func TestMain(m *testing.M) {
+	reexec.SkipRaceExitSleep()
 	reexec.Register("write-by-name", helperWriteByName)
 	reexec.Register("tmpfs-full", helperTmpfsFull)
 	reexec.Register("produce-named-and-die", helperProduceNamedAndDie)

@@ -91,6 +91,9 @@ type conn struct {
 	rmu  chan struct{} // held by the one reader
 	wmu  chan struct{} // held by the one writer
 	once sync.Once
+	// waiting counts the calls of this process that wait on the conn:
+	// for rmu or wmu, or for the socket to be ready.
+	waiting atomic.Int32
 
 	// The message being received, under rmu: the buffers and the calls
 	// that receive into them, made on first use, and what the last call
@@ -236,10 +239,10 @@ func interrupt(sl *waitSlot) {
 	}
 }
 
-// lock takes sem, giving up when ctx ends. A context that is done
-// already gets nothing, even if sem is free: a Get on a cancelled context
-// never takes a message.
-func lock(ctx context.Context, sem chan struct{}, block bool) error {
+// lock takes sem, one of c's, giving up when ctx ends. A context that is
+// done already gets nothing, even if sem is free: a Get on a cancelled
+// context never takes a message.
+func (c *conn) lock(ctx context.Context, sem chan struct{}, block bool) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -251,6 +254,8 @@ func lock(ctx context.Context, sem chan struct{}, block bool) error {
 			return errWouldBlock // another call of this process is waiting
 		}
 	}
+	c.waiting.Add(1)
+	defer c.waiting.Add(-1)
 	select {
 	case sem <- struct{}{}:
 		return nil
@@ -277,7 +282,12 @@ func lock(ctx context.Context, sem chan struct{}, block bool) error {
 func (c *conn) io(ctx context.Context, ev int16, what string, block bool, op, wait func(s int) error) error {
 	c.use.RLock()
 	defer c.use.RUnlock()
-	reset := false
+	reset, waiting := false, false
+	defer func() {
+		if waiting {
+			c.waiting.Add(-1)
+		}
+	}()
 	canBlock := wait != nil && c.recvBlock && block // the first wait may be the blocking call
 	blocking := canBlock && c.recvWaited.Load()     // this round makes it
 	canBlock = canBlock && !blocking
@@ -322,6 +332,10 @@ func (c *conn) io(ctx context.Context, ev int16, what string, block bool, op, wa
 		case canBlock:
 			canBlock, blocking = false, true // which records whether it waited
 			continue
+		}
+		if !waiting {
+			waiting = true
+			c.waiting.Add(1)
 		}
 		if c.waitKernel(ctx, ev) {
 			continue
@@ -389,7 +403,7 @@ func connErr(err error) error {
 // send sends one message: data and the descriptors fds, which stay the
 // caller's. Unless block, a full socket is errWouldBlock.
 func (c *conn) send(ctx context.Context, data []byte, fds []int, block bool) error {
-	if err := lock(ctx, c.wmu, block); err != nil {
+	if err := c.lock(ctx, c.wmu, block); err != nil {
 		return err
 	}
 	defer func() { <-c.wmu }()
@@ -493,7 +507,7 @@ func sendCarried(fds []int) (int, error) {
 // spilled, in a mapping of the sender's sealed copy. Unless block, an
 // empty socket is errWouldBlock.
 func (c *conn) recv(ctx context.Context, block bool) (data []byte, fds []int, done func(), err error) {
-	if err := lock(ctx, c.rmu, block); err != nil {
+	if err := c.lock(ctx, c.rmu, block); err != nil {
 		return nil, nil, nil, err
 	}
 	data, fds, spill, err := c.recvLocked(ctx, block)

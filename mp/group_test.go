@@ -30,13 +30,18 @@ func TestGroupContextEndsAtTheFirstFailure(t *testing.T) {
 		t.Fatal("Done closed while the workers run")
 	default:
 	}
+	got := make(chan error, 1)
 	go func() {
-		time.Sleep(100 * time.Millisecond)
-		_ = syscall.Kill(g.Pids()[1], syscall.SIGKILL)
+		var v int
+		got <- q.Get(g.Context(), &v)
 	}()
+	waitFor(t, "the Get waits", func() bool {
+		gets, _ := mp.Waiting(q)
+		return gets == 1
+	})
+	require.NoError(t, syscall.Kill(g.Pids()[1], syscall.SIGKILL))
 	start := time.Now()
-	var v int
-	err = q.Get(g.Context(), &v)
+	err = <-got
 	took := time.Since(start)
 	require.ErrorIs(t, err, context.Canceled)
 	var xe *mp.ExitError

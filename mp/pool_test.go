@@ -64,6 +64,16 @@ var (
 		return os.Getpid(), nil
 	})
 
+	// dieOnWord kills its worker once a word comes on q.
+	dieOnWord = mp.RegisterFunc("test.die-on-word", func(ctx context.Context, q *mp.Queue) (int, error) {
+		var word string
+		if err := q.Get(ctx, &word); err != nil {
+			return 0, err
+		}
+		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+		select {}
+	})
+
 	initialized atomic.Value // the initializer's argument, in a worker
 	setup       = mp.RegisterFunc("test.setup", func(ctx context.Context, s string) (struct{}, error) {
 		if s == "fail" {
@@ -228,22 +238,33 @@ func TestPoolGivesBackWhatADeadWorkerNeverTook(t *testing.T) {
 	leakcheck.Check(t)
 	p := newPool(t, 1)
 	ctx := context.Background()
+	word, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer word.Close()
 	// The one worker holds two chunks: the first kills it, the second
 	// waits in its queue and must be run by the replacement, not failed.
 	killed := make(chan error, 1)
 	go func() {
-		_, err := mp.Apply(ctx, p, pidOf, -400)
+		_, err := mp.Apply(ctx, p, dieOnWord, word)
 		killed <- err
 	}()
-	time.Sleep(100 * time.Millisecond)
-	pid, err := mp.Apply(ctx, p, pidOf, 0)
-	require.NoError(t, err)
+	waitFor(t, "the worker holds the first chunk", func() bool { return mp.PoolHeld(p)[0] == 1 })
+	second := make(chan int, 1)
+	go func() {
+		pid, err := mp.Apply(ctx, p, pidOf, 0)
+		assert.NoError(t, err)
+		second <- pid
+	}()
+	waitFor(t, "the worker holds both chunks", func() bool { return mp.PoolHeld(p)[0] == 2 })
+	require.NoError(t, word.Put(ctx, "die"))
+	pid := <-second
 	assert.NotZero(t, pid)
 	err = <-killed
 	var ie *mp.ItemError
 	require.ErrorAs(t, err, &ie)
 	var ee *mp.ExitError
 	require.ErrorAs(t, err, &ee)
+	assert.Equal(t, syscall.SIGKILL, ee.Signal)
 	assert.NotEqual(t, pid, ee.Pid, "the replacement ran the second chunk")
 	require.NoError(t, p.Close())
 }
@@ -288,7 +309,12 @@ func TestPoolTerminateAndCancel(t *testing.T) {
 		_, err := mp.Map(context.Background(), p, pidOf, []int{60_000, 60_000, 60_000})
 		done <- err
 	}()
-	time.Sleep(300 * time.Millisecond)
+	// Each worker still runs a chunk of the abandoned call, and holds
+	// one of this call's besides, which it will never begin.
+	waitFor(t, "the workers hold the call's chunks", func() bool {
+		held := mp.PoolHeld(p)
+		return held[0] == 2 && held[1] == 2
+	})
 	require.NoError(t, p.Terminate())
 	select {
 	case err := <-done:

@@ -294,7 +294,7 @@ func fullErr(err error) error {
 
 // takePlace takes a byte from the places pipe.
 func (q *Queue) takePlace(ctx context.Context, block bool) error {
-	if err := lock(ctx, q.free.rmu, block); err != nil {
+	if err := q.free.lock(ctx, q.free.rmu, block); err != nil {
 		return err
 	}
 	defer func() { <-q.free.rmu }()

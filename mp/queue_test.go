@@ -15,12 +15,14 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/internal/reexec"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/reduction"
 	"github.com/tensormp/tensormp/tensor"
 )
 
 func TestMain(m *testing.M) {
+	reexec.SkipRaceExitSleep()
 	registerWorkers()
 	mp.Init()
 	if _, err := mp.StartSession(); err != nil {
@@ -95,15 +97,22 @@ func TestQueueDeadlineAndClose(t *testing.T) {
 	var v int
 	assert.ErrorIs(t, q.Get(ctx, &v), context.DeadlineExceeded)
 
+	getWaits := func() {
+		t.Helper()
+		waitFor(t, "the Get waits", func() bool {
+			gets, _ := mp.Waiting(q)
+			return gets == 1
+		})
+	}
 	cctx, ccancel := context.WithCancel(context.Background())
 	errc := make(chan error, 1)
 	go func() { errc <- q.Get(cctx, &v) }()
-	time.Sleep(20 * time.Millisecond)
+	getWaits()
 	ccancel()
 	assert.ErrorIs(t, <-errc, context.Canceled)
 
 	go func() { errc <- q.Get(context.Background(), &v) }()
-	time.Sleep(20 * time.Millisecond)
+	getWaits()
 	require.NoError(t, q.Close())
 	select {
 	case err := <-errc:
@@ -206,6 +215,10 @@ func TestConcurrentGetsInOneProcess(t *testing.T) {
 	require.NoError(t, err)
 	defer q.Close()
 	const n = 200
+	// A failure anywhere stops every goroutine: the Gets would otherwise
+	// wait for messages that never come.
+	ctx, stop := context.WithCancel(ctx)
+	defer stop()
 	go func() {
 		for i := range n {
 			size := 100 + i%7*3000 // inline, and past 64 KiB spilled
@@ -217,6 +230,8 @@ func TestConcurrentGetsInOneProcess(t *testing.T) {
 				msg[j] = int64(i)
 			}
 			if err := q.Put(ctx, msg); err != nil {
+				t.Errorf("Put %d: %v", i, err)
+				stop()
 				return
 			}
 		}
@@ -224,23 +239,26 @@ func TestConcurrentGetsInOneProcess(t *testing.T) {
 	var wg sync.WaitGroup
 	var mu sync.Mutex
 	seen := map[int64]bool{}
+	received := 0
 	for range 4 {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			for {
 				mu.Lock()
-				if len(seen) == n {
+				if received == n {
 					mu.Unlock()
+					stop() // wakes the other Gets
 					return
 				}
 				mu.Unlock()
-				gctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
 				var msg []int64
-				err := q.Get(gctx, &msg)
-				cancel()
-				if err != nil {
-					continue
+				if err := q.Get(ctx, &msg); err != nil {
+					if ctx.Err() == nil {
+						t.Errorf("Get: %v", err)
+						stop()
+					}
+					return
 				}
 				for _, v := range msg {
 					if v != msg[0] {
@@ -249,7 +267,11 @@ func TestConcurrentGetsInOneProcess(t *testing.T) {
 					}
 				}
 				mu.Lock()
+				if seen[msg[0]] {
+					t.Errorf("message %d delivered twice", msg[0])
+				}
 				seen[msg[0]] = true
+				received++
 				mu.Unlock()
 			}
 		}()
@@ -278,26 +300,30 @@ func TestQueueCapacityAcrossProcesses(t *testing.T) {
 
 	g, err := mp.Spawn(ctx, "fill", 1, mp.WithArgs(fillArgs{Q: q, Progress: progress, N: 5}))
 	require.NoError(t, err)
+	var step fillStep
 	for want := range 3 {
-		require.NoError(t, progress.Get(ctx, &v))
-		assert.Equal(t, want, v)
+		require.NoError(t, progress.Get(ctx, &step))
+		assert.Equal(t, fillStep{I: want}, step)
 	}
-	// The worker's fourth Put waits: the queue holds three.
-	time.Sleep(100 * time.Millisecond)
-	assert.ErrorIs(t, progress.TryGet(ctx, &v), mp.ErrEmpty, "a fourth Put went through a queue of capacity 3")
+	// The worker's fourth Put waits, as the worker sees: the queue holds
+	// three.
+	require.NoError(t, progress.Get(ctx, &step))
+	require.Equal(t, fillStep{I: 3, Waiting: true}, step)
+	assert.ErrorIs(t, progress.TryGet(ctx, &step), mp.ErrEmpty, "a fourth Put went through a queue of capacity 3")
 	assert.ErrorIs(t, q.TryPut(ctx, 99), mp.ErrFull)
 
 	require.NoError(t, q.Get(ctx, &v))
 	assert.Equal(t, 0, v)
-	require.NoError(t, progress.Get(ctx, &v), "a Get made room for the fourth Put")
-	assert.Equal(t, 3, v)
+	require.NoError(t, progress.Get(ctx, &step), "a Get made room for the fourth Put")
+	assert.Equal(t, fillStep{I: 3}, step)
 	for want := 1; want < 5; want++ {
 		require.NoError(t, q.Get(ctx, &v))
 		assert.Equal(t, want, v)
 	}
 	require.NoError(t, g.Join())
-	require.NoError(t, progress.Get(ctx, &v))
-	assert.Equal(t, 4, v)
+	for step.I != 4 || step.Waiting { // the fifth Put may have waited too
+		require.NoError(t, progress.Get(ctx, &step))
+	}
 
 	// Every place is free again.
 	for i := range 3 {

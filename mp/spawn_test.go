@@ -57,6 +57,13 @@ type fillArgs struct {
 	N           int
 }
 
+// fillStep is what the fill worker reports on Progress: Put I waits
+// for room, or is done.
+type fillStep struct {
+	I       int
+	Waiting bool
+}
+
 type rankArgs struct {
 	Out   *mp.Queue
 	Shard string
@@ -169,16 +176,38 @@ func registerWorkers() {
 		// Cleaning up after the stop: the queue still works.
 		return q.Put(context.Background(), fmt.Sprintf("stopped %d", w.Rank()))
 	})
+	// fill puts 0 to N-1 on Q, and says on Progress when a Put waits for
+	// room and when it is done.
 	mp.Register("fill", func(ctx context.Context, w *mp.Worker) error {
 		var a fillArgs
 		if err := w.Args(&a); err != nil {
 			return err
 		}
 		for i := range a.N {
-			if err := a.Q.Put(ctx, i); err != nil {
+			put := make(chan error, 1)
+			go func() { put <- a.Q.Put(ctx, i) }()
+			tick := time.NewTicker(100 * time.Microsecond)
+			said := false
+			var err error
+		waiting:
+			for {
+				select {
+				case err = <-put:
+					break waiting
+				case <-tick.C:
+					if _, puts := mp.Waiting(a.Q); puts > 0 && !said {
+						said = true
+						if err := a.Progress.Put(ctx, fillStep{I: i, Waiting: true}); err != nil {
+							return err
+						}
+					}
+				}
+			}
+			tick.Stop()
+			if err != nil {
 				return err
 			}
-			if err := a.Progress.Put(ctx, i); err != nil {
+			if err := a.Progress.Put(ctx, fillStep{I: i}); err != nil {
 				return err
 			}
 		}

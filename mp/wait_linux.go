@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/fd"
 )
 
 // sendFlags: never block, and a peer gone is EPIPE, not SIGPIPE.
@@ -62,6 +64,8 @@ var (
 			efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
 			if err != nil {
 				efd = -1 // one slot fewer: its callers park
+			} else {
+				fd.KeepForLife(efd)
 			}
 			waitSlots[i].efd = efd
 		}
@@ -293,6 +297,7 @@ func startPoller() {
 	if thePoller.err != nil {
 		return
 	}
+	fd.KeepForLife(thePoller.epfd)
 	thePoller.parks = make(map[uint64]*parking)
 	go pollLoop(thePoller.epfd)
 }

@@ -6,7 +6,6 @@ import (
 	"os"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -74,33 +73,51 @@ func TestThousandBlockedGetsHoldFewThreads(t *testing.T) {
 	defer cancel()
 	errs := make([]error, n)
 	got := make([]int, n)
-	var started, wg sync.WaitGroup
+	done := make([]chan struct{}, n)
 	for i, q := range queues {
-		started.Add(1)
-		wg.Add(1)
+		done[i] = make(chan struct{})
 		go func() {
-			defer wg.Done()
-			started.Done()
+			defer close(done[i])
 			errs[i] = q.Get(ctx, &got[i])
 		}()
 	}
-	started.Wait()
-	time.Sleep(200 * time.Millisecond) // every Get has found its queue empty
+	waitFor(t, "every Get waits", func() bool {
+		waiting := 0
+		for _, q := range queues {
+			gets, _ := mp.Waiting(q)
+			waiting += gets
+		}
+		return waiting == n
+	})
 	blocked := threads(t)
 	assert.Less(t, blocked-before, 50, "threads while %d Gets wait (%d before)", n, before)
 
-	// The even ones get a message, the odd ones a cancellation.
+	// The even ones get a message, and then the odd ones a cancellation.
+	deadline := time.After(5 * time.Second)
 	for i := 0; i < n; i += 2 {
 		require.NoError(t, queues[i].Put(context.Background(), i+1))
 	}
-	time.Sleep(50 * time.Millisecond)
+	for i := 0; i < n; i += 2 {
+		select {
+		case <-done[i]:
+		case <-deadline:
+			t.Fatalf("Get %d still blocked 5 s after its message", i)
+		}
+	}
+	for i := 1; i < n; i += 2 {
+		select {
+		case <-done[i]:
+			t.Fatalf("Get %d returned without a message or a cancellation: %v", i, errs[i])
+		default:
+		}
+	}
 	cancel()
-	done := make(chan struct{})
-	go func() { wg.Wait(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(5 * time.Second):
-		t.Fatal("Gets still blocked 5 s after their messages and their cancellation")
+	for i := 1; i < n; i += 2 {
+		select {
+		case <-done[i]:
+		case <-deadline:
+			t.Fatalf("Get %d still blocked after its cancellation", i)
+		}
 	}
 	for i := range n {
 		if i%2 == 0 {
@@ -111,6 +128,13 @@ func TestThousandBlockedGetsHoldFewThreads(t *testing.T) {
 			assert.ErrorIs(t, errs[i], context.Canceled, "Get %d", i)
 		}
 	}
+}
+
+// waitFor waits until cond holds: the state a test goes on from, which
+// it confirms instead of sleeping for it.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	require.Eventually(t, cond, 10*time.Second, 100*time.Microsecond, "never: %s", what)
 }
 
 // A Put blocked on a full queue goes on when Gets make room, and returns at
@@ -135,10 +159,17 @@ func TestPutBlockedOnAFullQueue(t *testing.T) {
 	full := fill()
 	require.Greater(t, full, 0)
 
+	putBlocks := func() {
+		t.Helper()
+		waitFor(t, "the Put waits for room", func() bool {
+			_, puts := mp.Waiting(q)
+			return puts == 1
+		})
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	errc := make(chan error, 1)
 	go func() { errc <- q.Put(ctx, blob) }()
-	time.Sleep(20 * time.Millisecond)
+	putBlocks()
 	cancel()
 	select {
 	case err := <-errc:
@@ -148,7 +179,7 @@ func TestPutBlockedOnAFullQueue(t *testing.T) {
 	}
 
 	go func() { errc <- q.Put(context.Background(), blob) }()
-	time.Sleep(20 * time.Millisecond)
+	putBlocks()
 	var b []byte
 	for range full {
 		require.NoError(t, q.Get(context.Background(), &b))
@@ -163,7 +194,7 @@ func TestPutBlockedOnAFullQueue(t *testing.T) {
 	fill()
 
 	go func() { errc <- q.Put(context.Background(), blob) }()
-	time.Sleep(20 * time.Millisecond)
+	putBlocks()
 	require.NoError(t, q.Close())
 	select {
 	case err := <-errc:

@@ -37,10 +37,12 @@ type batch struct {
 }
 
 // Values the helper writes: every element of Base, then every element of
-// View.
+// View, and every element of a "big" tensor, which it receives holding
+// 0, 1, 2, ...
 const (
 	baseWrite = 0
 	viewWrite = 5
+	bigWrite  = 7
 )
 
 func viewOf(t *tensor.Tensor) (*tensor.Tensor, error) {
@@ -166,6 +168,22 @@ func rebuildCheck() error {
 	if x, ok := b.ByName["f32"].(*tensor.Tensor); !ok || x.DType() != tensor.Float32 {
 		return fmt.Errorf("tensor inside map[string]any came back as %T", b.ByName["f32"])
 	}
+	if big, ok := b.ByName["big"].(*tensor.Tensor); ok {
+		want, err := tensor.Arange(big.DType(), big.Numel())
+		if err != nil {
+			return err
+		}
+		if !tensor.Equal(big, want) {
+			return fmt.Errorf("%v: the big tensor differs", big.DType())
+		}
+		write, err := tensor.Full(big.DType(), bigWrite, big.Numel())
+		if err != nil {
+			return err
+		}
+		if err := tensor.Copy(big, write); err != nil {
+			return err
+		}
+	}
 	// Release what was received: under file_system a process that exits
 	// holding a segment keeps its reference counted.
 	for _, s := range b.Samples {
@@ -232,20 +250,26 @@ func TestCrossProcessAllDTypes(t *testing.T) {
 			assert.Empty(t, fds)
 		}
 		runHelper(t, data, fds)
-
-		for _, s := range b.Samples {
-			dt, err := tensor.ParseDType(s.DType)
-			require.NoError(t, err)
-			want, err := expectedAfterWrites(dt)
-			require.NoError(t, err)
-			assert.True(t, tensor.Equal(s.Base, want), "%v: the parent sees the helper's writes", dt)
-		}
+		checkWrites(t, b.Samples)
 		for _, s := range b.Samples {
 			if st == strategy.FileSystem {
 				assert.Equal(t, int32(1), s.Base.Storage().Allocation().Refs(), "the helper gave its reference back")
 			}
 		}
 	})
+}
+
+// checkWrites checks that the helper's writes to the samples are seen
+// here.
+func checkWrites(t *testing.T, samples []sample) {
+	t.Helper()
+	for _, s := range samples {
+		dt, err := tensor.ParseDType(s.DType)
+		require.NoError(t, err)
+		want, err := expectedAfterWrites(dt)
+		require.NoError(t, err)
+		assert.True(t, tensor.Equal(s.Base, want), "%v: the parent sees the helper's writes", dt)
+	}
 }
 
 // TestCrossProcessLarge moves the four common dtypes at a size where a
@@ -269,9 +293,10 @@ func TestCrossProcessLarge(t *testing.T) {
 				require.NoError(t, err)
 				assert.Less(t, len(data), 16<<10, "metadata only: the data stays in the segment")
 				runHelper(t, data, fds)
-				want, err := tensor.Arange(dt, 1<<20)
+				want, err := tensor.Full(dt, bigWrite, 1<<20)
 				require.NoError(t, err)
-				assert.True(t, tensor.Equal(big, want))
+				assert.True(t, tensor.Equal(big, want), "the parent sees the helper's writes to the big tensor")
+				checkWrites(t, b.Samples)
 				for _, s := range b.Samples {
 					s.Base.Release()
 				}

@@ -20,6 +20,7 @@ import (
 )
 
 func TestMain(m *testing.M) {
+	reexec.SkipRaceExitSleep()
 	reexec.Register("rebuild-check", helperRebuildCheck)
 	reexec.Main()
 	code := m.Run()

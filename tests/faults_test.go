@@ -382,10 +382,6 @@ func programShort() int {
 // within a few seconds of its last member's exit.
 func TestSessionEndsWhoeverDies(t *testing.T) {
 	const runs = 100
-	// Under the race detector, each process sleeps a second as it exits
-	// (GORACE's atexit_sleep_ms), which a run of five processes would
-	// spend mostly waiting.
-	fast := "GORACE=atexit_sleep_ms=0"
 	leakcheck.Check(t)
 	for _, victim := range []string{"parent", "keeper"} {
 		for _, st := range strategy.All() {
@@ -393,7 +389,7 @@ func TestSessionEndsWhoeverDies(t *testing.T) {
 				t.Parallel()
 				// One run undisturbed, which says how long a run takes.
 				start := time.Now()
-				p := startProgramIn(t, newSession(), "program.short", st, false, fast)
+				p := startProgram(t, "program.short", st, false)
 				require.Equal(t, "", p.waitLine(t, "done"))
 				require.Equal(t, 0, p.wait(t))
 				span := time.Since(start)
@@ -401,7 +397,7 @@ func TestSessionEndsWhoeverDies(t *testing.T) {
 				rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 0))
 				for i := range runs {
 					at := time.Duration(rng.Int64N(int64(span + span/4)))
-					p := startProgramIn(t, newSession(), "program.short", st, false, fast)
+					p := startProgram(t, "program.short", st, false)
 					which := rng.IntN(2)
 					killed := make(chan int, 1)
 					go func() { killed <- killAt(p, victim, at, which) }()

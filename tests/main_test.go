@@ -29,6 +29,7 @@ import (
 )
 
 func TestMain(m *testing.M) {
+	reexec.SkipRaceExitSleep()
 	registerSpawnWorkers()
 	registerSharingWorkers()
 	registerFaultPrograms()

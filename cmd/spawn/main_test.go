@@ -18,11 +18,13 @@ import (
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/pytorch"
+	"github.com/tensormp/tensormp/internal/reexec"
 	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/mp"
 )
 
 func TestMain(m *testing.M) {
+	reexec.SkipRaceExitSleep()
 	mp.Init()
 	if _, err := mp.StartSession(); err != nil {
 		panic(err)

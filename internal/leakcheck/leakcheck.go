@@ -18,6 +18,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/mmapalloc"
 )
 
@@ -135,25 +136,16 @@ func Count() int {
 	return len(fds)
 }
 
-// process lists descriptors kept for the life of the process, made on
-// first use: package mp's poller (an epoll instance) and its kernel wait
-// slots (eventfds), like the runtime's own poller. tensormp makes no other
-// descriptors of these kinds.
-var process = map[string]bool{
-	"anon_inode:[eventpoll]": true,
-	"anon_inode:[eventfd]":   true,
-}
-
 func newFDs(before, after map[int]string) []string {
 	var out []string
-	for fd, target := range after {
-		if old, ok := before[fd]; ok && old == target {
+	for n, target := range after {
+		if old, ok := before[n]; ok && old == target {
 			continue
 		}
-		if strings.HasSuffix(target, "/fd") && strings.HasPrefix(target, "/proc/") || process[target] {
+		if strings.HasSuffix(target, "/fd") && strings.HasPrefix(target, "/proc/") || fd.Lifelong(n) {
 			continue
 		}
-		out = append(out, fmt.Sprintf("%d -> %s", fd, target))
+		out = append(out, fmt.Sprintf("%d -> %s", n, target))
 	}
 	slices.Sort(out)
 	return out

@@ -81,3 +81,15 @@ func Command(ctx context.Context, name string, args ...string) (*exec.Cmd, error
 	cmd.Stderr = os.Stderr
 	return cmd, nil
 }
+
+// SkipRaceExitSleep has the processes this one starts skip the second
+// that a program built with the race detector sleeps before it exits
+// (GORACE's atexit_sleep_ms), unless GORACE is set already. Test binaries
+// call it first in TestMain: their helper processes are many and short,
+// and that second would otherwise be most of their time, and a worker's
+// graceful exit would take longer than a killed one's.
+func SkipRaceExitSleep() {
+	if _, ok := os.LookupEnv("GORACE"); !ok {
+		_ = os.Setenv("GORACE", "atexit_sleep_ms=0")
+	}
+}
