@@ -73,7 +73,47 @@ type Driver interface {
 	EventDestroy(e Event) error
 	IPCGetEventHandle(e Event) (IPCEventHandle, error)
 	IPCOpenEventHandle(h IPCEventHandle) (Event, error)
+
+	// The virtual memory calls, for allocations that travel between
+	// processes as POSIX file descriptors. None needs a current context.
+
+	// FDExportSupported reports whether allocations on dev can be
+	// exported as file descriptors: the driver has the calls, and the
+	// device says CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED.
+	FDExportSupported(dev int) (bool, error)
+	// MemGranularity returns the size every allocation on dev, and every
+	// mapping of one, is a multiple of.
+	MemGranularity(dev int) (int64, error)
+	// MemCreate makes an allocation of size bytes on dev, exportable as
+	// a file descriptor. Its memory is not cleared.
+	MemCreate(dev int, size int64) (MemHandle, error)
+	// MemRelease lets go of a handle; the memory lives on while a
+	// mapping of it or an exported descriptor does, in any process.
+	MemRelease(h MemHandle) error
+	// MemExportFD returns a new descriptor of the allocation, the
+	// caller's to close.
+	MemExportFD(h MemHandle) (int, error)
+	// MemImportFD returns a handle of the allocation fd describes; fd
+	// stays the caller's. A descriptor of anything else is an error.
+	MemImportFD(fd int) (MemHandle, error)
+	// MemDevice returns the device an allocation lives on, and whether
+	// it was made to be exported as a file descriptor.
+	MemDevice(h MemHandle) (dev int, fdExportable bool, err error)
+	// MemAddressReserve reserves size bytes of device address space.
+	MemAddressReserve(size int64) (DevicePtr, error)
+	MemAddressFree(p DevicePtr, size int64) error
+	// MemMap maps the first size bytes of the allocation at p, which
+	// must lie in a reservation; more than the allocation holds is an
+	// error.
+	MemMap(p DevicePtr, size int64, h MemHandle) error
+	MemUnmap(p DevicePtr, size int64) error
+	// MemSetAccess lets dev read and write the mapping at p.
+	MemSetAccess(p DevicePtr, size int64, dev int) error
 }
+
+// MemHandle is an allocation made with the virtual memory calls
+// (CUmemGenericAllocationHandle).
+type MemHandle uint64
 
 var (
 	driverMu  sync.Mutex

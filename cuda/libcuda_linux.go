@@ -16,13 +16,44 @@ typedef void *CUevent;
 typedef void *CUstream;
 typedef struct { char reserved[64]; } CUipcMemHandle;
 typedef struct { char reserved[64]; } CUipcEventHandle;
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct { int type; int id; } CUmemLocation;
+typedef struct {
+	int type;                 // CUmemAllocationType
+	int requestedHandleTypes; // CUmemAllocationHandleType
+	CUmemLocation location;
+	void *win32HandleMetaData;
+	struct {
+		unsigned char compressionType;
+		unsigned char gpuDirectRDMACapable;
+		unsigned short usage;
+		unsigned char reserved[4];
+	} allocFlags;
+} CUmemAllocationProp;
+typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
 
 enum {
 	F_INIT, F_DEVCOUNT, F_DEVGET, F_PCTXRETAIN, F_PCTXRELEASE, F_CTXGET, F_CTXSET,
 	F_MALLOC, F_FREE, F_MEMSET, F_HTOD, F_DTOH, F_DTOD, F_ADDRRANGE,
 	F_IPCGETMEM, F_IPCOPENMEM, F_IPCCLOSEMEM,
 	F_STREAMSYNC, F_EVCREATE, F_EVRECORD, F_EVSYNC, F_EVDESTROY, F_IPCGETEV, F_IPCOPENEV,
-	F_ERRNAME, F_ERRSTR, F_COUNT
+	F_ERRNAME, F_ERRSTR,
+	// The virtual memory calls, which drivers before CUDA 10.2 lack.
+	F_DEVATTR, F_MEMCREATE, F_MEMRELEASE, F_MEMEXPORT, F_MEMIMPORT, F_MEMPROPS, F_MEMGRAN,
+	F_ADDRRESERVE, F_ADDRFREE, F_MEMMAP, F_MEMUNMAP, F_MEMSETACCESS,
+	F_COUNT
+};
+
+// The first of the calls a driver may lack.
+enum { F_OPTIONAL = F_DEVATTR };
+
+enum {
+	ATTR_POSIX_FD_SUPPORTED = 103,  // CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
+	ALLOC_PINNED = 1,               // CU_MEM_ALLOCATION_TYPE_PINNED
+	HANDLE_POSIX_FD = 1,            // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+	LOCATION_DEVICE = 1,            // CU_MEM_LOCATION_TYPE_DEVICE
+	ACCESS_READWRITE = 3,           // CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+	GRANULARITY_MINIMUM = 0,        // CU_MEM_ALLOC_GRANULARITY_MINIMUM
 };
 
 static void *tm_fns[F_COUNT];
@@ -68,6 +99,56 @@ static CUresult tm_ipcopenev(CUevent *e, const void *h) {
 	memcpy(&handle, h, sizeof handle);
 	return ((CUresult (*)(CUevent *, CUipcEventHandle))tm_fns[F_IPCOPENEV])(e, handle);
 }
+static int tm_has(int i) { return tm_fns[i] != 0; }
+static CUresult tm_devattr(int *v, int attr, CUdevice d) { return ((CUresult (*)(int *, int, CUdevice))tm_fns[F_DEVATTR])(v, attr, d); }
+static void tm_prop(CUmemAllocationProp *p, int dev) {
+	memset(p, 0, sizeof *p);
+	p->type = ALLOC_PINNED;
+	p->requestedHandleTypes = HANDLE_POSIX_FD;
+	p->location.type = LOCATION_DEVICE;
+	p->location.id = dev;
+}
+static CUresult tm_memgran(size_t *g, int dev) {
+	CUmemAllocationProp p;
+	tm_prop(&p, dev);
+	return ((CUresult (*)(size_t *, const CUmemAllocationProp *, int))tm_fns[F_MEMGRAN])(g, &p, GRANULARITY_MINIMUM);
+}
+static CUresult tm_memcreate(CUmemGenericAllocationHandle *h, size_t n, int dev) {
+	CUmemAllocationProp p;
+	tm_prop(&p, dev);
+	return ((CUresult (*)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long))tm_fns[F_MEMCREATE])(h, n, &p, 0);
+}
+static CUresult tm_memrelease(CUmemGenericAllocationHandle h) { return ((CUresult (*)(CUmemGenericAllocationHandle))tm_fns[F_MEMRELEASE])(h); }
+static CUresult tm_memexport(int *fd, CUmemGenericAllocationHandle h) {
+	return ((CUresult (*)(void *, CUmemGenericAllocationHandle, int, unsigned long long))tm_fns[F_MEMEXPORT])(fd, h, HANDLE_POSIX_FD, 0);
+}
+static CUresult tm_memimport(CUmemGenericAllocationHandle *h, int fd) {
+	return ((CUresult (*)(CUmemGenericAllocationHandle *, void *, int))tm_fns[F_MEMIMPORT])(h, (void *)(long)fd, HANDLE_POSIX_FD);
+}
+static CUresult tm_memprops(int *dev, int *fdExportable, CUmemGenericAllocationHandle h) {
+	CUmemAllocationProp p;
+	memset(&p, 0, sizeof p);
+	CUresult r = ((CUresult (*)(CUmemAllocationProp *, CUmemGenericAllocationHandle))tm_fns[F_MEMPROPS])(&p, h);
+	*dev = p.location.type == LOCATION_DEVICE ? p.location.id : -1;
+	*fdExportable = p.type == ALLOC_PINNED && (p.requestedHandleTypes & HANDLE_POSIX_FD) != 0;
+	return r;
+}
+static CUresult tm_addrreserve(CUdeviceptr *p, size_t n) {
+	return ((CUresult (*)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))tm_fns[F_ADDRRESERVE])(p, n, 0, 0, 0);
+}
+static CUresult tm_addrfree(CUdeviceptr p, size_t n) { return ((CUresult (*)(CUdeviceptr, size_t))tm_fns[F_ADDRFREE])(p, n); }
+static CUresult tm_memmap(CUdeviceptr p, size_t n, CUmemGenericAllocationHandle h) {
+	return ((CUresult (*)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long))tm_fns[F_MEMMAP])(p, n, 0, h, 0);
+}
+static CUresult tm_memunmap(CUdeviceptr p, size_t n) { return ((CUresult (*)(CUdeviceptr, size_t))tm_fns[F_MEMUNMAP])(p, n); }
+static CUresult tm_memsetaccess(CUdeviceptr p, size_t n, int dev) {
+	CUmemAccessDesc d;
+	memset(&d, 0, sizeof d);
+	d.location.type = LOCATION_DEVICE;
+	d.location.id = dev;
+	d.flags = ACCESS_READWRITE;
+	return ((CUresult (*)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t))tm_fns[F_MEMSETACCESS])(p, n, &d, 1);
+}
 static const char *tm_errname(CUresult r) {
 	const char *s = 0;
 	if (tm_fns[F_ERRNAME]) ((CUresult (*)(CUresult, const char **))tm_fns[F_ERRNAME])(r, &s);
@@ -90,32 +171,44 @@ import (
 // symbols lists, per function slot, the names to try in libcuda, newest
 // ABI first.
 var symbols = [C.F_COUNT][]string{
-	C.F_INIT:        {"cuInit"},
-	C.F_DEVCOUNT:    {"cuDeviceGetCount"},
-	C.F_DEVGET:      {"cuDeviceGet"},
-	C.F_PCTXRETAIN:  {"cuDevicePrimaryCtxRetain"},
-	C.F_PCTXRELEASE: {"cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease"},
-	C.F_CTXGET:      {"cuCtxGetCurrent"},
-	C.F_CTXSET:      {"cuCtxSetCurrent"},
-	C.F_MALLOC:      {"cuMemAlloc_v2"},
-	C.F_FREE:        {"cuMemFree_v2"},
-	C.F_MEMSET:      {"cuMemsetD8_v2"},
-	C.F_HTOD:        {"cuMemcpyHtoD_v2"},
-	C.F_DTOH:        {"cuMemcpyDtoH_v2"},
-	C.F_DTOD:        {"cuMemcpyDtoD_v2"},
-	C.F_ADDRRANGE:   {"cuMemGetAddressRange_v2"},
-	C.F_IPCGETMEM:   {"cuIpcGetMemHandle"},
-	C.F_IPCOPENMEM:  {"cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"},
-	C.F_IPCCLOSEMEM: {"cuIpcCloseMemHandle"},
-	C.F_STREAMSYNC:  {"cuStreamSynchronize"},
-	C.F_EVCREATE:    {"cuEventCreate"},
-	C.F_EVRECORD:    {"cuEventRecord"},
-	C.F_EVSYNC:      {"cuEventSynchronize"},
-	C.F_EVDESTROY:   {"cuEventDestroy_v2", "cuEventDestroy"},
-	C.F_IPCGETEV:    {"cuIpcGetEventHandle"},
-	C.F_IPCOPENEV:   {"cuIpcOpenEventHandle"},
-	C.F_ERRNAME:     {"cuGetErrorName"},
-	C.F_ERRSTR:      {"cuGetErrorString"},
+	C.F_INIT:         {"cuInit"},
+	C.F_DEVCOUNT:     {"cuDeviceGetCount"},
+	C.F_DEVGET:       {"cuDeviceGet"},
+	C.F_PCTXRETAIN:   {"cuDevicePrimaryCtxRetain"},
+	C.F_PCTXRELEASE:  {"cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease"},
+	C.F_CTXGET:       {"cuCtxGetCurrent"},
+	C.F_CTXSET:       {"cuCtxSetCurrent"},
+	C.F_MALLOC:       {"cuMemAlloc_v2"},
+	C.F_FREE:         {"cuMemFree_v2"},
+	C.F_MEMSET:       {"cuMemsetD8_v2"},
+	C.F_HTOD:         {"cuMemcpyHtoD_v2"},
+	C.F_DTOH:         {"cuMemcpyDtoH_v2"},
+	C.F_DTOD:         {"cuMemcpyDtoD_v2"},
+	C.F_ADDRRANGE:    {"cuMemGetAddressRange_v2"},
+	C.F_IPCGETMEM:    {"cuIpcGetMemHandle"},
+	C.F_IPCOPENMEM:   {"cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"},
+	C.F_IPCCLOSEMEM:  {"cuIpcCloseMemHandle"},
+	C.F_STREAMSYNC:   {"cuStreamSynchronize"},
+	C.F_EVCREATE:     {"cuEventCreate"},
+	C.F_EVRECORD:     {"cuEventRecord"},
+	C.F_EVSYNC:       {"cuEventSynchronize"},
+	C.F_EVDESTROY:    {"cuEventDestroy_v2", "cuEventDestroy"},
+	C.F_IPCGETEV:     {"cuIpcGetEventHandle"},
+	C.F_IPCOPENEV:    {"cuIpcOpenEventHandle"},
+	C.F_ERRNAME:      {"cuGetErrorName"},
+	C.F_ERRSTR:       {"cuGetErrorString"},
+	C.F_DEVATTR:      {"cuDeviceGetAttribute"},
+	C.F_MEMCREATE:    {"cuMemCreate"},
+	C.F_MEMRELEASE:   {"cuMemRelease"},
+	C.F_MEMEXPORT:    {"cuMemExportToShareableHandle"},
+	C.F_MEMIMPORT:    {"cuMemImportFromShareableHandle"},
+	C.F_MEMPROPS:     {"cuMemGetAllocationPropertiesFromHandle"},
+	C.F_MEMGRAN:      {"cuMemGetAllocationGranularity"},
+	C.F_ADDRRESERVE:  {"cuMemAddressReserve"},
+	C.F_ADDRFREE:     {"cuMemAddressFree"},
+	C.F_MEMMAP:       {"cuMemMap"},
+	C.F_MEMUNMAP:     {"cuMemUnmap"},
+	C.F_MEMSETACCESS: {"cuMemSetAccess"},
 }
 
 // libcuda is the real driver, reached through function pointers that
@@ -145,7 +238,7 @@ func openLibcuda() (Driver, error) {
 				break
 			}
 		}
-		if fn == nil {
+		if fn == nil && slot < C.F_OPTIONAL {
 			return nil, fmt.Errorf("%w: libcuda.so.1 lacks %s: %s", ErrNoDriver, names[0], C.GoString(C.tm_dlerror()))
 		}
 		C.tm_set(C.int(slot), fn)
@@ -287,4 +380,94 @@ func (libcuda) IPCOpenEventHandle(h IPCEventHandle) (Event, error) {
 	var e C.CUevent
 	err := check("cuIpcOpenEventHandle", C.tm_ipcopenev(&e, unsafe.Pointer(&h[0])))
 	return Event(unsafe.Pointer(e)), err
+}
+
+// errNoVMM is the error of a virtual memory call the driver lacks.
+var errNoVMM = &Error{Call: "cuMemCreate", Code: 801, Name: "CUDA_ERROR_NOT_SUPPORTED", Msg: "this driver has no virtual memory calls (CUDA 10.2 or newer has them)"}
+
+func hasVMM() bool {
+	for slot := C.F_OPTIONAL; slot < C.F_COUNT; slot++ {
+		if C.tm_has(C.int(slot)) == 0 {
+			return false
+		}
+	}
+	return true
+}
+
+func (libcuda) FDExportSupported(dev int) (bool, error) {
+	if !hasVMM() {
+		return false, nil
+	}
+	var d C.CUdevice
+	if err := check("cuDeviceGet", C.tm_devget(&d, C.int(dev))); err != nil {
+		return false, err
+	}
+	var v C.int
+	err := check("cuDeviceGetAttribute", C.tm_devattr(&v, C.ATTR_POSIX_FD_SUPPORTED, d))
+	return v != 0, err
+}
+
+func (libcuda) MemGranularity(dev int) (int64, error) {
+	if !hasVMM() {
+		return 0, errNoVMM
+	}
+	var g C.size_t
+	err := check("cuMemGetAllocationGranularity", C.tm_memgran(&g, C.int(dev)))
+	return int64(g), err
+}
+
+func (libcuda) MemCreate(dev int, size int64) (MemHandle, error) {
+	if !hasVMM() {
+		return 0, errNoVMM
+	}
+	var h C.CUmemGenericAllocationHandle
+	err := check("cuMemCreate", C.tm_memcreate(&h, C.size_t(size), C.int(dev)))
+	return MemHandle(h), err
+}
+
+func (libcuda) MemRelease(h MemHandle) error {
+	return check("cuMemRelease", C.tm_memrelease(C.CUmemGenericAllocationHandle(h)))
+}
+
+func (libcuda) MemExportFD(h MemHandle) (int, error) {
+	fd := C.int(-1)
+	err := check("cuMemExportToShareableHandle", C.tm_memexport(&fd, C.CUmemGenericAllocationHandle(h)))
+	return int(fd), err
+}
+
+func (libcuda) MemImportFD(fd int) (MemHandle, error) {
+	if !hasVMM() {
+		return 0, errNoVMM
+	}
+	var h C.CUmemGenericAllocationHandle
+	err := check("cuMemImportFromShareableHandle", C.tm_memimport(&h, C.int(fd)))
+	return MemHandle(h), err
+}
+
+func (libcuda) MemDevice(h MemHandle) (int, bool, error) {
+	var dev, exportable C.int
+	err := check("cuMemGetAllocationPropertiesFromHandle", C.tm_memprops(&dev, &exportable, C.CUmemGenericAllocationHandle(h)))
+	return int(dev), exportable != 0, err
+}
+
+func (libcuda) MemAddressReserve(size int64) (DevicePtr, error) {
+	var p C.CUdeviceptr
+	err := check("cuMemAddressReserve", C.tm_addrreserve(&p, C.size_t(size)))
+	return DevicePtr(p), err
+}
+
+func (libcuda) MemAddressFree(p DevicePtr, size int64) error {
+	return check("cuMemAddressFree", C.tm_addrfree(C.CUdeviceptr(p), C.size_t(size)))
+}
+
+func (libcuda) MemMap(p DevicePtr, size int64, h MemHandle) error {
+	return check("cuMemMap", C.tm_memmap(C.CUdeviceptr(p), C.size_t(size), C.CUmemGenericAllocationHandle(h)))
+}
+
+func (libcuda) MemUnmap(p DevicePtr, size int64) error {
+	return check("cuMemUnmap", C.tm_memunmap(C.CUdeviceptr(p), C.size_t(size)))
+}
+
+func (libcuda) MemSetAccess(p DevicePtr, size int64, dev int) error {
+	return check("cuMemSetAccess", C.tm_memsetaccess(C.CUdeviceptr(p), C.size_t(size), C.int(dev)))
 }

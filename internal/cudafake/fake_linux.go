@@ -25,6 +25,13 @@ type Driver struct {
 	limit    int64 // bytes that may be allocated at once; 0: no limit
 	used     int64
 	syncs    int // Synchronize calls
+	// The virtual memory calls' state (see vmm_linux.go).
+	mems       map[cuda.MemHandle]*vmem
+	nextMem    cuda.MemHandle
+	reserved   map[cuda.DevicePtr]int64 // address reservations and their sizes
+	mapped     map[cuda.DevicePtr]*vmap
+	noFDExport bool
+
 	// shmFile is the file the real driver keeps in /dev/shm for the
 	// process's interprocess events, made with the first one and
 	// removed when the last context reference is released; "" while
@@ -46,6 +53,7 @@ func New(n int) *Driver {
 		devices: n, current: map[int]cuda.Context{}, retained: map[int]int{},
 		allocs: map[cuda.DevicePtr]*alloc{}, next: 1 << 32, opened: map[cuda.DevicePtr]int{},
 		events: map[cuda.Event]int{}, nextEv: 1, Threads: map[int]map[int]bool{},
+		mems: map[cuda.MemHandle]*vmem{}, reserved: map[cuda.DevicePtr]int64{}, mapped: map[cuda.DevicePtr]*vmap{},
 	}
 }
 
@@ -75,10 +83,17 @@ func (d *Driver) ctxDev(call string) (int, error) {
 	return dev, nil
 }
 
+// find returns the memory of [p, p+n): an allocation's, or an
+// accessible mapping's.
 func (d *Driver) find(p cuda.DevicePtr, n int64) (*alloc, int64, bool) {
 	for base, a := range d.allocs {
 		if p >= base && int64(p-base)+n <= int64(len(a.data)) {
 			return a, int64(p - base), true
+		}
+	}
+	for base, v := range d.mapped {
+		if v.accessible && p >= base && int64(p-base)+n <= int64(len(v.data)) {
+			return &alloc{dev: v.mem.dev, data: v.data}, int64(p - base), true
 		}
 	}
 	return nil, 0, false
@@ -232,6 +247,11 @@ func (d *Driver) MemGetAddressRange(p cuda.DevicePtr) (cuda.DevicePtr, int64, er
 	for base, a := range d.allocs {
 		if p >= base && int64(p-base) < int64(len(a.data)) {
 			return base, int64(len(a.data)), nil
+		}
+	}
+	for base, v := range d.mapped {
+		if p >= base && int64(p-base) < int64(len(v.data)) {
+			return base, int64(len(v.data)), nil
 		}
 	}
 	return 0, 0, fail("cuMemGetAddressRange_v2", 1, "CUDA_ERROR_INVALID_VALUE")
