@@ -64,10 +64,14 @@ var (
 		return os.Getpid(), nil
 	})
 
-	// dieOnWord kills its worker once a word comes on q.
-	dieOnWord = mp.RegisterFunc("test.die-on-word", func(ctx context.Context, q *mp.Queue) (int, error) {
+	// dieOnWord says on Started that it runs, and kills its worker once
+	// a word comes on Word.
+	dieOnWord = mp.RegisterFunc("test.die-on-word", func(ctx context.Context, a wordArgs) (int, error) {
+		if err := a.Started.Put(ctx, os.Getpid()); err != nil {
+			return 0, err
+		}
 		var word string
-		if err := q.Get(ctx, &word); err != nil {
+		if err := a.Word.Get(ctx, &word); err != nil {
 			return 0, err
 		}
 		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
@@ -87,6 +91,8 @@ var (
 		return s, nil
 	})
 )
+
+type wordArgs struct{ Started, Word *mp.Queue }
 
 func newPool(t *testing.T, n int, opts ...mp.PoolOption) *mp.Pool {
 	t.Helper()
@@ -238,25 +244,31 @@ func TestPoolGivesBackWhatADeadWorkerNeverTook(t *testing.T) {
 	leakcheck.Check(t)
 	p := newPool(t, 1)
 	ctx := context.Background()
-	word, err := mp.NewQueue()
+	var a wordArgs
+	var err error
+	a.Started, err = mp.NewQueue()
 	require.NoError(t, err)
-	defer word.Close()
+	defer a.Started.Close()
+	a.Word, err = mp.NewQueue()
+	require.NoError(t, err)
+	defer a.Word.Close()
 	// The one worker holds two chunks: the first kills it, the second
 	// waits in its queue and must be run by the replacement, not failed.
 	killed := make(chan error, 1)
 	go func() {
-		_, err := mp.Apply(ctx, p, dieOnWord, word)
+		_, err := mp.Apply(ctx, p, dieOnWord, a)
 		killed <- err
 	}()
-	waitFor(t, "the worker holds the first chunk", func() bool { return mp.PoolHeld(p)[0] == 1 })
+	var first int
+	require.NoError(t, a.Started.Get(ctx, &first), "the worker runs the first chunk")
 	second := make(chan int, 1)
 	go func() {
 		pid, err := mp.Apply(ctx, p, pidOf, 0)
 		assert.NoError(t, err)
 		second <- pid
 	}()
-	waitFor(t, "the worker holds both chunks", func() bool { return mp.PoolHeld(p)[0] == 2 })
-	require.NoError(t, word.Put(ctx, "die"))
+	waitFor(t, "the worker holds the second chunk too", func() bool { return mp.PoolHeld(p)[0] == 2 })
+	require.NoError(t, a.Word.Put(ctx, "die"))
 	pid := <-second
 	assert.NotZero(t, pid)
 	err = <-killed
@@ -265,7 +277,8 @@ func TestPoolGivesBackWhatADeadWorkerNeverTook(t *testing.T) {
 	var ee *mp.ExitError
 	require.ErrorAs(t, err, &ee)
 	assert.Equal(t, syscall.SIGKILL, ee.Signal)
-	assert.NotEqual(t, pid, ee.Pid, "the replacement ran the second chunk")
+	assert.Equal(t, first, ee.Pid)
+	assert.NotEqual(t, first, pid, "the replacement ran the second chunk")
 	require.NoError(t, p.Close())
 }
 
