@@ -203,19 +203,27 @@ func readSlab(a *Allocation) (*segment, error) {
 		return nil, fmt.Errorf("mmapalloc: %v: %w", a, err)
 	}
 	total := int64(len(a.mapping))
+	external := h.dataOff == 0 // the data lies in an extent (see NewExtentPool)
 	switch {
 	case h.magic != slabMagic || h.version != slabVersion:
 		return nil, fmt.Errorf("mmapalloc: %v: no tensormp slot table", a)
-	case h.cap <= 0 || h.nslots <= 0 || h.nslots > total/smallMin || h.dataOff != slabLayout(h.nslots):
+	case h.cap <= 0 || h.nslots <= 0 || h.nslots > total/8 || !external && h.dataOff != slabLayout(h.nslots):
 		return nil, fmt.Errorf("mmapalloc: %v: malformed slot table (%d slots of %d bytes at %d)", a, h.nslots, h.cap, h.dataOff)
-	case h.cap > (total-h.dataOff)/h.nslots:
+	case external && (slabLayout(h.nslots) > total || h.cap > maxExtent/h.nslots):
+		return nil, fmt.Errorf("mmapalloc: %v: %d slots of %d bytes in an extent do not fit", a, h.nslots, h.cap)
+	case !external && (h.nslots > total/smallMin || h.cap > (total-h.dataOff)/h.nslots):
 		return nil, fmt.Errorf("mmapalloc: %v: %d slots of %d bytes do not fit", a, h.nslots, h.cap)
 	}
-	if err := unix.Mprotect(a.mapping[:h.dataOff], unix.PROT_READ); err != nil {
+	if err := unix.Mprotect(a.mapping[:slabLayout(h.nslots)], unix.PROT_READ); err != nil {
 		return nil, &Error{Op: "protect", Path: a.String(), Err: err}
 	}
-	return &segment{alloc: a, cap: h.cap, nslots: int(h.nslots), dataOff: h.dataOff, named: a.path != "", holds: map[int]int{}, onFD: map[int]bool{}}, nil
+	return &segment{alloc: a, cap: h.cap, nslots: int(h.nslots), dataOff: h.dataOff, external: external,
+		named: a.path != "", holds: map[int]int{}, onFD: map[int]bool{}}, nil
 }
+
+// maxExtent bounds the bytes of a received slab's extent: 1 PiB, beyond
+// any device's memory.
+const maxExtent = 1 << 50
 
 // adoptMax is how many message descriptors a receiver keeps per segment
 // before it closes them, in one call, once it lets go of the segment's
@@ -403,7 +411,7 @@ func (t *segmentTable) settleLocked(seg *segment) error {
 	}
 	if !t.isIdleLocked(seg) {
 		t.idle = append(t.idle, seg)
-		t.idleBytes += seg.alloc.Size()
+		t.idleBytes += seg.bytes()
 	}
 	return t.trimLocked(idleLimit(len(t.idle)), idleBytes)
 }
@@ -522,7 +530,7 @@ func (t *segmentTable) closeLocked(seg *segment) error {
 		_ = unix.Close(fd)
 	}
 	seg.adopted = nil
-	return seg.alloc.Close()
+	return errors.Join(seg.closeExtent(), seg.alloc.Close())
 }
 
 func (t *segmentTable) isIdleLocked(seg *segment) bool {
@@ -538,7 +546,7 @@ func (t *segmentTable) unidleLocked(seg *segment) {
 	for i, s := range t.idle {
 		if s == seg {
 			t.idle = append(t.idle[:i], t.idle[i+1:]...)
-			t.idleBytes -= seg.alloc.Size()
+			t.idleBytes -= seg.bytes()
 			return
 		}
 	}

@@ -90,7 +90,9 @@ type slabHdr struct {
 
 var _ [slabHdrSize - unsafe.Sizeof(slabHdr{})]byte
 
-// slabLayout returns the offset of the data of a segment of nslots slots.
+// slabLayout returns the offset of the data of a segment of nslots
+// slots: the size of its slot table, in whole pages. A slab whose data
+// lies in an extent is its table alone, and says so with a dataOff of 0.
 func slabLayout(nslots int64) int64 {
 	return (slabHdrSize + 8*nslots + pageSize - 1) &^ (pageSize - 1)
 }
@@ -118,6 +120,10 @@ type segment struct {
 	nslots  int
 	dataOff int64
 	named   bool // file_system: receivers open it by name
+	// external: the slots' data lies in ext, not in the segment (see
+	// NewExtentPool); dataOff is then 0.
+	external bool
+	ext      Extent // the producer's, or this process's attachment to it
 
 	tickets   tickets
 	slotUsers slotUsers // who uses each slot in this process (see Block.SetUser)
@@ -195,8 +201,12 @@ type Block struct {
 }
 
 // Bytes returns the block's data. It aliases memory shared with other
-// processes and is invalid after Release.
+// processes and is invalid after Release. A block whose data lies in an
+// extent (InExtent) has none here: Bytes returns nil.
 func (b *Block) Bytes() []byte {
+	if b.seg.external {
+		return nil
+	}
 	start := b.seg.slotOffset(b.slot)
 	return b.seg.alloc.mapping[start : start+b.size : start+b.size]
 }
@@ -212,7 +222,8 @@ func (b *Block) Segment() *Allocation { return b.seg.alloc }
 // (file_system) rather than by descriptor.
 func (b *Block) Named() bool { return b.seg.named }
 
-// Offset returns the offset of the block's data in its segment.
+// Offset returns the offset of the block's data in its segment, or in
+// its extent (see InExtent).
 func (b *Block) Offset() int64 { return b.seg.slotOffset(b.slot) }
 
 // Gen returns the block's generation: it changes each time the block is

@@ -36,6 +36,7 @@ type Pool struct {
 	cached  int64     // bytes of segments the pool holds
 	limit   int64     // bytes of unused segments kept for reuse
 	stuck   time.Time // last trim over the limit that could close nothing
+	extent  ExtentMaker // makes the slabs' data, for an extent pool; else nil
 }
 
 // overLimitTrim is the least time between a trim of a pool over its limit
@@ -148,6 +149,9 @@ func (p *Pool) Alloc(size int64) (*Block, error) {
 // segments (never b's) and tries once more; b stays free either way.
 func (p *Pool) reserveLocked(b *Block) error {
 	seg := b.seg
+	if seg.external {
+		return nil // its extent has its memory
+	}
 	off := seg.dataOff + int64(b.slot)*seg.cap
 	err := seg.reserveLocked(off, seg.cap)
 	if err == nil {
@@ -309,7 +313,7 @@ func (p *Pool) growLocked(c *sizeClass) error {
 	c.segs = append(c.segs, seg)
 	liveSegments.add(seg)
 	produced.add(seg)
-	p.cached += seg.alloc.Size()
+	p.cached += seg.bytes()
 	for slot := nslots - 1; slot >= 0; slot-- { // handed out from slot 0 up: pages are reserved in order
 		c.free = append(c.free, &Block{seg: seg, slot: int(slot), gen: 1, pool: p})
 	}
@@ -322,6 +326,29 @@ func (p *Pool) growLocked(c *sizeClass) error {
 func (p *Pool) newSegment(c *sizeClass, nslots int64) (*segment, error) {
 	dataOff := slabLayout(nslots)
 	segSize := dataOff + nslots*c.cap
+	var ext Extent
+	if p.extent != nil {
+		// The table alone; the data in an extent of its own.
+		var err error
+		if ext, err = p.extent(nslots * c.cap); err != nil {
+			return nil, err
+		}
+		segSize, dataOff = dataOff, 0
+	}
+	seg, err := p.newSegmentWith(c, nslots, segSize, dataOff)
+	if err != nil {
+		if ext != nil {
+			_ = ext.Close()
+		}
+		return nil, err
+	}
+	seg.external, seg.ext = ext != nil, ext
+	return seg, nil
+}
+
+// newSegmentWith is newSegment's segment: segSize bytes, of which the
+// slots' data starts at dataOff (0: in an extent).
+func (p *Pool) newSegmentWith(c *sizeClass, nslots, segSize, dataOff int64) (*segment, error) {
 	flags := KeepFD | Unlink | Sparse
 	if p.named {
 		flags = KeepFD | Sparse
@@ -337,7 +364,7 @@ func (p *Pool) newSegment(c *sizeClass, nslots int64) (*segment, error) {
 	}
 	seg := &segment{alloc: a, cap: c.cap, nslots: int(nslots), dataOff: dataOff, named: p.named, pool: p, class: c,
 		reserved: make([]uint64, (segSize+64*reserveChunk-1)/(64*reserveChunk))}
-	if err := seg.reserveLocked(0, dataOff); err != nil { // the slot table's pages
+	if err := seg.reserveLocked(0, slabLayout(nslots)); err != nil { // the slot table's pages
 		_ = a.Remove()
 		_ = a.Close()
 		return nil, err // it names the segment
@@ -415,19 +442,21 @@ func (p *Pool) trimLocked(keep int64) {
 		c.free = without(c.free, seg)
 		c.segs = deleteSeg(c.segs, seg)
 		delete(p.segs, seg)
-		p.cached -= seg.alloc.Size()
+		p.cached -= seg.bytes()
 		seg.close()
 	}
 }
 
 // close gives up a producer's segment for good: its name goes first, so
-// nobody opens it any more, then its mapping and descriptors.
+// nobody opens it any more, then its mapping and descriptors, and its
+// extent, if it has one.
 func (seg *segment) close() {
 	liveSegments.remove(seg)
 	produced.remove(seg)
 	seg.tickets.rotate()
 	_ = seg.alloc.Remove()
 	_ = seg.alloc.Close()
+	_ = seg.closeExtent()
 }
 
 func without(blocks []*Block, seg *segment) []*Block {

@@ -1,0 +1,93 @@
+package mmapalloc
+
+import "errors"
+
+// Extents: pooled slots whose data lies elsewhere.
+//
+// A pool made with NewExtentPool keeps its slabs' data out of shared
+// memory: each slab's data is an Extent that the pool's ExtentMaker makes,
+// device memory, say, and the slab's segment holds its slot table alone.
+// Who holds each slot is counted as for any pooled block, by the kernel,
+// as locks on the segment's file, and a block's Offset is where its data
+// starts in its slab's extent. The segment's identity names the slab: a
+// receiver that maps a segment attaches its extent once (SetExtent) and
+// finds it again with every block of that segment it receives.
+//
+// Ownership: the pool owns the extents of its slabs and closes each with
+// its segment. A receiver's extent belongs to its mapping of the segment,
+// which closes it when the mapping goes: once no block of the process
+// uses the segment and it has left the idle list.
+
+// An Extent is the data of one slab of an extent pool, or a receiver's
+// attachment to it.
+type Extent interface {
+	Close() error
+}
+
+// ExtentMaker makes the extent of a new slab of n bytes.
+type ExtentMaker func(n int64) (Extent, error)
+
+// NewExtentPool returns a pool whose slabs keep their data in extents
+// that make makes, keeping at most limit bytes of unused slabs for reuse.
+// Its segments are file_descriptor segments, whatever the strategy.
+func NewExtentPool(limit int64, make ExtentMaker) *Pool {
+	p := NewPool(limit)
+	p.extent = make
+	return p
+}
+
+// ErrNoExtent: a block of a segment whose slots hold their data
+// themselves, where one of an extent pool's was due, or the reverse.
+var ErrNoExtent = errors.New("mmapalloc: not a block of an extent pool")
+
+// InExtent reports whether the block's data lies in an extent (see
+// NewExtentPool) rather than in its segment.
+func (b *Block) InExtent() bool { return b.seg.external }
+
+// Extent returns the extent the block's data lies in: its pool's, or the
+// one this process attached to the segment it received the block from;
+// nil if there is none yet.
+func (b *Block) Extent() Extent {
+	if b.seg.pool != nil {
+		return b.seg.ext
+	}
+	attached.mu.Lock()
+	defer attached.mu.Unlock()
+	return b.seg.ext
+}
+
+// SetExtent attaches x, this process's view of the extent of the segment
+// that the received block b lives in, unless one is attached already,
+// and returns the one attached: x, which the segment's mapping then owns,
+// or the earlier one, and then x stays the caller's. It is ErrNoExtent for
+// a block whose data lies in its segment.
+func (b *Block) SetExtent(x Extent) (Extent, error) {
+	if !b.seg.external || b.seg.pool != nil {
+		return nil, ErrNoExtent
+	}
+	attached.mu.Lock()
+	defer attached.mu.Unlock()
+	if b.seg.ext == nil {
+		b.seg.ext = x
+	}
+	return b.seg.ext, nil
+}
+
+// bytes is what a segment holds for this process: its mapping, or, for a
+// slab whose data lies in an extent, that extent's bytes.
+func (s *segment) bytes() int64 {
+	if s.external {
+		return int64(s.nslots) * s.cap
+	}
+	return s.alloc.Size()
+}
+
+// closeExtent closes the segment's extent, if it has one.
+func (s *segment) closeExtent() error {
+	if s.ext == nil {
+		return nil
+	}
+	err := s.ext.Close()
+	s.ext = nil
+	return err
+}

@@ -1,0 +1,118 @@
+package mmapalloc_test
+
+import (
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/mmapalloc"
+)
+
+// extents records the extents an extent pool made and which are closed.
+type extents struct {
+	mu    sync.Mutex
+	sizes []int64
+	open  int
+}
+
+type extent struct {
+	e    *extents
+	once sync.Once
+}
+
+func (x *extent) Close() error {
+	x.once.Do(func() {
+		x.e.mu.Lock()
+		x.e.open--
+		x.e.mu.Unlock()
+	})
+	return nil
+}
+
+func (e *extents) make(n int64) (mmapalloc.Extent, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.sizes = append(e.sizes, n)
+	e.open++
+	return &extent{e: e}, nil
+}
+
+func (e *extents) counts() (made, open int) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return len(e.sizes), e.open
+}
+
+// An extent pool packs blocks into slabs as any pool does, but their data
+// lies in an extent per slab, at the block's Offset; the segment is the
+// slot table alone. A receiver attaches the segment's extent once and
+// finds it with each block; its mapping closes it, as the pool's trim
+// closes the pool's.
+func TestExtentPool(t *testing.T) {
+	leakcheck.Check(t)
+	var made extents
+	p := mmapalloc.NewExtentPool(1<<30, made.make)
+	var blocks []*mmapalloc.Block
+	for range 3 {
+		b := mustAlloc(t, p, 4<<10)
+		assert.True(t, b.InExtent())
+		assert.Nil(t, b.Bytes(), "no data in the segment")
+		blocks = append(blocks, b)
+	}
+	n, open := made.counts()
+	require.Equal(t, 1, n, "three blocks of 4 KiB share a slab")
+	assert.Equal(t, 1, open)
+	assert.Equal(t, int64(2<<20), made.sizes[0], "the first slab holds 2 MiB of data")
+	assert.Equal(t, []int64{0, 4 << 10, 8 << 10}, []int64{blocks[0].Offset(), blocks[1].Offset(), blocks[2].Offset()})
+	seg := blocks[0].Segment()
+	assert.Less(t, seg.Size(), int64(64<<10), "the segment is a slot table")
+	x := blocks[0].Extent()
+	assert.Same(t, x, blocks[2].Extent())
+
+	// A receiver: the extent is its own to attach, once.
+	msg := send(t, blocks[1])
+	r, err := mmapalloc.AttachBlock(msg, statOf(t, msg), false, seg.Size(), blocks[1].Offset(), 4<<10, blocks[1].Gen())
+	require.NoError(t, err)
+	require.NoError(t, unix.Close(msg)) // the message is taken: the receiver holds the block itself
+	assert.True(t, r.InExtent())
+	assert.Nil(t, r.Extent(), "nothing attached yet")
+	mine, _ := made.make(2 << 20)
+	got, err := r.SetExtent(mine)
+	require.NoError(t, err)
+	assert.Same(t, mine, got)
+	other, _ := made.make(2 << 20)
+	got, err = r.SetExtent(other)
+	require.NoError(t, err)
+	assert.Same(t, mine, got, "the first attached stays")
+	require.NoError(t, other.Close())
+	_, err = blocks[0].SetExtent(other)
+	assert.ErrorIs(t, err, mmapalloc.ErrNoExtent, "the producer's extent is its pool's")
+	require.NoError(t, r.Release())
+	require.NoError(t, mmapalloc.DropIdle())
+	_, open = made.counts()
+	assert.Equal(t, 1, open, "the receiver's mapping closed its extent")
+
+	for _, b := range blocks {
+		require.NoError(t, b.Release())
+	}
+	p.Trim(0)
+	_, open = made.counts()
+	assert.Zero(t, open, "the pool closed its slab's extent")
+
+	// A block of an ordinary pool has no extent to attach.
+	plain := testPool(t)
+	b := mustAlloc(t, plain, 4<<10)
+	defer b.Release()
+	assert.False(t, b.InExtent())
+	m := send(t, b)
+	defer unix.Close(m)
+	rb, err := mmapalloc.AttachBlock(m, statOf(t, m), false, b.Segment().Size(), b.Offset(), 4<<10, b.Gen())
+	require.NoError(t, err)
+	defer rb.Release()
+	_, err = rb.SetExtent(other)
+	assert.ErrorIs(t, err, mmapalloc.ErrNoExtent)
+}
