@@ -33,9 +33,9 @@ type Pool struct {
 	mu      sync.Mutex
 	classes map[int64]*sizeClass
 	segs    map[*segment]struct{}
-	cached  int64     // bytes of segments the pool holds
-	limit   int64     // bytes of unused segments kept for reuse
-	stuck   time.Time // last trim over the limit that could close nothing
+	cached  int64       // bytes of segments the pool holds
+	limit   int64       // bytes of unused segments kept for reuse
+	stuck   time.Time   // last trim over the limit that could close nothing
 	extent  ExtentMaker // makes the slabs' data, for an extent pool; else nil
 }
 
