@@ -22,7 +22,16 @@ import (
 	"github.com/tensormp/tensormp/tensor"
 )
 
-var fake = cudafake.New(2)
+// fake is the driver of the tests that use the Default Runtime: its
+// devices cannot export descriptors, so buffers are allocated one by one
+// and travel by legacy CUDA IPC. slab_test.go tests device slabs on
+// fakes of their own.
+var fake = func() *cudafake.Driver {
+	d := cudafake.New(2)
+	d.SetFDExport(0, false)
+	d.SetFDExport(1, false)
+	return d
+}()
 
 func TestMain(m *testing.M) {
 	cuda.UseDriver(fake) // every test here runs on the fake driver
@@ -338,6 +347,7 @@ func statOf(t *testing.T, fd int) mmapalloc.FileStat {
 // makes new ones, so nothing touches memory of the closed contexts.
 func TestCloseIsFinal(t *testing.T) {
 	drv := cudafake.New(1)
+	drv.SetFDExport(0, false) // buffers allocated one by one
 	rt := cuda.NewRuntime(drv)
 	live, ctxs := drv.Live(), drv.Contexts(0)
 	kept, err := rt.Alloc(0, 64)

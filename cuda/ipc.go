@@ -59,6 +59,9 @@ func (b *Buffer) Export() (Handle, error) {
 	if b.size == 0 {
 		return Handle{}, errors.New("cuda: exporting an empty buffer")
 	}
+	if b.block != nil {
+		return Handle{}, errors.New("cuda: a buffer in a device slab travels by Share, not by IPC handle")
+	}
 	if b.from != nil {
 		tk, err := b.token.Ticket()
 		if err != nil {

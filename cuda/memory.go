@@ -19,6 +19,7 @@ type Runtime struct {
 	execs *Executors
 
 	mu     sync.Mutex
+	pools  map[int]*mmapalloc.Pool     // each device's slabs, nil for a device without them (see pool)
 	opened map[IPCMemHandle]*openedMem // handles this process opened
 	limbo  []*Buffer                   // freed here, still used elsewhere
 }
@@ -46,7 +47,7 @@ func Default() (*Runtime, error) {
 
 // NewRuntime returns a Runtime on driver d.
 func NewRuntime(d Driver) *Runtime {
-	return &Runtime{drv: d, execs: NewExecutors(d), opened: map[IPCMemHandle]*openedMem{}}
+	return &Runtime{drv: d, execs: NewExecutors(d), pools: map[int]*mmapalloc.Pool{}, opened: map[IPCMemHandle]*openedMem{}}
 }
 
 // Close frees what the limbo holds that nobody uses any more, then gives
@@ -58,6 +59,7 @@ func NewRuntime(d Driver) *Runtime {
 // them behind. tensor.CloseBackends calls it for the Default Runtime.
 func (r *Runtime) Close() {
 	r.CollectLimbo()
+	r.trimSlabs()
 	r.execs.Stop()
 }
 
@@ -109,6 +111,11 @@ type Buffer struct {
 	token *mmapalloc.Block // this process's hold on the producer's memory
 	desc  Handle           // how it was described to us, to send it on
 
+	// A block of a device slab (see slab.go), made here or received
+	// (received); nil for a buffer allocated on its own.
+	block    *mmapalloc.Block
+	received bool
+
 	freed atomic.Bool
 }
 
@@ -124,6 +131,22 @@ func (r *Runtime) Alloc(dev int, n int64) (*Buffer, error) {
 	}
 	b := &Buffer{rt: r, dev: dev, size: n}
 	if n == 0 {
+		return b, nil
+	}
+	p, err := r.pool(dev)
+	if err != nil {
+		return nil, err
+	}
+	if p != nil {
+		if b, err = r.allocBlock(p, dev, n); err != nil {
+			return nil, err
+		}
+		// A recycled block holds its last user's bytes, a new one the
+		// device's garbage.
+		if err := e.Do(func() error { return r.drv.MemsetD8(b.ptr, n) }); err != nil {
+			_ = b.Free()
+			return nil, fmt.Errorf("cuda: clearing %d bytes on gpu:%d: %w", n, dev, err)
+		}
 		return b, nil
 	}
 	alloc := func() error {
@@ -261,6 +284,9 @@ func (b *Buffer) Sync() error {
 func (b *Buffer) Free() error {
 	if !b.freed.CompareAndSwap(false, true) || b.size == 0 && b.from == nil {
 		return nil
+	}
+	if b.block != nil {
+		return b.block.Release()
 	}
 	if b.from != nil {
 		return b.rt.closeOpened(b)

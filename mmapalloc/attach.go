@@ -576,11 +576,14 @@ func DropIdle() error {
 }
 
 // Trim gives back to the system what this process keeps only for reuse:
-// the pools' unused segments and the mappings of received segments no
-// storage uses.
+// the pools' unused segments (extent pools' too, with their extents) and
+// the mappings of received segments no storage uses.
 func Trim() {
 	DefaultPool().Trim(0)
 	if p := NamedPool(); p != nil {
+		p.Trim(0)
+	}
+	for _, p := range extentPools.list() {
 		p.Trim(0)
 	}
 	_ = DropIdle()

@@ -33,8 +33,12 @@ type ExtentMaker func(n int64) (Extent, error)
 func NewExtentPool(limit int64, make ExtentMaker) *Pool {
 	p := NewPool(limit)
 	p.extent = make
+	extentPools.add(p)
 	return p
 }
+
+// extentPools holds every extent pool of the process, for Trim.
+var extentPools = newLockedSet[*Pool]()
 
 // ErrNoExtent: a block of a segment whose slots hold their data
 // themselves, where one of an extent pool's was due, or the reverse.
@@ -91,3 +95,7 @@ func (s *segment) closeExtent() error {
 	s.ext = nil
 	return err
 }
+
+// ExtentSize returns the bytes of the extent the block's slab keeps its
+// data in: its slots' capacity times their number.
+func (b *Block) ExtentSize() int64 { return int64(b.seg.nslots) * b.seg.cap }

@@ -116,8 +116,8 @@ func (c *storageCache) len() int {
 
 // registerBlock registers s as the storage of its block in this process,
 // unless a live storage is registered already: then it returns that one.
-func registerBlock(s *tensor.Storage) *tensor.Storage {
-	b, r := s.Block(), s.Ref()
+func registerBlock(s *tensor.Storage, b *mmapalloc.Block) *tensor.Storage {
+	r := s.Ref()
 	alive := func(u any) bool { return liveUser(u, s.Size()) != nil }
 	for {
 		u := b.SetUser(r, alive)
@@ -139,7 +139,7 @@ func liveUser(u any, size int64) *tensor.Storage {
 		return nil
 	}
 	s := r.Value()
-	if s == nil || s.Released() || s.Block() == nil || s.Size() != size {
+	if s == nil || s.Released() || s.Block() == nil && !s.Place().IsGPU() || s.Size() != size {
 		return nil
 	}
 	return s

@@ -317,9 +317,12 @@ func encodeTensor(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {
 // message's. The bytes are valid until the next tensor.
 func (w *fdWriter) tensor(t *tensor.Tensor) ([]byte, error) {
 	w.dims = slices.Grow(w.dims[:0], 2*t.Dim()) // room for reduce to fill
-	m, raw, l, err := reduce(t, w.dims, w.ticket)
+	m, raw, memFD, l, err := reduce(t, w.dims, w.ticket)
 	if err != nil {
 		return nil, err
+	}
+	if memFD >= 0 {
+		m.MemFD = w.addFD(memFD) // the slab's own: open while its block is held
 	}
 	if l != nil {
 		w.leases = append(w.leases, l)

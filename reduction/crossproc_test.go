@@ -105,18 +105,29 @@ func helperRebuildCheck() int {
 	return 0
 }
 
-func rebuildCheck() error {
+// helperInput returns the message a helper process was given: its bytes
+// on standard input, its descriptors from 3 on, as many as its first
+// argument says.
+func helperInput() ([]byte, []int, error) {
 	nfds, err := strconv.Atoi(os.Args[1])
 	if err != nil {
-		return err
+		return nil, nil, err
 	}
 	data, err := io.ReadAll(os.Stdin)
 	if err != nil {
-		return err
+		return nil, nil, err
 	}
 	fds := make([]int, nfds)
 	for i := range fds {
 		fds[i] = 3 + i
+	}
+	return data, fds, nil
+}
+
+func rebuildCheck() error {
+	data, fds, err := helperInput()
+	if err != nil {
+		return err
 	}
 	var b batch
 	if err := reduction.Unmarshal(data, fds, &b); err != nil {
@@ -203,11 +214,18 @@ func rebuildCheck() error {
 // for it.
 func runHelper(t *testing.T, data []byte, fds []int) {
 	t.Helper()
+	runHelperAs(t, "rebuild-check", data, fds)
+}
+
+// runHelperAs sends data and fds to a new helper process of the given
+// role and waits for it.
+func runHelperAs(t *testing.T, role string, data []byte, fds []int) {
+	t.Helper()
 	for _, fd := range fds {
 		f := os.NewFile(uintptr(fd), "segment") // runHelper owns fds
 		defer f.Close()
 	}
-	cmd, err := reexec.Command(context.Background(), "rebuild-check", strconv.Itoa(len(fds)))
+	cmd, err := reexec.Command(context.Background(), role, strconv.Itoa(len(fds)))
 	require.NoError(t, err)
 	// A worker belongs to its parent's session; segments of another
 	// session are refused.

@@ -14,29 +14,46 @@ import (
 // producer's memory alive.
 const tokenSize = 8
 
-// reduceGPU describes a GPU tensor by CUDA IPC. The export takes a
-// ticket on the allocation's token for the message.
-func reduceGPU(t *tensor.Tensor) (Meta, int, lease, error) {
+// reduceGPU describes a GPU tensor: a block of a device slab by its
+// ticket and the slab's descriptor (cuda_fd), else by CUDA IPC
+// (cuda_ipc), whose export takes a ticket on the allocation's token for
+// the message. memFD is the slab's descriptor, or -1; pinned is as for
+// reduce.
+func reduceGPU(t *tensor.Tensor, room []int, pinned *mmapalloc.Ticket) (m Meta, fd, memFD int, l lease, err error) {
 	s := t.Storage()
 	if s.Released() {
-		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
+		return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
 	}
 	buf, ok := s.Buffer().(*cuda.Buffer)
 	if !ok {
-		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: its memory is not a CUDA allocation: %w", t, ErrDeviceTensor)
+		return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: its memory is not a CUDA allocation: %w", t, ErrDeviceTensor)
 	}
-	m := Meta{
-		Version: Version, FD: -1, Block: -1,
-		Offset: t.Offset(), DType: t.DType(), Shape: t.Shape(), Strides: t.Strides(), LoD: t.LoD(),
-		Place: t.Place().String(),
-	}
+	m = viewMeta(t, room)
 	if t.Numel() == 0 {
-		m.Offset, m.Strides = 0, make([]int, len(m.Shape))
-		return m, -1, nil, nil
+		return m, -1, -1, nil, nil
+	}
+	sh, inSlab, err := buf.Share()
+	if err != nil {
+		return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
+	}
+	if inSlab {
+		b := sh.Block
+		tk := pinned
+		if !tk.Covers(b) {
+			if tk, err = b.Ticket(); err != nil {
+				return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
+			}
+			l = tk
+		}
+		m.Strategy = StrategyCUDAFD
+		m.Size, m.Segment, m.Block, m.Gen = s.Size(), b.Segment().Size(), b.Offset(), b.Gen()
+		m.setSegmentID(b.Segment().ID())
+		registerBlock(s, b)
+		return m, tk.FD(), sh.MemFD, l, nil
 	}
 	h, err := buf.Export()
 	if err != nil {
-		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
+		return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
 	}
 	seg := h.Token.Segment()
 	m.Strategy = StrategyCUDAIPC
@@ -44,9 +61,8 @@ func reduceGPU(t *tensor.Tensor) (Meta, int, lease, error) {
 	m.IPC, m.IPCEvent = h.Mem[:], h.Event[:]
 	m.Segment, m.Block, m.Gen = seg.Size(), h.Token.Offset(), h.Token.Gen()
 	storages.put(gpuKey(h.Mem, h.Offset), s)
-	return m, h.Ticket.FD(), h.Ticket, nil
+	return m, h.Ticket.FD(), -1, h.Ticket, nil
 }
-
 func gpuKey(h cuda.IPCMemHandle, off int64) cacheKey {
 	return cacheKey{name: "gpu:" + string(h[:]), off: off}
 }
@@ -96,4 +112,46 @@ func openGPU(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*te
 		return nil, err
 	}
 	return keep(key, tensor.NewDeviceStorage(p, m.Size, buf), made)
+}
+
+// openSlabBlock returns the storage of a GPU tensor in a block of a device
+// slab: this process's own when it has one for that block (the producer's
+// own, or one received before), else the block attached from the
+// message's ticket, in the slab imported from the message's descriptor
+// unless this process maps it already.
+func openSlabBlock(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
+	switch {
+	case m.Ino == 0 || m.Block < 0 || m.Size <= 0:
+		return nil, errors.New("cuda_fd metadata names no slab block")
+	case m.Name != "" || m.IPC != nil || m.IPCEvent != nil || m.DevOffset != 0:
+		return nil, errors.New("cuda_fd metadata carries a name or IPC handles")
+	}
+	// Both referenced, even when the storage is found without them.
+	if _, err := fds.fd(m.FD); err != nil {
+		return nil, err
+	}
+	if _, err := fds.fd(m.MemFD); err != nil {
+		return nil, fmt.Errorf("the slab's descriptor: %w", err)
+	}
+	if s := liveUser(mmapalloc.FindUser(m.segmentID(), m.Block, m.Gen), m.Size); s != nil {
+		if s.Place() != p {
+			return nil, fmt.Errorf("a block of %s named for a tensor on %s", s.Place(), p)
+		}
+		return s, nil
+	}
+	rt, err := cuda.Default()
+	if err != nil {
+		return nil, err
+	}
+	b, err := attachBlock(m, fds)
+	if err != nil {
+		return nil, err
+	}
+	buf, err := rt.ImportBlock(p.Index(), b, m.Size, func() (int, error) { return fds.fd(m.MemFD) })
+	if err != nil {
+		_ = b.Release()
+		return nil, err
+	}
+	s := tensor.NewDeviceStorage(p, m.Size, buf)
+	return kept(s, registerBlock(s, b), made)
 }

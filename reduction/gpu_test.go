@@ -15,8 +15,20 @@ import (
 )
 
 // gpuFake is the driver the GPU tests of this package run on; the fake
-// lets one process play producer and consumer.
-var gpuFake = cudafake.New(1)
+// lets one process play producer and consumer. Its device 0 exports its
+// memory as descriptors (device slabs, cuda_fd), its device 1 cannot
+// (legacy CUDA IPC, cuda_ipc), as an older driver's.
+var gpuFake = func() *cudafake.Driver {
+	d := cudafake.New(2)
+	d.SetFDExport(1, false)
+	return d
+}()
+
+// The devices of gpuFake, by how they share memory.
+var (
+	slabGPU   = device.GPU(0)
+	legacyGPU = device.GPU(1)
+)
 
 func useFakeGPU(t *testing.T) {
 	t.Helper()
@@ -26,7 +38,7 @@ func useFakeGPU(t *testing.T) {
 func TestGPUTensorThroughTheCodec(t *testing.T) {
 	useFakeGPU(t)
 	leakcheck.Check(t)
-	x, err := tensor.On(device.GPU(0)).Arange(tensor.Float32, 12)
+	x, err := tensor.On(legacyGPU).Arange(tensor.Float32, 12)
 	require.NoError(t, err)
 	m, err := x.Reshape(3, 4)
 	require.NoError(t, err)
@@ -48,11 +60,12 @@ func TestGPUTensorOpenedByAReceiver(t *testing.T) {
 	useFakeGPU(t)
 	leakcheck.Check(t)
 	live := gpuFake.Live()
-	x, err := tensor.On(device.GPU(0)).Full(tensor.Int32, 7, 8)
+	x, err := tensor.On(legacyGPU).Full(tensor.Int32, 7, 8)
 	require.NoError(t, err)
-	meta, fd, tok, err := reduce(x, nil, nil)
+	meta, fd, memFD, tok, err := reduce(x, nil, nil)
 	require.NoError(t, err)
 	require.NotNil(t, tok)
+	assert.Equal(t, -1, memFD)
 	assert.Equal(t, StrategyCUDAIPC, meta.Strategy)
 	assert.Equal(t, tok.(*mmapalloc.Ticket).FD(), fd, "the message carries the token's ticket")
 
@@ -66,7 +79,7 @@ func TestGPUTensorOpenedByAReceiver(t *testing.T) {
 	require.NoError(t, err)
 	tok.Done() // delivered: the receiver holds the token itself
 	assert.NotSame(t, x.Storage(), y.Storage())
-	assert.Equal(t, device.GPU(0), y.Place())
+	assert.Equal(t, legacyGPU, y.Place())
 	assert.True(t, tensor.Equal(x, y))
 	require.NoError(t, y.Storage().Buffer().Write([]byte{1, 0, 0, 0}, 0))
 	v, err := x.To(device.CPU())
@@ -83,4 +96,28 @@ func TestGPUTensorOpenedByAReceiver(t *testing.T) {
 	rt.CollectLimbo()
 	assert.Equal(t, live, gpuFake.Live(), "released everywhere: freed")
 	assert.Equal(t, 0, gpuFake.Opened())
+}
+
+// A GPU tensor in a device slab travels as its block's ticket and the
+// slab's descriptor; in the process that made it, it comes back as the
+// same storage.
+func TestGPUSlabTensorThroughTheCodec(t *testing.T) {
+	useFakeGPU(t)
+	leakcheck.Check(t)
+	x, err := tensor.On(slabGPU).Arange(tensor.Float32, 12)
+	require.NoError(t, err)
+	defer x.Release()
+	m, err := x.Reshape(3, 4)
+	require.NoError(t, err)
+	view, err := m.Narrow(0, 1, 2)
+	require.NoError(t, err)
+	data, fds, err := Marshal(map[string]*tensor.Tensor{"v": view, "again": x})
+	require.NoError(t, err)
+	require.Len(t, fds, 2, "one ticket and the slab's descriptor, for two tensors of one slab")
+	var got map[string]*tensor.Tensor
+	require.NoError(t, Unmarshal(data, fds, &got))
+	assert.Same(t, x.Storage(), got["v"].Storage(), "the producer's own process uses its memory directly")
+	assert.Same(t, x.Storage(), got["again"].Storage())
+	assert.Equal(t, int64(16), got["v"].Offset())
+	assert.True(t, tensor.Equal(view, got["v"]))
 }

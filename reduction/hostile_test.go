@@ -38,7 +38,7 @@ func dupFD(t testing.TB, fd int) int {
 // id, whose descriptor is the message's first.
 func validMeta(id mmapalloc.ID) Meta {
 	return Meta{
-		Version: Version, Strategy: "file_descriptor", FD: 0, Dev: id.Dev, Ino: id.Ino, Size: 4096, Block: -1,
+		Version: Version, Strategy: "file_descriptor", FD: 0, MemFD: -1, Dev: id.Dev, Ino: id.Ino, Size: 4096, Block: -1,
 		DType: tensor.Float32, Shape: []int{32, 32}, Strides: []int{32, 1}, Place: "cpu",
 	}
 }

@@ -14,7 +14,7 @@ import (
 // written and read by hand rather than by reflection: it is on the path of
 // every tensor sent, and the reader is simpler to make strict.
 
-const metaFields = 19
+const metaFields = 20
 
 // appendMeta appends m's msgpack encoding to b.
 func appendMeta(b []byte, m *Meta) []byte {
@@ -44,7 +44,8 @@ func appendMeta(b []byte, m *Meta) []byte {
 	b = appendString(b, m.Place)
 	b = appendBytes(b, m.IPC)
 	b = appendBytes(b, m.IPCEvent)
-	return appendInt(b, m.DevOffset)
+	b = appendInt(b, m.DevOffset)
+	return appendInt(b, int64(m.MemFD))
 }
 
 func appendBytes(b, v []byte) []byte {
@@ -454,6 +455,7 @@ func parseMeta(b []byte, room []int) (Meta, error) {
 	m.IPC = r.bytes()
 	m.IPCEvent = r.bytes()
 	m.DevOffset = r.int()
+	m.MemFD = r.small()
 	if r.err != nil {
 		return Meta{}, fmt.Errorf("decoding tensor metadata: %w", r.err)
 	}

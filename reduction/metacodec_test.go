@@ -59,7 +59,7 @@ func TestMetaCodecRoundTrip(t *testing.T) {
 }
 
 func TestMetaCodecRejects(t *testing.T) {
-	good := appendMeta(nil, &Meta{Version: Version, FD: -1, Block: -1, Shape: []int{2}, Strides: []int{1}, Place: "cpu"})
+	good := appendMeta(nil, &Meta{Version: Version, FD: -1, MemFD: -1, Block: -1, Shape: []int{2}, Strides: []int{1}, Place: "cpu"})
 	for name, b := range map[string][]byte{
 		"empty":          nil,
 		"not an array":   {0xc0},

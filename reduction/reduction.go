@@ -12,7 +12,7 @@ import (
 )
 
 // Version is the version of Meta this package writes and reads.
-const Version = 5
+const Version = 6
 
 // ErrDeviceTensor is returned for a tensor whose memory is not on the
 // CPU: device tensors cross processes through CUDA IPC, which this
@@ -48,10 +48,20 @@ type Meta struct {
 	IPC       []byte
 	IPCEvent  []byte
 	DevOffset int64
+
+	// cuda_fd: index in the message of the device slab's descriptor. FD,
+	// Dev, Ino, Segment, Block and Gen name the block as for a pooled CPU
+	// block; the slab's segment holds its slot table. Else -1.
+	MemFD int
 }
 
-// StrategyCUDAIPC is Meta.Strategy for a GPU tensor.
+// StrategyCUDAIPC is Meta.Strategy for a GPU tensor shared by CUDA IPC,
+// where the device cannot export its memory as descriptors.
 const StrategyCUDAIPC = "cuda_ipc"
+
+// StrategyCUDAFD is Meta.Strategy for a GPU tensor in a block of a device
+// slab, whose descriptor travels with the message.
+const StrategyCUDAFD = "cuda_fd"
 
 // Reduce turns t into metadata and the descriptors that must travel with
 // it, moving its storage into shared memory first if it is not there yet
@@ -65,17 +75,28 @@ const StrategyCUDAIPC = "cuda_ipc"
 // closing it unsent is how metadata that will never be rebuilt is
 // discarded.
 func Reduce(t *tensor.Tensor) (Meta, []int, error) {
-	m, fd, l, err := reduce(t, nil, nil)
+	m, fd, memFD, l, err := reduce(t, nil, nil)
 	if err != nil || fd < 0 {
 		return m, nil, err
 	}
-	own, err := mmapalloc.Dup(fd)
-	l.Done()
-	if err != nil {
-		return Meta{}, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
+	defer l.Done()
+	var fds []int
+	for _, raw := range []int{fd, memFD} {
+		if raw < 0 {
+			continue
+		}
+		own, err := mmapalloc.Dup(raw)
+		if err != nil {
+			closeAll(fds)
+			return Meta{}, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
+		}
+		fds = append(fds, own)
 	}
 	m.FD = 0
-	return m, []int{own}, nil
+	if memFD >= 0 {
+		m.MemFD = 1
+	}
+	return m, fds, nil
 }
 
 // reduce is Reduce returning the descriptor itself, or -1, and the lease
@@ -84,10 +105,17 @@ func Reduce(t *tensor.Tensor) (Meta, []int, error) {
 // and strides are appended to room (see viewMeta). pinned is a ticket the
 // message holds already, or nil: a block it covers is sent with it, and
 // reduce returns no lease of its own.
-func reduce(t *tensor.Tensor, room []int, pinned *mmapalloc.Ticket) (Meta, int, lease, error) {
+func reduce(t *tensor.Tensor, room []int, pinned *mmapalloc.Ticket) (Meta, int, int, lease, error) {
 	if t.Place().IsGPU() {
-		return reduceGPU(t)
+		return reduceGPU(t, room, pinned)
 	}
+	m, fd, l, err := reduceCPU(t, room, pinned)
+	return m, fd, -1, l, err
+}
+
+// reduceCPU is reduce for a tensor in CPU memory, whose message carries
+// one descriptor at most.
+func reduceCPU(t *tensor.Tensor, room []int, pinned *mmapalloc.Ticket) (Meta, int, lease, error) {
 	if !t.Place().IsCPU() {
 		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, ErrDeviceTensor)
 	}
@@ -119,7 +147,7 @@ func reduce(t *tensor.Tensor, room []int, pinned *mmapalloc.Ticket) (Meta, int, 
 			m.Strategy = string(strategy.FileDescriptor)
 			m.setSegmentID(seg.ID())
 		}
-		registerBlock(s)
+		registerBlock(s, b)
 		return m, tk.FD(), l, nil
 	}
 	a := s.Allocation()
@@ -152,6 +180,7 @@ func viewMeta(t *tensor.Tensor, room []int) Meta {
 	m := Meta{
 		Version: Version,
 		FD:      -1,
+		MemFD:   -1,
 		Block:   -1,
 		Offset:  t.Offset(),
 		DType:   t.DType(),
@@ -251,8 +280,11 @@ func rebuildTensor(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tenso
 	if !p.IsCPU() && !p.IsGPU() {
 		return nil, fmt.Errorf("place %s: %w", p, ErrDeviceTensor)
 	}
-	if p.IsGPU() != (m.Strategy == StrategyCUDAIPC) && m.Strategy != "" {
+	if p.IsGPU() != (m.Strategy == StrategyCUDAIPC || m.Strategy == StrategyCUDAFD) && m.Strategy != "" {
 		return nil, fmt.Errorf("strategy %q for a tensor on %s", m.Strategy, p)
+	}
+	if m.MemFD != -1 && m.Strategy != StrategyCUDAFD {
+		return nil, fmt.Errorf("metadata of strategy %q carries a device slab's descriptor", m.Strategy)
 	}
 	if m.Size < 0 {
 		return nil, fmt.Errorf("negative segment size %d", m.Size)
@@ -261,7 +293,7 @@ func rebuildTensor(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tenso
 		return nil, err
 	}
 
-	if (m.Dev != 0 || m.Ino != 0) && m.Strategy != string(strategy.FileDescriptor) {
+	if (m.Dev != 0 || m.Ino != 0) && m.Strategy != string(strategy.FileDescriptor) && m.Strategy != StrategyCUDAFD {
 		return nil, fmt.Errorf("metadata of strategy %q carries a file_descriptor segment's identity", m.Strategy)
 	}
 	var s *tensor.Storage
@@ -279,6 +311,8 @@ func rebuildTensor(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tenso
 		s = tensor.NewEmptySharedStorage()
 	case StrategyCUDAIPC:
 		s, err = openGPU(m, p, fds, made)
+	case StrategyCUDAFD:
+		s, err = openSlabBlock(m, p, fds, made)
 	case StrategyBody:
 		if m.Name != "" || m.Block != -1 || m.IPC != nil || m.IPCEvent != nil {
 			return nil, errors.New("body metadata names a segment")
@@ -368,19 +402,26 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 	if _, err := fds.fd(m.FD); err != nil { // referenced even when the storage is cached
 		return nil, err
 	}
-	id := m.segmentID()
-	return adoptBlock(mmapalloc.FindUser(id, m.Block, m.Gen), m, made, func() (*mmapalloc.Block, error) {
-		fd, covered := fds.ticket(m.FD, id)
-		b, err := mmapalloc.AttachMappedBlock(id, covered, m.Segment, m.Block, m.Size, m.Gen)
-		if !errors.Is(err, mmapalloc.ErrNotMapped) {
-			return b, err
-		}
-		st, err := checkedStat(m, fds)
-		if err != nil {
-			return nil, err
-		}
-		return mmapalloc.AttachBlock(fd, st, covered, m.Segment, m.Block, m.Size, m.Gen)
+	return adoptBlock(mmapalloc.FindUser(m.segmentID(), m.Block, m.Gen), m, made, func() (*mmapalloc.Block, error) {
+		return attachBlock(m, fds)
 	})
+}
+
+// attachBlock attaches the pooled block m names, by the segment's
+// identity if this process maps it already, else from the message's
+// ticket.
+func attachBlock(m Meta, fds fdSource) (*mmapalloc.Block, error) {
+	id := m.segmentID()
+	fd, covered := fds.ticket(m.FD, id)
+	b, err := mmapalloc.AttachMappedBlock(id, covered, m.Segment, m.Block, m.Size, m.Gen)
+	if !errors.Is(err, mmapalloc.ErrNotMapped) {
+		return b, err
+	}
+	st, err := checkedStat(m, fds)
+	if err != nil {
+		return nil, err
+	}
+	return mmapalloc.AttachBlock(fd, st, covered, m.Segment, m.Block, m.Size, m.Gen)
 }
 
 // segmentID is the identity of the file_descriptor segment m names.
@@ -449,8 +490,12 @@ func adoptBlock(found any, m Meta, made *[]*tensor.Storage, attach func() (*mmap
 	if err != nil {
 		return nil, err
 	}
+	if b.InExtent() {
+		_ = b.Release()
+		return nil, fmt.Errorf("a block of a device slab named for a CPU tensor: %w", mmapalloc.ErrNoExtent)
+	}
 	s := tensor.NewBlockStorage(b)
-	return kept(s, registerBlock(s), made)
+	return kept(s, registerBlock(s, b), made)
 }
 
 func openName(m Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {

@@ -22,6 +22,7 @@ import (
 func TestMain(m *testing.M) {
 	reexec.SkipRaceExitSleep()
 	reexec.Register("rebuild-check", helperRebuildCheck)
+	reexec.Register("rebuild-gpu", helperRebuildGPU)
 	reexec.Main()
 	code := m.Run()
 	// Gives the fake driver's contexts back, so that it removes the file
@@ -189,7 +190,7 @@ func receivedSegment(t *testing.T, n int) (*mmapalloc.Allocation, reduction.Meta
 	require.NoError(t, err)
 	t.Cleanup(func() { a.Close() })
 	return a, reduction.Meta{
-		Version: reduction.Version, Strategy: "file_descriptor", FD: 0, Dev: a.ID().Dev, Ino: a.ID().Ino, Size: int64(n) * 4, Block: -1,
+		Version: reduction.Version, Strategy: "file_descriptor", FD: 0, MemFD: -1, Dev: a.ID().Dev, Ino: a.ID().Ino, Size: int64(n) * 4, Block: -1,
 		DType: tensor.Float32, Shape: []int{n}, Strides: []int{1}, Place: "cpu",
 	}
 }

@@ -70,10 +70,13 @@ func init() {
 	reexec.Register("program.gpu-peer", programGPUPeer)
 }
 
-// exportOnFake makes this process export GPU memory on a fake driver, as
-// a process does that sends a GPU tensor: the driver makes its file.
+// exportOnFake makes this process export GPU memory on a fake driver by
+// legacy CUDA IPC, as a process does that sends a GPU tensor from a
+// device that cannot export descriptors: the driver makes its file.
 func exportOnFake() error {
-	cuda.UseDriver(cudafake.New(1))
+	d := cudafake.New(1)
+	d.SetFDExport(0, false)
+	cuda.UseDriver(d)
 	x, err := tensor.On(device.GPU(0)).Zeros(tensor.Uint8, 16)
 	if err != nil {
 		return err

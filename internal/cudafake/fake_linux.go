@@ -30,7 +30,7 @@ type Driver struct {
 	nextMem    cuda.MemHandle
 	reserved   map[cuda.DevicePtr]int64 // address reservations and their sizes
 	mapped     map[cuda.DevicePtr]*vmap
-	noFDExport bool
+	noFDExport map[int]bool // devices that say they cannot export descriptors
 
 	// shmFile is the file the real driver keeps in /dev/shm for the
 	// process's interprocess events, made with the first one and
@@ -54,6 +54,7 @@ func New(n int) *Driver {
 		allocs: map[cuda.DevicePtr]*alloc{}, next: 1 << 32, opened: map[cuda.DevicePtr]int{},
 		events: map[cuda.Event]int{}, nextEv: 1, Threads: map[int]map[int]bool{},
 		mems: map[cuda.MemHandle]*vmem{}, reserved: map[cuda.DevicePtr]int64{}, mapped: map[cuda.DevicePtr]*vmap{},
+		noFDExport: map[int]bool{},
 	}
 }
 

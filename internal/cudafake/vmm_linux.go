@@ -54,12 +54,13 @@ func (d *Driver) unref(m *vmem) {
 	}
 }
 
-// SetFDExport sets what FDExportSupported answers (true by default), to
-// test the path for devices that cannot export file descriptors.
-func (d *Driver) SetFDExport(ok bool) {
+// SetFDExport sets what FDExportSupported answers for dev (true by
+// default), to test the path for devices that cannot export descriptors,
+// which older drivers and some virtualised GPUs cannot.
+func (d *Driver) SetFDExport(dev int, ok bool) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	d.noFDExport = !ok
+	d.noFDExport[dev] = !ok
 }
 
 func (d *Driver) FDExportSupported(dev int) (bool, error) {
@@ -68,7 +69,7 @@ func (d *Driver) FDExportSupported(dev int) (bool, error) {
 	if dev < 0 || dev >= d.devices {
 		return false, fail("cuDeviceGet", 101, "CUDA_ERROR_INVALID_DEVICE")
 	}
-	return !d.noFDExport, nil
+	return !d.noFDExport[dev], nil
 }
 
 func (d *Driver) MemGranularity(dev int) (int64, error) {

@@ -1,0 +1,318 @@
+package cuda
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"sync"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/mmapalloc"
+)
+
+// Device slabs: GPU memory that travels as file descriptors.
+//
+// Where the driver can export an allocation as a POSIX file descriptor
+// (FDExportSupported), a device's buffers are blocks of pooled slabs, as
+// shared CPU memory is: an extent pool of mmapalloc (see
+// mmapalloc.NewExtentPool) whose slabs' data are device allocations made
+// with MemCreate, many small buffers to a slab and a large one in a slab
+// of its own, a released block reused once no process holds it. Each
+// slab's segment, a small sealed memfd, holds its slot table and names
+// it; the kernel counts who holds each block, by the locks on it, as for
+// a CPU block.
+//
+// A message that carries a buffer carries its block's ticket (the slab's
+// segment) and the slab's exported descriptor, in the same sendmsg. A
+// receiver imports and maps each slab once, the first time a message
+// names it, and keeps the descriptor so that it can send the slab on; a
+// message naming a slab it maps costs no driver call. The allocation
+// lives while any process holds a handle, a mapping or a descriptor of
+// it: a producer may exit, killed or not, before its message is taken,
+// and the memory goes with the last process, or message, to let it go.
+//
+// Before a buffer is described to another process, the work queued on
+// its device so far is waited for (Share): the receiver has nothing to
+// wait for, and no interprocess event, whose files the driver keeps in
+// /dev/shm, is needed.
+
+// EnvDeviceCache names the environment variable that bounds, in bytes,
+// the unused device memory a process keeps per device for reuse. The
+// default is 256 MiB.
+const EnvDeviceCache = "TENSORMP_GPU_CACHE"
+
+// deviceCache is what a device's pool keeps of unused slabs.
+var deviceCache = func() int64 {
+	if v, err := strconv.ParseInt(os.Getenv(EnvDeviceCache), 10, 64); err == nil && v >= 0 {
+		return v
+	}
+	return 256 << 20
+}()
+
+// slab is one device allocation in this process: a pool's, which it made
+// and exported, or a received one, imported and mapped. It is the
+// extent of its slab's segment (mmapalloc.Extent).
+type slab struct {
+	rt   *Runtime
+	dev  int
+	h    MemHandle
+	fd   int       // the allocation's descriptor: exported here, or the message's
+	ptr  DevicePtr // where it is mapped
+	size int64     // the bytes mapped: the allocation's, a multiple of the granularity
+	once sync.Once
+}
+
+// Close unmaps the slab and lets go of its handle and descriptor. It
+// runs on the device's executor while there is one; after the Runtime's
+// Close, on the calling thread: the virtual memory calls need no current
+// context, and what a block released late leaves is given back all the
+// same.
+func (s *slab) Close() error {
+	var err error
+	s.once.Do(func() {
+		release := func() error {
+			return errors.Join(s.rt.drv.MemUnmap(s.ptr, s.size), s.rt.drv.MemAddressFree(s.ptr, s.size), s.rt.drv.MemRelease(s.h))
+		}
+		e, xerr := s.rt.execs.Get(s.dev)
+		if xerr == nil {
+			xerr = e.Do(release)
+		}
+		if errors.Is(xerr, ErrStopped) {
+			xerr = release()
+		}
+		err = errors.Join(xerr, unix.Close(s.fd))
+	})
+	return err
+}
+
+// roundUp rounds n up to a multiple of g.
+func roundUp(n, g int64) int64 { return (n + g - 1) / g * g }
+
+// mapSlab maps allocation h of size bytes on device dev, for every access
+// of that device, and returns the slab, which owns h and fd from then on
+// (and closes them if it fails).
+func (r *Runtime) mapSlab(e *Executor, h MemHandle, fd int, size int64) (*slab, error) {
+	s := &slab{rt: r, dev: e.Device(), h: h, fd: fd, size: size}
+	err := e.Do(func() error {
+		p, err := r.drv.MemAddressReserve(size)
+		if err != nil {
+			return err
+		}
+		if err := r.drv.MemMap(p, size, h); err != nil {
+			_ = r.drv.MemAddressFree(p, size)
+			return err
+		}
+		if err := r.drv.MemSetAccess(p, size, e.Device()); err != nil {
+			_ = r.drv.MemUnmap(p, size)
+			_ = r.drv.MemAddressFree(p, size)
+			return err
+		}
+		s.ptr = p
+		return nil
+	})
+	if err != nil {
+		_ = e.Do(func() error { return r.drv.MemRelease(h) })
+		_ = unix.Close(fd)
+		return nil, err
+	}
+	return s, nil
+}
+
+// newSlab makes a slab of at least n bytes on device dev: the extent of a
+// new segment of dev's pool.
+func (r *Runtime) newSlab(dev int, n int64) (mmapalloc.Extent, error) {
+	e, err := r.execs.Get(dev)
+	if err != nil {
+		return nil, err
+	}
+	g, err := r.drv.MemGranularity(dev)
+	if err != nil {
+		return nil, fmt.Errorf("cuda: the allocation granularity of gpu:%d: %w", dev, err)
+	}
+	size := roundUp(n, g)
+	var h MemHandle
+	fd := -1
+	err = e.Do(func() error {
+		var err error
+		if h, err = r.drv.MemCreate(dev, size); err != nil {
+			return err
+		}
+		if fd, err = r.drv.MemExportFD(h); err != nil {
+			_ = r.drv.MemRelease(h)
+			return err
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("cuda: making a slab of %d bytes on gpu:%d: %w", size, dev, err)
+	}
+	return r.mapSlab(e, h, fd, size)
+}
+
+// pool returns device dev's pool of slabs, or nil when the device cannot
+// export allocations as descriptors (then buffers are allocated one by
+// one and travel by legacy CUDA IPC).
+func (r *Runtime) pool(dev int) (*mmapalloc.Pool, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if p, ok := r.pools[dev]; ok {
+		return p, nil
+	}
+	ok, err := r.drv.FDExportSupported(dev)
+	if err != nil {
+		return nil, fmt.Errorf("cuda: asking gpu:%d whether it exports descriptors: %w", dev, err)
+	}
+	var p *mmapalloc.Pool
+	if ok {
+		p = mmapalloc.NewExtentPool(deviceCache, func(n int64) (mmapalloc.Extent, error) { return r.newSlab(dev, n) })
+	}
+	r.pools[dev] = p
+	return p, nil
+}
+
+// FDShared reports whether buffers on device dev are slabs that travel
+// as descriptors (else by legacy CUDA IPC).
+func (r *Runtime) FDShared(dev int) (bool, error) {
+	p, err := r.pool(dev)
+	return p != nil, err
+}
+
+// allocBlock returns n bytes in a block of device dev's pool p.
+func (r *Runtime) allocBlock(p *mmapalloc.Pool, dev int, n int64) (*Buffer, error) {
+	blk, err := p.Alloc(n)
+	if err != nil {
+		return nil, fmt.Errorf("cuda: allocating %d bytes on gpu:%d: %w", n, dev, err)
+	}
+	s := blk.Extent().(*slab)
+	return &Buffer{rt: r, dev: dev, ptr: s.ptr + DevicePtr(blk.Offset()), size: n, block: blk}, nil
+}
+
+// SlabShare is what a message carries of a buffer in a device slab: its
+// block, whose ticket holds it in flight and whose segment names the
+// slab, and the slab's descriptor, which stays the buffer's.
+type SlabShare struct {
+	Device int
+	Block  *mmapalloc.Block
+	MemFD  int
+}
+
+// Share describes b, a buffer in a device slab, to another process, once
+// the work queued on its device so far is done. ok is false for a buffer
+// that is not in a slab (see FDShared): it travels by Export.
+func (b *Buffer) Share() (sh SlabShare, ok bool, err error) {
+	if b.block == nil {
+		return SlabShare{}, false, nil
+	}
+	if b.freed.Load() {
+		return SlabShare{}, true, errors.New("cuda: sharing a freed buffer")
+	}
+	e, err := b.exec()
+	if err != nil {
+		return SlabShare{}, true, err
+	}
+	if err := e.Do(b.rt.drv.Synchronize); err != nil {
+		return SlabShare{}, true, fmt.Errorf("cuda: waiting for the work on gpu:%d before sending: %w", b.dev, err)
+	}
+	s, _ := b.block.Extent().(*slab)
+	if s == nil {
+		return SlabShare{}, true, errors.New("cuda: a buffer whose slab is gone")
+	}
+	return SlabShare{Device: b.dev, Block: b.block, MemFD: s.fd}, true, nil
+}
+
+// ImportBlock returns the buffer of size bytes that blk, a block of a
+// device slab this process received (attached from the message's
+// ticket), holds on device dev; the buffer takes blk over, and its Free
+// releases it. The first block of a slab imports and maps the slab, from
+// the descriptor memFD returns, which stays the caller's; the others find
+// it mapped. A descriptor that is no allocation of dev's, or one smaller
+// than the slab's table says, is an error, and nothing is mapped.
+func (r *Runtime) ImportBlock(dev int, blk *mmapalloc.Block, size int64, memFD func() (int, error)) (*Buffer, error) {
+	if !blk.InExtent() {
+		return nil, fmt.Errorf("cuda: importing a block of gpu:%d: %w", dev, mmapalloc.ErrNoExtent)
+	}
+	if size <= 0 || size > blk.Size() {
+		return nil, fmt.Errorf("cuda: importing %d bytes of a block of %d", size, blk.Size())
+	}
+	s, _ := blk.Extent().(*slab)
+	if s == nil {
+		fd, err := memFD()
+		if err != nil {
+			return nil, err
+		}
+		if s, err = r.importSlab(dev, fd, blk.ExtentSize()); err != nil {
+			return nil, err
+		}
+		x, err := blk.SetExtent(s)
+		if err != nil {
+			_ = s.Close()
+			return nil, err
+		}
+		if x != mmapalloc.Extent(s) {
+			_ = s.Close() // another goroutine mapped it first
+		}
+		s, _ = x.(*slab)
+	}
+	if s == nil || s.dev != dev {
+		return nil, fmt.Errorf("cuda: a block of gpu:%d in a slab mapped for another device", dev)
+	}
+	return &Buffer{rt: r, dev: dev, ptr: s.ptr + DevicePtr(blk.Offset()), size: size, block: blk, received: true}, nil
+}
+
+// importSlab imports and maps the allocation fd describes, which must be
+// one of device dev's, exportable as a descriptor, of at least n bytes.
+func (r *Runtime) importSlab(dev int, fd int, n int64) (*slab, error) {
+	e, err := r.execs.Get(dev)
+	if err != nil {
+		return nil, err
+	}
+	g, err := r.drv.MemGranularity(dev)
+	if err != nil {
+		return nil, fmt.Errorf("cuda: the allocation granularity of gpu:%d: %w", dev, err)
+	}
+	own, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("cuda: keeping a slab's descriptor: %w", err)
+	}
+	var h MemHandle
+	err = e.Do(func() error {
+		var err error
+		if h, err = r.drv.MemImportFD(own); err != nil {
+			return err
+		}
+		d, exportable, err := r.drv.MemDevice(h)
+		if err == nil && (d != dev || !exportable) {
+			err = fmt.Errorf("an allocation of device %d (exportable as a descriptor: %v), not of gpu:%d", d, exportable, dev)
+		}
+		if err != nil {
+			_ = r.drv.MemRelease(h)
+		}
+		return err
+	})
+	if err != nil {
+		_ = unix.Close(own)
+		return nil, fmt.Errorf("cuda: importing a slab of gpu:%d: %w", dev, err)
+	}
+	s, err := r.mapSlab(e, h, own, roundUp(n, g))
+	if err != nil {
+		return nil, fmt.Errorf("cuda: mapping a slab of %d bytes on gpu:%d: %w", roundUp(n, g), dev, err)
+	}
+	return s, nil
+}
+
+// trimSlabs closes the unused slabs every device's pool keeps for reuse.
+func (r *Runtime) trimSlabs() {
+	r.mu.Lock()
+	pools := make([]*mmapalloc.Pool, 0, len(r.pools))
+	for _, p := range r.pools {
+		if p != nil {
+			pools = append(pools, p)
+		}
+	}
+	r.mu.Unlock()
+	for _, p := range pools {
+		p.Trim(0)
+	}
+}

@@ -1,0 +1,211 @@
+//go:build linux
+
+package cuda_test
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/cuda"
+	"github.com/tensormp/tensormp/internal/cudafake"
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/mmapalloc"
+)
+
+// slabRuntime returns a Runtime on a fake of n devices that export their
+// memory as descriptors, closed when t ends.
+func slabRuntime(t *testing.T, n int) (*cuda.Runtime, *cudafake.Driver) {
+	t.Helper()
+	drv := cudafake.New(n)
+	rt := cuda.NewRuntime(drv)
+	t.Cleanup(rt.Close)
+	return rt, drv
+}
+
+// Small buffers share a slab, a device allocation made once; each is
+// cleared, and what one writes the others do not see. Closing the
+// Runtime gives the unused slabs back.
+func TestSlabsPackBuffers(t *testing.T) {
+	leakcheck.Check(t)
+	rt, drv := slabRuntime(t, 1)
+	ok, err := rt.FDShared(0)
+	require.NoError(t, err)
+	require.True(t, ok)
+	var bufs []*cuda.Buffer
+	for i := range 100 {
+		b, err := rt.Alloc(0, 4<<10)
+		require.NoError(t, err)
+		got := make([]byte, 4<<10)
+		require.NoError(t, b.Read(got, 0))
+		require.Equal(t, make([]byte, 4<<10), got, "buffer %d is cleared", i)
+		require.NoError(t, b.Write([]byte{byte(i)}, 0))
+		bufs = append(bufs, b)
+	}
+	assert.Equal(t, 1, drv.MemHandles(), "100 buffers of 4 KiB in one slab")
+	for i, b := range bufs {
+		got := []byte{0}
+		require.NoError(t, b.Read(got, 0))
+		assert.Equal(t, byte(i), got[0])
+		require.NoError(t, b.Free())
+	}
+	rt.Close()
+	assert.Zero(t, drv.MemHandles(), "the unused slab is given back")
+	assert.Zero(t, drv.Mapped())
+}
+
+// share sends b as a message would: it returns a ticket descriptor of its
+// block, as the receiver gets it, and the message's copy of the slab's
+// descriptor.
+func share(t *testing.T, b *cuda.Buffer) (sh cuda.SlabShare, ticket, memFD int) {
+	t.Helper()
+	sh, ok, err := b.Share()
+	require.NoError(t, err)
+	require.True(t, ok)
+	tk, err := sh.Block.Ticket()
+	require.NoError(t, err)
+	ticket, err = unix.Dup(tk.FD())
+	require.NoError(t, err)
+	tk.Done()
+	memFD, err = unix.Dup(sh.MemFD)
+	require.NoError(t, err)
+	return sh, ticket, memFD
+}
+
+// receive attaches the block a message named, as a receiver does.
+func receive(t *testing.T, sh cuda.SlabShare, ticket int) *mmapalloc.Block {
+	t.Helper()
+	st, err := mmapalloc.StatFile(ticket)
+	require.NoError(t, err)
+	b := sh.Block
+	blk, err := mmapalloc.AttachBlock(ticket, st, false, b.Segment().Size(), b.Offset(), b.Size(), b.Gen())
+	require.NoError(t, err)
+	return blk
+}
+
+// A receiver imports a slab once, from the message's descriptor, and
+// sees and writes the producer's bytes; a second block of the slab costs
+// no import. The slab's memory lives while the receiver maps it, after
+// the producer has let go of it.
+func TestImportBlock(t *testing.T) {
+	leakcheck.Check(t)
+	rt, drv := slabRuntime(t, 1)
+	recv, rdrv := slabRuntime(t, 1) // another process's state, in this one
+	a, err := rt.Alloc(0, 64)
+	require.NoError(t, err)
+	b, err := rt.Alloc(0, 64)
+	require.NoError(t, err)
+	require.NoError(t, a.Write([]byte("alpha"), 0))
+	require.NoError(t, b.Write([]byte("beta"), 0))
+
+	sa, ta, fa := share(t, a)
+	sb, tb, fb := share(t, b)
+	imports := 0
+	memFD := func(fd int) func() (int, error) {
+		return func() (int, error) { imports++; return fd, nil }
+	}
+	ra, err := recv.ImportBlock(0, receive(t, sa, ta), 64, memFD(fa))
+	require.NoError(t, err)
+	rb, err := recv.ImportBlock(0, receive(t, sb, tb), 64, memFD(fb))
+	require.NoError(t, err)
+	for _, fd := range []int{ta, tb, fa, fb} {
+		require.NoError(t, unix.Close(fd)) // the message is taken
+	}
+	assert.Equal(t, 1, imports, "one import for two blocks of one slab")
+	assert.Equal(t, 1, rdrv.MemHandles())
+	got := make([]byte, 5)
+	require.NoError(t, ra.Read(got, 0))
+	assert.Equal(t, "alpha", string(got))
+	require.NoError(t, rb.Read(got[:4], 0))
+	assert.Equal(t, "beta", string(got[:4]))
+	require.NoError(t, rb.Write([]byte("BETA"), 0))
+	require.NoError(t, b.Read(got[:4], 0))
+	assert.Equal(t, "BETA", string(got[:4]), "the producer sees the receiver's write")
+
+	// The producer lets go of its buffers: its slab, whose blocks the
+	// receiver holds, stays the pool's until the receiver lets go too.
+	require.NoError(t, a.Free())
+	require.NoError(t, b.Free())
+	mmapalloc.Trim()
+	assert.Equal(t, 1, drv.MemHandles(), "a slab another process holds blocks of is kept")
+	require.NoError(t, ra.Read(got, 0))
+	assert.Equal(t, "alpha", string(got))
+	require.NoError(t, ra.Free())
+	require.NoError(t, rb.Free())
+	require.Eventually(t, func() bool {
+		mmapalloc.Trim()
+		return rdrv.MemHandles() == 0 && drv.MemHandles() == 0
+	}, 5*time.Second, time.Millisecond, "the slab goes once nobody holds a block of it")
+	assert.Zero(t, rdrv.Mapped())
+	assert.Zero(t, drv.Mapped())
+}
+
+// What a message names as a block of a device slab is checked before
+// anything is mapped: a descriptor that is no allocation, one of another
+// device, one smaller than the slab, and a block of a CPU segment are
+// errors, and the receiver holds nothing afterwards.
+func TestImportBlockRefusesWhatIsNoSlab(t *testing.T) {
+	leakcheck.Check(t)
+	rt, _ := slabRuntime(t, 2)
+	recv, rdrv := slabRuntime(t, 2)
+	small, err := rt.Alloc(0, 64) // in a slab of 2 MiB
+	require.NoError(t, err)
+	defer small.Free()
+	large, err := rt.Alloc(0, 17<<20) // in a slab of its own, over 16 MiB
+	require.NoError(t, err)
+	defer large.Free()
+	other, err := rt.Alloc(1, 64)
+	require.NoError(t, err)
+	defer other.Free()
+	_, smallTicket, smallFD := share(t, small)
+	require.NoError(t, unix.Close(smallTicket)) // only the slab's descriptor is wanted
+	defer unix.Close(smallFD)
+	_, otherTicket, otherFD := share(t, other)
+	require.NoError(t, unix.Close(otherTicket))
+	defer unix.Close(otherFD)
+	var p [2]int
+	require.NoError(t, unix.Pipe2(p[:], unix.O_CLOEXEC))
+	defer unix.Close(p[0])
+	defer unix.Close(p[1])
+
+	for _, c := range []struct {
+		name  string
+		buf   *cuda.Buffer
+		memFD int
+		want  string
+	}{
+		{"a pipe", small, p[0], "importing a slab of gpu:0"},
+		{"another device's allocation", small, otherFD, "not of gpu:0"},
+		{"an allocation smaller than the slab", large, smallFD, "mapping a slab"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			sh, ticket, memFD := share(t, c.buf)
+			defer unix.Close(ticket)
+			require.NoError(t, unix.Close(memFD))
+			blk := receive(t, sh, ticket)
+			_, err := recv.ImportBlock(0, blk, sh.Block.Size(), func() (int, error) { return c.memFD, nil })
+			require.ErrorContains(t, err, c.want)
+			require.NoError(t, blk.Release())
+			assert.Zero(t, rdrv.MemHandles(), "nothing imported stays")
+			assert.Zero(t, rdrv.Mapped(), "nothing mapped stays")
+		})
+	}
+
+	cpu, err := mmapalloc.DefaultPool().Alloc(64)
+	require.NoError(t, err)
+	defer cpu.Release()
+	tk, err := cpu.Ticket()
+	require.NoError(t, err)
+	defer tk.Done()
+	st, err := mmapalloc.StatFile(tk.FD())
+	require.NoError(t, err)
+	blk, err := mmapalloc.AttachBlock(tk.FD(), st, false, cpu.Segment().Size(), cpu.Offset(), 64, cpu.Gen())
+	require.NoError(t, err)
+	defer blk.Release()
+	_, err = recv.ImportBlock(0, blk, 64, func() (int, error) { return smallFD, nil })
+	assert.ErrorIs(t, err, mmapalloc.ErrNoExtent, "a block of a CPU segment")
+	assert.Zero(t, rdrv.MemHandles())
+}
