@@ -297,55 +297,49 @@ func (d *Driver) MemHandles() int {
 	return len(d.mems)
 }
 
-// Holders returns the processes that hold fake device memory now, by
-// descriptor or mapping, and how many bytes of distinct allocations they
-// hold between them: what the real driver's used memory would show.
-func Holders() (pids []int, bytes int64, err error) {
-	dirs, err := os.ReadDir("/proc")
-	if err != nil {
-		return nil, 0, err
-	}
+// Held returns how many bytes of fake device memory the processes pids
+// hold between them now, by descriptor or mapping, each allocation
+// counted once: what the real driver's used memory would show of them.
+func Held(pids ...int) int64 {
 	seen := map[uint64]bool{}
-	for _, e := range dirs {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
+	var bytes int64
+	for _, pid := range pids {
+		bytes += held(pid, seen)
+	}
+	return bytes
+}
+
+// held returns the bytes of the allocations process pid holds that are
+// not in seen, and adds them to it.
+func held(pid int, seen map[uint64]bool) int64 {
+	var bytes int64
+	fds, _ := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	for _, f := range fds {
+		path := fmt.Sprintf("/proc/%d/fd/%s", pid, f.Name())
+		if target, err := os.Readlink(path); err == nil && strings.HasPrefix(target, "/memfd:"+MemFDPrefix) {
+			var st unix.Stat_t
+			if unix.Stat(path, &st) == nil && !seen[st.Ino] {
+				seen[st.Ino] = true
+				bytes += st.Size
+			}
+		}
+	}
+	maps, err := os.ReadFile(fmt.Sprintf("/proc/%d/maps", pid))
+	if err != nil {
+		return bytes
+	}
+	for line := range strings.Lines(string(maps)) {
+		f := strings.Fields(line)
+		if len(f) < 6 || !strings.HasPrefix(f[5], "/memfd:"+MemFDPrefix) {
 			continue
 		}
-		held := false
-		fds, _ := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
-		for _, f := range fds {
-			path := fmt.Sprintf("/proc/%d/fd/%s", pid, f.Name())
-			if target, err := os.Readlink(path); err == nil && strings.HasPrefix(target, "/memfd:"+MemFDPrefix) {
-				held = true
-				var st unix.Stat_t
-				if unix.Stat(path, &st) == nil && !seen[st.Ino] {
-					seen[st.Ino] = true
-					bytes += st.Size
-				}
-			}
-		}
-		if maps, err := os.ReadFile(fmt.Sprintf("/proc/%d/maps", pid)); err == nil {
-			for line := range strings.Lines(string(maps)) {
-				if !strings.Contains(line, "/memfd:"+MemFDPrefix) {
-					continue
-				}
-				held = true
-				f := strings.Fields(line)
-				if len(f) < 5 {
-					continue
-				}
-				ino, _ := strconv.ParseUint(f[4], 10, 64)
-				if !seen[ino] {
-					seen[ino] = true
-					var lo, hi uint64
-					_, _ = fmt.Sscanf(f[0], "%x-%x", &lo, &hi)
-					bytes += int64(hi - lo)
-				}
-			}
-		}
-		if held {
-			pids = append(pids, pid)
+		ino, _ := strconv.ParseUint(f[4], 10, 64)
+		if !seen[ino] {
+			seen[ino] = true
+			var lo, hi uint64
+			_, _ = fmt.Sscanf(f[0], "%x-%x", &lo, &hi)
+			bytes += int64(hi - lo)
 		}
 	}
-	return pids, bytes, nil
+	return bytes
 }

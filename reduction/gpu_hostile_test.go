@@ -1,0 +1,196 @@
+package reduction
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/cuda"
+	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// slabMessage is a message carrying a GPU tensor of n int32s in a device
+// slab of the fake's device 0, as another process would receive it: the
+// tensor is released here, so that the receiver finds no storage of its
+// own and imports the slab. It returns the message's Meta and its two
+// descriptors, the block's ticket and the slab's, which are the caller's.
+func slabMessage(t testing.TB, n int) (Meta, [2]int) {
+	t.Helper()
+	x, err := tensor.On(slabGPU).Arange(tensor.Int32, n)
+	require.NoError(t, err)
+	return messageOf(t, x)
+}
+
+// messageOf is slabMessage for x, which it releases.
+func messageOf(t testing.TB, x *tensor.Tensor) (Meta, [2]int) {
+	t.Helper()
+	m, fds, err := Reduce(x)
+	require.NoError(t, err)
+	require.NoError(t, x.Release())
+	require.Len(t, fds, 2)
+	require.Equal(t, StrategyCUDAFD, m.Strategy)
+	return m, [2]int{fds[0], fds[1]}
+}
+
+// A received slab is imported from the message's descriptor, once.
+func TestGPUSlabImportedFromTheMessage(t *testing.T) {
+	useFakeGPU(t)
+	leakcheck.Check(t)
+	handles := gpuFake.MemHandles()
+	m, fds := slabMessage(t, 256)
+	x, err := Rebuild(m, fds[:])
+	require.NoError(t, err)
+	closeFDs(fds[:])
+	assert.Equal(t, handles+2, gpuFake.MemHandles(), "the producer's slab, and the receiver's import of it")
+	want, err := tensor.Arange(tensor.Int32, 256)
+	require.NoError(t, err)
+	host, err := x.To(device.CPU())
+	require.NoError(t, err)
+	assert.True(t, tensor.Equal(host, want))
+	require.NoError(t, x.Release())
+}
+
+func closeFDs(fds []int) {
+	for _, fd := range fds {
+		_ = unix.Close(fd)
+	}
+}
+
+// What is not the slab a cuda_fd tensor names is a clear error: a slab
+// descriptor that is no allocation, another device's, one smaller than
+// the slab; a ticket of another segment; a block outside the slab. Each
+// closes every descriptor and maps nothing.
+func TestHostileSlabMessages(t *testing.T) {
+	useFakeGPU(t)
+	leakcheck.Check(t)
+	var pipe [2]int
+	require.NoError(t, unix.Pipe2(pipe[:], unix.O_CLOEXEC))
+	defer closeFDs(pipe[:])
+	memfd, err := unix.MemfdCreate("not-an-allocation", unix.MFD_CLOEXEC)
+	require.NoError(t, err)
+	defer unix.Close(memfd)
+	require.NoError(t, unix.Ftruncate(memfd, 2<<20))
+	cpu, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
+	require.NoError(t, err)
+	defer cpu.Close()
+	legacy, err := tensor.On(legacyGPU).Zeros(tensor.Uint8, 16)
+	require.NoError(t, err)
+	defer legacy.Release()
+
+	for _, c := range []struct {
+		name string
+		edit func(m *Meta, fds *[2]int)
+		want string
+	}{
+		{"a pipe for the slab", func(m *Meta, fds *[2]int) { swap(t, &fds[1], pipe[0]) }, "importing a slab"},
+		{"a memfd for the slab", func(m *Meta, fds *[2]int) { swap(t, &fds[1], memfd) }, "importing a slab"},
+		{"a CPU segment for the slab", func(m *Meta, fds *[2]int) { swap(t, &fds[1], cpu.FD()) }, "importing a slab"},
+		{"the slab for the ticket", func(m *Meta, fds *[2]int) { swap(t, &fds[0], fds[1]) }, "descriptor 0 is of segment"},
+		{"a CPU segment for the ticket", func(m *Meta, fds *[2]int) { swap(t, &fds[0], cpu.FD()) }, "descriptor 0 is of segment"},
+		{"a slab of another size", func(m *Meta, fds *[2]int) {
+			// The block of a slab of its own, over 16 MiB, with the
+			// small slab's descriptor.
+			large, err := tensor.On(slabGPU).Zeros(tensor.Uint8, 17<<20)
+			require.NoError(t, err)
+			lm, lfds := messageOf(t, large)
+			*m = lm
+			swap(t, &fds[0], lfds[0])
+			closeFDs(lfds[:])
+		}, "mapping a slab"},
+		{"a block outside the slab", func(m *Meta, fds *[2]int) { m.Block = 1 << 40 }, "is not a slot"},
+		{"a size beyond the block", func(m *Meta, fds *[2]int) { m.Size, m.Shape = 1<<20, []int{1 << 18} }, "not a slot"},
+		{"no slab descriptor", func(m *Meta, fds *[2]int) { m.MemFD = 2 }, "slab's descriptor"},
+		{"a slab descriptor on a CPU tensor", func(m *Meta, fds *[2]int) { m.Place = "cpu" }, `strategy "cuda_fd" for a tensor on cpu`},
+		{"a slab descriptor for cuda_ipc", func(m *Meta, fds *[2]int) { m.Strategy = StrategyCUDAIPC }, "carries a device slab's descriptor"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			mmapalloc.Trim()
+			base, handles, mapped := leakcheck.Count(), gpuFake.MemHandles(), gpuFake.Mapped()
+			m, fds := slabMessage(t, 256)
+			c.edit(&m, &fds)
+			var x *tensor.Tensor
+			err := NewDecoder().Decode(extMessage(t, m), fds[:], &x)
+			require.Error(t, err)
+			assert.ErrorContains(t, err, c.want)
+			// The producer's slab, held by nothing now, goes with the
+			// trim, and so does what the receiver keeps for reuse.
+			var fdsNow, handlesNow, mappedNow int
+			assert.Eventually(t, func() bool {
+				mmapalloc.Trim()
+				fdsNow, handlesNow, mappedNow = leakcheck.Count(), gpuFake.MemHandles(), gpuFake.Mapped()
+				return fdsNow <= base && handlesNow <= handles && mappedNow <= mapped
+			}, 5*time.Second, time.Millisecond, "every descriptor of the message closed, nothing imported or mapped stays: "+
+				"descriptors %d -> %d, handles %d -> %d, mappings %d -> %d", base, fdsNow, handles, handlesNow, mapped, mappedNow)
+		})
+	}
+}
+
+// swap replaces *fd, a message's descriptor, by a duplicate of other.
+func swap(t testing.TB, fd *int, other int) {
+	t.Helper()
+	require.NoError(t, unix.Close(*fd))
+	*fd = dupFD(t, other)
+}
+
+// FuzzUnmarshalGPU decodes arbitrary bytes with descriptors of a device
+// slab's message, and of other kinds, in any order: whatever the input,
+// no panic, every descriptor owned by a rebuilt tensor or closed, and
+// nothing of the fake device left imported once the results are released.
+func FuzzUnmarshalGPU(f *testing.F) {
+	cuda.UseDriver(gpuFake)
+	m, fds := slabMessage(f, 64)
+	msg := extMessage(f, m)
+	closeFDs(fds[:])
+	f.Add(msg, []byte{0, 1})
+	f.Add(msg, []byte{1, 0})
+	f.Add(msg, []byte{0, 2})
+	f.Add(msg, []byte{0, 3})
+	f.Add(msg, []byte{0})
+	legacy := m
+	legacy.Strategy, legacy.MemFD, legacy.Dev, legacy.Ino = StrategyCUDAIPC, -1, 0, 0
+	f.Add(extMessage(f, legacy), []byte{0})
+	var pipe [2]int
+	require.NoError(f, unix.Pipe2(pipe[:], unix.O_CLOEXEC))
+	f.Cleanup(func() { closeFDs(pipe[:]) })
+	mmapalloc.Trim()
+	base := leakcheck.Count()
+	handles, mapped := gpuFake.MemHandles(), gpuFake.Mapped()
+
+	f.Fuzz(func(t *testing.T, data []byte, kinds []byte) {
+		_, msgFDs := slabMessage(t, 64)
+		var fds []int
+		for _, k := range kinds[:min(len(kinds), 4)] {
+			switch k % 4 {
+			case 0, 1:
+				fds = append(fds, dupFD(t, msgFDs[k%2]))
+			case 2:
+				fds = append(fds, dupFD(t, pipe[0]))
+			case 3:
+				fds = append(fds, dupFD(t, pipe[1]))
+			}
+		}
+		closeFDs(msgFDs[:])
+		var v any
+		if err := Unmarshal(data, fds, &v); err == nil {
+			releaseAll(v)
+		}
+		// What the producer's pool and the receiver keep for reuse goes
+		// with the trim, once the receiver's holds are settled.
+		for deadline := time.Now().Add(time.Second); ; time.Sleep(time.Millisecond) {
+			mmapalloc.Trim()
+			n, h, m := leakcheck.Count(), gpuFake.MemHandles(), gpuFake.Mapped()
+			if n == base && h == handles && m == mapped {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("descriptors %d, device handles %d, mappings %d before; %d, %d, %d after", base, handles, mapped, n, h, m)
+			}
+		}
+	})
+}
