@@ -1,0 +1,435 @@
+//go:build cgo && linux
+
+package tests
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strconv"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tensormp/tensormp/cuda"
+	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/cudafake"
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/mp"
+	"github.com/tensormp/tensormp/strategy"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// GPU tensors in device slabs across real processes, on the fake driver,
+// whose allocations are memfds that processes share as a GPU's: every
+// process of these programs, and of their workers, uses it. Each program
+// prints "ok" once what it checks holds, else "error ...".
+
+type slabArgs struct {
+	In, Out, Ack *mp.Queue
+	N            int
+}
+
+func init() {
+	reexec.Register("program.gpufd", programGPUFD)
+	// gpufd.put puts a GPU tensor of 1 MiB of sevens on Out and exits,
+	// or, with Ack, waits for a word first.
+	mp.Register("gpufd.put", func(ctx context.Context, w *mp.Worker) error {
+		useFakeGPU()
+		var a slabArgs
+		if err := w.Args(&a); err != nil {
+			return err
+		}
+		x, err := tensor.On(device.GPU(0)).Full(tensor.Float32, 7, 1<<18)
+		if err != nil {
+			return err
+		}
+		if err := a.Out.Put(ctx, x); err != nil {
+			return err
+		}
+		if err := x.Release(); err != nil {
+			return err
+		}
+		if a.Ack != nil {
+			return a.Ack.Get(ctx, new(string))
+		}
+		return nil
+	})
+	// gpufd.hold takes N GPU tensors from In, holds them, says so with
+	// the number of descriptors it holds more than when it started, and
+	// waits to be killed or told to let go.
+	mp.Register("gpufd.hold", func(ctx context.Context, w *mp.Worker) error {
+		useFakeGPU()
+		var a slabArgs
+		if err := w.Args(&a); err != nil {
+			return err
+		}
+		before := leakcheck.Count()
+		var held []*tensor.Tensor
+		for len(held) < a.N {
+			var err error
+			if held, err = mp.GetMany(ctx, a.In, held); err != nil {
+				return err
+			}
+		}
+		if err := a.Out.Put(ctx, leakcheck.Count()-before); err != nil {
+			return err
+		}
+		if err := a.Ack.Get(ctx, new(string)); err != nil {
+			return err
+		}
+		for _, x := range held {
+			if err := x.Release(); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	// gpufd.forward takes a GPU tensor from In and puts it on Out.
+	mp.Register("gpufd.forward", func(ctx context.Context, w *mp.Worker) error {
+		useFakeGPU()
+		var a slabArgs
+		if err := w.Args(&a); err != nil {
+			return err
+		}
+		var x *tensor.Tensor
+		if err := a.In.Get(ctx, &x); err != nil {
+			return err
+		}
+		defer x.Release()
+		return a.Out.Put(ctx, x)
+	})
+	// gpufd.write takes a GPU tensor of sevens from In, checks it, and
+	// writes a one into its first element.
+	mp.Register("gpufd.write", func(ctx context.Context, w *mp.Worker) error {
+		useFakeGPU()
+		var a slabArgs
+		if err := w.Args(&a); err != nil {
+			return err
+		}
+		var x *tensor.Tensor
+		if err := a.In.Get(ctx, &x); err != nil {
+			return err
+		}
+		defer x.Release()
+		if err := checkSevens(x); err != nil {
+			return err
+		}
+		return x.Storage().Buffer().Write([]byte{0, 0, 0x80, 0x3f}, 0) // float32 1
+	})
+}
+
+// useFakeGPU makes this process's GPU the fake's device 0, which shares
+// its memory in slabs.
+func useFakeGPU() { cuda.UseDriver(cudafake.New(1)) }
+
+// checkSevens checks that every element of GPU tensor x is 7.
+func checkSevens(x *tensor.Tensor) error {
+	if !x.Place().IsGPU() {
+		return fmt.Errorf("received a tensor on %s", x.Place())
+	}
+	host, err := x.To(device.CPU())
+	if err != nil {
+		return err
+	}
+	vals, err := tensor.Values[float32](host)
+	if err != nil {
+		return err
+	}
+	if i := slices.IndexFunc(vals, func(v float32) bool { return v != 7 }); i >= 0 {
+		return fmt.Errorf("element %d of %d is %v, not 7", i, len(vals), vals[i])
+	}
+	return nil
+}
+
+// programGPUFD runs the case GPUFD_CASE names.
+func programGPUFD() int {
+	useFakeGPU()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cases := map[string]func(context.Context) error{
+		"sender-exits-first": gpufdSenderExitsFirst,
+		"killed-producer":    gpufdKilledProducer,
+		"killed-receiver":    gpufdKilledReceiver,
+		"never-taken":        gpufdNeverTaken,
+		"third-process":      gpufdThirdProcess,
+		"many":               gpufdMany,
+	}
+	run, ok := cases[os.Getenv("GPUFD_CASE")]
+	if !ok {
+		fmt.Println("error no case", os.Getenv("GPUFD_CASE"))
+		return 2
+	}
+	if err := run(ctx); err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	fmt.Println("ok")
+	return 0
+}
+
+// queues makes n queues.
+func newQueues(n int) ([]*mp.Queue, error) {
+	qs := make([]*mp.Queue, n)
+	for i := range qs {
+		var err error
+		if qs[i], err = mp.NewQueue(); err != nil {
+			return nil, err
+		}
+	}
+	return qs, nil
+}
+
+// noDeviceMemory waits up to a second for this process to hold no device
+// memory once what it keeps for reuse is trimmed.
+func noDeviceMemory() error {
+	deadline := time.Now().Add(time.Second)
+	for {
+		mmapalloc.Trim()
+		held := cudafake.Held(os.Getpid())
+		if held == 0 {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("this process holds %d bytes of device memory a second after letting go", held)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// The producer puts its tensor and exits, reaped before the tensor is
+// taken: the memory lives in the message, and then in this process, and
+// goes when this process lets go.
+func gpufdSenderExitsFirst(ctx context.Context) error {
+	qs, err := newQueues(1)
+	if err != nil {
+		return err
+	}
+	if err := mp.Run(ctx, "gpufd.put", 1, mp.WithArgs(slabArgs{Out: qs[0]})); err != nil {
+		return err
+	}
+	var x *tensor.Tensor
+	if err := qs[0].Get(ctx, &x); err != nil {
+		return err
+	}
+	if err := checkSevens(x); err != nil {
+		return err
+	}
+	if err := x.Release(); err != nil {
+		return err
+	}
+	return noDeviceMemory()
+}
+
+// The producer is SIGKILLed once its tensor is here: the tensor stays
+// whole, and its memory goes when this process lets go.
+func gpufdKilledProducer(ctx context.Context) error {
+	qs, err := newQueues(2)
+	if err != nil {
+		return err
+	}
+	g, err := mp.Spawn(ctx, "gpufd.put", 1, mp.WithArgs(slabArgs{Out: qs[0], Ack: qs[1]}))
+	if err != nil {
+		return err
+	}
+	var x *tensor.Tensor
+	if err := qs[0].Get(ctx, &x); err != nil {
+		return err
+	}
+	if err := syscall.Kill(g.Pids()[0], syscall.SIGKILL); err != nil {
+		return err
+	}
+	var xe *mp.ExitError
+	if err := g.Join(); !errors.As(err, &xe) || xe.Signal != syscall.SIGKILL {
+		return fmt.Errorf("the producer's end: %v", err)
+	}
+	if err := checkSevens(x); err != nil {
+		return fmt.Errorf("after the producer's death: %w", err)
+	}
+	if err := x.Release(); err != nil {
+		return err
+	}
+	return noDeviceMemory()
+}
+
+// A receiver holding tensors is SIGKILLed: this process gets every block
+// back, and its memory goes when this process lets go of its own.
+func gpufdKilledReceiver(ctx context.Context) error {
+	qs, err := newQueues(3)
+	if err != nil {
+		return err
+	}
+	g, err := mp.Spawn(ctx, "gpufd.hold", 1, mp.WithArgs(slabArgs{In: qs[0], Out: qs[1], Ack: qs[2], N: 8}))
+	if err != nil {
+		return err
+	}
+	var xs []*tensor.Tensor
+	for range 8 {
+		x, err := tensor.On(device.GPU(0)).Full(tensor.Float32, 7, 1024)
+		if err != nil {
+			return err
+		}
+		xs = append(xs, x)
+	}
+	if err := mp.PutMany(ctx, qs[0], xs); err != nil {
+		return err
+	}
+	if err := qs[1].Get(ctx, new(int)); err != nil {
+		return err
+	}
+	for _, x := range xs {
+		if err := x.Release(); err != nil {
+			return err
+		}
+	}
+	if held := cudafake.Held(g.Pids()[0]); held == 0 {
+		return errors.New("the receiver holds no device memory")
+	}
+	if err := syscall.Kill(g.Pids()[0], syscall.SIGKILL); err != nil {
+		return err
+	}
+	_ = g.Join()
+	return noDeviceMemory()
+}
+
+// Tensors put on a queue nobody reads, which is then closed, are let go
+// of with it.
+func gpufdNeverTaken(ctx context.Context) error {
+	qs, err := newQueues(1)
+	if err != nil {
+		return err
+	}
+	for range 4 {
+		x, err := tensor.On(device.GPU(0)).Full(tensor.Float32, 7, 1024)
+		if err != nil {
+			return err
+		}
+		if err := qs[0].Put(ctx, x); err != nil {
+			return err
+		}
+		if err := x.Release(); err != nil {
+			return err
+		}
+	}
+	if err := mmapalloc.DropIdle(); err != nil {
+		return err
+	}
+	mmapalloc.Trim()
+	if cudafake.Held(os.Getpid()) == 0 {
+		return errors.New("the messages in flight hold no device memory")
+	}
+	if err := qs[0].Close(); err != nil {
+		return err
+	}
+	return noDeviceMemory()
+}
+
+// A received GPU tensor is sent on to a third process, which writes to
+// it: the write is seen here.
+func gpufdThirdProcess(ctx context.Context) error {
+	qs, err := newQueues(2)
+	if err != nil {
+		return err
+	}
+	x, err := tensor.On(device.GPU(0)).Full(tensor.Float32, 7, 1<<16)
+	if err != nil {
+		return err
+	}
+	defer x.Release()
+	fwd, err := mp.Spawn(ctx, "gpufd.forward", 1, mp.WithArgs(slabArgs{In: qs[0], Out: qs[1]}))
+	if err != nil {
+		return err
+	}
+	wr, err := mp.Spawn(ctx, "gpufd.write", 1, mp.WithArgs(slabArgs{In: qs[1]}))
+	if err != nil {
+		return err
+	}
+	if err := qs[0].Put(ctx, x); err != nil {
+		return err
+	}
+	if err := errors.Join(fwd.Join(), wr.Join()); err != nil {
+		return err
+	}
+	first, err := x.To(device.CPU())
+	if err != nil {
+		return err
+	}
+	if v, err := tensor.At[float32](first, 0); err != nil || v != 1 {
+		return fmt.Errorf("the third process's write: %v, %v", v, err)
+	}
+	return nil
+}
+
+// A receiver holding 10,000 received GPU tensors of 4 KiB holds few
+// descriptors: one per slab and per slab's segment.
+func gpufdMany(ctx context.Context) error {
+	const n, batch = 10_000, 100
+	qs, err := newQueues(3)
+	if err != nil {
+		return err
+	}
+	g, err := mp.Spawn(ctx, "gpufd.hold", 1, mp.WithArgs(slabArgs{In: qs[0], Out: qs[1], Ack: qs[2], N: n}))
+	if err != nil {
+		return err
+	}
+	var xs []*tensor.Tensor
+	for i := range n {
+		x, err := tensor.On(device.GPU(0)).Zeros(tensor.Float32, 1024)
+		if err != nil {
+			return err
+		}
+		xs = append(xs, x)
+		if len(xs) == batch || i == n-1 {
+			if err := mp.PutMany(ctx, qs[0], xs); err != nil {
+				return err
+			}
+			for _, x := range xs {
+				_ = x.Release()
+			}
+			xs = xs[:0]
+		}
+	}
+	var fds int
+	if err := qs[1].Get(ctx, &fds); err != nil {
+		return err
+	}
+	fmt.Println("fds", fds)
+	if err := qs[2].Put(ctx, "let go"); err != nil {
+		return err
+	}
+	return g.Join()
+}
+
+// TestGPUSlabsAcrossProcesses runs each case in a program of its own.
+func TestGPUSlabsAcrossProcesses(t *testing.T) {
+	for _, c := range []string{"sender-exits-first", "killed-producer", "killed-receiver", "never-taken", "third-process"} {
+		t.Run(c, func(t *testing.T) {
+			leakcheck.Check(t)
+			p := startProgramIn(t, newSession(), "program.gpufd", strategy.FileDescriptor, false, "GPUFD_CASE="+c)
+			assert.Equal(t, "", p.waitLine(t, "ok"))
+			assert.Equal(t, 0, p.wait(t))
+			p.expectGone(t)
+		})
+	}
+}
+
+// 10,000 live received GPU tensors of 4 KiB hold fewer than 64
+// descriptors in their receiver.
+func TestTenThousandReceivedGPUTensors(t *testing.T) {
+	leakcheck.Check(t)
+	p := startProgramIn(t, newSession(), "program.gpufd", strategy.FileDescriptor, false, "GPUFD_CASE=many")
+	fds, err := strconv.Atoi(p.waitLine(t, "fds"))
+	require.NoError(t, err)
+	t.Logf("the receiver holds %d more descriptors for 10,000 GPU tensors", fds)
+	assert.Less(t, fds, 64)
+	assert.Equal(t, "", p.waitLine(t, "ok"))
+	assert.Equal(t, 0, p.wait(t))
+	p.expectGone(t)
+}
