@@ -328,7 +328,13 @@ func (q *queueState) serveSharedPut(ctx context.Context, p *mp.Pipe, timeout tim
 	}
 	if rerr := <-done; err == nil && rerr == nil {
 		q.push(it)
-		_ = p.Send(ctx, sharedAnswer{}) // in: the putter's next Put comes after
+		// In: the putter's next Put comes after. The value is in, so the
+		// word goes even if the group is closing meanwhile (a getter may
+		// take the value and end the group before it is said): Close waits
+		// for this call.
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
+		_ = p.Send(sctx, sharedAnswer{})
+		cancel()
 	} else {
 		q.unreserve()
 		it.release()
