@@ -1,5 +1,5 @@
 // Package cuda puts tensors on NVIDIA GPUs and shares them between
-// processes with CUDA IPC.
+// processes as file descriptors, as shared CPU memory is shared.
 //
 // The driver, libcuda.so.1, is opened with dlopen at run time (cgo, no
 // link-time dependency): a machine without it, or a build without cgo,
@@ -18,29 +18,43 @@
 // tensor.On(device.GPU(0)).Zeros(...) allocates on the device, and To moves
 // tensors between host and devices.
 //
-// Ownership across processes: a producer's Buffer owns its allocation.
-// Export describes it with an IPC memory handle, an interprocess event and
-// a token, a block of shared memory whose reference count every process
-// shares. Each message holds a reference, each consumer's Buffer one; the
-// producer's Free puts an allocation still referenced elsewhere in the
-// limbo, and CollectLimbo (run on every Free) frees it once nobody else
-// holds it. A consumer opens each handle once per process and closes it
-// with its last buffer on it, and waits for the producer's work (its
-// event) when it opens it; memory it holds already is not waited for
-// again.
+// Ownership across processes, where the device exports allocations as
+// POSIX file descriptors (FDExportSupported; CUDA 10.2 and newer, most
+// GPUs): buffers are blocks of pooled device slabs (see slab.go), many
+// small ones to a slab. A slab's segment, a small sealed memfd of package
+// mmapalloc, names it and holds its slot table, and the kernel counts who
+// holds each block by the locks on that segment, as for a CPU block: a
+// process's buffers, each receiver's, each message in flight. A message
+// carries the block's ticket and the slab's descriptor; a receiver imports
+// and maps a slab once, the first time it is named. The device memory
+// lives while any process, or message, holds a descriptor, a handle or a
+// mapping of it: a producer may exit first, killed or not, and a killed
+// receiver gives everything back. Share waits for the work queued on the
+// device before the buffer is described, so that no interprocess event,
+// and no file in /dev/shm, is needed.
+//
+// Where the device cannot export descriptors (older drivers, some
+// virtualised GPUs), the legacy path is chosen at run time: a buffer is an
+// allocation of its own, and Export describes it with an IPC memory
+// handle, an interprocess event and a token, a block of shared memory that
+// every process using the allocation holds. Each message holds a
+// reference, each consumer's Buffer one; the producer's Free puts an
+// allocation still referenced elsewhere in the limbo, and CollectLimbo
+// (run on every Free) frees it once nobody else holds it, so the producer
+// must outlive its consumers. A consumer opens each handle once per
+// process and closes it with its last buffer on it, and waits for the
+// producer's work (its event) when it opens it.
 //
 // Memory another library allocated on the device (a PyTorch tensor handed
-// over through DLPack) is never exported as it is: Buffer.CopyIn copies
-// it into a Buffer of tensormp's, within the bounds of its allocation, so
+// over through DLPack) is never shared as it is: Buffer.CopyIn copies it
+// into a Buffer of tensormp's, within the bounds of its allocation, so
 // that the other library's allocator keeps sole charge of its own.
 //
-// The driver keeps a file in /dev/shm for each process's interprocess
-// events and removes it when the process's context goes. Closing the
-// Default Runtime (tensor.CloseBackends, at a worker's exit) gives the
-// contexts back, and also removes this process's files when another
-// library in it still holds the context. A killed worker cannot: the
-// process that started it with mp.Spawn removes its files after it died
-// and before it reaps it, while its pid still names nobody else. Only
-// the file of a killed process that no tensormp process started stays
-// (a PyTorch process, say).
+// On the legacy path the driver keeps a file in /dev/shm for each
+// process's interprocess events and removes it when the process's context
+// goes. Closing the Default Runtime (tensor.CloseBackends, at a worker's
+// exit) gives the contexts back, and also removes this process's files
+// when another library in it still holds the context. Those of a process
+// that dies first are removed by the tensormp process that learns of its
+// death (see package mp).
 package cuda

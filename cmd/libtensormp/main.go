@@ -10,7 +10,9 @@
 // Pipes and Queues they give, and takes tensors as DLPack
 // DLManagedTensors, with no copy: a tensor received is the sender's shared
 // memory, mapped into this process, or, for a GPU tensor, the sender's
-// device memory, opened here through CUDA IPC (DLPack device kDLCUDA).
+// device memory, a slab imported from the descriptor its message carried
+// (by CUDA IPC where the driver cannot export descriptors), mapped here
+// (DLPack device kDLCUDA).
 //
 // Every call returns a status (TENSORMP_OK, or one of the failures below)
 // and, on failure, sets *err to a message the caller frees with
@@ -21,9 +23,9 @@
 // tensor is unmapped when its last handle and export are gone; reference
 // counting stays on the Go side. When the process exits, however it exits,
 // the kernel takes back what it held: nothing is left in /dev/shm. (A
-// process that exported GPU memory calls tensormp_shutdown before it
-// exits: the CUDA driver removes the files it keeps in /dev/shm for the
-// exports only when the process gives its contexts back.)
+// process that exported GPU memory by CUDA IPC calls tensormp_shutdown
+// before it exits: the CUDA driver removes the files it keeps in /dev/shm
+// for such exports only when the process gives its contexts back.)
 //
 // Values travel as JSON text: null, booleans, numbers, strings, arrays and
 // objects, with tensormp's objects as {"$tensormp": "tensor" | "queue" |
