@@ -236,13 +236,14 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	loaderMode := fs.Bool("loader", false, "measure package loader instead (see below)")
 	batches := fs.Int("batches", 200, "batches read in each -loader case, after a warm-up")
 	pythonMode := fs.Bool("python", false, "measure Go <-> PyTorch instead (see below)")
+	onDevice := fs.String("device", "cpu", "with gpu:N, measure GPU tensors on device N instead (see below)")
 	var po pythonOpts
 	fs.StringVar(&po.python, "python3", "", "the Python with torch and NumPy that -python runs (default: the first that has them of $TENSORMP_PYTHON, /usr/bin/python3, python3)")
 	fs.StringVar(&po.lib, "pylib", os.Getenv("TENSORMP_LIB"), "libtensormp.so for -python (default: $TENSORMP_LIB, else built from ./cmd/libtensormp)")
 	fs.StringVar(&po.pkg, "pypath", "python", "the directory holding the tensormp Python package, for -python")
 	fs.StringVar(&po.device, "pydevice", "cpu", "where -python's tensors are: cpu, or cuda:N")
 	fs.Usage = func() {
-		fmt.Fprintf(stderr, "usage: spawn bench [flags]\n\n%s\n\n%s\n\n%s\n\nflags:\n", benchHelp, loaderHelp, pythonHelp)
+		fmt.Fprintf(stderr, "usage: spawn bench [flags]\n\n%s\n\n%s\n\n%s\n\n%s\n\nflags:\n", benchHelp, deviceHelp, loaderHelp, pythonHelp)
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -280,6 +281,13 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 		po.trips = o.trips
 		return runPythonBench(po, *asJSON, stdout, stderr, progress)
 	}
+	if place, err := device.Parse(*onDevice); err != nil || !place.IsCPU() && !place.IsGPU() {
+		fmt.Fprintf(stderr, "spawn bench: -device %q: want cpu or gpu:N\n", *onDevice)
+		return 2
+	} else if place.IsGPU() {
+		po.trips, po.stream = o.trips, o.stream
+		return runDeviceBench(place, o, po, *asJSON, stdout, stderr, progress)
+	}
 	var results []benchResult
 	emit := func(r benchResult) {
 		results = append(results, r)
@@ -307,6 +315,12 @@ func isTerminal(f *os.File) bool {
 }
 
 func benchStrategy(st strategy.Strategy, o benchOpts, progress func(string), emit func(benchResult)) error {
+	return withBenchWorker(st, o, progress, emit, (*bencher).run)
+}
+
+// withBenchWorker spawns a bench worker under strategy st and runs cases
+// against it.
+func withBenchWorker(st strategy.Strategy, o benchOpts, progress func(string), emit func(benchResult), cases func(*bencher) error) error {
 	if err := strategy.Set(st); err != nil {
 		return err
 	}
@@ -335,8 +349,8 @@ func benchStrategy(st strategy.Strategy, o benchOpts, progress func(string), emi
 	if err != nil {
 		return err
 	}
-	b := &bencher{ctx: g.Context(), st: st, in: in, out: out, o: o, progress: progress, emit: emit}
-	runErr := b.run()
+	b := &bencher{ctx: g.Context(), st: st, in: in, out: out, o: o, progress: progress, emit: emit, place: device.CPU()}
+	runErr := cases(b)
 	_ = in.Put(b.ctx, benchMsg{Op: "stop"}) // a dead worker ends the wait for its reply
 	// Either failure may explain the other: a worker that died ends the
 	// parent's wait, and a parent that gave up midway leaves the worker
@@ -359,26 +373,48 @@ type bencher struct {
 	o        benchOpts
 	progress func(string)
 	emit     func(benchResult)
-	floor    *floor // nil where the floor is not measured
+	floor    *floor       // nil where the floor is not measured
+	place    device.Place // where the tensors the cases send are
+}
+
+// result is a result of b's strategy, labelled with its place when that
+// is not the CPU.
+func (b *bencher) result(r benchResult) benchResult {
+	r.Strategy = b.st.String()
+	if !b.place.IsCPU() {
+		r.Device = b.place.String()
+	}
+	return r
 }
 
 // rounds is how many times the floor and the case it bounds take turns,
 // so that both see the same machine.
 const rounds = 5
 
-func (b *bencher) run() error {
+// startFloor starts the floor beside the worker, where it can be measured.
+// The returned stop ends it.
+func (b *bencher) startFloor() (stop func(), err error) {
 	f, peer, err := newFloor()
 	switch {
 	case errors.Is(err, errors.ErrUnsupported):
+		return func() {}, nil
 	case err != nil:
-		return err
-	default:
-		defer f.close()
-		if err := b.in.Put(b.ctx, benchMsg{Op: "floor", Floor: floorSocket{peer}}); err != nil {
-			return err
-		}
-		b.floor = f
+		return nil, err
 	}
+	if err := b.in.Put(b.ctx, benchMsg{Op: "floor", Floor: floorSocket{peer}}); err != nil {
+		f.close()
+		return nil, err
+	}
+	b.floor = f
+	return f.close, nil
+}
+
+func (b *bencher) run() error {
+	stop, err := b.startFloor()
+	if err != nil {
+		return err
+	}
+	defer stop()
 	for _, size := range benchSizes {
 		if size > b.o.maxSize {
 			break
@@ -438,15 +474,12 @@ func (b *bencher) release() error {
 // roundTrips measures round trips of a shared tensor of size bytes, taking
 // turns with the floor's.
 func (b *bencher) roundTrips(size int64) error {
-	b.progress(fmt.Sprintf("%s: round trip of %s", b.st, formatBytes(size)))
-	x, err := tensor.On(device.CPU()).Zeros(tensor.Uint8, int(size))
+	b.progress(fmt.Sprintf("%s: round trip of %s on %s", b.st, formatBytes(size), b.place))
+	x, err := tensor.On(b.place).Shared().Zeros(tensor.Uint8, int(size))
 	if err != nil {
 		return err
 	}
 	defer x.Release()
-	if err := x.ShareMemory(); err != nil {
-		return err
-	}
 	runtime.GC() // start each measurement without the last one's garbage
 	var ds, fs []time.Duration
 	per := max(1, b.o.trips/rounds)
@@ -474,7 +507,7 @@ func (b *bencher) roundTrips(size int64) error {
 	if b.floor != nil {
 		b.emit(benchResult{Strategy: b.st.String(), Case: "floor_roundtrip", Bytes: size, P50us: pct(fs, 50), P99us: pct(fs, 99)})
 	}
-	b.emit(benchResult{Strategy: b.st.String(), Case: "roundtrip", Bytes: size, P50us: pct(ds, 50), P99us: pct(ds, 99)})
+	b.emit(b.result(benchResult{Case: "roundtrip", Bytes: size, P50us: pct(ds, 50), P99us: pct(ds, 99)}))
 	return nil
 }
 
@@ -557,11 +590,11 @@ func (b *bencher) streams() error {
 	if b.floor != nil {
 		b.emit(benchResult{Strategy: st, Case: "floor_stream", Bytes: size, PerS: rate(floorOne)})
 	}
-	b.emit(benchResult{Strategy: st, Case: "stream", Bytes: size, PerS: rate(one)})
+	b.emit(b.result(benchResult{Case: "stream", Bytes: size, PerS: rate(one)}))
 	if b.floor != nil {
 		b.emit(benchResult{Strategy: st, Case: "floor_stream_batch", Bytes: size, Batch: b.o.batch, PerS: rate(floorMany)})
 	}
-	b.emit(benchResult{Strategy: st, Case: "stream_batch", Bytes: size, Batch: b.o.batch, PerS: rate(many)})
+	b.emit(b.result(benchResult{Case: "stream_batch", Bytes: size, Batch: b.o.batch, PerS: rate(many)}))
 	return nil
 }
 
@@ -579,7 +612,7 @@ func (b *bencher) stream(n, batch int) (time.Duration, error) {
 	if err := b.in.Put(b.ctx, benchMsg{Op: "count", N: n, Batch: batch}); err != nil {
 		return 0, err
 	}
-	born := tensor.On(device.CPU()).Shared() // a producer streaming tensors makes them in shared memory
+	born := tensor.On(b.place).Shared() // a producer streaming tensors makes them in shared memory
 	xs := make([]*tensor.Tensor, batch)
 	for sent := 0; sent < n; sent += batch {
 		xs = xs[:min(batch, n-sent)]
@@ -641,7 +674,7 @@ func (b *bencher) fds(size int64, n int) error {
 	if err := b.in.Put(b.ctx, benchMsg{Op: "hold", N: n}); err != nil {
 		return err
 	}
-	cpu := tensor.On(device.CPU())
+	made := tensor.On(b.place)
 	held := make([]*tensor.Tensor, 0, n)
 	defer func() {
 		for _, x := range held {
@@ -649,7 +682,7 @@ func (b *bencher) fds(size int64, n int) error {
 		}
 	}()
 	for range n {
-		x, err := cpu.Zeros(tensor.Uint8, int(size))
+		x, err := made.Zeros(tensor.Uint8, int(size))
 		if err != nil {
 			return err
 		}
@@ -662,7 +695,7 @@ func (b *bencher) fds(size int64, n int) error {
 	if err := b.out.Get(b.ctx, &fds); err != nil {
 		return fmt.Errorf("holding %d tensors: %w", n, err)
 	}
-	b.emit(benchResult{Strategy: b.st.String(), Case: "fds", Bytes: size, Held: n, FDs: fds})
+	b.emit(b.result(benchResult{Case: "fds", Bytes: size, Held: n, FDs: fds}))
 	return nil
 }
 
@@ -706,8 +739,8 @@ func vsFloor(r benchResult, rs []benchResult) float64 {
 }
 
 func printBenchTable(w io.Writer, rs []benchResult) {
-	const row = "%-16s %-18s %8s %10s %10s %12s %8s %6s %8s\n"
-	fmt.Fprintf(w, row, "strategy", "case", "bytes", "p50", "p99", "per second", "held", "fds", "x floor")
+	const row = "%-16s %-18s %-7s %8s %10s %10s %12s %8s %6s %8s\n"
+	fmt.Fprintf(w, row, "strategy", "case", "device", "bytes", "p50", "p99", "per second", "held", "fds", "x floor")
 	for _, r := range rs {
 		col := func(v float64, f func(float64) string) string {
 			if v == 0 {
@@ -721,7 +754,11 @@ func printBenchTable(w io.Writer, rs []benchResult) {
 		if r.Case == "fds" {
 			fds = fmt.Sprint(r.FDs)
 		}
-		fmt.Fprintf(w, row, r.Strategy, r.Case, formatBytes(r.Bytes), col(r.P50us, us), col(r.P99us, us),
+		dev := r.Device
+		if dev == "" {
+			dev = "cpu"
+		}
+		fmt.Fprintf(w, row, r.Strategy, r.Case, dev, formatBytes(r.Bytes), col(r.P50us, us), col(r.P99us, us),
 			col(r.PerS, n), col(float64(r.Held), n), fds, col(vsFloor(r, rs), func(v float64) string { return fmt.Sprintf("%.2f", v) }))
 	}
 }

@@ -16,6 +16,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/tensormp/tensormp/cuda"
+	"github.com/tensormp/tensormp/internal/cudafake"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/pytorch"
 	"github.com/tensormp/tensormp/internal/reexec"
@@ -25,6 +27,10 @@ import (
 
 func TestMain(m *testing.M) {
 	reexec.SkipRaceExitSleep()
+	// GPUs are the fake driver's here, in this process and in the
+	// workers, which run this TestMain too: bench -device gpu:0 runs on
+	// memfds that the processes share as a GPU's allocations.
+	cuda.UseDriver(cudafake.New(1))
 	mp.Init()
 	if _, err := mp.StartSession(); err != nil {
 		panic(err)
@@ -297,4 +303,40 @@ func TestBenchPythonWithoutTorch(t *testing.T) {
 	assert.Contains(t, stderr.String(), fake+": ModuleNotFoundError: No module named 'torch'")
 	assert.Contains(t, stderr.String(), pytorch.Hint)
 	assert.Empty(t, stdout.String())
+}
+
+// spawn bench -device gpu:0 measures GPU round trips beside the CPU's,
+// GPU streams and the descriptors held for received GPU tensors; without
+// a Python that has torch, torch's cases are left out.
+func TestBenchDeviceJSON(t *testing.T) {
+	leakcheck.Check(t)
+	noTorch := filepath.Join(t.TempDir(), "python3")
+	require.NoError(t, os.WriteFile(noTorch, []byte("#!/bin/sh\nexit 1\n"), 0o700))
+	var out, errOut bytes.Buffer
+	code := run([]string{"bench", "-device", "gpu:0", "-json", "-trips", "20", "-stream", "200", "-batch", "4",
+		"-hold", "1000", "-max", "65536", "-python3", noTorch}, &out, &errOut)
+	require.Equal(t, 0, code, errOut.String())
+	rows := map[string]int{}
+	for _, line := range strings.Split(strings.TrimSpace(out.String()), "\n") {
+		var r benchResult
+		require.NoError(t, json.Unmarshal([]byte(line), &r), line)
+		assert.Equal(t, "file_descriptor", r.Strategy)
+		assert.Equal(t, int64(4<<10), r.Bytes, line)
+		rows[r.Case+"@"+r.Device]++
+		switch r.Case {
+		case "roundtrip", "floor_roundtrip":
+			assert.Positive(t, r.P50us, line)
+		case "stream", "stream_batch", "floor_stream", "floor_stream_batch":
+			assert.Positive(t, r.PerS, line)
+		case "fds":
+			assert.Equal(t, 1000, r.Held)
+			assert.Positive(t, r.FDs)
+			assert.Less(t, r.FDs, 64, "descriptors for 1000 received GPU tensors")
+		}
+	}
+	assert.Equal(t, map[string]int{
+		"floor_roundtrip@": 2, "roundtrip@": 1, "roundtrip@gpu:0": 1,
+		"floor_stream@": 1, "stream@gpu:0": 1, "floor_stream_batch@": 1, "stream_batch@gpu:0": 1,
+		"fds@gpu:0": 1,
+	}, rows)
 }

@@ -43,7 +43,7 @@ type pythonOpts struct {
 	python, lib, pkg string
 	device           string       // where the tensors are, as torch names it
 	place            device.Place // the same, parsed
-	trips            int
+	trips, stream    int
 }
 
 // pythonSizes are the sizes -python measures, with the share of -trips
@@ -244,15 +244,24 @@ func goPythonTrips(ctx context.Context, o pythonOpts, p *mp.Pipe, progress func(
 
 // benchTorch measures torch_roundtrip: the script reports it.
 func benchTorch(o pythonOpts, script string, progress func(string), emit func(benchResult)) error {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-	defer cancel()
 	var sizes, counts []string
 	for _, sz := range pythonSizes {
 		sizes = append(sizes, strconv.FormatInt(sz.bytes, 10))
 		counts = append(counts, strconv.Itoa(max(o.trips/sz.div, 10)))
 	}
 	progress("torch_roundtrip")
-	cmd, err := pythonCmd(ctx, o, script, "torch", strings.Join(sizes, ","), strings.Join(counts, ","), o.device)
+	return runPyBench(o, script, func(r benchResult) {
+		r.Strategy, r.Case = "file_descriptor", "torch_roundtrip"
+		emit(r)
+	}, "torch", strings.Join(sizes, ","), strings.Join(counts, ","), o.device)
+}
+
+// runPyBench runs the bench script with args and emits each result it
+// prints, one JSON object a line.
+func runPyBench(o pythonOpts, script string, emit func(benchResult), args ...string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	cmd, err := pythonCmd(ctx, o, script, args...)
 	if err != nil {
 		return err
 	}
@@ -269,13 +278,12 @@ func benchTorch(o pythonOpts, script string, progress func(string), emit func(be
 		if err := json.Unmarshal(lines.Bytes(), &r); err != nil {
 			_ = cmd.Process.Kill()
 			_ = cmd.Wait()
-			return fmt.Errorf("torch_roundtrip: %q: %w", lines.Text(), err)
+			return fmt.Errorf("pybench.py %s: %q: %w", args[0], lines.Text(), err)
 		}
-		r.Strategy, r.Case = "file_descriptor", "torch_roundtrip"
 		emit(r)
 	}
 	if err := cmd.Wait(); err != nil {
-		return pythonErr(cmd, fmt.Errorf("torch_roundtrip: %w", err))
+		return pythonErr(cmd, fmt.Errorf("pybench.py %s: %w", args[0], err))
 	}
 	return nil
 }

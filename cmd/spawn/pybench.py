@@ -9,6 +9,10 @@
                        of S bytes on device D, N times (comma-separated
                        lists); one JSON object per size on stdout. On a
                        GPU the child answers with a word, not the tensor
+  pybench.py torchstream N D
+                       N new float32 tensors of 4 KiB on device D sent one
+                       way through a torch.multiprocessing.Queue to a
+                       child that drops them; one JSON object, the rate
 """
 
 import json
@@ -71,9 +75,48 @@ def torch_roundtrip(sizes, counts, device):
         child.join()
 
 
+def stream_child(qin, qout):
+    n = 0
+    while True:
+        x = qin.get()
+        if x is None:
+            qout.put(n)
+            return
+        n += 1
+        del x
+
+
+def torch_stream(n, device):
+    import torch.multiprocessing as mp
+    if device != "cpu":
+        mp = mp.get_context("spawn")
+    qin, qout = mp.Queue(), mp.Queue()
+    child = mp.Process(target=stream_child, args=(qin, qout))
+    child.start()
+    try:
+        warm = [torch.zeros(1024, device=device) for _ in range(100)]
+        for x in warm:
+            qin.put(x)
+        if device != "cpu":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            qin.put(torch.zeros(1024, device=device))
+        qin.put(None)
+        got = qout.get()
+        dt = time.perf_counter() - t0
+        if got != n + len(warm):
+            raise RuntimeError(f"the child counted {got} tensors, not {n + len(warm)}")
+        print(json.dumps({"bytes": 4096, "per_s": n / dt}), flush=True)
+    finally:
+        child.join()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "echo":
         echo()
+    elif sys.argv[1] == "torchstream":
+        torch_stream(int(sys.argv[2]), sys.argv[3])
     else:
         torch_roundtrip([int(s) for s in sys.argv[2].split(",")],
                         [int(n) for n in sys.argv[3].split(",")], sys.argv[4])
