@@ -62,6 +62,9 @@ type Driver interface {
 	// Synchronize waits for the work queued on the current context's
 	// default stream: every copy and memset above queues there.
 	Synchronize() error
+	// MemGetInfo returns the free and total bytes of the current
+	// context's device.
+	MemGetInfo() (free, total int64, err error)
 
 	IPCGetMemHandle(p DevicePtr) (IPCMemHandle, error)
 	IPCOpenMemHandle(h IPCMemHandle) (DevicePtr, error)

@@ -37,7 +37,7 @@ enum {
 	F_MALLOC, F_FREE, F_MEMSET, F_HTOD, F_DTOH, F_DTOD, F_ADDRRANGE,
 	F_IPCGETMEM, F_IPCOPENMEM, F_IPCCLOSEMEM,
 	F_STREAMSYNC, F_EVCREATE, F_EVRECORD, F_EVSYNC, F_EVDESTROY, F_IPCGETEV, F_IPCOPENEV,
-	F_ERRNAME, F_ERRSTR,
+	F_ERRNAME, F_ERRSTR, F_MEMINFO,
 	// The virtual memory calls, which drivers before CUDA 10.2 lack.
 	F_DEVATTR, F_MEMCREATE, F_MEMRELEASE, F_MEMEXPORT, F_MEMIMPORT, F_MEMPROPS, F_MEMGRAN,
 	F_ADDRRESERVE, F_ADDRFREE, F_MEMMAP, F_MEMUNMAP, F_MEMSETACCESS,
@@ -100,6 +100,7 @@ static CUresult tm_ipcopenev(CUevent *e, const void *h) {
 	return ((CUresult (*)(CUevent *, CUipcEventHandle))tm_fns[F_IPCOPENEV])(e, handle);
 }
 static int tm_has(int i) { return tm_fns[i] != 0; }
+static CUresult tm_meminfo(size_t *free, size_t *total) { return ((CUresult (*)(size_t *, size_t *))tm_fns[F_MEMINFO])(free, total); }
 static CUresult tm_devattr(int *v, int attr, CUdevice d) { return ((CUresult (*)(int *, int, CUdevice))tm_fns[F_DEVATTR])(v, attr, d); }
 static void tm_prop(CUmemAllocationProp *p, int dev) {
 	memset(p, 0, sizeof *p);
@@ -470,4 +471,10 @@ func (libcuda) MemUnmap(p DevicePtr, size int64) error {
 
 func (libcuda) MemSetAccess(p DevicePtr, size int64, dev int) error {
 	return check("cuMemSetAccess", C.tm_memsetaccess(C.CUdeviceptr(p), C.size_t(size), C.int(dev)))
+}
+
+func (libcuda) MemGetInfo() (int64, int64, error) {
+	var free, total C.size_t
+	err := check("cuMemGetInfo_v2", C.tm_meminfo(&free, &total))
+	return int64(free), int64(total), err
 }

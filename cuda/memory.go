@@ -344,6 +344,21 @@ func (r *Runtime) CollectLimbo() {
 	}
 }
 
+// MemInfo returns the free and total bytes of device dev's memory, as the
+// driver counts them for every process.
+func (r *Runtime) MemInfo(dev int) (free, total int64, err error) {
+	e, err := r.execs.Get(dev)
+	if err != nil {
+		return 0, 0, err
+	}
+	err = e.Do(func() error {
+		var err error
+		free, total, err = r.drv.MemGetInfo()
+		return err
+	})
+	return free, total, err
+}
+
 // Limbo returns how many freed allocations wait for other processes.
 func (r *Runtime) Limbo() int {
 	r.mu.Lock()

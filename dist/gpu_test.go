@@ -3,6 +3,7 @@ package dist_test
 import (
 	"context"
 	"fmt"
+	"os"
 	"sync"
 	"testing"
 	"time"
@@ -22,11 +23,15 @@ import (
 
 func requireGPU(t *testing.T) {
 	t.Helper()
+	skip := t.Skipf
+	if os.Getenv("TENSORMP_REQUIRE_GPU") != "" { // tests/gpu.sh sets it
+		skip = t.Fatalf
+	}
 	if _, err := cuda.Load(); err != nil {
-		t.Skipf("no CUDA driver here: %v", err)
+		skip("no CUDA driver here: %v", err)
 	}
 	if !cuda.Available() {
-		t.Skip("the CUDA driver reports no device")
+		skip("the CUDA driver reports no device")
 	}
 	warmDriver.Do(func() {
 		var x *tensor.Tensor

@@ -3,8 +3,12 @@ package tests
 import (
 	"context"
 	"encoding/binary"
+	"fmt"
+	"math/rand/v2"
+	"os"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"sync"
 	"syscall"
 	"testing"
@@ -17,19 +21,27 @@ import (
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/cudashm"
 	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/internal/reexec"
 	"github.com/tensormp/tensormp/mp"
+	"github.com/tensormp/tensormp/reduction"
+	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
+	"golang.org/x/sys/unix"
 )
 
 // GPU tests run on the real driver and skip where there is none.
 
 func requireGPU(t *testing.T) *cuda.Runtime {
 	t.Helper()
+	skip := t.Skipf
+	if os.Getenv(requireGPUEnv) != "" {
+		skip = t.Fatalf
+	}
 	if _, err := cuda.Load(); err != nil {
-		t.Skipf("no CUDA driver here: %v", err)
+		skip("no CUDA driver here: %v", err)
 	}
 	if !cuda.Available() {
-		t.Skip("the CUDA driver reports no device")
+		skip("the CUDA driver reports no device")
 	}
 	rt, err := cuda.Default()
 	require.NoError(t, err)
@@ -37,6 +49,10 @@ func requireGPU(t *testing.T) *cuda.Runtime {
 	require.NoError(t, warmDriver.err, "warming the driver up")
 	return rt
 }
+
+// requireGPUEnv, when set, makes a missing GPU fail the GPU tests instead
+// of skipping them (tests/gpu.sh sets it).
+const requireGPUEnv = "TENSORMP_REQUIRE_GPU"
 
 // warmDriver makes the driver open, once per process, the descriptors it
 // keeps for the process's life (its context's, and its interprocess-event
@@ -53,12 +69,20 @@ func warmUp() error {
 		return err
 	}
 	defer x.Release()
-	h, err := x.Storage().Buffer().(*cuda.Buffer).Export()
-	if err != nil {
-		return err
+	_, fds, err := reduction.Marshal(x) // as a send does, by either path
+	for _, fd := range fds {
+		_ = unix.Close(fd)
 	}
-	h.Ticket.Discard()
-	return nil
+	return err
+}
+
+// fdShared reports whether GPU 0 shares its memory in slabs, as
+// descriptors, rather than by legacy CUDA IPC.
+func fdShared(t *testing.T, rt *cuda.Runtime) bool {
+	t.Helper()
+	ok, err := rt.FDShared(0)
+	require.NoError(t, err)
+	return ok
 }
 
 // driverFiles returns the files the CUDA driver keeps in /dev/shm.
@@ -169,7 +193,7 @@ func TestGPUWorkLeavesTheThreadsContext(t *testing.T) {
 	assert.Equal(t, own, c, "the context another library made current stays current")
 }
 
-func TestGPUIPCWorkerWritesParentSees(t *testing.T) {
+func TestGPUWorkerWritesParentSees(t *testing.T) {
 	rt := requireGPU(t)
 	leakcheck.Check(t)
 	status, ack := testQueues(t)
@@ -190,20 +214,24 @@ func TestGPUIPCWorkerWritesParentSees(t *testing.T) {
 	assert.Equal(t, int32(4242), first, "the parent sees the worker's write to its GPU memory")
 
 	require.NoError(t, x.Release())
-	assert.Equal(t, 1, rt.Limbo(), "the worker still holds the memory")
+	if !fdShared(t, rt) {
+		assert.Equal(t, 1, rt.Limbo(), "the worker still holds the memory")
+	}
 	require.NoError(t, ack.Put(ctx, "seen"))
 	require.NoError(t, g.Join())
 	rt.CollectLimbo()
 	assert.Equal(t, 0, rt.Limbo(), "the worker is gone: the memory is freed")
 }
 
-// A worker that sent GPU memory leaves no driver file in /dev/shm. One
-// whose function returns gives its context back, so the driver removes
-// the interprocess-event file it made for the export (a plain exit would
-// leave it); one that is killed has its file removed by its parent. What
-// it sent stays readable here until it is released.
+// A worker that sent GPU memory leaves no driver file in /dev/shm. In
+// slabs it makes none. By legacy CUDA IPC, one whose function returns
+// gives its context back, so the driver removes the interprocess-event
+// file it made for the export (a plain exit would leave it); one that is
+// killed has its file removed by its parent. What it sent stays readable
+// here until it is released.
 func TestGPUWorkerLeavesNoDriverFiles(t *testing.T) {
-	requireGPU(t)
+	rt := requireGPU(t)
+	slabs := fdShared(t, rt)
 	for _, killed := range []bool{false, true} {
 		t.Run(map[bool]string{false: "returns", true: "killed"}[killed], func(t *testing.T) {
 			leakcheck.Check(t)
@@ -218,7 +246,11 @@ func TestGPUWorkerLeavesNoDriverFiles(t *testing.T) {
 			require.NoError(t, status.Get(ctx, &x))
 			assert.True(t, x.Place().IsGPU())
 			pid := g.Pids()[0]
-			require.NotEmpty(t, cudashm.Of(pid), "the worker's export made a driver file of its own")
+			if slabs {
+				require.Empty(t, cudashm.Of(pid), "memory sent in a slab makes no driver file")
+			} else {
+				require.NotEmpty(t, cudashm.Of(pid), "the worker's export made a driver file of its own")
+			}
 			if killed {
 				killWorker(t, g)
 			}
@@ -247,4 +279,125 @@ func killWorker(t *testing.T, g *mp.Group) {
 	var xe *mp.ExitError
 	require.ErrorAs(t, g.Join(), &xe)
 	assert.Equal(t, syscall.SIGKILL, xe.Signal)
+}
+
+func init() {
+	reexec.Register("program.gpu-stream", programGPUStream)
+	// gpustream.produce puts new GPU tensors on its queue until killed.
+	mp.Register("gpustream.produce", func(ctx context.Context, w *mp.Worker) error {
+		var q *mp.Queue
+		if err := w.Args(&q); err != nil {
+			return err
+		}
+		for i := 0; ctx.Err() == nil; i++ {
+			n := 1 << 10
+			if i%16 == 0 {
+				n = 1 << 18 // 1 MiB now and then: a slab of another class
+			}
+			x, err := tensor.On(device.GPU(0)).Full(tensor.Float32, float64(i), n)
+			if err != nil {
+				return err
+			}
+			if err := q.Put(ctx, x); err != nil {
+				return err
+			}
+			_ = x.Release()
+		}
+		return ctx.Err()
+	})
+	// gpustream.consume takes GPU tensors and holds the last 64.
+	mp.Register("gpustream.consume", func(ctx context.Context, w *mp.Worker) error {
+		var q *mp.Queue
+		if err := w.Args(&q); err != nil {
+			return err
+		}
+		var held []*tensor.Tensor
+		for {
+			var x *tensor.Tensor
+			if err := q.Get(ctx, &x); err != nil {
+				return err
+			}
+			if held = append(held, x); len(held) > 64 {
+				_ = held[0].Release()
+				held = held[1:]
+			}
+		}
+	})
+}
+
+// programGPUStream runs a producer and a consumer of GPU tensors, prints
+// their pids, and waits to be killed.
+func programGPUStream() int {
+	ctx := context.Background()
+	q, err := mp.NewQueue(mp.WithCapacity(256))
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	prod, err := mp.Spawn(ctx, "gpustream.produce", 1, mp.WithArgs(q))
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	cons, err := mp.Spawn(ctx, "gpustream.consume", 1, mp.WithArgs(q))
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	fmt.Println("pids", prod.Pids()[0], cons.Pids()[0])
+	select {}
+}
+
+// TestGPUKilledAtRandom SIGKILLs the producer, the consumer or both of a
+// stream of GPU tensors at a random moment, then the program, a hundred
+// times (TENSORMP_GPU_KILL_RUNS): each time, within a second of the last
+// death the device has every byte back that it had before, and nothing
+// of the program is left in /dev/shm.
+func TestGPUKilledAtRandom(t *testing.T) {
+	rt := requireGPU(t)
+	runs := 100
+	if n, err := strconv.Atoi(os.Getenv("TENSORMP_GPU_KILL_RUNS")); err == nil {
+		runs = n
+	}
+	leakcheck.Check(t)
+	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 0))
+	free := func() int64 {
+		f, _, err := rt.MemInfo(0)
+		require.NoError(t, err)
+		return f
+	}
+	before := free()
+	for i := range runs {
+		victims := []string{"producer", "consumer", "both"}[i%3]
+		p := startProgram(t, "program.gpu-stream", strategy.FileDescriptor, false)
+		pids := pidsFrom(t, p.waitLine(t, "pids"))
+		require.Len(t, pids, 2)
+		time.Sleep(time.Duration(rng.Int64N(int64(300 * time.Millisecond))))
+		switch victims {
+		case "producer":
+			_ = syscall.Kill(pids[0], syscall.SIGKILL)
+		case "consumer":
+			_ = syscall.Kill(pids[1], syscall.SIGKILL)
+		default:
+			_ = syscall.Kill(pids[0], syscall.SIGKILL)
+			_ = syscall.Kill(pids[1], syscall.SIGKILL)
+		}
+		require.NoError(t, p.cmd.Process.Signal(syscall.SIGKILL))
+		p.wait(t)
+		for _, pid := range pids {
+			for alive(pid) {
+				time.Sleep(time.Millisecond)
+			}
+		}
+		dead := time.Now()
+		var now int64
+		for now = free(); now < before && time.Since(dead) < time.Second; now = free() {
+			time.Sleep(10 * time.Millisecond)
+		}
+		require.GreaterOrEqual(t, now, before, "run %d (%s killed): device memory a second after the last death", i, victims)
+		p.expectGone(t)
+		for _, pid := range append(pids, p.cmd.Process.Pid) {
+			assert.Empty(t, cudashm.Of(pid), "run %d: driver files of %d", i, pid)
+		}
+	}
 }

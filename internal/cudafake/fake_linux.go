@@ -312,6 +312,21 @@ func (d *Driver) Synchronize() error {
 	return nil
 }
 
+// MemGetInfo answers for this process's own allocations: the fake has
+// no device shared by processes. Its total is the limit, or 80 GiB.
+func (d *Driver) MemGetInfo() (int64, int64, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if _, err := d.ctxDev("cuMemGetInfo_v2"); err != nil {
+		return 0, 0, err
+	}
+	total := d.limit
+	if total == 0 {
+		total = 80 << 30
+	}
+	return total - d.used, total, nil
+}
+
 // Syncs returns how many times Synchronize was called.
 func (d *Driver) Syncs() int {
 	d.mu.Lock()
