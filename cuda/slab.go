@@ -302,6 +302,19 @@ func (r *Runtime) importSlab(dev int, fd int, n int64) (*slab, error) {
 	return s, nil
 }
 
+// InUse returns how many blocks of device dev's slabs are in use: held by
+// a buffer of this process, or by another process or a message in flight
+// after this process let go of them. It is 0 for a device without slabs.
+func (r *Runtime) InUse(dev int) int {
+	r.mu.Lock()
+	p := r.pools[dev]
+	r.mu.Unlock()
+	if p == nil {
+		return 0
+	}
+	return p.InUse()
+}
+
 // trimSlabs closes the unused slabs every device's pool keeps for reuse.
 func (r *Runtime) trimSlabs() {
 	r.mu.Lock()

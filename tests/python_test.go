@@ -351,12 +351,12 @@ func torchDevice(place device.Place) string {
 }
 
 // gpuHeld returns a function that reports whether another process still
-// holds GPU memory this one freed: whether rt's limbo, once collected,
-// is not empty.
+// holds GPU memory this one freed: blocks of its slabs still in use, or,
+// by legacy CUDA IPC, allocations in rt's limbo once it is collected.
 func gpuHeld(rt *cuda.Runtime) func() bool {
 	return func() bool {
 		rt.CollectLimbo()
-		return rt.Limbo() > 0
+		return rt.Limbo() > 0 || rt.InUse(0) > 0
 	}
 }
 
