@@ -87,6 +87,16 @@ func (s *slab) Close() error {
 	return err
 }
 
+// granularity returns the size device dev's allocations and mappings
+// are multiples of.
+func (r *Runtime) granularity(dev int) (int64, error) {
+	g, err := r.drv.MemGranularity(dev)
+	if err != nil {
+		return 0, fmt.Errorf("cuda: the allocation granularity of gpu:%d: %w", dev, err)
+	}
+	return g, nil
+}
+
 // roundUp rounds n up to a multiple of g.
 func roundUp(n, g int64) int64 { return (n + g - 1) / g * g }
 
@@ -127,9 +137,9 @@ func (r *Runtime) newSlab(dev int, n int64) (mmapalloc.Extent, error) {
 	if err != nil {
 		return nil, err
 	}
-	g, err := r.drv.MemGranularity(dev)
+	g, err := r.granularity(dev)
 	if err != nil {
-		return nil, fmt.Errorf("cuda: the allocation granularity of gpu:%d: %w", dev, err)
+		return nil, err
 	}
 	size := roundUp(n, g)
 	var h MemHandle
@@ -268,9 +278,9 @@ func (r *Runtime) importSlab(dev int, fd int, n int64) (*slab, error) {
 	if err != nil {
 		return nil, err
 	}
-	g, err := r.drv.MemGranularity(dev)
+	g, err := r.granularity(dev)
 	if err != nil {
-		return nil, fmt.Errorf("cuda: the allocation granularity of gpu:%d: %w", dev, err)
+		return nil, err
 	}
 	own, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {

@@ -205,6 +205,22 @@ func countFDs() int {
 	return len(entries) - 1 // the directory's own descriptor
 }
 
+// resultLog keeps a bench's results, and prints each as it comes, a JSON
+// object a line, with json.
+type resultLog struct {
+	rs   []benchResult
+	json bool
+	w    io.Writer
+}
+
+func (l *resultLog) emit(r benchResult) {
+	l.rs = append(l.rs, r)
+	if l.json {
+		b, _ := json.Marshal(r)
+		fmt.Fprintln(l.w, string(b))
+	}
+}
+
 // benchResult is one line of -json output.
 type benchResult struct {
 	Strategy string  `json:"strategy"`
@@ -288,22 +304,15 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 		po.trips, po.stream = o.trips, o.stream
 		return runDeviceBench(place, o, po, *asJSON, stdout, stderr, progress)
 	}
-	var results []benchResult
-	emit := func(r benchResult) {
-		results = append(results, r)
-		if *asJSON {
-			b, _ := json.Marshal(r)
-			fmt.Fprintln(stdout, string(b))
-		}
-	}
+	results := &resultLog{json: *asJSON, w: stdout}
 	for _, st := range sts {
-		if err := benchStrategy(st, o, progress, emit); err != nil {
+		if err := benchStrategy(st, o, progress, results.emit); err != nil {
 			fmt.Fprintf(stderr, "spawn bench: %s: %v\n", st, err)
 			return 1
 		}
 	}
 	if !*asJSON {
-		printBenchTable(stdout, results)
+		printBenchTable(stdout, results.rs)
 	}
 	return 0
 }

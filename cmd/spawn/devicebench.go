@@ -1,7 +1,6 @@
 package main
 
 import (
-	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -34,15 +33,8 @@ the GPU stream's rate over torch's.`
 var deviceSizes = []int64{4 << 10, 64 << 20}
 
 func runDeviceBench(place device.Place, o benchOpts, po pythonOpts, asJSON bool, stdout, stderr io.Writer, progress func(string)) int {
-	var results []benchResult
-	emit := func(r benchResult) {
-		results = append(results, r)
-		if asJSON {
-			b, _ := json.Marshal(r)
-			fmt.Fprintln(stdout, string(b))
-		}
-	}
-	err := withBenchWorker(strategy.FileDescriptor, o, progress, emit, func(b *bencher) error {
+	results := &resultLog{json: asJSON, w: stdout}
+	err := withBenchWorker(strategy.FileDescriptor, o, progress, results.emit, func(b *bencher) error {
 		stop, err := b.startFloor()
 		if err != nil {
 			return err
@@ -69,13 +61,13 @@ func runDeviceBench(place device.Place, o benchOpts, po pythonOpts, asJSON bool,
 		fmt.Fprintf(stderr, "spawn bench: -device %s: %v\n", place, err)
 		return 1
 	}
-	if err := benchTorchDevice(place, po, progress, emit); err != nil {
+	if err := benchTorchDevice(place, po, progress, results.emit); err != nil {
 		fmt.Fprintf(stderr, "spawn bench: -device %s: torch: %v\n", place, err)
 		return 1
 	}
 	if !asJSON {
-		printBenchTable(stdout, results)
-		printDeviceSummary(stdout, place, results)
+		printBenchTable(stdout, results.rs)
+		printDeviceSummary(stdout, place, results.rs)
 	}
 	return 0
 }

@@ -94,16 +94,12 @@ func runPythonBench(o pythonOpts, asJSON bool, stdout, stderr io.Writer, progres
 		fmt.Fprintln(stderr, "spawn bench:", err)
 		return 1
 	}
-	var results []benchResult
+	results := &resultLog{json: asJSON, w: stdout}
 	emit := func(r benchResult) {
 		if o.device != "cpu" {
 			r.Device = o.device
 		}
-		results = append(results, r)
-		if asJSON {
-			b, _ := json.Marshal(r)
-			fmt.Fprintln(stdout, string(b))
-		}
+		results.emit(r)
 	}
 	for _, run := range []func(pythonOpts, string, func(string), func(benchResult)) error{benchGoPython, benchTorch} {
 		if err := run(o, script, progress, emit); err != nil {
@@ -112,7 +108,7 @@ func runPythonBench(o pythonOpts, asJSON bool, stdout, stderr io.Writer, progres
 		}
 	}
 	if !asJSON {
-		printPythonTable(stdout, results)
+		printPythonTable(stdout, results.rs)
 	}
 	return 0
 }
