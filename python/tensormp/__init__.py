@@ -25,18 +25,20 @@ counted on the Go side: it is unmapped here when the last Tensor, torch
 tensor or NumPy array on it is gone. Whenever the process exits, the
 kernel takes back what it held: nothing is left in /dev/shm.
 
-CUDA tensors travel the same way, through CUDA IPC: a GPU tensor received
-is the sender's device memory, which ``torch.from_dlpack(t)`` views on
-its device (``t.device`` is "cuda:N"); a torch CUDA tensor sent is copied
-once, on its GPU, into memory of tensormp's, unless it is on such memory
-already (made with ``empty(..., device="cuda")``, or received). A
-receiver waits for the work queued on torch's current stream before the
-send the first time it opens that GPU allocation, not for memory it
-holds already: after writing to such memory, ``torch.cuda.synchronize()``
-before telling its holder. As with torch.multiprocessing, a process that
-sent GPU memory keeps it alive for its consumers only while it runs. At
-exit the package gives the GPU contexts back, so that the CUDA driver
-removes the files it keeps in /dev/shm for them.
+CUDA tensors travel the same way, in device slabs whose file descriptors
+go with the message (by CUDA IPC where the driver cannot export them): a
+GPU tensor received is the sender's device memory, which
+``torch.from_dlpack(t)`` views on its device (``t.device`` is "cuda:N");
+a torch CUDA tensor sent is copied once, on its GPU, into a slab of
+tensormp's, unless it is in one already (made with ``empty(...,
+device="cuda")``, or received). A sender waits for the work queued on
+torch's current stream before each send, so a receiver has nothing to
+wait for; after writing to memory another process holds, and before
+telling it so in a message without the tensor,
+``torch.cuda.synchronize()``. The memory lives while any process holds
+it, after its sender has exited. At exit the package gives the GPU
+contexts back, so that the CUDA driver removes the files it keeps in
+/dev/shm for CUDA IPC exports.
 
 Do not fork a process after it has loaded the library (the child of a
 fork has none of the Go runtime's threads): start workers with the
