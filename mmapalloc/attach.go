@@ -9,6 +9,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/fd"
 )
 
 // attached is the process's table of segments it received blocks of.
@@ -52,11 +54,11 @@ func AttachBlock(ticket int, st FileStat, covered bool, segSize, off, size int64
 		return nil, fmt.Errorf("mmapalloc: segment holds %d bytes, fewer than the %d claimed", st.Size, segSize)
 	}
 	return attached.attach(st.ID, covered, segSize, off, size, gen, func() (*Allocation, error) {
-		fd, err := reopen(ticket)
+		raw, err := reopen(ticket)
 		if err != nil {
 			return nil, err
 		}
-		return OpenFD(fd, segSize, KeepFD) // checks the seals
+		return OpenFD(raw, segSize, KeepFD) // checks the seals
 	})
 }
 
@@ -155,7 +157,7 @@ func (t *segmentTable) attachLocked(id ID, covered bool, segSize, off, size int6
 			return nil, ErrNotMapped
 		}
 		a, err := open()
-		if outOfFDs(err) {
+		if fd.OutOfDescriptors(err) {
 			// Idle mappings keep a descriptor each: give them up first.
 			_ = t.trimLocked(0, 0)
 			a, err = open()
@@ -353,26 +355,14 @@ func (seg *segment) transferLocked() error {
 	if len(errs) > 0 {
 		return errors.Join(errs...) // keep the adopted descriptors: they still hold
 	}
-	closeAll(seg.adopted)
+	fd.CloseAll(seg.adopted)
 	clear(seg.adopted)
 	seg.adopted = seg.adopted[:0]
 	return nil
 }
 
-// closeAll closes fds, which the caller owns: each run of neighbouring
-// numbers, as a stream of messages leaves them, in one close_range call.
-func closeAll(fds []int) {
-	for _, r := range runs(fds) {
-		if r[1] == 1 || closeRange(r[0], r[0]+r[1]-1) != nil {
-			for fd := r[0]; fd < r[0]+r[1]; fd++ {
-				_ = unix.Close(fd)
-			}
-		}
-	}
-}
-
-// runs turns slots (or descriptors) into runs of neighbours, [first,
-// length] each, sorting them.
+// runs turns slots into runs of neighbours, [first, length] each,
+// sorting them.
 func runs(slots []int) [][2]int {
 	slices.Sort(slots)
 	var out [][2]int
@@ -428,12 +418,6 @@ func idleLimit(n int) int {
 		return int(max(rl.Cur/8, 1))
 	}
 	return idleMax
-}
-
-// outOfFDs reports whether err says the process or the system is out of
-// file descriptors.
-func outOfFDs(err error) bool {
-	return errors.Is(err, unix.EMFILE) || errors.Is(err, unix.ENFILE)
 }
 
 // idleCheckDelay is how long a received segment no block of this process
@@ -526,9 +510,7 @@ func (t *segmentTable) dropLocked(seg *segment) error {
 func (t *segmentTable) closeLocked(seg *segment) error {
 	liveSegments.remove(seg)
 	seg.tickets.rotate()
-	for _, fd := range seg.adopted {
-		_ = unix.Close(fd)
-	}
+	fd.CloseAll(seg.adopted)
 	seg.adopted = nil
 	return errors.Join(seg.closeExtent(), seg.alloc.Close())
 }

@@ -6,6 +6,8 @@ import (
 	"math/bits"
 	"sync/atomic"
 	"unsafe"
+
+	"github.com/tensormp/tensormp/internal/fd"
 )
 
 // Pooled segments.
@@ -242,7 +244,7 @@ func (b *Block) Ticket() (*Ticket, error) {
 		return nil, ErrReleased
 	}
 	t, err := b.seg.tickets.take(b.seg)
-	if outOfFDs(err) {
+	if fd.OutOfDescriptors(err) {
 		_ = DropIdle() // each idle mapping keeps a descriptor
 		t, err = b.seg.tickets.take(b.seg)
 	}

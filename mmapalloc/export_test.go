@@ -36,9 +36,6 @@ var WatchSegmentsOf = watchSegmentsOf
 // of their segment keeps.
 const AdoptMax = adoptMax
 
-// CloseAll is closeAll.
-var CloseAll = closeAll
-
 // SlotOf returns the slot b lives in.
 func SlotOf(b *Block) int { return b.slot }
 

@@ -7,6 +7,8 @@ import (
 	"strconv"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/fd"
 )
 
 // Ownership of pooled blocks is kept by the kernel, as open-file-description
@@ -106,21 +108,21 @@ func checkSealed(fd int) error {
 // and no description holds any lock on it. It reports whether the watch
 // is over: the name is gone, names another file, or was removed now.
 func removeIfAbandoned(path string, id ID) bool {
-	fd, err := unix.Open(path, unix.O_RDWR|unix.O_NOFOLLOW|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+	raw, err := unix.Open(path, unix.O_RDWR|unix.O_NOFOLLOW|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
 	if err != nil {
-		return err != unix.EINTR && err != unix.EMFILE && err != unix.ENFILE
+		return err != unix.EINTR && !fd.OutOfDescriptors(err)
 	}
-	defer unix.Close(fd)
-	if st, err := StatFile(fd); err != nil || st.ID != id {
+	defer unix.Close(raw)
+	if st, err := StatFile(raw); err != nil || st.ID != id {
 		return true
 	}
 	// Only a pool's segment is held through locks; any other (a RefCount
 	// segment counts its holders in its header) is not this watch's.
 	var magic [4]byte
-	if n, err := unix.Pread(fd, magic[:], 0); err != nil || n != len(magic) || binary.LittleEndian.Uint32(magic[:]) != slabMagic {
+	if n, err := unix.Pread(raw, magic[:], 0); err != nil || n != len(magic) || binary.LittleEndian.Uint32(magic[:]) != slabMagic {
 		return true
 	}
-	ok, err := lockWrite(fd, lockBase, 0)
+	ok, err := lockWrite(raw, lockBase, 0)
 	if err != nil {
 		return true
 	}

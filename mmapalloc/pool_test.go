@@ -315,29 +315,6 @@ func TestAdoptedTicketsCloseInBatches(t *testing.T) {
 	require.Eventually(t, func() bool { return p.InUse() == 0 }, time.Second, 5*time.Millisecond, "and the block is free again")
 }
 
-// closeAll closes runs of neighbouring descriptors in one call and the
-// rest one by one, and nothing else.
-func TestCloseAll(t *testing.T) {
-	leakcheck.Check(t)
-	var fds []int
-	for range 6 {
-		fd, err := unix.Eventfd(0, unix.EFD_CLOEXEC)
-		require.NoError(t, err)
-		fds = append(fds, fd)
-	}
-	// A run of two, then one alone, out of order; 2, 4 and 5 stay.
-	mmapalloc.CloseAll([]int{fds[3], fds[0], fds[1]})
-	for i, fd := range fds {
-		_, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0)
-		if i == 2 || i >= 4 {
-			assert.NoError(t, err, "descriptor %d is not the caller's to close", i)
-			require.NoError(t, unix.Close(fd))
-		} else {
-			assert.ErrorIs(t, err, unix.EBADF, "descriptor %d is closed", i)
-		}
-	}
-}
-
 func TestAttachBlock(t *testing.T) {
 	p := testPool(t)
 	a := mustAlloc(t, p, 4<<10)

@@ -488,9 +488,5 @@ func MapSealed(fd int, n int64) ([]byte, error) {
 	return b, nil
 }
 
-// closeRange closes the descriptors first to last, all of them, in one
-// system call.
-func closeRange(first, last int) error { return unix.CloseRange(uint(first), uint(last), 0) }
-
 // Unmap releases a mapping made by MapSealed.
 func Unmap(b []byte) error { return unix.Munmap(b) }

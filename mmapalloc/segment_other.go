@@ -54,6 +54,3 @@ func MapSealed(fd int, n int64) ([]byte, error) { return nil, ErrUnsupported }
 
 // Unmap does nothing on this system.
 func Unmap(b []byte) error { return nil }
-
-// closeRange is not supported on this system: the caller closes one by one.
-func closeRange(first, last int) error { return ErrUnsupported }

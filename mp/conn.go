@@ -147,7 +147,7 @@ func socketPair() ([2]*fd.FD, error) {
 }
 
 func fdHint(err error) string {
-	if errors.Is(err, unix.EMFILE) || errors.Is(err, unix.ENFILE) {
+	if fd.OutOfDescriptors(err) {
 		return " (out of file descriptors: " + mmapalloc.FDLimitHint + ")"
 	}
 	return ""
@@ -558,7 +558,7 @@ func (c *conn) recvLocked(ctx context.Context, block bool) (data []byte, fds []i
 	}
 	defer func() {
 		if err != nil {
-			closeAll(fds)
+			fd.CloseAll(fds)
 			fds = nil
 		}
 	}()
@@ -653,12 +653,12 @@ func (c *conn) unframe(msg []byte, rights []int) (payload []byte, fds []int, spi
 	return payload, fds, spill, nil
 }
 
-// recvCarried reads want descriptors from a carrier socket and closes it.
-func recvCarried(fd, want int) (fds []int, err error) {
-	defer unix.Close(fd)
+// recvCarried reads want descriptors from the carrier socket and closes it.
+func recvCarried(carrier, want int) (fds []int, err error) {
+	defer unix.Close(carrier)
 	defer func() {
 		if err != nil {
-			closeAll(fds)
+			fd.CloseAll(fds)
 			fds = nil
 		}
 	}()
@@ -668,7 +668,7 @@ func recvCarried(fd, want int) (fds []int, err error) {
 	var b [1]byte
 	oob := make([]byte, unix.CmsgSpace(maxFDs*4))
 	for len(fds) < want {
-		_, oobn, flags, _, err := unix.Recvmsg(fd, b[:], oob, recvFlags|unix.MSG_DONTWAIT)
+		_, oobn, flags, _, err := unix.Recvmsg(carrier, b[:], oob, recvFlags|unix.MSG_DONTWAIT)
 		if oobn > 0 {
 			var perr error
 			fds, perr = parseRights(fds, oob[:oobn])
@@ -710,10 +710,3 @@ func parseRights(fds []int, oob []byte) ([]int, error) {
 	return fds, nil
 }
 
-func closeAll(fds []int) {
-	for _, fd := range fds {
-		if fd >= 0 {
-			_ = unix.Close(fd)
-		}
-	}
-}

@@ -13,6 +13,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/fd"
 )
 
 // Func is a function registered with RegisterFunc that a Pool's workers
@@ -240,13 +241,13 @@ func poolWorker(ctx context.Context, w *Worker) error {
 		}
 		call, start, name, err := peekTask(data)
 		if err != nil {
-			closeAll(fds)
+			fd.CloseAll(fds)
 			done()
 			w.Logger().Error("dropping a task", "error", err)
 			continue
 		}
 		if call == stopCall {
-			closeAll(fds)
+			fd.CloseAll(fds)
 			done()
 			return nil
 		}
@@ -254,7 +255,7 @@ func poolWorker(ctx context.Context, w *Worker) error {
 		if f, ok := poolFuncs.Load(name); ok {
 			rep, err = f.(*poolFunc).run(ctx, a.Rank, a.Gen, data, fds)
 		} else {
-			closeAll(fds)
+			fd.CloseAll(fds)
 			err = fmt.Errorf("no function is registered as %q in the worker (RegisterFunc before Init)", name)
 			rep = &reply[struct{}]{Call: call, Start: start, Rank: a.Rank, Gen: a.Gen, Failed: true, At: start, Err: err.Error()}
 		}
@@ -509,7 +510,7 @@ func (p *Pool) replies() {
 		}
 		call, start, rank, gen, err := peekReply(data)
 		if err != nil || call == stopCall || rank < 0 || rank >= p.n {
-			closeAll(fds)
+			fd.CloseAll(fds)
 			done()
 			if err != nil {
 				Logger().Error("pool: dropping a reply", "error", err)
@@ -535,7 +536,7 @@ func (p *Pool) replies() {
 		if deliver {
 			c.call.deliver(c, data, fds)
 		} else {
-			closeAll(fds) // what the reply held goes back
+			fd.CloseAll(fds) // what the reply held goes back
 		}
 		done()
 		p.send(ws)
@@ -568,7 +569,7 @@ func (p *Pool) exited(rank, gen int) {
 			break
 		}
 		call, start, _, err := peekTask(data)
-		closeAll(fds)
+		fd.CloseAll(fds)
 		done()
 		if err == nil {
 			untaken[key{call, start}] = true

@@ -6,6 +6,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/reduction"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -103,7 +104,7 @@ func TestBodyDecodeChecksBodies(t *testing.T) {
 	// Metadata made for descriptors does not decode against bodies.
 	fdData, fds, err := reduction.Marshal(a)
 	require.NoError(t, err)
-	closeAll(fds)
+	fd.CloseAll(fds)
 	var out *tensor.Tensor
 	require.ErrorContains(t, reduction.NewBodyDecoder().Decode(fdData, nil, &out), "descriptor metadata in a message that carries bodies")
 	require.NoError(t, a.Release())

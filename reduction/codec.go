@@ -174,21 +174,15 @@ func Marshal(v any) (data []byte, fds []int, err error) {
 	}
 	defer e.Done()
 	fds = make([]int, 0, len(lent))
-	for _, fd := range lent {
-		d, err := mmapalloc.Dup(fd)
+	for _, raw := range lent {
+		d, err := mmapalloc.Dup(raw)
 		if err != nil {
-			closeAll(fds)
+			fd.CloseAll(fds)
 			return nil, nil, err
 		}
 		fds = append(fds, d)
 	}
 	return data, fds, nil
-}
-
-func closeAll(fds []int) {
-	for _, fd := range fds {
-		_ = unix.Close(fd)
-	}
 }
 
 // fdWriter is the Encoder's writer: the per-call state of one Encode.

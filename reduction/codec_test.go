@@ -10,6 +10,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 	"golang.org/x/sys/unix"
 
+	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/reduction"
@@ -53,7 +54,7 @@ func TestCodecNestedValues(t *testing.T) {
 		}
 		data, fds, err := reduction.Marshal(&in)
 		require.NoError(t, err)
-		defer closeAll(fds)
+		defer fd.CloseAll(fds)
 		if st == strategy.FileDescriptor {
 			assert.Len(t, fds, 1, "two small storages share one pooled segment, one descriptor")
 		}
@@ -245,7 +246,7 @@ func TestTensorBatchIsPlainMsgpack(t *testing.T) {
 	t.Run("malformed", func(t *testing.T) {
 		data, fds, err := reduction.Marshal(batch)
 		require.NoError(t, err)
-		defer closeAll(fds)
+		defer fd.CloseAll(fds)
 		dups := func() []int {
 			out := make([]int, len(fds))
 			for i, d := range fds {
@@ -276,7 +277,7 @@ func TestPlainMsgpackRefusesTensors(t *testing.T) {
 
 	data, fds, err := reduction.Marshal(map[string]*tensor.Tensor{"x": x})
 	require.NoError(t, err)
-	defer closeAll(fds) // the message's holds, which would otherwise outlive the test
+	defer fd.CloseAll(fds) // the message's holds, which would otherwise outlive the test
 	defer x.Release()
 	var got map[string]*tensor.Tensor
 	err = msgpack.Unmarshal(data, &got)
@@ -291,7 +292,7 @@ func TestDecodeClosesUnusedDescriptors(t *testing.T) {
 	data, fds, err := reduction.Marshal([]*tensor.Tensor{x, x})
 	require.NoError(t, err)
 	require.Len(t, fds, 1)
-	defer closeAll(fds)
+	defer fd.CloseAll(fds)
 
 	dups := make([]int, 3)
 	for i := range dups {
@@ -327,7 +328,7 @@ func BenchmarkReduceRebuildShared(b *testing.B) {
 				if err != nil {
 					b.Fatal(err)
 				}
-				closeAll(fds)
+				fd.CloseAll(fds)
 				_ = y
 			}
 		})

@@ -10,6 +10,7 @@ import (
 
 	"github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/tensor"
@@ -46,7 +47,7 @@ func TestGPUSlabImportedFromTheMessage(t *testing.T) {
 	m, fds := slabMessage(t, 256)
 	x, err := Rebuild(m, fds[:])
 	require.NoError(t, err)
-	closeFDs(fds[:])
+	fd.CloseAll(fds[:])
 	assert.Equal(t, handles+2, gpuFake.MemHandles(), "the producer's slab, and the receiver's import of it")
 	want, err := tensor.Arange(tensor.Int32, 256)
 	require.NoError(t, err)
@@ -54,12 +55,6 @@ func TestGPUSlabImportedFromTheMessage(t *testing.T) {
 	require.NoError(t, err)
 	assert.True(t, tensor.Equal(host, want))
 	require.NoError(t, x.Release())
-}
-
-func closeFDs(fds []int) {
-	for _, fd := range fds {
-		_ = unix.Close(fd)
-	}
 }
 
 // What is not the slab a cuda_fd tensor names is a clear error: a slab
@@ -71,7 +66,7 @@ func TestHostileSlabMessages(t *testing.T) {
 	leakcheck.Check(t)
 	var pipe [2]int
 	require.NoError(t, unix.Pipe2(pipe[:], unix.O_CLOEXEC))
-	defer closeFDs(pipe[:])
+	defer fd.CloseAll(pipe[:])
 	memfd, err := unix.MemfdCreate("not-an-allocation", unix.MFD_CLOEXEC)
 	require.NoError(t, err)
 	defer unix.Close(memfd)
@@ -101,7 +96,7 @@ func TestHostileSlabMessages(t *testing.T) {
 			lm, lfds := messageOf(t, large)
 			*m = lm
 			swap(t, &fds[0], lfds[0])
-			closeFDs(lfds[:])
+			fd.CloseAll(lfds[:])
 		}, "mapping a slab"},
 		{"a block outside the slab", func(m *Meta, fds *[2]int) { m.Block = 1 << 40 }, "is not a slot"},
 		{"a size beyond the block", func(m *Meta, fds *[2]int) { m.Size, m.Shape = 1<<20, []int{1 << 18} }, "not a slot"},
@@ -146,7 +141,7 @@ func FuzzUnmarshalGPU(f *testing.F) {
 	cuda.UseDriver(gpuFake)
 	m, fds := slabMessage(f, 64)
 	msg := extMessage(f, m)
-	closeFDs(fds[:])
+	fd.CloseAll(fds[:])
 	f.Add(msg, []byte{0, 1})
 	f.Add(msg, []byte{1, 0})
 	f.Add(msg, []byte{0, 2})
@@ -157,7 +152,7 @@ func FuzzUnmarshalGPU(f *testing.F) {
 	f.Add(extMessage(f, legacy), []byte{0})
 	var pipe [2]int
 	require.NoError(f, unix.Pipe2(pipe[:], unix.O_CLOEXEC))
-	f.Cleanup(func() { closeFDs(pipe[:]) })
+	f.Cleanup(func() { fd.CloseAll(pipe[:]) })
 	mmapalloc.Trim()
 	base := leakcheck.Count()
 	handles, mapped := gpuFake.MemHandles(), gpuFake.Mapped()
@@ -175,7 +170,7 @@ func FuzzUnmarshalGPU(f *testing.F) {
 				fds = append(fds, dupFD(t, pipe[1]))
 			}
 		}
-		closeFDs(msgFDs[:])
+		fd.CloseAll(msgFDs[:])
 		var v any
 		if err := Unmarshal(data, fds, &v); err == nil {
 			releaseAll(v)

@@ -6,6 +6,7 @@ import (
 	"strings"
 
 	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
@@ -75,19 +76,19 @@ const StrategyCUDAFD = "cuda_fd"
 // closing it unsent is how metadata that will never be rebuilt is
 // discarded.
 func Reduce(t *tensor.Tensor) (Meta, []int, error) {
-	m, fd, memFD, l, err := reduce(t, nil, nil)
-	if err != nil || fd < 0 {
+	m, ticket, memFD, l, err := reduce(t, nil, nil)
+	if err != nil || ticket < 0 {
 		return m, nil, err
 	}
 	defer l.Done()
 	var fds []int
-	for _, raw := range []int{fd, memFD} {
+	for _, raw := range []int{ticket, memFD} {
 		if raw < 0 {
 			continue
 		}
 		own, err := mmapalloc.Dup(raw)
 		if err != nil {
-			closeAll(fds)
+			fd.CloseAll(fds)
 			return Meta{}, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
 		}
 		fds = append(fds, own)

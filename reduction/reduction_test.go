@@ -11,6 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/reexec"
 	"github.com/tensormp/tensormp/mmapalloc"
@@ -54,7 +55,7 @@ func TestReduceSharesInPlaceAndCopiesOnce(t *testing.T) {
 
 		m, fds, err := reduction.Reduce(x)
 		require.NoError(t, err)
-		defer closeAll(fds)
+		defer fd.CloseAll(fds)
 		assert.True(t, x.IsShared(), "sending shares the tensor in place")
 		assert.Equal(t, st.String(), m.Strategy)
 		assert.Equal(t, int64(256), m.Size)
@@ -86,7 +87,7 @@ func TestReduceSharesInPlaceAndCopiesOnce(t *testing.T) {
 		require.NoError(t, err)
 		_, unsent, err := reduction.Reduce(x)
 		require.NoError(t, err)
-		closeAll(unsent) // that metadata is never rebuilt
+		fd.CloseAll(unsent) // that metadata is never rebuilt
 		data, err := tensor.Data[float32](x)
 		require.NoError(t, err)
 		assert.Same(t, &mem[0], (*byte)(unsafe.Pointer(&data[0])), "reducing a shared tensor copies nothing")
@@ -115,7 +116,7 @@ func TestViewKeepsOffsetAndStrides(t *testing.T) {
 
 		m, fds, err := reduction.Reduce(view)
 		require.NoError(t, err)
-		defer closeAll(fds)
+		defer fd.CloseAll(fds)
 		assert.Equal(t, int64(2*8*8), m.Offset)
 		assert.Equal(t, []int{8, 3}, m.Shape)
 		assert.Equal(t, []int{1, 8}, m.Strides)
@@ -232,7 +233,7 @@ func TestHeldSegmentIsFoundByItsIdentity(t *testing.T) {
 	leakcheck.Check(t)
 	var p [2]int
 	require.NoError(t, unix.Pipe2(p[:], unix.O_CLOEXEC))
-	defer closeAll(p[:])
+	defer fd.CloseAll(p[:])
 
 	a, m := receivedSegment(t, 1024)
 	first, err := reduction.Rebuild(m, []int{a.FD()})
@@ -251,7 +252,7 @@ func TestHeldSegmentIsFoundByItsIdentity(t *testing.T) {
 	defer x.Release()
 	data, fds, err := reduction.Marshal(x)
 	require.NoError(t, err)
-	closeAll(fds)
+	fd.CloseAll(fds)
 	held, err := unix.Dup(p[0])
 	require.NoError(t, err)
 	var y *tensor.Tensor
@@ -278,7 +279,7 @@ func TestMappedSegmentNeedsNoStat(t *testing.T) {
 	require.NoError(t, err)
 	ydata, yfds, err := reduction.Marshal(y)
 	require.NoError(t, err)
-	defer closeAll(yfds)
+	defer fd.CloseAll(yfds)
 	require.NoError(t, x.Release())
 	require.NoError(t, y.Release())
 
@@ -301,7 +302,7 @@ func TestConcurrentReceiptsOfABlockShareOneStorage(t *testing.T) {
 	require.NoError(t, err)
 	data, fds, err := reduction.Marshal(x)
 	require.NoError(t, err)
-	defer closeAll(fds)
+	defer fd.CloseAll(fds)
 	require.NoError(t, x.Release()) // the message holds it; receivers attach it
 	s := oneStorageFromAll(t, func() (*tensor.Tensor, error) {
 		fd, err := unix.Dup(fds[0])
@@ -354,11 +355,4 @@ func TestRebuildBorrowsDescriptors(t *testing.T) {
 	_, err = unix.FcntlInt(uintptr(x.Storage().Allocation().FD()), unix.F_GETFD, 0)
 	assert.NoError(t, err, "the rebuilt storage holds its own duplicate")
 	require.NoError(t, x.Release())
-}
-
-// closeAll closes descriptors a test owns.
-func closeAll(fds []int) {
-	for _, fd := range fds {
-		_ = unix.Close(fd)
-	}
 }

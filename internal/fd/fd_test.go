@@ -1,6 +1,7 @@
 package fd_test
 
 import (
+	"fmt"
 	"sync"
 	"testing"
 
@@ -94,4 +95,32 @@ func TestCloseRacingLoans(t *testing.T) {
 		wg.Wait()
 		require.False(t, wrong, "a lent number referred to another file")
 	}
+}
+
+// CloseAll closes runs of neighbouring descriptors in one call and the
+// rest one by one, skips negative ones, and closes nothing else.
+func TestCloseAll(t *testing.T) {
+	var raws []int
+	for range 6 {
+		raw, err := unix.Eventfd(0, unix.EFD_CLOEXEC)
+		require.NoError(t, err)
+		raws = append(raws, raw)
+	}
+	// A run of two, then one alone, out of order; 2, 4 and 5 stay.
+	fd.CloseAll([]int{raws[3], -1, raws[0], raws[1]})
+	for i, raw := range raws {
+		_, err := unix.FcntlInt(uintptr(raw), unix.F_GETFD, 0)
+		if i == 2 || i >= 4 {
+			assert.NoError(t, err, "descriptor %d is not the caller's to close", i)
+			require.NoError(t, unix.Close(raw))
+		} else {
+			assert.ErrorIs(t, err, unix.EBADF, "descriptor %d is closed", i)
+		}
+	}
+}
+
+func TestOutOfDescriptors(t *testing.T) {
+	assert.True(t, fd.OutOfDescriptors(fmt.Errorf("opening: %w", unix.EMFILE)))
+	assert.True(t, fd.OutOfDescriptors(unix.ENFILE))
+	assert.False(t, fd.OutOfDescriptors(unix.ENOMEM))
 }
