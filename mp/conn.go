@@ -709,4 +709,3 @@ func parseRights(fds []int, oob []byte) ([]int, error) {
 	}
 	return fds, nil
 }
-
