@@ -3,6 +3,7 @@ package mp
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -199,6 +200,9 @@ func Spawn(ctx context.Context, name string, n int, opts ...Option) (*Group, err
 				err = fmt.Errorf("encoding arguments: %w", err)
 			} else if err = p.ctl.send(ctx, args, fds, true); err != nil {
 				enc.Discard()
+				if said := p.setupFailure(err); said != nil {
+					err = said
+				}
 			} else {
 				enc.Done()
 			}
@@ -293,6 +297,23 @@ func start(ctx context.Context, name string, rank, world int, place device.Place
 		rank: rank, cmd: cmd, ctl: ctl, out: []*lineWriter{stdout, stderr}, done: make(chan struct{}),
 		state: WorkerState{Rank: rank, Pid: cmd.Process.Pid},
 	}, nil
+}
+
+// setupFailure returns why the worker could not start, as it said on its
+// control socket before it closed it, when err, the failure to send its
+// arguments, says it did close it: a worker that fails at once (mp.Init
+// missing, say) may exit before its arguments come. Else it returns nil.
+func (p *proc) setupFailure(err error) error {
+	if !errors.Is(err, ErrClosed) {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	var res result
+	if get(ctx, p.ctl, &res, true) != nil || !res.Failed {
+		return nil
+	}
+	return &WorkerError{Rank: p.rank, Pid: p.cmd.Process.Pid, Err: res.Err}
 }
 
 // watch waits for one worker's report and exit, and stops the group on
