@@ -12,7 +12,6 @@ import (
 	"runtime"
 	"runtime/pprof"
 	"slices"
-	"strings"
 	"time"
 
 	"github.com/vmihailenco/msgpack/v5"
@@ -241,7 +240,8 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	asJSON := fs.Bool("json", false, "print one JSON object per line instead of a table")
-	strategies := fs.String("strategy", "file_descriptor,file_system", "comma-separated sharing strategies to measure")
+	sts := strategyList(strategy.All())
+	fs.Var(&sts, "strategy", "comma-separated sharing strategies to measure")
 	var o benchOpts
 	fs.IntVar(&o.trips, "trips", 5000, "round trips per size (fewer for large first shares)")
 	fs.IntVar(&o.stream, "stream", 300000, "tensors sent in each stream case, over five rounds")
@@ -271,15 +271,6 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	if o.trips < 1 || o.stream < 1 || o.batch < 1 || o.hold < 1 {
 		fmt.Fprintln(stderr, "spawn bench: -trips, -stream, -batch and -hold must be positive")
 		return 2
-	}
-	var sts []strategy.Strategy
-	for _, name := range strings.Split(*strategies, ",") {
-		st, err := strategy.Parse(strings.TrimSpace(name))
-		if err != nil {
-			fmt.Fprintln(stderr, "spawn bench:", err)
-			return 2
-		}
-		sts = append(sts, st)
 	}
 	progress := func(string) {}
 	if f, ok := stderr.(*os.File); ok && isTerminal(f) {

@@ -123,7 +123,8 @@ func runDemo(args []string, stdout, stderr io.Writer) int {
 	fs.SetOutput(stderr)
 	workers := fs.Int("workers", 4, "number of worker processes")
 	rounds := fs.Int("rounds", 4, "times each kind of tensor is sent per strategy")
-	strategies := fs.String("strategy", "file_descriptor,file_system", "comma-separated sharing strategies to run")
+	sts := strategyList(strategy.All())
+	fs.Var(&sts, "strategy", "comma-separated sharing strategies to run")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "usage: spawn demo [flags]\n\n%s\n\nflags:\n", demoHelp)
 		fs.PrintDefaults()
@@ -137,15 +138,6 @@ func runDemo(args []string, stdout, stderr io.Writer) int {
 	if *workers < 1 || *rounds < 1 {
 		fmt.Fprintln(stderr, "spawn demo: -workers and -rounds must be at least 1")
 		return 2
-	}
-	var sts []strategy.Strategy
-	for _, name := range strings.Split(*strategies, ",") {
-		st, err := strategy.Parse(strings.TrimSpace(name))
-		if err != nil {
-			fmt.Fprintln(stderr, "spawn demo:", err)
-			return 2
-		}
-		sts = append(sts, st)
 	}
 
 	before, _, err := segments(mmapalloc.Dir())

@@ -123,7 +123,12 @@ func TestHelp(t *testing.T) {
 	errOut.Reset()
 	assert.Equal(t, 2, run([]string{"frobnicate"}, &out, &errOut))
 	assert.Contains(t, errOut.String(), `unknown command "frobnicate"`)
+	errOut.Reset()
 	assert.Equal(t, 2, run([]string{"demo", "-strategy", "bogus"}, &out, &errOut))
+	assert.Contains(t, errOut.String(), `unknown sharing strategy "bogus" (valid: file_descriptor, file_system)`)
+	errOut.Reset()
+	assert.Equal(t, 2, run([]string{"bench", "-strategy", "file_system,bogus"}, &out, &errOut))
+	assert.Contains(t, errOut.String(), `unknown sharing strategy "bogus"`)
 	assert.Equal(t, 2, run([]string{"demo", "-workers", "0"}, &out, &errOut))
 }
 
