@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"iter"
-	"runtime/debug"
 	"slices"
 	"sync"
 
@@ -51,7 +50,7 @@ func RegisterFunc[A, R any](name string, fn func(ctx context.Context, arg A) (R,
 		}
 		out := &reply[R]{Call: t.Call, Start: t.Start, Rank: rank, Gen: gen, Items: make([]R, 0, len(t.Items))}
 		for i, a := range t.Items {
-			r, err := callItem(ctx, fn, a)
+			r, err := recovered(func() (R, error) { return fn(ctx, a) })
 			if err != nil {
 				out.Failed, out.At, out.Err, out.Items = true, t.Start+i, err.Error(), nil
 				return out, err
@@ -64,17 +63,6 @@ func RegisterFunc[A, R any](name string, fn func(ctx context.Context, arg A) (R,
 		panic(fmt.Sprintf("mp: RegisterFunc: %q registered twice", name))
 	}
 	return &Func[A, R]{name: name}
-}
-
-// callItem runs fn on one item, turning a panic into an error with its
-// stack.
-func callItem[A, R any](ctx context.Context, fn func(context.Context, A) (R, error), a A) (r R, err error) {
-	defer func() {
-		if p := recover(); p != nil {
-			err = fmt.Errorf("panic: %v\n%s", p, debug.Stack())
-		}
-	}()
-	return fn(ctx, a)
 }
 
 // The calls a task's Call field names besides a Pool call's number, which

@@ -241,13 +241,21 @@ func report(ctl *conn, res result) error {
 }
 
 // call runs fn, turning a panic into an error with its stack.
-func call(ctx context.Context, fn WorkerFunc, w *Worker) (err error) {
+func call(ctx context.Context, fn WorkerFunc, w *Worker) error {
+	_, err := recovered(func() (struct{}, error) { return struct{}{}, fn(ctx, w) })
+	return err
+}
+
+// recovered calls fn, turning a panic in it into an error with its stack:
+// what a worker runs of its user's code, its function or a pool's item,
+// fails the one call, not the process.
+func recovered[R any](fn func() (R, error)) (r R, err error) {
 	defer func() {
 		if p := recover(); p != nil {
 			err = fmt.Errorf("panic: %v\n%s", p, debug.Stack())
 		}
 	}()
-	return fn(ctx, w)
+	return fn()
 }
 
 // newLogger returns a logger named name at the level TENSORMP_LOG sets.
