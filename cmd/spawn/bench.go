@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/vmihailenco/msgpack/v5"
+	"golang.org/x/term"
 
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/fd"
@@ -273,7 +274,7 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	progress := func(string) {}
-	if f, ok := stderr.(*os.File); ok && isTerminal(f) {
+	if f, ok := stderr.(*os.File); ok && term.IsTerminal(int(f.Fd())) {
 		progress = func(s string) { fmt.Fprintf(stderr, "\r\033[K%s", s) }
 		defer fmt.Fprint(stderr, "\r\033[K")
 	}
@@ -306,12 +307,6 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 		printBenchTable(stdout, results.rs)
 	}
 	return 0
-}
-
-// isTerminal reports whether f is a character device, as a terminal is.
-func isTerminal(f *os.File) bool {
-	st, err := f.Stat()
-	return err == nil && st.Mode()&os.ModeCharDevice != 0
 }
 
 func benchStrategy(st strategy.Strategy, o benchOpts, progress func(string), emit func(benchResult)) error {
@@ -739,8 +734,8 @@ func vsFloor(r benchResult, rs []benchResult) float64 {
 }
 
 func printBenchTable(w io.Writer, rs []benchResult) {
-	const row = "%-16s %-18s %-7s %8s %10s %10s %12s %8s %6s %8s\n"
-	fmt.Fprintf(w, row, "strategy", "case", "device", "bytes", "p50", "p99", "per second", "held", "fds", "x floor")
+	t := newTable(w, "strategy", "case", "device", "bytes", "p50", "p99", "per second", "held", "fds", "x floor")
+	defer t.flush()
 	for _, r := range rs {
 		col := func(v float64, f func(float64) string) string {
 			if v == 0 {
@@ -754,11 +749,7 @@ func printBenchTable(w io.Writer, rs []benchResult) {
 		if r.Case == "fds" {
 			fds = fmt.Sprint(r.FDs)
 		}
-		dev := r.Device
-		if dev == "" {
-			dev = "cpu"
-		}
-		fmt.Fprintf(w, row, r.Strategy, r.Case, dev, formatBytes(r.Bytes), col(r.P50us, us), col(r.P99us, us),
+		t.row(r.Strategy, r.Case, deviceOf(r), formatBytes(r.Bytes), col(r.P50us, us), col(r.P99us, us),
 			col(r.PerS, n), col(float64(r.Held), n), fds, col(vsFloor(r, rs), func(v float64) string { return fmt.Sprintf("%.2f", v) }))
 	}
 }

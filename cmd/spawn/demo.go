@@ -157,10 +157,11 @@ func runDemo(args []string, stdout, stderr io.Writer) int {
 		}
 		rows = append(rows, row)
 	}
-	fmt.Fprintf(stdout, "%-16s %8s %12s %14s\n", "strategy", "tensors", "bytes", "hand-off p50")
+	t := newTable(stdout, "strategy", "tensors", "bytes", "hand-off p50")
 	for _, r := range rows {
-		fmt.Fprintf(stdout, "%-16s %8d %12s %14s\n", r.strategy, r.tensors, formatBytes(r.bytes), formatDuration(r.p50))
+		t.row(r.strategy.String(), fmt.Sprint(r.tensors), formatBytes(r.bytes), formatDuration(r.p50))
 	}
+	t.flush()
 	mmapalloc.Trim() // what the pools keep for reuse is not residue
 	after, mine, err := segments(mmapalloc.Dir())
 	if err != nil {

@@ -9,7 +9,6 @@ import (
 	"os"
 	"strconv"
 	"strings"
-	"text/tabwriter"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -307,8 +306,8 @@ func procKB(path, key string) int64 {
 }
 
 func printLoaderTable(w io.Writer, rs []loaderResult) {
-	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "case\tdataset\tworkers\tbatches/s\tMB/s\tx pipe\trss growth\tshm growth\t")
+	t := newTable(w, "case", "dataset", "workers", "batches/s", "MB/s", "x pipe", "rss growth", "shm growth")
+	defer t.flush()
 	for _, r := range rs {
 		vs := ""
 		for _, p := range rs {
@@ -316,10 +315,9 @@ func printLoaderTable(w io.Writer, rs []loaderResult) {
 				vs = fmt.Sprintf("%.1f", r.PerS/p.PerS)
 			}
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%.1f\t%.0f\t%s\t%s\t%s\t\n", r.Case, r.Dataset, r.Workers, r.PerS,
-			r.PerS*float64(r.Bytes)/1e6, vs, mib(r.RSSGrowth), mib(r.ShmGrowth))
+		t.row(r.Case, r.Dataset, fmt.Sprint(r.Workers), fmt.Sprintf("%.1f", r.PerS),
+			fmt.Sprintf("%.0f", r.PerS*float64(r.Bytes)/1e6), vs, mib(r.RSSGrowth), mib(r.ShmGrowth))
 	}
-	_ = tw.Flush()
 }
 
 func mib(n int64) string { return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20)) }

@@ -287,8 +287,8 @@ func runPyBench(o pythonOpts, script string, emit func(benchResult), args ...str
 // printPythonTable prints the -python results, each python_roundtrip
 // beside torch's time for its size.
 func printPythonTable(w io.Writer, rs []benchResult) {
-	const row = "%-18s %8s %7s %10s %10s %10s\n"
-	fmt.Fprintf(w, row, "case", "bytes", "device", "p50", "p99", "x torch")
+	t := newTable(w, "case", "bytes", "device", "p50", "p99", "x torch")
+	defer t.flush()
 	for _, r := range rs {
 		ratio := "-"
 		for _, t := range rs {
@@ -297,10 +297,6 @@ func printPythonTable(w io.Writer, rs []benchResult) {
 			}
 		}
 		us := func(v float64) string { return formatDuration(time.Duration(v * 1000)) }
-		dev := r.Device
-		if dev == "" {
-			dev = "cpu"
-		}
-		fmt.Fprintf(w, row, r.Case, formatBytes(r.Bytes), dev, us(r.P50us), us(r.P99us), ratio)
+		t.row(r.Case, formatBytes(r.Bytes), deviceOf(r), us(r.P50us), us(r.P99us), ratio)
 	}
 }
