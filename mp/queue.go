@@ -23,36 +23,31 @@ const (
 )
 
 func init() {
-	reduction.MustCarry(reflect.TypeFor[*Queue]())
-	reduction.MustCarry(reflect.TypeFor[*Pipe]())
-	msgpack.RegisterExtEncoder(queueExt, (*Queue)(nil), func(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {
-		return v.Interface().(*Queue).encode(enc)
+	registerCarried(queueExt, (*Queue).encode, decodeQueue)
+	registerCarried(pipeExt, (*Pipe).encode, decodePipe)
+}
+
+// registerCarried registers T, a type that travels as descriptors, with
+// msgpack as extension ext: encode writes a value's payload, decode makes
+// one of it. A value that fails to decode is left nil, not the empty one
+// msgpack made; one that is made is closed if the rest of its message
+// fails to decode.
+func registerCarried[T io.Closer](ext int8, encode func(T, *msgpack.Encoder) ([]byte, error), decode func(*msgpack.Decoder, int) (T, error)) {
+	var zero T
+	reduction.MustCarry(reflect.TypeOf(zero))
+	msgpack.RegisterExtEncoder(ext, zero, func(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {
+		return encode(v.Interface().(T), enc)
 	})
-	msgpack.RegisterExtDecoder(queueExt, (*Queue)(nil), func(dec *msgpack.Decoder, v reflect.Value, n int) error {
-		q, err := decodeQueue(dec, n)
+	msgpack.RegisterExtDecoder(ext, zero, func(dec *msgpack.Decoder, v reflect.Value, n int) error {
+		x, err := decode(dec, n)
 		if err != nil {
 			if v.CanSet() {
-				v.Set(reflect.Zero(v.Type())) // not the empty Queue msgpack made
+				v.Set(reflect.Zero(v.Type()))
 			}
 			return err
 		}
-		reduction.CloseIfFailed(dec, q)
-		v.Set(reflect.ValueOf(q))
-		return nil
-	})
-	msgpack.RegisterExtEncoder(pipeExt, (*Pipe)(nil), func(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {
-		return v.Interface().(*Pipe).encode(enc)
-	})
-	msgpack.RegisterExtDecoder(pipeExt, (*Pipe)(nil), func(dec *msgpack.Decoder, v reflect.Value, n int) error {
-		p, err := decodePipe(dec, n)
-		if err != nil {
-			if v.CanSet() {
-				v.Set(reflect.Zero(v.Type())) // not the empty Pipe msgpack made
-			}
-			return err
-		}
-		reduction.CloseIfFailed(dec, p)
-		v.Set(reflect.ValueOf(p))
+		reduction.CloseIfFailed(dec, x)
+		v.Set(reflect.ValueOf(x))
 		return nil
 	})
 }
