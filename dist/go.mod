@@ -5,7 +5,7 @@ go 1.26.0
 require (
 	github.com/apache/arrow-go/v18 v18.8.0
 	github.com/stretchr/testify v1.12.1
-	github.com/tensormp/tensormp v0.0.0
+	github.com/tensormp/tensormp v0.1.0
 	github.com/vmihailenco/msgpack/v5 v5.4.1
 	golang.org/x/sys v0.49.0
 	google.golang.org/grpc v1.83.2
@@ -31,4 +31,3 @@ require (
 	google.golang.org/genproto/googleapis/rpc v0.0.0-20260526163538-3dc84a4a5aaa // indirect
 )
 
-replace github.com/tensormp/tensormp => ../
