@@ -263,14 +263,21 @@ func TestKillParent(t *testing.T) {
 			p := startProgram(t, "program.hold-forever", st, false)
 			workers := pidsFrom(t, p.waitLine(t, "pids"))
 			p.waitLine(t, "ready")
+			started := make([]procStart, len(workers))
+			for i, pid := range workers {
+				started[i] = startOf(pid)
+				require.NotZero(t, started[i], "worker %d runs", pid)
+			}
 			if st == strategy.FileSystem {
 				assert.NotEmpty(t, sessionEntries(p.session), "the workers hold named segments")
 			}
 			require.NoError(t, p.cmd.Process.Signal(syscall.SIGKILL))
 			p.wait(t)
 			p.expectGone(t)
-			for _, pid := range workers {
-				assert.False(t, alive(pid), "worker %d died with its parent", pid)
+			for i, pid := range workers {
+				// The pid may name another process by now: the worker is
+				// the one that started when it did.
+				assert.False(t, alive(pid) && startOf(pid) == started[i], "worker %d died with its parent", pid)
 			}
 		})
 	}
@@ -292,6 +299,28 @@ func TestKillProcessGroupFileSystem(t *testing.T) {
 func alive(pid int) bool {
 	stat, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
 	return err == nil && !isZombie(stat)
+}
+
+// procStart is when a process started, in clock ticks after boot: with
+// its pid, what names one process, since a pid names another once its
+// process is reaped.
+type procStart uint64
+
+// startOf returns when process pid started, or 0 if there is none.
+func startOf(pid int) procStart {
+	stat, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0
+	}
+	// The fields after the command name, which ends at the last ')':
+	// state is the first, starttime the twentieth.
+	s := string(stat)
+	f := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
+	if len(f) < 20 {
+		return 0
+	}
+	n, _ := strconv.ParseUint(f[19], 10, 64)
+	return procStart(n)
 }
 
 // TestKilledKeeperIsReplaced: a keeper is SIGKILLed first, then the

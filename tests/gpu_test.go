@@ -372,6 +372,7 @@ func TestGPUKilledAtRandom(t *testing.T) {
 		p := startProgram(t, "program.gpu-stream", strategy.FileDescriptor, false)
 		pids := pidsFrom(t, p.waitLine(t, "pids"))
 		require.Len(t, pids, 2)
+		started := []procStart{startOf(pids[0]), startOf(pids[1])}
 		time.Sleep(time.Duration(rng.Int64N(int64(300 * time.Millisecond))))
 		switch victims {
 		case "producer":
@@ -384,8 +385,8 @@ func TestGPUKilledAtRandom(t *testing.T) {
 		}
 		require.NoError(t, p.cmd.Process.Signal(syscall.SIGKILL))
 		p.wait(t)
-		for _, pid := range pids {
-			for alive(pid) {
+		for i, pid := range pids {
+			for alive(pid) && startOf(pid) == started[i] {
 				time.Sleep(time.Millisecond)
 			}
 		}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/mp"
@@ -27,6 +28,10 @@ func sleep(ctx context.Context, d time.Duration) error {
 		return ctx.Err()
 	}
 }
+
+// spawnQueues are spawn.later-failure's: rank 0's pid goes to rank 1 on
+// one, rank 1's word that it watches rank 0 back on the other.
+type spawnQueues struct{ Pid, Watching *mp.Queue }
 
 func registerSpawnWorkers() {
 	mp.Register("spawn.success", func(ctx context.Context, w *mp.Worker) error { return nil })
@@ -63,22 +68,40 @@ func registerSpawnWorkers() {
 		return sleep(ctx, time.Minute)
 	})
 	mp.Register("spawn.later-failure", func(ctx context.Context, w *mp.Worker) error {
-		var q *mp.Queue
+		var q spawnQueues
 		if err := w.Args(&q); err != nil {
 			return err
 		}
 		switch w.Rank() {
 		case 0:
-			return q.Put(ctx, os.Getpid()) // and succeeds at once
-		case 1:
-			// Fails once rank 0 has exited and been reaped.
-			var pid int
-			if err := q.Get(ctx, &pid); err != nil {
+			// Says who it is, waits until rank 1 watches it, and
+			// succeeds.
+			if err := q.Pid.Put(ctx, os.Getpid()); err != nil {
 				return err
 			}
-			for syscall.Kill(pid, 0) == nil {
-				if err := sleep(ctx, time.Millisecond); err != nil {
-					return err
+			return q.Watching.Get(ctx, new(string))
+		case 1:
+			// Fails once rank 0 has exited: a pidfd names the process
+			// itself, not a pid another may take over.
+			var pid int
+			if err := q.Pid.Get(ctx, &pid); err != nil {
+				return err
+			}
+			pidfd, err := unix.PidfdOpen(pid, 0)
+			if err != nil {
+				return err
+			}
+			defer unix.Close(pidfd)
+			if err := q.Watching.Put(ctx, "watching"); err != nil {
+				return err
+			}
+			exited := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}
+			for {
+				if n, err := unix.Poll(exited, 30_000); err != unix.EINTR {
+					if err != nil || n == 0 {
+						return fmt.Errorf("waiting for rank 0 to exit: %v", err)
+					}
+					break
 				}
 			}
 			return errors.New("failed after another worker succeeded")
@@ -140,12 +163,20 @@ func TestSpawnBehaviours(t *testing.T) {
 			q, err := mp.NewQueue()
 			require.NoError(t, err)
 			defer q.Close()
-			g, err := mp.Spawn(ctx, c.name, 3, mp.WithGrace(time.Second), mp.WithArgs(q))
+			watching, err := mp.NewQueue()
+			require.NoError(t, err)
+			defer watching.Close()
+			g, err := mp.Spawn(ctx, c.name, 3, mp.WithGrace(time.Second), mp.WithArgs(spawnQueues{Pid: q, Watching: watching}))
 			require.NoError(t, err)
 			pids := g.Pids()
+			started := make([]procStart, len(pids))
+			for i, pid := range pids {
+				started[i] = startOf(pid) // 0 for one that is reaped already
+			}
 			c.check(t, g.Join(), g)
-			for _, pid := range pids {
-				assert.ErrorIs(t, syscall.Kill(pid, 0), syscall.ESRCH, "worker %d reaped", pid)
+			for i, pid := range pids {
+				// Its pid may name another process by now.
+				assert.True(t, started[i] == 0 || startOf(pid) != started[i], "worker %d reaped", pid)
 			}
 		})
 	}
