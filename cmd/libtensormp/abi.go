@@ -61,6 +61,31 @@ func setHandle(out *C.int64_t, h int64) {
 	}
 }
 
+// statuses names the status codes, for tensormp_statuses.
+var statuses = map[string]C.int{
+	"ok":      C.TENSORMP_OK,
+	"error":   C.TENSORMP_ERROR,
+	"timeout": C.TENSORMP_TIMEOUT,
+	"closed":  C.TENSORMP_CLOSED,
+}
+
+// tensormp_statuses sets *out to a JSON object from the name of each
+// status code ("ok", "error", "timeout", "closed") to its value, which the
+// caller frees with tensormp_free: a foreign binding reads the codes
+// instead of restating them.
+//
+//export tensormp_statuses
+func tensormp_statuses(out **C.char, errOut **C.char) C.int {
+	if out == nil {
+		return status(errors.New("no place for the status codes (out is NULL)"), errOut)
+	}
+	text, err := json.Marshal(statuses)
+	if err == nil {
+		*out = C.CString(string(text))
+	}
+	return status(err, errOut)
+}
+
 //export tensormp_free
 func tensormp_free(p unsafe.Pointer) { C.free(p) }
 

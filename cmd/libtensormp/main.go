@@ -14,9 +14,10 @@
 // (by CUDA IPC where the driver cannot export descriptors), mapped here
 // (DLPack device kDLCUDA).
 //
-// Every call returns a status (TENSORMP_OK, or one of the failures below)
-// and, on failure, sets *err to a message the caller frees with
-// tensormp_free. Objects are named by handles (int64, never 0): a
+// Every call returns a status (TENSORMP_OK, or one of the failures below;
+// tensormp_statuses gives them by name, for bindings that cannot read
+// this header) and, on failure, sets *err to a message the caller frees
+// with tensormp_free. Objects are named by handles (int64, never 0): a
 // listener, pipe, queue or tensor. The caller owns each handle it is given
 // and gives it back with tensormp_close; a DLManagedTensor made by
 // tensormp_to_dlpack is given back through its deleter. The memory of a
