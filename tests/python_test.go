@@ -38,19 +38,30 @@ const requirePythonEnv = "TENSORMP_REQUIRE_PYTHON"
 // package reads the same variable.
 const libEnv = "TENSORMP_LIB"
 
-// pythonSetup is the Python interpreter the tests run and the library
-// they give it, found and built once.
+// installedEnv, when set, says the Python interpreter has the tensormp
+// package installed (python3 -m pip install ./python): the tests run that
+// copy, with the library its wheel holds, instead of this tree's.
+const installedEnv = "TENSORMP_PYTHON_INSTALLED"
+
+// pythonSetup is the Python interpreter the tests run and the package and
+// library they give it, found and built once.
 var pythonSetup = sync.OnceValues(func() (pythonRun, error) {
 	var run pythonRun
 	var err error
 	if run.python, err = pytorch.Find(pytorch.Candidates(os.Getenv(pytorch.EnvVar))...); err != nil {
 		return run, err
 	}
-	if run.pkg, err = filepath.Abs("../python"); err != nil {
+	tree, err := filepath.Abs("../python")
+	if err != nil {
 		return run, err
 	}
+	if os.Getenv(installedEnv) != "" {
+		return run, checkInstalled(run, tree)
+	}
+	run.env = append(run.env, "PYTHONPATH="+tree)
 	if lib := os.Getenv(libEnv); lib != "" {
-		run.lib, err = filepath.Abs(lib)
+		lib, err = filepath.Abs(lib)
+		run.env = append(run.env, libEnv+"="+lib)
 		return run, err
 	}
 	dir, err := os.MkdirTemp("", "tensormp-python")
@@ -58,20 +69,51 @@ var pythonSetup = sync.OnceValues(func() (pythonRun, error) {
 		return run, err
 	}
 	pythonCleanup = func() { _ = os.RemoveAll(dir) }
-	run.lib = filepath.Join(dir, "libtensormp.so")
-	build := exec.Command("go", "build", "-buildmode=c-shared", "-o", run.lib, "./cmd/libtensormp")
+	lib := filepath.Join(dir, "libtensormp.so")
+	build := exec.Command("go", "build", "-buildmode=c-shared", "-o", lib, "./cmd/libtensormp")
 	build.Dir = ".."
 	if out, err := build.CombinedOutput(); err != nil {
 		return run, fmt.Errorf("building libtensormp: %v\n%s", err, out)
 	}
+	run.env = append(run.env, libEnv+"="+lib)
 	return run, nil
 })
+
+// checkInstalled reports whether run's interpreter imports an installed
+// tensormp package, with its own library: neither may be tree's.
+func checkInstalled(run pythonRun, tree string) error {
+	cmd := exec.Command(run.python, "-c", "import tensormp, tensormp._lib; print(tensormp.__file__); print(tensormp._lib.path)")
+	cmd.Env = run.environ()
+	cmd.Dir = os.TempDir()
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("%s=%s, but %s does not import tensormp: %v\n%s", installedEnv, os.Getenv(installedEnv), run.python, err, out)
+	}
+	for _, path := range strings.Fields(string(out)) {
+		if rel, err := filepath.Rel(tree, path); err == nil && !strings.HasPrefix(rel, "..") {
+			return fmt.Errorf("%s=%s, but %s imports tensormp from this tree: %s", installedEnv, os.Getenv(installedEnv), run.python, path)
+		}
+	}
+	return nil
+}
 
 // pythonCleanup removes what pythonSetup made; TestMain calls it.
 var pythonCleanup = func() {}
 
+// pythonRun is the interpreter the Python tests run, and what its
+// environment adds to this process's to find the package and library.
 type pythonRun struct {
-	python, lib, pkg string
+	python string
+	env    []string
+}
+
+// environ returns the environment of a Python process: this process's,
+// without a package path or library of its own, and run's additions.
+func (run pythonRun) environ() []string {
+	env := slices.DeleteFunc(os.Environ(), func(kv string) bool {
+		return strings.HasPrefix(kv, "PYTHONPATH=") || strings.HasPrefix(kv, libEnv+"=")
+	})
+	return append(env, run.env...)
 }
 
 // pythonPeer is a running tests/testdata/python_peer.py.
@@ -96,7 +138,7 @@ func startPython(t *testing.T, role, addr string) *pythonPeer {
 	script, err := filepath.Abs("testdata/python_peer.py")
 	require.NoError(t, err)
 	p := &pythonPeer{cmd: exec.Command(run.python, script, role), done: make(chan error, 1)}
-	p.cmd.Env = append(os.Environ(), "PYTHONPATH="+run.pkg, libEnv+"="+run.lib, "ENDPOINT="+addr)
+	p.cmd.Env = append(run.environ(), "ENDPOINT="+addr)
 	p.cmd.Stdout, p.cmd.Stderr = &p.out, &p.out
 	require.NoError(t, p.cmd.Start())
 	go func() { p.done <- p.cmd.Wait() }()
@@ -627,7 +669,7 @@ func TestPythonMalformedInput(t *testing.T) {
 		"bad-base64":            "Error: bytes object: illegal base64",
 		"bad-float":             "Error: float object with value big",
 		"too-deep":              "nested deeper than 100",
-		"closed-handle":         "Error: Tensor is closed",
+		"closed-handle":         "Closed: Tensor is closed",
 		"bad-dtype":             "float8",
 		"negative-shape":        "negative size -1",
 		"overflow-shape":        "overflows",
@@ -638,10 +680,20 @@ func TestPythonMalformedInput(t *testing.T) {
 		"dlpack-bad-as":         "Error: dtype int8 cannot stand for float32",
 		"null-dlpack":           "Error: DLManagedTensor is NULL",
 		"dial-nowhere":          "Error: mp: dial /nonexistent/tensormp.sock",
-		"not-a-tensor":          "TypeError: tensormp: cannot send a object",
-		"dict-key":              "TypeError: tensormp: dict key 1 is not a string",
-		"own-key":               "ValueError: tensormp: dict key '$tensormp' is tensormp's own",
+		"not-a-tensor":          "InvalidValue: tensormp: cannot send a object",
+		"dict-key":              "InvalidValue: tensormp: dict key 1 is not a string",
+		"own-key":               "InvalidValue: tensormp: dict key '$tensormp' is tensormp's own",
 		"deleter-twice":         "no error",
+		"recv-timeout":          "Timeout: ",
+		"peer-closed":           "Closed: ",
+		"invalid-value-is":      "InvalidValue,Error,TypeError,ValueError",
+		"decode-not-json":       "Error: tensormp: malformed value from the library: JSONDecodeError",
+		"decode-no-handle":      "Error: tensormp: malformed value from the library: KeyError: 'h'",
+		"decode-bool-handle":    "Error: tensormp: malformed value from the library: TypeError: queue object's handle True is not a number",
+		"decode-bad-bytes":      "Error: tensormp: bytes object: ",
+		"decode-bad-float":      "Error: tensormp: float object with value 'big'",
+		"decode-unknown-kind":   "Error: tensormp: unknown object kind 'bomb'",
+		"decode-gives-back":     "Error: no object has handle",
 	})
 }
 
@@ -658,7 +710,7 @@ func TestPythonGPUMalformedInput(t *testing.T) {
 		"no-such-gpu":       "Error: cuda: device 7 does not exist",
 		"negative-gpu":      "Error: DLPack CUDA device -1",
 		"managed":           "Error: DLPack device type 13: only CPU and CUDA memory is taken",
-		"numpy-of-gpu":      "TypeError: tensormp: a tensor on cuda:0 has no NumPy view",
+		"numpy-of-gpu":      "InvalidValue: tensormp: a tensor on cuda:0 has no NumPy view",
 		"empty-no-such-gpu": "cuda: device 7 does not exist",
 		"empty-bad-device":  "unknown device type",
 	})

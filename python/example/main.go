@@ -2,11 +2,14 @@
 // copy: it listens on a named endpoint, starts consumer.py, sends it a
 // tensor, and prints the tensor after PyTorch has doubled it in place.
 //
-// From the repository's root, with torch installed for python3 (or
-// $PYTHON):
+// From the repository's root, with torch and the tensormp package
+// installed for python3 (or $PYTHON):
 //
-//	go build -buildmode=c-shared -o python/tensormp/libtensormp.so ./cmd/libtensormp
+//	python3 -m pip install ./python
 //	go run ./python/example
+//
+// (Or, without installing it, with the library built into the package's
+// folder: PYTHONPATH=python go run ./python/example.)
 package main
 
 import (
@@ -45,7 +48,6 @@ func run() error {
 		python = "python3"
 	}
 	cmd := exec.CommandContext(ctx, python, "python/example/consumer.py", addr)
-	cmd.Env = append(os.Environ(), "PYTHONPATH=python")
 	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
 	if err := cmd.Start(); err != nil {
 		return err

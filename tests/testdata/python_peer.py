@@ -149,9 +149,9 @@ def recorder(report):
         try:
             fn()
         except tensormp.Error as e:
-            report[name] = "Error: " + str(e)
-        except (TypeError, ValueError) as e:
             report[name] = type(e).__name__ + ": " + str(e)
+        except Exception as e:
+            report[name] = "not a tensormp.Error: " + type(e).__name__ + ": " + str(e)
         else:
             report[name] = "no error"
     return attempt
@@ -169,12 +169,12 @@ def increment(pipe):
 def malformed(pipe):
     """Feeds the library bad input and reports, for each, the error it
     raised; then shows the library still works."""
-    lib = tensormp._lib
+    lib = tensormp._lib.lib
     report = {}
     attempt = recorder(report)
 
     h = pipe._handle()
-    send = lambda text: tensormp._call(tensormp._send, h, text, 1000)
+    send = lambda text: tensormp._lib.call(tensormp._lib.send, h, text, 1000)
     attempt("not-json", lambda: send(b"{"))
     attempt("text-after", lambda: send(b"1 2"))
     attempt("unknown-handle", lambda: send(b'{"$tensormp": "tensor", "h": 987654}'))
@@ -189,22 +189,58 @@ def malformed(pipe):
     attempt("negative-shape", lambda: tensormp.empty((2, -1)))
     attempt("overflow-shape", lambda: tensormp.empty((1 << 40, 1 << 40)))
     attempt("too-many-dims", lambda: tensormp.empty((1,) * 65))
-    attempt("recv-on-tensor", lambda: (lambda t: tensormp._recv_value(t._handle(), 0.1))(tensormp.empty(1)))
-    attempt("close-unknown", lambda: tensormp._call(tensormp._close, 123456789))
+    attempt("recv-on-tensor", lambda: (lambda t: tensormp._objects._recv_value(t._handle(), 0.1))(tensormp.empty(1)))
+    attempt("close-unknown", lambda: tensormp._lib.call(tensormp._lib.close, 123456789))
     attempt("dlpack-unknown-handle", lambda: tensormp.Tensor(999999, "float32", (1,), (1,)).__dlpack__())
-    attempt("dlpack-bad-as", lambda: tensormp.empty(4, "float32").__dlpack__(_as="int8"))
-    attempt("null-dlpack", lambda: tensormp._call(tensormp._from_dlpack, None, None, None))
+    attempt("dlpack-bad-as", lambda: (lambda t: tensormp._dlpack.capsule(t._handle(), "int8"))(tensormp.empty(4, "float32")))
+    attempt("null-dlpack", lambda: tensormp._lib.call(tensormp._lib.from_dlpack, None, None, None))
     attempt("dial-nowhere", lambda: tensormp.dial("/nonexistent/tensormp.sock", timeout=1))
     attempt("not-a-tensor", lambda: pipe.send(object()))
     attempt("dict-key", lambda: pipe.send({1: 2}))
     attempt("own-key", lambda: pipe.send({"$tensormp": "tensor"}))
     attempt("deleter-twice", lambda: lib.tensormp_dlpack_deleter(None))
+    attempt("recv-timeout", lambda: pipe.recv(timeout=0.1))
+    attempt("peer-closed", peer_closed)
+    report["invalid-value-is"] = ",".join(c.__name__ for c in tensormp.InvalidValue.__mro__)
+    # Values the library gives Python that are not what it should give.
+    decode = lambda text: tensormp._codec.loads(text, tensormp._objects._make)
+    attempt("decode-not-json", lambda: decode("{"))
+    attempt("decode-no-handle", lambda: decode('{"$tensormp": "tensor"}'))
+    attempt("decode-bool-handle", lambda: decode('{"$tensormp": "queue", "h": true}'))
+    attempt("decode-bad-bytes", lambda: decode('{"$tensormp": "bytes", "b64": "%%%"}'))
+    attempt("decode-bad-float", lambda: decode('{"$tensormp": "float", "v": "big"}'))
+    attempt("decode-unknown-kind", lambda: decode('{"$tensormp": "bomb"}'))
+    attempt("decode-gives-back", decode_gives_back)
     pipe.send(report, timeout=60)
     increment(pipe)
 
 
+def peer_closed():
+    """Receives on a pipe whose other end is closed."""
+    address = "@tensormp-peer-closed-%d" % os.getpid()
+    with tensormp.Listener(address) as listener:
+        a = tensormp.dial(address, timeout=10)
+        with listener.accept(timeout=10) as b:
+            a.close()
+            b.recv(timeout=10)
+
+
+def decode_gives_back():
+    """Decodes a tensor object whose handle is real but whose shape is
+    malformed: the handle must be given back, which closing it again
+    shows."""
+    t = tensormp.empty(4)
+    h, t._h = t._h, 0
+    try:
+        tensormp._codec.loads('{"$tensormp": "tensor", "h": %d, "dtype": "float32", '
+                              '"shape": "x", "strides": [1]}' % h, tensormp._objects._make)
+    except tensormp.Error:
+        pass
+    tensormp._lib.call(tensormp._lib.close, h)
+
+
 class _Managed(ctypes.Structure):
-    _fields_ = [("dl", tensormp._DLTensor), ("ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+    _fields_ = [("dl", tensormp._dlpack.DLTensor), ("ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
 
 
 def malformed_gpu(pipe):
@@ -223,8 +259,8 @@ def malformed_gpu(pipe):
         m.dl.ndim, m.dl.code, m.dl.bits, m.dl.lanes = 1, 1, 8, 1
         m.dl.shape = shape
         out = ctypes.c_int64()
-        tensormp._call(tensormp._from_dlpack, ctypes.addressof(m), None, ctypes.byref(out))
-        tensormp._call(tensormp._close, out.value)
+        tensormp._lib.call(tensormp._lib.from_dlpack, ctypes.addressof(m), None, ctypes.byref(out))
+        tensormp._lib.call(tensormp._lib.close, out.value)
 
     host = ctypes.create_string_buffer(64)
     small = torch.zeros(1024, dtype=torch.uint8, device="cuda")
