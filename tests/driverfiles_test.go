@@ -115,6 +115,13 @@ func programGPUFatal() int {
 		fmt.Println("error", err)
 		return 2
 	}
+	// Both files exist now: once this process has exited, which it does
+	// the moment it has printed, the test could not tell "never made"
+	// from "removed already".
+	if len(cudashm.Of(worker)) == 0 {
+		fmt.Println("error: the worker's driver file is missing")
+		return 2
+	}
 	fmt.Printf("pids %d %d\n", os.Getpid(), worker)
 	os.Exit(1)
 	return 1
@@ -178,11 +185,9 @@ func TestFatalProgramLeavesNoDriverFiles(t *testing.T) {
 	leakcheck.Check(t)
 	mine := plantOwnDriverFile(t)
 	p := startProgram(t, "program.gpu-fatal", strategy.FileDescriptor, false)
+	// The program prints the pids once both have their files (it checks).
 	pids := pidsFrom(t, p.waitLine(t, "pids"))
 	require.Len(t, pids, 2)
-	for _, pid := range pids {
-		require.NotEmpty(t, cudashm.Of(pid), "process %d exported GPU memory", pid)
-	}
 	assert.Equal(t, 1, p.wait(t))
 	p.expectGone(t)
 	for _, pid := range pids {
