@@ -2,40 +2,17 @@ package mp
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
 	"sync"
 	"sync/atomic"
 	"time"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/mmapalloc"
-)
-
-// Limits of one socket message.
-const (
-	// maxInline is the largest payload sent in the socket message itself;
-	// larger ones spill into a shared segment whose descriptor travels
-	// instead.
-	maxInline = 64 << 10
-	// maxSpill bounds a spilled payload: a receiver copies at most this
-	// much out of a segment another process sent, whatever it claims.
-	maxSpill = 1 << 30
-	// maxFDs is SCM_MAX_FD, the most descriptors one sendmsg may carry.
-	maxFDs = 253
-	// headerLen is the size of the frame header.
-	headerLen = 17
-)
-
-// Frame header flags.
-const (
-	flagSpill   = 1 << 0 // the payload is in a segment; its descriptor comes first
-	flagCarrier = 1 << 1 // more descriptors wait in a carrier socket, sent next
 )
 
 // ErrClosed is returned by operations on a closed Queue, Pipe or
@@ -47,16 +24,9 @@ var ErrClosed = errors.New("mp: closed")
 var ErrMalformed = errors.New("mp: malformed message")
 
 // conn is one end of a SOCK_SEQPACKET socket. Each logical message is one
-// sendmsg, whatever its size or number of descriptors, so that several
-// processes writing and reading the same socket never see a message in
-// parts:
-//
-//	header: flags(1) | direct fds(4) | carried fds(4) | spilled bytes(8)
-//	rights: [spill segment] [carrier socket] direct fds...
-//
-// A payload over maxInline is copied into a segment (flagSpill); the
-// descriptors beyond what one message carries go through a private
-// socketpair whose reading end travels in the message (flagCarrier).
+// sendmsg, whatever its size or number of descriptors (see frame.go), so
+// that several processes writing and reading the same socket never see a
+// message in parts.
 //
 // A conn does its own waiting, not the runtime poller's (see io): a
 // message that arrives while its reader waits wakes the reader's thread
@@ -408,48 +378,16 @@ func (c *conn) send(ctx context.Context, data []byte, fds []int, block bool) err
 	}
 	defer func() { <-c.wmu }()
 
-	var hdr [headerLen]byte
-	rights := c.wfds[:0]
-	var cleanup []func()
-	defer func() {
-		for _, f := range cleanup {
-			f()
-		}
-	}()
-	payload := data
-	if len(data) > maxSpill {
-		return fmt.Errorf("mp: send: a message of %d bytes exceeds the limit of %d", len(data), maxSpill)
+	h, payload, rights, made, err := frame(data, fds, c.wfds[:0])
+	if err != nil {
+		return err
 	}
-	if len(data) > maxInline {
-		// A sealed copy: the receiver reads it in place, and nobody can
-		// change it after the receiver has checked it.
-		spill, err := mmapalloc.SealedCopy(data)
-		if err != nil {
-			return fmt.Errorf("mp: spilling a %d-byte message: %w", len(data), err)
-		}
-		cleanup = append(cleanup, func() { _ = unix.Close(spill) })
-		hdr[0] |= flagSpill
-		binary.LittleEndian.PutUint64(hdr[9:], uint64(len(data)))
-		rights = append(rights, spill)
-		payload = nil
-	}
-	direct := fds
-	if room := maxFDs - len(rights) - 1; len(fds) > room+1 {
-		carrier, err := sendCarried(fds[room:])
-		if err != nil {
-			return err
-		}
-		cleanup = append(cleanup, func() { _ = unix.Close(carrier) })
-		hdr[0] |= flagCarrier
-		binary.LittleEndian.PutUint32(hdr[5:], uint32(len(fds)-room))
-		rights = append(rights, carrier)
-		direct = fds[:room]
-	}
-	binary.LittleEndian.PutUint32(hdr[1:], uint32(len(direct)))
-	rights = append(rights, direct...)
+	defer fd.CloseAll(made)
 	c.wfds = rights
 
-	msg := append(append(c.wbuf[:0], hdr[:]...), payload...)
+	msg := append(c.wbuf[:0], make([]byte, headerLen)...)
+	h.put(msg)
+	msg = append(msg, payload...)
 	c.wbuf = msg
 	var oob []byte
 	if len(rights) > 0 {
@@ -463,41 +401,6 @@ func (c *conn) send(ctx context.Context, data []byte, fds []int, block bool) err
 		}
 		return err
 	}, nil)
-}
-
-// appendRights appends to b the control message that carries fds, as
-// unix.UnixRights makes it, for a buffer the caller reuses.
-func appendRights(b []byte, fds []int) []byte {
-	start, n := len(b), 4*len(fds)
-	b = append(b, make([]byte, unix.CmsgSpace(n))...)
-	h := (*unix.Cmsghdr)(unsafe.Pointer(&b[start]))
-	h.Level = unix.SOL_SOCKET
-	h.Type = unix.SCM_RIGHTS
-	h.SetLen(unix.CmsgLen(n))
-	data := b[start+unix.CmsgLen(0):]
-	for i, fd := range fds {
-		binary.NativeEndian.PutUint32(data[4*i:], uint32(int32(fd)))
-	}
-	return b
-}
-
-// sendCarried puts fds into a new private socket, maxFDs at a time, and
-// returns the reading end, which the caller sends and then closes.
-func sendCarried(fds []int) (int, error) {
-	pair, err := unix.Socketpair(unix.AF_UNIX, sockType, 0)
-	if err != nil {
-		return -1, fmt.Errorf("mp: carrier socket: %w%s", err, fdHint(err))
-	}
-	defer unix.Close(pair[0])
-	for len(fds) > 0 {
-		n := min(len(fds), maxFDs)
-		if err := unix.Sendmsg(pair[0], []byte{1}, unix.UnixRights(fds[:n]...), nil, 0); err != nil {
-			_ = unix.Close(pair[1])
-			return -1, fmt.Errorf("mp: carrying %d descriptors: %w%s", len(fds), err, fdHint(err))
-		}
-		fds = fds[n:]
-	}
-	return pair[1], nil
 }
 
 // recv receives one message. The caller owns the returned descriptors.
@@ -573,7 +476,7 @@ func (c *conn) recvLocked(ctx context.Context, block bool) (data []byte, fds []i
 	case n < headerLen:
 		return nil, fds, nil, fmt.Errorf("mp: receive: %w: %d bytes, shorter than a header", ErrMalformed, n)
 	}
-	return c.unframe(c.buf[:n], fds)
+	return unframe(c.buf[:n], fds)
 }
 
 // received is what a receive call got: the message's length, its
@@ -601,111 +504,4 @@ func (c *conn) peerGone() bool {
 		return true
 	}
 	return p[0].Revents&(pollPeerGone|unix.POLLHUP) != 0
-}
-
-// unframe undoes send's framing on a received message. It owns rights:
-// the returned descriptors are the caller's, the others are closed (by
-// the caller's deferred close, on error). spill is the mapping a spilled
-// payload lies in.
-func (c *conn) unframe(msg []byte, rights []int) (payload []byte, fds []int, spill []byte, err error) {
-	flags := msg[0]
-	direct := int(binary.LittleEndian.Uint32(msg[1:]))
-	carried := int(binary.LittleEndian.Uint32(msg[5:]))
-	spilled := binary.LittleEndian.Uint64(msg[9:])
-	payload = msg[headerLen:]
-
-	special := 0
-	if flags&flagSpill != 0 {
-		special++
-	}
-	if flags&flagCarrier != 0 {
-		special++
-	}
-	if flags&^(flagSpill|flagCarrier) != 0 || len(rights) != special+direct || flags&flagCarrier == 0 && carried != 0 {
-		return nil, rights, nil, fmt.Errorf("mp: receive: %w: frame says %d+%d descriptors, %d arrived", ErrMalformed, special, direct, len(rights))
-	}
-	next := 0
-	if flags&flagSpill != 0 {
-		if len(payload) != 0 || spilled > maxSpill || spilled <= maxInline {
-			return nil, rights, nil, fmt.Errorf("mp: receive: %w: a spill of %d bytes", ErrMalformed, spilled)
-		}
-		spill, err = mmapalloc.MapSealed(rights[0], int64(spilled))
-		_ = unix.Close(rights[0]) // the mapping keeps the file
-		rights[0] = -1
-		if err != nil {
-			return nil, rights, nil, fmt.Errorf("mp: receive: spilled message: %w", err)
-		}
-		payload = spill
-		next++
-	}
-	fds = rights[special:] // rights is the caller's, made for this message
-	if flags&flagCarrier != 0 {
-		more, err := recvCarried(rights[next], carried)
-		rights[next] = -1
-		if err != nil {
-			if spill != nil {
-				_ = mmapalloc.Unmap(spill)
-			}
-			return nil, fds, nil, err
-		}
-		fds = append(fds, more...)
-	}
-	return payload, fds, spill, nil
-}
-
-// recvCarried reads want descriptors from the carrier socket and closes it.
-func recvCarried(carrier, want int) (fds []int, err error) {
-	defer unix.Close(carrier)
-	defer func() {
-		if err != nil {
-			fd.CloseAll(fds)
-			fds = nil
-		}
-	}()
-	if want <= 0 || want > 1<<20 {
-		return nil, fmt.Errorf("mp: receive: carrier of %d descriptors", want)
-	}
-	var b [1]byte
-	oob := make([]byte, unix.CmsgSpace(maxFDs*4))
-	for len(fds) < want {
-		_, oobn, flags, _, err := unix.Recvmsg(carrier, b[:], oob, recvFlags|unix.MSG_DONTWAIT)
-		if oobn > 0 {
-			var perr error
-			fds, perr = parseRights(fds, oob[:oobn])
-			if perr != nil && err == nil {
-				err = perr
-			}
-		}
-		if err != nil {
-			return fds, fmt.Errorf("mp: receive: carried descriptors: %w%s", err, fdHint(err))
-		}
-		if flags&unix.MSG_CTRUNC != 0 {
-			return fds, errors.New("mp: receive: carried descriptors were dropped by the kernel (MSG_CTRUNC): " + mmapalloc.FDLimitHint)
-		}
-		if oobn == 0 {
-			return fds, fmt.Errorf("mp: receive: carrier ended after %d of %d descriptors", len(fds), want)
-		}
-	}
-	if len(fds) != want {
-		return fds, fmt.Errorf("mp: receive: carrier held %d descriptors, frame said %d", len(fds), want)
-	}
-	return fds, nil
-}
-
-// parseRights appends to fds every descriptor in a control message. After
-// an error it returns those it read before, for the caller to close.
-func parseRights(fds []int, oob []byte) ([]int, error) {
-	for len(oob) > 0 {
-		h, data, rest, err := unix.ParseOneSocketControlMessage(oob)
-		if err != nil {
-			return fds, fmt.Errorf("mp: receive: control message: %w", err)
-		}
-		if h.Level == unix.SOL_SOCKET && h.Type == unix.SCM_RIGHTS {
-			for ; len(data) >= 4; data = data[4:] {
-				fds = append(fds, int(int32(binary.NativeEndian.Uint32(data))))
-			}
-		}
-		oob = rest
-	}
-	return fds, nil
 }
