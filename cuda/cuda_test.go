@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"runtime"
 	"sync"
 	"testing"
@@ -18,6 +17,7 @@ import (
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/cudafake"
 	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/internal/testmain"
 	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -35,11 +35,7 @@ var fake = func() *cudafake.Driver {
 
 func TestMain(m *testing.M) {
 	cuda.UseDriver(fake) // every test here runs on the fake driver
-	code := m.Run()
-	// Gives the fake's contexts back, so that it removes the file it
-	// made in /dev/shm as the real driver does.
-	_ = tensor.CloseBackends()
-	os.Exit(code)
+	testmain.Run(m)
 }
 
 // Do runs work on the caller's thread with the device's context current,

@@ -19,7 +19,7 @@ import (
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/cudafake"
 	"github.com/tensormp/tensormp/internal/leakcheck"
-	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/internal/testmain"
 	"github.com/tensormp/tensormp/loader"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/strategy"
@@ -27,12 +27,7 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	reexec.SkipRaceExitSleep()
-	mp.Init()
-	if _, err := mp.StartSession(); err != nil {
-		panic(err)
-	}
-	os.Exit(m.Run())
+	testmain.Run(m, testmain.WithSession())
 }
 
 // numbered is a map-style dataset of N samples: sample i holds a tensor

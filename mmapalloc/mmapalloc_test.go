@@ -19,16 +19,15 @@ import (
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/internal/testmain"
 	"github.com/tensormp/tensormp/mmapalloc"
 )
 
 func TestMain(m *testing.M) {
-	reexec.SkipRaceExitSleep()
 	reexec.Register("write-by-name", helperWriteByName)
 	reexec.Register("tmpfs-full", helperTmpfsFull)
 	reexec.Register("produce-named-and-die", helperProduceNamedAndDie)
-	reexec.Main()
-	os.Exit(m.Run())
+	testmain.Run(m)
 }
 
 func inDir(name string) bool {

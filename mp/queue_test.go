@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"os"
 	"runtime"
 	"sync"
 	"testing"
@@ -15,20 +14,15 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
-	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/internal/testmain"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/reduction"
 	"github.com/tensormp/tensormp/tensor"
 )
 
 func TestMain(m *testing.M) {
-	reexec.SkipRaceExitSleep()
 	registerWorkers()
-	mp.Init()
-	if _, err := mp.StartSession(); err != nil {
-		panic(err)
-	}
-	os.Exit(m.Run())
+	testmain.Run(m, testmain.WithSession())
 }
 
 type message struct {

@@ -1,7 +1,6 @@
 package reduction_test
 
 import (
-	"os"
 	"sync"
 	"testing"
 	"unsafe"
@@ -14,6 +13,7 @@ import (
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/internal/testmain"
 	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/reduction"
 	"github.com/tensormp/tensormp/strategy"
@@ -21,15 +21,9 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	reexec.SkipRaceExitSleep()
 	reexec.Register("rebuild-check", helperRebuildCheck)
 	reexec.Register("rebuild-gpu", helperRebuildGPU)
-	reexec.Main()
-	code := m.Run()
-	// Gives the fake driver's contexts back, so that it removes the file
-	// it made in /dev/shm as the real driver does.
-	_ = tensor.CloseBackends()
-	os.Exit(code)
+	testmain.Run(m)
 }
 
 // withStrategy runs fn once per sharing strategy, with the process

@@ -22,27 +22,18 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/internal/testmain"
 	"github.com/tensormp/tensormp/mmapalloc"
-	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/strategy"
-	"github.com/tensormp/tensormp/tensor"
 )
 
 func TestMain(m *testing.M) {
-	reexec.SkipRaceExitSleep()
 	registerSpawnWorkers()
 	registerSharingWorkers()
 	registerFaultPrograms()
 	registerOwnershipPrograms()
 	registerEndpointPrograms()
-	mp.Init()
-	if _, err := mp.StartSession(); err != nil {
-		panic(err)
-	}
-	code := m.Run()
-	pythonCleanup()
-	_ = tensor.CloseBackends() // the driver's files of the GPU tests go with it
-	os.Exit(code)
+	testmain.Run(m, testmain.WithSession(), testmain.After(func() { pythonCleanup() }))
 }
 
 // gone is how long a test waits for its processes and segments to

@@ -20,22 +20,16 @@ import (
 	"github.com/tensormp/tensormp/internal/cudafake"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/pytorch"
-	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/internal/testmain"
 	"github.com/tensormp/tensormp/mmapalloc"
-	"github.com/tensormp/tensormp/mp"
 )
 
 func TestMain(m *testing.M) {
-	reexec.SkipRaceExitSleep()
 	// GPUs are the fake driver's here, in this process and in the
 	// workers, which run this TestMain too: bench -device gpu:0 runs on
 	// memfds that the processes share as a GPU's allocations.
 	cuda.UseDriver(cudafake.New(1))
-	mp.Init()
-	if _, err := mp.StartSession(); err != nil {
-		panic(err)
-	}
-	os.Exit(m.Run())
+	testmain.Run(m, testmain.WithSession())
 }
 
 func TestDemo(t *testing.T) {
