@@ -12,6 +12,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 	"golang.org/x/sys/unix"
 
+	"github.com/tensormp/tensormp/internal/carry"
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/reduction"
 )
@@ -34,7 +35,7 @@ func init() {
 // fails to decode.
 func registerCarried[T io.Closer](ext int8, encode func(T, *msgpack.Encoder) ([]byte, error), decode func(*msgpack.Decoder, int) (T, error)) {
 	var zero T
-	reduction.MustCarry(reflect.TypeOf(zero))
+	carry.Must(reflect.TypeOf(zero))
 	msgpack.RegisterExtEncoder(ext, zero, func(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {
 		return encode(v.Interface().(T), enc)
 	})
@@ -46,7 +47,7 @@ func registerCarried[T io.Closer](ext int8, encode func(T, *msgpack.Encoder) ([]
 			}
 			return err
 		}
-		reduction.CloseIfFailed(dec, x)
+		carry.CloseIfFailed(dec, x)
 		v.Set(reflect.ValueOf(x))
 		return nil
 	})
@@ -340,7 +341,7 @@ func decodeQueue(dec *msgpack.Decoder, n int) (*Queue, error) {
 	if n != 4*2 && !bounded {
 		return nil, fmt.Errorf("mp: a queue of %d bytes", n)
 	}
-	payload, err := reduction.ReadExt(dec, n)
+	payload, err := carry.ReadExt(dec, n)
 	if err != nil {
 		return nil, err
 	}
@@ -430,7 +431,7 @@ func decodePipe(dec *msgpack.Decoder, n int) (*Pipe, error) {
 	if n != 4 {
 		return nil, fmt.Errorf("mp: a pipe of %d bytes", n)
 	}
-	payload, err := reduction.ReadExt(dec, n)
+	payload, err := carry.ReadExt(dec, n)
 	if err != nil {
 		return nil, err
 	}
@@ -459,7 +460,7 @@ func encodeConns(enc *msgpack.Encoder, conns ...*conn) ([]byte, error) {
 		if err != nil {
 			return nil, fmt.Errorf("mp: sending a queue or pipe: %w", err)
 		}
-		i, err := reduction.AddFD(enc, dup)
+		i, err := carry.AddFD(enc, dup)
 		if err != nil {
 			return nil, err
 		}
@@ -473,7 +474,7 @@ func encodeConns(enc *msgpack.Encoder, conns ...*conn) ([]byte, error) {
 func takeFDs(dec *msgpack.Decoder, payload []byte, want int) ([]*fd.FD, error) {
 	fds := make([]*fd.FD, 0, want)
 	for i := range want {
-		f, err := reduction.TakeFD(dec, int(binary.LittleEndian.Uint32(payload[4*i:])))
+		f, err := carry.TakeFD(dec, int(binary.LittleEndian.Uint32(payload[4*i:])))
 		if err != nil {
 			closeFDs(fds)
 			return nil, err

@@ -10,14 +10,9 @@ import (
 
 	"github.com/vmihailenco/msgpack/v5"
 
+	"github.com/tensormp/tensormp/internal/carry"
 	"github.com/tensormp/tensormp/tensor"
 )
-
-// carried lists the types whose values travel only through an extension
-// of the codec (tensors, storages, and what other packages add with
-// MustCarry). msgpack skips unexported fields without a word; one that
-// may hold such a value makes Encode fail instead, naming it.
-var carried sync.Map // reflect.Type -> struct{}
 
 // typeErrs caches what checkType found for a type: an error, or
 // errTypeOK.
@@ -26,8 +21,12 @@ var typeErrs sync.Map // reflect.Type -> error
 var errTypeOK = errors.New("carried whole")
 
 func init() {
-	MustCarry(reflect.TypeFor[*tensor.Tensor]())
-	MustCarry(reflect.TypeFor[*tensor.Storage]())
+	// Types whose values travel only through an extension of the codec
+	// (these, and what other packages add with carry.Must). msgpack skips
+	// unexported fields without a word; one that may hold such a value
+	// makes Encode fail instead, naming it.
+	carry.Must(reflect.TypeFor[*tensor.Tensor]())
+	carry.Must(reflect.TypeFor[*tensor.Storage]())
 	msgpack.RegisterExtEncoder(fileExt, (*os.File)(nil), func(_ *msgpack.Encoder, v reflect.Value) ([]byte, error) {
 		return nil, errors.New("reduction: cannot carry an *os.File: pass a descriptor as a Queue, a Pipe or a tensor's storage")
 	})
@@ -35,17 +34,6 @@ func init() {
 
 // fileExt is registered only to refuse *os.File.
 const fileExt int8 = 0x46 // 'F'
-
-// MustCarry records t as a type whose values travel only through a codec
-// extension, so that Encode refuses a value with an unexported field that
-// may hold one (and would otherwise arrive as nil). Package mp records its
-// Queue and Pipe.
-func MustCarry(t reflect.Type) { carried.Store(t, struct{}{}) }
-
-func isCarried(t reflect.Type) bool {
-	_, ok := carried.Load(t)
-	return ok
-}
 
 // checkType returns why a value of type t cannot be carried whole, or nil:
 // an unexported field that may hold a carried value, or an os.File.
@@ -71,7 +59,7 @@ var (
 )
 
 func walkType(t reflect.Type, path string, seen map[reflect.Type]bool) error {
-	if isCarried(t) || seen[t] {
+	if carry.Is(t) || seen[t] {
 		return nil
 	}
 	seen[t] = true
@@ -109,7 +97,7 @@ func walkType(t reflect.Type, path string, seen map[reflect.Type]bool) error {
 
 // holds returns the carried type that a value of type t may hold, or nil.
 func holds(t reflect.Type, seen map[reflect.Type]bool) reflect.Type {
-	if isCarried(t) {
+	if carry.Is(t) {
 		return t
 	}
 	if seen[t] {

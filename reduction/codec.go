@@ -10,6 +10,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 	"golang.org/x/sys/unix"
 
+	"github.com/tensormp/tensormp/internal/carry"
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/tensor"
@@ -242,17 +243,16 @@ func (w *fdWriter) addFD(fd int) int {
 	return len(w.fds) - 1
 }
 
-// AddFD adds f to the descriptors of the message enc is encoding and
-// returns its index there. It is for msgpack encoders of other types that
-// travel as descriptors (queues and pipes in package mp), called during
-// Encoder.Encode. The message takes f over: it is closed once the message
-// is sent or discarded.
-func AddFD(enc *msgpack.Encoder, f *fd.FD) (int, error) {
-	w, ok := enc.Writer().(*fdWriter)
-	if !ok {
-		_ = f.Close()
-		return -1, errors.New("reduction: values with descriptors must be encoded with reduction.Marshal or an Encoder")
-	}
+// The encoders and decoders of mp's Queue and Pipe reach a message's
+// descriptors through package carry.
+var (
+	_ carry.Writer = (*fdWriter)(nil)
+	_ carry.Reader = (*fdReader)(nil)
+)
+
+// AddFD adds f to the message's descriptors, taking it over, and returns
+// its index there (carry.Writer).
+func (w *fdWriter) AddFD(f *fd.FD) (int, error) {
 	raw, err := f.Lend()
 	if err != nil {
 		return -1, err
@@ -261,13 +261,8 @@ func AddFD(enc *msgpack.Encoder, f *fd.FD) (int, error) {
 	return w.addFD(raw), nil
 }
 
-// TakeFD hands descriptor i of the message dec is decoding to the caller,
-// who owns it from then on. It is the decoding half of AddFD.
-func TakeFD(dec *msgpack.Decoder, i int) (*fd.FD, error) {
-	r, ok := dec.Buffered().(*fdReader)
-	if !ok {
-		return nil, errors.New("reduction: values with descriptors must be decoded with reduction.Unmarshal or a Decoder")
-	}
+// TakeFD hands descriptor i to the caller (carry.Reader).
+func (r *fdReader) TakeFD(i int) (*fd.FD, error) {
 	raw, err := r.take(i)
 	if err != nil {
 		return nil, err
@@ -275,25 +270,12 @@ func TakeFD(dec *msgpack.Decoder, i int) (*fd.FD, error) {
 	return fd.New(raw), nil
 }
 
-// CloseIfFailed hands c, which a decoder of another type made of
-// descriptors it took with TakeFD, to the decode under way: should the
-// decode fail after all, c is closed with the message's other
-// descriptors, for its caller gets no value to close.
-func CloseIfFailed(dec *msgpack.Decoder, c io.Closer) {
-	if r, ok := dec.Buffered().(*fdReader); ok {
-		r.others = append(r.others, c)
-	}
-}
+// CloseIfFailed closes c with the message's descriptors should the decode
+// fail (carry.Reader).
+func (r *fdReader) CloseIfFailed(c io.Closer) { r.others = append(r.others, c) }
 
-// ReadExt returns the n payload bytes of an extension that dec is
-// decoding, for the decoders of types registered with RegisterExtDecoder.
-func ReadExt(dec *msgpack.Decoder, n int) ([]byte, error) {
-	r, ok := dec.Buffered().(*fdReader)
-	if !ok {
-		return nil, errors.New("reduction: values with descriptors must be decoded with reduction.Unmarshal or a Decoder")
-	}
-	return r.next(n)
-}
+// ReadExt returns the next n bytes, an extension's payload (carry.Reader).
+func (r *fdReader) ReadExt(n int) ([]byte, error) { return r.next(n) }
 
 func encodeTensor(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {
 	t := v.Interface().(*tensor.Tensor)

@@ -5,6 +5,8 @@ import (
 	"reflect"
 	"strconv"
 	"strings"
+
+	"github.com/tensormp/tensormp/internal/carry"
 )
 
 // DecodeError is a message whose value does not fit the type it is
@@ -53,7 +55,7 @@ func mismatch(b []byte, t reflect.Type, path string, depth int) *DecodeError {
 	for t.Kind() == reflect.Pointer {
 		t = t.Elem()
 	}
-	if isCarried(reflect.PointerTo(t)) || isCarried(t) || t == timeType {
+	if carry.Is(reflect.PointerTo(t)) || carry.Is(t) || t == timeType {
 		return nil // extensions check themselves
 	}
 	bad := func() *DecodeError { return &DecodeError{Path: path, Got: k.String(), Want: t} }

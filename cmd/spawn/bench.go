@@ -18,9 +18,9 @@ import (
 	"golang.org/x/term"
 
 	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/carry"
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/mp"
-	"github.com/tensormp/tensormp/reduction"
 	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -69,24 +69,24 @@ const floorExt int8 = 0x62 // 'b'
 
 func init() {
 	mp.Register("bench", benchWorker)
-	reduction.MustCarry(reflect.TypeFor[floorSocket]())
+	carry.Must(reflect.TypeFor[floorSocket]())
 	msgpack.RegisterExtEncoder(floorExt, floorSocket{}, func(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {
 		s := v.Interface().(floorSocket)
 		if s.f == nil {
 			return nil, nil
 		}
-		i, err := reduction.AddFD(enc, s.f)
+		i, err := carry.AddFD(enc, s.f)
 		if err != nil {
 			return nil, err
 		}
 		return []byte{byte(i)}, nil
 	})
 	msgpack.RegisterExtDecoder(floorExt, floorSocket{}, func(dec *msgpack.Decoder, v reflect.Value, n int) error {
-		payload, err := reduction.ReadExt(dec, n)
+		payload, err := carry.ReadExt(dec, n)
 		if err != nil || len(payload) == 0 {
 			return err
 		}
-		f, err := reduction.TakeFD(dec, int(payload[0]))
+		f, err := carry.TakeFD(dec, int(payload[0]))
 		if err != nil {
 			return err
 		}
