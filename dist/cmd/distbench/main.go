@@ -58,7 +58,6 @@ import (
 
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/dist"
-	"github.com/tensormp/tensormp/internal/reexec"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -88,8 +87,9 @@ type result struct {
 }
 
 func main() {
-	reexec.Register("distbench-child", child)
-	reexec.Main()
+	if os.Getenv(childEnv) != "" {
+		os.Exit(child())
+	}
 	size := flag.Int("bytes", 64<<20, "tensor size in bytes")
 	n := flag.Int("n", 16, "tensors per case")
 	rounds := flag.Int("rounds", 5, "times every case is measured, in turn; each figure is the median")
@@ -215,13 +215,18 @@ func cpu() time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
+// childEnv names the case a child runs: this program, started again with
+// it set, is the other end of that case.
+const childEnv = "DISTBENCH_CASE"
+
 // startChild starts the child for case c and returns it.
 func startChild(c string, size, n int, target string) (*childProc, error) {
-	cmd, err := reexec.Command(context.Background(), "distbench-child")
+	exe, err := os.Executable()
 	if err != nil {
 		return nil, err
 	}
-	cmd.Env = append(cmd.Env, "DISTBENCH_CASE="+c, "DISTBENCH_SIZE="+strconv.Itoa(size),
+	cmd := exec.Command(exe)
+	cmd.Env = append(os.Environ(), childEnv+"="+c, "DISTBENCH_SIZE="+strconv.Itoa(size),
 		"DISTBENCH_N="+strconv.Itoa(n), "DISTBENCH_TARGET="+target, "DISTBENCH_CHUNK="+strconv.Itoa(chunk),
 		"DISTBENCH_WARM="+strconv.Itoa(warm), "DISTBENCH_CONNS="+strconv.Itoa(conns),
 		"DISTBENCH_ADDR="+childAddr)
@@ -390,7 +395,7 @@ func child() int {
 	warm, _ = strconv.Atoi(os.Getenv("DISTBENCH_WARM"))
 	conns, _ = strconv.Atoi(os.Getenv("DISTBENCH_CONNS"))
 	var err error
-	switch c := os.Getenv("DISTBENCH_CASE"); c {
+	switch c := os.Getenv(childEnv); c {
 	case "tcp":
 		err = childTCP(size, n, target)
 	case "grpc":
