@@ -134,10 +134,7 @@ func openSlabBlock(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage
 		return nil, fmt.Errorf("the slab's descriptor: %w", err)
 	}
 	if s := liveUser(mmapalloc.FindUser(m.segmentID(), m.Block, m.Gen), m.Size); s != nil {
-		if s.Place() != p {
-			return nil, fmt.Errorf("a block of %s named for a tensor on %s", s.Place(), p)
-		}
-		return s, nil
+		return s, nil // on p, or refused by rebuildTensor
 	}
 	rt, err := cuda.Default()
 	if err != nil {

@@ -189,3 +189,36 @@ func FuzzUnmarshalGPU(f *testing.F) {
 		}
 	})
 }
+
+// Metadata that names a block of a device slab this process holds a GPU
+// tensor in, for a tensor on another place, is refused: a tensor rebuilt
+// is never on a place other than the one its metadata names.
+func TestMetaNamingALiveSlabBlockElsewhere(t *testing.T) {
+	useFakeGPU(t)
+	for _, c := range []struct {
+		name, strategy, place string
+		keepMemFD             bool
+	}{
+		{"a CPU tensor", "file_descriptor", "cpu", false},
+		{"another GPU's tensor", StrategyCUDAFD, legacyGPU.String(), true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			leakcheck.Check(t)
+			x, err := tensor.On(slabGPU).Arange(tensor.Int32, 256)
+			require.NoError(t, err)
+			defer x.Release()
+			m, fds, err := Reduce(x)
+			require.NoError(t, err)
+			require.Len(t, fds, 2)
+			if !c.keepMemFD {
+				require.NoError(t, unix.Close(fds[1]))
+				fds, m.MemFD = fds[:1], -1
+			}
+			m.Strategy, m.Place = c.strategy, c.place
+			var y *tensor.Tensor
+			err = NewDecoder().Decode(extMessage(t, m), fds, &y)
+			assert.ErrorContains(t, err, "a storage on gpu:0 named for a tensor on "+c.place)
+			assert.Nil(t, y)
+		})
+	}
+}

@@ -345,6 +345,11 @@ func rebuildTensor(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tenso
 	if err != nil {
 		return nil, err
 	}
+	// A storage found rather than made (this process's own, for a block
+	// it holds) may be on another place than the metadata says.
+	if s.Place() != p {
+		return nil, fmt.Errorf("a storage on %s named for a tensor on %s", s.Place(), p)
+	}
 	t, err := tensor.FromStorage(s, m.DType, m.Offset, m.Shape, m.Strides)
 	if err != nil {
 		return nil, err
