@@ -38,12 +38,9 @@ func reduceGPU(t *tensor.Tensor, room []int, pinned *mmapalloc.Ticket) (m Meta, 
 	}
 	if inSlab {
 		b := sh.Block
-		tk := pinned
-		if !tk.Covers(b) {
-			if tk, err = b.Ticket(); err != nil {
-				return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
-			}
-			l = tk
+		tk, l, err := blockTicket(b, pinned)
+		if err != nil {
+			return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
 		}
 		m.Strategy = StrategyCUDAFD
 		m.Size, m.Segment, m.Block, m.Gen = s.Size(), b.Segment().Size(), b.Offset(), b.Gen()

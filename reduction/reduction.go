@@ -132,13 +132,9 @@ func reduceCPU(t *tensor.Tensor, room []int, pinned *mmapalloc.Ticket) (Meta, in
 		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
 	}
 	if b := s.Block(); b != nil {
-		tk, l := pinned, lease(nil)
-		if !tk.Covers(b) {
-			var err error
-			if tk, err = b.Ticket(); err != nil {
-				return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
-			}
-			l = tk
+		tk, l, err := blockTicket(b, pinned)
+		if err != nil {
+			return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
 		}
 		seg := b.Segment()
 		m.Size, m.Segment, m.Block, m.Gen = b.Size(), seg.Size(), b.Offset(), b.Gen()
@@ -170,6 +166,20 @@ func reduceCPU(t *tensor.Tensor, room []int, pinned *mmapalloc.Ticket) (Meta, in
 	m.setSegmentID(a.ID())
 	storages.put(idKey(a.ID()), s)
 	return m, fd, lentFD{a}, nil
+}
+
+// blockTicket returns the ticket a message sends for block b: pinned, the
+// message's own already, when it covers b, else a new one, which is then
+// also the lease the message holds until it is sent.
+func blockTicket(b *mmapalloc.Block, pinned *mmapalloc.Ticket) (*mmapalloc.Ticket, lease, error) {
+	if pinned.Covers(b) {
+		return pinned, nil, nil
+	}
+	tk, err := b.Ticket()
+	if err != nil {
+		return nil, nil, err
+	}
+	return tk, tk, nil
 }
 
 // viewMeta returns the Meta of t's view of its storage, naming no
