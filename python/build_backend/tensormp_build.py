@@ -73,13 +73,13 @@ def _metadata(project):
     for extra, reqs in sorted(project.get("optional-dependencies", {}).items()):
         lines.append(f"Provides-Extra: {extra}")
         lines.extend(f'Requires-Dist: {r}; extra == "{extra}"' for r in reqs)
-    text = "\n".join(lines) + "\n"
+    body = ""
     readme = project.get("readme")
     if isinstance(readme, str):
+        lines.append("Description-Content-Type: text/markdown")
         with open(os.path.join(_ROOT, readme), encoding="utf-8") as f:
-            text = text.replace("\n", "\nDescription-Content-Type: text/markdown\n", 1)
-            text += "\n" + f.read()
-    return text
+            body = "\n" + f.read()
+    return "\n".join(lines) + "\n" + body
 
 
 def _go_root():
