@@ -61,7 +61,7 @@ func runDeviceBench(place device.Place, o benchOpts, po pythonOpts, asJSON bool,
 		fmt.Fprintf(stderr, "spawn bench: -device %s: %v\n", place, err)
 		return 1
 	}
-	if err := benchTorchDevice(place, po, progress, results.emit); err != nil {
+	if err := benchTorchDevice(place, po, stderr, progress, results.emit); err != nil {
 		fmt.Fprintf(stderr, "spawn bench: -device %s: torch: %v\n", place, err)
 		return 1
 	}
@@ -74,15 +74,15 @@ func runDeviceBench(place device.Place, o benchOpts, po pythonOpts, asJSON bool,
 
 // benchTorchDevice measures torch_roundtrip and torch_stream on place,
 // with the Python -python3 names or the first that has torch; without
-// one, it says so and measures nothing.
-func benchTorchDevice(place device.Place, po pythonOpts, progress func(string), emit func(benchResult)) error {
+// one, it says so on stderr and measures nothing.
+func benchTorchDevice(place device.Place, po pythonOpts, stderr io.Writer, progress func(string), emit func(benchResult)) error {
 	candidates := pytorch.Candidates(os.Getenv(pytorch.EnvVar))
 	if po.python != "" {
 		candidates = []string{po.python}
 	}
 	python, err := pytorch.Find(candidates...)
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "spawn bench: torch's cases left out: %v\n", err)
+		fmt.Fprintf(stderr, "spawn bench: torch's cases left out: %v\n", err)
 		return nil
 	}
 	dir, err := os.MkdirTemp("", "tensormp-devicebench")

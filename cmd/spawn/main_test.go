@@ -315,6 +315,7 @@ func TestBenchDeviceJSON(t *testing.T) {
 	code := run([]string{"bench", "-device", "gpu:0", "-json", "-trips", "20", "-stream", "200", "-batch", "4",
 		"-hold", "1000", "-max", "65536", "-python3", noTorch}, &out, &errOut)
 	require.Equal(t, 0, code, errOut.String())
+	assert.Contains(t, errOut.String(), "torch's cases left out", "said where run's output goes")
 	rows := map[string]int{}
 	for _, line := range strings.Split(strings.TrimSpace(out.String()), "\n") {
 		var r benchResult
