@@ -340,3 +340,35 @@ func TestBenchDeviceJSON(t *testing.T) {
 		"fds@gpu:0": 1,
 	}, rows)
 }
+
+// BenchmarkDeviceOnFake runs spawn bench -device gpu:0 on the fake driver
+// of this test binary, whose device memory is memfds, and reports each
+// GPU round trip over the CPU's of its size, measured in the same run,
+// and the descriptors a receiver holds for 10,000 GPU tensors:
+//
+//	go test -run '^$' -bench DeviceOnFake -benchtime 1x ./cmd/spawn
+func BenchmarkDeviceOnFake(b *testing.B) {
+	noTorch := filepath.Join(b.TempDir(), "python3")
+	require.NoError(b, os.WriteFile(noTorch, []byte("#!/bin/sh\nexit 1\n"), 0o700))
+	for range b.N {
+		var out, errOut bytes.Buffer
+		code := run([]string{"bench", "-device", "gpu:0", "-json", "-trips", "2000", "-hold", "10000", "-python3", noTorch}, &out, &errOut)
+		require.Equal(b, 0, code, errOut.String())
+		p50 := map[string]float64{}
+		for _, line := range strings.Split(strings.TrimSpace(out.String()), "\n") {
+			var r benchResult
+			require.NoError(b, json.Unmarshal([]byte(line), &r), line)
+			switch r.Case {
+			case "roundtrip":
+				p50[fmt.Sprint(r.Bytes, r.Device)] = r.P50us
+			case "fds":
+				b.ReportMetric(float64(r.FDs), "fds/10k-held")
+			}
+		}
+		for _, size := range deviceSizes {
+			cpu, gpu := p50[fmt.Sprint(size, "")], p50[fmt.Sprint(size, "gpu:0")]
+			require.Positive(b, cpu, "the CPU round trip of %d bytes", size)
+			b.ReportMetric(gpu/cpu, fmt.Sprintf("gpu/cpu-%dKiB", size>>10))
+		}
+	}
+}
