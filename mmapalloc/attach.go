@@ -109,7 +109,7 @@ func AttachNamedBlock(name string, ticket int, st FileStat, covered bool, segSiz
 			return nil, err
 		}
 		if a.ID() != id {
-			_ = a.Close()
+			_ = a.Release()
 			return nil, fmt.Errorf("mmapalloc: segment %s is not the file the message's descriptor names", name)
 		}
 		return a, nil
@@ -167,7 +167,7 @@ func (t *segmentTable) attachLocked(id ID, covered bool, segSize, off, size int6
 		}
 		seg, err = readSlab(a)
 		if err != nil {
-			_ = a.Close()
+			_ = a.Release()
 			return nil, err
 		}
 		if old, ok := t.m[id]; ok {
@@ -512,7 +512,7 @@ func (t *segmentTable) closeLocked(seg *segment) error {
 	seg.tickets.rotate()
 	fd.CloseAll(seg.adopted)
 	seg.adopted = nil
-	return errors.Join(seg.closeExtent(), seg.alloc.Close())
+	return errors.Join(seg.closeExtent(), seg.alloc.Release())
 }
 
 func (t *segmentTable) isIdleLocked(seg *segment) bool {

@@ -17,7 +17,7 @@
 //     refuses a descriptor of an unsealed file (ErrUnsealed).
 //   - file_system: Create(n, RefCount) keeps the name and starts the file
 //     with a 64-byte header counting the mappings of it in all processes;
-//     receivers map it with OpenName, and the last Close unlinks it.
+//     receivers map it with OpenName, and the last Release unlinks it.
 //
 // # Pools and blocks
 //
@@ -60,7 +60,7 @@
 // can open, which makes the mappings of it fault.
 //
 // Ownership: an Allocation owns its mapping, its descriptor (KeepFD) and
-// its reference (RefCount), and Close releases each exactly once. OpenFD
+// its reference (RefCount), and Release gives each back exactly once. OpenFD
 // takes ownership of the descriptor it is given, also when it fails. A
 // Block holds its slot until Release; a Ticket's descriptor is the
 // Ticket's until Done or Discard. Names and sizes from other processes are

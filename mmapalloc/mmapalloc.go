@@ -40,7 +40,7 @@ const (
 	Unlink
 	// RefCount: the segment starts with a 64-byte header holding a
 	// reference count of the processes that have it mapped; the last
-	// Close unlinks the name. This is the file_system strategy.
+	// Release unlinks the name. This is the file_system strategy.
 	RefCount
 	// Memfd: the segment is anonymous shared memory (memfd_create),
 	// sealed against shrinking and growing: every segment made with
@@ -267,8 +267,8 @@ type FileStat struct {
 
 // Allocation is one mapping of a shared segment. It owns the mapping, the
 // descriptor when KeepFD is set, and, for RefCount segments, one reference;
-// Close releases all three exactly once. An Allocation may be used from
-// several goroutines; its Bytes are invalid after Close.
+// Release gives all three back exactly once. An Allocation may be used from
+// several goroutines; its Bytes are invalid after Release.
 type Allocation struct {
 	mapping []byte // the whole mapping, header included
 	data    []byte // the caller's bytes
@@ -284,7 +284,7 @@ type Allocation struct {
 
 // Bytes returns the segment's data (after the header of a RefCount
 // segment). The slice aliases the shared mapping: writes are seen by every
-// process that maps the segment. It is nil after Close.
+// process that maps the segment. It is nil after Release.
 func (a *Allocation) Bytes() []byte {
 	if a.closed.Load() {
 		return nil
@@ -305,7 +305,7 @@ func (a *Allocation) Name() string {
 }
 
 // FD returns the descriptor the Allocation keeps (KeepFD), or -1. The
-// descriptor stays owned by the Allocation and is closed by its Close: use
+// descriptor stays owned by the Allocation and is closed by its Release: use
 // the number only while the Allocation is surely open, and lend it with
 // LendFD to pass it to another process.
 func (a *Allocation) FD() int {
@@ -317,7 +317,7 @@ func (a *Allocation) FD() int {
 
 // LendFD lends the kept descriptor, to a message that passes it to
 // another process: the number stays open, and the same file, until
-// ReturnFD, whatever Close does meanwhile.
+// ReturnFD, whatever Release does meanwhile.
 func (a *Allocation) LendFD() (int, error) {
 	if a.own == nil || a.closed.Load() {
 		return -1, ErrClosed

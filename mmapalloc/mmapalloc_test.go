@@ -39,7 +39,7 @@ func TestCreateFileDescriptor(t *testing.T) {
 	leakcheck.Check(t)
 	a, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
 	require.NoError(t, err)
-	defer a.Close()
+	defer a.Release()
 
 	assert.Empty(t, a.Name(), "a segment that travels by descriptor has no name in the directory")
 	assert.NotZero(t, a.Flags()&mmapalloc.Memfd, "it is a memfd")
@@ -66,9 +66,9 @@ func TestCreateFileDescriptor(t *testing.T) {
 	assert.Equal(t, a.ID(), b.ID())
 	b.Bytes()[0] = 'j'
 	assert.Equal(t, byte('j'), a.Bytes()[0], "both mappings see the same pages")
-	require.NoError(t, b.Close())
-	require.NoError(t, a.Close())
-	require.NoError(t, a.Close(), "closing twice is harmless")
+	require.NoError(t, b.Release())
+	require.NoError(t, a.Release())
+	require.NoError(t, a.Release(), "closing twice is harmless")
 	assert.Nil(t, a.Bytes())
 	assert.Equal(t, -1, a.FD())
 }
@@ -88,10 +88,10 @@ func TestCreateFileSystemRefCount(t *testing.T) {
 	a.Bytes()[1<<20-1] = 42
 	assert.Equal(t, byte(42), b.Bytes()[1<<20-1])
 
-	require.NoError(t, a.Close())
+	require.NoError(t, a.Release())
 	assert.True(t, inDir(b.Name()), "a holder remains, so the name stays")
 	assert.Equal(t, int32(1), b.Refs())
-	require.NoError(t, b.Close())
+	require.NoError(t, b.Release())
 	assert.False(t, inDir(b.Name()), "the last closer unlinks")
 
 	_, err = mmapalloc.OpenName(b.Name(), 1<<20, mmapalloc.RefCount)
@@ -112,9 +112,9 @@ func TestDropRefsForExit(t *testing.T) {
 	assert.False(t, inDir(a.Name()), "the process held both references: the name is gone")
 	a.Bytes()[0] = 1
 	assert.Equal(t, byte(1), b.Bytes()[0], "the mappings stay usable until exit")
-	require.NoError(t, a.Close(), "a later Close does not count the reference twice")
-	require.NoError(t, b.Close())
-	require.NoError(t, plain.Close())
+	require.NoError(t, a.Release(), "a later Close does not count the reference twice")
+	require.NoError(t, b.Release())
+	require.NoError(t, plain.Release())
 }
 
 func TestOpenNameReleased(t *testing.T) {
@@ -125,19 +125,19 @@ func TestOpenNameReleased(t *testing.T) {
 	_, err = mmapalloc.OpenName(a.Name(), 4096, mmapalloc.RefCount)
 	assert.ErrorIs(t, err, mmapalloc.ErrReleased)
 	mmapalloc.SetRefsForTest(a, 1)
-	require.NoError(t, a.Close())
+	require.NoError(t, a.Release())
 }
 
 func TestOpenNameUnlink(t *testing.T) {
 	leakcheck.Check(t)
 	a, err := mmapalloc.Create(4096, mmapalloc.RefCount)
 	require.NoError(t, err)
-	defer a.Close()
+	defer a.Release()
 	b, err := mmapalloc.OpenName(a.Name(), 4096, mmapalloc.RefCount|mmapalloc.Unlink|mmapalloc.KeepFD)
 	require.NoError(t, err)
 	assert.False(t, inDir(a.Name()))
 	assert.GreaterOrEqual(t, b.FD(), 0)
-	require.NoError(t, b.Close())
+	require.NoError(t, b.Release())
 }
 
 func TestHostileNames(t *testing.T) {
@@ -201,17 +201,17 @@ func TestSizeChecks(t *testing.T) {
 
 	a, err := mmapalloc.Create(4096, mmapalloc.RefCount)
 	require.NoError(t, err)
-	defer a.Close()
+	defer a.Release()
 	_, err = mmapalloc.OpenName(a.Name(), 8192, mmapalloc.RefCount)
 	assert.ErrorContains(t, err, "fewer than")
 	plain, err := mmapalloc.OpenName(a.Name(), 4096, 0)
 	require.NoError(t, err, "fstat covers the claim when the header is not counted")
 	assert.Equal(t, int32(1), a.Refs(), "opening without RefCount takes no reference")
-	require.NoError(t, plain.Close())
+	require.NoError(t, plain.Release())
 
 	b, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
 	require.NoError(t, err)
-	defer b.Close()
+	defer b.Release()
 	for _, size := range []int64{4097, 0, -5} {
 		dup, err := unix.FcntlInt(uintptr(b.FD()), unix.F_DUPFD_CLOEXEC, 0)
 		require.NoError(t, err)
@@ -269,13 +269,13 @@ func TestConcurrentOpenClose(t *testing.T) {
 					return
 				}
 				b.Bytes()[0]++
-				assert.NoError(t, b.Close())
+				assert.NoError(t, b.Release())
 			}
 		}()
 	}
 	wg.Wait()
 	assert.Equal(t, int32(1), a.Refs())
-	require.NoError(t, a.Close())
+	require.NoError(t, a.Release())
 }
 
 // helperWriteByName maps the segment named in argv, writes its pid into
@@ -288,7 +288,7 @@ func helperWriteByName() int {
 		return 1
 	}
 	copy(a.Bytes(), strconv.Itoa(os.Getpid()))
-	if err := a.Close(); err != nil {
+	if err := a.Release(); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
@@ -299,7 +299,7 @@ func TestCrossProcessByName(t *testing.T) {
 	leakcheck.Check(t)
 	a, err := mmapalloc.Create(4096, mmapalloc.RefCount)
 	require.NoError(t, err)
-	defer a.Close()
+	defer a.Release()
 	cmd, err := reexec.Command(context.Background(), "write-by-name", a.Name())
 	require.NoError(t, err)
 	require.NoError(t, cmd.Run())
@@ -399,7 +399,7 @@ func TestWatchedSegmentOfALiveProducerStays(t *testing.T) {
 	name := b.Segment().Name()
 	counted, err := mmapalloc.Create(4096, mmapalloc.RefCount)
 	require.NoError(t, err)
-	defer counted.Close()
+	defer counted.Release()
 	mmapalloc.WatchSegmentsOf(os.Getpid())
 	require.True(t, mmapalloc.WatchingOrphan(name))
 	mmapalloc.LookAtOrphansNow()
@@ -460,8 +460,8 @@ func helperTmpfsFull() int {
 	if err != nil || r.Bytes()[2<<20-1] != 1 {
 		return fail("a receiver cannot map the memfd segment: %v", err)
 	}
-	_ = r.Close()
-	_ = m.Close()
+	_ = r.Release()
+	_ = m.Release()
 	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
 		return fail("the memfd segment left %d entries", len(entries))
 	}
@@ -477,7 +477,7 @@ func helperTmpfsFull() int {
 	for i := range b {
 		b[i] = byte(i) // no SIGBUS: the pages were reserved
 	}
-	if err := a.Close(); err != nil {
+	if err := a.Release(); err != nil {
 		return fail("Close = %v", err)
 	}
 	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
@@ -563,7 +563,7 @@ func BenchmarkCreate(b *testing.B) {
 					if err != nil {
 						b.Fatal(err)
 					}
-					if err := a.Close(); err != nil {
+					if err := a.Release(); err != nil {
 						b.Fatal(err)
 					}
 				}

@@ -359,14 +359,14 @@ func (p *Pool) newSegmentWith(c *sizeClass, nslots, segSize, dataOff int64) (*se
 	}
 	if ok, err := lockRead(a.fd, lockBase, 1); !ok || err != nil {
 		_ = a.Remove()
-		_ = a.Close()
+		_ = a.Release()
 		return nil, fmt.Errorf("mmapalloc: taking ownership of a new segment: %w", err)
 	}
 	seg := &segment{alloc: a, cap: c.cap, nslots: int(nslots), dataOff: dataOff, named: p.named, pool: p, class: c,
 		reserved: make([]uint64, (segSize+64*reserveChunk-1)/(64*reserveChunk))}
 	if err := seg.reserveLocked(0, slabLayout(nslots)); err != nil { // the slot table's pages
 		_ = a.Remove()
-		_ = a.Close()
+		_ = a.Release()
 		return nil, err // it names the segment
 	}
 	err = Guard(func() {
@@ -379,7 +379,7 @@ func (p *Pool) newSegmentWith(c *sizeClass, nslots, segSize, dataOff int64) (*se
 	})
 	if err != nil {
 		_ = a.Remove()
-		_ = a.Close()
+		_ = a.Release()
 		return nil, fmt.Errorf("mmapalloc: writing the slot table of %v: %w", a, err)
 	}
 	return seg, nil
@@ -455,7 +455,7 @@ func (seg *segment) close() {
 	produced.remove(seg)
 	seg.tickets.rotate()
 	_ = seg.alloc.Remove()
-	_ = seg.alloc.Close()
+	_ = seg.alloc.Release()
 	_ = seg.closeExtent()
 }
 

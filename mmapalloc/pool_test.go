@@ -585,7 +585,7 @@ func TestNamedPool(t *testing.T) {
 	assert.ErrorIs(t, err, mmapalloc.ErrBadName)
 	other, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
 	require.NoError(t, err)
-	defer other.Close()
+	defer other.Release()
 	_, err = mmapalloc.AttachNamedBlock(seg.Name(), other.FD(), statOf(t, other.FD()), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
 	assert.ErrorContains(t, err, "not the file", "the message's descriptor must be of the named segment")
 

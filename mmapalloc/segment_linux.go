@@ -120,7 +120,7 @@ func OpenFD(fd int, size int64, flags Flags) (*Allocation, error) {
 // OpenName maps the existing segment name in Dir, which must hold at least
 // size data bytes. name must be one tensormp made (ValidName); a path, a
 // link or another program's file is refused. With RefCount it takes a
-// reference that Close gives back, and fails with ErrReleased when the
+// reference that Release gives back, and fails with ErrReleased when the
 // segment's last holder already let it go.
 func OpenName(name string, size int64, flags Flags) (*Allocation, error) {
 	flags |= NoCreate | SharedMem
@@ -145,7 +145,7 @@ func OpenName(name string, size int64, flags Flags) (*Allocation, error) {
 	}
 	if flags&Unlink != 0 {
 		if err := unix.Unlink(path); err != nil && err != unix.ENOENT {
-			_ = a.Close()
+			_ = a.Release()
 			return nil, &Error{Op: "unlink", Path: path, Err: err}
 		}
 	}
@@ -312,10 +312,10 @@ func takeRefOn(h *header, size int64) error {
 	}
 }
 
-// Close releases the mapping, the kept descriptor and, for a RefCount
+// Release gives back the mapping, the kept descriptor and, for a RefCount
 // segment, this mapping's reference; the last reference unlinks the name.
-// Closing twice returns nil.
-func (a *Allocation) Close() error {
+// Releasing twice returns nil.
+func (a *Allocation) Release() error {
 	if !a.closed.CompareAndSwap(false, true) {
 		return nil
 	}
@@ -365,7 +365,7 @@ func (a *Allocation) dropRef() error {
 }
 
 // closeMapping unmaps and closes the kept descriptor. The fields stay as
-// they are, so that readers racing with Close see a consistent (closed)
+// they are, so that readers racing with Release see a consistent (closed)
 // Allocation rather than torn fields.
 func (a *Allocation) closeMapping() error {
 	var errs []error

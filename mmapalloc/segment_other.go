@@ -32,8 +32,8 @@ func Stat(fd int) (ID, int64, error) { return ID{}, 0, ErrUnsupported }
 // StatFile is not supported on this system.
 func StatFile(fd int) (FileStat, error) { return FileStat{}, ErrUnsupported }
 
-// Close marks the Allocation closed; none can be made on this system.
-func (a *Allocation) Close() error {
+// Release marks the Allocation released; none can be made on this system.
+func (a *Allocation) Release() error {
 	a.closed.Store(true)
 	return nil
 }

@@ -58,7 +58,7 @@ func TestHostileSpills(t *testing.T) {
 	leakcheck.Check(t)
 	small, err := mmapalloc.Create(1<<20, mmapalloc.KeepFD|mmapalloc.Unlink)
 	require.NoError(t, err)
-	defer small.Close()
+	defer small.Release()
 	sealed, err := mmapalloc.SealedCopy(make([]byte, 1<<20))
 	require.NoError(t, err)
 	defer unix.Close(sealed)

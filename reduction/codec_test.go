@@ -384,7 +384,7 @@ func BenchmarkRebuildFresh(b *testing.B) {
 		b.Run(fmt.Sprintf("file_descriptor/%dKiB", size>>10), func(b *testing.B) {
 			a, err := mmapalloc.Create(size, mmapalloc.KeepFD|mmapalloc.Unlink)
 			require.NoError(b, err)
-			defer a.Close()
+			defer a.Release()
 			m := reduction.Meta{
 				Version: reduction.Version, Strategy: "file_descriptor", FD: 0, MemFD: -1, Size: size, Block: -1,
 				Dev: a.ID().Dev, Ino: a.ID().Ino,

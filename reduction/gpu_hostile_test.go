@@ -73,7 +73,7 @@ func TestHostileSlabMessages(t *testing.T) {
 	require.NoError(t, unix.Ftruncate(memfd, 2<<20))
 	cpu, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
 	require.NoError(t, err)
-	defer cpu.Close()
+	defer cpu.Release()
 	legacy, err := tensor.On(legacyGPU).Zeros(tensor.Uint8, 16)
 	require.NoError(t, err)
 	defer legacy.Release()

@@ -50,7 +50,7 @@ func TestHostileInput(t *testing.T) {
 	leakcheck.Check(t)
 	seg, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
 	require.NoError(t, err)
-	defer seg.Close()
+	defer seg.Release()
 	var pipe [2]int
 	require.NoError(t, unix.Pipe2(pipe[:], unix.O_CLOEXEC))
 	defer unix.Close(pipe[0])
@@ -58,7 +58,7 @@ func TestHostileInput(t *testing.T) {
 
 	other, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
 	require.NoError(t, err)
-	defer other.Close()
+	defer other.Release()
 
 	// with varies the valid Meta; one that leaves the file_descriptor
 	// strategy loses the segment's identity too, which withID keeps.
@@ -204,7 +204,7 @@ func hugeShapeMsg(t testing.TB) []byte {
 func FuzzUnmarshal(f *testing.F) {
 	seg, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
 	require.NoError(f, err)
-	f.Cleanup(func() { seg.Close() })
+	f.Cleanup(func() { seg.Release() })
 
 	f.Add(validMetaMsg(f, seg.ID()), uint8(1))
 	empty := validMeta(mmapalloc.ID{})

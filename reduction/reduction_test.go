@@ -183,7 +183,7 @@ func receivedSegment(t *testing.T, n int) (*mmapalloc.Allocation, reduction.Meta
 	t.Helper()
 	a, err := mmapalloc.Create(int64(n)*4, mmapalloc.KeepFD|mmapalloc.Unlink)
 	require.NoError(t, err)
-	t.Cleanup(func() { a.Close() })
+	t.Cleanup(func() { a.Release() })
 	return a, reduction.Meta{
 		Version: reduction.Version, Strategy: "file_descriptor", FD: 0, MemFD: -1, Dev: a.ID().Dev, Ino: a.ID().Ino, Size: int64(n) * 4, Block: -1,
 		DType: tensor.Float32, Shape: []int{n}, Strides: []int{1}, Place: "cpu",
@@ -345,7 +345,7 @@ func TestRebuildBorrowsDescriptors(t *testing.T) {
 	a, m := receivedSegment(t, 16)
 	x, err := reduction.Rebuild(m, []int{a.FD()})
 	require.NoError(t, err)
-	require.NoError(t, a.Close())
+	require.NoError(t, a.Release())
 	_, err = unix.FcntlInt(uintptr(x.Storage().Allocation().FD()), unix.F_GETFD, 0)
 	assert.NoError(t, err, "the rebuilt storage holds its own duplicate")
 	require.NoError(t, x.Release())

@@ -441,7 +441,7 @@ func (s *Storage) OnRelease(f func()) {
 func (m *memory) release() error {
 	switch {
 	case m.alloc != nil:
-		return m.alloc.Close()
+		return m.alloc.Release()
 	case m.block != nil:
 		return m.block.Release()
 	case m.buf != nil:

@@ -57,5 +57,5 @@ func TestFindsLeaks(t *testing.T) {
 	assert.Contains(t, r.errs[1], "1 more segment mappings")
 	assert.Contains(t, r.errs[2], a.Name())
 	require.NoError(t, f.Close())
-	require.NoError(t, a.Close())
+	require.NoError(t, a.Release())
 }
