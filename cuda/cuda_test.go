@@ -241,14 +241,14 @@ func TestIPCKeepsMemoryWhileConsumersHoldIt(t *testing.T) {
 	c3, err := rt.Import(received(t, h3))
 	require.NoError(t, err)
 
-	require.NoError(t, buf.Free())
+	require.NoError(t, buf.Release())
 	assert.Equal(t, 1, rt.Limbo(), "freed by the producer, still used by consumers")
 	assert.Equal(t, live+1, fake.Live())
-	require.NoError(t, c1.Free())
-	require.NoError(t, c3.Free())
+	require.NoError(t, c1.Release())
+	require.NoError(t, c3.Release())
 	rt.CollectLimbo()
 	assert.Equal(t, 1, rt.Limbo(), "one consumer still holds it")
-	require.NoError(t, c2.Free())
+	require.NoError(t, c2.Release())
 	assert.Equal(t, 0, rt.Opened(), "the last consumer closes the handle")
 	// The consumer that sent it on keeps a ticket description for a few
 	// milliseconds after it let go (see mmapalloc.Ticket).
@@ -270,7 +270,7 @@ func TestUnsentExportAndOOMCollectLimbo(t *testing.T) {
 	h, err := a.Export()
 	require.NoError(t, err)
 	h.Ticket.Discard() // the message was never sent
-	require.NoError(t, a.Free())
+	require.NoError(t, a.Release())
 	assert.Equal(t, live, fake.Live(), "nobody else held it: freed at once")
 
 	fake.SetLimit(8 << 10)
@@ -281,14 +281,14 @@ func TestUnsentExportAndOOMCollectLimbo(t *testing.T) {
 	require.NoError(t, err)
 	c, err := rt.Import(received(t, h))
 	require.NoError(t, err)
-	require.NoError(t, b.Free())
+	require.NoError(t, b.Release())
 	assert.Equal(t, 1, rt.Limbo())
 	// The consumer lets go, but nothing has looked at the limbo since.
-	require.NoError(t, c.Free())
+	require.NoError(t, c.Release())
 	big, err := rt.Alloc(0, 6<<10)
 	require.NoError(t, err, "out of memory: the limbo was collected and the allocation retried")
 	assert.Equal(t, 0, rt.Limbo())
-	require.NoError(t, big.Free())
+	require.NoError(t, big.Release())
 	assert.Equal(t, live, fake.Live())
 }
 
@@ -310,7 +310,7 @@ func TestBadRanges(t *testing.T) {
 	require.NoError(t, err)
 	b, err := rt.Alloc(0, 16)
 	require.NoError(t, err)
-	defer b.Free()
+	defer b.Release()
 	assert.Error(t, b.Write(make([]byte, 17), 0))
 	assert.Error(t, b.Read(make([]byte, 4), 13))
 	assert.Error(t, b.Read(make([]byte, 4), -1))
@@ -350,7 +350,7 @@ func TestCloseIsFinal(t *testing.T) {
 	require.NoError(t, err)
 	gone, err := rt.Alloc(0, 64)
 	require.NoError(t, err)
-	require.NoError(t, gone.Free())
+	require.NoError(t, gone.Release())
 	assert.Equal(t, ctxs+1, drv.Contexts(0))
 
 	rt.Close()
@@ -358,7 +358,7 @@ func TestCloseIsFinal(t *testing.T) {
 	_, err = rt.Alloc(0, 64)
 	assert.ErrorIs(t, err, cuda.ErrStopped)
 	assert.ErrorIs(t, kept.Write([]byte{1}, 0), cuda.ErrStopped)
-	assert.ErrorIs(t, kept.Free(), cuda.ErrStopped, "a buffer of a closed context is not freed in a new one")
+	assert.ErrorIs(t, kept.Release(), cuda.ErrStopped, "a buffer of a closed context is not freed in a new one")
 	assert.Equal(t, ctxs, drv.Contexts(0), "no context is made again")
 	assert.Equal(t, live+1, drv.Live(), "what the closed context held goes with the process")
 }
@@ -371,7 +371,7 @@ func TestCopyIn(t *testing.T) {
 	require.NoError(t, err)
 	foreign, err := rt.Alloc(0, 32) // stands for another library's allocation
 	require.NoError(t, err)
-	defer foreign.Free()
+	defer foreign.Release()
 	src := make([]byte, 32)
 	for i := range src {
 		src[i] = byte(i + 1)
@@ -379,7 +379,7 @@ func TestCopyIn(t *testing.T) {
 	require.NoError(t, foreign.Write(src, 0))
 	b, err := rt.Alloc(0, 16)
 	require.NoError(t, err)
-	defer b.Free()
+	defer b.Release()
 
 	syncs := fake.Syncs()
 	require.NoError(t, b.CopyIn(foreign.Ptr()+8, 16))
@@ -396,7 +396,7 @@ func TestCopyIn(t *testing.T) {
 	assert.Equal(t, make([]byte, 16), got, "a refused copy copies nothing")
 
 	require.NoError(t, b.Sync())
-	require.NoError(t, foreign.Free())
+	require.NoError(t, foreign.Release())
 	assert.ErrorContains(t, foreign.Sync(), "freed")
 }
 

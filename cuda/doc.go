@@ -38,9 +38,9 @@
 // allocation of its own, and Export describes it with an IPC memory
 // handle, an interprocess event and a token, a block of shared memory that
 // every process using the allocation holds. Each message holds a
-// reference, each consumer's Buffer one; the producer's Free puts an
+// reference, each consumer's Buffer one; the producer's Release puts an
 // allocation still referenced elsewhere in the limbo, and CollectLimbo
-// (run on every Free) frees it once nobody else holds it, so the producer
+// (run on every Release) frees it once nobody else holds it, so the producer
 // must outlive its consumers. A consumer opens each handle once per
 // process and closes it with its last buffer on it, and waits for the
 // producer's work (its event) when it opens it.

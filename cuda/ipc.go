@@ -116,7 +116,7 @@ func (b *Buffer) Export() (Handle, error) {
 
 // Import opens a buffer another process exported, once per allocation per
 // process, and waits for the work the producer queued on it. The buffer
-// takes over h.Token, the receiver's own hold on the token: its Free
+// takes over h.Token, the receiver's own hold on the token: its Release
 // releases it.
 func (r *Runtime) Import(h Handle) (*Buffer, error) {
 	if h.Token == nil {
@@ -170,7 +170,7 @@ func (r *Runtime) Import(h Handle) (*Buffer, error) {
 	b := &Buffer{rt: r, dev: h.Device, ptr: o.ptr + DevicePtr(h.Offset), size: h.Size, from: o, token: h.Token, desc: h}
 	b.desc.Token, b.desc.Ticket = nil, nil
 	if err := e.Do(func() error { return r.drv.EventSynchronize(o.event) }); err != nil {
-		_ = b.Free()
+		_ = b.Release()
 		return nil, fmt.Errorf("cuda: waiting for the producer's work on gpu:%d: %w", h.Device, err)
 	}
 	return b, nil

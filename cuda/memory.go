@@ -144,7 +144,7 @@ func (r *Runtime) Alloc(dev int, n int64) (*Buffer, error) {
 		// A recycled block holds its last user's bytes, a new one the
 		// device's garbage.
 		if err := e.Do(func() error { return r.drv.MemsetD8(b.ptr, n) }); err != nil {
-			_ = b.Free()
+			_ = b.Release()
 			return nil, fmt.Errorf("cuda: clearing %d bytes on gpu:%d: %w", n, dev, err)
 		}
 		return b, nil
@@ -179,6 +179,12 @@ func (b *Buffer) Device() int { return b.dev }
 
 // Ptr returns the device address of the buffer's first byte.
 func (b *Buffer) Ptr() DevicePtr { return b.ptr }
+
+// Size returns the buffer's size in bytes.
+func (b *Buffer) Size() int64 { return b.size }
+
+// Bytes returns nil: the host reaches device memory by Read and Write.
+func (b *Buffer) Bytes() []byte { return nil }
 
 func (b *Buffer) check(off, n int64) error {
 	if b.freed.Load() {
@@ -278,10 +284,10 @@ func (b *Buffer) Sync() error {
 	return e.Do(b.rt.drv.Synchronize)
 }
 
-// Free gives the memory back, once. An allocation that other processes
+// Release gives the memory back, once. An allocation that other processes
 // still use waits in the limbo until they let go; an opened one is
 // closed when no storage of this process uses it.
-func (b *Buffer) Free() error {
+func (b *Buffer) Release() error {
 	if !b.freed.CompareAndSwap(false, true) || b.size == 0 && b.from == nil {
 		return nil
 	}
@@ -324,7 +330,7 @@ func (r *Runtime) release(b *Buffer) error {
 }
 
 // CollectLimbo frees the allocations in the limbo that no other process
-// holds any more. Free calls it; a program may call it at any time.
+// holds any more. Release calls it; a program may call it at any time.
 func (r *Runtime) CollectLimbo() {
 	r.mu.Lock()
 	var ready []*Buffer

@@ -234,7 +234,7 @@ func (b *Buffer) Share() (sh SlabShare, ok bool, err error) {
 
 // ImportBlock returns the buffer of size bytes that blk, a block of a
 // device slab this process received (attached from the message's
-// ticket), holds on device dev; the buffer takes blk over, and its Free
+// ticket), holds on device dev; the buffer takes blk over, and its Release
 // releases it. The first block of a slab imports and maps the slab, from
 // the descriptor memFD returns, which stays the caller's; the others find
 // it mapped. A descriptor that is no allocation of dev's, or one smaller

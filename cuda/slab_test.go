@@ -50,7 +50,7 @@ func TestSlabsPackBuffers(t *testing.T) {
 		got := []byte{0}
 		require.NoError(t, b.Read(got, 0))
 		assert.Equal(t, byte(i), got[0])
-		require.NoError(t, b.Free())
+		require.NoError(t, b.Release())
 	}
 	rt.Close()
 	assert.Zero(t, drv.MemHandles(), "the unused slab is given back")
@@ -127,14 +127,14 @@ func TestImportBlock(t *testing.T) {
 
 	// The producer lets go of its buffers: its slab, whose blocks the
 	// receiver holds, stays the pool's until the receiver lets go too.
-	require.NoError(t, a.Free())
-	require.NoError(t, b.Free())
+	require.NoError(t, a.Release())
+	require.NoError(t, b.Release())
 	mmapalloc.Trim()
 	assert.Equal(t, 1, drv.MemHandles(), "a slab another process holds blocks of is kept")
 	require.NoError(t, ra.Read(got, 0))
 	assert.Equal(t, "alpha", string(got))
-	require.NoError(t, ra.Free())
-	require.NoError(t, rb.Free())
+	require.NoError(t, ra.Release())
+	require.NoError(t, rb.Release())
 	require.Eventually(t, func() bool {
 		mmapalloc.Trim()
 		return rdrv.MemHandles() == 0 && drv.MemHandles() == 0
@@ -153,13 +153,13 @@ func TestImportBlockRefusesWhatIsNoSlab(t *testing.T) {
 	recv, rdrv := slabRuntime(t, 2)
 	small, err := rt.Alloc(0, 64) // in a slab of 2 MiB
 	require.NoError(t, err)
-	defer small.Free()
+	defer small.Release()
 	large, err := rt.Alloc(0, 17<<20) // in a slab of its own, over 16 MiB
 	require.NoError(t, err)
-	defer large.Free()
+	defer large.Release()
 	other, err := rt.Alloc(1, 64)
 	require.NoError(t, err)
-	defer other.Free()
+	defer other.Release()
 	_, smallTicket, smallFD := share(t, small)
 	require.NoError(t, unix.Close(smallTicket)) // only the slab's descriptor is wanted
 	defer unix.Close(smallFD)

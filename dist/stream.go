@@ -230,13 +230,8 @@ func zeroCopySafe(s *tensor.Storage) bool {
 	if !s.IsShared() {
 		return true
 	}
-	if b := s.Block(); b != nil {
-		return !b.Named()
-	}
-	if a := s.Allocation(); a != nil {
-		return a.Flags()&mmapalloc.RefCount == 0
-	}
-	return false
+	m, ok := s.Backing().(interface{ Sealed() bool })
+	return ok && m.Sealed()
 }
 
 // exchange opens a DoExchange stream on c and commits it at once. Until

@@ -224,6 +224,11 @@ func (b *Block) Segment() *Allocation { return b.seg.alloc }
 // (file_system) rather than by descriptor.
 func (b *Block) Named() bool { return b.seg.named }
 
+// Sealed reports whether no holder of the block's segment can resize it
+// under the others' mappings: a file_descriptor segment, a memfd sealed
+// when it was made, is; a named segment is not.
+func (b *Block) Sealed() bool { return !b.seg.named }
+
 // Offset returns the offset of the block's data in its segment, or in
 // its extent (see InExtent).
 func (b *Block) Offset() int64 { return b.seg.slotOffset(b.slot) }

@@ -335,6 +335,11 @@ func (a *Allocation) ReturnFD() {
 // Flags returns the flags the Allocation was made with.
 func (a *Allocation) Flags() Flags { return a.flags }
 
+// Sealed reports whether no holder of the segment can resize it under the
+// others' mappings: a memfd, sealed when it was made or checked when it
+// was received (OpenFD), is; a named segment is not.
+func (a *Allocation) Sealed() bool { return a.flags&(Memfd|FromFD) != 0 }
+
 // ID returns the device and inode of the segment's file.
 func (a *Allocation) ID() ID { return a.id }
 

@@ -257,7 +257,11 @@ func registerWorkers() {
 			if err != nil {
 				return err
 			}
-			x, err := tensor.FromStorage(tensor.NewSharedStorage(a), tensor.Uint8, 0, []int{4 << 10}, []int{1})
+			s, err := tensor.NewStorage(device.CPU(), a)
+			if err != nil {
+				return errors.Join(err, a.Release())
+			}
+			x, err := tensor.FromStorage(s, tensor.Uint8, 0, []int{4 << 10}, []int{1})
 			if err != nil {
 				return err
 			}

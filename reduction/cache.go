@@ -3,6 +3,7 @@ package reduction
 import (
 	"sync"
 
+	"github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -139,8 +140,12 @@ func liveUser(u any, size int64) *tensor.Storage {
 		return nil
 	}
 	s := r.Value()
-	if s == nil || s.Released() || s.Block() == nil && !s.Place().IsGPU() || s.Size() != size {
+	if s == nil || s.Size() != size {
 		return nil
 	}
-	return s
+	switch s.Backing().(type) {
+	case *mmapalloc.Block, *cuda.Buffer:
+		return s
+	}
+	return nil // released
 }

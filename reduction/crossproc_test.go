@@ -271,7 +271,7 @@ func TestCrossProcessAllDTypes(t *testing.T) {
 		checkWrites(t, b.Samples)
 		for _, s := range b.Samples {
 			if st == strategy.FileSystem {
-				assert.Equal(t, int32(1), s.Base.Storage().Allocation().Refs(), "the helper gave its reference back")
+				assert.Equal(t, int32(1), segmentOf(t, s.Base).Refs(), "the helper gave its reference back")
 			}
 		}
 	})

@@ -24,7 +24,7 @@ func reduceGPU(t *tensor.Tensor, room []int, pinned *mmapalloc.Ticket) (m Meta, 
 	if s.Released() {
 		return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
 	}
-	buf, ok := s.Buffer().(*cuda.Buffer)
+	buf, ok := s.Backing().(*cuda.Buffer)
 	if !ok {
 		return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: its memory is not a CUDA allocation: %w", t, ErrDeviceTensor)
 	}
@@ -108,7 +108,11 @@ func openGPU(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*te
 		_ = token.Release()
 		return nil, err
 	}
-	return keep(key, tensor.NewDeviceStorage(p, m.Size, buf), made)
+	s, err := tensor.NewStorage(p, buf)
+	if err != nil {
+		return nil, errors.Join(err, buf.Release())
+	}
+	return keep(key, s, made)
 }
 
 // openSlabBlock returns the storage of a GPU tensor in a block of a device
@@ -146,6 +150,9 @@ func openSlabBlock(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage
 		_ = b.Release()
 		return nil, err
 	}
-	s := tensor.NewDeviceStorage(p, m.Size, buf)
+	s, err := tensor.NewStorage(p, buf)
+	if err != nil {
+		return nil, errors.Join(err, buf.Release())
+	}
 	return kept(s, registerBlock(s, b), made)
 }

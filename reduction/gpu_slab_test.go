@@ -73,5 +73,5 @@ func rebuildGPU() error {
 	if !tensor.Equal(host, want) {
 		return errors.New("the received GPU tensor differs")
 	}
-	return x.Storage().Buffer().Write([]byte{0xff, 0xff, 0xff, 0xff}, 0)
+	return x.Storage().Backing().(tensor.Buffer).Write([]byte{0xff, 0xff, 0xff, 0xff}, 0)
 }

@@ -81,7 +81,7 @@ func TestGPUTensorOpenedByAReceiver(t *testing.T) {
 	assert.NotSame(t, x.Storage(), y.Storage())
 	assert.Equal(t, legacyGPU, y.Place())
 	assert.True(t, tensor.Equal(x, y))
-	require.NoError(t, y.Storage().Buffer().Write([]byte{1, 0, 0, 0}, 0))
+	require.NoError(t, y.Storage().Backing().(tensor.Buffer).Write([]byte{1, 0, 0, 0}, 0))
 	v, err := x.To(device.CPU())
 	require.NoError(t, err)
 	first, err := tensor.At[int32](v, 0)

@@ -259,12 +259,19 @@ func releaseAll(v any) {
 // The cache keeps every live storage however many there are ("out and
 // back is the same storage"), and its size follows the live ones: dead
 // entries are swept.
+// emptyStorage returns a new shared storage of no bytes.
+func emptyStorage(t *testing.T) *tensor.Storage {
+	s, err := tensor.AllocSharedStorage(0)
+	require.NoError(t, err)
+	return s
+}
+
 func TestCacheKeepsLiveStoragesAndDropsDeadOnes(t *testing.T) {
 	c := &storageCache{m: make(map[cacheKey]*tensor.StorageRef), sweepAt: sweepMin}
 	const n = 20_000
 	live := make([]*tensor.Storage, 0, n)
 	for i := range n {
-		s := tensor.NewEmptySharedStorage()
+		s := emptyStorage(t)
 		live = append(live, s)
 		c.put(cacheKey{id: mmapalloc.ID{Ino: uint64(i)}}, s)
 	}
@@ -286,10 +293,10 @@ func TestCacheKeepsLiveStoragesAndDropsDeadOnes(t *testing.T) {
 
 	require.NoError(t, last.Release())
 	assert.Nil(t, c.get(cacheKey{id: mmapalloc.ID{Ino: uint64(len(live) - 1)}}, 0), "released storages are not served")
-	other := tensor.NewEmptySharedStorage()
+	other := emptyStorage(t)
 	k := cacheKey{name: "n"}
 	assert.Same(t, other, c.put(k, other))
-	assert.Same(t, other, c.put(k, tensor.NewEmptySharedStorage()), "the first live storage wins")
+	assert.Same(t, other, c.put(k, emptyStorage(t)), "the first live storage wins")
 	assert.Nil(t, c.get(k, 10), "a size mismatch is a miss")
 }
 

@@ -131,7 +131,8 @@ func reduceCPU(t *tensor.Tensor, room []int, pinned *mmapalloc.Ticket) (Meta, in
 	if err := s.ShareMemory(strategy.Get()); err != nil {
 		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
 	}
-	if b := s.Block(); b != nil {
+	switch b := s.Backing().(type) {
+	case *mmapalloc.Block:
 		tk, l, err := blockTicket(b, pinned)
 		if err != nil {
 			return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
@@ -146,26 +147,25 @@ func reduceCPU(t *tensor.Tensor, room []int, pinned *mmapalloc.Ticket) (Meta, in
 		}
 		registerBlock(s, b)
 		return m, tk.FD(), l, nil
+	case *mmapalloc.Allocation:
+		m.Size = b.Size()
+		if b.Flags()&mmapalloc.RefCount != 0 {
+			m.Strategy = string(strategy.FileSystem)
+			m.Name = b.Name()
+			storages.put(nameKey(m.Name), s)
+			return m, -1, nil, nil
+		}
+		fd, err := b.LendFD()
+		if err != nil {
+			return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
+		}
+		m.Strategy = string(strategy.FileDescriptor)
+		m.setSegmentID(b.ID())
+		storages.put(idKey(b.ID()), s)
+		return m, fd, lentFD{b}, nil
 	}
-	a := s.Allocation()
-	if a == nil {
-		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
-	}
-	m.Size = a.Size()
-	if a.Flags()&mmapalloc.RefCount != 0 {
-		m.Strategy = string(strategy.FileSystem)
-		m.Name = a.Name()
-		storages.put(nameKey(m.Name), s)
-		return m, -1, nil, nil
-	}
-	fd, err := a.LendFD()
-	if err != nil {
-		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
-	}
-	m.Strategy = string(strategy.FileDescriptor)
-	m.setSegmentID(a.ID())
-	storages.put(idKey(a.ID()), s)
-	return m, fd, lentFD{a}, nil
+	// Released since ShareMemory, which leaves no other backing.
+	return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
 }
 
 // blockTicket returns the ticket a message sends for block b: pinned, the
@@ -319,7 +319,9 @@ func rebuildTensor(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tenso
 		if p.IsGPU() {
 			return tensor.On(p).Zeros(m.DType, m.Shape...)
 		}
-		s = tensor.NewEmptySharedStorage()
+		if s, err = tensor.AllocSharedStorage(0); err != nil {
+			return nil, err
+		}
 	case StrategyCUDAIPC:
 		s, err = openGPU(m, p, fds, made)
 	case StrategyCUDAFD:
@@ -510,7 +512,10 @@ func adoptBlock(found any, m Meta, made *[]*tensor.Storage, attach func() (*mmap
 		_ = b.Release()
 		return nil, fmt.Errorf("a block of a device slab named for a CPU tensor: %w", mmapalloc.ErrNoExtent)
 	}
-	s := tensor.NewBlockStorage(b)
+	s, err := tensor.NewStorage(device.CPU(), b)
+	if err != nil {
+		return nil, errors.Join(err, b.Release())
+	}
 	return kept(s, registerBlock(s, b), made)
 }
 
@@ -533,7 +538,11 @@ func openName(m Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {
 // goroutine cached the same segment meanwhile: then that Storage wins and
 // the new mapping is closed, so the process keeps one mapping.
 func adopt(key cacheKey, a *mmapalloc.Allocation, made *[]*tensor.Storage) (*tensor.Storage, error) {
-	return keep(key, tensor.NewSharedStorage(a), made)
+	s, err := tensor.NewStorage(device.CPU(), a)
+	if err != nil {
+		return nil, errors.Join(err, a.Release())
+	}
+	return keep(key, s, made)
 }
 
 // keep caches s, a storage just made for what key names, and returns the

@@ -17,15 +17,33 @@ import (
 // released.
 var ErrReleased = errors.New("tensor: storage released")
 
-// Buffer is device memory handed out by a Backend. The Storage that holds
-// it owns it and frees it once.
+// Backing is the memory behind a Storage: heap bytes, a block of a
+// pooled shared segment, a whole shared segment, or device memory. A
+// Storage owns its Backing: it calls Release exactly once, when the
+// Storage is released or becomes unreachable unreleased.
+//
+// Package tensor makes the backings of the storages it allocates. Other
+// packages make the backings of memory they receive or allocate (package
+// reduction from a message, package cuda from its allocator) and hand
+// them to NewStorage.
+type Backing interface {
+	// Bytes returns the memory's host bytes, which alias it, or nil for
+	// memory the host cannot address.
+	Bytes() []byte
+	// Size returns the memory's size in bytes.
+	Size() int64
+	// Release gives the memory back.
+	Release() error
+}
+
+// Buffer is device memory: a Backing whose bytes the host reaches by
+// copies. A Backend hands Buffers out.
 type Buffer interface {
+	Backing
 	// Read copies len(dst) bytes starting at off into host memory.
 	Read(dst []byte, off int64) error
 	// Write copies src into the buffer starting at off.
 	Write(src []byte, off int64) error
-	// Free releases the memory. It is called exactly once.
-	Free() error
 }
 
 // DeviceCopier is a Buffer that can copy from another device's Buffer
@@ -87,11 +105,10 @@ func backendFor(p device.Place) (Backend, error) {
 // memory is one state of a Storage's backing. A Storage swaps whole
 // memory values atomically, so readers never see a half-made state.
 type memory struct {
-	bytes    []byte                // host memory; nil on a device or once released
-	alloc    *mmapalloc.Allocation // the file_system segment behind bytes, if any
-	block    *mmapalloc.Block      // the pooled file_descriptor block behind bytes, if any
-	buf      Buffer                // device memory, if not on the CPU
-	shared   bool                  // in shared memory (an empty storage counts once shared)
+	bytes    []byte  // host memory; nil on a device or once released
+	backing  Backing // what bytes, or device memory, belong to; nil for heap memory
+	dev      Buffer  // backing as device memory, or nil
+	shared   bool    // in shared memory (an empty storage counts once shared)
 	released bool
 }
 
@@ -181,44 +198,51 @@ func newStorage(p device.Place, nbytes int64) (*Storage, error) {
 		return nil, fmt.Errorf("tensor: allocating %d bytes on %s: %w", nbytes, p, err)
 	}
 	s := allocStorage(p, nbytes)
-	s.arm(memory{buf: buf})
+	s.arm(memory{backing: buf, dev: buf, shared: true})
 	return s, nil
 }
 
-// NewSharedStorage wraps a shared segment as CPU storage. The Storage takes
-// ownership of a: Release, or the cleanup of an unreachable Storage, closes
-// it.
-func NewSharedStorage(a *mmapalloc.Allocation) *Storage {
-	s := allocStorage(device.CPU(), a.Size())
-	s.arm(memory{bytes: a.Bytes(), alloc: a, shared: true})
-	return s
+// NewStorage wraps b, memory on p, as a storage of b.Size() bytes. The
+// Storage takes ownership of b: Release, or the cleanup of an unreachable
+// Storage, releases it once. Device memory must be a Buffer on a device
+// place, host memory a backing with bytes on the CPU.
+//
+// The storage counts as shared when b is memory other processes can map:
+// a block or segment of package mmapalloc, or device memory, which crosses
+// processes by its backend's handles. Any other host backing is private
+// memory that ShareMemory copies out.
+func NewStorage(p device.Place, b Backing) (*Storage, error) {
+	buf, onDevice := b.(Buffer)
+	switch {
+	case !p.Valid():
+		return nil, fmt.Errorf("tensor: storage on invalid place %s", p)
+	case p.IsCPU() && onDevice:
+		return nil, fmt.Errorf("tensor: %d bytes of device memory on %s", b.Size(), p)
+	case p.IsCPU() && int64(len(b.Bytes())) != b.Size():
+		return nil, fmt.Errorf("tensor: host memory of %d bytes that says it has %d", len(b.Bytes()), b.Size())
+	case !p.IsCPU() && !onDevice:
+		return nil, fmt.Errorf("tensor: %d bytes of host memory on %s", b.Size(), p)
+	}
+	s := allocStorage(p, b.Size())
+	s.arm(memory{bytes: b.Bytes(), backing: b, dev: buf, shared: onDevice || sharedHost(b)})
+	return s, nil
 }
 
-// NewDeviceStorage wraps device memory of nbytes on p, such as a buffer
-// received from another process, as storage. The Storage takes ownership
-// of b: Release, or the cleanup of an unreachable Storage, frees it once.
-func NewDeviceStorage(p device.Place, nbytes int64, b Buffer) *Storage {
-	s := allocStorage(p, nbytes)
-	s.arm(memory{buf: b, shared: true})
-	return s
+// sharedHost reports whether b is host memory other processes can map.
+func sharedHost(b Backing) bool {
+	switch b.(type) {
+	case *mmapalloc.Block, *mmapalloc.Allocation:
+		return true
+	}
+	return false
 }
 
-// NewBlockStorage wraps a block of a pooled file_descriptor segment as CPU
-// storage. The Storage takes ownership of b: Release, or the cleanup of an
-// unreachable Storage, releases it.
-func NewBlockStorage(b *mmapalloc.Block) *Storage {
-	s := allocStorage(device.CPU(), b.Size())
-	s.arm(memory{bytes: b.Bytes(), block: b, shared: true})
-	return s
-}
+// heapMemory is the Backing of a storage in this process's heap.
+type heapMemory []byte
 
-// NewEmptySharedStorage returns an empty storage that counts as shared: the
-// storage of an empty tensor received from another process.
-func NewEmptySharedStorage() *Storage {
-	s := allocStorage(device.CPU(), 0)
-	s.mem.Store(&memory{bytes: []byte{}, shared: true})
-	return s
-}
+func (h heapMemory) Bytes() []byte  { return h }
+func (h heapMemory) Size() int64    { return int64(len(h)) }
+func (h heapMemory) Release() error { return nil }
 
 // armedMemory is memory in the safety net together with the reference
 // the net holds its Storage by, if the Storage had none yet: one
@@ -281,17 +305,22 @@ func (s *Storage) Size() int64 { return s.nbytes }
 // storage and after Release.
 func (s *Storage) Bytes() []byte { return s.mem.Load().bytes }
 
-// Allocation returns the file_system segment behind the storage, or nil.
-// The Storage keeps ownership.
-func (s *Storage) Allocation() *mmapalloc.Allocation { return s.mem.Load().alloc }
+// Backing returns the memory behind the storage, or nil once released.
+// The Storage keeps ownership: the caller must not release it.
+func (s *Storage) Backing() Backing {
+	m := s.mem.Load()
+	switch {
+	case m.released:
+		return nil
+	case m.backing == nil:
+		return heapMemory(m.bytes)
+	}
+	return m.backing
+}
 
-// Block returns the pooled file_descriptor block behind the storage, or
-// nil. The Storage keeps ownership.
-func (s *Storage) Block() *mmapalloc.Block { return s.mem.Load().block }
-
-// Buffer returns the device memory behind a non-CPU storage, or nil. The
-// Storage keeps ownership.
-func (s *Storage) Buffer() Buffer { return s.mem.Load().buf }
+// buffer returns the storage's device memory, or nil for host memory and
+// once released.
+func (s *Storage) buffer() Buffer { return s.mem.Load().dev }
 
 // IsShared reports whether the storage lives in shared memory.
 func (s *Storage) IsShared() bool { return s.mem.Load().shared }
@@ -302,7 +331,8 @@ func (s *Storage) Released() bool { return s.mem.Load().released }
 // ShareMemory moves the storage into a new shared segment made under
 // strategy st, copying its bytes, unless it is shared already. Every tensor
 // on the storage sees the shared memory from then on; slices taken from it
-// before keep pointing at the old, private memory.
+// before keep pointing at the old, private memory. Device memory is shared
+// already: it crosses processes by its backend's handles.
 func (s *Storage) ShareMemory(st strategy.Strategy) error {
 	if m := s.mem.Load(); m.shared && !m.released {
 		return nil // shared memory stays shared until Release
@@ -315,21 +345,27 @@ func (s *Storage) ShareMemory(st strategy.Strategy) error {
 		return ErrReleased
 	case m.shared:
 		return nil
-	case !s.place.IsCPU():
-		return fmt.Errorf("tensor: cannot share storage on %s through host shared memory: device tensors cross processes by IPC handles", s.place)
-	case s.nbytes == 0:
-		s.mem.Store(&memory{bytes: m.bytes, shared: true})
-		return nil
 	}
-	nm, err := newSharedMemory(s.nbytes, st, false)
-	if err != nil {
-		return err
+	nm := memory{bytes: []byte{}, shared: true}
+	if s.nbytes > 0 {
+		var err error
+		if nm, err = newSharedMemory(s.nbytes, st, false); err != nil {
+			return err
+		}
+		if err := copyBytes(nm.bytes, m.bytes); err != nil {
+			_ = nm.release()
+			return fmt.Errorf("tensor: share memory (%d bytes, %s): %w", s.nbytes, st, err)
+		}
 	}
-	if err := copyBytes(nm.bytes, m.bytes); err != nil {
-		_ = nm.release()
-		return fmt.Errorf("tensor: share memory (%d bytes, %s): %w", s.nbytes, st, err)
+	s.disarm() // the private memory's, if it has a backing of its own
+	if nm.backing != nil {
+		s.arm(nm)
+	} else {
+		s.mem.Store(&nm)
 	}
-	s.arm(nm)
+	if err := m.release(); err != nil {
+		return fmt.Errorf("tensor: share memory: giving back the private memory: %w", err)
+	}
 	return nil
 }
 
@@ -379,7 +415,7 @@ func newSharedMemory(nbytes int64, st strategy.Strategy, zero bool) (memory, err
 		if err != nil {
 			return memory{}, fmt.Errorf("tensor: share memory (%d bytes, %s): %w", nbytes, st, err)
 		}
-		return memory{bytes: a.Bytes(), alloc: a, shared: true}, nil
+		return memory{bytes: a.Bytes(), backing: a, shared: true}, nil
 	}
 	return memory{}, fmt.Errorf("tensor: share memory: unknown strategy %q", st)
 }
@@ -396,7 +432,7 @@ func blockMemory(pool *mmapalloc.Pool, nbytes int64, st strategy.Strategy, zero 
 			return memory{}, fmt.Errorf("tensor: share memory (%d bytes, %s): %w", nbytes, st, err)
 		}
 	}
-	return memory{bytes: b.Bytes(), block: b, shared: true}, nil
+	return memory{bytes: b.Bytes(), backing: b, shared: true}, nil
 }
 
 // Release gives the storage's memory back now: it unmaps a shared segment
@@ -437,33 +473,26 @@ func (s *Storage) OnRelease(f func()) {
 	s.mu.Unlock()
 }
 
-// release gives m's segment, block or device buffer back.
+// release gives m's backing back.
 func (m *memory) release() error {
-	switch {
-	case m.alloc != nil:
-		return m.alloc.Release()
-	case m.block != nil:
-		return m.block.Release()
-	case m.buf != nil:
-		return m.buf.Free()
+	if m.backing == nil {
+		return nil
 	}
-	return nil
+	return m.backing.Release()
 }
 
 func (s *Storage) String() string {
 	m := s.mem.Load()
 	state := "heap"
-	switch {
+	switch b, named := m.backing.(fmt.Stringer); {
 	case m.released:
 		state = "released"
-	case m.alloc != nil:
-		state = m.alloc.String()
-	case m.block != nil:
-		state = m.block.String()
+	case named:
+		state = b.String()
+	case m.dev != nil:
+		state = "device"
 	case m.shared:
 		state = "shared"
-	case m.buf != nil:
-		state = "device"
 	}
 	return fmt.Sprintf("storage(%d bytes on %s, %s)", s.nbytes, s.place, state)
 }

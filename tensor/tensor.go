@@ -406,13 +406,15 @@ func (t *Tensor) IsContiguous() bool {
 	return true
 }
 
-// IsShared reports whether the tensor's storage is in shared memory.
+// IsShared reports whether the tensor's storage is in memory another
+// process can map: shared host memory, or device memory, which crosses
+// processes by its backend's handles.
 func (t *Tensor) IsShared() bool { return t.storage.IsShared() }
 
 // ShareMemory moves the tensor's storage into shared memory under the
 // process's sharing strategy, in place: t and every view of its storage
-// keep working and become shared. A storage that is shared already is left
-// as it is.
+// keep working and become shared. A storage that is shared already, such
+// as device memory, is left as it is.
 func (t *Tensor) ShareMemory() error { return t.storage.ShareMemory(strategy.Get()) }
 
 // Release gives back the memory of the tensor's storage now, for every
@@ -514,95 +516,6 @@ func (t *Tensor) Contiguous() (*Tensor, error) {
 	return t.Clone()
 }
 
-// Clone returns a contiguous copy of t in new storage on the same place.
-func (t *Tensor) Clone() (*Tensor, error) {
-	if !t.Place().IsCPU() {
-		if out, ok, err := t.copyOnDevices(t.Place()); ok || err != nil {
-			return out, err
-		}
-	}
-	c := t.contiguousOn(newHeapStorage(t.Nbytes()))
-	if err := t.readInto(c.storage.Bytes()); err != nil {
-		return nil, err
-	}
-	if t.Place().IsCPU() {
-		return c, nil
-	}
-	return c.To(t.Place())
-}
-
-// hostBytes returns the bytes of t's storage in host memory: the storage
-// itself on the CPU, a copy read from the device otherwise.
-func (t *Tensor) hostBytes() ([]byte, error) {
-	m := t.storage.mem.Load()
-	switch {
-	case m.released:
-		return nil, ErrReleased
-	case m.buf == nil:
-		return m.bytes, nil
-	}
-	b := make([]byte, t.storage.nbytes)
-	if err := m.buf.Read(b, 0); err != nil {
-		return nil, fmt.Errorf("tensor: reading %d bytes from %s: %w", len(b), t.Place(), err)
-	}
-	return b, nil
-}
-
-// denseHost returns t's elements densely in host memory: a slice of the
-// storage when t is a contiguous CPU tensor, else a copy.
-func (t *Tensor) denseHost() ([]byte, error) {
-	host, err := t.hostBytes()
-	if err != nil {
-		return nil, err
-	}
-	if t.IsContiguous() {
-		return host[t.offset : t.offset+t.Nbytes()], nil
-	}
-	dense := make([]byte, t.Nbytes())
-	if err := t.gather(host, dense); err != nil {
-		return nil, err
-	}
-	return dense, nil
-}
-
-// readInto copies t's elements densely into dst, host memory of
-// t.Nbytes() bytes, in one copy: a contiguous device tensor reads just its
-// own bytes from the device.
-func (t *Tensor) readInto(dst []byte) error {
-	m := t.storage.mem.Load()
-	if m.buf != nil && !m.released && t.IsContiguous() {
-		if err := m.buf.Read(dst, t.offset); err != nil {
-			return fmt.Errorf("tensor: reading %d bytes from %s: %w", len(dst), t.Place(), err)
-		}
-		return nil
-	}
-	host, err := t.hostBytes()
-	if err != nil {
-		return err
-	}
-	return t.gather(host, dst)
-}
-
-// gather copies t's elements, read from its storage bytes src, densely
-// into dst.
-func (t *Tensor) gather(src, dst []byte) error {
-	item := t.dtype.Size()
-	if t.IsContiguous() {
-		if err := copyBytes(dst, src[t.offset:t.offset+t.Nbytes()]); err != nil {
-			return fmt.Errorf("tensor: reading %v: %w", t, err)
-		}
-		return nil
-	}
-	i := 0
-	return touch(func() {
-		t.forEach(func(elem int64) {
-			at := t.offset + elem*int64(item)
-			copy(dst[i:i+item], src[at:at+int64(item)])
-			i += item
-		})
-	}, t.storage)
-}
-
 // forEach calls fn with the storage index (in elements, relative to the
 // offset) of every element in row-major order.
 func (t *Tensor) forEach(fn func(elem int64)) {
@@ -624,71 +537,6 @@ func (t *Tensor) forEach(fn func(elem int64)) {
 			idx[d] = 0
 		}
 	}
-}
-
-// To returns t on place p: t itself when it is there already, else a
-// contiguous copy.
-func (t *Tensor) To(p device.Place) (*Tensor, error) {
-	if p == t.Place() {
-		return t, nil
-	}
-	if out, ok, err := t.copyOnDevices(p); ok || err != nil {
-		return out, err
-	}
-	if p.IsCPU() {
-		out := t.contiguousOn(newHeapStorage(t.Nbytes()))
-		return out, t.readInto(out.storage.Bytes())
-	}
-	dense, err := t.denseHost()
-	if err != nil {
-		return nil, err
-	}
-	s, err := newStorage(p, int64(len(dense)))
-	if err != nil {
-		return nil, err
-	}
-	if err := s.mem.Load().buf.Write(dense, 0); err != nil {
-		_ = s.Release()
-		return nil, fmt.Errorf("tensor: copying %d bytes to %s: %w", len(dense), p, err)
-	}
-	return t.contiguousOn(s), nil
-}
-
-// copyOnDevices copies a contiguous device tensor to another device
-// without going through host memory, when the destination's Buffer can
-// (DeviceCopier). ok is false when it cannot, and the caller copies
-// through the host.
-func (t *Tensor) copyOnDevices(p device.Place) (out *Tensor, ok bool, err error) {
-	m := t.storage.mem.Load()
-	if p.IsCPU() || m.buf == nil || !t.IsContiguous() {
-		return nil, false, nil
-	}
-	s, err := newStorage(p, t.Nbytes())
-	if err != nil {
-		return nil, false, err
-	}
-	c, can := s.mem.Load().buf.(DeviceCopier)
-	if !can {
-		_ = s.Release()
-		return nil, false, nil
-	}
-	done, err := c.CopyFrom(m.buf, t.offset, t.Nbytes())
-	if err != nil || !done {
-		_ = s.Release()
-		if err != nil {
-			return nil, false, fmt.Errorf("tensor: copying %d bytes from %s to %s: %w", t.Nbytes(), t.Place(), p, err)
-		}
-		return nil, false, nil
-	}
-	return t.contiguousOn(s), true, nil
-}
-
-// contiguousOn returns a contiguous tensor of t's dtype, shape and LoD on
-// s, a new storage of t's size, for a copy of t to fill.
-func (t *Tensor) contiguousOn(s *Storage) *Tensor {
-	c := s.newTensor(Tensor{storage: s, dtype: t.dtype, lod: cloneLoD(t.lod)})
-	c.shape, c.strides = contiguousDims(t.shape, c.dims[:])
-	return c
 }
 
 // Equal reports whether a and b have the same dtype, shape and element

@@ -81,7 +81,7 @@ func exportOnFake() error {
 	if err != nil {
 		return err
 	}
-	h, err := x.Storage().Buffer().(*cuda.Buffer).Export()
+	h, err := x.Storage().Backing().(*cuda.Buffer).Export()
 	if err != nil {
 		return err
 	}

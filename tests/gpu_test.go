@@ -137,7 +137,7 @@ func init() {
 		}
 		var word [4]byte
 		binary.LittleEndian.PutUint32(word[:], 4242)
-		if err := a.Tensor.Storage().Buffer().Write(word[:], 0); err != nil {
+		if err := a.Tensor.Storage().Backing().(tensor.Buffer).Write(word[:], 0); err != nil {
 			return err
 		}
 		if err := a.Status.Put(ctx, "written"); err != nil {

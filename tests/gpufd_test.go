@@ -122,7 +122,7 @@ func init() {
 		if err := checkSevens(x); err != nil {
 			return err
 		}
-		return x.Storage().Buffer().Write([]byte{0, 0, 0x80, 0x3f}, 0) // float32 1
+		return x.Storage().Backing().(tensor.Buffer).Write([]byte{0, 0, 0x80, 0x3f}, 0) // float32 1
 	})
 }
 

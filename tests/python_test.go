@@ -510,7 +510,7 @@ func writeFirst(t *testing.T, x *tensor.Tensor, v float64) {
 		require.NoError(t, tensor.Copy(first, must(one.Reshape(1, 1))))
 		return
 	}
-	b := x.Storage().Buffer().(*cuda.Buffer)
+	b := x.Storage().Backing().(*cuda.Buffer)
 	require.NoError(t, b.Write(one.Storage().Bytes(), x.Offset()))
 	require.NoError(t, b.Sync())
 }

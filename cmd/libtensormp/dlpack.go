@@ -100,7 +100,7 @@ func toDLPack(t *tensor.Tensor, as tensor.DType) (*C.DLManagedTensor, error) {
 		host = s.Bytes()
 	case p.IsGPU():
 		var ok bool
-		if gpu, ok = s.Buffer().(*cuda.Buffer); !ok {
+		if gpu, ok = s.Backing().(*cuda.Buffer); !ok {
 			return nil, fmt.Errorf("tensor on %s has no CUDA memory", p)
 		}
 	default:
@@ -253,9 +253,13 @@ func copyCUDA(place device.Place, p uintptr, dt tensor.DType, shape, strides []i
 		return nil, err
 	}
 	if err := b.CopyIn(cuda.DevicePtr(int64(p)+lo), n); err != nil {
-		return nil, errors.Join(err, b.Free())
+		return nil, errors.Join(err, b.Release())
 	}
-	return heldView(tensor.NewDeviceStorage(place, n, b), dt, -lo, shape, strides)
+	s, err := tensor.NewStorage(place, b)
+	if err != nil {
+		return nil, errors.Join(err, b.Release())
+	}
+	return heldView(s, dt, -lo, shape, strides)
 }
 
 // consume calls m's deleter: the consumer is done with it.
@@ -322,7 +326,7 @@ func newTensor(place device.Place, dt tensor.DType, shape []int) (*tensor.Tensor
 	}
 	s := t.Storage()
 	holds.hold(s)
-	if b, ok := s.Buffer().(*cuda.Buffer); ok && s.Size() > 0 {
+	if b, ok := s.Backing().(*cuda.Buffer); ok && s.Size() > 0 {
 		if err := b.Sync(); err != nil {
 			holds.drop(s)
 			return nil, err

@@ -43,7 +43,7 @@ func rangeOf(s *tensor.Storage) (base, end uintptr, ok bool) {
 		base = uintptr(unsafe.Pointer(unsafe.SliceData(b)))
 		return base, base + uintptr(len(b)), true
 	}
-	if b, isGPU := s.Buffer().(*cuda.Buffer); isGPU && s.Size() > 0 {
+	if b, isGPU := s.Backing().(*cuda.Buffer); isGPU && s.Size() > 0 {
 		base = uintptr(b.Ptr())
 		return base, base + uintptr(s.Size()), true
 	}
