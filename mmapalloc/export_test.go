@@ -43,7 +43,7 @@ func SlotOf(b *Block) int { return b.slot }
 // as a receiver that moved its holds would, until the returned function
 // closes that description.
 func HoldSlots(b *Block, slots ...int) (func() error, error) {
-	fd, err := reopen(b.seg.alloc.fd)
+	fd, err := reopen(b.seg.alloc.FD())
 	if err != nil {
 		return nil, err
 	}

@@ -272,7 +272,6 @@ type FileStat struct {
 type Allocation struct {
 	mapping []byte // the whole mapping, header included
 	data    []byte // the caller's bytes
-	fd      int    // own's number, for this package's system calls; -1 unless KeepFD
 	own     *fd.FD // the kept descriptor (KeepFD)
 	path    string // "" for a segment opened from a bare descriptor
 	flags   Flags
@@ -312,7 +311,7 @@ func (a *Allocation) FD() int {
 	if a.closed.Load() {
 		return -1
 	}
-	return a.fd
+	return a.own.Num()
 }
 
 // LendFD lends the kept descriptor, to a message that passes it to
@@ -361,7 +360,7 @@ func (a *Allocation) hdr() *header {
 func (a *Allocation) String() string {
 	where := a.path
 	if where == "" {
-		where = fmt.Sprintf("fd %d", a.fd)
+		where = fmt.Sprintf("fd %d", a.FD())
 	}
 	return fmt.Sprintf("segment %s (%d bytes, %v)", where, len(a.data), a.flags)
 }

@@ -91,7 +91,7 @@ func createMemfd(total int64, flags Flags) (*Allocation, error) {
 	if err != nil {
 		return nil, err
 	}
-	if _, err := unix.FcntlInt(uintptr(a.fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL); err != nil {
+	if _, err := unix.FcntlInt(uintptr(a.FD()), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL); err != nil {
 		_ = a.closeMapping()
 		return nil, &Error{Op: "seal", Path: name, Err: err}
 	}
@@ -212,7 +212,6 @@ func setUp(raw int, path string, total int64, flags Flags, create bool) (a *Allo
 	a = &Allocation{
 		mapping: mapping,
 		data:    mapping,
-		fd:      -1,
 		path:    path,
 		flags:   flags,
 		id:      idOf(&st),
@@ -226,7 +225,7 @@ func setUp(raw int, path string, total int64, flags Flags, create bool) (a *Allo
 		refHolders.add(a)
 	}
 	if flags&KeepFD != 0 {
-		a.fd, a.own = raw, fd.New(raw)
+		a.own = fd.New(raw)
 	} else {
 		_ = unix.Close(raw)
 	}

@@ -33,12 +33,11 @@ const pressureRotate = time.Millisecond
 type Ticket struct {
 	set *tickets
 	fd  *fd.FD // each pin is a loan of it; retiring it is closing it
-	raw int
 }
 
 // FD returns the descriptor to send. It stays the Ticket's: valid until
 // Done or Discard.
-func (t *Ticket) FD() int { return t.raw }
+func (t *Ticket) FD() int { return t.fd.Num() }
 
 // Covers reports whether t, pinned for a message, holds b's slot too: it
 // is a ticket of b's segment, whose description locks every slot. A
@@ -77,7 +76,7 @@ func (s *tickets) take(seg *segment) (*Ticket, error) {
 	defer s.mu.Unlock()
 	t := s.cur
 	if t == nil {
-		raw, err := reopen(seg.alloc.fd)
+		raw, err := reopen(seg.alloc.FD())
 		if err != nil {
 			return nil, err
 		}
@@ -85,7 +84,7 @@ func (s *tickets) take(seg *segment) (*Ticket, error) {
 			_ = unix.Close(raw)
 			return nil, err
 		}
-		t = &Ticket{set: s, fd: fd.New(raw), raw: raw}
+		t = &Ticket{set: s, fd: fd.New(raw)}
 		s.cur, s.opened = t, time.Now()
 		rotations.schedule(seg)
 	}

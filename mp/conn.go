@@ -32,7 +32,7 @@ var ErrMalformed = errors.New("mp: malformed message")
 // message that arrives while its reader waits wakes the reader's thread
 // directly, without a round of the scheduler.
 type conn struct {
-	s int // the socket, owned; valid while use is held
+	sock *fd.FD // the socket; its number is valid while use is held
 
 	// use is read-held by every call on s and write-held by close,
 	// which thereby closes s only once no call uses it.
@@ -85,19 +85,20 @@ type conn struct {
 // newConn wraps s, a SOCK_SEQPACKET socket (or an end of a queue's places
 // pipe, which only io uses), taking it over.
 func newConn(s *fd.FD, name string) (*conn, error) {
-	raw, err := s.Disown()
+	raw, err := s.Lend()
 	if err != nil {
 		return nil, fmt.Errorf("mp: %s: %w", name, err)
 	}
+	defer s.Return()
 	recvBlock := blockingReceives(raw)
 	if !recvBlock {
 		if err := unix.SetNonblock(raw, true); err != nil {
-			_ = unix.Close(raw)
+			_ = s.Close()
 			return nil, fmt.Errorf("mp: %s: %w", name, err)
 		}
 	}
 	return &conn{
-		s:         raw,
+		sock:      s,
 		done:      make(chan struct{}),
 		park:      newParking(),
 		rmu:       make(chan struct{}, 1),
@@ -142,11 +143,11 @@ func (c *conn) dupSocket() (*fd.FD, error) {
 	if c.closed.Load() {
 		return nil, errConnClosed
 	}
-	dup, err := unix.FcntlInt(uintptr(c.s), unix.F_DUPFD_CLOEXEC, 0)
+	dup, err := c.sock.Dup()
 	if err != nil {
 		return nil, fmt.Errorf("mp: duplicating a socket: %w%s", err, fdHint(err))
 	}
-	return fd.New(dup), nil
+	return dup, nil
 }
 
 // close closes the socket once the calls using it have returned: it wakes
@@ -161,8 +162,8 @@ func (c *conn) close() error {
 		c.use.Lock()
 		defer c.use.Unlock()
 		c.watch(context.Background()) // stops the last one's watch
-		c.park.release(c.s)
-		err = unix.Close(c.s)
+		c.park.release(c.sock.Num())
+		err = c.sock.Close()
 	})
 	return err
 }
@@ -274,7 +275,7 @@ func (c *conn) io(ctx context.Context, ev int16, what string, block bool, op, wa
 			// call's time; one that was waited for, after a sleep.
 			c.recvWaited.Store(err != nil || time.Since(start) > waitedMin)
 		} else {
-			err = op(c.s)
+			err = op(c.sock.Num())
 		}
 		switch {
 		case err == nil:
@@ -341,13 +342,13 @@ func (c *conn) waitKernel(ctx context.Context, ev int16) bool {
 	if c.closed.Load() || ctx.Err() != nil {
 		return false
 	}
-	return sl.wait(c.s, ev)
+	return sl.wait(c.sock.Num(), ev)
 }
 
 // waitParked waits for the socket to be ready for ev on the package's
 // poller, without a thread of its own.
 func (c *conn) waitParked(ctx context.Context, ev int16) error {
-	ready, err := c.park.arm(c.s, ev)
+	ready, err := c.park.arm(c.sock.Num(), ev)
 	if err != nil {
 		return fmt.Errorf("mp: waiting for a socket: %w%s", err, fdHint(err))
 	}
@@ -499,7 +500,7 @@ func (c *conn) peerGone() bool {
 	if c.closed.Load() {
 		return true
 	}
-	p := []unix.PollFd{{Fd: int32(c.s), Events: pollPeerGone}}
+	p := []unix.PollFd{{Fd: int32(c.sock.Num()), Events: pollPeerGone}}
 	if _, err := unix.Poll(p, 0); err != nil {
 		return true
 	}

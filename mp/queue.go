@@ -361,12 +361,12 @@ func decodeQueue(dec *msgpack.Decoder, n int) (*Queue, error) {
 		err = checkPlaces(fds[2], fds[3])
 	}
 	if err != nil {
-		closeFDs(fds)
+		fd.CloseEach(fds)
 		return nil, err
 	}
 	q, err := queueFrom(fds[0], fds[1])
 	if err != nil {
-		closeFDs(fds[2:])
+		fd.CloseEach(fds[2:])
 		return nil, err
 	}
 	if bounded {
@@ -440,7 +440,7 @@ func decodePipe(dec *msgpack.Decoder, n int) (*Pipe, error) {
 		return nil, err
 	}
 	if err := checkSocket(fds[0]); err != nil {
-		closeFDs(fds)
+		fd.CloseEach(fds)
 		return nil, err
 	}
 	c, err := newConn(fds[0], "pipe")
@@ -476,7 +476,7 @@ func takeFDs(dec *msgpack.Decoder, payload []byte, want int) ([]*fd.FD, error) {
 	for i := range want {
 		f, err := carry.TakeFD(dec, int(binary.LittleEndian.Uint32(payload[4*i:])))
 		if err != nil {
-			closeFDs(fds)
+			fd.CloseEach(fds)
 			return nil, err
 		}
 		fds = append(fds, f)
@@ -526,10 +526,4 @@ func checkPlaces(r, w *fd.FD) error {
 func accessMode(fd, mode int) bool {
 	fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
 	return err == nil && fl&unix.O_ACCMODE == mode
-}
-
-func closeFDs(fds []*fd.FD) {
-	for _, f := range fds {
-		_ = f.Close()
-	}
 }

@@ -35,7 +35,7 @@ func TestBlockingReceiveIsInterrupted(t *testing.T) {
 		t.Cleanup(func() { _ = unix.Close(raw) })
 		require.True(t, c.recvBlock, "a socket pair's end receives in the receive call")
 		hour := unix.NsecToTimeval(int64(time.Hour))
-		require.NoError(t, unix.SetsockoptTimeval(c.s, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &hour))
+		require.NoError(t, unix.SetsockoptTimeval(c.sock.Num(), unix.SOL_SOCKET, unix.SO_RCVTIMEO, &hour))
 		return c, raw
 	}
 	recv := func(ctx context.Context, c *conn) <-chan error {

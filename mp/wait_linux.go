@@ -174,7 +174,7 @@ func (c *conn) blockingCall(ctx context.Context, recv func(s int) error) error {
 	if c.closed.Load() || ctx.Err() != nil {
 		return unix.EINTR
 	}
-	return recv(c.s)
+	return recv(c.sock.Num())
 }
 
 // wait waits for s to be ready for ev, or for a signal, and reports

@@ -24,8 +24,9 @@ var ErrClosed = errors.New("fd: descriptor closed")
 // FD is an owned file descriptor. Its methods may be called from several
 // goroutines.
 type FD struct {
+	num     int // the number New took, for Num
 	mu      sync.Mutex
-	raw     int // -1 once closed or disowned
+	raw     int // num, or -1 once closed or disowned
 	lent    int
 	closing bool // Close was called while lent
 	cleanup runtime.Cleanup
@@ -33,7 +34,7 @@ type FD struct {
 
 // New takes ownership of raw.
 func New(raw int) *FD {
-	f := &FD{raw: raw}
+	f := &FD{num: raw, raw: raw}
 	f.cleanup = runtime.AddCleanup(f, func(raw int) { _ = unix.Close(raw) }, raw)
 	return f
 }
@@ -48,6 +49,18 @@ func (f *FD) Lend() (int, error) {
 	}
 	f.lent++
 	return f.raw, nil
+}
+
+// Num returns the descriptor's number, for the system calls of an owner
+// that knows no Close runs meanwhile (it holds the lock its Close takes,
+// say), as os.File.Fd does: the number of a closed FD may name another
+// file already. Code that cannot rule out a Close uses Lend. Num of a nil
+// FD is -1.
+func (f *FD) Num() int {
+	if f == nil {
+		return -1
+	}
+	return f.num
 }
 
 // Return ends one Lend. The last Return after a Close closes the
@@ -99,6 +112,15 @@ func (f *FD) Disown() (int, error) {
 	raw := f.raw
 	f.raw = -1
 	return raw, nil
+}
+
+// CloseEach closes every FD of fds, skipping nil ones.
+func CloseEach(fds []*FD) {
+	for _, f := range fds {
+		if f != nil {
+			_ = f.Close()
+		}
+	}
 }
 
 // Dup returns a close-on-exec duplicate, owned by its own FD.

@@ -124,3 +124,19 @@ func TestOutOfDescriptors(t *testing.T) {
 	assert.True(t, fd.OutOfDescriptors(unix.ENFILE))
 	assert.False(t, fd.OutOfDescriptors(unix.ENOMEM))
 }
+
+func TestNumAndCloseEach(t *testing.T) {
+	a, b := open(t), open(t)
+	fa, fb := fd.New(a), fd.New(b)
+	assert.Equal(t, a, fa.Num())
+	assert.Equal(t, b, fb.Num())
+	assert.Equal(t, -1, (*fd.FD)(nil).Num(), "a nil FD has no number")
+
+	n, err := fb.Lend()
+	require.NoError(t, err)
+	fd.CloseEach([]*fd.FD{fa, nil, fb})
+	assert.False(t, isOpen(a), "closed")
+	assert.True(t, isOpen(n), "a lent one waits for its loan")
+	require.NoError(t, fb.Return())
+	assert.False(t, isOpen(b))
+}
