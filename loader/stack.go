@@ -68,11 +68,7 @@ func adjacent(ts []*tensor.Tensor) bool {
 
 // viewAt returns the contiguous tensor of shape at byte offset off of s.
 func viewAt(s *tensor.Storage, dt tensor.DType, off int64, shape []int) (*tensor.Tensor, error) {
-	n := 1
-	for _, d := range shape {
-		n *= d
-	}
-	flat, err := tensor.FromStorage(s, dt, off, []int{n}, []int{1})
+	flat, err := tensor.FromStorage(s, dt, off, []int{tensor.Numel(shape...)}, []int{1})
 	if err != nil {
 		return nil, err
 	}

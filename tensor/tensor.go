@@ -80,7 +80,7 @@ func (f Factory) create(dt DType, shape []int, zero bool) (*Tensor, error) {
 	if err := checkNewShape(dt, shape); err != nil {
 		return nil, err
 	}
-	n := numel(shape)
+	n := Numel(shape...)
 	nbytes := int64(n) * int64(dt.Size())
 	var s *Storage
 	var err error
@@ -238,7 +238,7 @@ func checkView(dt DType, offset int64, shape, strides []int, size int64) error {
 	if offset > size {
 		return fmt.Errorf("tensor: byte offset %d beyond the storage's %d bytes", offset, size)
 	}
-	if numel(shape) == 0 {
+	if Numel(shape...) == 0 {
 		return nil
 	}
 	var last uint64 // index of the furthest element, in elements
@@ -262,7 +262,10 @@ func checkView(dt DType, offset int64, shape, strides []int, size int64) error {
 	return nil
 }
 
-func numel(shape []int) int {
+// Numel returns the number of elements of a tensor of the given shape, as
+// torch.Size.numel does: the product of its sizes, 1 for a scalar's empty
+// shape.
+func Numel(shape ...int) int {
 	n := 1
 	for _, d := range shape {
 		n *= d
@@ -342,7 +345,7 @@ func (t *Tensor) AppendDims(dst []int) []int {
 func (t *Tensor) Dim() int { return len(t.shape) }
 
 // Numel returns the number of elements.
-func (t *Tensor) Numel() int { return numel(t.shape) }
+func (t *Tensor) Numel() int { return Numel(t.shape...) }
 
 // Offset returns the byte offset of the first element in the storage.
 func (t *Tensor) Offset() int64 { return t.offset }
@@ -494,7 +497,7 @@ func (t *Tensor) Reshape(shape ...int) (*Tensor, error) {
 	if err := checkNewShape(t.dtype, shape); err != nil {
 		return nil, err
 	}
-	if numel(shape) != t.Numel() {
+	if Numel(shape...) != t.Numel() {
 		return nil, fmt.Errorf("tensor: cannot reshape %v (%d elements) to %v", t.shape, t.Numel(), shape)
 	}
 	src := t

@@ -223,7 +223,7 @@ func exchange(ctx context.Context, st strategy.Strategy, tasks, replies *mp.Queu
 	for round := range rounds {
 		for i, c := range demoCases {
 			id := round*len(demoCases) + i
-			flat, err := tensor.On(device.CPU()).Arange(c.dtype, product(c.shape))
+			flat, err := tensor.On(device.CPU()).Arange(c.dtype, tensor.Numel(c.shape...))
 			if err != nil {
 				return row, err
 			}
@@ -275,14 +275,6 @@ func verifyReply(x *tensor.Tensor, r reply, id int) error {
 		return fmt.Errorf("tensor %d: the worker's in-place write is not visible to the parent", id)
 	}
 	return nil
-}
-
-func product(shape []int) int {
-	n := 1
-	for _, d := range shape {
-		n *= d
-	}
-	return n
 }
 
 // segments counts the tensormp_ segments in dir, leaving out session
