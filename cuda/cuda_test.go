@@ -17,8 +17,8 @@ import (
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/cudafake"
 	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/internal/testmain"
-	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -251,7 +251,7 @@ func TestIPCKeepsMemoryWhileConsumersHoldIt(t *testing.T) {
 	require.NoError(t, c2.Release())
 	assert.Equal(t, 0, rt.Opened(), "the last consumer closes the handle")
 	// The consumer that sent it on keeps a ticket description for a few
-	// milliseconds after it let go (see mmapalloc.Ticket).
+	// milliseconds after it let go (see shm.Ticket).
 	assert.Eventually(t, func() bool {
 		rt.CollectLimbo()
 		return rt.Limbo() == 0
@@ -298,7 +298,7 @@ func TestUnsentExportAndOOMCollectLimbo(t *testing.T) {
 func received(t *testing.T, h cuda.Handle) cuda.Handle {
 	t.Helper()
 	seg := h.Token.Segment()
-	tok, err := mmapalloc.AttachBlock(h.Ticket.FD(), statOf(t, h.Ticket.FD()), false, seg.Size(), h.Token.Offset(), 8, h.Token.Gen())
+	tok, err := shm.AttachBlock(h.Ticket.FD(), statOf(t, h.Ticket.FD()), false, seg.Size(), h.Token.Offset(), 8, h.Token.Gen())
 	require.NoError(t, err)
 	h.Ticket.Done()
 	h.Token, h.Ticket = tok, nil
@@ -331,10 +331,10 @@ func TestBadRanges(t *testing.T) {
 	assert.ErrorContains(t, err, "does not exist")
 }
 
-// statOf is mmapalloc.StatFile for a descriptor the test knows is good.
-func statOf(t *testing.T, fd int) mmapalloc.FileStat {
+// statOf is shm.StatFile for a descriptor the test knows is good.
+func statOf(t *testing.T, fd int) shm.FileStat {
 	t.Helper()
-	st, err := mmapalloc.StatFile(fd)
+	st, err := shm.StatFile(fd)
 	require.NoError(t, err)
 	return st
 }

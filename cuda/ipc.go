@@ -4,14 +4,14 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 )
 
 // Handle describes a GPU buffer to another process: the allocation's IPC
 // handle, where the buffer starts in it, an interprocess event that marks
 // the work done on it before sending, and a token. The token is a block of
 // shared memory that every process using the allocation holds (see
-// mmapalloc.Block): the producer frees the allocation only when no other
+// shm.Block): the producer frees the allocation only when no other
 // process, and no message in flight, holds the token, so the memory lives
 // exactly as long as some consumer uses it.
 type Handle struct {
@@ -22,10 +22,10 @@ type Handle struct {
 	Size   int64
 	// Token is the token block: the sender's in Export, the receiver's
 	// own (attached from the message's ticket) in Import.
-	Token *mmapalloc.Block
+	Token *shm.Block
 	// Ticket, from Export, holds the token for the message: send its
 	// descriptor, then call Done (or Discard if it is never sent).
-	Ticket *mmapalloc.Ticket
+	Ticket *shm.Ticket
 }
 
 // export is what a producer keeps for an allocation it has sent.
@@ -33,7 +33,7 @@ type export struct {
 	mem   IPCMemHandle
 	event Event
 	evh   IPCEventHandle
-	token *mmapalloc.Block // the producer's own hold, for the allocation's life
+	token *shm.Block // the producer's own hold, for the allocation's life
 }
 
 // openedMem is one IPC handle opened in this process, shared by every
@@ -78,7 +78,7 @@ func (b *Buffer) Export() (Handle, error) {
 	b.rt.mu.Lock()
 	defer b.rt.mu.Unlock()
 	if b.export == nil {
-		token, err := mmapalloc.DefaultPool().Alloc(8)
+		token, err := shm.DefaultPool().Alloc(8)
 		if err != nil {
 			return Handle{}, fmt.Errorf("cuda: making the reference token: %w", err)
 		}

@@ -7,7 +7,7 @@ import (
 	"sync/atomic"
 
 	"github.com/tensormp/tensormp/device"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -19,7 +19,7 @@ type Runtime struct {
 	execs *Executors
 
 	mu     sync.Mutex
-	pools  map[int]*mmapalloc.Pool     // each device's slabs, nil for a device without them (see pool)
+	pools  map[int]*shm.Pool           // each device's slabs, nil for a device without them (see pool)
 	opened map[IPCMemHandle]*openedMem // handles this process opened
 	limbo  []*Buffer                   // freed here, still used elsewhere
 }
@@ -47,7 +47,7 @@ func Default() (*Runtime, error) {
 
 // NewRuntime returns a Runtime on driver d.
 func NewRuntime(d Driver) *Runtime {
-	return &Runtime{drv: d, execs: NewExecutors(d), pools: map[int]*mmapalloc.Pool{}, opened: map[IPCMemHandle]*openedMem{}}
+	return &Runtime{drv: d, execs: NewExecutors(d), pools: map[int]*shm.Pool{}, opened: map[IPCMemHandle]*openedMem{}}
 }
 
 // Close frees what the limbo holds that nobody uses any more, then gives
@@ -108,12 +108,12 @@ type Buffer struct {
 
 	// Opened from another process.
 	from  *openedMem
-	token *mmapalloc.Block // this process's hold on the producer's memory
-	desc  Handle           // how it was described to us, to send it on
+	token *shm.Block // this process's hold on the producer's memory
+	desc  Handle     // how it was described to us, to send it on
 
 	// A block of a device slab (see slab.go), made here or received
 	// (received); nil for a buffer allocated on its own.
-	block    *mmapalloc.Block
+	block    *shm.Block
 	received bool
 
 	freed atomic.Bool

@@ -9,7 +9,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 )
 
 // Device slabs: GPU memory that travels as file descriptors.
@@ -17,7 +17,7 @@ import (
 // Where the driver can export an allocation as a POSIX file descriptor
 // (FDExportSupported), a device's buffers are blocks of pooled slabs, as
 // shared CPU memory is: an extent pool of mmapalloc (see
-// mmapalloc.NewExtentPool) whose slabs' data are device allocations made
+// shm.NewExtentPool) whose slabs' data are device allocations made
 // with MemCreate, many small buffers to a slab and a large one in a slab
 // of its own, a released block reused once no process holds it. Each
 // slab's segment, a small sealed memfd, holds its slot table and names
@@ -53,7 +53,7 @@ var deviceCache = func() int64 {
 
 // slab is one device allocation in this process: a pool's, which it made
 // and exported, or a received one, imported and mapped. It is the
-// extent of its slab's segment (mmapalloc.Extent).
+// extent of its slab's segment (shm.Extent).
 type slab struct {
 	rt   *Runtime
 	dev  int
@@ -132,7 +132,7 @@ func (r *Runtime) mapSlab(e *Executor, h MemHandle, fd int, size int64) (*slab, 
 
 // newSlab makes a slab of at least n bytes on device dev: the extent of a
 // new segment of dev's pool.
-func (r *Runtime) newSlab(dev int, n int64) (mmapalloc.Extent, error) {
+func (r *Runtime) newSlab(dev int, n int64) (shm.Extent, error) {
 	e, err := r.execs.Get(dev)
 	if err != nil {
 		return nil, err
@@ -164,7 +164,7 @@ func (r *Runtime) newSlab(dev int, n int64) (mmapalloc.Extent, error) {
 // pool returns device dev's pool of slabs, or nil when the device cannot
 // export allocations as descriptors (then buffers are allocated one by
 // one and travel by legacy CUDA IPC).
-func (r *Runtime) pool(dev int) (*mmapalloc.Pool, error) {
+func (r *Runtime) pool(dev int) (*shm.Pool, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if p, ok := r.pools[dev]; ok {
@@ -174,9 +174,9 @@ func (r *Runtime) pool(dev int) (*mmapalloc.Pool, error) {
 	if err != nil {
 		return nil, fmt.Errorf("cuda: asking gpu:%d whether it exports descriptors: %w", dev, err)
 	}
-	var p *mmapalloc.Pool
+	var p *shm.Pool
 	if ok {
-		p = mmapalloc.NewExtentPool(deviceCache, func(n int64) (mmapalloc.Extent, error) { return r.newSlab(dev, n) })
+		p = shm.NewExtentPool(deviceCache, func(n int64) (shm.Extent, error) { return r.newSlab(dev, n) })
 	}
 	r.pools[dev] = p
 	return p, nil
@@ -190,7 +190,7 @@ func (r *Runtime) FDShared(dev int) (bool, error) {
 }
 
 // allocBlock returns n bytes in a block of device dev's pool p.
-func (r *Runtime) allocBlock(p *mmapalloc.Pool, dev int, n int64) (*Buffer, error) {
+func (r *Runtime) allocBlock(p *shm.Pool, dev int, n int64) (*Buffer, error) {
 	blk, err := p.Alloc(n)
 	if err != nil {
 		return nil, fmt.Errorf("cuda: allocating %d bytes on gpu:%d: %w", n, dev, err)
@@ -204,7 +204,7 @@ func (r *Runtime) allocBlock(p *mmapalloc.Pool, dev int, n int64) (*Buffer, erro
 // slab, and the slab's descriptor, which stays the buffer's.
 type SlabShare struct {
 	Device int
-	Block  *mmapalloc.Block
+	Block  *shm.Block
 	MemFD  int
 }
 
@@ -239,9 +239,9 @@ func (b *Buffer) Share() (sh SlabShare, ok bool, err error) {
 // the descriptor memFD returns, which stays the caller's; the others find
 // it mapped. A descriptor that is no allocation of dev's, or one smaller
 // than the slab's table says, is an error, and nothing is mapped.
-func (r *Runtime) ImportBlock(dev int, blk *mmapalloc.Block, size int64, memFD func() (int, error)) (*Buffer, error) {
+func (r *Runtime) ImportBlock(dev int, blk *shm.Block, size int64, memFD func() (int, error)) (*Buffer, error) {
 	if !blk.InExtent() {
-		return nil, fmt.Errorf("cuda: importing a block of gpu:%d: %w", dev, mmapalloc.ErrNoExtent)
+		return nil, fmt.Errorf("cuda: importing a block of gpu:%d: %w", dev, shm.ErrNoExtent)
 	}
 	if size <= 0 || size > blk.Size() {
 		return nil, fmt.Errorf("cuda: importing %d bytes of a block of %d", size, blk.Size())
@@ -260,7 +260,7 @@ func (r *Runtime) ImportBlock(dev int, blk *mmapalloc.Block, size int64, memFD f
 			_ = s.Close()
 			return nil, err
 		}
-		if x != mmapalloc.Extent(s) {
+		if x != shm.Extent(s) {
 			_ = s.Close() // another goroutine mapped it first
 		}
 		s, _ = x.(*slab)
@@ -328,7 +328,7 @@ func (r *Runtime) InUse(dev int) int {
 // trimSlabs closes the unused slabs every device's pool keeps for reuse.
 func (r *Runtime) trimSlabs() {
 	r.mu.Lock()
-	pools := make([]*mmapalloc.Pool, 0, len(r.pools))
+	pools := make([]*shm.Pool, 0, len(r.pools))
 	for _, p := range r.pools {
 		if p != nil {
 			pools = append(pools, p)

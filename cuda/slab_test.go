@@ -13,7 +13,7 @@ import (
 	"github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/internal/cudafake"
 	"github.com/tensormp/tensormp/internal/leakcheck"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 )
 
 // slabRuntime returns a Runtime on a fake of n devices that export their
@@ -76,12 +76,12 @@ func share(t *testing.T, b *cuda.Buffer) (sh cuda.SlabShare, ticket, memFD int) 
 }
 
 // receive attaches the block a message named, as a receiver does.
-func receive(t *testing.T, sh cuda.SlabShare, ticket int) *mmapalloc.Block {
+func receive(t *testing.T, sh cuda.SlabShare, ticket int) *shm.Block {
 	t.Helper()
-	st, err := mmapalloc.StatFile(ticket)
+	st, err := shm.StatFile(ticket)
 	require.NoError(t, err)
 	b := sh.Block
-	blk, err := mmapalloc.AttachBlock(ticket, st, false, b.Segment().Size(), b.Offset(), b.Size(), b.Gen())
+	blk, err := shm.AttachBlock(ticket, st, false, b.Segment().Size(), b.Offset(), b.Size(), b.Gen())
 	require.NoError(t, err)
 	return blk
 }
@@ -129,14 +129,14 @@ func TestImportBlock(t *testing.T) {
 	// receiver holds, stays the pool's until the receiver lets go too.
 	require.NoError(t, a.Release())
 	require.NoError(t, b.Release())
-	mmapalloc.Trim()
+	shm.Trim()
 	assert.Equal(t, 1, drv.MemHandles(), "a slab another process holds blocks of is kept")
 	require.NoError(t, ra.Read(got, 0))
 	assert.Equal(t, "alpha", string(got))
 	require.NoError(t, ra.Release())
 	require.NoError(t, rb.Release())
 	require.Eventually(t, func() bool {
-		mmapalloc.Trim()
+		shm.Trim()
 		return rdrv.MemHandles() == 0 && drv.MemHandles() == 0
 	}, 5*time.Second, time.Millisecond, "the slab goes once nobody holds a block of it")
 	assert.Zero(t, rdrv.Mapped())
@@ -194,18 +194,18 @@ func TestImportBlockRefusesWhatIsNoSlab(t *testing.T) {
 		})
 	}
 
-	cpu, err := mmapalloc.DefaultPool().Alloc(64)
+	cpu, err := shm.DefaultPool().Alloc(64)
 	require.NoError(t, err)
 	defer cpu.Release()
 	tk, err := cpu.Ticket()
 	require.NoError(t, err)
 	defer tk.Done()
-	st, err := mmapalloc.StatFile(tk.FD())
+	st, err := shm.StatFile(tk.FD())
 	require.NoError(t, err)
-	blk, err := mmapalloc.AttachBlock(tk.FD(), st, false, cpu.Segment().Size(), cpu.Offset(), 64, cpu.Gen())
+	blk, err := shm.AttachBlock(tk.FD(), st, false, cpu.Segment().Size(), cpu.Offset(), 64, cpu.Gen())
 	require.NoError(t, err)
 	defer blk.Release()
 	_, err = recv.ImportBlock(0, blk, 64, func() (int, error) { return smallFD, nil })
-	assert.ErrorIs(t, err, mmapalloc.ErrNoExtent, "a block of a CPU segment")
+	assert.ErrorIs(t, err, shm.ErrNoExtent, "a block of a CPU segment")
 	assert.Zero(t, rdrv.MemHandles())
 }

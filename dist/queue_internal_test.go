@@ -11,7 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -136,7 +136,7 @@ func TestMaxValue(t *testing.T) {
 func TestMaxValueTakesNoMemory(t *testing.T) {
 	leakcheck.Check(t)
 	const max = 16 << 20
-	pool := mmapalloc.DefaultPool()
+	pool := shm.DefaultPool()
 	segments, bytes, _ := pool.Stats()
 	r := newReader(nil, max)
 	_, err := r.alloc(frame{Kind: kindValue, Sizes: []int64{max + 1}})

@@ -1,5 +1,6 @@
 // Package mmapalloc creates, opens and maps the shared-memory segments
-// that hold shared tensors, and pools their pieces.
+// that hold shared tensors, and says what tensormp's shared memory
+// promises: who holds it, who removes it, and what a peer can do to it.
 //
 // # Segments
 //
@@ -21,11 +22,12 @@
 //
 // # Pools and blocks
 //
-// A Pool hands out Blocks, pieces of pooled segments, and recycles them
-// (see Block for the layout). Who holds a block is kept by the kernel, not
+// Shared tensors live in blocks, pieces of segments that each process
+// pools and recycles (package tensor allocates them; Trim gives the unused
+// ones back). Who holds a block is kept by the kernel, not
 // in shared memory: a receiver's hold is a read lock on the block's lock
 // byte through an open file description of the segment that is the
-// receiver's own; a message's hold is a Ticket, a lock through a
+// receiver's own; a message's hold is a ticket, a lock through a
 // description whose descriptor travels with the message; a producer counts
 // its own storages itself. The kernel drops a description's locks when its
 // last descriptor closes: when the process holding it dies, SIGKILL
@@ -34,7 +36,7 @@
 // segment is removed by its pool, or, once its producer is gone, by the
 // last process to let go of it; a process that lets go of one that a
 // message or a dying producer still holds looks again by name for a
-// minute, and removes it once nobody holds anything (orphans.go).
+// minute, and removes it once nobody holds anything.
 //
 // # What a peer can and cannot do
 //
@@ -54,17 +56,16 @@
 // peer also rewrote the generation); keep a ticket descriptor open, which
 // keeps its sender's blocks from being reused while it lives; send, for a
 // block of a segment its receiver maps already, a ticket of another file
-// (AttachMappedBlock takes it for the segment's without a look), so that
+// (the receiver takes it for the segment's without a look), so that
 // the block is held by nothing until the receiver's own lock takes over,
 // milliseconds later; and, under file_system, truncate a named segment it
 // can open, which makes the mappings of it fault.
 //
 // Ownership: an Allocation owns its mapping, its descriptor (KeepFD) and
 // its reference (RefCount), and Release gives each back exactly once. OpenFD
-// takes ownership of the descriptor it is given, also when it fails. A
-// Block holds its slot until Release; a Ticket's descriptor is the
-// Ticket's until Done or Discard. Names and sizes from other processes are
-// checked (ValidName, fstat, the slot table) before a segment is mapped.
+// takes ownership of the descriptor it is given, also when it fails. Names
+// and sizes from other processes are checked (ValidName, fstat, the slot
+// table) before a segment is mapped.
 //
 // Segments are Linux only; elsewhere the package builds and its functions
 // return ErrUnsupported.

@@ -1,601 +1,117 @@
 package mmapalloc_test
 
 import (
-	"context"
-	"errors"
-	"fmt"
 	"os"
 	"path/filepath"
-	"strconv"
-	"strings"
-	"sync"
-	"syscall"
 	"testing"
-	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/leakcheck"
-	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/internal/testmain"
 	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/strategy"
+	"github.com/tensormp/tensormp/tensor"
 )
 
-func TestMain(m *testing.M) {
-	reexec.Register("write-by-name", helperWriteByName)
-	reexec.Register("tmpfs-full", helperTmpfsFull)
-	reexec.Register("produce-named-and-die", helperProduceNamedAndDie)
-	testmain.Run(m)
+func TestMain(m *testing.M) { testmain.Run(m) }
+
+// The public names are the implementation's: a segment made through
+// either is named, found and flagged alike.
+func TestPublicNamesAreTheImplementations(t *testing.T) {
+	assert.Equal(t, shm.DefaultDir, mmapalloc.DefaultDir)
+	assert.Equal(t, shm.EnvDir, mmapalloc.EnvDir)
+	assert.Equal(t, shm.EnvSession, mmapalloc.EnvSession)
+	assert.Equal(t, shm.EnvCache, mmapalloc.EnvCache)
+	assert.Equal(t, shm.NamePrefix, mmapalloc.NamePrefix)
+	for pub, impl := range map[mmapalloc.Flags]shm.Flags{
+		mmapalloc.SharedMem: shm.SharedMem,
+		mmapalloc.Exclusive: shm.Exclusive,
+		mmapalloc.NoCreate:  shm.NoCreate,
+		mmapalloc.KeepFD:    shm.KeepFD,
+		mmapalloc.FromFD:    shm.FromFD,
+		mmapalloc.Unlink:    shm.Unlink,
+		mmapalloc.RefCount:  shm.RefCount,
+		mmapalloc.Memfd:     shm.Memfd,
+	} {
+		assert.Equal(t, uint32(impl), uint32(pub), "%v", impl)
+		assert.Equal(t, impl.String(), pub.String())
+	}
 }
 
-func inDir(name string) bool {
-	_, err := os.Lstat(filepath.Join(mmapalloc.Dir(), name))
-	return err == nil
+func TestNamedSegmentIsSharedByName(t *testing.T) {
+	leakcheck.Check(t)
+	a, err := mmapalloc.Create(4096, mmapalloc.RefCount)
+	require.NoError(t, err)
+	require.True(t, mmapalloc.ValidName(a.Name()), "%q", a.Name())
+	assert.Contains(t, a.Name(), mmapalloc.SessionPrefix())
+	assert.False(t, a.Sealed(), "a named segment can be resized by whoever opens it")
+
+	b, err := mmapalloc.OpenName(a.Name(), 4096, mmapalloc.RefCount)
+	require.NoError(t, err)
+	a.Bytes()[7] = 42
+	assert.Equal(t, byte(42), b.Bytes()[7], "one memory")
+	assert.Equal(t, int32(2), b.Refs())
+
+	require.NoError(t, a.Release())
+	require.NoError(t, a.Release(), "releasing twice is harmless")
+	assert.Nil(t, a.Bytes())
+	_, err = os.Stat(filepath.Join(mmapalloc.Dir(), b.Name()))
+	require.NoError(t, err, "a holder is left")
+	require.NoError(t, b.Release())
+	_, err = os.Stat(filepath.Join(mmapalloc.Dir(), b.Name()))
+	assert.ErrorIs(t, err, os.ErrNotExist, "the last holder removes it")
+
+	_, err = mmapalloc.OpenName(b.Name(), 4096, mmapalloc.RefCount)
+	assert.Error(t, err, "nothing to open once removed")
+	_, err = mmapalloc.OpenName("../../etc/passwd", 1, 0)
+	assert.ErrorIs(t, err, mmapalloc.ErrBadName)
 }
 
-func TestCreateFileDescriptor(t *testing.T) {
+func TestMemfdIsSharedByDescriptor(t *testing.T) {
 	leakcheck.Check(t)
 	a, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
 	require.NoError(t, err)
 	defer a.Release()
+	assert.True(t, a.Sealed())
+	assert.NotZero(t, a.Flags()&mmapalloc.Memfd)
 
-	assert.Empty(t, a.Name(), "a segment that travels by descriptor has no name in the directory")
-	assert.NotZero(t, a.Flags()&mmapalloc.Memfd, "it is a memfd")
-	seals, err := unix.FcntlInt(uintptr(a.FD()), unix.F_GET_SEALS, 0)
+	n, err := a.LendFD()
 	require.NoError(t, err)
-	assert.Equal(t, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL, seals, "sealed against resizing")
-	assert.Equal(t, int64(4096), a.Size())
-	require.GreaterOrEqual(t, a.FD(), 0)
-	flags, err := unix.FcntlInt(uintptr(a.FD()), unix.F_GETFD, 0)
-	require.NoError(t, err)
-	assert.NotZero(t, flags&unix.FD_CLOEXEC, "descriptors are close-on-exec")
-	var st unix.Stat_t
-	require.NoError(t, unix.Fstat(a.FD(), &st))
-	assert.Equal(t, uint32(0o600), st.Mode&0o777)
-	assert.Equal(t, int64(4096), st.Size)
-
-	copy(a.Bytes(), "hello")
-	dup, err := unix.FcntlInt(uintptr(a.FD()), unix.F_DUPFD_CLOEXEC, 0)
+	dup, err := unix.FcntlInt(uintptr(n), unix.F_DUPFD_CLOEXEC, 0)
+	a.ReturnFD()
 	require.NoError(t, err)
 	b, err := mmapalloc.OpenFD(dup, 4096, 0)
-	require.NoError(t, err)
-	assert.Equal(t, -1, b.FD(), "without KeepFD the descriptor is closed after mapping")
-	assert.Equal(t, "hello", string(b.Bytes()[:5]))
-	assert.Equal(t, a.ID(), b.ID())
-	b.Bytes()[0] = 'j'
-	assert.Equal(t, byte('j'), a.Bytes()[0], "both mappings see the same pages")
-	require.NoError(t, b.Release())
-	require.NoError(t, a.Release())
-	require.NoError(t, a.Release(), "closing twice is harmless")
-	assert.Nil(t, a.Bytes())
-	assert.Equal(t, -1, a.FD())
-}
-
-func TestCreateFileSystemRefCount(t *testing.T) {
-	leakcheck.Check(t)
-	a, err := mmapalloc.Create(1<<20, mmapalloc.RefCount)
-	require.NoError(t, err)
-	assert.True(t, inDir(a.Name()), "file_system segments keep their name")
-	assert.Equal(t, int32(1), a.Refs())
-	assert.Equal(t, -1, a.FD())
-	assert.Len(t, a.Bytes(), 1<<20)
-
-	b, err := mmapalloc.OpenName(a.Name(), 1<<20, mmapalloc.RefCount)
-	require.NoError(t, err)
-	assert.Equal(t, int32(2), a.Refs())
-	a.Bytes()[1<<20-1] = 42
-	assert.Equal(t, byte(42), b.Bytes()[1<<20-1])
-
-	require.NoError(t, a.Release())
-	assert.True(t, inDir(b.Name()), "a holder remains, so the name stays")
-	assert.Equal(t, int32(1), b.Refs())
-	require.NoError(t, b.Release())
-	assert.False(t, inDir(b.Name()), "the last closer unlinks")
-
-	_, err = mmapalloc.OpenName(b.Name(), 1<<20, mmapalloc.RefCount)
-	assert.ErrorIs(t, err, os.ErrNotExist)
-}
-
-func TestDropRefsForExit(t *testing.T) {
-	leakcheck.Check(t)
-	a, err := mmapalloc.Create(4096, mmapalloc.RefCount)
-	require.NoError(t, err)
-	b, err := mmapalloc.OpenName(a.Name(), 4096, mmapalloc.RefCount)
-	require.NoError(t, err)
-	plain, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
-	require.NoError(t, err)
-	require.Equal(t, int32(2), a.Refs())
-
-	mmapalloc.DropRefsForExit()
-	assert.False(t, inDir(a.Name()), "the process held both references: the name is gone")
-	a.Bytes()[0] = 1
-	assert.Equal(t, byte(1), b.Bytes()[0], "the mappings stay usable until exit")
-	require.NoError(t, a.Release(), "a later Close does not count the reference twice")
-	require.NoError(t, b.Release())
-	require.NoError(t, plain.Release())
-}
-
-func TestOpenNameReleased(t *testing.T) {
-	leakcheck.Check(t)
-	a, err := mmapalloc.Create(4096, mmapalloc.RefCount)
-	require.NoError(t, err)
-	mmapalloc.SetRefsForTest(a, 0)
-	_, err = mmapalloc.OpenName(a.Name(), 4096, mmapalloc.RefCount)
-	assert.ErrorIs(t, err, mmapalloc.ErrReleased)
-	mmapalloc.SetRefsForTest(a, 1)
-	require.NoError(t, a.Release())
-}
-
-func TestOpenNameUnlink(t *testing.T) {
-	leakcheck.Check(t)
-	a, err := mmapalloc.Create(4096, mmapalloc.RefCount)
-	require.NoError(t, err)
-	defer a.Release()
-	b, err := mmapalloc.OpenName(a.Name(), 4096, mmapalloc.RefCount|mmapalloc.Unlink|mmapalloc.KeepFD)
-	require.NoError(t, err)
-	assert.False(t, inDir(a.Name()))
-	assert.GreaterOrEqual(t, b.FD(), 0)
-	require.NoError(t, b.Release())
-}
-
-func TestHostileNames(t *testing.T) {
-	leakcheck.Check(t)
-	dir := mmapalloc.Dir()
-	good := mmapalloc.SessionPrefix() + "1_0123456789abcdef"
-	require.True(t, mmapalloc.ValidName(good))
-
-	// Valid names that point at things other than a segment.
-	link := mmapalloc.SessionPrefix() + "2_0123456789abcdef"
-	require.NoError(t, os.Symlink("/etc/passwd", filepath.Join(dir, link)))
-	defer os.Remove(filepath.Join(dir, link))
-	fifo := mmapalloc.SessionPrefix() + "3_0123456789abcdef"
-	require.NoError(t, unix.Mkfifo(filepath.Join(dir, fifo), 0o600))
-	defer os.Remove(filepath.Join(dir, fifo))
-	sub := mmapalloc.SessionPrefix() + "4_0123456789abcdef"
-	require.NoError(t, os.Mkdir(filepath.Join(dir, sub), 0o700))
-	defer os.Remove(filepath.Join(dir, sub))
-
-	cases := []struct {
-		name string
-		is   error
-	}{
-		{"", mmapalloc.ErrBadName},
-		{"../../etc/passwd", mmapalloc.ErrBadName},
-		{"tensormp_abc/../../etc/passwd", mmapalloc.ErrBadName},
-		{"/dev/shm/" + good, mmapalloc.ErrBadName},
-		{"other_abc_1_0123456789abcdef", mmapalloc.ErrBadName},
-		{"tensormp_abc_1_0123456789ABCDEF", mmapalloc.ErrBadName},
-		{"tensormp_abc_1_0123456789abcde", mmapalloc.ErrBadName},
-		{"tensormp_a-c_1_0123456789abcdef", mmapalloc.ErrBadName},
-		{"tensormp_abc_x_0123456789abcdef", mmapalloc.ErrBadName},
-		{"tensormp_abc_1_0123456789abcdef_x", mmapalloc.ErrBadName},
-		{"tensormp_.._1_0123456789abcdef", mmapalloc.ErrBadName},
-		{good, os.ErrNotExist},
-		{link, syscall.ELOOP},
-		{fifo, nil},
-		{sub, nil},
-	}
-	for _, c := range cases {
-		t.Run(c.name, func(t *testing.T) {
-			_, err := mmapalloc.OpenName(c.name, 4096, mmapalloc.RefCount)
-			require.Error(t, err)
-			if c.is != nil {
-				assert.ErrorIs(t, err, c.is)
-			}
-			t.Log(err)
-		})
-	}
-}
-
-func TestSizeChecks(t *testing.T) {
-	leakcheck.Check(t)
-	for _, n := range []int64{0, -1, 1 << 62} {
-		_, err := mmapalloc.Create(n, mmapalloc.KeepFD|mmapalloc.Unlink)
-		assert.Error(t, err, "size %d", n)
-	}
-	segs, err := leakcheck.Segments()
-	require.NoError(t, err)
-	assert.Empty(t, segs, "a failed Create leaves nothing")
-
-	a, err := mmapalloc.Create(4096, mmapalloc.RefCount)
-	require.NoError(t, err)
-	defer a.Release()
-	_, err = mmapalloc.OpenName(a.Name(), 8192, mmapalloc.RefCount)
-	assert.ErrorContains(t, err, "fewer than")
-	plain, err := mmapalloc.OpenName(a.Name(), 4096, 0)
-	require.NoError(t, err, "fstat covers the claim when the header is not counted")
-	assert.Equal(t, int32(1), a.Refs(), "opening without RefCount takes no reference")
-	require.NoError(t, plain.Release())
-
-	b, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
-	require.NoError(t, err)
+	require.NoError(t, err, "OpenFD takes the duplicate over")
 	defer b.Release()
-	for _, size := range []int64{4097, 0, -5} {
-		dup, err := unix.FcntlInt(uintptr(b.FD()), unix.F_DUPFD_CLOEXEC, 0)
-		require.NoError(t, err)
-		_, err = mmapalloc.OpenFD(dup, size, 0)
-		assert.Error(t, err, "size %d", size)
-		assert.ErrorIs(t, unix.Close(dup), unix.EBADF, "OpenFD closed the descriptor it owned")
-	}
+	b.Bytes()[0] = 7
+	assert.Equal(t, byte(7), a.Bytes()[0])
+
+	raw, err := unix.MemfdCreate("unsealed", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	require.NoError(t, err)
+	require.NoError(t, unix.Ftruncate(raw, 4096))
+	_, err = mmapalloc.OpenFD(raw, 4096, 0)
+	assert.ErrorIs(t, err, mmapalloc.ErrUnsealed, "a file any holder could cut short")
 }
 
-func TestOpenFDNotAFile(t *testing.T) {
+// A storage on an Allocation of the caller's is private memory: sending
+// it first copies it into memory whose holders tensormp tracks, and gives
+// the Allocation back.
+func TestStorageOnAnAllocationIsPrivate(t *testing.T) {
 	leakcheck.Check(t)
-	var p [2]int
-	require.NoError(t, unix.Pipe2(p[:], unix.O_CLOEXEC))
-	defer unix.Close(p[1])
-	_, err := mmapalloc.OpenFD(p[0], 4096, mmapalloc.KeepFD)
-	assert.ErrorContains(t, err, "not a regular file")
-	assert.ErrorIs(t, unix.Close(p[0]), unix.EBADF)
-
-	_, _, err = mmapalloc.Stat(p[1])
-	assert.ErrorContains(t, err, "not a regular file")
-	_, _, err = mmapalloc.Stat(-1)
-	assert.Error(t, err)
-}
-
-func TestFlagRules(t *testing.T) {
-	leakcheck.Check(t)
-	bad := []mmapalloc.Flags{
-		mmapalloc.Unlink,
-		mmapalloc.NoCreate,
-		mmapalloc.FromFD | mmapalloc.KeepFD,
-		mmapalloc.KeepFD | mmapalloc.Unlink | mmapalloc.RefCount,
-	}
-	for _, f := range bad {
-		_, err := mmapalloc.Create(4096, f)
-		assert.Error(t, err, "Create with %v", f)
-	}
-	_, err := mmapalloc.OpenName(mmapalloc.SessionPrefix()+"1_0123456789abcdef", 10, mmapalloc.Exclusive)
-	assert.ErrorContains(t, err, "not allowed")
-	assert.Equal(t, "KeepFD|Unlink", (mmapalloc.KeepFD | mmapalloc.Unlink).String())
-	assert.Equal(t, "0", mmapalloc.Flags(0).String())
-}
-
-func TestConcurrentOpenClose(t *testing.T) {
-	leakcheck.Check(t)
-	a, err := mmapalloc.Create(4096, mmapalloc.RefCount)
+	a, err := mmapalloc.Create(16, mmapalloc.KeepFD|mmapalloc.Unlink)
 	require.NoError(t, err)
-	var wg sync.WaitGroup
-	for range 16 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for range 100 {
-				b, err := mmapalloc.OpenName(a.Name(), 4096, mmapalloc.RefCount)
-				if !assert.NoError(t, err) {
-					return
-				}
-				b.Bytes()[0]++
-				assert.NoError(t, b.Release())
-			}
-		}()
-	}
-	wg.Wait()
-	assert.Equal(t, int32(1), a.Refs())
-	require.NoError(t, a.Release())
-}
-
-// helperWriteByName maps the segment named in argv, writes its pid into
-// it and exits without closing: the kernel unmaps, but its reference is
-// the parent's to account for.
-func helperWriteByName() int {
-	a, err := mmapalloc.OpenName(os.Args[1], 4096, mmapalloc.RefCount)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	copy(a.Bytes(), strconv.Itoa(os.Getpid()))
-	if err := a.Release(); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	return 0
-}
-
-func TestCrossProcessByName(t *testing.T) {
-	leakcheck.Check(t)
-	a, err := mmapalloc.Create(4096, mmapalloc.RefCount)
+	a.Bytes()[3] = 9
+	s, err := tensor.NewStorage(device.CPU(), a)
 	require.NoError(t, err)
-	defer a.Release()
-	cmd, err := reexec.Command(context.Background(), "write-by-name", a.Name())
-	require.NoError(t, err)
-	require.NoError(t, cmd.Run())
-	assert.Equal(t, strconv.Itoa(cmd.Process.Pid), string(a.Bytes()[:len(strconv.Itoa(cmd.Process.Pid))]))
-	assert.Equal(t, int32(1), a.Refs(), "the child's Close gave its reference back")
-}
-
-// helperProduceNamedAndDie sends, over the socket it inherits as
-// descriptor 3, a block of a named pool segment (its name, segment size,
-// offset and generation, and the message's ticket), then is killed
-// holding it.
-func helperProduceNamedAndDie() int {
-	mmapalloc.EnableNamedPool()
-	b, err := mmapalloc.NamedPool().Alloc(4 << 10)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	copy(b.Bytes(), "orphan")
-	tk, err := b.Ticket()
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	msg := fmt.Sprintf("%s %d %d %d", b.Segment().Name(), b.Segment().Size(), b.Offset(), b.Gen())
-	if err := unix.Sendmsg(3, []byte(msg), unix.UnixRights(tk.FD()), nil, 0); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	tk.Done()
-	_ = unix.Kill(os.Getpid(), unix.SIGKILL)
-	select {}
-}
-
-// The last holder of a killed producer's named segment can be a message
-// nobody reads. The receiver that let go of the segment while that message
-// held it looks again by name, and removes the name once the message is
-// dropped.
-func TestOrphanedNamedSegmentIsRemoved(t *testing.T) {
-	leakcheck.Check(t)
-	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
-	require.NoError(t, err)
-	defer unix.Close(pair[0])
-	theirs := os.NewFile(uintptr(pair[1]), "producer")
-	cmd, err := reexec.Command(context.Background(), "produce-named-and-die")
-	require.NoError(t, err)
-	cmd.ExtraFiles = []*os.File{theirs}
-	require.NoError(t, cmd.Start())
-	require.NoError(t, theirs.Close())
-	buf, oob := make([]byte, 512), make([]byte, unix.CmsgSpace(4))
-	n, oobn, _, _, err := unix.Recvmsg(pair[0], buf, oob, unix.MSG_CMSG_CLOEXEC)
-	require.NoError(t, err)
-	var ticket int
-	{
-		cmsgs, err := unix.ParseSocketControlMessage(oob[:oobn])
-		require.NoError(t, err)
-		require.Len(t, cmsgs, 1)
-		fds, err := unix.ParseUnixRights(&cmsgs[0])
-		require.NoError(t, err)
-		require.Len(t, fds, 1)
-		ticket = fds[0]
-	}
-	var name string
-	var segSize, off int64
-	var gen uint64
-	_, err = fmt.Sscan(string(buf[:n]), &name, &segSize, &off, &gen)
-	require.NoError(t, err)
-	require.ErrorContains(t, cmd.Wait(), "killed")
-
-	// A copy of the message goes into a socket nobody reads.
-	unread, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
-	require.NoError(t, err)
-	require.NoError(t, unix.Sendmsg(unread[0], []byte("m"), unix.UnixRights(ticket), nil, 0))
-
-	r, err := mmapalloc.AttachNamedBlock(name, ticket, statOf(t, ticket), false, segSize, off, 4<<10, gen)
-	require.NoError(t, err)
-	require.NoError(t, unix.Close(ticket))
-	assert.Equal(t, "orphan", string(r.Bytes()[:6]))
-	require.NoError(t, r.Release())
-	mmapalloc.Trim() // unmaps it; the unread message still holds the block
-	assert.True(t, inDir(name), "a segment a message holds keeps its name")
-
-	require.NoError(t, unix.Close(unread[0]))
-	require.NoError(t, unix.Close(unread[1])) // the message is dropped unread
-	assert.Eventually(t, func() bool { return !inDir(name) }, 5*time.Second, 10*time.Millisecond,
-		"the receiver looked again and removed the name")
-}
-
-// A watched name whose producer lives stays: the producer's own lock is in
-// the way. A RefCount segment, which no lock holds, stays too. Once the
-// name is gone, its watch ends.
-func TestWatchedSegmentOfALiveProducerStays(t *testing.T) {
-	leakcheck.Check(t)
-	mmapalloc.EnableNamedPool()
-	b, err := mmapalloc.NamedPool().Alloc(4 << 10)
-	require.NoError(t, err)
-	name := b.Segment().Name()
-	counted, err := mmapalloc.Create(4096, mmapalloc.RefCount)
-	require.NoError(t, err)
-	defer counted.Release()
-	mmapalloc.WatchSegmentsOf(os.Getpid())
-	require.True(t, mmapalloc.WatchingOrphan(name))
-	mmapalloc.LookAtOrphansNow()
-	assert.True(t, inDir(name), "its producer keeps it")
-	assert.True(t, mmapalloc.WatchingOrphan(name), "and the watch goes on")
-	assert.True(t, inDir(counted.Name()), "a segment that counts its holders in its header is not the watch's")
-
-	require.NoError(t, b.Release())
-	mmapalloc.Trim()
-	assert.False(t, inDir(name), "the pool removed it")
-	mmapalloc.LookAtOrphansNow()
-	assert.False(t, mmapalloc.WatchingOrphan(name), "the watch of a name that is gone ends")
-}
-
-// helperTmpfsFull runs in a private mount namespace: it mounts a 1 MiB
-// tmpfs, points TENSORMP_SHM_DIR at it and checks that a named segment
-// that does not fit is an ENOSPC error that leaves nothing behind, that a
-// descriptor segment (a sealed memfd) does not depend on the directory's
-// size, and that a segment that fits can be written to its last byte.
-func helperTmpfsFull() int {
-	dir := os.Args[1]
-	if err := unix.Mount("tensormp-test", dir, "tmpfs", 0, "size=1m,mode=0700"); err != nil {
-		fmt.Printf("SKIP mounting tmpfs: %v\n", err)
-		return 0
-	}
-	defer unix.Unmount(dir, 0)
-	os.Setenv(mmapalloc.EnvDir, dir)
-
-	fail := func(format string, args ...any) int {
-		fmt.Printf("FAIL "+format+"\n", args...)
-		return 1
-	}
-	_, err := mmapalloc.Create(2<<20, mmapalloc.RefCount)
-	if !errors.Is(err, mmapalloc.ErrNoSpace) || !errors.Is(err, unix.ENOSPC) {
-		return fail("Create(2 MiB, RefCount) = %v, want ErrNoSpace wrapping ENOSPC", err)
-	}
-	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
-		return fail("a failed Create left %d entries", len(entries))
-	}
-	// A segment that travels by descriptor is a memfd, whatever room the
-	// directory has.
-	m, err := mmapalloc.Create(2<<20, mmapalloc.KeepFD|mmapalloc.Unlink)
-	if err != nil {
-		return fail("Create(2 MiB, KeepFD|Unlink) = %v, want a memfd segment", err)
-	}
-	if m.Flags()&mmapalloc.Memfd == 0 || m.Name() != "" {
-		return fail("descriptor segment has flags %v and name %q", m.Flags(), m.Name())
-	}
-	m.Bytes()[2<<20-1] = 1
-	if err := unix.Ftruncate(m.FD(), 4096); err == nil {
-		return fail("a memfd segment could be shrunk under its mappings")
-	}
-	dup, err := unix.FcntlInt(uintptr(m.FD()), unix.F_DUPFD_CLOEXEC, 0)
-	if err != nil {
-		return fail("dup: %v", err)
-	}
-	r, err := mmapalloc.OpenFD(dup, 2<<20, 0)
-	if err != nil || r.Bytes()[2<<20-1] != 1 {
-		return fail("a receiver cannot map the memfd segment: %v", err)
-	}
-	_ = r.Release()
-	_ = m.Release()
-	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
-		return fail("the memfd segment left %d entries", len(entries))
-	}
-	a, err := mmapalloc.Create(640<<10, mmapalloc.RefCount)
-	if err != nil {
-		return fail("Create(640 KiB) = %v", err)
-	}
-	_, err = mmapalloc.Create(640<<10, mmapalloc.RefCount)
-	if !errors.Is(err, mmapalloc.ErrNoSpace) {
-		return fail("second Create(640 KiB) = %v, want ErrNoSpace", err)
-	}
-	b := a.Bytes()
-	for i := range b {
-		b[i] = byte(i) // no SIGBUS: the pages were reserved
-	}
-	if err := a.Release(); err != nil {
-		return fail("Close = %v", err)
-	}
-	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
-		return fail("%d entries left after Close", len(entries))
-	}
-	// A named pool's slab is larger than the directory: its pages are
-	// reserved as its slots are handed out, until the directory is full.
-	mmapalloc.EnableNamedPool()
-	p := mmapalloc.NamedPool()
-	var blocks []*mmapalloc.Block
-	for {
-		b, perr := p.Alloc(16 << 10)
-		if perr != nil {
-			err = perr
-			break
-		}
-		blocks = append(blocks, b)
-	}
-	if !errors.Is(err, mmapalloc.ErrNoSpace) || len(blocks) < 30 || len(blocks) > 64 {
-		return fail("a pool in a 1 MiB directory gave %d blocks of 16 KiB, then %v; want 30 to 64, then ErrNoSpace", len(blocks), err)
-	}
-	for _, b := range blocks {
-		data := b.Bytes()
-		for i := range data {
-			data[i] = byte(i) // no SIGBUS: each handed-out block has its pages
-		}
-		if err := b.Release(); err != nil {
-			return fail("Release = %v", err)
-		}
-	}
-	// The room the released blocks hold goes to a block of another size.
-	other, perr := p.Alloc(128 << 10)
-	if perr != nil {
-		return fail("a 128 KiB block after releasing the 16 KiB ones: %v", perr)
-	}
-	clear(other.Bytes())
-	if err := other.Release(); err != nil {
-		return fail("Release = %v", err)
-	}
-	p.Trim(0)
-	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
-		return fail("%d entries left after the pool's Trim", len(entries))
-	}
-	fmt.Printf("OK %d pooled blocks, then %v\n", len(blocks), err)
-	return 0
-}
-
-func TestFullTmpfsIsENOSPC(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root to mount a small tmpfs in a private mount namespace")
-	}
-	leakcheck.Check(t)
-	dir := t.TempDir()
-	cmd, err := reexec.Command(context.Background(), "tmpfs-full", dir)
-	require.NoError(t, err)
-	cmd.SysProcAttr = &syscall.SysProcAttr{Unshareflags: syscall.CLONE_NEWNS}
-	out, err := cmd.Output()
-	if errors.Is(err, syscall.EPERM) {
-		t.Skipf("cannot make a private mount namespace here: %v", err)
-	}
-	require.NoError(t, err, "helper output: %s", out)
-	if s := string(out); len(s) > 4 && s[:4] == "SKIP" {
-		t.Skip(s)
-	}
-	assert.Contains(t, string(out), "OK")
-	t.Log(string(out))
-}
-
-func BenchmarkCreate(b *testing.B) {
-	for _, size := range []int64{4 << 10, 64 << 20} {
-		for _, mode := range []struct {
-			name  string
-			flags mmapalloc.Flags
-		}{
-			{"file_descriptor", mmapalloc.KeepFD | mmapalloc.Unlink},
-			{"file_system", mmapalloc.RefCount},
-		} {
-			b.Run(fmt.Sprintf("%s/%dKiB", mode.name, size>>10), func(b *testing.B) {
-				b.SetBytes(size)
-				b.ReportAllocs()
-				for b.Loop() {
-					a, err := mmapalloc.Create(size, mode.flags)
-					if err != nil {
-						b.Fatal(err)
-					}
-					if err := a.Release(); err != nil {
-						b.Fatal(err)
-					}
-				}
-			})
-		}
-	}
-}
-
-// FuzzParseName: whatever ParseName accepts is exactly the name its parts
-// spell, so no path, suffix or second form slips through.
-func FuzzParseName(f *testing.F) {
-	for _, s := range []string{
-		mmapalloc.NamePrefix + "abc_123_0123456789abcdef",
-		mmapalloc.NamePrefix + "abc_lock",
-		mmapalloc.NamePrefix + "abc_0123_0123456789abcdef",
-		mmapalloc.NamePrefix + "abc_1_0123456789abcdef/../x",
-		"../" + mmapalloc.NamePrefix + "abc_lock",
-	} {
-		f.Add(s)
-	}
-	f.Fuzz(func(t *testing.T, name string) {
-		n, ok := mmapalloc.ParseName(name)
-		if !ok {
-			return
-		}
-		if n.Lock {
-			require.Equal(t, mmapalloc.LockName(n.Session), name)
-			return
-		}
-		require.Greater(t, n.Pid, 0)
-		want := fmt.Sprintf("%s%s_%d_", mmapalloc.NamePrefix, n.Session, n.Pid)
-		require.True(t, strings.HasPrefix(name, want) && len(name) == len(want)+16, "%q parsed as %+v", name, n)
-		require.NotContains(t, name, "/")
-	})
+	assert.False(t, s.IsShared())
+	require.NoError(t, s.ShareMemory(strategy.FileDescriptor))
+	assert.True(t, s.IsShared())
+	assert.Equal(t, byte(9), s.Bytes()[3], "copied")
+	assert.Nil(t, a.Bytes(), "the Allocation was released")
+	require.NoError(t, s.Release())
 }

@@ -12,7 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/fd"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 )
 
 // ErrClosed is returned by operations on a closed Queue, Pipe or
@@ -119,7 +119,7 @@ func socketPair() ([2]*fd.FD, error) {
 
 func fdHint(err error) string {
 	if fd.OutOfDescriptors(err) {
-		return " (out of file descriptors: " + mmapalloc.FDLimitHint + ")"
+		return " (out of file descriptors: " + shm.FDLimitHint + ")"
 	}
 	return ""
 }
@@ -426,7 +426,7 @@ func (c *conn) recv(ctx context.Context, block bool) (data []byte, fds []int, do
 // recvDone ends the receive that recv began.
 func (c *conn) recvDone() {
 	if c.spill != nil {
-		_ = mmapalloc.Unmap(c.spill)
+		_ = shm.Unmap(c.spill)
 		c.spill = nil
 	}
 	<-c.rmu
@@ -470,8 +470,8 @@ func (c *conn) recvLocked(ctx context.Context, block bool) (data []byte, fds []i
 	case err != nil:
 		return nil, fds, nil, err
 	case flags&unix.MSG_CTRUNC != 0:
-		_ = mmapalloc.DropIdle() // make room for the next message's
-		return nil, fds, nil, errors.New("mp: receive: descriptors were dropped by the kernel (MSG_CTRUNC): the process is probably out of file descriptors; " + mmapalloc.FDLimitHint)
+		_ = shm.DropIdle() // make room for the next message's
+		return nil, fds, nil, errors.New("mp: receive: descriptors were dropped by the kernel (MSG_CTRUNC): the process is probably out of file descriptors; " + shm.FDLimitHint)
 	case flags&unix.MSG_TRUNC != 0:
 		return nil, fds, nil, fmt.Errorf("mp: receive: message larger than %d bytes was truncated (MSG_TRUNC)", len(c.buf))
 	case n < headerLen:

@@ -9,7 +9,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/fd"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 )
 
 // A message on a conn's socket is one frame, sent by one sendmsg: a
@@ -105,7 +105,7 @@ func frame(data []byte, fds, rights []int) (h header, payload []byte, out, made 
 	if len(data) > maxInline {
 		// A sealed copy: the receiver reads it in place, and nobody can
 		// change it after the receiver has checked it.
-		spill, err := mmapalloc.SealedCopy(data)
+		spill, err := shm.SealedCopy(data)
 		if err != nil {
 			return h, nil, rights, made, fmt.Errorf("mp: spilling a %d-byte message: %w", len(data), err)
 		}
@@ -183,7 +183,7 @@ func unframe(msg []byte, rights []int) (payload []byte, fds []int, spill []byte,
 		if len(payload) != 0 || h.spilled > maxSpill || h.spilled <= maxInline {
 			return nil, rights, nil, fmt.Errorf("mp: receive: %w: a spill of %d bytes", ErrMalformed, h.spilled)
 		}
-		spill, err = mmapalloc.MapSealed(rights[0], int64(h.spilled))
+		spill, err = shm.MapSealed(rights[0], int64(h.spilled))
 		_ = unix.Close(rights[0]) // the mapping keeps the file
 		rights[0] = -1
 		if err != nil {
@@ -198,7 +198,7 @@ func unframe(msg []byte, rights []int) (payload []byte, fds []int, spill []byte,
 		rights[next] = -1
 		if err != nil {
 			if spill != nil {
-				_ = mmapalloc.Unmap(spill)
+				_ = shm.Unmap(spill)
 			}
 			return nil, fds, nil, err
 		}
@@ -234,7 +234,7 @@ func recvCarried(carrier, want int) (fds []int, err error) {
 			return fds, fmt.Errorf("mp: receive: carried descriptors: %w%s", err, fdHint(err))
 		}
 		if flags&unix.MSG_CTRUNC != 0 {
-			return fds, errors.New("mp: receive: carried descriptors were dropped by the kernel (MSG_CTRUNC): " + mmapalloc.FDLimitHint)
+			return fds, errors.New("mp: receive: carried descriptors were dropped by the kernel (MSG_CTRUNC): " + shm.FDLimitHint)
 		}
 		if oobn == 0 {
 			return fds, fmt.Errorf("mp: receive: carrier ended after %d of %d descriptors", len(fds), want)

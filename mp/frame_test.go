@@ -12,7 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 )
 
 // rawPair returns a connection and the raw other end of its socket, for
@@ -56,10 +56,10 @@ func TestEmptyDatagramIsMalformedNotClosed(t *testing.T) {
 // or more than any message may be, is refused without copying.
 func TestHostileSpills(t *testing.T) {
 	leakcheck.Check(t)
-	small, err := mmapalloc.Create(1<<20, mmapalloc.KeepFD|mmapalloc.Unlink)
+	small, err := shm.Create(1<<20, shm.KeepFD|shm.Unlink)
 	require.NoError(t, err)
 	defer small.Release()
-	sealed, err := mmapalloc.SealedCopy(make([]byte, 1<<20))
+	sealed, err := shm.SealedCopy(make([]byte, 1<<20))
 	require.NoError(t, err)
 	defer unix.Close(sealed)
 	unsealed, err := unix.MemfdCreate("unsealed", unix.MFD_CLOEXEC)

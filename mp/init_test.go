@@ -12,7 +12,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 )
 
 // TestMissingInit builds testdata/noinit, a program that gets mp.Init
@@ -57,7 +57,7 @@ func TestMissingInit(t *testing.T) {
 					break
 				}
 				if time.Now().After(deadline) {
-					t.Fatalf("left in %s: %v", mmapalloc.Dir(), left)
+					t.Fatalf("left in %s: %v", shm.Dir(), left)
 				}
 				time.Sleep(50 * time.Millisecond)
 			}
@@ -67,11 +67,11 @@ func TestMissingInit(t *testing.T) {
 
 func shmEntries(t *testing.T) map[string]bool {
 	t.Helper()
-	entries, err := os.ReadDir(mmapalloc.Dir())
+	entries, err := os.ReadDir(shm.Dir())
 	require.NoError(t, err)
 	names := map[string]bool{}
 	for _, e := range entries {
-		if strings.HasPrefix(e.Name(), mmapalloc.NamePrefix) {
+		if strings.HasPrefix(e.Name(), shm.NamePrefix) {
 			names[e.Name()] = true
 		}
 	}
@@ -84,7 +84,7 @@ func shmEntries(t *testing.T) map[string]bool {
 func newEntries(before, after map[string]bool) []string {
 	var out []string
 	for n := range after {
-		if !before[n] && !strings.HasPrefix(n, mmapalloc.SessionPrefix()) {
+		if !before[n] && !strings.HasPrefix(n, shm.SessionPrefix()) {
 			out = append(out, n)
 		}
 	}

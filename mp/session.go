@@ -20,7 +20,7 @@ import (
 
 	"github.com/tensormp/tensormp/internal/leftover"
 	"github.com/tensormp/tensormp/internal/reexec"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 )
 
 // A session is a program's process and every worker it spawns, however
@@ -69,7 +69,7 @@ var session struct {
 }
 
 func lockPath(dir, id string) string {
-	return filepath.Join(dir, mmapalloc.LockName(id))
+	return filepath.Join(dir, shm.LockName(id))
 }
 
 // openLock opens the session lock at path, creating it (O_EXCL, mode
@@ -113,7 +113,7 @@ func keepSessionLock(fd int) {
 	defer session.mu.Unlock()
 	session.lock = os.NewFile(uintptr(fd), "session lock")
 	joinRoll(session.lock)
-	mmapalloc.EnableNamedPool() // the session's keeper removes what the pool keeps
+	shm.EnableNamedPool() // the session's keeper removes what the pool keeps
 }
 
 // joinRoll appends this process's pid to the session's roll, through f,
@@ -140,13 +140,13 @@ func StartSession() (*os.File, error) {
 	if session.err == nil {
 		// The keeper removes named segments a pool keeps for reuse if
 		// this process dies, so file_system storages may be pooled too.
-		mmapalloc.EnableNamedPool()
+		shm.EnableNamedPool()
 	}
 	return session.lock, session.err
 }
 
 func startSession() (*os.File, error) {
-	dir, id := mmapalloc.Dir(), mmapalloc.Session()
+	dir, id := shm.Dir(), shm.Session()
 	path := lockPath(dir, id)
 	// A lock there already must be this user's own before any keeper
 	// adopts it.
@@ -389,7 +389,7 @@ func sameFile(f *os.File, path string) bool {
 // and returns their names; before them, what the session's members left
 // under their pids (see removeMembers, which waits up to wait for members
 // that look alive). An entry is the session's when it is a regular file
-// whose whole name is one of the session's (mmapalloc.ParseName);
+// whose whole name is one of the session's (shm.ParseName);
 // anything else stays. With dryRun it only lists them.
 func removeSession(dir, id string, dryRun bool, wait time.Duration) ([]string, error) {
 	entries, err := os.ReadDir(dir)
@@ -398,11 +398,11 @@ func removeSession(dir, id string, dryRun bool, wait time.Duration) ([]string, e
 	}
 	var names []string
 	for _, e := range entries {
-		if n, ok := mmapalloc.ParseName(e.Name()); ok && n.Session == id && !n.Lock && e.Type().IsRegular() {
+		if n, ok := shm.ParseName(e.Name()); ok && n.Session == id && !n.Lock && e.Type().IsRegular() {
 			names = append(names, e.Name())
 		}
 	}
-	lock := mmapalloc.LockName(id)
+	lock := shm.LockName(id)
 	if st, err := os.Lstat(filepath.Join(dir, lock)); err == nil && st.Mode().IsRegular() {
 		names = append(names, lock)
 		if !dryRun {
@@ -490,9 +490,9 @@ func Clean(dir string, dryRun bool) ([]string, error) {
 	if err != nil {
 		return nil, fmt.Errorf("mp: clean: %w", err)
 	}
-	sessions := map[string][]mmapalloc.Name{}
+	sessions := map[string][]shm.Name{}
 	for _, e := range entries {
-		n, ok := mmapalloc.ParseName(e.Name())
+		n, ok := shm.ParseName(e.Name())
 		if !ok || !e.Type().IsRegular() {
 			continue // not ours: leave it
 		}
@@ -515,7 +515,7 @@ func Clean(dir string, dryRun bool) ([]string, error) {
 
 // sessionLive reports whether some process still belongs to session id,
 // or whether that cannot be told (a lock that is not this user's own).
-func sessionLive(dir, id string, names []mmapalloc.Name) bool {
+func sessionLive(dir, id string, names []shm.Name) bool {
 	f, err := openLock(lockPath(dir, id), false)
 	switch {
 	case err == nil:

@@ -17,7 +17,7 @@ import (
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/leftover"
 	"github.com/tensormp/tensormp/internal/reexec"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/reduction"
 	"github.com/tensormp/tensormp/strategy"
 )
@@ -278,7 +278,7 @@ func start(ctx context.Context, name string, rank, world int, place device.Place
 		envLockFD+"="+strconv.Itoa(lockFD),
 		envGrace+"="+o.grace.String(),
 		strategy.EnvVar+"="+strategy.Get().String(),
-		mmapalloc.EnvSession+"="+mmapalloc.Session(),
+		shm.EnvSession+"="+shm.Session(),
 	)
 	cmd.Env = append(cmd.Env, o.env...)
 	cmd.ExtraFiles = []*os.File{child, lock}

@@ -19,7 +19,7 @@ import (
 
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/leakcheck"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
@@ -253,7 +253,7 @@ func registerWorkers() {
 		var ts []*tensor.Tensor
 		for range 100 {
 			// A segment of its own each, so a descriptor each.
-			a, err := mmapalloc.Create(4<<10, mmapalloc.KeepFD|mmapalloc.Unlink)
+			a, err := shm.Create(4<<10, shm.KeepFD|shm.Unlink)
 			if err != nil {
 				return err
 			}

@@ -18,7 +18,7 @@ import (
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/reexec"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/reduction"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -170,8 +170,8 @@ func runWorker(name string, fn WorkerFunc) int {
 	// The worker is done with what it received: let go of it now, so that
 	// a named segment nobody else holds goes with this process, not at the
 	// session's end.
-	mmapalloc.DropRefsForExit()
-	mmapalloc.Trim()
+	shm.DropRefsForExit()
+	shm.Trim()
 	if err := tensor.CloseBackends(); err != nil {
 		log.Warn("closing device backends", "error", err)
 	}

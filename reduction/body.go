@@ -9,7 +9,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/tensormp/tensormp/device"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -182,10 +182,10 @@ var errNoDescriptors = errors.New("descriptor metadata in a message that carries
 
 func (r *bodyReader) fd(int) (int, error)   { return -1, errNoDescriptors }
 func (r *bodyReader) take(int) (int, error) { return -1, errNoDescriptors }
-func (r *bodyReader) stat(int) (mmapalloc.FileStat, error) {
-	return mmapalloc.FileStat{}, errNoDescriptors
+func (r *bodyReader) stat(int) (shm.FileStat, error) {
+	return shm.FileStat{}, errNoDescriptors
 }
-func (r *bodyReader) ticket(int, mmapalloc.ID) (int, bool)   { return -1, false }
+func (r *bodyReader) ticket(int, shm.ID) (int, bool)         { return -1, false }
 func (r *fdReader) body(int, int64) (*tensor.Storage, error) { return nil, errNoBodies }
 func (b borrowed) body(int, int64) (*tensor.Storage, error)  { return nil, errNoBodies }
 

@@ -4,7 +4,7 @@ import (
 	"sync"
 
 	"github.com/tensormp/tensormp/cuda"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -17,13 +17,13 @@ const sweepMin = 1 << 10
 // its handle and offset. (A pooled block's storage is found through its
 // slot instead: see registerBlock.)
 type cacheKey struct {
-	id   mmapalloc.ID
+	id   shm.ID
 	name string
 	off  int64 // a GPU storage's offset in its allocation, else -1
 }
 
-func idKey(id mmapalloc.ID) cacheKey { return cacheKey{id: id, off: -1} }
-func nameKey(name string) cacheKey   { return cacheKey{name: name, off: -1} }
+func idKey(id shm.ID) cacheKey     { return cacheKey{id: id, off: -1} }
+func nameKey(name string) cacheKey { return cacheKey{name: name, off: -1} }
 
 // storageCache maps segments to the Storage this process has for them, so
 // that one segment received twice is mapped once. It holds its storages
@@ -112,12 +112,12 @@ func (c *storageCache) len() int {
 
 // Pooled blocks are not in the cache: each Storage on a block is
 // registered as the user of the block's slot (see
-// mmapalloc.Block.SetUser) by its reference, where finding it again
+// shm.Block.SetUser) by its reference, where finding it again
 // costs no hashing.
 
 // registerBlock registers s as the storage of its block in this process,
 // unless a live storage is registered already: then it returns that one.
-func registerBlock(s *tensor.Storage, b *mmapalloc.Block) *tensor.Storage {
+func registerBlock(s *tensor.Storage, b *shm.Block) *tensor.Storage {
 	r := s.Ref()
 	alive := func(u any) bool { return liveUser(u, s.Size()) != nil }
 	for {
@@ -144,7 +144,7 @@ func liveUser(u any, size int64) *tensor.Storage {
 		return nil
 	}
 	switch s.Backing().(type) {
-	case *mmapalloc.Block, *cuda.Buffer:
+	case *shm.Block, *cuda.Buffer:
 		return s
 	}
 	return nil // released

@@ -12,7 +12,7 @@ import (
 
 	"github.com/tensormp/tensormp/internal/carry"
 	"github.com/tensormp/tensormp/internal/fd"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -152,7 +152,7 @@ type lease interface {
 }
 
 // lentFD is an Allocation's descriptor lent to a message.
-type lentFD struct{ a *mmapalloc.Allocation }
+type lentFD struct{ a *shm.Allocation }
 
 func (l lentFD) Done()    { l.a.ReturnFD() }
 func (l lentFD) Discard() { l.a.ReturnFD() }
@@ -176,7 +176,7 @@ func Marshal(v any) (data []byte, fds []int, err error) {
 	defer e.Done()
 	fds = make([]int, 0, len(lent))
 	for _, raw := range lent {
-		d, err := mmapalloc.Dup(raw)
+		d, err := shm.Dup(raw)
 		if err != nil {
 			fd.CloseAll(fds)
 			return nil, nil, err
@@ -194,10 +194,10 @@ type fdWriter struct {
 	fds   []int
 	index map[int]int // descriptor -> its position in fds
 
-	leases []lease           // on the message's descriptors, until it is sent
-	ticket *mmapalloc.Ticket // the last ticket among them, for tensors of its segment
-	meta   []byte            // scratch for one tensor's metadata
-	dims   []int             // scratch for its shape and strides
+	leases []lease     // on the message's descriptors, until it is sent
+	ticket *shm.Ticket // the last ticket among them, for tensors of its segment
+	meta   []byte      // scratch for one tensor's metadata
+	dims   []int       // scratch for its shape and strides
 }
 
 // settle ends every lease the same way.
@@ -302,7 +302,7 @@ func (w *fdWriter) tensor(t *tensor.Tensor) ([]byte, error) {
 	}
 	if l != nil {
 		w.leases = append(w.leases, l)
-		if tk, ok := l.(*mmapalloc.Ticket); ok {
+		if tk, ok := l.(*shm.Ticket); ok {
 			w.ticket = tk
 		}
 	}
@@ -464,8 +464,8 @@ type fdReader struct {
 	// tickets[i]: the segment whose blocks descriptor i covers, as their
 	// ticket, until the message is decoded and mmapalloc adopts it; the
 	// zero ID (which no segment has) if none.
-	tickets []mmapalloc.ID
-	stats   []mmapalloc.FileStat // stats[i]: descriptor i's, once statted[i]
+	tickets []shm.ID
+	stats   []shm.FileStat // stats[i]: descriptor i's, once statted[i]
 	statted []bool
 	made    []*tensor.Storage
 	// others: what decoders of other types made of descriptors they
@@ -549,13 +549,13 @@ func (r *fdReader) fd(i int) (int, error) {
 	return r.fds[i], nil
 }
 
-func (r *fdReader) stat(i int) (mmapalloc.FileStat, error) {
+func (r *fdReader) stat(i int) (shm.FileStat, error) {
 	fd, err := r.fd(i)
 	if err != nil {
-		return mmapalloc.FileStat{}, err
+		return shm.FileStat{}, err
 	}
 	if !r.statted[i] {
-		st, err := mmapalloc.StatFile(fd)
+		st, err := shm.StatFile(fd)
 		if err != nil {
 			return st, err
 		}
@@ -578,15 +578,15 @@ func (r *fdReader) take(i int) (int, error) {
 }
 
 // ticket lends descriptor i to cover blocks of segment id until the
-// message is decoded, when adoptTickets hands it to mmapalloc. A
+// message is decoded, when adoptTickets hands it to shm. A
 // descriptor that covers another segment, or that a storage owns, only
 // lends itself to a lock taken at once.
-func (r *fdReader) ticket(i int, id mmapalloc.ID) (int, bool) {
+func (r *fdReader) ticket(i int, id shm.ID) (int, bool) {
 	fd := r.fds[i]
-	if got := r.tickets[i]; got != (mmapalloc.ID{}) {
+	if got := r.tickets[i]; got != (shm.ID{}) {
 		return fd, got == id
 	}
-	if r.kept[i] || id == (mmapalloc.ID{}) {
+	if r.kept[i] || id == (shm.ID{}) {
 		return fd, false
 	}
 	r.tickets[i] = id
@@ -597,9 +597,9 @@ func (r *fdReader) ticket(i int, id mmapalloc.ID) (int, bool) {
 // once every block of the message is held.
 func (r *fdReader) adoptTickets() {
 	for i, id := range r.tickets {
-		if id != (mmapalloc.ID{}) && !r.kept[i] {
+		if id != (shm.ID{}) && !r.kept[i] {
 			r.kept[i] = true
-			mmapalloc.AdoptTicket(r.fds[i], id)
+			shm.AdoptTicket(r.fds[i], id)
 		}
 	}
 }

@@ -12,7 +12,7 @@ import (
 
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/leakcheck"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/reduction"
 	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
@@ -382,7 +382,7 @@ func BenchmarkMarshalUnmarshal(b *testing.B) {
 func BenchmarkRebuildFresh(b *testing.B) {
 	for _, size := range []int64{4 << 10, 64 << 20} {
 		b.Run(fmt.Sprintf("file_descriptor/%dKiB", size>>10), func(b *testing.B) {
-			a, err := mmapalloc.Create(size, mmapalloc.KeepFD|mmapalloc.Unlink)
+			a, err := shm.Create(size, shm.KeepFD|shm.Unlink)
 			require.NoError(b, err)
 			defer a.Release()
 			m := reduction.Meta{

@@ -13,7 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/tensormp/tensormp/internal/reexec"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/reduction"
 	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
@@ -229,7 +229,7 @@ func runHelperAs(t *testing.T, role string, data []byte, fds []int) {
 	require.NoError(t, err)
 	// A worker belongs to its parent's session; segments of another
 	// session are refused.
-	cmd.Env = append(cmd.Env, mmapalloc.EnvSession+"="+mmapalloc.Session())
+	cmd.Env = append(cmd.Env, shm.EnvSession+"="+shm.Session())
 	for _, fd := range fds {
 		cmd.ExtraFiles = append(cmd.ExtraFiles, os.NewFile(uintptr(fd), "segment"))
 	}

@@ -6,7 +6,7 @@ import (
 
 	"github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/device"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -19,7 +19,7 @@ const tokenSize = 8
 // (cuda_ipc), whose export takes a ticket on the allocation's token for
 // the message. memFD is the slab's descriptor, or -1; pinned is as for
 // reduce.
-func reduceGPU(t *tensor.Tensor, room []int, pinned *mmapalloc.Ticket) (m Meta, fd, memFD int, l lease, err error) {
+func reduceGPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (m Meta, fd, memFD int, l lease, err error) {
 	s := t.Storage()
 	if s.Released() {
 		return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
@@ -89,7 +89,7 @@ func openGPU(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*te
 	if err != nil {
 		return nil, err
 	}
-	token, err := mmapalloc.AttachBlock(fd, st, false, m.Segment, m.Block, tokenSize, m.Gen)
+	token, err := shm.AttachBlock(fd, st, false, m.Segment, m.Block, tokenSize, m.Gen)
 	if err != nil {
 		return nil, err
 	}
@@ -134,7 +134,7 @@ func openSlabBlock(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage
 	if _, err := fds.fd(m.MemFD); err != nil {
 		return nil, fmt.Errorf("the slab's descriptor: %w", err)
 	}
-	if s := liveUser(mmapalloc.FindUser(m.segmentID(), m.Block, m.Gen), m.Size); s != nil {
+	if s := liveUser(shm.FindUser(m.segmentID(), m.Block, m.Gen), m.Size); s != nil {
 		return s, nil // on p, or refused by rebuildTensor
 	}
 	rt, err := cuda.Default()

@@ -12,7 +12,7 @@ import (
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/leakcheck"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -71,7 +71,7 @@ func TestHostileSlabMessages(t *testing.T) {
 	require.NoError(t, err)
 	defer unix.Close(memfd)
 	require.NoError(t, unix.Ftruncate(memfd, 2<<20))
-	cpu, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
+	cpu, err := shm.Create(4096, shm.KeepFD|shm.Unlink)
 	require.NoError(t, err)
 	defer cpu.Release()
 	legacy, err := tensor.On(legacyGPU).Zeros(tensor.Uint8, 16)
@@ -105,7 +105,7 @@ func TestHostileSlabMessages(t *testing.T) {
 		{"a slab descriptor for cuda_ipc", func(m *Meta, fds *[2]int) { m.Strategy = StrategyCUDAIPC }, "carries a device slab's descriptor"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			mmapalloc.Trim()
+			shm.Trim()
 			base, handles, mapped := leakcheck.Count(), gpuFake.MemHandles(), gpuFake.Mapped()
 			m, fds := slabMessage(t, 256)
 			c.edit(&m, &fds)
@@ -117,7 +117,7 @@ func TestHostileSlabMessages(t *testing.T) {
 			// trim, and so does what the receiver keeps for reuse.
 			var fdsNow, handlesNow, mappedNow int
 			assert.Eventually(t, func() bool {
-				mmapalloc.Trim()
+				shm.Trim()
 				fdsNow, handlesNow, mappedNow = leakcheck.Count(), gpuFake.MemHandles(), gpuFake.Mapped()
 				return fdsNow <= base && handlesNow <= handles && mappedNow <= mapped
 			}, 5*time.Second, time.Millisecond, "every descriptor of the message closed, nothing imported or mapped stays: "+
@@ -153,7 +153,7 @@ func FuzzUnmarshalGPU(f *testing.F) {
 	var pipe [2]int
 	require.NoError(f, unix.Pipe2(pipe[:], unix.O_CLOEXEC))
 	f.Cleanup(func() { fd.CloseAll(pipe[:]) })
-	mmapalloc.Trim()
+	shm.Trim()
 	base := leakcheck.Count()
 	handles, mapped := gpuFake.MemHandles(), gpuFake.Mapped()
 
@@ -178,7 +178,7 @@ func FuzzUnmarshalGPU(f *testing.F) {
 		// What the producer's pool and the receiver keep for reuse goes
 		// with the trim, once the receiver's holds are settled.
 		for deadline := time.Now().Add(time.Second); ; time.Sleep(time.Millisecond) {
-			mmapalloc.Trim()
+			shm.Trim()
 			n, h, m := leakcheck.Count(), gpuFake.MemHandles(), gpuFake.Mapped()
 			if n == base && h == handles && m == mapped {
 				break

@@ -10,7 +10,7 @@ import (
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/cudafake"
 	"github.com/tensormp/tensormp/internal/leakcheck"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -67,7 +67,7 @@ func TestGPUTensorOpenedByAReceiver(t *testing.T) {
 	require.NotNil(t, tok)
 	assert.Equal(t, -1, memFD)
 	assert.Equal(t, StrategyCUDAIPC, meta.Strategy)
-	assert.Equal(t, tok.(*mmapalloc.Ticket).FD(), fd, "the message carries the token's ticket")
+	assert.Equal(t, tok.(*shm.Ticket).FD(), fd, "the message carries the token's ticket")
 
 	// As a receiver that never held this memory: forget the producer's
 	// entry in the cache.

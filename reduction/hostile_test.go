@@ -11,7 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -36,7 +36,7 @@ func dupFD(t testing.TB, fd int) int {
 
 // validMeta is a 32 x 32 float32 tensor filling file_descriptor segment
 // id, whose descriptor is the message's first.
-func validMeta(id mmapalloc.ID) Meta {
+func validMeta(id shm.ID) Meta {
 	return Meta{
 		Version: Version, Strategy: "file_descriptor", FD: 0, MemFD: -1, Dev: id.Dev, Ino: id.Ino, Size: 4096, Block: -1,
 		DType: tensor.Float32, Shape: []int{32, 32}, Strides: []int{32, 1}, Place: "cpu",
@@ -48,7 +48,7 @@ func validMeta(id mmapalloc.ID) Meta {
 // nothing.
 func TestHostileInput(t *testing.T) {
 	leakcheck.Check(t)
-	seg, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
+	seg, err := shm.Create(4096, shm.KeepFD|shm.Unlink)
 	require.NoError(t, err)
 	defer seg.Release()
 	var pipe [2]int
@@ -56,7 +56,7 @@ func TestHostileInput(t *testing.T) {
 	defer unix.Close(pipe[0])
 	defer unix.Close(pipe[1])
 
-	other, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
+	other, err := shm.Create(4096, shm.KeepFD|shm.Unlink)
 	require.NoError(t, err)
 	defer other.Release()
 
@@ -108,29 +108,29 @@ func TestHostileInput(t *testing.T) {
 		{"identity in fs metadata", withID(func(m *Meta) {
 			m.Strategy = "file_system"
 			m.FD = -1
-			m.Name = mmapalloc.SessionPrefix() + "1_0123456789abcdef"
+			m.Name = shm.SessionPrefix() + "1_0123456789abcdef"
 		}), nil, "carries a file_descriptor segment's identity"},
 		{"identity in empty metadata", withID(func(m *Meta) { m.Strategy = ""; m.FD = -1; m.Size = 0; m.Shape = []int{0}; m.Strides = []int{1} }), nil, "carries a file_descriptor segment's identity"},
 		{"name traversal", with(func(m *Meta) { m.Strategy = "file_system"; m.FD = -1; m.Name = "../../etc/passwd" }), nil, "not a tensormp segment name"},
 		{"absolute name", with(func(m *Meta) {
 			m.Strategy = "file_system"
 			m.FD = -1
-			m.Name = "/dev/shm/" + mmapalloc.SessionPrefix() + "1_0123456789abcdef"
+			m.Name = "/dev/shm/" + shm.SessionPrefix() + "1_0123456789abcdef"
 		}), nil, "not a tensormp segment name"},
 		{"missing segment", with(func(m *Meta) {
 			m.Strategy = "file_system"
 			m.FD = -1
-			m.Name = mmapalloc.SessionPrefix() + "1_0123456789abcdef"
+			m.Name = shm.SessionPrefix() + "1_0123456789abcdef"
 		}), nil, "no such file"},
 		{"fs with fd", with(func(m *Meta) { m.Strategy = "file_system"; m.Name = seg.Name() }), segFD, "refers to a descriptor"},
 		{"another session's segment", with(func(m *Meta) {
 			m.Strategy = "file_system"
 			m.FD = -1
-			m.Name = mmapalloc.NamePrefix + "0ther5e55_1_0123456789abcdef"
+			m.Name = shm.NamePrefix + "0ther5e55_1_0123456789abcdef"
 		}), nil, "belongs to another session"},
 		{"another session's block", with(func(m *Meta) {
 			m.Strategy = "file_system"
-			m.Name = mmapalloc.NamePrefix + "0ther5e55_1_0123456789abcdef"
+			m.Name = shm.NamePrefix + "0ther5e55_1_0123456789abcdef"
 			m.Segment, m.Block, m.Gen = 1<<20, 4096, 1
 		}), segFD, "belongs to another session"},
 		{"unknown strategy", with(func(m *Meta) { m.Strategy = "shared_pointer" }), segFD, "unknown strategy"},
@@ -186,7 +186,7 @@ func TestHostileInput(t *testing.T) {
 	require.NoError(t, x.Release())
 }
 
-func validMetaMsg(t testing.TB, id mmapalloc.ID) []byte { return extMessage(t, validMeta(id)) }
+func validMetaMsg(t testing.TB, id shm.ID) []byte { return extMessage(t, validMeta(id)) }
 
 // hugeShapeMsg is a tensor whose metadata claims a shape of 2^32-1
 // dimensions in a few bytes.
@@ -202,19 +202,19 @@ func hugeShapeMsg(t testing.TB) []byte {
 // whatever the input, no panic, and every descriptor is either owned by a
 // rebuilt tensor or closed.
 func FuzzUnmarshal(f *testing.F) {
-	seg, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
+	seg, err := shm.Create(4096, shm.KeepFD|shm.Unlink)
 	require.NoError(f, err)
 	f.Cleanup(func() { seg.Release() })
 
 	f.Add(validMetaMsg(f, seg.ID()), uint8(1))
-	empty := validMeta(mmapalloc.ID{})
+	empty := validMeta(shm.ID{})
 	empty.Strategy, empty.FD, empty.Size, empty.Shape, empty.Strides = "", -1, 0, []int{0, 3}, []int{0, 0}
 	f.Add(extMessage(f, empty), uint8(0))
 	view := validMeta(seg.ID())
 	view.Offset, view.Shape, view.Strides = 128, []int{8, 4}, []int{1, 32}
 	f.Add(extMessage(f, view), uint8(1))
-	fs := validMeta(mmapalloc.ID{})
-	fs.Strategy, fs.FD, fs.Name = "file_system", -1, mmapalloc.SessionPrefix()+"1_0123456789abcdef"
+	fs := validMeta(shm.ID{})
+	fs.Strategy, fs.FD, fs.Name = "file_system", -1, shm.SessionPrefix()+"1_0123456789abcdef"
 	f.Add(extMessage(f, fs), uint8(0))
 	f.Add([]byte{0x92, 0x01, 0xc0}, uint8(2))
 	base := leakcheck.Count()
@@ -273,26 +273,26 @@ func TestCacheKeepsLiveStoragesAndDropsDeadOnes(t *testing.T) {
 	for i := range n {
 		s := emptyStorage(t)
 		live = append(live, s)
-		c.put(cacheKey{id: mmapalloc.ID{Ino: uint64(i)}}, s)
+		c.put(cacheKey{id: shm.ID{Ino: uint64(i)}}, s)
 	}
 	for i, s := range live {
-		require.Same(t, s, c.get(cacheKey{id: mmapalloc.ID{Ino: uint64(i)}}, 0), "live storage %d is still cached", i)
+		require.Same(t, s, c.get(cacheKey{id: shm.ID{Ino: uint64(i)}}, 0), "live storage %d is still cached", i)
 	}
 	for _, s := range live[:n-10] {
 		require.NoError(t, s.Release())
 	}
 	for i := range n {
-		c.put(cacheKey{id: mmapalloc.ID{Ino: uint64(n + i)}}, live[n-1-i%10])
+		c.put(cacheKey{id: shm.ID{Ino: uint64(n + i)}}, live[n-1-i%10])
 	}
 	assert.Less(t, c.len(), n+n/2, "dead entries are swept as the cache grows")
 	for i, s := range live[n-10:] {
-		assert.Same(t, s, c.get(cacheKey{id: mmapalloc.ID{Ino: uint64(n - 10 + i)}}, 0))
+		assert.Same(t, s, c.get(cacheKey{id: shm.ID{Ino: uint64(n - 10 + i)}}, 0))
 	}
 	last := live[len(live)-1]
-	assert.Same(t, last, c.get(cacheKey{id: mmapalloc.ID{Ino: uint64(len(live) - 1)}}, 0))
+	assert.Same(t, last, c.get(cacheKey{id: shm.ID{Ino: uint64(len(live) - 1)}}, 0))
 
 	require.NoError(t, last.Release())
-	assert.Nil(t, c.get(cacheKey{id: mmapalloc.ID{Ino: uint64(len(live) - 1)}}, 0), "released storages are not served")
+	assert.Nil(t, c.get(cacheKey{id: shm.ID{Ino: uint64(len(live) - 1)}}, 0), "released storages are not served")
 	other := emptyStorage(t)
 	k := cacheKey{name: "n"}
 	assert.Same(t, other, c.put(k, other))
@@ -301,13 +301,13 @@ func TestCacheKeepsLiveStoragesAndDropsDeadOnes(t *testing.T) {
 }
 
 func FuzzBodyDecode(f *testing.F) {
-	body := validMeta(mmapalloc.ID{})
+	body := validMeta(shm.ID{})
 	body.Strategy, body.FD, body.Block, body.Segment, body.Gen = StrategyBody, 0, -1, 0, 0
 	f.Add(extMessage(f, body), uint16(4096), uint8(1))
 	view := body
 	view.Offset, view.Shape, view.Strides = 128, []int{8, 4}, []int{1, 32}
 	f.Add(extMessage(f, view), uint16(4096), uint8(2))
-	f.Add(validMetaMsg(f, mmapalloc.ID{Dev: 1, Ino: 2}), uint16(4096), uint8(1))
+	f.Add(validMetaMsg(f, shm.ID{Dev: 1, Ino: 2}), uint16(4096), uint8(1))
 	f.Add([]byte{0x92, 0x01, 0xc0}, uint16(0), uint8(0))
 
 	f.Fuzz(func(t *testing.T, data []byte, size uint16, n uint8) {

@@ -9,13 +9,13 @@ import (
 	"github.com/stretchr/testify/require"
 	"github.com/vmihailenco/msgpack/v5"
 
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/tensor"
 )
 
 func TestMetaCodecRoundTrip(t *testing.T) {
 	cases := []Meta{
-		validMeta(mmapalloc.ID{Dev: 1 << 40, Ino: math.MaxUint64}),
+		validMeta(shm.ID{Dev: 1 << 40, Ino: math.MaxUint64}),
 		{Version: Version, Strategy: "file_system", FD: -1, Name: "tensormp_abc_1_0123456789abcdef", Size: math.MaxInt64,
 			Segment: 1 << 40, Block: -1, Gen: math.MaxUint64, Offset: -300000, DType: tensor.Complex128,
 			Shape: []int{0, 70000, 3}, Strides: []int{math.MinInt32, 1, math.MaxInt64}, LoD: [][]int{{0, 2, 5}, {}}, Place: "gpu:3",
@@ -77,7 +77,7 @@ func TestMetaCodecRejects(t *testing.T) {
 }
 
 func BenchmarkMetaCodec(b *testing.B) {
-	m := validMeta(mmapalloc.ID{Dev: 64769, Ino: 1 << 20})
+	m := validMeta(shm.ID{Dev: 64769, Ino: 1 << 20})
 	var buf []byte
 	var room [8]int
 	b.ReportAllocs()

@@ -7,7 +7,7 @@ import (
 
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/fd"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -71,7 +71,7 @@ const StrategyCUDAFD = "cuda_fd"
 // segment and no descriptor.
 //
 // The returned descriptors are the caller's: send them, then close them.
-// A pooled block's descriptor is a ticket (see mmapalloc.Block.Ticket):
+// A pooled block's descriptor is a ticket (see shm.Block.Ticket):
 // while it is open, in flight or here, the block cannot be recycled, so
 // closing it unsent is how metadata that will never be rebuilt is
 // discarded.
@@ -86,7 +86,7 @@ func Reduce(t *tensor.Tensor) (Meta, []int, error) {
 		if raw < 0 {
 			continue
 		}
-		own, err := mmapalloc.Dup(raw)
+		own, err := shm.Dup(raw)
 		if err != nil {
 			fd.CloseAll(fds)
 			return Meta{}, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
@@ -106,7 +106,7 @@ func Reduce(t *tensor.Tensor) (Meta, []int, error) {
 // and strides are appended to room (see viewMeta). pinned is a ticket the
 // message holds already, or nil: a block it covers is sent with it, and
 // reduce returns no lease of its own.
-func reduce(t *tensor.Tensor, room []int, pinned *mmapalloc.Ticket) (Meta, int, int, lease, error) {
+func reduce(t *tensor.Tensor, room []int, pinned *shm.Ticket) (Meta, int, int, lease, error) {
 	if t.Place().IsGPU() {
 		return reduceGPU(t, room, pinned)
 	}
@@ -116,7 +116,7 @@ func reduce(t *tensor.Tensor, room []int, pinned *mmapalloc.Ticket) (Meta, int, 
 
 // reduceCPU is reduce for a tensor in CPU memory, whose message carries
 // one descriptor at most.
-func reduceCPU(t *tensor.Tensor, room []int, pinned *mmapalloc.Ticket) (Meta, int, lease, error) {
+func reduceCPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (Meta, int, lease, error) {
 	if !t.Place().IsCPU() {
 		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, ErrDeviceTensor)
 	}
@@ -132,7 +132,7 @@ func reduceCPU(t *tensor.Tensor, room []int, pinned *mmapalloc.Ticket) (Meta, in
 		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
 	}
 	switch b := s.Backing().(type) {
-	case *mmapalloc.Block:
+	case *shm.Block:
 		tk, l, err := blockTicket(b, pinned)
 		if err != nil {
 			return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
@@ -147,9 +147,9 @@ func reduceCPU(t *tensor.Tensor, room []int, pinned *mmapalloc.Ticket) (Meta, in
 		}
 		registerBlock(s, b)
 		return m, tk.FD(), l, nil
-	case *mmapalloc.Allocation:
+	case *shm.Allocation:
 		m.Size = b.Size()
-		if b.Flags()&mmapalloc.RefCount != 0 {
+		if b.Flags()&shm.RefCount != 0 {
 			m.Strategy = string(strategy.FileSystem)
 			m.Name = b.Name()
 			storages.put(nameKey(m.Name), s)
@@ -171,7 +171,7 @@ func reduceCPU(t *tensor.Tensor, room []int, pinned *mmapalloc.Ticket) (Meta, in
 // blockTicket returns the ticket a message sends for block b: pinned, the
 // message's own already, when it covers b, else a new one, which is then
 // also the lease the message holds until it is sent.
-func blockTicket(b *mmapalloc.Block, pinned *mmapalloc.Ticket) (*mmapalloc.Ticket, lease, error) {
+func blockTicket(b *shm.Block, pinned *shm.Ticket) (*shm.Ticket, lease, error) {
 	if pinned.Covers(b) {
 		return pinned, nil, nil
 	}
@@ -233,11 +233,11 @@ type fdSource interface {
 	take(i int) (int, error)
 	// stat returns the identity and size of the file behind descriptor
 	// i, marking it referenced: one fstat per descriptor per message.
-	stat(i int) (mmapalloc.FileStat, error)
+	stat(i int) (shm.FileStat, error)
 	// ticket returns descriptor i, a pooled block's ticket of segment id,
-	// for mmapalloc.AttachBlock, and whether it covers the block until
-	// the message is decoded (see mmapalloc.AdoptTicket).
-	ticket(i int, id mmapalloc.ID) (fd int, covered bool)
+	// for shm.AttachBlock, and whether it covers the block until
+	// the message is decoded (see shm.AdoptTicket).
+	ticket(i int, id shm.ID) (fd int, covered bool)
 	// body returns the storage body i was received into, which must hold
 	// size bytes, for a message that carries its tensors by value.
 	body(i int, size int64) (*tensor.Storage, error)
@@ -245,7 +245,7 @@ type fdSource interface {
 
 type borrowed []int
 
-func (b borrowed) ticket(i int, _ mmapalloc.ID) (int, bool) { return b[i], false }
+func (b borrowed) ticket(i int, _ shm.ID) (int, bool) { return b[i], false }
 
 func (b borrowed) fd(i int) (int, error) {
 	if i < 0 || i >= len(b) {
@@ -254,12 +254,12 @@ func (b borrowed) fd(i int) (int, error) {
 	return b[i], nil
 }
 
-func (b borrowed) stat(i int) (mmapalloc.FileStat, error) {
+func (b borrowed) stat(i int) (shm.FileStat, error) {
 	fd, err := b.fd(i)
 	if err != nil {
-		return mmapalloc.FileStat{}, err
+		return shm.FileStat{}, err
 	}
-	return mmapalloc.StatFile(fd)
+	return shm.StatFile(fd)
 }
 
 func (b borrowed) take(i int) (int, error) {
@@ -267,7 +267,7 @@ func (b borrowed) take(i int) (int, error) {
 	if err != nil {
 		return -1, err
 	}
-	return mmapalloc.Dup(fd)
+	return shm.Dup(fd)
 }
 
 // rebuild builds a tensor from m. Storages it maps afresh are appended to
@@ -402,7 +402,7 @@ func openFD(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, err
 	if err != nil {
 		return nil, err
 	}
-	a, err := mmapalloc.OpenFD(own, m.Size, mmapalloc.KeepFD)
+	a, err := shm.OpenFD(own, m.Size, shm.KeepFD)
 	if err != nil {
 		return nil, err
 	}
@@ -414,13 +414,13 @@ func openFD(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, err
 // block's ticket: it holds the block until this process holds it too, and
 // the decoder closes it afterwards. A block of a segment this process maps
 // already is attached by the segment's identity, with the ticket taken
-// for what m says it is (see mmapalloc.AttachMappedBlock); only a segment
+// for what m says it is (see shm.AttachMappedBlock); only a segment
 // not mapped yet costs an fstat.
 func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
 	if _, err := fds.fd(m.FD); err != nil { // referenced even when the storage is cached
 		return nil, err
 	}
-	return adoptBlock(mmapalloc.FindUser(m.segmentID(), m.Block, m.Gen), m, made, func() (*mmapalloc.Block, error) {
+	return adoptBlock(shm.FindUser(m.segmentID(), m.Block, m.Gen), m, made, func() (*shm.Block, error) {
 		return attachBlock(m, fds)
 	})
 }
@@ -428,28 +428,28 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 // attachBlock attaches the pooled block m names, by the segment's
 // identity if this process maps it already, else from the message's
 // ticket.
-func attachBlock(m Meta, fds fdSource) (*mmapalloc.Block, error) {
+func attachBlock(m Meta, fds fdSource) (*shm.Block, error) {
 	id := m.segmentID()
 	fd, covered := fds.ticket(m.FD, id)
-	b, err := mmapalloc.AttachMappedBlock(id, covered, m.Segment, m.Block, m.Size, m.Gen)
-	if !errors.Is(err, mmapalloc.ErrNotMapped) {
+	b, err := shm.AttachMappedBlock(id, covered, m.Segment, m.Block, m.Size, m.Gen)
+	if !errors.Is(err, shm.ErrNotMapped) {
 		return b, err
 	}
 	st, err := checkedStat(m, fds)
 	if err != nil {
 		return nil, err
 	}
-	return mmapalloc.AttachBlock(fd, st, covered, m.Segment, m.Block, m.Size, m.Gen)
+	return shm.AttachBlock(fd, st, covered, m.Segment, m.Block, m.Size, m.Gen)
 }
 
 // segmentID is the identity of the file_descriptor segment m names.
-func (m *Meta) segmentID() mmapalloc.ID { return mmapalloc.ID{Dev: m.Dev, Ino: m.Ino} }
+func (m *Meta) segmentID() shm.ID { return shm.ID{Dev: m.Dev, Ino: m.Ino} }
 
-func (m *Meta) setSegmentID(id mmapalloc.ID) { m.Dev, m.Ino = id.Dev, id.Ino }
+func (m *Meta) setSegmentID(id shm.ID) { m.Dev, m.Ino = id.Dev, id.Ino }
 
 // checkedStat returns the status of the message's descriptor for m,
 // which must be of the segment m names.
-func checkedStat(m Meta, fds fdSource) (mmapalloc.FileStat, error) {
+func checkedStat(m Meta, fds fdSource) (shm.FileStat, error) {
 	st, err := fds.stat(m.FD)
 	if err != nil {
 		return st, err
@@ -469,10 +469,10 @@ func openNamedBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Stor
 	if _, err := fds.fd(m.FD); err != nil { // referenced even when the storage is cached
 		return nil, err
 	}
-	return adoptBlock(mmapalloc.FindNamedUser(m.Name, m.Block, m.Gen), m, made, func() (*mmapalloc.Block, error) {
-		ticketCovers := func(id mmapalloc.ID) bool { _, ok := fds.ticket(m.FD, id); return ok }
-		b, err := mmapalloc.AttachMappedNamedBlock(m.Name, ticketCovers, m.Segment, m.Block, m.Size, m.Gen)
-		if !errors.Is(err, mmapalloc.ErrNotMapped) {
+	return adoptBlock(shm.FindNamedUser(m.Name, m.Block, m.Gen), m, made, func() (*shm.Block, error) {
+		ticketCovers := func(id shm.ID) bool { _, ok := fds.ticket(m.FD, id); return ok }
+		b, err := shm.AttachMappedNamedBlock(m.Name, ticketCovers, m.Segment, m.Block, m.Size, m.Gen)
+		if !errors.Is(err, shm.ErrNotMapped) {
 			return b, err
 		}
 		st, err := fds.stat(m.FD)
@@ -480,7 +480,7 @@ func openNamedBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Stor
 			return nil, err
 		}
 		fd, covered := fds.ticket(m.FD, st.ID)
-		return mmapalloc.AttachNamedBlock(m.Name, fd, st, covered, m.Segment, m.Block, m.Size, m.Gen)
+		return shm.AttachNamedBlock(m.Name, fd, st, covered, m.Segment, m.Block, m.Size, m.Gen)
 	})
 }
 
@@ -488,19 +488,19 @@ func openNamedBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Stor
 // another session: a message cannot make this process map, and hold,
 // what its own session does not own.
 func checkName(name string) error {
-	if !mmapalloc.ValidName(name) {
-		return fmt.Errorf("segment name %q: %w", name, mmapalloc.ErrBadName)
+	if !shm.ValidName(name) {
+		return fmt.Errorf("segment name %q: %w", name, shm.ErrBadName)
 	}
-	if !strings.HasPrefix(name, mmapalloc.SessionPrefix()) {
-		return fmt.Errorf("segment %s belongs to another session than %s", name, mmapalloc.Session())
+	if !strings.HasPrefix(name, shm.SessionPrefix()) {
+		return fmt.Errorf("segment %s belongs to another session than %s", name, shm.Session())
 	}
 	return nil
 }
 
 // adoptBlock returns the storage this process has for the block whose
-// registered user (see mmapalloc.FindUser) is found, or attaches the
+// registered user (see shm.FindUser) is found, or attaches the
 // block, which then holds it for a new storage.
-func adoptBlock(found any, m Meta, made *[]*tensor.Storage, attach func() (*mmapalloc.Block, error)) (*tensor.Storage, error) {
+func adoptBlock(found any, m Meta, made *[]*tensor.Storage, attach func() (*shm.Block, error)) (*tensor.Storage, error) {
 	if s := liveUser(found, m.Size); s != nil {
 		return s, nil
 	}
@@ -510,7 +510,7 @@ func adoptBlock(found any, m Meta, made *[]*tensor.Storage, attach func() (*mmap
 	}
 	if b.InExtent() {
 		_ = b.Release()
-		return nil, fmt.Errorf("a block of a device slab named for a CPU tensor: %w", mmapalloc.ErrNoExtent)
+		return nil, fmt.Errorf("a block of a device slab named for a CPU tensor: %w", shm.ErrNoExtent)
 	}
 	s, err := tensor.NewStorage(device.CPU(), b)
 	if err != nil {
@@ -527,7 +527,7 @@ func openName(m Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {
 	if s := storages.get(key, m.Size); s != nil {
 		return s, nil
 	}
-	a, err := mmapalloc.OpenName(m.Name, m.Size, mmapalloc.RefCount)
+	a, err := shm.OpenName(m.Name, m.Size, shm.RefCount)
 	if err != nil {
 		return nil, err
 	}
@@ -537,7 +537,7 @@ func openName(m Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {
 // adopt wraps a new mapping in a Storage and caches it, unless another
 // goroutine cached the same segment meanwhile: then that Storage wins and
 // the new mapping is closed, so the process keeps one mapping.
-func adopt(key cacheKey, a *mmapalloc.Allocation, made *[]*tensor.Storage) (*tensor.Storage, error) {
+func adopt(key cacheKey, a *shm.Allocation, made *[]*tensor.Storage) (*tensor.Storage, error) {
 	s, err := tensor.NewStorage(device.CPU(), a)
 	if err != nil {
 		return nil, errors.Join(err, a.Release())

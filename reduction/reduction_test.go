@@ -13,25 +13,25 @@ import (
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/internal/testmain"
-	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/reduction"
 	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
 )
 
 // blockOf returns the pooled block behind x's storage.
-func blockOf(t *testing.T, x *tensor.Tensor) *mmapalloc.Block {
+func blockOf(t *testing.T, x *tensor.Tensor) *shm.Block {
 	t.Helper()
-	b, ok := x.Storage().Backing().(*mmapalloc.Block)
+	b, ok := x.Storage().Backing().(*shm.Block)
 	require.True(t, ok, "%v is on a pooled block", x)
 	return b
 }
 
 // segmentOf returns the segment of its own behind x's storage.
-func segmentOf(t *testing.T, x *tensor.Tensor) *mmapalloc.Allocation {
+func segmentOf(t *testing.T, x *tensor.Tensor) *shm.Allocation {
 	t.Helper()
-	a, ok := x.Storage().Backing().(*mmapalloc.Allocation)
+	a, ok := x.Storage().Backing().(*shm.Allocation)
 	require.True(t, ok, "%v is on a segment of its own", x)
 	return a
 }
@@ -39,7 +39,7 @@ func segmentOf(t *testing.T, x *tensor.Tensor) *mmapalloc.Allocation {
 // onSegment reports whether x's storage is in a shared segment.
 func onSegment(x *tensor.Tensor) bool {
 	switch x.Storage().Backing().(type) {
-	case *mmapalloc.Block, *mmapalloc.Allocation:
+	case *shm.Block, *shm.Allocation:
 		return true
 	}
 	return false
@@ -84,7 +84,7 @@ func TestReduceSharesInPlaceAndCopiesOnce(t *testing.T) {
 			b := blockOf(t, x)
 			mem = b.Bytes()
 			require.Len(t, fds, 1)
-			id, _, err := mmapalloc.Stat(fds[0])
+			id, _, err := shm.Stat(fds[0])
 			require.NoError(t, err)
 			assert.Equal(t, b.Segment().ID(), id, "the descriptor is the block's segment's")
 			assert.Equal(t, 0, m.FD)
@@ -203,9 +203,9 @@ func TestReleasedTensorRefused(t *testing.T) {
 
 // receivedSegment makes a file_descriptor segment this process did not
 // share itself, as if it had come from another process, and its Meta.
-func receivedSegment(t *testing.T, n int) (*mmapalloc.Allocation, reduction.Meta) {
+func receivedSegment(t *testing.T, n int) (*shm.Allocation, reduction.Meta) {
 	t.Helper()
-	a, err := mmapalloc.Create(int64(n)*4, mmapalloc.KeepFD|mmapalloc.Unlink)
+	a, err := shm.Create(int64(n)*4, shm.KeepFD|shm.Unlink)
 	require.NoError(t, err)
 	t.Cleanup(func() { a.Release() })
 	return a, reduction.Meta{

@@ -10,7 +10,7 @@ import (
 
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/leakcheck"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -56,7 +56,7 @@ func TestShareMemoryGivesBackAPrivateBacking(t *testing.T) {
 			assert.Equal(t, int32(1), u.releases.Load(), "the copied-out memory is given back")
 			assert.Equal(t, []byte{1, 2, 3, 4}, s.Bytes())
 			switch s.Backing().(type) {
-			case *mmapalloc.Block, *mmapalloc.Allocation:
+			case *shm.Block, *shm.Allocation:
 			default:
 				t.Errorf("shared memory of %T", s.Backing())
 			}

@@ -6,7 +6,7 @@ import (
 	"runtime"
 	"sync"
 
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 )
 
 // parallelCopyMin is the size from which copyBytes splits a copy across
@@ -20,7 +20,7 @@ func copyBytes(dst, src []byte) error {
 	n := min(len(dst), len(src))
 	procs := runtime.GOMAXPROCS(0)
 	if n < parallelCopyMin || procs < 2 {
-		return mmapalloc.Guard(func() { copy(dst, src) })
+		return shm.Guard(func() { copy(dst, src) })
 	}
 	chunk := (n/procs + 4095) &^ 4095
 	var wg sync.WaitGroup
@@ -31,7 +31,7 @@ func copyBytes(dst, src []byte) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := mmapalloc.Guard(func() { copy(dst[off:end], src[off:end]) }); err != nil {
+			if err := shm.Guard(func() { copy(dst[off:end], src[off:end]) }); err != nil {
 				mu.Lock()
 				errs = append(errs, err)
 				mu.Unlock()
@@ -48,7 +48,7 @@ func copyBytes(dst, src []byte) error {
 func touch(f func(), storages ...*Storage) error {
 	for _, s := range storages {
 		if s.IsShared() {
-			if err := mmapalloc.Guard(f); err != nil {
+			if err := shm.Guard(f); err != nil {
 				return fmt.Errorf("tensor: %v: %w", s, err)
 			}
 			return nil

@@ -9,7 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -22,9 +22,9 @@ func TestTruncatedSharedMemoryIsAnError(t *testing.T) {
 	x, err := tensor.Arange(tensor.Float32, 1<<16)
 	require.NoError(t, err)
 	require.NoError(t, x.Storage().ShareMemory(strategy.FileSystem))
-	a, ok := x.Storage().Backing().(*mmapalloc.Allocation)
+	a, ok := x.Storage().Backing().(*shm.Allocation)
 	require.True(t, ok, "a file_system segment of its own, in a process with no session keeper")
-	require.NoError(t, os.Truncate(filepath.Join(mmapalloc.Dir(), a.Name()), 0))
+	require.NoError(t, os.Truncate(filepath.Join(shm.Dir(), a.Name()), 0))
 
 	private, err := tensor.Zeros(tensor.Float32, 1<<16)
 	require.NoError(t, err)
@@ -44,8 +44,8 @@ func TestTruncatedSharedMemoryIsAnError(t *testing.T) {
 		"Copy into":  func() error { return tensor.Copy(x, private) },
 		"Copy from":  func() error { return tensor.Copy(private, x) },
 	} {
-		assert.ErrorIs(t, op(), mmapalloc.ErrFault, name)
+		assert.ErrorIs(t, op(), shm.ErrFault, name)
 	}
 	assert.False(t, tensor.Equal(x, private), "a tensor that cannot be read equals nothing")
-	assert.ErrorIs(t, x.Release(), mmapalloc.ErrFault, "its header cannot be read either")
+	assert.ErrorIs(t, x.Release(), shm.ErrFault, "its header cannot be read either")
 }

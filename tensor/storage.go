@@ -9,7 +9,7 @@ import (
 	"unsafe"
 
 	"github.com/tensormp/tensormp/device"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/strategy"
 )
 
@@ -24,8 +24,8 @@ var ErrReleased = errors.New("tensor: storage released")
 //
 // Package tensor makes the backings of the storages it allocates. Other
 // packages make the backings of memory they receive or allocate (package
-// reduction from a message, package cuda from its allocator) and hand
-// them to NewStorage.
+// reduction from a message, package cuda from its allocator, a program
+// from memory of its own) and hand them to NewStorage.
 type Backing interface {
 	// Bytes returns the memory's host bytes, which alias it, or nil for
 	// memory the host cannot address.
@@ -207,10 +207,11 @@ func newStorage(p device.Place, nbytes int64) (*Storage, error) {
 // Storage, releases it once. Device memory must be a Buffer on a device
 // place, host memory a backing with bytes on the CPU.
 //
-// The storage counts as shared when b is memory other processes can map:
-// a block or segment of package mmapalloc, or device memory, which crosses
-// processes by its backend's handles. Any other host backing is private
-// memory that ShareMemory copies out.
+// The storage counts as shared when b is shared memory whose holders
+// tensormp tracks (the blocks and segments package tensor allocates and
+// package reduction receives) or device memory, which crosses processes by
+// its backend's handles. Any other host backing, a mmapalloc.Allocation of
+// the caller's included, is private memory that ShareMemory copies out.
 func NewStorage(p device.Place, b Backing) (*Storage, error) {
 	buf, onDevice := b.(Buffer)
 	switch {
@@ -231,7 +232,7 @@ func NewStorage(p device.Place, b Backing) (*Storage, error) {
 // sharedHost reports whether b is host memory other processes can map.
 func sharedHost(b Backing) bool {
 	switch b.(type) {
-	case *mmapalloc.Block, *mmapalloc.Allocation:
+	case *shm.Block, *shm.Allocation:
 		return true
 	}
 	return false
@@ -406,12 +407,12 @@ func newSharedStorage(nbytes int64, st strategy.Strategy, zero bool) (*Storage, 
 func newSharedMemory(nbytes int64, st strategy.Strategy, zero bool) (memory, error) {
 	switch st {
 	case strategy.FileDescriptor:
-		return blockMemory(mmapalloc.DefaultPool(), nbytes, st, zero)
+		return blockMemory(shm.DefaultPool(), nbytes, st, zero)
 	case strategy.FileSystem:
-		if pool := mmapalloc.NamedPool(); pool != nil {
+		if pool := shm.NamedPool(); pool != nil {
 			return blockMemory(pool, nbytes, st, zero)
 		}
-		a, err := mmapalloc.Create(nbytes, mmapalloc.RefCount)
+		a, err := shm.Create(nbytes, shm.RefCount)
 		if err != nil {
 			return memory{}, fmt.Errorf("tensor: share memory (%d bytes, %s): %w", nbytes, st, err)
 		}
@@ -421,13 +422,13 @@ func newSharedMemory(nbytes int64, st strategy.Strategy, zero bool) (memory, err
 }
 
 // blockMemory returns nbytes of a block of pool, cleared with zero.
-func blockMemory(pool *mmapalloc.Pool, nbytes int64, st strategy.Strategy, zero bool) (memory, error) {
+func blockMemory(pool *shm.Pool, nbytes int64, st strategy.Strategy, zero bool) (memory, error) {
 	b, err := pool.Alloc(nbytes)
 	if err != nil {
 		return memory{}, fmt.Errorf("tensor: share memory (%d bytes, %s): %w", nbytes, st, err)
 	}
 	if zero {
-		if err := mmapalloc.Guard(func() { clear(b.Bytes()) }); err != nil {
+		if err := shm.Guard(func() { clear(b.Bytes()) }); err != nil {
 			_ = b.Release()
 			return memory{}, fmt.Errorf("tensor: share memory (%d bytes, %s): %w", nbytes, st, err)
 		}

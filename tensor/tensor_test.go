@@ -15,7 +15,7 @@ import (
 
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/leakcheck"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -326,9 +326,9 @@ func TestShareMemoryInPlace(t *testing.T) {
 			// whole segments.
 			shared := func() []byte {
 				switch b := x.Storage().Backing().(type) {
-				case *mmapalloc.Block:
+				case *shm.Block:
 					return b.Bytes()
-				case *mmapalloc.Allocation:
+				case *shm.Allocation:
 					return b.Bytes()
 				}
 				return nil

@@ -20,7 +20,7 @@ import (
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/reexec"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
@@ -164,7 +164,7 @@ func TestEndpointRefusesAnotherUser(t *testing.T) {
 
 	cmd := exec.Command(bin)
 	cmd.Env = append(os.Environ(), reexec.EnvVar+"=program.dial", "ENDPOINT="+addr, "DIAL_ANYONE=1",
-		mmapalloc.EnvSession+"="+newSession())
+		shm.EnvSession+"="+newSession())
 	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
 	out, err := cmd.StdoutPipe()
 	require.NoError(t, err)

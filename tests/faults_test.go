@@ -19,7 +19,7 @@ import (
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/reexec"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
@@ -486,7 +486,7 @@ func TestKilledProducersUnreadTensorsLeaveNothing(t *testing.T) {
 	var ee *mp.ExitError
 	require.ErrorAs(t, g.Join(), &ee)
 	made := func() []string {
-		m, _ := filepath.Glob(filepath.Join(mmapalloc.Dir(), mmapalloc.SessionPrefix()+strconv.Itoa(pid)+"_*"))
+		m, _ := filepath.Glob(filepath.Join(shm.Dir(), shm.SessionPrefix()+strconv.Itoa(pid)+"_*"))
 		return m
 	}
 	require.NotEmpty(t, made(), "the unread tensors hold the worker's segment")

@@ -21,7 +21,7 @@ import (
 	"github.com/tensormp/tensormp/internal/cudafake"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/reexec"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
@@ -192,7 +192,7 @@ func newQueues(n int) ([]*mp.Queue, error) {
 func noDeviceMemory() error {
 	deadline := time.Now().Add(time.Second)
 	for {
-		mmapalloc.Trim()
+		shm.Trim()
 		held := cudafake.Held(os.Getpid())
 		if held == 0 {
 			return nil
@@ -318,10 +318,10 @@ func gpufdNeverTaken(ctx context.Context) error {
 			return err
 		}
 	}
-	if err := mmapalloc.DropIdle(); err != nil {
+	if err := shm.DropIdle(); err != nil {
 		return err
 	}
-	mmapalloc.Trim()
+	shm.Trim()
 	if cudafake.Held(os.Getpid()) == 0 {
 		return errors.New("the messages in flight hold no device memory")
 	}

@@ -22,8 +22,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/internal/testmain"
-	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/strategy"
 )
 
@@ -71,7 +71,7 @@ func startProgramIn(t *testing.T, session, role string, st strategy.Strategy, ow
 	cmd, err := reexec.Command(context.Background(), role)
 	require.NoError(t, err)
 	cmd.Env = append(cmd.Env,
-		mmapalloc.EnvSession+"="+session,
+		shm.EnvSession+"="+session,
 		strategy.EnvVar+"="+st.String(),
 	)
 	cmd.Env = append(cmd.Env, env...)
@@ -143,7 +143,7 @@ func (p *program) expectGone(t *testing.T) {
 // sessionProcs lists the live processes whose environment names session.
 func sessionProcs(session string) []int {
 	dirs, _ := filepath.Glob("/proc/[0-9]*")
-	want := []byte(mmapalloc.EnvSession + "=" + session + "\x00")
+	want := []byte(shm.EnvSession + "=" + session + "\x00")
 	var pids []int
 	for _, d := range dirs {
 		env, err := os.ReadFile(d + "/environ")
@@ -178,6 +178,6 @@ func useStrategy(t *testing.T, st strategy.Strategy) {
 // sessionEntries lists the session's entries in the shared-memory
 // directory.
 func sessionEntries(session string) []string {
-	matches, _ := filepath.Glob(filepath.Join(mmapalloc.Dir(), mmapalloc.NamePrefix+session+"_*"))
+	matches, _ := filepath.Glob(filepath.Join(shm.Dir(), shm.NamePrefix+session+"_*"))
 	return matches
 }

@@ -17,7 +17,7 @@ import (
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/reexec"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
@@ -39,16 +39,16 @@ func registerOwnershipPrograms() {
 
 // poolFor returns the pool shared tensors come from under st in a
 // program that spawned workers.
-func poolFor(st strategy.Strategy) *mmapalloc.Pool {
+func poolFor(st strategy.Strategy) *shm.Pool {
 	if st == strategy.FileSystem {
-		return mmapalloc.NamedPool()
+		return shm.NamedPool()
 	}
-	return mmapalloc.DefaultPool()
+	return shm.DefaultPool()
 }
 
 // waitFree polls the pool until none of its blocks is held and prints
 // how many still are and after how long, in milliseconds.
-func waitFree(pool *mmapalloc.Pool, limit time.Duration) {
+func waitFree(pool *shm.Pool, limit time.Duration) {
 	start := time.Now()
 	for pool.InUse() > 0 && time.Since(start) < limit {
 		time.Sleep(5 * time.Millisecond)
@@ -285,16 +285,16 @@ func workerSend(ctx context.Context, w *mp.Worker) error {
 // segmentsOfSession lists this program's segments in the directory, the
 // session lock left out, and the bytes of memory they take.
 func segmentsOfSession() (names []string, bytes int64) {
-	entries, _ := os.ReadDir(mmapalloc.Dir())
+	entries, _ := os.ReadDir(shm.Dir())
 	for _, e := range entries {
-		if !strings.HasPrefix(e.Name(), mmapalloc.SessionPrefix()) || !mmapalloc.ValidName(e.Name()) {
+		if !strings.HasPrefix(e.Name(), shm.SessionPrefix()) || !shm.ValidName(e.Name()) {
 			continue
 		}
 		names = append(names, e.Name())
 		// The memory a segment takes: a pool's slabs are sized ahead
 		// and given their pages as their slots are used.
 		var st unix.Stat_t
-		if err := unix.Stat(filepath.Join(mmapalloc.Dir(), e.Name()), &st); err == nil {
+		if err := unix.Stat(filepath.Join(shm.Dir(), e.Name()), &st); err == nil {
 			bytes += st.Blocks * 512
 		}
 	}
@@ -404,7 +404,7 @@ func TestPlantedSessionLockIsRefused(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			session := newSession()
-			lock := filepath.Join(mmapalloc.Dir(), mmapalloc.LockName(session))
+			lock := filepath.Join(shm.Dir(), shm.LockName(session))
 			require.NoError(t, os.WriteFile(lock, nil, 0o600))
 			require.NoError(t, os.Chown(lock, c.uid, -1))
 			require.NoError(t, os.Chmod(lock, c.mode))

@@ -24,7 +24,7 @@ import (
 	"github.com/tensormp/tensormp/internal/cudashm"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/pytorch"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -304,7 +304,7 @@ func ints(vs []any) []int {
 // and their in-place writes show in Go's memory.
 func TestPythonConsumerWritesInPlace(t *testing.T) {
 	leakcheck.Check(t)
-	pool := mmapalloc.DefaultPool()
+	pool := shm.DefaultPool()
 	inUse := pool.InUse()
 	consumeInPython(t, device.CPU(), func() bool { return pool.InUse() > inUse }, "torch", "numpy")
 }
@@ -528,7 +528,7 @@ func must[T any](v T, err error) T {
 func TestPythonKilledWhileHolding(t *testing.T) {
 	leakcheck.Check(t)
 	shmBefore := tensormpEntries(t)
-	pool := mmapalloc.DefaultPool()
+	pool := shm.DefaultPool()
 	inUse := pool.InUse()
 	own, _ := killWhileHolding(t, device.CPU(), func() bool { return pool.InUse() > inUse })
 	vs, err := tensor.Values[uint8](own)
@@ -635,7 +635,7 @@ func killWhileHolding(t *testing.T, place device.Place, held func() bool) (*tens
 // packages side by side) come and go; they are not the dead peer's.
 func leftByTheDead(t *testing.T, before []string) []string {
 	t.Helper()
-	dead, err := mp.Clean(mmapalloc.Dir(), true)
+	dead, err := mp.Clean(shm.Dir(), true)
 	require.NoError(t, err)
 	return slices.DeleteFunc(dead, func(name string) bool { return slices.Contains(before, name) })
 }
@@ -644,7 +644,7 @@ func leftByTheDead(t *testing.T, before []string) []string {
 // directory.
 func tensormpEntries(t *testing.T) []string {
 	t.Helper()
-	entries, err := os.ReadDir(mmapalloc.Dir())
+	entries, err := os.ReadDir(shm.Dir())
 	require.NoError(t, err)
 	var names []string
 	for _, e := range entries {

@@ -20,8 +20,8 @@ import (
 	"github.com/tensormp/tensormp/internal/cudafake"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/pytorch"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/internal/testmain"
-	"github.com/tensormp/tensormp/mmapalloc"
 )
 
 func TestMain(m *testing.M) {
@@ -128,15 +128,15 @@ func TestHelp(t *testing.T) {
 
 func TestClean(t *testing.T) {
 	dir := t.TempDir()
-	dead := mmapalloc.NamePrefix + "deadbeef_999999999_0123456789abcdef" // no such pid
-	live := mmapalloc.NamePrefix + "cafe_" + strconv.Itoa(os.Getpid()) + "_0123456789abcdef"
+	dead := shm.NamePrefix + "deadbeef_999999999_0123456789abcdef" // no such pid
+	live := shm.NamePrefix + "cafe_" + strconv.Itoa(os.Getpid()) + "_0123456789abcdef"
 	other := "not_ours"
 	// A session whose lock nobody holds is dead, whatever its pids say;
 	// one whose lock is held is live.
-	unheld := mmapalloc.NamePrefix + "f00d_lock"
-	unheldSeg := mmapalloc.NamePrefix + "f00d_" + strconv.Itoa(os.Getpid()) + "_0123456789abcdef"
-	held := mmapalloc.NamePrefix + "beef_lock"
-	heldSeg := mmapalloc.NamePrefix + "beef_999999999_0123456789abcdef"
+	unheld := shm.NamePrefix + "f00d_lock"
+	unheldSeg := shm.NamePrefix + "f00d_" + strconv.Itoa(os.Getpid()) + "_0123456789abcdef"
+	held := shm.NamePrefix + "beef_lock"
+	heldSeg := shm.NamePrefix + "beef_999999999_0123456789abcdef"
 	for _, n := range []string{dead, live, other, unheld, unheldSeg, held, heldSeg} {
 		require.NoError(t, os.WriteFile(filepath.Join(dir, n), nil, 0o600))
 	}
@@ -166,7 +166,7 @@ func TestClean(t *testing.T) {
 // whose whole name is one tensormp gives are removed.
 func TestCleanRemovesOnlyWhatItNamed(t *testing.T) {
 	dir, elsewhere := t.TempDir(), t.TempDir()
-	prefix := mmapalloc.NamePrefix + "deadbeef_"
+	prefix := shm.NamePrefix + "deadbeef_"
 	seg := prefix + "999999999_0123456789abcdef"
 	target := filepath.Join(elsewhere, "precious")
 	require.NoError(t, os.WriteFile(target, []byte("keep"), 0o600))
@@ -178,10 +178,10 @@ func TestCleanRemovesOnlyWhatItNamed(t *testing.T) {
 	require.NoError(t, os.Mkdir(filepath.Join(dir, subdir), 0o700))
 	require.NoError(t, os.Symlink(target, filepath.Join(dir, link)))
 	// A session whose lock others may write is not judged at all.
-	foreign := mmapalloc.NamePrefix + "f0e1_999999999_0123456789abcdef"
+	foreign := shm.NamePrefix + "f0e1_999999999_0123456789abcdef"
 	require.NoError(t, os.WriteFile(filepath.Join(dir, foreign), nil, 0o600))
-	require.NoError(t, os.WriteFile(filepath.Join(dir, mmapalloc.LockName("f0e1")), nil, 0o600))
-	require.NoError(t, os.Chmod(filepath.Join(dir, mmapalloc.LockName("f0e1")), 0o666))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, shm.LockName("f0e1")), nil, 0o600))
+	require.NoError(t, os.Chmod(filepath.Join(dir, shm.LockName("f0e1")), 0o666))
 
 	var out, errOut bytes.Buffer
 	require.Equal(t, 0, run([]string{"clean", "-dir", dir}, &out, &errOut), errOut.String())

@@ -19,7 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/fd"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 )
 
 // settle is how long Check waits for cleanups (GC safety nets, exiting
@@ -44,7 +44,7 @@ var warmUp = sync.OnceFunc(func() {
 func Check(t testing.TB) {
 	t.Helper()
 	warmUp()
-	mmapalloc.Trim()
+	shm.Trim()
 	before, err := FDs()
 	if err != nil {
 		t.Fatalf("leakcheck: %v", err)
@@ -63,7 +63,7 @@ func Check(t testing.TB) {
 			runtime.GC()
 			// Segments kept for reuse are not leaks; blocks still
 			// counted by someone keep theirs from being trimmed.
-			mmapalloc.Trim()
+			shm.Trim()
 			after, err := FDs()
 			if err != nil {
 				t.Errorf("leakcheck: %v", err)
@@ -93,7 +93,7 @@ func Check(t testing.TB) {
 					t.Errorf("leakcheck: %d more segment mappings than before the test", mapped)
 				}
 				if len(segs) > 0 {
-					t.Errorf("leakcheck: segments left in %s: %s", mmapalloc.Dir(), strings.Join(segs, ", "))
+					t.Errorf("leakcheck: segments left in %s: %s", shm.Dir(), strings.Join(segs, ", "))
 					for _, s := range segs {
 						t.Logf("leakcheck: %s: %s", s, describe(s))
 					}
@@ -154,13 +154,13 @@ func newFDs(before, after map[int]string) []string {
 // Segments lists this session's segments present in the shared-memory
 // directory.
 func Segments() ([]string, error) {
-	entries, err := os.ReadDir(mmapalloc.Dir())
+	entries, err := os.ReadDir(shm.Dir())
 	if err != nil {
-		return nil, fmt.Errorf("listing %s: %w", mmapalloc.Dir(), err)
+		return nil, fmt.Errorf("listing %s: %w", shm.Dir(), err)
 	}
 	var out []string
 	for _, e := range entries {
-		if strings.HasPrefix(e.Name(), mmapalloc.SessionPrefix()) {
+		if strings.HasPrefix(e.Name(), shm.SessionPrefix()) {
 			out = append(out, e.Name())
 		}
 	}
@@ -183,7 +183,7 @@ func Mappings() (int, error) {
 	var prevFile string
 	for line := range strings.Lines(string(data)) {
 		f := strings.Fields(line) // range perms offset dev inode path
-		if len(f) < 6 || !strings.Contains(line, "/"+mmapalloc.NamePrefix) && !strings.Contains(line, "/memfd:"+mmapalloc.NamePrefix) {
+		if len(f) < 6 || !strings.Contains(line, "/"+shm.NamePrefix) && !strings.Contains(line, "/memfd:"+shm.NamePrefix) {
 			prevFile = ""
 			continue
 		}
@@ -204,14 +204,14 @@ func Mappings() (int, error) {
 // process that made it lives, the kernel's locks on it and the processes
 // that have it open or mapped.
 func describe(name string) string {
-	path := filepath.Join(mmapalloc.Dir(), name)
+	path := filepath.Join(shm.Dir(), name)
 	var st unix.Stat_t
 	if err := unix.Stat(path, &st); err != nil {
 		return err.Error()
 	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "%d bytes, inode %d", st.Size, st.Ino)
-	if n, ok := mmapalloc.ParseName(name); ok && n.Pid > 0 {
+	if n, ok := shm.ParseName(name); ok && n.Pid > 0 {
 		fmt.Fprintf(&b, "; its maker %d ", n.Pid)
 		if unix.Kill(n.Pid, 0) == nil {
 			b.WriteString("lives")

@@ -9,7 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 )
 
 // recorder stands in for a test: it collects cleanups and errors instead
@@ -48,7 +48,7 @@ func TestFindsLeaks(t *testing.T) {
 	leakcheck.Check(r)
 	f, err := os.Open(os.DevNull)
 	require.NoError(t, err)
-	a, err := mmapalloc.Create(4096, mmapalloc.RefCount)
+	a, err := shm.Create(4096, shm.RefCount)
 	require.NoError(t, err)
 	r.finish()
 	require.Len(t, r.errs, 3, "%q", r.errs)

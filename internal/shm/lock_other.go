@@ -1,6 +1,6 @@
 //go:build !linux
 
-package mmapalloc
+package shm
 
 // Blocks are shared through OFD locks, which only Linux has; no segment
 // can be made elsewhere, so these are never reached with a real segment.

@@ -1,4 +1,4 @@
-package mmapalloc_test
+package shm_test
 
 import (
 	"sync"
@@ -9,7 +9,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 )
 
 // extents records the extents an extent pool made and which are closed.
@@ -33,7 +33,7 @@ func (x *extent) Close() error {
 	return nil
 }
 
-func (e *extents) make(n int64) (mmapalloc.Extent, error) {
+func (e *extents) make(n int64) (shm.Extent, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	e.sizes = append(e.sizes, n)
@@ -55,8 +55,8 @@ func (e *extents) counts() (made, open int) {
 func TestExtentPool(t *testing.T) {
 	leakcheck.Check(t)
 	var made extents
-	p := mmapalloc.NewExtentPool(1<<30, made.make)
-	var blocks []*mmapalloc.Block
+	p := shm.NewExtentPool(1<<30, made.make)
+	var blocks []*shm.Block
 	for range 3 {
 		b := mustAlloc(t, p, 4<<10)
 		assert.True(t, b.InExtent())
@@ -75,7 +75,7 @@ func TestExtentPool(t *testing.T) {
 
 	// A receiver: the extent is its own to attach, once.
 	msg := send(t, blocks[1])
-	r, err := mmapalloc.AttachBlock(msg, statOf(t, msg), false, seg.Size(), blocks[1].Offset(), 4<<10, blocks[1].Gen())
+	r, err := shm.AttachBlock(msg, statOf(t, msg), false, seg.Size(), blocks[1].Offset(), 4<<10, blocks[1].Gen())
 	require.NoError(t, err)
 	require.NoError(t, unix.Close(msg)) // the message is taken: the receiver holds the block itself
 	assert.True(t, r.InExtent())
@@ -90,9 +90,9 @@ func TestExtentPool(t *testing.T) {
 	assert.Same(t, mine, got, "the first attached stays")
 	require.NoError(t, other.Close())
 	_, err = blocks[0].SetExtent(other)
-	assert.ErrorIs(t, err, mmapalloc.ErrNoExtent, "the producer's extent is its pool's")
+	assert.ErrorIs(t, err, shm.ErrNoExtent, "the producer's extent is its pool's")
 	require.NoError(t, r.Release())
-	require.NoError(t, mmapalloc.DropIdle())
+	require.NoError(t, shm.DropIdle())
 	_, open = made.counts()
 	assert.Equal(t, 1, open, "the receiver's mapping closed its extent")
 
@@ -110,9 +110,9 @@ func TestExtentPool(t *testing.T) {
 	assert.False(t, b.InExtent())
 	m := send(t, b)
 	defer unix.Close(m)
-	rb, err := mmapalloc.AttachBlock(m, statOf(t, m), false, b.Segment().Size(), b.Offset(), 4<<10, b.Gen())
+	rb, err := shm.AttachBlock(m, statOf(t, m), false, b.Segment().Size(), b.Offset(), 4<<10, b.Gen())
 	require.NoError(t, err)
 	defer rb.Release()
 	_, err = rb.SetExtent(other)
-	assert.ErrorIs(t, err, mmapalloc.ErrNoExtent)
+	assert.ErrorIs(t, err, shm.ErrNoExtent)
 }

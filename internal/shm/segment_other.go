@@ -1,6 +1,6 @@
 //go:build !linux
 
-package mmapalloc
+package shm
 
 import "syscall"
 

@@ -1,4 +1,4 @@
-package mmapalloc_test
+package shm_test
 
 import (
 	"fmt"
@@ -14,12 +14,12 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
-	"github.com/tensormp/tensormp/mmapalloc"
+	"github.com/tensormp/tensormp/internal/shm"
 )
 
 func TestPoolPacksSmallBlocks(t *testing.T) {
 	p := testPool(t)
-	var blocks []*mmapalloc.Block
+	var blocks []*shm.Block
 	for i := range 100 {
 		b, err := p.Alloc(4 << 10)
 		require.NoError(t, err)
@@ -46,13 +46,13 @@ const large = 17 << 20
 
 func TestPoolPacksMediumBlocksInGrowingSlabs(t *testing.T) {
 	p := testPool(t)
-	var blocks []*mmapalloc.Block
+	var blocks []*shm.Block
 	defer func() {
 		for _, b := range blocks {
 			require.NoError(t, b.Release())
 		}
 	}()
-	segSizes := map[*mmapalloc.Allocation]int64{}
+	segSizes := map[*shm.Allocation]int64{}
 	for i := range 1000 {
 		b, err := p.Alloc(80 << 10)
 		require.NoError(t, err)
@@ -89,17 +89,17 @@ func TestPoolPacksMediumBlocksInGrowingSlabs(t *testing.T) {
 
 // testPool returns a new pool with a 1 GiB cache, trimmed when the test
 // ends, and checks that the test leaves nothing behind.
-func testPool(t *testing.T) *mmapalloc.Pool {
+func testPool(t *testing.T) *shm.Pool {
 	t.Helper()
 	leakcheck.Check(t)
-	p := mmapalloc.NewPool(1 << 30)
+	p := shm.NewPool(1 << 30)
 	t.Cleanup(func() { p.Trim(0) })
 	return p
 }
 
 // mustAlloc returns a block of size bytes from p, failing the test if it
 // cannot.
-func mustAlloc(t *testing.T, p *mmapalloc.Pool, size int64) *mmapalloc.Block {
+func mustAlloc(t *testing.T, p *shm.Pool, size int64) *shm.Block {
 	t.Helper()
 	b, err := p.Alloc(size)
 	require.NoError(t, err)
@@ -108,12 +108,12 @@ func mustAlloc(t *testing.T, p *mmapalloc.Pool, size int64) *mmapalloc.Block {
 
 // send stands for a message carrying b: it takes a ticket and returns a
 // duplicate of its descriptor, as sendmsg would put one in flight.
-func send(t *testing.T, b *mmapalloc.Block) int {
+func send(t *testing.T, b *shm.Block) int {
 	t.Helper()
 	tk, err := b.Ticket()
 	require.NoError(t, err)
 	defer tk.Done()
-	fd, err := mmapalloc.Dup(tk.FD())
+	fd, err := shm.Dup(tk.FD())
 	require.NoError(t, err)
 	return fd
 }
@@ -130,7 +130,7 @@ func TestPoolRecyclesOnlyWhenNobodyHolds(t *testing.T) {
 	assert.True(t, a.Busy(), "the message holds it")
 
 	// The receiver takes its own hold, closes the message, and releases.
-	r, err := mmapalloc.AttachBlock(msg, statOf(t, msg), false, seg.Size(), off, large, gen)
+	r, err := shm.AttachBlock(msg, statOf(t, msg), false, seg.Size(), off, large, gen)
 	require.NoError(t, err)
 	require.NoError(t, unix.Close(msg))
 	require.NoError(t, r.Release())
@@ -139,8 +139,8 @@ func TestPoolRecyclesOnlyWhenNobodyHolds(t *testing.T) {
 	assert.True(t, c.Segment() == seg && c.Offset() == off, "once nobody holds it, the block is reused")
 	assert.Greater(t, c.Gen(), gen, "with a new generation")
 	stale := send(t, c)
-	_, err = mmapalloc.AttachBlock(stale, statOf(t, stale), false, seg.Size(), off, large, gen)
-	assert.ErrorIs(t, err, mmapalloc.ErrStaleBlock)
+	_, err = shm.AttachBlock(stale, statOf(t, stale), false, seg.Size(), off, large, gen)
+	assert.ErrorIs(t, err, shm.ErrStaleBlock)
 	require.NoError(t, unix.Close(stale))
 	require.NoError(t, b.Release())
 	require.NoError(t, c.Release())
@@ -148,7 +148,7 @@ func TestPoolRecyclesOnlyWhenNobodyHolds(t *testing.T) {
 
 func TestPoolReclaimsAroundHeldSlots(t *testing.T) {
 	p := testPool(t)
-	var blocks []*mmapalloc.Block
+	var blocks []*shm.Block
 	for range 64 {
 		b, err := p.Alloc(4 << 10)
 		require.NoError(t, err)
@@ -161,9 +161,9 @@ func TestPoolReclaimsAroundHeldSlots(t *testing.T) {
 	// each of these and only these.
 	held := map[int]bool{}
 	for _, i := range []int{0, 5, 6, 7, 20, 41, 63} {
-		held[mmapalloc.SlotOf(blocks[i])] = true
+		held[shm.SlotOf(blocks[i])] = true
 	}
-	release, err := mmapalloc.HoldSlots(blocks[0], slices.Collect(maps.Keys(held))...)
+	release, err := shm.HoldSlots(blocks[0], slices.Collect(maps.Keys(held))...)
 	require.NoError(t, err)
 	msg := send(t, blocks[1]) // its ticket description holds every slot
 	for _, b := range blocks {
@@ -174,13 +174,13 @@ func TestPoolReclaimsAroundHeldSlots(t *testing.T) {
 	require.NoError(t, unix.Close(msg))
 	assert.Equal(t, len(held), p.InUse(), "once it is gone, only the slots held elsewhere stay taken")
 
-	var again []*mmapalloc.Block
+	var again []*shm.Block
 	for range 200 {
 		b, err := p.Alloc(4 << 10)
 		require.NoError(t, err)
 		again = append(again, b)
 		if b.Segment() == blocks[0].Segment() {
-			assert.False(t, held[mmapalloc.SlotOf(b)], "slot %d is held elsewhere but was handed out", mmapalloc.SlotOf(b))
+			assert.False(t, held[shm.SlotOf(b)], "slot %d is held elsewhere but was handed out", shm.SlotOf(b))
 		}
 	}
 	require.NoError(t, release())
@@ -201,10 +201,10 @@ func TestTicketCoversItsSegment(t *testing.T) {
 	assert.True(t, tk.Covers(a))
 	assert.True(t, tk.Covers(b), "a ticket locks every slot of its segment")
 	assert.False(t, tk.Covers(other), "not a block of another segment")
-	assert.False(t, (*mmapalloc.Ticket)(nil).Covers(a))
+	assert.False(t, (*shm.Ticket)(nil).Covers(a))
 
 	// A message that carries tk for b holds b as a ticket of b's own would.
-	fd, err := mmapalloc.Dup(tk.FD())
+	fd, err := shm.Dup(tk.FD())
 	require.NoError(t, err)
 	tk.Done()
 	require.NoError(t, b.Release())
@@ -250,15 +250,15 @@ func TestTwiceDeliveredKeepsItsHold(t *testing.T) {
 	p := testPool(t)
 	a := mustAlloc(t, p, large)
 	seg, off, gen := a.Segment(), a.Offset(), a.Gen()
-	var got []*mmapalloc.Block
+	var got []*shm.Block
 	for _, covered := range []bool{true, false} {
 		msg := send(t, a)
-		r, err := mmapalloc.AttachBlock(msg, statOf(t, msg), covered, seg.Size(), off, large, gen)
+		r, err := shm.AttachBlock(msg, statOf(t, msg), covered, seg.Size(), off, large, gen)
 		require.NoError(t, err)
 		if covered {
-			id, _, err := mmapalloc.Stat(msg)
+			id, _, err := shm.Stat(msg)
 			require.NoError(t, err)
-			mmapalloc.AdoptTicket(msg, id)
+			shm.AdoptTicket(msg, id)
 		} else {
 			require.NoError(t, unix.Close(msg))
 		}
@@ -282,23 +282,23 @@ func TestAdoptedTicketsCloseInBatches(t *testing.T) {
 	p := testPool(t)
 	a := mustAlloc(t, p, 4<<10)
 	seg, off, gen := a.Segment(), a.Offset(), a.Gen()
-	id, _, err := mmapalloc.Stat(seg.FD())
+	id, _, err := shm.Stat(seg.FD())
 	require.NoError(t, err)
 	open := func(fd int) bool { // still the segment's: not closed, nor reused
-		got, _, err := mmapalloc.Stat(fd)
+		got, _, err := shm.Stat(fd)
 		return err == nil && got == id
 	}
 	receive := func() int {
 		msg := send(t, a)
-		r, err := mmapalloc.AttachBlock(msg, statOf(t, msg), true, seg.Size(), off, 4<<10, gen)
+		r, err := shm.AttachBlock(msg, statOf(t, msg), true, seg.Size(), off, 4<<10, gen)
 		require.NoError(t, err)
-		mmapalloc.AdoptTicket(msg, id)
+		shm.AdoptTicket(msg, id)
 		require.NoError(t, r.Release())
 		return msg
 	}
 
 	var kept []int
-	for range mmapalloc.AdoptMax - 1 {
+	for range shm.AdoptMax - 1 {
 		kept = append(kept, receive())
 	}
 	for _, fd := range kept {
@@ -328,9 +328,9 @@ func TestAttachBlock(t *testing.T) {
 
 	before, err := leakcheck.Mappings()
 	require.NoError(t, err)
-	ra, err := mmapalloc.AttachBlock(ma, statOf(t, ma), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	ra, err := shm.AttachBlock(ma, statOf(t, ma), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
 	require.NoError(t, err)
-	rb, err := mmapalloc.AttachBlock(mb, statOf(t, mb), false, seg.Size(), b.Offset(), 4<<10, b.Gen())
+	rb, err := shm.AttachBlock(mb, statOf(t, mb), false, seg.Size(), b.Offset(), 4<<10, b.Gen())
 	require.NoError(t, err)
 	after, err := leakcheck.Mappings()
 	require.NoError(t, err)
@@ -342,27 +342,27 @@ func TestAttachBlock(t *testing.T) {
 
 	for name, f := range map[string]func() error{
 		"offset past the segment": func() error {
-			_, err := mmapalloc.AttachBlock(ma, statOf(t, ma), false, seg.Size(), seg.Size(), 1, a.Gen())
+			_, err := shm.AttachBlock(ma, statOf(t, ma), false, seg.Size(), seg.Size(), 1, a.Gen())
 			return err
 		},
 		"offset in the slot table": func() error {
-			_, err := mmapalloc.AttachBlock(ma, statOf(t, ma), false, seg.Size(), 0, 16, a.Gen())
+			_, err := shm.AttachBlock(ma, statOf(t, ma), false, seg.Size(), 0, 16, a.Gen())
 			return err
 		},
 		"size past the segment": func() error {
-			_, err := mmapalloc.AttachBlock(ma, statOf(t, ma), false, seg.Size(), a.Offset(), seg.Size(), a.Gen())
+			_, err := shm.AttachBlock(ma, statOf(t, ma), false, seg.Size(), a.Offset(), seg.Size(), a.Gen())
 			return err
 		},
 		"not a slot": func() error {
-			_, err := mmapalloc.AttachBlock(ma, statOf(t, ma), false, seg.Size(), a.Offset()+64, 16, a.Gen())
+			_, err := shm.AttachBlock(ma, statOf(t, ma), false, seg.Size(), a.Offset()+64, 16, a.Gen())
 			return err
 		},
 		"larger than the slot": func() error {
-			_, err := mmapalloc.AttachBlock(ma, statOf(t, ma), false, seg.Size(), a.Offset(), 8<<10, a.Gen())
+			_, err := shm.AttachBlock(ma, statOf(t, ma), false, seg.Size(), a.Offset(), 8<<10, a.Gen())
 			return err
 		},
 		"segment larger than the file": func() error {
-			_, err := mmapalloc.AttachBlock(ma, statOf(t, ma), false, seg.Size()*2, a.Offset(), 16, a.Gen())
+			_, err := shm.AttachBlock(ma, statOf(t, ma), false, seg.Size()*2, a.Offset(), 16, a.Gen())
 			return err
 		},
 	} {
@@ -384,15 +384,15 @@ func TestAttachMappedBlock(t *testing.T) {
 	seg := a.Segment()
 	require.Equal(t, seg.ID(), b.Segment().ID(), "one segment")
 
-	_, err := mmapalloc.AttachMappedBlock(seg.ID(), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
-	require.ErrorIs(t, err, mmapalloc.ErrNotMapped, "its producer's pool is not a mapping received")
+	_, err := shm.AttachMappedBlock(seg.ID(), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	require.ErrorIs(t, err, shm.ErrNotMapped, "its producer's pool is not a mapping received")
 
 	ma := send(t, a)
-	ra, err := mmapalloc.AttachBlock(ma, statOf(t, ma), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	ra, err := shm.AttachBlock(ma, statOf(t, ma), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
 	require.NoError(t, err)
 	before, err := leakcheck.Mappings()
 	require.NoError(t, err)
-	rb, err := mmapalloc.AttachMappedBlock(seg.ID(), false, seg.Size(), b.Offset(), 4<<10, b.Gen())
+	rb, err := shm.AttachMappedBlock(seg.ID(), false, seg.Size(), b.Offset(), 4<<10, b.Gen())
 	require.NoError(t, err)
 	after, err := leakcheck.Mappings()
 	require.NoError(t, err)
@@ -400,10 +400,10 @@ func TestAttachMappedBlock(t *testing.T) {
 	rb.Bytes()[0] = 'B'
 	assert.Equal(t, byte('B'), b.Bytes()[0])
 
-	_, err = mmapalloc.AttachMappedBlock(seg.ID(), false, seg.Size()*2, b.Offset(), 4<<10, b.Gen())
-	assert.ErrorIs(t, err, mmapalloc.ErrNotMapped, "a mapping too small for the segment claimed")
-	_, err = mmapalloc.AttachMappedBlock(seg.ID(), false, seg.Size(), b.Offset(), 4<<10, b.Gen()+1)
-	assert.ErrorIs(t, err, mmapalloc.ErrStaleBlock)
+	_, err = shm.AttachMappedBlock(seg.ID(), false, seg.Size()*2, b.Offset(), 4<<10, b.Gen())
+	assert.ErrorIs(t, err, shm.ErrNotMapped, "a mapping too small for the segment claimed")
+	_, err = shm.AttachMappedBlock(seg.ID(), false, seg.Size(), b.Offset(), 4<<10, b.Gen()+1)
+	assert.ErrorIs(t, err, shm.ErrStaleBlock)
 
 	require.NoError(t, unix.Close(ma)) // no message holds anything now
 	assert.True(t, b.Busy(), "the receiver holds the block it found by identity")
@@ -426,7 +426,7 @@ func TestOverrunCannotChangeOwnership(t *testing.T) {
 	require.Equal(t, writer.Offset()+4<<10, victim.Offset(), "neighbours")
 	seg, off := victim.Segment(), victim.Offset()
 	msg := send(t, victim)
-	held, err := mmapalloc.AttachBlock(msg, statOf(t, msg), false, seg.Size(), off, 4<<10, victim.Gen())
+	held, err := shm.AttachBlock(msg, statOf(t, msg), false, seg.Size(), off, 4<<10, victim.Gen())
 	require.NoError(t, err)
 	require.NoError(t, unix.Close(msg))
 	require.NoError(t, victim.Release()) // only the receiver holds it now
@@ -442,7 +442,7 @@ func TestOverrunCannotChangeOwnership(t *testing.T) {
 		}
 	}
 	assert.True(t, held.Busy(), "the receiver still holds its block")
-	var got []*mmapalloc.Block
+	var got []*shm.Block
 	for range 1000 {
 		c, err := p.Alloc(4 << 10)
 		require.NoError(t, err)
@@ -474,14 +474,14 @@ func TestSegmentsAreSealed(t *testing.T) {
 	raw, err := unix.MemfdCreate("unsealed", unix.MFD_CLOEXEC)
 	require.NoError(t, err)
 	require.NoError(t, unix.Ftruncate(raw, 1<<20))
-	_, err = mmapalloc.OpenFD(raw, 1<<20, 0)
-	assert.ErrorIs(t, err, mmapalloc.ErrUnsealed)
+	_, err = shm.OpenFD(raw, 1<<20, 0)
+	assert.ErrorIs(t, err, shm.ErrUnsealed)
 }
 
 func TestPoolTrimAndLimit(t *testing.T) {
 	leakcheck.Check(t)
-	p := mmapalloc.NewPool(3 * (20<<20 + 4<<10)) // three segments of 17 MiB blocks (a class of 20 MiB)
-	var bs []*mmapalloc.Block
+	p := shm.NewPool(3 * (20<<20 + 4<<10)) // three segments of 17 MiB blocks (a class of 20 MiB)
+	var bs []*shm.Block
 	for range 4 {
 		b, err := p.Alloc(large)
 		require.NoError(t, err)
@@ -531,7 +531,7 @@ func TestPoolConcurrent(t *testing.T) {
 func BenchmarkPoolAllocRelease(b *testing.B) {
 	for _, size := range []int64{4 << 10, 64 << 20} {
 		b.Run(fmt.Sprintf("%dKiB", size>>10), func(b *testing.B) {
-			p := mmapalloc.NewPool(1 << 30)
+			p := shm.NewPool(1 << 30)
 			defer p.Trim(0)
 			warm, err := p.Alloc(size)
 			require.NoError(b, err)
@@ -551,7 +551,7 @@ func BenchmarkPoolAllocRelease(b *testing.B) {
 }
 
 func TestPoolHitAllocatesNothing(t *testing.T) {
-	p := mmapalloc.NewPool(1 << 30)
+	p := shm.NewPool(1 << 30)
 	defer p.Trim(0)
 	warm := mustAlloc(t, p, 4<<10)
 	require.NoError(t, warm.Release())
@@ -567,8 +567,8 @@ func TestPoolHitAllocatesNothing(t *testing.T) {
 
 func TestNamedPool(t *testing.T) {
 	leakcheck.Check(t)
-	mmapalloc.EnableNamedPool()
-	p := mmapalloc.NamedPool()
+	shm.EnableNamedPool()
+	p := shm.NamedPool()
 	require.NotNil(t, p)
 	a := mustAlloc(t, p, 4<<10)
 	seg := a.Segment()
@@ -578,29 +578,29 @@ func TestNamedPool(t *testing.T) {
 	copy(a.Bytes(), "named")
 	msg := send(t, a)
 
-	r, err := mmapalloc.AttachNamedBlock(seg.Name(), msg, statOf(t, msg), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	r, err := shm.AttachNamedBlock(seg.Name(), msg, statOf(t, msg), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
 	require.NoError(t, err)
 	assert.Equal(t, "named", string(r.Bytes()[:5]))
-	_, err = mmapalloc.AttachNamedBlock("../"+seg.Name(), msg, statOf(t, msg), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
-	assert.ErrorIs(t, err, mmapalloc.ErrBadName)
-	other, err := mmapalloc.Create(4096, mmapalloc.KeepFD|mmapalloc.Unlink)
+	_, err = shm.AttachNamedBlock("../"+seg.Name(), msg, statOf(t, msg), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	assert.ErrorIs(t, err, shm.ErrBadName)
+	other, err := shm.Create(4096, shm.KeepFD|shm.Unlink)
 	require.NoError(t, err)
 	defer other.Release()
-	_, err = mmapalloc.AttachNamedBlock(seg.Name(), other.FD(), statOf(t, other.FD()), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	_, err = shm.AttachNamedBlock(seg.Name(), other.FD(), statOf(t, other.FD()), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
 	assert.ErrorContains(t, err, "not the file", "the message's descriptor must be of the named segment")
 
 	// Another block of the segment is found by its name, with no
 	// descriptor and no new mapping.
 	b := mustAlloc(t, p, 4<<10)
 	require.Equal(t, seg.ID(), b.Segment().ID(), "one segment")
-	var asked []mmapalloc.ID
-	uncovered := func(id mmapalloc.ID) bool { asked = append(asked, id); return false }
-	rb, err := mmapalloc.AttachMappedNamedBlock(seg.Name(), uncovered, seg.Size(), b.Offset(), 4<<10, b.Gen())
+	var asked []shm.ID
+	uncovered := func(id shm.ID) bool { asked = append(asked, id); return false }
+	rb, err := shm.AttachMappedNamedBlock(seg.Name(), uncovered, seg.Size(), b.Offset(), 4<<10, b.Gen())
 	require.NoError(t, err, "the receiver maps the segment")
-	assert.Equal(t, []mmapalloc.ID{seg.ID()}, asked, "the segment's identity")
+	assert.Equal(t, []shm.ID{seg.ID()}, asked, "the segment's identity")
 	assert.Same(t, r.Segment(), rb.Segment(), "one mapping")
-	_, err = mmapalloc.AttachMappedNamedBlock(seg.Name()+"0", uncovered, seg.Size(), b.Offset(), 4<<10, b.Gen())
-	assert.ErrorIs(t, err, mmapalloc.ErrNotMapped, "no segment of that name is mapped")
+	_, err = shm.AttachMappedNamedBlock(seg.Name()+"0", uncovered, seg.Size(), b.Offset(), 4<<10, b.Gen())
+	assert.ErrorIs(t, err, shm.ErrNotMapped, "no segment of that name is mapped")
 	require.NoError(t, rb.Release())
 	require.NoError(t, b.Release())
 
@@ -608,16 +608,16 @@ func TestNamedPool(t *testing.T) {
 	require.NoError(t, r.Release())
 	require.NoError(t, a.Release())
 
-	mmapalloc.Trim()
+	shm.Trim()
 	assert.False(t, inDir(seg.Name()), "trimming a named segment removes its name")
-	_, err = mmapalloc.AttachMappedNamedBlock(seg.Name(), uncovered, seg.Size(), b.Offset(), 4<<10, b.Gen())
-	assert.ErrorIs(t, err, mmapalloc.ErrNotMapped, "and its mapping")
+	_, err = shm.AttachMappedNamedBlock(seg.Name(), uncovered, seg.Size(), b.Offset(), 4<<10, b.Gen())
+	assert.ErrorIs(t, err, shm.ErrNotMapped, "and its mapping")
 }
 
-// statOf is mmapalloc.StatFile for a descriptor the test knows is good.
-func statOf(t *testing.T, fd int) mmapalloc.FileStat {
+// statOf is shm.StatFile for a descriptor the test knows is good.
+func statOf(t *testing.T, fd int) shm.FileStat {
 	t.Helper()
-	st, err := mmapalloc.StatFile(fd)
+	st, err := shm.StatFile(fd)
 	require.NoError(t, err)
 	return st
 }
@@ -632,29 +632,29 @@ func TestSlotUsers(t *testing.T) {
 	seg := a.Segment()
 	dead := map[any]bool{}
 	alive := func(u any) bool { return !dead[u] }
-	assert.Nil(t, mmapalloc.FindUser(seg.ID(), a.Offset(), a.Gen()))
+	assert.Nil(t, shm.FindUser(seg.ID(), a.Offset(), a.Gen()))
 
 	assert.Equal(t, "producer's", a.SetUser("producer's", alive))
-	assert.Equal(t, "producer's", mmapalloc.FindUser(seg.ID(), a.Offset(), a.Gen()))
-	assert.Nil(t, mmapalloc.FindUser(seg.ID(), a.Offset(), a.Gen()+1), "another generation")
-	assert.Nil(t, mmapalloc.FindUser(seg.ID(), a.Offset()+1, a.Gen()), "not a slot")
-	assert.Nil(t, mmapalloc.FindUser(mmapalloc.ID{Ino: 1}, a.Offset(), a.Gen()), "another segment")
+	assert.Equal(t, "producer's", shm.FindUser(seg.ID(), a.Offset(), a.Gen()))
+	assert.Nil(t, shm.FindUser(seg.ID(), a.Offset(), a.Gen()+1), "another generation")
+	assert.Nil(t, shm.FindUser(seg.ID(), a.Offset()+1, a.Gen()), "not a slot")
+	assert.Nil(t, shm.FindUser(shm.ID{Ino: 1}, a.Offset(), a.Gen()), "another segment")
 
 	msg := send(t, a)
-	r, err := mmapalloc.AttachBlock(msg, statOf(t, msg), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	r, err := shm.AttachBlock(msg, statOf(t, msg), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
 	require.NoError(t, err)
 	require.NoError(t, unix.Close(msg))
 	assert.Equal(t, "first", r.SetUser("first", alive))
-	r2, err := mmapalloc.AttachMappedBlock(seg.ID(), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	r2, err := shm.AttachMappedBlock(seg.ID(), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
 	require.NoError(t, err)
 	assert.Equal(t, "first", r2.SetUser("second", alive), "the live user stays")
-	assert.Equal(t, "first", mmapalloc.FindUser(seg.ID(), a.Offset(), a.Gen()), "the receiver's mapping is asked first")
+	assert.Equal(t, "first", shm.FindUser(seg.ID(), a.Offset(), a.Gen()), "the receiver's mapping is asked first")
 	dead["first"] = true
 	assert.Equal(t, "second", r2.SetUser("second", alive), "a dead user is replaced")
 	require.NoError(t, r.Release())
-	assert.Equal(t, "second", mmapalloc.FindUser(seg.ID(), a.Offset(), a.Gen()), "another Block's release leaves it")
+	assert.Equal(t, "second", shm.FindUser(seg.ID(), a.Offset(), a.Gen()), "another Block's release leaves it")
 	require.NoError(t, r2.Release())
-	assert.Equal(t, "producer's", mmapalloc.FindUser(seg.ID(), a.Offset(), a.Gen()), "then the producer's is found")
+	assert.Equal(t, "producer's", shm.FindUser(seg.ID(), a.Offset(), a.Gen()), "then the producer's is found")
 	require.NoError(t, a.Release())
-	assert.Nil(t, mmapalloc.FindUser(seg.ID(), a.Offset(), a.Gen()))
+	assert.Nil(t, shm.FindUser(seg.ID(), a.Offset(), a.Gen()))
 }

@@ -1,4 +1,4 @@
-package mmapalloc
+package shm
 
 import "sync"
 
