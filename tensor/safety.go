@@ -131,8 +131,8 @@ func afterEachGC(f func()) {
 // collection cycle the Storage lives through, unless Release comes first.
 // Making a weak pointer costs the runtime more than a tensor's whole
 // hand-off to another process, and most such storages are released long
-// before that. Package reduction caches storages by their references (see
-// Storage.Ref).
+// before that. A cache of storages, such as the one package reduction keeps
+// of those it received, is keyed by their references (see Storage.Ref).
 type StorageRef struct {
 	young atomic.Pointer[Storage]               // the Storage, while young and unreleased
 	weak  atomic.Pointer[weak.Pointer[Storage]] // set before young is cleared, once it ages

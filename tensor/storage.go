@@ -279,7 +279,7 @@ func (s *Storage) disarm() {
 
 // Ref returns a reference to s, the same one each time, that keeps s from
 // being collected at most until its first whole garbage collection cycle
-// is over (see StorageRef). Package reduction caches storages by it.
+// is over (see StorageRef): the key of a cache of storages.
 func (s *Storage) Ref() *StorageRef {
 	if r := s.ref.Load(); r != nil {
 		return r
@@ -461,8 +461,8 @@ func (s *Storage) Release() error {
 
 // OnRelease registers f to run when Release gives the storage's memory
 // back, or at once if it did already. It is not run for a storage that
-// becomes unreachable unreleased. f must not call s's methods. Package
-// reduction uses it to forget storages it cached.
+// becomes unreachable unreleased. f must not call s's methods. A cache of
+// storages uses it to forget them.
 func (s *Storage) OnRelease(f func()) {
 	s.mu.Lock()
 	if s.mem.Load().released {
