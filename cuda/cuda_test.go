@@ -16,6 +16,7 @@ import (
 	"github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/cudafake"
+	"github.com/tensormp/tensormp/internal/gpushare"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/internal/testmain"
@@ -295,7 +296,7 @@ func TestUnsentExportAndOOMCollectLimbo(t *testing.T) {
 // received is what a receiving process makes of h: the same description,
 // with a token block of its own attached through the ticket's descriptor,
 // the one the message carries; then the message is done.
-func received(t *testing.T, h cuda.Handle) cuda.Handle {
+func received(t *testing.T, h gpushare.Handle) gpushare.Handle {
 	t.Helper()
 	seg := h.Token.Segment()
 	tok, err := shm.AttachBlock(h.Ticket.FD(), statOf(t, h.Ticket.FD()), false, seg.Size(), h.Token.Offset(), 8, h.Token.Gen())
@@ -314,7 +315,7 @@ func TestBadRanges(t *testing.T) {
 	assert.Error(t, b.Write(make([]byte, 17), 0))
 	assert.Error(t, b.Read(make([]byte, 4), 13))
 	assert.Error(t, b.Read(make([]byte, 4), -1))
-	_, err = rt.Import(cuda.Handle{Size: 16})
+	_, err = rt.Import(gpushare.Handle{Size: 16})
 	assert.ErrorContains(t, err, "without a reference token")
 
 	for _, bad := range []struct{ off, size int64 }{{0, 17}, {8, 9}, {16, 1}} {

@@ -29,13 +29,13 @@
 // and maps a slab once, the first time it is named. The device memory
 // lives while any process, or message, holds a descriptor, a handle or a
 // mapping of it: a producer may exit first, killed or not, and a killed
-// receiver gives everything back. Share waits for the work queued on the
+// receiver gives everything back. Sending waits for the work queued on the
 // device before the buffer is described, so that no interprocess event,
 // and no file in /dev/shm, is needed.
 //
 // Where the device cannot export descriptors (older drivers, some
 // virtualised GPUs), the legacy path is chosen at run time: a buffer is an
-// allocation of its own, and Export describes it with an IPC memory
+// allocation of its own, described to other processes by an IPC memory
 // handle, an interprocess event and a token, a block of shared memory that
 // every process using the allocation holds. Each message holds a
 // reference, each consumer's Buffer one; the producer's Release puts an

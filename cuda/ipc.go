@@ -4,29 +4,9 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/tensormp/tensormp/internal/gpushare"
 	"github.com/tensormp/tensormp/internal/shm"
 )
-
-// Handle describes a GPU buffer to another process: the allocation's IPC
-// handle, where the buffer starts in it, an interprocess event that marks
-// the work done on it before sending, and a token. The token is a block of
-// shared memory that every process using the allocation holds (see
-// shm.Block): the producer frees the allocation only when no other
-// process, and no message in flight, holds the token, so the memory lives
-// exactly as long as some consumer uses it.
-type Handle struct {
-	Device int
-	Mem    IPCMemHandle
-	Event  IPCEventHandle
-	Offset int64 // from the allocation's start to the buffer's
-	Size   int64
-	// Token is the token block: the sender's in Export, the receiver's
-	// own (attached from the message's ticket) in Import.
-	Token *shm.Block
-	// Ticket, from Export, holds the token for the message: send its
-	// descriptor, then call Done (or Discard if it is never sent).
-	Ticket *shm.Ticket
-}
 
 // export is what a producer keeps for an allocation it has sent.
 type export struct {
@@ -46,26 +26,25 @@ type openedMem struct {
 	users int // guarded by Runtime.mu
 }
 
-// Export describes b for another process and takes a ticket on its token
-// for the message (h.Ticket); the receiver attaches the token and imports
-// with it. The work queued on b
-// so far is marked by an event the receiver waits for. A buffer received
-// from another process can be exported again: the third process opens
-// the original allocation.
-func (b *Buffer) Export() (Handle, error) {
+// exportIPC describes b for another process by IPC handle and takes a ticket
+// on its token for the message (h.Ticket); the receiver attaches the token
+// and imports with it. The work queued on b so far is marked by an event
+// the receiver waits for. A buffer received from another process can be
+// exported again: the third process opens the original allocation.
+func (b *Buffer) exportIPC() (gpushare.Handle, error) {
 	if b.freed.Load() {
-		return Handle{}, errors.New("cuda: exporting a freed buffer")
+		return gpushare.Handle{}, errors.New("cuda: exporting a freed buffer")
 	}
 	if b.size == 0 {
-		return Handle{}, errors.New("cuda: exporting an empty buffer")
+		return gpushare.Handle{}, errors.New("cuda: exporting an empty buffer")
 	}
 	if b.block != nil {
-		return Handle{}, errors.New("cuda: a buffer in a device slab travels by Share, not by IPC handle")
+		return gpushare.Handle{}, errors.New("cuda: a buffer in a device slab travels by Share, not by IPC handle")
 	}
 	if b.from != nil {
 		tk, err := b.token.Ticket()
 		if err != nil {
-			return Handle{}, fmt.Errorf("cuda: exporting a received buffer: %w", err)
+			return gpushare.Handle{}, fmt.Errorf("cuda: exporting a received buffer: %w", err)
 		}
 		h := b.desc
 		h.Token, h.Ticket = b.token, tk
@@ -73,14 +52,14 @@ func (b *Buffer) Export() (Handle, error) {
 	}
 	e, err := b.exec()
 	if err != nil {
-		return Handle{}, err
+		return gpushare.Handle{}, err
 	}
 	b.rt.mu.Lock()
 	defer b.rt.mu.Unlock()
 	if b.export == nil {
 		token, err := shm.DefaultPool().Alloc(8)
 		if err != nil {
-			return Handle{}, fmt.Errorf("cuda: making the reference token: %w", err)
+			return gpushare.Handle{}, fmt.Errorf("cuda: making the reference token: %w", err)
 		}
 		x := &export{token: token}
 		err = e.Do(func() error {
@@ -99,26 +78,26 @@ func (b *Buffer) Export() (Handle, error) {
 		})
 		if err != nil {
 			_ = token.Release()
-			return Handle{}, err
+			return gpushare.Handle{}, err
 		}
 		b.export = x
 	}
 	x := b.export
 	if err := e.Do(func() error { return b.rt.drv.EventRecord(x.event) }); err != nil {
-		return Handle{}, err
+		return gpushare.Handle{}, err
 	}
 	tk, err := x.token.Ticket()
 	if err != nil {
-		return Handle{}, err
+		return gpushare.Handle{}, err
 	}
-	return Handle{Device: b.dev, Mem: x.mem, Event: x.evh, Offset: int64(b.ptr - b.base), Size: b.size, Token: x.token, Ticket: tk}, nil
+	return gpushare.Handle{Device: b.dev, Mem: x.mem, Event: x.evh, Offset: int64(b.ptr - b.base), Size: b.size, Token: x.token, Ticket: tk}, nil
 }
 
-// Import opens a buffer another process exported, once per allocation per
-// process, and waits for the work the producer queued on it. The buffer
-// takes over h.Token, the receiver's own hold on the token: its Release
-// releases it.
-func (r *Runtime) Import(h Handle) (*Buffer, error) {
+// importIPC opens a buffer another process exported, once per allocation
+// per process, and waits for the work the producer queued on it. The
+// buffer takes over h.Token, the receiver's own hold on the token: its
+// Release releases it.
+func (r *Runtime) importIPC(h gpushare.Handle) (*Buffer, error) {
 	if h.Token == nil {
 		return nil, errors.New("cuda: import without a reference token")
 	}

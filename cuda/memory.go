@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 
 	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/gpushare"
 	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -108,8 +109,8 @@ type Buffer struct {
 
 	// Opened from another process.
 	from  *openedMem
-	token *shm.Block // this process's hold on the producer's memory
-	desc  Handle     // how it was described to us, to send it on
+	token *shm.Block      // this process's hold on the producer's memory
+	desc  gpushare.Handle // how it was described to us, to send it on
 
 	// A block of a device slab (see slab.go), made here or received
 	// (received); nil for a buffer allocated on its own.

@@ -9,6 +9,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/tensormp/tensormp/internal/gpushare"
 	"github.com/tensormp/tensormp/internal/shm"
 )
 
@@ -34,7 +35,7 @@ import (
 // and the memory goes with the last process, or message, to let it go.
 //
 // Before a buffer is described to another process, the work queued on
-// its device so far is waited for (Share): the receiver has nothing to
+// its device so far is waited for (share): the receiver has nothing to
 // wait for, and no interprocess event, whose files the driver keeps in
 // /dev/shm, is needed.
 
@@ -199,47 +200,38 @@ func (r *Runtime) allocBlock(p *shm.Pool, dev int, n int64) (*Buffer, error) {
 	return &Buffer{rt: r, dev: dev, ptr: s.ptr + DevicePtr(blk.Offset()), size: n, block: blk}, nil
 }
 
-// SlabShare is what a message carries of a buffer in a device slab: its
-// block, whose ticket holds it in flight and whose segment names the
-// slab, and the slab's descriptor, which stays the buffer's.
-type SlabShare struct {
-	Device int
-	Block  *shm.Block
-	MemFD  int
-}
-
-// Share describes b, a buffer in a device slab, to another process, once
+// share describes b, a buffer in a device slab, to another process, once
 // the work queued on its device so far is done. ok is false for a buffer
-// that is not in a slab (see FDShared): it travels by Export.
-func (b *Buffer) Share() (sh SlabShare, ok bool, err error) {
+// that is not in a slab (see FDShared): it travels by exportIPC.
+func (b *Buffer) share() (sh gpushare.Slab, ok bool, err error) {
 	if b.block == nil {
-		return SlabShare{}, false, nil
+		return gpushare.Slab{}, false, nil
 	}
 	if b.freed.Load() {
-		return SlabShare{}, true, errors.New("cuda: sharing a freed buffer")
+		return gpushare.Slab{}, true, errors.New("cuda: sharing a freed buffer")
 	}
 	e, err := b.exec()
 	if err != nil {
-		return SlabShare{}, true, err
+		return gpushare.Slab{}, true, err
 	}
 	if err := e.Do(b.rt.drv.Synchronize); err != nil {
-		return SlabShare{}, true, fmt.Errorf("cuda: waiting for the work on gpu:%d before sending: %w", b.dev, err)
+		return gpushare.Slab{}, true, fmt.Errorf("cuda: waiting for the work on gpu:%d before sending: %w", b.dev, err)
 	}
 	s, _ := b.block.Extent().(*slab)
 	if s == nil {
-		return SlabShare{}, true, errors.New("cuda: a buffer whose slab is gone")
+		return gpushare.Slab{}, true, errors.New("cuda: a buffer whose slab is gone")
 	}
-	return SlabShare{Device: b.dev, Block: b.block, MemFD: s.fd}, true, nil
+	return gpushare.Slab{Device: b.dev, Block: b.block, MemFD: s.fd}, true, nil
 }
 
-// ImportBlock returns the buffer of size bytes that blk, a block of a
+// importBlock returns the buffer of size bytes that blk, a block of a
 // device slab this process received (attached from the message's
 // ticket), holds on device dev; the buffer takes blk over, and its Release
 // releases it. The first block of a slab imports and maps the slab, from
 // the descriptor memFD returns, which stays the caller's; the others find
 // it mapped. A descriptor that is no allocation of dev's, or one smaller
 // than the slab's table says, is an error, and nothing is mapped.
-func (r *Runtime) ImportBlock(dev int, blk *shm.Block, size int64, memFD func() (int, error)) (*Buffer, error) {
+func (r *Runtime) importBlock(dev int, blk *shm.Block, size int64, memFD func() (int, error)) (*Buffer, error) {
 	if !blk.InExtent() {
 		return nil, fmt.Errorf("cuda: importing a block of gpu:%d: %w", dev, shm.ErrNoExtent)
 	}

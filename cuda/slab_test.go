@@ -12,6 +12,7 @@ import (
 
 	"github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/internal/cudafake"
+	"github.com/tensormp/tensormp/internal/gpushare"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/shm"
 )
@@ -60,7 +61,7 @@ func TestSlabsPackBuffers(t *testing.T) {
 // share sends b as a message would: it returns a ticket descriptor of its
 // block, as the receiver gets it, and the message's copy of the slab's
 // descriptor.
-func share(t *testing.T, b *cuda.Buffer) (sh cuda.SlabShare, ticket, memFD int) {
+func share(t *testing.T, b *cuda.Buffer) (sh gpushare.Slab, ticket, memFD int) {
 	t.Helper()
 	sh, ok, err := b.Share()
 	require.NoError(t, err)
@@ -76,7 +77,7 @@ func share(t *testing.T, b *cuda.Buffer) (sh cuda.SlabShare, ticket, memFD int) 
 }
 
 // receive attaches the block a message named, as a receiver does.
-func receive(t *testing.T, sh cuda.SlabShare, ticket int) *shm.Block {
+func receive(t *testing.T, sh gpushare.Slab, ticket int) *shm.Block {
 	t.Helper()
 	st, err := shm.StatFile(ticket)
 	require.NoError(t, err)

@@ -3,7 +3,6 @@ package reduction
 import (
 	"sync"
 
-	"github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -144,7 +143,7 @@ func liveUser(u any, size int64) *tensor.Storage {
 		return nil
 	}
 	switch s.Backing().(type) {
-	case *shm.Block, *cuda.Buffer:
+	case *shm.Block, tensor.Buffer:
 		return s
 	}
 	return nil // released

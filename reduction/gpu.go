@@ -4,8 +4,11 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/tensormp/tensormp/cuda"
+	// GPU tensors travel through package cuda: it registers the GPU
+	// backend and the Sharer that reduceGPU and the openers use.
+	_ "github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/gpushare"
 	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -24,15 +27,22 @@ func reduceGPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (m Meta, fd, me
 	if s.Released() {
 		return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
 	}
-	buf, ok := s.Backing().(*cuda.Buffer)
+	buf, ok := s.Backing().(tensor.Buffer)
 	if !ok {
-		return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: its memory is not a CUDA allocation: %w", t, ErrDeviceTensor)
+		return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
+	}
+	gs, err := gpushare.Get()
+	if err != nil {
+		return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
 	}
 	m = viewMeta(t, room)
 	if t.Numel() == 0 {
 		return m, -1, -1, nil, nil
 	}
-	sh, inSlab, err := buf.Share()
+	sh, inSlab, err := gs.Share(buf)
+	if errors.Is(err, gpushare.ErrForeign) {
+		err = ErrDeviceTensor
+	}
 	if err != nil {
 		return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
 	}
@@ -48,7 +58,7 @@ func reduceGPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (m Meta, fd, me
 		registerBlock(s, b)
 		return m, tk.FD(), sh.MemFD, l, nil
 	}
-	h, err := buf.Export()
+	h, err := gs.Export(buf)
 	if err != nil {
 		return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
 	}
@@ -60,7 +70,7 @@ func reduceGPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (m Meta, fd, me
 	storages.put(gpuKey(h.Mem, h.Offset), s)
 	return m, h.Ticket.FD(), -1, h.Ticket, nil
 }
-func gpuKey(h cuda.IPCMemHandle, off int64) cacheKey {
+func gpuKey(h [64]byte, off int64) cacheKey {
 	return cacheKey{name: "gpu:" + string(h[:]), off: off}
 }
 
@@ -68,7 +78,7 @@ func gpuKey(h cuda.IPCMemHandle, off int64) cacheKey {
 // process's own when it has one for that memory (the producer's own, or
 // one received before), else the producer's allocation opened by IPC.
 func openGPU(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
-	var h cuda.Handle
+	var h gpushare.Handle
 	if len(m.IPC) != len(h.Mem) || len(m.IPCEvent) != len(h.Event) {
 		return nil, fmt.Errorf("cuda_ipc metadata with %d- and %d-byte handles, want %d", len(m.IPC), len(m.IPCEvent), len(h.Mem))
 	}
@@ -97,13 +107,13 @@ func openGPU(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*te
 	if s := storages.get(key, m.Size); s != nil {
 		return s, token.Release()
 	}
-	rt, err := cuda.Default()
+	gs, err := gpushare.Get()
 	if err != nil {
 		_ = token.Release()
 		return nil, err
 	}
 	h.Token = token
-	buf, err := rt.Import(h)
+	buf, err := gs.Import(h)
 	if err != nil {
 		_ = token.Release()
 		return nil, err
@@ -137,7 +147,7 @@ func openSlabBlock(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage
 	if s := liveUser(shm.FindUser(m.segmentID(), m.Block, m.Gen), m.Size); s != nil {
 		return s, nil // on p, or refused by rebuildTensor
 	}
-	rt, err := cuda.Default()
+	gs, err := gpushare.Get()
 	if err != nil {
 		return nil, err
 	}
@@ -145,7 +155,7 @@ func openSlabBlock(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage
 	if err != nil {
 		return nil, err
 	}
-	buf, err := rt.ImportBlock(p.Index(), b, m.Size, func() (int, error) { return fds.fd(m.MemFD) })
+	buf, err := gs.ImportBlock(p.Index(), b, m.Size, func() (int, error) { return fds.fd(m.MemFD) })
 	if err != nil {
 		_ = b.Release()
 		return nil, err

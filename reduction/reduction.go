@@ -15,9 +15,8 @@ import (
 // Version is the version of Meta this package writes and reads.
 const Version = 6
 
-// ErrDeviceTensor is returned for a tensor whose memory is not on the
-// CPU: device tensors cross processes through CUDA IPC, which this
-// package does not do yet.
+// ErrDeviceTensor is returned for a tensor whose memory is neither on the
+// CPU nor on an NVIDIA GPU through package cuda.
 var ErrDeviceTensor = errors.New("reduction: tensors on this device cannot be shared: only CPU and NVIDIA GPU memory can")
 
 // Meta describes a shared tensor to the process that rebuilds it. It

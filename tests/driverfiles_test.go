@@ -20,6 +20,7 @@ import (
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/cudafake"
 	"github.com/tensormp/tensormp/internal/cudashm"
+	"github.com/tensormp/tensormp/internal/gpushare"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/leftover"
 	"github.com/tensormp/tensormp/internal/reexec"
@@ -81,7 +82,11 @@ func exportOnFake() error {
 	if err != nil {
 		return err
 	}
-	h, err := x.Storage().Backing().(*cuda.Buffer).Export()
+	gs, err := gpushare.Get()
+	if err != nil {
+		return err
+	}
+	h, err := gs.Export(x.Storage().Backing().(tensor.Buffer))
 	if err != nil {
 		return err
 	}

@@ -1,0 +1,54 @@
+package cuda
+
+import (
+	"github.com/tensormp/tensormp/internal/gpushare"
+	"github.com/tensormp/tensormp/internal/shm"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+func init() { gpushare.Register(sharer{}) }
+
+// sharer sends and receives the buffers of the process's Runtime, for
+// package reduction (see internal/gpushare).
+type sharer struct{}
+
+func (sharer) Share(b tensor.Buffer) (gpushare.Slab, bool, error) {
+	buf, ok := b.(*Buffer)
+	if !ok {
+		return gpushare.Slab{}, false, gpushare.ErrForeign
+	}
+	return buf.share()
+}
+
+func (sharer) Export(b tensor.Buffer) (gpushare.Handle, error) {
+	buf, ok := b.(*Buffer)
+	if !ok {
+		return gpushare.Handle{}, gpushare.ErrForeign
+	}
+	return buf.exportIPC()
+}
+
+func (sharer) Import(h gpushare.Handle) (tensor.Buffer, error) {
+	r, err := Default()
+	if err != nil {
+		return nil, err
+	}
+	return nilIfFailed(r.importIPC(h))
+}
+
+func (sharer) ImportBlock(dev int, blk *shm.Block, size int64, memFD func() (int, error)) (tensor.Buffer, error) {
+	r, err := Default()
+	if err != nil {
+		return nil, err
+	}
+	return nilIfFailed(r.importBlock(dev, blk, size, memFD))
+}
+
+// nilIfFailed returns b as a tensor.Buffer, or a nil interface when err is
+// set: a nil *Buffer in an interface is not nil.
+func nilIfFailed(b *Buffer, err error) (tensor.Buffer, error) {
+	if err != nil {
+		return nil, err
+	}
+	return b, nil
+}
