@@ -3,7 +3,6 @@ package reduction
 import (
 	"errors"
 	"fmt"
-	"reflect"
 	"slices"
 
 	"github.com/vmihailenco/msgpack/v5"
@@ -44,14 +43,9 @@ func NewBodyEncoder() *BodyEncoder {
 // message, in order. The storages stay their tensors'; the caller must
 // keep them from being released until their bytes are sent.
 func (e *BodyEncoder) Encode(v any) (data []byte, bodies []*tensor.Storage, err error) {
-	if v != nil {
-		if err := checkType(reflect.TypeOf(v)); err != nil {
-			return nil, nil, err
-		}
-	}
 	e.w.reset()
 	e.enc.Reset(&e.w)
-	if err := e.enc.Encode(v); err != nil {
+	if err := encodeChecked(e.enc, v); err != nil {
 		return nil, nil, err
 	}
 	return e.w.buf, e.w.bodies, nil
@@ -72,8 +66,8 @@ func (w *bodyWriter) reset() {
 	clear(w.index)
 }
 
-// encode writes t's Meta naming its storage's body.
-func (w *bodyWriter) encode(t *tensor.Tensor) ([]byte, error) {
+// tensor returns the encoding of t's Meta, naming its storage's body.
+func (w *bodyWriter) tensor(t *tensor.Tensor) ([]byte, error) {
 	if t.Storage().Released() {
 		return nil, fmt.Errorf("reduction: encode %v: %w", t, tensor.ErrReleased)
 	}
@@ -131,20 +125,7 @@ func NewBodyDecoder() *BodyDecoder {
 func (d *BodyDecoder) Decode(data []byte, bodies []*tensor.Storage, v any) (err error) {
 	d.r.reset(data, bodies)
 	d.dec.ResetReader(&d.r)
-	defer func() {
-		if p := recover(); p != nil {
-			err = fmt.Errorf("reduction: malformed message: %v", p)
-		}
-		if err == nil {
-			err = d.r.checkUsed()
-		}
-		if err != nil {
-			for _, s := range bodies {
-				_ = s.Release()
-			}
-		}
-		d.r.reset(nil, nil)
-	}()
+	defer func() { err = finishDecode(&d.r, recover(), err) }()
 	return decodeChecked(d.dec, data, v)
 }
 
@@ -190,3 +171,16 @@ func (r *fdReader) body(int, int64) (*tensor.Storage, error) { return nil, errNo
 func (b borrowed) body(int, int64) (*tensor.Storage, error)  { return nil, errNoBodies }
 
 var errNoBodies = errors.New("body metadata in a message that carries descriptors")
+
+func (r *bodyReader) message() *msgReader      { return &r.msgReader }
+func (r *bodyReader) made() *[]*tensor.Storage { return nil }
+
+// end finishes a Decode: on failure every body is released.
+func (r *bodyReader) end(failed bool) {
+	if failed {
+		for _, s := range r.bodies {
+			_ = s.Release()
+		}
+	}
+	r.reset(nil, nil)
+}

@@ -1,0 +1,270 @@
+package reduction
+
+import (
+	"fmt"
+	"io"
+	"slices"
+
+	"github.com/vmihailenco/msgpack/v5"
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/carry"
+	"github.com/tensormp/tensormp/internal/fd"
+	"github.com/tensormp/tensormp/internal/shm"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// Decoder rebuilds values encoded by an Encoder from the bytes and
+// descriptors of one message. It is not safe for concurrent use.
+type Decoder struct {
+	r   fdReader
+	dec *msgpack.Decoder
+}
+
+// NewDecoder returns a Decoder.
+func NewDecoder() *Decoder {
+	d := &Decoder{}
+	d.dec = msgpack.NewDecoder(&d.r)
+	return d
+}
+
+// Decode decodes data into v, which must be a non-nil pointer, rebuilding
+// every tensor with the descriptors fds that came with the message.
+//
+// Decode takes ownership of fds: the descriptors a new storage keeps
+// become that storage's, and all others are closed before Decode returns,
+// also on error. A message whose descriptors are not each used by some
+// tensor is an error. On error, storages mapped by this call are
+// released, what it handed to CloseIfFailed is closed, and v may hold
+// partial results that must not be used.
+func (d *Decoder) Decode(data []byte, fds []int, v any) (err error) {
+	d.r.reset(data, fds)
+	d.dec.ResetReader(&d.r)
+	defer func() { err = finishDecode(&d.r, recover(), err) }()
+	switch p := v.(type) {
+	case **tensor.Tensor:
+		if payload, rest, ok := nextBare(data); ok && p != nil && len(rest) == 0 {
+			return d.r.decodeBare(payload, p)
+		}
+	case *[]*tensor.Tensor:
+		if items, n, ok := bareBatch(data); ok && p != nil {
+			return d.r.decodeBatch(items, n, p)
+		}
+	}
+	return decodeChecked(d.dec, data, v)
+}
+
+// nextBare splits the tensor extension at the start of b, returning its
+// payload and what follows it. A bare tensor, the commonest message, is
+// one of them and nothing else.
+func nextBare(b []byte) (payload, rest []byte, ok bool) {
+	k, _, head, body, err := peek(b)
+	if err != nil || k != kindExt || head+body > len(b) || int8(b[head]) != tensorExt {
+		return nil, nil, false
+	}
+	return b[head+1 : head+body], b[head+body:], true
+}
+
+// bareBatch reports whether data is an array of n tensor extensions and
+// nothing else, a batch that mp.PutMany sent, and returns the extensions.
+func bareBatch(data []byte) (items []byte, n int, ok bool) {
+	k, n, head, _, err := peek(data)
+	if err != nil || k != kindArray || n == 0 {
+		return nil, 0, false
+	}
+	items = data[head:]
+	for rest, i := items, 0; i < n; i++ {
+		if _, rest, ok = nextBare(rest); !ok || (i == n-1) != (len(rest) == 0) {
+			return nil, 0, false
+		}
+	}
+	return items, n, true
+}
+
+// decodeBare decodes a bare tensor's payload into *p, as msgpack would
+// through decodeTensor but without its reflection.
+func (r *fdReader) decodeBare(payload []byte, p **tensor.Tensor) error {
+	t, err := tensorOf(payload, r, &r.storages, r.dims[:])
+	if err != nil {
+		return err
+	}
+	*p = t
+	return nil
+}
+
+// decodeBatch decodes the n tensor extensions of items, which bareBatch
+// checked, into *p, reusing its room as msgpack would but without its
+// reflection.
+func (r *fdReader) decodeBatch(items []byte, n int, p *[]*tensor.Tensor) error {
+	ts := slices.Grow((*p)[:0], n)
+	defer func() { *p = ts }()
+	for range n {
+		payload, rest, _ := nextBare(items)
+		items = rest
+		t, err := tensorOf(payload, r, &r.storages, r.dims[:])
+		if err != nil {
+			return err
+		}
+		ts = append(ts, t)
+	}
+	return nil
+}
+
+// Unmarshal decodes one message with a new Decoder. See Decoder.Decode.
+func Unmarshal(data []byte, fds []int, v any) error {
+	return NewDecoder().Decode(data, fds, v)
+}
+
+// fdReader is the Decoder's reader and the per-call state of one Decode:
+// the message's bytes and descriptors, which descriptors were used and
+// taken, and the storages made. decodeTensor reaches it through
+// msgpack's Decoder.Buffered.
+type fdReader struct {
+	msgReader
+	fds  []int
+	used []bool // referenced by some tensor
+	kept []bool // owned by a storage now
+	// tickets[i]: the segment whose blocks descriptor i covers, as their
+	// ticket, until the message is decoded and shm adopts it; the
+	// zero ID (which no segment has) if none.
+	tickets  []shm.ID
+	stats    []shm.FileStat // stats[i]: descriptor i's, once statted[i]
+	statted  []bool
+	storages []*tensor.Storage
+	// others: what decoders of other types made of descriptors they
+	// took (CloseIfFailed), closed if the decode fails.
+	others []io.Closer
+}
+
+func (r *fdReader) reset(data []byte, fds []int) {
+	r.msgReader = msgReader{data: data}
+	r.fds = fds
+	r.used = slices.Grow(r.used[:0], len(fds))[:len(fds)]
+	r.kept = slices.Grow(r.kept[:0], len(fds))[:len(fds)]
+	r.stats = slices.Grow(r.stats[:0], len(fds))[:len(fds)]
+	r.statted = slices.Grow(r.statted[:0], len(fds))[:len(fds)]
+	r.tickets = slices.Grow(r.tickets[:0], len(fds))[:len(fds)]
+	clear(r.used)
+	clear(r.kept)
+	clear(r.statted)
+	clear(r.tickets)
+	clear(r.storages)
+	r.storages = r.storages[:0]
+	clear(r.others)
+	r.others = r.others[:0]
+}
+
+func (r *fdReader) fd(i int) (int, error) {
+	if i < 0 || i >= len(r.fds) {
+		return -1, fmt.Errorf("descriptor index %d out of range: the message has %d", i, len(r.fds))
+	}
+	r.used[i] = true
+	return r.fds[i], nil
+}
+
+func (r *fdReader) stat(i int) (shm.FileStat, error) {
+	fd, err := r.fd(i)
+	if err != nil {
+		return shm.FileStat{}, err
+	}
+	if !r.statted[i] {
+		st, err := shm.StatFile(fd)
+		if err != nil {
+			return st, err
+		}
+		r.stats[i], r.statted[i] = st, true
+	}
+	return r.stats[i], nil
+}
+
+func (r *fdReader) take(i int) (int, error) {
+	fd, err := r.fd(i)
+	if err != nil {
+		return -1, err
+	}
+	if r.kept[i] {
+		// Already owned by a storage: map from a duplicate.
+		return borrowed(r.fds).take(i)
+	}
+	r.kept[i] = true
+	return fd, nil
+}
+
+// ticket lends descriptor i to cover blocks of segment id until the
+// message is decoded, when adoptTickets hands it to shm. A
+// descriptor that covers another segment, or that a storage owns, only
+// lends itself to a lock taken at once.
+func (r *fdReader) ticket(i int, id shm.ID) (int, bool) {
+	fd := r.fds[i]
+	if got := r.tickets[i]; got != (shm.ID{}) {
+		return fd, got == id
+	}
+	if r.kept[i] || id == (shm.ID{}) {
+		return fd, false
+	}
+	r.tickets[i] = id
+	return fd, true
+}
+
+// adoptTickets hands the descriptors that covered blocks to mmapalloc,
+// once every block of the message is held.
+func (r *fdReader) adoptTickets() {
+	for i, id := range r.tickets {
+		if id != (shm.ID{}) && !r.kept[i] {
+			r.kept[i] = true
+			shm.AdoptTicket(r.fds[i], id)
+		}
+	}
+}
+
+func (r *fdReader) checkUsed() error { return checkUsed(r.used, "descriptors") }
+
+func (r *fdReader) closeRest() {
+	for i, fd := range r.fds {
+		if !r.kept[i] {
+			_ = unix.Close(fd)
+		}
+	}
+}
+
+func (r *fdReader) message() *msgReader      { return &r.msgReader }
+func (r *fdReader) made() *[]*tensor.Storage { return &r.storages }
+
+// end finishes a Decode. On failure the storages it mapped are released
+// before the descriptors that covered them close, and what it handed to
+// CloseIfFailed is closed; on success the tickets it took over are
+// adopted. The descriptors no storage kept are closed either way.
+func (r *fdReader) end(failed bool) {
+	if failed {
+		for _, s := range r.storages {
+			_ = s.Release()
+		}
+		for _, c := range r.others {
+			_ = c.Close()
+		}
+	} else {
+		r.adoptTickets()
+	}
+	r.closeRest()
+	r.reset(nil, nil)
+}
+
+// The decoders of mp's Queue and Pipe take a message's descriptors
+// through package carry.
+var _ carry.Reader = (*fdReader)(nil)
+
+// TakeFD hands descriptor i to the caller (carry.Reader).
+func (r *fdReader) TakeFD(i int) (*fd.FD, error) {
+	raw, err := r.take(i)
+	if err != nil {
+		return nil, err
+	}
+	return fd.New(raw), nil
+}
+
+// CloseIfFailed closes c with the message's descriptors should the decode
+// fail (carry.Reader).
+func (r *fdReader) CloseIfFailed(c io.Closer) { r.others = append(r.others, c) }
+
+// ReadExt returns the next n bytes, an extension's payload (carry.Reader).
+func (r *fdReader) ReadExt(n int) ([]byte, error) { return r.next(n) }

@@ -1,0 +1,216 @@
+package reduction
+
+import (
+	"slices"
+
+	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/tensormp/tensormp/internal/carry"
+	"github.com/tensormp/tensormp/internal/fd"
+	"github.com/tensormp/tensormp/internal/shm"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// Encoder turns values with tensors inside them (struct fields, slices,
+// maps, interfaces, at any depth) into msgpack bytes plus the descriptors
+// that must travel with them. Each tensor becomes a Meta; a storage that
+// appears several times in one value gets one descriptor, so the receiver
+// rebuilds tensors that share memory as tensors that share memory.
+//
+// An Encoder is not safe for concurrent use; make one per goroutine or use
+// Marshal.
+type Encoder struct {
+	w   fdWriter
+	enc *msgpack.Encoder
+}
+
+// NewEncoder returns an Encoder.
+func NewEncoder() *Encoder {
+	e := &Encoder{}
+	e.enc = msgpack.NewEncoder(&e.w)
+	return e
+}
+
+// Encode encodes v. The bytes are valid until the next Encode. The
+// descriptors are borrowed (from the tensors' storages, and for pooled
+// blocks from tickets that hold the blocks for the message, see Reduce):
+// send the message, then call Done, or Discard if it will not be sent.
+// The next Encode does Done for a message left without either.
+func (e *Encoder) Encode(v any) (data []byte, fds []int, err error) {
+	e.w.reset()
+	e.enc.Reset(&e.w)
+	if t, ok := v.(*tensor.Tensor); ok && t != nil {
+		err = e.encodeBare(t)
+	} else if ts, ok := v.([]*tensor.Tensor); ok && ts != nil && !slices.Contains(ts, nil) {
+		err = e.encodeBatch(ts)
+	} else {
+		err = encodeChecked(e.enc, v)
+	}
+	if err != nil {
+		e.Discard()
+		return nil, nil, err
+	}
+	return e.w.buf, e.w.fds, nil
+}
+
+// encodeBare encodes a bare tensor, the commonest message, as msgpack
+// would (an extension holding its Meta) but without its reflection.
+func (e *Encoder) encodeBare(t *tensor.Tensor) error {
+	meta, err := e.w.tensor(t)
+	if err != nil {
+		return err
+	}
+	if err := e.enc.EncodeExtHeader(tensorExt, len(meta)); err != nil {
+		return err
+	}
+	_, err = e.w.Write(meta)
+	return err
+}
+
+// encodeBatch encodes a batch of tensors (what mp.PutMany sends) as
+// msgpack would encode the slice, an array of extensions, without its
+// reflection.
+func (e *Encoder) encodeBatch(ts []*tensor.Tensor) error {
+	if err := e.enc.EncodeArrayLen(len(ts)); err != nil {
+		return err
+	}
+	for _, t := range ts {
+		if err := e.encodeBare(t); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Done tells the Encoder that the last message was sent: the descriptors
+// it lent are no longer needed.
+func (e *Encoder) Done() { e.w.settle(lease.Done) }
+
+// Discard gives up the holds the last Encode took on pooled blocks for its
+// receiver (see Reduce), for a message that will not be sent after all.
+func (e *Encoder) Discard() { e.w.settle(lease.Discard) }
+
+// lease is what a message holds on one of its descriptors until it is
+// sent: a pooled block's ticket, a segment's lent descriptor, or a
+// descriptor the message owns.
+type lease interface {
+	Done()    // the message was sent
+	Discard() // it never will be
+}
+
+// lentFD is an Allocation's descriptor lent to a message.
+type lentFD struct{ a *shm.Allocation }
+
+func (l lentFD) Done()    { l.a.ReturnFD() }
+func (l lentFD) Discard() { l.a.ReturnFD() }
+
+// ownedFD is a descriptor the message owns: closed once it is sent.
+type ownedFD struct{ f *fd.FD }
+
+func (o ownedFD) Done()    { _ = o.f.Return(); _ = o.f.Close() }
+func (o ownedFD) Discard() { o.Done() }
+
+// Marshal encodes v with a new Encoder. Unlike Encoder.Encode's, the
+// descriptors it returns are the caller's, duplicates made for this
+// message: send them, then close them (closing them unsent discards the
+// message's holds).
+func Marshal(v any) (data []byte, fds []int, err error) {
+	e := NewEncoder()
+	data, lent, err := e.Encode(v)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer e.Done()
+	fds = make([]int, 0, len(lent))
+	for _, raw := range lent {
+		d, err := shm.Dup(raw)
+		if err != nil {
+			fd.CloseAll(fds)
+			return nil, nil, err
+		}
+		fds = append(fds, d)
+	}
+	return data, fds, nil
+}
+
+// fdWriter is the Encoder's writer: the per-call state of one Encode.
+// msgpack hands it back to encodeTensor through Encoder.Writer, so the
+// descriptor list never lives in a package variable.
+type fdWriter struct {
+	msgBuf
+	fds   []int
+	index map[int]int // descriptor -> its position in fds
+
+	leases []lease     // on the message's descriptors, until it is sent
+	ticket *shm.Ticket // the last ticket among them, for tensors of its segment
+	meta   []byte      // scratch for one tensor's metadata
+	dims   []int       // scratch for its shape and strides
+}
+
+// settle ends every lease the same way.
+func (w *fdWriter) settle(end func(lease)) {
+	for _, l := range w.leases {
+		end(l)
+	}
+	clear(w.leases)
+	w.leases = w.leases[:0]
+	w.ticket = nil
+}
+
+func (w *fdWriter) reset() {
+	w.buf = w.buf[:0]
+	w.fds = w.fds[:0]
+	clear(w.index)
+	w.settle(lease.Done)
+}
+
+func (w *fdWriter) addFD(fd int) int {
+	if i, ok := w.index[fd]; ok {
+		return i
+	}
+	if w.index == nil {
+		w.index = make(map[int]int)
+	}
+	w.index[fd] = len(w.fds)
+	w.fds = append(w.fds, fd)
+	return len(w.fds) - 1
+}
+
+// The encoders of mp's Queue and Pipe add a message's descriptors
+// through package carry.
+var _ carry.Writer = (*fdWriter)(nil)
+
+// AddFD adds f to the message's descriptors, taking it over, and returns
+// its index there (carry.Writer).
+func (w *fdWriter) AddFD(f *fd.FD) (int, error) {
+	raw, err := f.Lend()
+	if err != nil {
+		return -1, err
+	}
+	w.leases = append(w.leases, ownedFD{f})
+	return w.addFD(raw), nil
+}
+
+// tensor returns the encoding of t's Meta, adding its descriptor to the
+// message's. The bytes are valid until the next tensor.
+func (w *fdWriter) tensor(t *tensor.Tensor) ([]byte, error) {
+	w.dims = slices.Grow(w.dims[:0], 2*t.Dim()) // room for reduce to fill
+	m, raw, memFD, l, err := reduce(t, w.dims, w.ticket)
+	if err != nil {
+		return nil, err
+	}
+	if memFD >= 0 {
+		m.MemFD = w.addFD(memFD) // the slab's own: open while its block is held
+	}
+	if l != nil {
+		w.leases = append(w.leases, l)
+		if tk, ok := l.(*shm.Ticket); ok {
+			w.ticket = tk
+		}
+	}
+	if raw >= 0 {
+		m.FD = w.addFD(raw) // kept open by its lease until the message is sent
+	}
+	w.meta = appendMeta(w.meta[:0], &m)
+	return w.meta, nil // written out before the next tensor reuses it
+}
