@@ -88,14 +88,18 @@ func (s *slab) Close() error {
 	return err
 }
 
-// granularity returns the size device dev's allocations and mappings
-// are multiples of.
-func (r *Runtime) granularity(dev int) (int64, error) {
+// slabDevice returns device dev's executor and the size its allocations
+// and mappings are multiples of.
+func (r *Runtime) slabDevice(dev int) (*Executor, int64, error) {
+	e, err := r.execs.Get(dev)
+	if err != nil {
+		return nil, 0, err
+	}
 	g, err := r.drv.MemGranularity(dev)
 	if err != nil {
-		return 0, fmt.Errorf("cuda: the allocation granularity of gpu:%d: %w", dev, err)
+		return nil, 0, fmt.Errorf("cuda: the allocation granularity of gpu:%d: %w", dev, err)
 	}
-	return g, nil
+	return e, g, nil
 }
 
 // roundUp rounds n up to a multiple of g.
@@ -134,11 +138,7 @@ func (r *Runtime) mapSlab(e *Executor, h MemHandle, fd int, size int64) (*slab, 
 // newSlab makes a slab of at least n bytes on device dev: the extent of a
 // new segment of dev's pool.
 func (r *Runtime) newSlab(dev int, n int64) (shm.Extent, error) {
-	e, err := r.execs.Get(dev)
-	if err != nil {
-		return nil, err
-	}
-	g, err := r.granularity(dev)
+	e, g, err := r.slabDevice(dev)
 	if err != nil {
 		return nil, err
 	}
@@ -266,11 +266,7 @@ func (r *Runtime) importBlock(dev int, blk *shm.Block, size int64, memFD func() 
 // importSlab imports and maps the allocation fd describes, which must be
 // one of device dev's, exportable as a descriptor, of at least n bytes.
 func (r *Runtime) importSlab(dev int, fd int, n int64) (*slab, error) {
-	e, err := r.execs.Get(dev)
-	if err != nil {
-		return nil, err
-	}
-	g, err := r.granularity(dev)
+	e, g, err := r.slabDevice(dev)
 	if err != nil {
 		return nil, err
 	}

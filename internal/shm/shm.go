@@ -14,37 +14,19 @@ import (
 	"github.com/tensormp/tensormp/internal/fd"
 )
 
-// Flags say how a segment is created or opened and who keeps what. They
-// follow the flags of torch's MapAllocator and Paddle's MemoryMapAllocation.
+// Flags are mmapalloc.Flags, whose documentation says what each does;
+// mmapalloc's tests check that the values are the same. Sparse is the
+// pools' own.
 type Flags uint32
 
 const (
-	// SharedMem: the segment lives in the shared-memory directory
-	// (Dir). Create always sets it.
 	SharedMem Flags = 1 << iota
-	// Exclusive: creating fails if the name exists (O_EXCL). Create
-	// always sets it.
 	Exclusive
-	// NoCreate: open an existing segment, never create one. OpenName
-	// always sets it.
 	NoCreate
-	// KeepFD: keep the descriptor open after mapping, owned by the
-	// Allocation, so that the segment can be passed on by descriptor.
 	KeepFD
-	// FromFD: map a descriptor the caller hands over. OpenFD always
-	// sets it.
 	FromFD
-	// Unlink: remove the segment's name once it is mapped. With KeepFD
-	// this is the file_descriptor strategy: the segment lives exactly as
-	// long as some process holds a descriptor or a mapping of it.
 	Unlink
-	// RefCount: the segment starts with a 64-byte header holding a
-	// reference count of the processes that have it mapped; the last
-	// Release unlinks the name. This is the file_system strategy.
 	RefCount
-	// Memfd: the segment is anonymous shared memory (memfd_create),
-	// sealed against shrinking and growing: every segment made with
-	// Unlink is. Create sets it; callers never pass it.
 	Memfd
 	// Sparse: Create sizes the file without reserving its pages (with
 	// KeepFD, not RefCount); its owner reserves each range with
