@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"reflect"
 	"sync"
 
 	"github.com/vmihailenco/msgpack/v5"
@@ -24,33 +23,8 @@ const (
 )
 
 func init() {
-	registerCarried(queueExt, (*Queue).encode, decodeQueue)
-	registerCarried(pipeExt, (*Pipe).encode, decodePipe)
-}
-
-// registerCarried registers T, a type that travels as descriptors, with
-// msgpack as extension ext: encode writes a value's payload, decode makes
-// one of it. A value that fails to decode is left nil, not the empty one
-// msgpack made; one that is made is closed if the rest of its message
-// fails to decode.
-func registerCarried[T io.Closer](ext int8, encode func(T, *msgpack.Encoder) ([]byte, error), decode func(*msgpack.Decoder, int) (T, error)) {
-	var zero T
-	carry.Must(reflect.TypeOf(zero))
-	msgpack.RegisterExtEncoder(ext, zero, func(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {
-		return encode(v.Interface().(T), enc)
-	})
-	msgpack.RegisterExtDecoder(ext, zero, func(dec *msgpack.Decoder, v reflect.Value, n int) error {
-		x, err := decode(dec, n)
-		if err != nil {
-			if v.CanSet() {
-				v.Set(reflect.Zero(v.Type()))
-			}
-			return err
-		}
-		carry.CloseIfFailed(dec, x)
-		v.Set(reflect.ValueOf(x))
-		return nil
-	})
+	carry.Register(queueExt, (*Queue).encode, decodeQueue)
+	carry.Register(pipeExt, (*Pipe).encode, decodePipe)
 }
 
 var (

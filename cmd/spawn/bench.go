@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"reflect"
 	"runtime"
 	"runtime/pprof"
 	"slices"
@@ -65,34 +64,39 @@ type benchArgs struct {
 // floorSocket carries the worker's end of the floor's socket pair.
 type floorSocket struct{ f *fd.FD }
 
+func (s floorSocket) encode(enc *msgpack.Encoder) ([]byte, error) {
+	if s.f == nil {
+		return nil, nil
+	}
+	i, err := carry.AddFD(enc, s.f)
+	if err != nil {
+		return nil, err
+	}
+	return []byte{byte(i)}, nil
+}
+
+func decodeFloorSocket(dec *msgpack.Decoder, n int) (floorSocket, error) {
+	payload, err := carry.ReadExt(dec, n)
+	if err != nil || len(payload) == 0 {
+		return floorSocket{}, err
+	}
+	f, err := carry.TakeFD(dec, int(payload[0]))
+	return floorSocket{f}, err
+}
+
+// Close closes the socket, if any.
+func (s floorSocket) Close() error {
+	if s.f == nil {
+		return nil
+	}
+	return s.f.Close()
+}
+
 const floorExt int8 = 0x62 // 'b'
 
 func init() {
 	mp.Register("bench", benchWorker)
-	carry.Must(reflect.TypeFor[floorSocket]())
-	msgpack.RegisterExtEncoder(floorExt, floorSocket{}, func(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {
-		s := v.Interface().(floorSocket)
-		if s.f == nil {
-			return nil, nil
-		}
-		i, err := carry.AddFD(enc, s.f)
-		if err != nil {
-			return nil, err
-		}
-		return []byte{byte(i)}, nil
-	})
-	msgpack.RegisterExtDecoder(floorExt, floorSocket{}, func(dec *msgpack.Decoder, v reflect.Value, n int) error {
-		payload, err := carry.ReadExt(dec, n)
-		if err != nil || len(payload) == 0 {
-			return err
-		}
-		f, err := carry.TakeFD(dec, int(payload[0]))
-		if err != nil {
-			return err
-		}
-		v.Set(reflect.ValueOf(floorSocket{f}))
-		return nil
-	})
+	carry.Register(floorExt, floorSocket.encode, decodeFloorSocket)
 }
 
 // benchWorker echoes tensors, counts streamed ones, or holds them and

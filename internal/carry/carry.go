@@ -97,3 +97,29 @@ func Is(t reflect.Type) bool {
 	_, ok := types.Load(t)
 	return ok
 }
+
+// Register registers T, a type that travels as descriptors, with msgpack
+// as extension ext: encode writes a value's payload (adding its
+// descriptors with AddFD), decode makes one of it (taking them with
+// TakeFD). A value that fails to decode is left the zero value, not the
+// empty one msgpack made; one that is made is closed if the rest of its
+// message fails to decode.
+func Register[T io.Closer](ext int8, encode func(T, *msgpack.Encoder) ([]byte, error), decode func(*msgpack.Decoder, int) (T, error)) {
+	var zero T
+	Must(reflect.TypeOf(zero))
+	msgpack.RegisterExtEncoder(ext, zero, func(enc *msgpack.Encoder, v reflect.Value) ([]byte, error) {
+		return encode(v.Interface().(T), enc)
+	})
+	msgpack.RegisterExtDecoder(ext, zero, func(dec *msgpack.Decoder, v reflect.Value, n int) error {
+		x, err := decode(dec, n)
+		if err != nil {
+			if v.CanSet() {
+				v.Set(reflect.Zero(v.Type()))
+			}
+			return err
+		}
+		CloseIfFailed(dec, x)
+		v.Set(reflect.ValueOf(x))
+		return nil
+	})
+}
