@@ -6,7 +6,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
-	"io"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -300,7 +299,7 @@ func FuzzDecodeQueueAndPipe(f *testing.F) {
 		_, _ = unix.Close(places[0]), unix.Close(places[1])
 		var v any
 		if err := decode(data, fds, &v); err == nil {
-			closeAllIn(v)
+			leakcheck.Free(v)
 		}
 		if n := leakcheck.Count(); n != base {
 			t.Fatalf("descriptors: %d before, %d after", base, n)
@@ -315,23 +314,3 @@ const (
 	kindPlacesWrite
 	kindForeign // and foreignKinds after it
 )
-
-// closeAllIn closes every queue and pipe inside a decoded value.
-func closeAllIn(v any) {
-	switch x := v.(type) {
-	case io.Closer:
-		_ = x.Close()
-	case []any:
-		for _, e := range x {
-			closeAllIn(e)
-		}
-	case map[string]any:
-		for _, e := range x {
-			closeAllIn(e)
-		}
-	case map[any]any:
-		for _, e := range x {
-			closeAllIn(e)
-		}
-	}
-}

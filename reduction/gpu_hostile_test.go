@@ -173,7 +173,7 @@ func FuzzUnmarshalGPU(f *testing.F) {
 		fd.CloseAll(msgFDs[:])
 		var v any
 		if err := Unmarshal(data, fds, &v); err == nil {
-			releaseAll(v)
+			leakcheck.Free(v)
 		}
 		// What the producer's pool and the receiver keep for reuse goes
 		// with the trim, once the receiver's holds are settled.

@@ -6,8 +6,10 @@ package leakcheck
 
 import (
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
+	"reflect"
 	"runtime"
 	"slices"
 	"strconv"
@@ -244,4 +246,39 @@ func describe(name string) string {
 		}
 	}
 	return b.String()
+}
+
+// Free gives back what a decoded value holds, for a test that decoded a
+// hostile message and keeps none of it: it releases every tensor and
+// storage and closes every queue and pipe inside v, through the values
+// msgpack decodes into an any ([]any, map[string]any, map[any]any).
+func Free(v any) {
+	switch x := v.(type) {
+	case interface{ Release() error }:
+		if !isNil(x) {
+			_ = x.Release()
+		}
+	case io.Closer:
+		if !isNil(x) {
+			_ = x.Close()
+		}
+	case []any:
+		for _, e := range x {
+			Free(e)
+		}
+	case map[string]any:
+		for _, e := range x {
+			Free(e)
+		}
+	case map[any]any:
+		for _, e := range x {
+			Free(e)
+		}
+	}
+}
+
+// isNil reports whether v holds a nil pointer.
+func isNil(v any) bool {
+	r := reflect.ValueOf(v)
+	return r.Kind() == reflect.Pointer && r.IsNil()
 }
