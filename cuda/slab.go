@@ -17,7 +17,7 @@ import (
 //
 // Where the driver can export an allocation as a POSIX file descriptor
 // (FDExportSupported), a device's buffers are blocks of pooled slabs, as
-// shared CPU memory is: an extent pool of mmapalloc (see
+// shared CPU memory is: an extent pool of internal/shm (see
 // shm.NewExtentPool) whose slabs' data are device allocations made
 // with MemCreate, many small buffers to a slab and a large one in a slab
 // of its own, a released block reused once no process holds it. Each

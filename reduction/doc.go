@@ -7,7 +7,7 @@
 // Sending shares a tensor's storage in place if it is not shared yet (see
 // tensor.ShareMemory); a shared one is never copied. A pooled block travels
 // as its segment's ticket descriptor, which holds the block while the
-// message is in flight (see mmapalloc.Block.Ticket), and, under
+// message is in flight (see package mmapalloc), and, under
 // file_system, the segment's name, which the receiver opens; an empty
 // tensor travels as metadata alone. Names of another session are refused.
 //
@@ -15,7 +15,7 @@
 // to send and close (closing one unsent drops the holds it stood for).
 // Encoder.Encode lends its descriptors until Done (sent) or Discard (never
 // sent). Rebuild borrows its descriptors; Decode owns its descriptors: a
-// ticket is handed to mmapalloc once every block it covers is held, a
+// ticket is kept by the process once every block it covers is held, a
 // whole segment's descriptor goes to its storage, and the rest are closed.
 // Receiving a segment the process already maps returns a tensor on the same
 // Storage, through a guarded cache that does not keep storages alive (see

@@ -70,7 +70,7 @@ const StrategyCUDAFD = "cuda_fd"
 // segment and no descriptor.
 //
 // The returned descriptors are the caller's: send them, then close them.
-// A pooled block's descriptor is a ticket (see shm.Block.Ticket):
+// A pooled block's descriptor is a ticket (see package mmapalloc):
 // while it is open, in flight or here, the block cannot be recycled, so
 // closing it unsent is how metadata that will never be rebuilt is
 // discarded.
