@@ -24,17 +24,17 @@ var ErrClosed = errors.New("fd: descriptor closed")
 // FD is an owned file descriptor. Its methods may be called from several
 // goroutines.
 type FD struct {
-	num     int // the number New took, for Num
+	num     int // the number New took
 	mu      sync.Mutex
-	raw     int // num, or -1 once closed or disowned
 	lent    int
+	gone    bool // closed or disowned
 	closing bool // Close was called while lent
 	cleanup runtime.Cleanup
 }
 
 // New takes ownership of raw.
 func New(raw int) *FD {
-	f := &FD{num: raw, raw: raw}
+	f := &FD{num: raw}
 	f.cleanup = runtime.AddCleanup(f, func(raw int) { _ = unix.Close(raw) }, raw)
 	return f
 }
@@ -44,11 +44,11 @@ func New(raw int) *FD {
 func (f *FD) Lend() (int, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if f.raw < 0 || f.closing {
+	if f.gone || f.closing {
 		return -1, ErrClosed
 	}
 	f.lent++
-	return f.raw, nil
+	return f.num, nil
 }
 
 // Num returns the descriptor's number, for the system calls of an owner
@@ -80,7 +80,7 @@ func (f *FD) Return() error {
 func (f *FD) Close() error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if f.raw < 0 || f.closing {
+	if f.gone || f.closing {
 		return nil
 	}
 	if f.lent > 0 {
@@ -92,9 +92,8 @@ func (f *FD) Close() error {
 
 func (f *FD) closeLocked() error {
 	f.cleanup.Stop()
-	raw := f.raw
-	f.raw, f.closing = -1, false
-	return unix.Close(raw)
+	f.gone, f.closing = true, false
+	return unix.Close(f.num)
 }
 
 // Disown hands the descriptor over to the caller, who closes it; the FD
@@ -102,16 +101,15 @@ func (f *FD) closeLocked() error {
 func (f *FD) Disown() (int, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if f.raw < 0 || f.closing {
+	if f.gone || f.closing {
 		return -1, ErrClosed
 	}
 	if f.lent > 0 {
 		return -1, errors.New("fd: disowning a descriptor that is lent")
 	}
 	f.cleanup.Stop()
-	raw := f.raw
-	f.raw = -1
-	return raw, nil
+	f.gone = true
+	return f.num, nil
 }
 
 // CloseEach closes every FD of fds, skipping nil ones.
@@ -140,8 +138,8 @@ func (f *FD) Dup() (*FD, error) {
 func (f *FD) String() string {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if f.raw < 0 {
+	if f.gone {
 		return "fd (closed)"
 	}
-	return "fd " + strconv.Itoa(f.raw)
+	return "fd " + strconv.Itoa(f.num)
 }
