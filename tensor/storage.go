@@ -347,22 +347,20 @@ func (s *Storage) ShareMemory(st strategy.Strategy) error {
 	case m.shared:
 		return nil
 	}
-	nm := memory{bytes: []byte{}, shared: true}
-	if s.nbytes > 0 {
-		var err error
-		if nm, err = newSharedMemory(s.nbytes, st, false); err != nil {
+	if s.nbytes == 0 {
+		s.disarm() // the private memory's, if it has a backing of its own
+		s.mem.Store(&memory{bytes: []byte{}, shared: true})
+	} else {
+		nm, err := newSharedMemory(s.nbytes, st, false)
+		if err != nil {
 			return err
 		}
 		if err := copyBytes(nm.bytes, m.bytes); err != nil {
 			_ = nm.release()
 			return fmt.Errorf("tensor: share memory (%d bytes, %s): %w", s.nbytes, st, err)
 		}
-	}
-	s.disarm() // the private memory's, if it has a backing of its own
-	if nm.backing != nil {
+		s.disarm()
 		s.arm(nm)
-	} else {
-		s.mem.Store(&nm)
 	}
 	if err := m.release(); err != nil {
 		return fmt.Errorf("tensor: share memory: giving back the private memory: %w", err)
