@@ -261,7 +261,7 @@ func (seg *segment) holdLocked(off, size int64, gen uint64, covered bool) (*Bloc
 	if seg.holds[slot] == 0 {
 		locked := seg.onFD[slot]
 		if !locked && !covered {
-			ok, err := lockRead(seg.alloc.FD(), slotByte(slot), 1)
+			ok, err := lockRead(seg.alloc.fd(), slotByte(slot), 1)
 			if err != nil {
 				return nil, err
 			}
@@ -272,7 +272,7 @@ func (seg *segment) holdLocked(off, size int64, gen uint64, covered bool) (*Bloc
 		}
 		if !seg.genIs(slot, gen) {
 			if seg.onFD[slot] && !locked {
-				_ = unlock(seg.alloc.FD(), slotByte(slot), 1)
+				_ = unlock(seg.alloc.fd(), slotByte(slot), 1)
 				delete(seg.onFD, slot)
 			}
 			return nil, fmt.Errorf("mmapalloc: block at offset %d: %w", off, ErrStaleBlock)
@@ -334,7 +334,7 @@ func (seg *segment) transferLocked() error {
 			}
 		}
 		for _, r := range runs(need) {
-			if _, err := lockRead(seg.alloc.FD(), slotByte(r[0]), int64(r[1])); err != nil {
+			if _, err := lockRead(seg.alloc.fd(), slotByte(r[0]), int64(r[1])); err != nil {
 				errs = append(errs, err)
 				continue
 			}
@@ -343,7 +343,7 @@ func (seg *segment) transferLocked() error {
 			}
 		}
 		for _, r := range runs(drop) {
-			if err := unlock(seg.alloc.FD(), slotByte(r[0]), int64(r[1])); err != nil {
+			if err := unlock(seg.alloc.fd(), slotByte(r[0]), int64(r[1])); err != nil {
 				errs = append(errs, err)
 			}
 			for slot := r[0]; slot < r[0]+r[1]; slot++ {
@@ -478,7 +478,7 @@ func (seg *segment) afterTicketsRotated() {
 // found abandoned loses its name; a received one found held elsewhere is
 // watched (orphans), in case no process that holds it looks again.
 func (seg *segment) abandoned() bool {
-	ok, err := lockWrite(seg.alloc.FD(), lockBase, 0)
+	ok, err := lockWrite(seg.alloc.fd(), lockBase, 0)
 	if err != nil {
 		return false
 	}
@@ -488,7 +488,7 @@ func (seg *segment) abandoned() bool {
 		}
 		return false
 	}
-	_ = unlock(seg.alloc.FD(), lockBase, 0)
+	_ = unlock(seg.alloc.fd(), lockBase, 0)
 	if seg.named {
 		_ = seg.alloc.Remove()
 	}

@@ -263,7 +263,7 @@ func (b *Block) Ticket() (*Ticket, error) {
 // their holds through their own copies of it.
 func (b *Block) Busy() bool {
 	b.seg.tickets.rotate()
-	_, _, busy, err := lockInWay(b.seg.alloc.FD(), slotByte(b.slot), 1)
+	_, _, busy, err := lockInWay(b.seg.alloc.fd(), slotByte(b.slot), 1)
 	return busy || err != nil
 }
 

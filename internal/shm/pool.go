@@ -184,14 +184,14 @@ func (p *Pool) reclaimLocked(c *sizeClass) {
 	}
 	if len(ask) > 0 {
 		slices.SortFunc(ask, func(x, y *Block) int {
-			return cmp.Or(cmp.Compare(x.seg.alloc.FD(), y.seg.alloc.FD()), cmp.Compare(x.slot, y.slot))
+			return cmp.Or(cmp.Compare(x.seg.alloc.fd(), y.seg.alloc.fd()), cmp.Compare(x.slot, y.slot))
 		})
 		for rest := ask; len(rest) > 0; {
 			n := 1
 			for n < len(rest) && rest[n].seg == rest[0].seg {
 				n++
 			}
-			askHeld(rest[0].seg.alloc.FD(), rest[:n])
+			askHeld(rest[0].seg.alloc.fd(), rest[:n])
 			rest = rest[n:]
 		}
 		clear(ask)
@@ -234,7 +234,7 @@ func (s *segment) askWhole() int8 {
 		return heldAll
 	}
 	first, end := slotByte(0), slotByte(s.nslots)
-	from, to, held, err := lockInWay(s.alloc.FD(), first, end-first)
+	from, to, held, err := lockInWay(s.alloc.fd(), first, end-first)
 	switch {
 	case err != nil || held && from <= first && to >= end:
 		return heldAll
@@ -357,7 +357,7 @@ func (p *Pool) newSegmentWith(c *sizeClass, nslots, segSize, dataOff int64) (*se
 	if err != nil {
 		return nil, err
 	}
-	if ok, err := lockRead(a.FD(), lockBase, 1); !ok || err != nil {
+	if ok, err := lockRead(a.fd(), lockBase, 1); !ok || err != nil {
 		_ = a.Remove()
 		_ = a.Release()
 		return nil, fmt.Errorf("mmapalloc: taking ownership of a new segment: %w", err)
@@ -522,7 +522,7 @@ func (p *Pool) letGo() {
 		if !seg.named {
 			continue
 		}
-		_ = unlock(seg.alloc.FD(), lockBase, 1)
+		_ = unlock(seg.alloc.fd(), lockBase, 1)
 		if seg.abandoned() {
 			_ = seg.alloc.Remove()
 		}

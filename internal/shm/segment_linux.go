@@ -91,7 +91,7 @@ func createMemfd(total int64, flags Flags) (*Allocation, error) {
 	if err != nil {
 		return nil, err
 	}
-	if _, err := unix.FcntlInt(uintptr(a.FD()), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL); err != nil {
+	if _, err := unix.FcntlInt(uintptr(a.fd()), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL); err != nil {
 		_ = a.closeMapping()
 		return nil, &Error{Op: "seal", Path: name, Err: err}
 	}

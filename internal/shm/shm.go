@@ -296,6 +296,10 @@ func (a *Allocation) FD() int {
 	return a.own.Num()
 }
 
+// fd is the kept descriptor's number for this package's system calls,
+// made while the Allocation is open: FD without its check.
+func (a *Allocation) fd() int { return a.own.Num() }
+
 // LendFD lends the kept descriptor, to a message that passes it to
 // another process: the number stays open, and the same file, until
 // ReturnFD, whatever Release does meanwhile.
@@ -342,7 +346,7 @@ func (a *Allocation) hdr() *header {
 func (a *Allocation) String() string {
 	where := a.path
 	if where == "" {
-		where = fmt.Sprintf("fd %d", a.FD())
+		where = fmt.Sprintf("fd %d", a.fd())
 	}
 	return fmt.Sprintf("segment %s (%d bytes, %v)", where, len(a.data), a.flags)
 }

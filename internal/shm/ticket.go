@@ -76,7 +76,7 @@ func (s *tickets) take(seg *segment) (*Ticket, error) {
 	defer s.mu.Unlock()
 	t := s.cur
 	if t == nil {
-		raw, err := reopen(seg.alloc.FD())
+		raw, err := reopen(seg.alloc.fd())
 		if err != nil {
 			return nil, err
 		}
