@@ -132,19 +132,29 @@ func registerBlock(s *tensor.Storage, b *shm.Block) *tensor.Storage {
 }
 
 // liveUser returns the storage u, a block's registered user, stands for,
-// if it is live, on a block, and of size bytes; else nil.
+// if it is live and of size bytes; else nil. A registered storage stays
+// on its block until it is released.
 func liveUser(u any, size int64) *tensor.Storage {
 	r, ok := u.(*tensor.StorageRef)
 	if !ok {
 		return nil
 	}
-	s := r.Value()
-	if s == nil || s.Size() != size {
-		return nil
-	}
-	switch s.Backing().(type) {
-	case *shm.Block, tensor.Buffer:
+	if s := r.Value(); s != nil && !s.Released() && s.Size() == size {
 		return s
 	}
-	return nil // released
+	return nil
+}
+
+// remember caches s, a storage just described for a message as h, so
+// that receiving it back here gives s again: as the registered user of
+// its block, else by the segment's name or identity.
+func remember(s *tensor.Storage, h shm.Handle) {
+	switch {
+	case h.Block != nil:
+		registerBlock(s, h.Block)
+	case h.Name != "":
+		storages.put(nameKey(h.Name), s)
+	default:
+		storages.put(idKey(h.ID), s)
+	}
 }

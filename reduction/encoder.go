@@ -84,25 +84,11 @@ func (e *Encoder) encodeBatch(ts []*tensor.Tensor) error {
 
 // Done tells the Encoder that the last message was sent: the descriptors
 // it lent are no longer needed.
-func (e *Encoder) Done() { e.w.settle(lease.Done) }
+func (e *Encoder) Done() { e.w.settle(shm.Lease.Done) }
 
 // Discard gives up the holds the last Encode took on pooled blocks for its
 // receiver (see Reduce), for a message that will not be sent after all.
-func (e *Encoder) Discard() { e.w.settle(lease.Discard) }
-
-// lease is what a message holds on one of its descriptors until it is
-// sent: a pooled block's ticket, a segment's lent descriptor, or a
-// descriptor the message owns.
-type lease interface {
-	Done()    // the message was sent
-	Discard() // it never will be
-}
-
-// lentFD is an Allocation's descriptor lent to a message.
-type lentFD struct{ a *shm.Allocation }
-
-func (l lentFD) Done()    { l.a.ReturnFD() }
-func (l lentFD) Discard() { l.a.ReturnFD() }
+func (e *Encoder) Discard() { e.w.settle(shm.Lease.Discard) }
 
 // ownedFD is a descriptor the message owns: closed once it is sent.
 type ownedFD struct{ f *fd.FD }
@@ -141,14 +127,14 @@ type fdWriter struct {
 	fds   []int
 	index map[int]int // descriptor -> its position in fds
 
-	leases []lease     // on the message's descriptors, until it is sent
+	leases []shm.Lease // on the message's descriptors, until it is sent
 	ticket *shm.Ticket // the last ticket among them, for tensors of its segment
 	meta   []byte      // scratch for one tensor's metadata
 	dims   []int       // scratch for its shape and strides
 }
 
 // settle ends every lease the same way.
-func (w *fdWriter) settle(end func(lease)) {
+func (w *fdWriter) settle(end func(shm.Lease)) {
 	for _, l := range w.leases {
 		end(l)
 	}
@@ -161,7 +147,7 @@ func (w *fdWriter) reset() {
 	w.buf = w.buf[:0]
 	w.fds = w.fds[:0]
 	clear(w.index)
-	w.settle(lease.Done)
+	w.settle(shm.Lease.Done)
 }
 
 func (w *fdWriter) addFD(fd int) int {

@@ -22,7 +22,7 @@ const tokenSize = 8
 // (cuda_ipc), whose export takes a ticket on the allocation's token for
 // the message. memFD is the slab's descriptor, or -1; pinned is as for
 // reduce.
-func reduceGPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (m Meta, fd, memFD int, l lease, err error) {
+func reduceGPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (m Meta, fd, memFD int, l shm.Lease, err error) {
 	s := t.Storage()
 	if s.Released() {
 		return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
@@ -47,16 +47,15 @@ func reduceGPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (m Meta, fd, me
 		return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
 	}
 	if inSlab {
-		b := sh.Block
-		tk, l, err := blockTicket(b, pinned)
+		h, err := sh.Block.Share(pinned)
 		if err != nil {
 			return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
 		}
 		m.Strategy = StrategyCUDAFD
-		m.Size, m.Segment, m.Block, m.Gen = s.Size(), b.Segment().Size(), b.Offset(), b.Gen()
-		m.setSegmentID(b.Segment().ID())
-		registerBlock(s, b)
-		return m, tk.FD(), sh.MemFD, l, nil
+		m.Size, m.Segment, m.Block, m.Gen = s.Size(), h.Segment, h.Offset, h.Gen
+		m.setSegmentID(h.ID)
+		remember(s, h)
+		return m, h.FD, sh.MemFD, h.Lease, nil
 	}
 	h, err := gs.Export(buf)
 	if err != nil {

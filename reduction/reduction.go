@@ -105,7 +105,7 @@ func Reduce(t *tensor.Tensor) (Meta, []int, error) {
 // and strides are appended to room (see viewMeta). pinned is a ticket the
 // message holds already, or nil: a block it covers is sent with it, and
 // reduce returns no lease of its own.
-func reduce(t *tensor.Tensor, room []int, pinned *shm.Ticket) (Meta, int, int, lease, error) {
+func reduce(t *tensor.Tensor, room []int, pinned *shm.Ticket) (Meta, int, int, shm.Lease, error) {
 	if t.Place().IsGPU() {
 		return reduceGPU(t, room, pinned)
 	}
@@ -115,7 +115,7 @@ func reduce(t *tensor.Tensor, room []int, pinned *shm.Ticket) (Meta, int, int, l
 
 // reduceCPU is reduce for a tensor in CPU memory, whose message carries
 // one descriptor at most.
-func reduceCPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (Meta, int, lease, error) {
+func reduceCPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (Meta, int, shm.Lease, error) {
 	if !t.Place().IsCPU() {
 		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, ErrDeviceTensor)
 	}
@@ -130,55 +130,23 @@ func reduceCPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (Meta, int, lea
 	if err := s.ShareMemory(strategy.Get()); err != nil {
 		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
 	}
-	switch b := s.Backing().(type) {
-	case *shm.Block:
-		tk, l, err := blockTicket(b, pinned)
-		if err != nil {
-			return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
-		}
-		seg := b.Segment()
-		m.Size, m.Segment, m.Block, m.Gen = b.Size(), seg.Size(), b.Offset(), b.Gen()
-		if b.Named() {
-			m.Strategy, m.Name = string(strategy.FileSystem), seg.Name()
-		} else {
-			m.Strategy = string(strategy.FileDescriptor)
-			m.setSegmentID(seg.ID())
-		}
-		registerBlock(s, b)
-		return m, tk.FD(), l, nil
-	case *shm.Allocation:
-		m.Size = b.Size()
-		if b.Flags()&shm.RefCount != 0 {
-			m.Strategy = string(strategy.FileSystem)
-			m.Name = b.Name()
-			storages.put(nameKey(m.Name), s)
-			return m, -1, nil, nil
-		}
-		fd, err := b.LendFD()
-		if err != nil {
-			return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
-		}
-		m.Strategy = string(strategy.FileDescriptor)
-		m.setSegmentID(b.ID())
-		storages.put(idKey(b.ID()), s)
-		return m, fd, lentFD{b}, nil
+	sh, ok := s.Backing().(shm.Shared)
+	if !ok { // released since ShareMemory, which leaves shared memory of shm's
+		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
 	}
-	// Released since ShareMemory, which leaves no other backing.
-	return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
-}
-
-// blockTicket returns the ticket a message sends for block b: pinned, the
-// message's own already, when it covers b, else a new one, which is then
-// also the lease the message holds until it is sent.
-func blockTicket(b *shm.Block, pinned *shm.Ticket) (*shm.Ticket, lease, error) {
-	if pinned.Covers(b) {
-		return pinned, nil, nil
-	}
-	tk, err := b.Ticket()
+	h, err := sh.Share(pinned)
 	if err != nil {
-		return nil, nil, err
+		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
 	}
-	return tk, tk, nil
+	m.Size, m.Segment, m.Block, m.Gen = h.Size, h.Segment, h.Offset, h.Gen
+	if h.Name != "" {
+		m.Strategy, m.Name = string(strategy.FileSystem), h.Name
+	} else {
+		m.Strategy = string(strategy.FileDescriptor)
+		m.setSegmentID(h.ID)
+	}
+	remember(s, h)
+	return m, h.FD, h.Lease, nil
 }
 
 // viewMeta returns the Meta of t's view of its storage, naming no

@@ -229,13 +229,11 @@ func NewStorage(p device.Place, b Backing) (*Storage, error) {
 	return s, nil
 }
 
-// sharedHost reports whether b is host memory other processes can map.
+// sharedHost reports whether b is host memory other processes can map
+// and tensormp tracks the holders of.
 func sharedHost(b Backing) bool {
-	switch b.(type) {
-	case *shm.Block, *shm.Allocation:
-		return true
-	}
-	return false
+	_, ok := b.(shm.Shared)
+	return ok
 }
 
 // heapMemory is the Backing of a storage in this process's heap.

@@ -34,6 +34,14 @@ import (
 	"github.com/tensormp/tensormp/tensor"
 )
 
+// cudaMemory is device memory DLPack can hand out: a device, an address
+// and a way to wait for the work queued on it (package cuda's Buffer).
+type cudaMemory interface {
+	Device() int
+	Ptr() cuda.DevicePtr
+	Sync() error
+}
+
 // dlTypes maps tensormp's dtypes to DLPack's (code, bits); lanes are 1.
 var dlTypes = map[tensor.DType][2]uint8{
 	tensor.Bool:       {C.kDLBool, 8},
@@ -91,7 +99,7 @@ func toDLPack(t *tensor.Tensor, as tensor.DType) (*C.DLManagedTensor, error) {
 		return nil, tensor.ErrReleased
 	}
 	var host []byte
-	var gpu *cuda.Buffer
+	var gpu cudaMemory
 	switch p := s.Place(); {
 	case p.IsCPU():
 		if !s.IsShared() {
@@ -100,7 +108,7 @@ func toDLPack(t *tensor.Tensor, as tensor.DType) (*C.DLManagedTensor, error) {
 		host = s.Bytes()
 	case p.IsGPU():
 		var ok bool
-		if gpu, ok = s.Backing().(*cuda.Buffer); !ok {
+		if gpu, ok = s.Backing().(cudaMemory); !ok {
 			return nil, fmt.Errorf("tensor on %s has no CUDA memory", p)
 		}
 	default:
@@ -326,7 +334,7 @@ func newTensor(place device.Place, dt tensor.DType, shape []int) (*tensor.Tensor
 	}
 	s := t.Storage()
 	holds.hold(s)
-	if b, ok := s.Backing().(*cuda.Buffer); ok && s.Size() > 0 {
+	if b, ok := s.Backing().(cudaMemory); ok && s.Size() > 0 {
 		if err := b.Sync(); err != nil {
 			holds.drop(s)
 			return nil, err

@@ -5,7 +5,6 @@ import (
 	"sync"
 	"unsafe"
 
-	"github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -43,7 +42,7 @@ func rangeOf(s *tensor.Storage) (base, end uintptr, ok bool) {
 		base = uintptr(unsafe.Pointer(unsafe.SliceData(b)))
 		return base, base + uintptr(len(b)), true
 	}
-	if b, isGPU := s.Backing().(*cuda.Buffer); isGPU && s.Size() > 0 {
+	if b, isGPU := s.Backing().(cudaMemory); isGPU && s.Size() > 0 {
 		base = uintptr(b.Ptr())
 		return base, base + uintptr(s.Size()), true
 	}
