@@ -34,14 +34,6 @@ import (
 	"github.com/tensormp/tensormp/tensor"
 )
 
-// cudaMemory is device memory DLPack can hand out: a device, an address
-// and a way to wait for the work queued on it (package cuda's Buffer).
-type cudaMemory interface {
-	Device() int
-	Ptr() cuda.DevicePtr
-	Sync() error
-}
-
 // dlTypes maps tensormp's dtypes to DLPack's (code, bits); lanes are 1.
 var dlTypes = map[tensor.DType][2]uint8{
 	tensor.Bool:       {C.kDLBool, 8},

@@ -5,9 +5,18 @@ import (
 	"sync"
 	"unsafe"
 
+	"github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/tensor"
 )
+
+// cudaMemory is device memory DLPack can hand out: a device, an address
+// and a way to wait for the work queued on it (package cuda's Buffer).
+type cudaMemory interface {
+	Device() int
+	Ptr() cuda.DevicePtr
+	Sync() error
+}
 
 // holdTable counts, per storage, the handles and DLPack exports that use
 // it, and releases (unmaps) a storage when its count falls to zero. The
