@@ -84,6 +84,7 @@ func TestNewStorageRefusesMemoryOnTheWrongPlace(t *testing.T) {
 		{"host memory on a device", gpu, &userMemory{b: make([]byte, 8)}},
 		{"host memory whose bytes are short of its size", device.CPU(), shortMemory{}},
 		{"an invalid place", device.GPU(-1), buf},
+		{"no memory", device.CPU(), nil},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			_, err := tensor.NewStorage(c.p, c.b)

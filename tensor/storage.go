@@ -204,8 +204,9 @@ func newStorage(p device.Place, nbytes int64) (*Storage, error) {
 
 // NewStorage wraps b, memory on p, as a storage of b.Size() bytes. The
 // Storage takes ownership of b: Release, or the cleanup of an unreachable
-// Storage, releases it once. Device memory must be a Buffer on a device
-// place, host memory a backing with bytes on the CPU.
+// Storage, releases it once; on error b stays the caller's. Device memory
+// must be a Buffer on a device place, host memory a backing with bytes on
+// the CPU.
 //
 // The storage counts as shared when b is shared memory whose holders
 // tensormp tracks (the blocks and segments package tensor allocates and
@@ -215,6 +216,8 @@ func newStorage(p device.Place, nbytes int64) (*Storage, error) {
 func NewStorage(p device.Place, b Backing) (*Storage, error) {
 	buf, onDevice := b.(Buffer)
 	switch {
+	case b == nil:
+		return nil, errors.New("tensor: a storage of no memory")
 	case !p.Valid():
 		return nil, fmt.Errorf("tensor: storage on invalid place %s", p)
 	case p.IsCPU() && onDevice:
