@@ -41,12 +41,7 @@ func init() {
 	reexec.Register("program.gpufd", programGPUFD)
 	// gpufd.put puts a GPU tensor of 1 MiB of sevens on Out and exits,
 	// or, with Ack, waits for a word first.
-	mp.Register("gpufd.put", func(ctx context.Context, w *mp.Worker) error {
-		useFakeGPU()
-		var a slabArgs
-		if err := w.Args(&a); err != nil {
-			return err
-		}
+	mp.Register("gpufd.put", slabWorker(func(ctx context.Context, a slabArgs) error {
 		x, err := tensor.On(device.GPU(0)).Full(tensor.Float32, 7, 1<<18)
 		if err != nil {
 			return err
@@ -61,16 +56,11 @@ func init() {
 			return a.Ack.Get(ctx, new(string))
 		}
 		return nil
-	})
+	}))
 	// gpufd.hold takes N GPU tensors from In, holds them, says so with
 	// the number of descriptors it holds more than when it started, and
 	// waits to be killed or told to let go.
-	mp.Register("gpufd.hold", func(ctx context.Context, w *mp.Worker) error {
-		useFakeGPU()
-		var a slabArgs
-		if err := w.Args(&a); err != nil {
-			return err
-		}
+	mp.Register("gpufd.hold", slabWorker(func(ctx context.Context, a slabArgs) error {
 		before := leakcheck.Count()
 		var held []*tensor.Tensor
 		for len(held) < a.N {
@@ -91,29 +81,19 @@ func init() {
 			}
 		}
 		return nil
-	})
+	}))
 	// gpufd.forward takes a GPU tensor from In and puts it on Out.
-	mp.Register("gpufd.forward", func(ctx context.Context, w *mp.Worker) error {
-		useFakeGPU()
-		var a slabArgs
-		if err := w.Args(&a); err != nil {
-			return err
-		}
+	mp.Register("gpufd.forward", slabWorker(func(ctx context.Context, a slabArgs) error {
 		var x *tensor.Tensor
 		if err := a.In.Get(ctx, &x); err != nil {
 			return err
 		}
 		defer x.Release()
 		return a.Out.Put(ctx, x)
-	})
+	}))
 	// gpufd.write takes a GPU tensor of sevens from In, checks it, and
 	// writes a one into its first element.
-	mp.Register("gpufd.write", func(ctx context.Context, w *mp.Worker) error {
-		useFakeGPU()
-		var a slabArgs
-		if err := w.Args(&a); err != nil {
-			return err
-		}
+	mp.Register("gpufd.write", slabWorker(func(ctx context.Context, a slabArgs) error {
 		var x *tensor.Tensor
 		if err := a.In.Get(ctx, &x); err != nil {
 			return err
@@ -123,7 +103,19 @@ func init() {
 			return err
 		}
 		return x.Storage().Backing().(tensor.Buffer).Write([]byte{0, 0, 0x80, 0x3f}, 0) // float32 1
-	})
+	}))
+}
+
+// slabWorker is a worker that runs fn with its slabArgs on the fake GPU.
+func slabWorker(fn func(ctx context.Context, a slabArgs) error) mp.WorkerFunc {
+	return func(ctx context.Context, w *mp.Worker) error {
+		useFakeGPU()
+		var a slabArgs
+		if err := w.Args(&a); err != nil {
+			return err
+		}
+		return fn(ctx, a)
+	}
 }
 
 // useFakeGPU makes this process's GPU the fake's device 0, which shares
@@ -187,6 +179,18 @@ func newQueues(n int) ([]*mp.Queue, error) {
 	return qs, nil
 }
 
+// letGo checks that x, a GPU tensor of sevens, is whole, releases it, and
+// waits for this process to hold no device memory.
+func letGo(x *tensor.Tensor) error {
+	if err := checkSevens(x); err != nil {
+		return err
+	}
+	if err := x.Release(); err != nil {
+		return err
+	}
+	return noDeviceMemory()
+}
+
 // noDeviceMemory waits up to a second for this process to hold no device
 // memory once what it keeps for reuse is trimmed.
 func noDeviceMemory() error {
@@ -219,13 +223,7 @@ func gpufdSenderExitsFirst(ctx context.Context) error {
 	if err := qs[0].Get(ctx, &x); err != nil {
 		return err
 	}
-	if err := checkSevens(x); err != nil {
-		return err
-	}
-	if err := x.Release(); err != nil {
-		return err
-	}
-	return noDeviceMemory()
+	return letGo(x)
 }
 
 // The producer is SIGKILLed once its tensor is here: the tensor stays
@@ -250,13 +248,10 @@ func gpufdKilledProducer(ctx context.Context) error {
 	if err := g.Join(); !errors.As(err, &xe) || xe.Signal != syscall.SIGKILL {
 		return fmt.Errorf("the producer's end: %v", err)
 	}
-	if err := checkSevens(x); err != nil {
+	if err := letGo(x); err != nil {
 		return fmt.Errorf("after the producer's death: %w", err)
 	}
-	if err := x.Release(); err != nil {
-		return err
-	}
-	return noDeviceMemory()
+	return nil
 }
 
 // A receiver holding tensors is SIGKILLed: this process gets every block
