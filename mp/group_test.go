@@ -194,16 +194,10 @@ func TestOutsideSIGTERM(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			leakcheck.Check(t)
-			q, err := mp.NewQueue()
-			require.NoError(t, err)
-			defer q.Close()
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
-			g, err := mp.Spawn(ctx, "deaf", 1, mp.WithArgs(q), mp.WithGrace(c.grace))
-			require.NoError(t, err)
+			g, q := spawnReady(ctx, t, "deaf", c.grace, "ready")
 			var s string
-			require.NoError(t, q.Get(ctx, &s))
-			require.Equal(t, "ready", s)
 
 			pid := g.Pids()[0]
 			require.NoError(t, syscall.Kill(pid, syscall.SIGTERM))
@@ -214,7 +208,7 @@ func TestOutsideSIGTERM(t *testing.T) {
 			}
 			// Within the minute of ctx, far less than the hour's grace
 			// of the second case.
-			err = g.JoinContext(ctx)
+			err := g.JoinContext(ctx)
 			var xe *mp.ExitError
 			require.ErrorAs(t, err, &xe)
 			assert.Equal(t, syscall.SIGTERM, xe.Signal)
@@ -224,21 +218,30 @@ func TestOutsideSIGTERM(t *testing.T) {
 	}
 }
 
+// spawnReady spawns one worker of name, with grace and a queue to talk on
+// as its arguments, and waits for its first word, want.
+func spawnReady(ctx context.Context, t *testing.T, name string, grace time.Duration, want string) (*mp.Group, *mp.Queue) {
+	t.Helper()
+	q, err := mp.NewQueue()
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = q.Close() })
+	g, err := mp.Spawn(ctx, name, 1, mp.WithArgs(q), mp.WithGrace(grace))
+	require.NoError(t, err)
+	var s string
+	require.NoError(t, q.Get(ctx, &s))
+	require.Equal(t, want, s)
+	return g, q
+}
+
 // A worker that returns on its cancelled context after an outside
 // SIGTERM ends as it returns: cleanly here, with its error in
 // TestSpawnBehaviours' spawn.signal.
 func TestOutsideSIGTERMIsGraceful(t *testing.T) {
 	leakcheck.Check(t)
-	q, err := mp.NewQueue()
-	require.NoError(t, err)
-	defer q.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	g, err := mp.Spawn(ctx, "graceful", 1, mp.WithArgs(q), mp.WithGrace(time.Hour))
-	require.NoError(t, err)
+	g, q := spawnReady(ctx, t, "graceful", time.Hour, "ready 0")
 	var s string
-	require.NoError(t, q.Get(ctx, &s))
-	require.Equal(t, "ready 0", s)
 	require.NoError(t, syscall.Kill(g.Pids()[0], syscall.SIGTERM))
 	require.NoError(t, q.Get(ctx, &s))
 	assert.Equal(t, "stopped 0", s)
