@@ -214,21 +214,23 @@ func newStorage(p device.Place, nbytes int64) (*Storage, error) {
 // its backend's handles. Any other host backing, a mmapalloc.Allocation of
 // the caller's included, is private memory that ShareMemory copies out.
 func NewStorage(p device.Place, b Backing) (*Storage, error) {
-	buf, onDevice := b.(Buffer)
-	switch {
-	case b == nil:
+	if b == nil {
 		return nil, errors.New("tensor: a storage of no memory")
+	}
+	buf, onDevice := b.(Buffer)
+	bytes, size := b.Bytes(), b.Size()
+	switch {
 	case !p.Valid():
 		return nil, fmt.Errorf("tensor: storage on invalid place %s", p)
 	case p.IsCPU() && onDevice:
-		return nil, fmt.Errorf("tensor: %d bytes of device memory on %s", b.Size(), p)
-	case p.IsCPU() && int64(len(b.Bytes())) != b.Size():
-		return nil, fmt.Errorf("tensor: host memory of %d bytes that says it has %d", len(b.Bytes()), b.Size())
+		return nil, fmt.Errorf("tensor: %d bytes of device memory on %s", size, p)
+	case p.IsCPU() && int64(len(bytes)) != size:
+		return nil, fmt.Errorf("tensor: host memory of %d bytes that says it has %d", len(bytes), size)
 	case !p.IsCPU() && !onDevice:
-		return nil, fmt.Errorf("tensor: %d bytes of host memory on %s", b.Size(), p)
+		return nil, fmt.Errorf("tensor: %d bytes of host memory on %s", size, p)
 	}
-	s := allocStorage(p, b.Size())
-	s.arm(memory{bytes: b.Bytes(), backing: b, dev: buf, shared: onDevice || sharedHost(b)})
+	s := allocStorage(p, size)
+	s.arm(memory{bytes: bytes, backing: b, dev: buf, shared: onDevice || sharedHost(b)})
 	return s, nil
 }
 
