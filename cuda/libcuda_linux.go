@@ -198,6 +198,7 @@ var symbols = [C.F_COUNT][]string{
 	C.F_IPCOPENEV:    {"cuIpcOpenEventHandle"},
 	C.F_ERRNAME:      {"cuGetErrorName"},
 	C.F_ERRSTR:       {"cuGetErrorString"},
+	C.F_MEMINFO:      {"cuMemGetInfo_v2"},
 	C.F_DEVATTR:      {"cuDeviceGetAttribute"},
 	C.F_MEMCREATE:    {"cuMemCreate"},
 	C.F_MEMRELEASE:   {"cuMemRelease"},
@@ -230,6 +231,9 @@ func openLibcuda() (Driver, error) {
 		return nil, fmt.Errorf("%w: %s", ErrNoDriver, C.GoString(C.tm_dlerror()))
 	}
 	for slot, names := range symbols {
+		if len(names) == 0 {
+			return nil, fmt.Errorf("%w: cuda: no symbol name for driver slot %d", ErrNoDriver, slot)
+		}
 		var fn unsafe.Pointer
 		for _, n := range names {
 			cn := C.CString(n)
