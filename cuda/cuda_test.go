@@ -390,7 +390,7 @@ func TestCopyIn(t *testing.T) {
 	assert.Equal(t, src[8:24], got)
 
 	require.NoError(t, b.Write(make([]byte, 16), 0))
-	assert.ErrorContains(t, b.CopyIn(foreign.Ptr()+20, 16), "the allocation there ends at")
+	assert.ErrorContains(t, b.CopyIn(foreign.Ptr()+20, 16), "the memory there ends at")
 	assert.ErrorContains(t, b.CopyIn(1<<20, 16), "CUDA_ERROR_INVALID_VALUE")
 	assert.ErrorContains(t, b.CopyIn(foreign.Ptr(), 17), "outside a buffer of 16 bytes")
 	require.NoError(t, b.Read(got, 0))

@@ -60,8 +60,16 @@ type Driver interface {
 	// MemGetAddressRange returns the allocation that contains p.
 	MemGetAddressRange(p DevicePtr) (base DevicePtr, size int64, err error)
 	// Synchronize waits for the work queued on the current context's
-	// default stream: every copy and memset above queues there.
+	// default stream: every copy and memset above queues there (a copy
+	// from pageable host memory returns once the host's bytes are
+	// staged, before they land).
 	Synchronize() error
+	// CtxSynchronize waits for the work queued on every stream of the
+	// current context, another library's included: memory is unmapped
+	// or given back only after it, since the driver's unmap and release
+	// do not wait, and a queued kernel that touches unmapped memory
+	// faults the context for good.
+	CtxSynchronize() error
 	// MemGetInfo returns the free and total bytes of the current
 	// context's device.
 	MemGetInfo() (free, total int64, err error)
@@ -77,8 +85,18 @@ type Driver interface {
 	IPCGetEventHandle(e Event) (IPCEventHandle, error)
 	IPCOpenEventHandle(h IPCEventHandle) (Event, error)
 
+	// DeviceUUID returns device dev's UUID: ordinals are per process
+	// (CUDA_VISIBLE_DEVICES), the UUID names the device everywhere.
+	DeviceUUID(dev int) ([16]byte, error)
+	// CanAccessPeer reports whether device dev can access peer's memory.
+	CanAccessPeer(dev, peer int) (bool, error)
+	// ComputeMode returns device dev's compute mode (CU_COMPUTEMODE_*:
+	// 0 default, 2 prohibited, 3 exclusive-process).
+	ComputeMode(dev int) (int, error)
+
 	// The virtual memory calls, for allocations that travel between
-	// processes as POSIX file descriptors. None needs a current context.
+	// processes as POSIX file descriptors. Each is made with a context
+	// of the device current, inside an Executor's Do.
 
 	// FDExportSupported reports whether allocations on dev can be
 	// exported as file descriptors: the driver has the calls, and the
@@ -99,19 +117,21 @@ type Driver interface {
 	// MemImportFD returns a handle of the allocation fd describes; fd
 	// stays the caller's. A descriptor of anything else is an error.
 	MemImportFD(fd int) (MemHandle, error)
-	// MemDevice returns the device an allocation lives on, and whether
-	// it was made to be exported as a file descriptor.
-	MemDevice(h MemHandle) (dev int, fdExportable bool, err error)
-	// MemAddressReserve reserves size bytes of device address space.
-	MemAddressReserve(size int64) (DevicePtr, error)
+	// MemDevice returns the device an allocation lives on, or -1 for
+	// memory that is no device's.
+	MemDevice(h MemHandle) (dev int, err error)
+	// MemAddressReserve reserves size bytes of device address space,
+	// aligned to align.
+	MemAddressReserve(size, align int64) (DevicePtr, error)
 	MemAddressFree(p DevicePtr, size int64) error
 	// MemMap maps the first size bytes of the allocation at p, which
 	// must lie in a reservation; more than the allocation holds is an
 	// error.
 	MemMap(p DevicePtr, size int64, h MemHandle) error
 	MemUnmap(p DevicePtr, size int64) error
-	// MemSetAccess lets dev read and write the mapping at p.
-	MemSetAccess(p DevicePtr, size int64, dev int) error
+	// MemSetAccess lets each of devs read and write the mapping at p;
+	// no other device may touch it.
+	MemSetAccess(p DevicePtr, size int64, devs []int) error
 }
 
 // MemHandle is an allocation made with the virtual memory calls

@@ -28,6 +28,8 @@ type Executor struct {
 
 	mu       sync.RWMutex // held shared while Do admits a call; Stop takes it exclusively
 	stopped  bool
+	pins     int            // guarded by mu: what needs the context for its teardown (see pin)
+	released bool           // guarded by mu: the context is given back
 	calls    sync.WaitGroup // admitted calls not yet returned
 	stopOnce sync.Once
 }
@@ -37,9 +39,24 @@ type Executor struct {
 func NewExecutor(drv Driver, dev int) (*Executor, error) {
 	ctx, err := drv.RetainPrimaryContext(dev)
 	if err != nil {
-		return nil, fmt.Errorf("cuda: retaining the primary context of device %d: %w", dev, err)
+		return nil, fmt.Errorf("cuda: retaining the primary context of device %d%s: %w", dev, contextHint(drv, dev), err)
 	}
 	return &Executor{dev: dev, drv: drv, ctx: ctx}, nil
+}
+
+// contextHint says why device dev may refuse this process a context: a
+// device in exclusive-process compute mode takes one process at a time,
+// a prohibited one none.
+func contextHint(drv Driver, dev int) string {
+	switch mode, err := drv.ComputeMode(dev); {
+	case err != nil:
+		return ""
+	case mode == 3:
+		return " (the device is in exclusive-process compute mode: another process holds it; tensormp's processes share a GPU only in the default mode, or through MPS)"
+	case mode == 2:
+		return " (the device's compute mode prohibits contexts)"
+	}
+	return ""
 }
 
 // run calls fn, turning a panic into an error.
@@ -66,7 +83,12 @@ func (e *Executor) Do(fn func() error) (err error) {
 	e.calls.Add(1)
 	e.mu.RUnlock()
 	defer e.calls.Done()
+	return e.inContext(fn)
+}
 
+// inContext runs fn on the calling goroutine's thread with the device's
+// context current, and puts the thread's context back.
+func (e *Executor) inContext(fn func() error) (err error) {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	prev, err := e.drv.Current()
@@ -82,16 +104,57 @@ func (e *Executor) Do(fn func() error) (err error) {
 	return run(fn)
 }
 
-// Stop waits for the calls under way, then releases the device's context.
-// Later calls to Do return ErrStopped.
+// Stop waits for the calls under way, then releases the device's context,
+// or, while something pinned it, leaves that to the last unpin. Later
+// calls to Do return ErrStopped.
 func (e *Executor) Stop() {
 	e.stopOnce.Do(func() {
 		e.mu.Lock()
 		e.stopped = true
 		e.mu.Unlock()
 		e.calls.Wait()
-		_ = e.drv.ReleasePrimaryContext(e.dev)
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		if e.pins == 0 {
+			e.releaseLocked()
+		}
 	})
+}
+
+func (e *Executor) releaseLocked() {
+	if !e.released {
+		e.released = true
+		_ = e.drv.ReleasePrimaryContext(e.dev)
+	}
+}
+
+// pin keeps the device's context retained, after Stop too, until unpin:
+// for device memory whose teardown needs it (a slab is unmapped and
+// released inside its device's context, which may be gone otherwise).
+func (e *Executor) pin() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.stopped {
+		return ErrStopped
+	}
+	e.pins++
+	return nil
+}
+
+// unpin undoes a pin; the last one after Stop gives the context back.
+func (e *Executor) unpin() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.pins--; e.pins == 0 && e.stopped {
+		e.releaseLocked()
+	}
+}
+
+// teardown runs fn as Do does, also after Stop, for what holds a pin,
+// and then unpins.
+func (e *Executor) teardown(fn func() error) error {
+	defer e.unpin()
+	return e.inContext(fn)
 }
 
 // Executors starts one Executor per device on first use and keeps it

@@ -12,6 +12,6 @@ func (b *Buffer) Export() (gpushare.Handle, error)              { return b.expor
 func (r *Runtime) Import(h gpushare.Handle) (*Buffer, error)    { return r.importIPC(h) }
 func (b *Buffer) Share() (sh gpushare.Slab, ok bool, err error) { return b.share() }
 
-func (r *Runtime) ImportBlock(dev int, blk *shm.Block, size int64, memFD func() (int, error)) (*Buffer, error) {
+func (r *Runtime) ImportBlock(dev int, blk *shm.Block, size int64, memFD int) (*Buffer, error) {
 	return r.importBlock(dev, blk, size, memFD)
 }

@@ -24,6 +24,11 @@ type openedMem struct {
 	size  int64 // the allocation's size, checked against every import
 	event Event
 	users int // guarded by Runtime.mu
+	// own is set for an allocation this process made and exported,
+	// received back: the driver refuses a process its own handles, so
+	// nothing is opened, and the buffer reaches the allocation directly
+	// (the token it holds keeps it out of the limbo's collection).
+	own bool
 }
 
 // exportIPC describes b for another process by IPC handle and takes a ticket
@@ -81,6 +86,7 @@ func (b *Buffer) exportIPC() (gpushare.Handle, error) {
 			return gpushare.Handle{}, err
 		}
 		b.export = x
+		b.rt.exported[x.mem] = b
 	}
 	x := b.export
 	if err := e.Do(func() error { return b.rt.drv.EventRecord(x.event) }); err != nil {
@@ -110,6 +116,9 @@ func (r *Runtime) importIPC(h gpushare.Handle) (*Buffer, error) {
 	}
 	r.mu.Lock()
 	o := r.opened[h.Mem]
+	if mine := r.exported[h.Mem]; mine != nil && o == nil {
+		o = &openedMem{dev: mine.dev, ptr: mine.base, size: mine.size, own: true}
+	}
 	if o == nil {
 		o = &openedMem{dev: h.Device}
 		err = e.Do(func() error {
@@ -134,7 +143,7 @@ func (r *Runtime) importIPC(h gpushare.Handle) (*Buffer, error) {
 		r.opened[h.Mem] = o
 	}
 	if h.Offset > o.size-h.Size {
-		if o.users == 0 {
+		if o.users == 0 && !o.own {
 			delete(r.opened, h.Mem)
 			_ = e.Do(func() error {
 				return errors.Join(r.drv.IPCCloseMemHandle(o.ptr), r.drv.EventDestroy(o.event))
@@ -148,6 +157,9 @@ func (r *Runtime) importIPC(h gpushare.Handle) (*Buffer, error) {
 
 	b := &Buffer{rt: r, dev: h.Device, ptr: o.ptr + DevicePtr(h.Offset), size: h.Size, from: o, token: h.Token, desc: h}
 	b.desc.Token, b.desc.Ticket = nil, nil
+	if o.own {
+		return b, nil // this process's own work is ordered on its own stream
+	}
 	if err := e.Do(func() error { return r.drv.EventSynchronize(o.event) }); err != nil {
 		_ = b.Release()
 		return nil, fmt.Errorf("cuda: waiting for the producer's work on gpu:%d: %w", h.Device, err)
@@ -159,6 +171,10 @@ func (r *Runtime) importIPC(h gpushare.Handle) (*Buffer, error) {
 // handle when it was the last of this process's buffers on it.
 func (r *Runtime) closeOpened(b *Buffer) error {
 	err := b.token.Release()
+	if b.from.own {
+		r.CollectLimbo()
+		return err
+	}
 	r.mu.Lock()
 	o := b.from
 	o.users--

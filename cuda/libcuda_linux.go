@@ -37,17 +37,19 @@ enum {
 	F_MALLOC, F_FREE, F_MEMSET, F_HTOD, F_DTOH, F_DTOD, F_ADDRRANGE,
 	F_IPCGETMEM, F_IPCOPENMEM, F_IPCCLOSEMEM,
 	F_STREAMSYNC, F_EVCREATE, F_EVRECORD, F_EVSYNC, F_EVDESTROY, F_IPCGETEV, F_IPCOPENEV,
-	F_ERRNAME, F_ERRSTR, F_MEMINFO,
+	F_ERRNAME, F_ERRSTR, F_MEMINFO, F_CTXSYNC, F_DEVATTR, F_DEVUUID, F_CANPEER,
 	// The virtual memory calls, which drivers before CUDA 10.2 lack.
-	F_DEVATTR, F_MEMCREATE, F_MEMRELEASE, F_MEMEXPORT, F_MEMIMPORT, F_MEMPROPS, F_MEMGRAN,
+	F_MEMCREATE, F_MEMRELEASE, F_MEMEXPORT, F_MEMIMPORT, F_MEMPROPS, F_MEMGRAN,
 	F_ADDRRESERVE, F_ADDRFREE, F_MEMMAP, F_MEMUNMAP, F_MEMSETACCESS,
 	F_COUNT
 };
 
 // The first of the calls a driver may lack.
-enum { F_OPTIONAL = F_DEVATTR };
+enum { F_OPTIONAL = F_MEMCREATE };
 
 enum {
+	ATTR_COMPUTE_MODE = 20,         // CU_DEVICE_ATTRIBUTE_COMPUTE_MODE
+	ATTR_VMM_SUPPORTED = 102,       // CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
 	ATTR_POSIX_FD_SUPPORTED = 103,  // CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
 	ALLOC_PINNED = 1,               // CU_MEM_ALLOCATION_TYPE_PINNED
 	HANDLE_POSIX_FD = 1,            // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -89,6 +91,9 @@ static CUresult tm_evcreate(CUevent *e) {
 	// CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS
 	return ((CUresult (*)(CUevent *, unsigned int))tm_fns[F_EVCREATE])(e, 0x2 | 0x4);
 }
+static CUresult tm_ctxsync(void) { return ((CUresult (*)(void))tm_fns[F_CTXSYNC])(); }
+static CUresult tm_devuuid(unsigned char *uuid, CUdevice d) { return ((CUresult (*)(unsigned char *, CUdevice))tm_fns[F_DEVUUID])(uuid, d); }
+static CUresult tm_canpeer(int *can, CUdevice d, CUdevice peer) { return ((CUresult (*)(int *, CUdevice, CUdevice))tm_fns[F_CANPEER])(can, d, peer); }
 static CUresult tm_streamsync(void) { return ((CUresult (*)(CUstream))tm_fns[F_STREAMSYNC])(0); }
 static CUresult tm_evrecord(CUevent e) { return ((CUresult (*)(CUevent, CUstream))tm_fns[F_EVRECORD])(e, 0); }
 static CUresult tm_evsync(CUevent e) { return ((CUresult (*)(CUevent))tm_fns[F_EVSYNC])(e); }
@@ -126,29 +131,36 @@ static CUresult tm_memexport(int *fd, CUmemGenericAllocationHandle h) {
 static CUresult tm_memimport(CUmemGenericAllocationHandle *h, int fd) {
 	return ((CUresult (*)(CUmemGenericAllocationHandle *, void *, int))tm_fns[F_MEMIMPORT])(h, (void *)(long)fd, HANDLE_POSIX_FD);
 }
-static CUresult tm_memprops(int *dev, int *fdExportable, CUmemGenericAllocationHandle h) {
+// tm_memprops returns the device an allocation lives on, or -1 when it
+// is no pinned device memory. It reads nothing else: the driver does not
+// promise what an imported handle reports of the handle types it was
+// made with.
+static CUresult tm_memprops(int *dev, CUmemGenericAllocationHandle h) {
 	CUmemAllocationProp p;
 	memset(&p, 0, sizeof p);
 	CUresult r = ((CUresult (*)(CUmemAllocationProp *, CUmemGenericAllocationHandle))tm_fns[F_MEMPROPS])(&p, h);
-	*dev = p.location.type == LOCATION_DEVICE ? p.location.id : -1;
-	*fdExportable = p.type == ALLOC_PINNED && (p.requestedHandleTypes & HANDLE_POSIX_FD) != 0;
+	*dev = p.type == ALLOC_PINNED && p.location.type == LOCATION_DEVICE ? p.location.id : -1;
 	return r;
 }
-static CUresult tm_addrreserve(CUdeviceptr *p, size_t n) {
-	return ((CUresult (*)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))tm_fns[F_ADDRRESERVE])(p, n, 0, 0, 0);
+static CUresult tm_addrreserve(CUdeviceptr *p, size_t n, size_t align) {
+	return ((CUresult (*)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))tm_fns[F_ADDRRESERVE])(p, n, align, 0, 0);
 }
 static CUresult tm_addrfree(CUdeviceptr p, size_t n) { return ((CUresult (*)(CUdeviceptr, size_t))tm_fns[F_ADDRFREE])(p, n); }
 static CUresult tm_memmap(CUdeviceptr p, size_t n, CUmemGenericAllocationHandle h) {
 	return ((CUresult (*)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long))tm_fns[F_MEMMAP])(p, n, 0, h, 0);
 }
 static CUresult tm_memunmap(CUdeviceptr p, size_t n) { return ((CUresult (*)(CUdeviceptr, size_t))tm_fns[F_MEMUNMAP])(p, n); }
-static CUresult tm_memsetaccess(CUdeviceptr p, size_t n, int dev) {
-	CUmemAccessDesc d;
-	memset(&d, 0, sizeof d);
-	d.location.type = LOCATION_DEVICE;
-	d.location.id = dev;
-	d.flags = ACCESS_READWRITE;
-	return ((CUresult (*)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t))tm_fns[F_MEMSETACCESS])(p, n, &d, 1);
+// tm_memsetaccess lets each of the n devices read and write the mapping.
+static CUresult tm_memsetaccess(CUdeviceptr p, size_t size, const int *devs, int n) {
+	CUmemAccessDesc d[64];
+	if (n < 1 || n > 64) return 1; // CUDA_ERROR_INVALID_VALUE
+	memset(d, 0, sizeof d);
+	for (int i = 0; i < n; i++) {
+		d[i].location.type = LOCATION_DEVICE;
+		d[i].location.id = devs[i];
+		d[i].flags = ACCESS_READWRITE;
+	}
+	return ((CUresult (*)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t))tm_fns[F_MEMSETACCESS])(p, size, d, (size_t)n);
 }
 static const char *tm_errname(CUresult r) {
 	const char *s = 0;
@@ -199,6 +211,9 @@ var symbols = [C.F_COUNT][]string{
 	C.F_ERRNAME:      {"cuGetErrorName"},
 	C.F_ERRSTR:       {"cuGetErrorString"},
 	C.F_MEMINFO:      {"cuMemGetInfo_v2"},
+	C.F_CTXSYNC:      {"cuCtxSynchronize"},
+	C.F_DEVUUID:      {"cuDeviceGetUuid_v2", "cuDeviceGetUuid"},
+	C.F_CANPEER:      {"cuDeviceCanAccessPeer"},
 	C.F_DEVATTR:      {"cuDeviceGetAttribute"},
 	C.F_MEMCREATE:    {"cuMemCreate"},
 	C.F_MEMRELEASE:   {"cuMemRelease"},
@@ -399,18 +414,55 @@ func hasVMM() bool {
 	return true
 }
 
+// attribute returns device dev's attribute attr.
+func attribute(dev int, attr C.int) (int, error) {
+	var d C.CUdevice
+	if err := check("cuDeviceGet", C.tm_devget(&d, C.int(dev))); err != nil {
+		return 0, err
+	}
+	var v C.int
+	err := check("cuDeviceGetAttribute", C.tm_devattr(&v, attr, d))
+	return int(v), err
+}
+
 func (libcuda) FDExportSupported(dev int) (bool, error) {
 	if !hasVMM() {
 		return false, nil
 	}
+	for _, attr := range []C.int{C.ATTR_VMM_SUPPORTED, C.ATTR_POSIX_FD_SUPPORTED} {
+		if v, err := attribute(dev, attr); err != nil || v == 0 {
+			return false, err
+		}
+	}
+	return true, nil
+}
+
+func (libcuda) ComputeMode(dev int) (int, error) { return attribute(dev, C.ATTR_COMPUTE_MODE) }
+
+func (libcuda) DeviceUUID(dev int) ([16]byte, error) {
+	var uuid [16]byte
 	var d C.CUdevice
+	if err := check("cuDeviceGet", C.tm_devget(&d, C.int(dev))); err != nil {
+		return uuid, err
+	}
+	err := check("cuDeviceGetUuid", C.tm_devuuid((*C.uchar)(unsafe.Pointer(&uuid[0])), d))
+	return uuid, err
+}
+
+func (libcuda) CanAccessPeer(dev, peer int) (bool, error) {
+	var d, p C.CUdevice
 	if err := check("cuDeviceGet", C.tm_devget(&d, C.int(dev))); err != nil {
 		return false, err
 	}
-	var v C.int
-	err := check("cuDeviceGetAttribute", C.tm_devattr(&v, C.ATTR_POSIX_FD_SUPPORTED, d))
-	return v != 0, err
+	if err := check("cuDeviceGet", C.tm_devget(&p, C.int(peer))); err != nil {
+		return false, err
+	}
+	var can C.int
+	err := check("cuDeviceCanAccessPeer", C.tm_canpeer(&can, d, p))
+	return can != 0, err
 }
+
+func (libcuda) CtxSynchronize() error { return check("cuCtxSynchronize", C.tm_ctxsync()) }
 
 func (libcuda) MemGranularity(dev int) (int64, error) {
 	if !hasVMM() {
@@ -449,15 +501,15 @@ func (libcuda) MemImportFD(fd int) (MemHandle, error) {
 	return MemHandle(h), err
 }
 
-func (libcuda) MemDevice(h MemHandle) (int, bool, error) {
-	var dev, exportable C.int
-	err := check("cuMemGetAllocationPropertiesFromHandle", C.tm_memprops(&dev, &exportable, C.CUmemGenericAllocationHandle(h)))
-	return int(dev), exportable != 0, err
+func (libcuda) MemDevice(h MemHandle) (int, error) {
+	var dev C.int
+	err := check("cuMemGetAllocationPropertiesFromHandle", C.tm_memprops(&dev, C.CUmemGenericAllocationHandle(h)))
+	return int(dev), err
 }
 
-func (libcuda) MemAddressReserve(size int64) (DevicePtr, error) {
+func (libcuda) MemAddressReserve(size, align int64) (DevicePtr, error) {
 	var p C.CUdeviceptr
-	err := check("cuMemAddressReserve", C.tm_addrreserve(&p, C.size_t(size)))
+	err := check("cuMemAddressReserve", C.tm_addrreserve(&p, C.size_t(size), C.size_t(align)))
 	return DevicePtr(p), err
 }
 
@@ -473,8 +525,15 @@ func (libcuda) MemUnmap(p DevicePtr, size int64) error {
 	return check("cuMemUnmap", C.tm_memunmap(C.CUdeviceptr(p), C.size_t(size)))
 }
 
-func (libcuda) MemSetAccess(p DevicePtr, size int64, dev int) error {
-	return check("cuMemSetAccess", C.tm_memsetaccess(C.CUdeviceptr(p), C.size_t(size), C.int(dev)))
+func (libcuda) MemSetAccess(p DevicePtr, size int64, devs []int) error {
+	if len(devs) == 0 || len(devs) > 64 {
+		return fmt.Errorf("cuda: access for %d devices", len(devs))
+	}
+	cdevs := make([]C.int, len(devs))
+	for i, d := range devs {
+		cdevs[i] = C.int(d)
+	}
+	return check("cuMemSetAccess", C.tm_memsetaccess(C.CUdeviceptr(p), C.size_t(size), &cdevs[0], C.int(len(devs))))
 }
 
 func (libcuda) MemGetInfo() (int64, int64, error) {

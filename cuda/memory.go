@@ -19,10 +19,12 @@ type Runtime struct {
 	drv   Driver
 	execs *Executors
 
-	mu     sync.Mutex
-	pools  map[int]*shm.Pool           // each device's slabs, nil for a device without them (see pool)
-	opened map[IPCMemHandle]*openedMem // handles this process opened
-	limbo  []*Buffer                   // freed here, still used elsewhere
+	mu       sync.Mutex
+	pools    map[int]*shm.Pool           // each device's slabs, nil for a device without them (see pool)
+	opened   map[IPCMemHandle]*openedMem // handles this process opened
+	exported map[IPCMemHandle]*Buffer    // allocations made here and exported, until freed for good
+	limbo    []*Buffer                   // freed here, still used elsewhere
+	uuids    map[int][16]byte            // each device's UUID, once asked
 }
 
 var (
@@ -48,7 +50,59 @@ func Default() (*Runtime, error) {
 
 // NewRuntime returns a Runtime on driver d.
 func NewRuntime(d Driver) *Runtime {
-	return &Runtime{drv: d, execs: NewExecutors(d), pools: map[int]*shm.Pool{}, opened: map[IPCMemHandle]*openedMem{}}
+	return &Runtime{
+		drv: d, execs: NewExecutors(d), pools: map[int]*shm.Pool{},
+		opened: map[IPCMemHandle]*openedMem{}, exported: map[IPCMemHandle]*Buffer{}, uuids: map[int][16]byte{},
+	}
+}
+
+// UUID returns device dev's UUID, the name other processes know it by:
+// ordinals are per process (CUDA_VISIBLE_DEVICES).
+func (r *Runtime) UUID(dev int) ([16]byte, error) {
+	r.mu.Lock()
+	u, ok := r.uuids[dev]
+	r.mu.Unlock()
+	if ok {
+		return u, nil
+	}
+	n, err := r.drv.DeviceCount()
+	if err != nil {
+		return u, err
+	}
+	if dev < 0 || dev >= n {
+		return u, fmt.Errorf("cuda: device %d does not exist (%d devices)", dev, n)
+	}
+	if u, err = r.drv.DeviceUUID(dev); err != nil {
+		return u, fmt.Errorf("cuda: the UUID of gpu:%d: %w", dev, err)
+	}
+	r.mu.Lock()
+	r.uuids[dev] = u
+	r.mu.Unlock()
+	return u, nil
+}
+
+// Ordinal returns this process's ordinal of the device named uuid, or an
+// error when this process does not see it.
+func (r *Runtime) Ordinal(uuid [16]byte) (int, error) {
+	n, err := r.drv.DeviceCount()
+	if err != nil {
+		return 0, err
+	}
+	for dev := range n {
+		u, err := r.UUID(dev)
+		if err != nil {
+			return 0, err
+		}
+		if u == uuid {
+			return dev, nil
+		}
+	}
+	return 0, fmt.Errorf("cuda: device %s is not one of this process's %d (CUDA_VISIBLE_DEVICES, or another MIG instance)", FormatUUID(uuid), n)
+}
+
+// FormatUUID writes a device UUID as nvidia-smi does: GPU-xxxxxxxx-....
+func FormatUUID(u [16]byte) string {
+	return fmt.Sprintf("GPU-%x-%x-%x-%x-%x", u[0:4], u[4:6], u[6:8], u[8:10], u[10:16])
 }
 
 // Close frees what the limbo holds that nobody uses any more, then gives
@@ -61,7 +115,22 @@ func NewRuntime(d Driver) *Runtime {
 func (r *Runtime) Close() {
 	r.CollectLimbo()
 	r.trimSlabs()
+	r.execs.syncAll()
 	r.execs.Stop()
+}
+
+// syncAll waits for every stream of each device's context this process
+// uses.
+func (x *Executors) syncAll() {
+	x.mu.Lock()
+	es := make([]*Executor, 0, len(x.m))
+	for _, e := range x.m {
+		es = append(es, e)
+	}
+	x.mu.Unlock()
+	for _, e := range es {
+		_ = e.Do(x.drv.CtxSynchronize)
+	}
 }
 
 func init() {
@@ -117,6 +186,11 @@ type Buffer struct {
 	block    *shm.Block
 	received bool
 
+	// dirty is set while work this process queued on the buffer (its
+	// clearing, a copy into it) may still run: a block is given back
+	// only after it, else it would land in memory that its next user
+	// owns.
+	dirty atomic.Bool
 	freed atomic.Bool
 }
 
@@ -144,6 +218,7 @@ func (r *Runtime) Alloc(dev int, n int64) (*Buffer, error) {
 		}
 		// A recycled block holds its last user's bytes, a new one the
 		// device's garbage.
+		b.dirty.Store(true)
 		if err := e.Do(func() error { return r.drv.MemsetD8(b.ptr, n) }); err != nil {
 			_ = b.Release()
 			return nil, fmt.Errorf("cuda: clearing %d bytes on gpu:%d: %w", n, dev, err)
@@ -209,7 +284,10 @@ func (b *Buffer) Read(dst []byte, off int64) error {
 	return e.Do(func() error { return b.rt.drv.MemcpyDtoH(dst, b.ptr+DevicePtr(off)) })
 }
 
-// Write copies src into the buffer at off.
+// Write copies src into the buffer at off and returns once the bytes are
+// in device memory: a copy from pageable host memory returns as soon as
+// the host's bytes are staged, so Write waits for it, and what comes
+// after (a message to another process that reads them, say) sees them.
 func (b *Buffer) Write(src []byte, off int64) error {
 	if err := b.check(off, int64(len(src))); err != nil || len(src) == 0 {
 		return err
@@ -218,11 +296,19 @@ func (b *Buffer) Write(src []byte, off int64) error {
 	if err != nil {
 		return err
 	}
-	return e.Do(func() error { return b.rt.drv.MemcpyHtoD(b.ptr+DevicePtr(off), src) })
+	return e.Do(func() error {
+		if err := b.rt.drv.MemcpyHtoD(b.ptr+DevicePtr(off), src); err != nil {
+			return err
+		}
+		return b.rt.drv.Synchronize()
+	})
 }
 
 // CopyFrom copies n bytes from another GPU buffer, starting at srcOff,
-// device to device (tensor.DeviceCopier).
+// device to device (tensor.DeviceCopier). The copy runs in order after
+// the work queued on b's device; from another device, the source's
+// queued work is waited for first, since the two devices' streams are
+// not ordered with each other.
 func (b *Buffer) CopyFrom(src tensor.Buffer, srcOff, n int64) (bool, error) {
 	s, ok := src.(*Buffer)
 	if !ok || s.rt != b.rt {
@@ -234,10 +320,16 @@ func (b *Buffer) CopyFrom(src tensor.Buffer, srcOff, n int64) (bool, error) {
 	if err := b.check(0, n); err != nil {
 		return false, err
 	}
+	if s.dev != b.dev {
+		if err := s.Sync(); err != nil {
+			return false, err
+		}
+	}
 	e, err := b.exec()
 	if err != nil {
 		return false, err
 	}
+	b.dirty.Store(true)
 	return true, e.Do(func() error { return b.rt.drv.MemcpyDtoD(b.ptr, s.ptr+DevicePtr(srcOff), n) })
 }
 
@@ -245,7 +337,9 @@ func (b *Buffer) CopyFrom(src tensor.Buffer, srcOff, n int64) (bool, error) {
 // returns once the copy is done, so that src may be freed at once. src is
 // memory of b's device that this process got by other means: another
 // library's allocation, handed over through DLPack, say. The n bytes must
-// lie within one allocation the driver knows of; anything else is an
+// lie within memory the driver knows of: one allocation, or mappings that
+// follow each other without a gap (the chunks of an expandable segment of
+// PyTorch's, which the driver reports one by one); anything else is an
 // error, and nothing is copied.
 func (b *Buffer) CopyIn(src DevicePtr, n int64) error {
 	if err := b.check(0, n); err != nil || n == 0 {
@@ -256,18 +350,32 @@ func (b *Buffer) CopyIn(src DevicePtr, n int64) error {
 		return err
 	}
 	return e.Do(func() error {
-		base, size, err := b.rt.drv.MemGetAddressRange(src)
-		if err != nil {
-			return fmt.Errorf("cuda: copying from %#x on gpu:%d: %w", uint64(src), b.dev, err)
-		}
-		if int64(src-base) > size-n {
-			return fmt.Errorf("cuda: copying %d bytes from %#x on gpu:%d: the allocation there ends at %#x", n, uint64(src), b.dev, uint64(base)+uint64(size))
+		if err := b.rt.covered(src, n, b.dev); err != nil {
+			return err
 		}
 		if err := b.rt.drv.MemcpyDtoD(b.ptr, src, n); err != nil {
 			return err
 		}
 		return b.rt.drv.Synchronize()
 	})
+}
+
+// covered checks that [src, src+n) is device memory the driver knows of,
+// range after range: for memory of the virtual memory calls, it reports
+// only the mapping that holds an address.
+func (r *Runtime) covered(src DevicePtr, n int64, dev int) error {
+	end := uint64(src) + uint64(n)
+	for at := src; uint64(at) < end; {
+		base, size, err := r.drv.MemGetAddressRange(at)
+		switch {
+		case err != nil && at == src:
+			return fmt.Errorf("cuda: copying from %#x on gpu:%d: %w", uint64(src), dev, err)
+		case err != nil || base > at || size <= 0:
+			return fmt.Errorf("cuda: copying %d bytes from %#x on gpu:%d: the memory there ends at %#x", n, uint64(src), dev, uint64(at))
+		}
+		at = base + DevicePtr(size)
+	}
+	return nil
 }
 
 // Sync returns once the work tensormp queued on b's device so far (its
@@ -282,18 +390,51 @@ func (b *Buffer) Sync() error {
 	if err != nil {
 		return err
 	}
-	return e.Do(b.rt.drv.Synchronize)
+	if err := e.Do(b.rt.drv.Synchronize); err != nil {
+		return err
+	}
+	b.dirty.Store(false)
+	return nil
+}
+
+// SyncAll returns once every stream of b's device's context, another
+// library's included, has done the work queued on it so far: what
+// another library gives back through DLPack is released after it.
+func (b *Buffer) SyncAll() error {
+	if b.freed.Load() {
+		return errors.New("cuda: buffer freed")
+	}
+	e, err := b.exec()
+	if err != nil {
+		return err
+	}
+	return e.Do(b.rt.drv.CtxSynchronize)
 }
 
 // Release gives the memory back, once. An allocation that other processes
 // still use waits in the limbo until they let go; an opened one is
-// closed when no storage of this process uses it.
+// closed when no storage of this process uses it. A block of a slab is
+// given back once the work this process queued on it is done: its next
+// user, in any process, must find only its own bytes there.
 func (b *Buffer) Release() error {
 	if !b.freed.CompareAndSwap(false, true) || b.size == 0 && b.from == nil {
 		return nil
 	}
 	if b.block != nil {
-		return b.block.Release()
+		var err error
+		if b.dirty.Load() {
+			if e, xerr := b.exec(); xerr != nil {
+				err = xerr
+			} else {
+				err = e.Do(b.rt.drv.Synchronize)
+			}
+		}
+		if err != nil && !errors.Is(err, ErrStopped) {
+			err = fmt.Errorf("cuda: waiting for the work on a block of gpu:%d before giving it back: %w", b.dev, err)
+		} else {
+			err = nil // a closed runtime's work was waited for by Close
+		}
+		return errors.Join(err, b.block.Release())
 	}
 	if b.from != nil {
 		return b.rt.closeOpened(b)
@@ -325,6 +466,9 @@ func (r *Runtime) release(b *Buffer) error {
 		return errors.Join(errs...)
 	})
 	if b.export != nil {
+		r.mu.Lock()
+		delete(r.exported, b.export.mem)
+		r.mu.Unlock()
 		err = errors.Join(err, b.export.token.Release())
 	}
 	return err

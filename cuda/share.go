@@ -36,12 +36,28 @@ func (sharer) Import(h gpushare.Handle) (tensor.Buffer, error) {
 	return nilIfFailed(r.importIPC(h))
 }
 
-func (sharer) ImportBlock(dev int, blk *shm.Block, size int64, memFD func() (int, error)) (tensor.Buffer, error) {
+func (sharer) ImportBlock(dev int, blk *shm.Block, size int64, memFD int) (tensor.Buffer, error) {
 	r, err := Default()
 	if err != nil {
 		return nil, err
 	}
 	return nilIfFailed(r.importBlock(dev, blk, size, memFD))
+}
+
+func (sharer) UUID(dev int) ([16]byte, error) {
+	r, err := Default()
+	if err != nil {
+		return [16]byte{}, err
+	}
+	return r.UUID(dev)
+}
+
+func (sharer) Ordinal(uuid [16]byte) (int, error) {
+	r, err := Default()
+	if err != nil {
+		return 0, err
+	}
+	return r.Ordinal(uuid)
 }
 
 // nilIfFailed returns b as a tensor.Buffer, or a nil interface when err is

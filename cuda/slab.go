@@ -44,6 +44,12 @@ import (
 // default is 256 MiB.
 const EnvDeviceCache = "TENSORMP_GPU_CACHE"
 
+// EnvLegacy names the environment variable that, set to 1, makes every
+// device share its buffers by legacy CUDA IPC even where it could export
+// descriptors: the path older drivers and some virtualised GPUs take, run
+// on hardware that has both.
+const EnvLegacy = "TENSORMP_GPU_LEGACY"
+
 // deviceCache is what a device's pool keeps of unused slabs.
 var deviceCache = func() int64 {
 	if v, err := strconv.ParseInt(os.Getenv(EnvDeviceCache), 10, 64); err == nil && v >= 0 {
@@ -57,6 +63,7 @@ var deviceCache = func() int64 {
 // extent of its slab's segment (shm.Extent).
 type slab struct {
 	rt   *Runtime
+	exec *Executor // its device's, pinned for the slab's life
 	dev  int
 	h    MemHandle
 	fd   int       // the allocation's descriptor: exported here, or the message's
@@ -65,25 +72,22 @@ type slab struct {
 	once sync.Once
 }
 
-// Close unmaps the slab and lets go of its handle and descriptor. It
-// runs on the device's executor while there is one; after the Runtime's
-// Close, on the calling thread: the virtual memory calls need no current
-// context, and what a block released late leaves is given back all the
-// same.
+// Close unmaps the slab and lets go of its handle and descriptor, on its
+// device's executor, which keeps the device's context for it even after
+// the Runtime's Close (see Executor.pin). It first waits for every stream
+// of the context: the driver's unmap does not wait for work queued on the
+// memory, and such work would fault the context, another library's
+// (PyTorch's) included, for good.
 func (s *slab) Close() error {
 	var err error
 	s.once.Do(func() {
-		release := func() error {
+		err = s.exec.teardown(func() error {
+			if err := s.rt.drv.CtxSynchronize(); err != nil {
+				return fmt.Errorf("cuda: waiting for the work on a slab of gpu:%d before unmapping it: %w", s.dev, err)
+			}
 			return errors.Join(s.rt.drv.MemUnmap(s.ptr, s.size), s.rt.drv.MemAddressFree(s.ptr, s.size), s.rt.drv.MemRelease(s.h))
-		}
-		e, xerr := s.rt.execs.Get(s.dev)
-		if xerr == nil {
-			xerr = e.Do(release)
-		}
-		if errors.Is(xerr, ErrStopped) {
-			xerr = release()
-		}
-		err = errors.Join(xerr, unix.Close(s.fd))
+		})
+		err = errors.Join(err, unix.Close(s.fd))
 	})
 	return err
 }
@@ -95,38 +99,80 @@ func (r *Runtime) slabDevice(dev int) (*Executor, int64, error) {
 	if err != nil {
 		return nil, 0, err
 	}
-	g, err := r.drv.MemGranularity(dev)
+	var g int64
+	err = e.Do(func() error {
+		var err error
+		g, err = r.drv.MemGranularity(dev)
+		return err
+	})
 	if err != nil {
 		return nil, 0, fmt.Errorf("cuda: the allocation granularity of gpu:%d: %w", dev, err)
 	}
 	return e, g, nil
 }
 
+// accessors returns the devices that may touch memory of device dev: dev
+// and every device that can access its memory as a peer. A mapping of
+// the virtual memory calls is reachable only by the devices its access
+// list names (peer access enabled on a context does not count), so a
+// copy to another device (To), or another library's kernel on a peer,
+// needs them all.
+func (r *Runtime) accessors(dev int) ([]int, error) {
+	n, err := r.drv.DeviceCount()
+	if err != nil {
+		return nil, err
+	}
+	devs := []int{dev}
+	for peer := range n {
+		if peer == dev {
+			continue
+		}
+		ok, err := r.drv.CanAccessPeer(peer, dev)
+		if err != nil {
+			return nil, fmt.Errorf("cuda: can gpu:%d access gpu:%d: %w", peer, dev, err)
+		}
+		if ok {
+			devs = append(devs, peer)
+		}
+	}
+	return devs, nil
+}
+
 // roundUp rounds n up to a multiple of g.
 func roundUp(n, g int64) int64 { return (n + g - 1) / g * g }
 
-// mapSlab maps allocation h of size bytes on device dev, for every access
-// of that device, and returns the slab, which owns h and fd from then on
-// (and closes them if it fails).
-func (r *Runtime) mapSlab(e *Executor, h MemHandle, fd int, size int64) (*slab, error) {
-	s := &slab{rt: r, dev: e.Device(), h: h, fd: fd, size: size}
-	err := e.Do(func() error {
-		p, err := r.drv.MemAddressReserve(size)
+// mapSlab maps allocation h of size bytes on the device of e, whose
+// allocations are multiples of g, for that device and its peers, and
+// returns the slab, which owns h and fd from then on (and closes them if
+// it fails).
+func (r *Runtime) mapSlab(e *Executor, h MemHandle, fd int, size, g int64) (*slab, error) {
+	s := &slab{rt: r, exec: e, dev: e.Device(), h: h, fd: fd, size: size}
+	devs, err := r.accessors(s.dev)
+	if err == nil {
+		err = e.pin()
+	}
+	if err == nil {
+		err = e.Do(func() error {
+			p, err := r.drv.MemAddressReserve(size, g)
+			if err != nil {
+				return err
+			}
+			if err := r.drv.MemMap(p, size, h); err != nil {
+				_ = r.drv.MemAddressFree(p, size)
+				return err
+			}
+			if err := r.drv.MemSetAccess(p, size, devs); err != nil {
+				_ = r.drv.MemUnmap(p, size)
+				_ = r.drv.MemAddressFree(p, size)
+				return err
+			}
+			s.ptr = p
+			return nil
+		})
 		if err != nil {
-			return err
+			e.unpin()
 		}
-		if err := r.drv.MemMap(p, size, h); err != nil {
-			_ = r.drv.MemAddressFree(p, size)
-			return err
-		}
-		if err := r.drv.MemSetAccess(p, size, e.Device()); err != nil {
-			_ = r.drv.MemUnmap(p, size)
-			_ = r.drv.MemAddressFree(p, size)
-			return err
-		}
-		s.ptr = p
-		return nil
-	})
+	}
 	if err != nil {
 		_ = e.Do(func() error { return r.drv.MemRelease(h) })
 		_ = unix.Close(fd)
@@ -154,12 +200,20 @@ func (r *Runtime) newSlab(dev int, n int64) (shm.Extent, error) {
 			_ = r.drv.MemRelease(h)
 			return err
 		}
+		// The driver does not promise close-on-exec: without it every
+		// worker spawned later would inherit the descriptor and pin the
+		// slab's memory for its whole life.
+		if _, err := unix.FcntlInt(uintptr(fd), unix.F_SETFD, unix.FD_CLOEXEC); err != nil {
+			_ = unix.Close(fd)
+			_ = r.drv.MemRelease(h)
+			return fmt.Errorf("cuda: marking a slab's descriptor close-on-exec: %w", err)
+		}
 		return nil
 	})
 	if err != nil {
 		return nil, fmt.Errorf("cuda: making a slab of %d bytes on gpu:%d: %w", size, dev, err)
 	}
-	return r.mapSlab(e, h, fd, size)
+	return r.mapSlab(e, h, fd, size, g)
 }
 
 // pool returns device dev's pool of slabs, or nil when the device cannot
@@ -174,6 +228,9 @@ func (r *Runtime) pool(dev int) (*shm.Pool, error) {
 	ok, err := r.drv.FDExportSupported(dev)
 	if err != nil {
 		return nil, fmt.Errorf("cuda: asking gpu:%d whether it exports descriptors: %w", dev, err)
+	}
+	if os.Getenv(EnvLegacy) == "1" {
+		ok = false
 	}
 	var p *shm.Pool
 	if ok {
@@ -227,11 +284,12 @@ func (b *Buffer) share() (sh gpushare.Slab, ok bool, err error) {
 // importBlock returns the buffer of size bytes that blk, a block of a
 // device slab this process received (attached from the message's
 // ticket), holds on device dev; the buffer takes blk over, and its Release
-// releases it. The first block of a slab imports and maps the slab, from
-// the descriptor memFD returns, which stays the caller's; the others find
-// it mapped. A descriptor that is no allocation of dev's, or one smaller
-// than the slab's table says, is an error, and nothing is mapped.
-func (r *Runtime) importBlock(dev int, blk *shm.Block, size int64, memFD func() (int, error)) (*Buffer, error) {
+// releases it. The first block of a slab imports and maps the slab from
+// memFD, the message's descriptor of it, which stays the caller's; the
+// others find it mapped, and memFD must then be of the same allocation
+// (sameDescription). A descriptor that is no allocation of dev's, or one
+// smaller than the slab's table says, is an error, and nothing is mapped.
+func (r *Runtime) importBlock(dev int, blk *shm.Block, size int64, fd int) (*Buffer, error) {
 	if !blk.InExtent() {
 		return nil, fmt.Errorf("cuda: importing a block of gpu:%d: %w", dev, shm.ErrNoExtent)
 	}
@@ -239,11 +297,12 @@ func (r *Runtime) importBlock(dev int, blk *shm.Block, size int64, memFD func() 
 		return nil, fmt.Errorf("cuda: importing %d bytes of a block of %d", size, blk.Size())
 	}
 	s, _ := blk.Extent().(*slab)
-	if s == nil {
-		fd, err := memFD()
-		if err != nil {
-			return nil, err
+	if s != nil {
+		if err := sameDescription(s.fd, fd); err != nil {
+			return nil, fmt.Errorf("cuda: a block of a slab of gpu:%d: %w", dev, err)
 		}
+	} else {
+		var err error
 		if s, err = r.importSlab(dev, fd, blk.ExtentSize()); err != nil {
 			return nil, err
 		}
@@ -263,8 +322,32 @@ func (r *Runtime) importBlock(dev int, blk *shm.Block, size int64, memFD func() 
 	return &Buffer{rt: r, dev: dev, ptr: s.ptr + DevicePtr(blk.Offset()), size: size, block: blk, received: true}, nil
 }
 
+// sameDescription checks that descriptor fd, a message's, is of the same
+// open file description as own, the slab this process maps for the
+// segment the message names. A producer exports each slab once, and
+// SCM_RIGHTS and dup keep the description, so every honest message about
+// a slab carries it; every export of the driver is an open of one device
+// file, so nothing else (fstat) tells two allocations apart. A message
+// that pairs a segment with another allocation is refused, however many
+// came before it. Where the kernel cannot compare descriptors (kcmp), the
+// check is skipped.
+func sameDescription(own, fd int) error {
+	pid := uintptr(os.Getpid())
+	const kcmpFile = 0 // KCMP_FILE
+	r, _, errno := unix.Syscall6(unix.SYS_KCMP, pid, pid, kcmpFile, uintptr(own), uintptr(fd), 0)
+	switch {
+	case errno == unix.ENOSYS || errno == unix.EPERM:
+		return nil
+	case errno != 0:
+		return fmt.Errorf("comparing the message's descriptor %d with the slab's: %w", fd, errno)
+	case r != 0:
+		return errors.New("the message's descriptor is not of the allocation this process maps for its segment")
+	}
+	return nil
+}
+
 // importSlab imports and maps the allocation fd describes, which must be
-// one of device dev's, exportable as a descriptor, of at least n bytes.
+// one of device dev's, of at least n bytes.
 func (r *Runtime) importSlab(dev int, fd int, n int64) (*slab, error) {
 	e, g, err := r.slabDevice(dev)
 	if err != nil {
@@ -280,9 +363,9 @@ func (r *Runtime) importSlab(dev int, fd int, n int64) (*slab, error) {
 		if h, err = r.drv.MemImportFD(own); err != nil {
 			return err
 		}
-		d, exportable, err := r.drv.MemDevice(h)
-		if err == nil && (d != dev || !exportable) {
-			err = fmt.Errorf("an allocation of device %d (exportable as a descriptor: %v), not of gpu:%d", d, exportable, dev)
+		d, err := r.drv.MemDevice(h)
+		if err == nil && d != dev {
+			err = fmt.Errorf("an allocation of device %d, not of gpu:%d", d, dev)
 		}
 		if err != nil {
 			_ = r.drv.MemRelease(h)
@@ -293,7 +376,7 @@ func (r *Runtime) importSlab(dev int, fd int, n int64) (*slab, error) {
 		_ = unix.Close(own)
 		return nil, fmt.Errorf("cuda: importing a slab of gpu:%d: %w", dev, err)
 	}
-	s, err := r.mapSlab(e, h, own, roundUp(n, g))
+	s, err := r.mapSlab(e, h, own, roundUp(n, g), g)
 	if err != nil {
 		return nil, fmt.Errorf("cuda: mapping a slab of %d bytes on gpu:%d: %w", roundUp(n, g), dev, err)
 	}

@@ -36,6 +36,11 @@ func reduceGPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (m Meta, fd, me
 		return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
 	}
 	m = viewMeta(t, room)
+	uuid, err := gs.UUID(t.Place().Index())
+	if err != nil {
+		return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
+	}
+	m.DevUUID = uuid[:]
 	if t.Numel() == 0 {
 		return m, -1, -1, nil, nil
 	}
@@ -69,6 +74,26 @@ func reduceGPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (m Meta, fd, me
 	storages.put(gpuKey(h.Mem, h.Offset), s)
 	return m, h.Ticket.FD(), -1, h.Ticket, nil
 }
+
+// localGPU returns this process's place of the device a GPU tensor's
+// metadata names by UUID.
+func localGPU(uuid []byte) (device.Place, error) {
+	var u [16]byte
+	if len(uuid) != len(u) {
+		return device.Place{}, fmt.Errorf("metadata of a GPU tensor with a device UUID of %d bytes, want %d", len(uuid), len(u))
+	}
+	copy(u[:], uuid)
+	gs, err := gpushare.Get()
+	if err != nil {
+		return device.Place{}, err
+	}
+	dev, err := gs.Ordinal(u)
+	if err != nil {
+		return device.Place{}, err
+	}
+	return device.GPU(dev), nil
+}
+
 func gpuKey(h [64]byte, off int64) cacheKey {
 	return cacheKey{name: "gpu:" + string(h[:]), off: off}
 }
@@ -154,7 +179,12 @@ func openSlabBlock(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage
 	if err != nil {
 		return nil, err
 	}
-	buf, err := gs.ImportBlock(p.Index(), b, m.Size, func() (int, error) { return fds.fd(m.MemFD) })
+	memFD, err := fds.fd(m.MemFD)
+	if err != nil {
+		_ = b.Release()
+		return nil, err
+	}
+	buf, err := gs.ImportBlock(p.Index(), b, m.Size, memFD)
 	if err != nil {
 		_ = b.Release()
 		return nil, err

@@ -214,7 +214,14 @@ func TestMetaNamingALiveSlabBlockElsewhere(t *testing.T) {
 				require.NoError(t, unix.Close(fds[1]))
 				fds, m.MemFD = fds[:1], -1
 			}
-			m.Strategy, m.Place = c.strategy, c.place
+			m.Strategy, m.Place, m.DevUUID = c.strategy, c.place, nil
+			if p := device.MustParse(c.place); p.IsGPU() {
+				rt, err := cuda.Default()
+				require.NoError(t, err)
+				u, err := rt.UUID(p.Index())
+				require.NoError(t, err)
+				m.DevUUID = u[:]
+			}
 			var y *tensor.Tensor
 			err = NewDecoder().Decode(extMessage(t, m), fds, &y)
 			assert.ErrorContains(t, err, "a storage on gpu:0 named for a tensor on "+c.place)

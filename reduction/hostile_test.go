@@ -10,6 +10,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 	"golang.org/x/sys/unix"
 
+	"github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/tensor"
@@ -145,7 +146,12 @@ func TestHostileInput(t *testing.T) {
 		{"empty with fd", with(func(m *Meta) { m.Strategy = ""; m.Size = 0; m.Shape = []int{0}; m.Strides = []int{1} }), segFD, "carries no segment"},
 		{"unregistered place", with(func(m *Meta) { m.Place = "tpu:0" }), segFD, "unknown device type"},
 		{"gpu place for a cpu strategy", with(func(m *Meta) { m.Place = "gpu:0" }), segFD, `strategy "file_descriptor" for a tensor on gpu:0`},
-		{"cuda_ipc without handles", with(func(m *Meta) { m.Place = "gpu:0"; m.Strategy = StrategyCUDAIPC }), segFD, "handles"},
+		{"cuda_ipc without handles", with(func(m *Meta) { m.Place, m.Strategy, m.DevUUID = "gpu:0", StrategyCUDAIPC, gpuUUID(0) }), segFD, "handles"},
+		{"gpu tensor without a device uuid", with(func(m *Meta) { m.Place = "gpu:0"; m.Strategy = StrategyCUDAIPC }), segFD, "device UUID of 0 bytes"},
+		{"gpu tensor of a device not here", with(func(m *Meta) {
+			m.Place, m.Strategy, m.DevUUID = "gpu:0", StrategyCUDAIPC, make([]byte, 16)
+		}), segFD, "is not one of this process's"},
+		{"cpu tensor with a device uuid", with(func(m *Meta) { m.DevUUID = gpuUUID(0) }), segFD, "names a device UUID"},
 		{"cuda_ipc on the cpu", with(func(m *Meta) { m.Strategy = StrategyCUDAIPC }), segFD, `strategy "cuda_ipc" for a tensor on cpu`},
 		{"bad lod", with(func(m *Meta) { m.LoD = [][]int{{3, 1}} }), segFD, "LoD"},
 		{"truncated", validMetaMsg(t, seg.ID())[:10], segFD, ""},
@@ -308,4 +314,17 @@ func FuzzBodyDecode(f *testing.F) {
 		}
 		leakcheck.Free(v)
 	})
+}
+
+// gpuUUID returns the UUID of this process's device dev.
+func gpuUUID(dev int) []byte {
+	rt, err := cuda.Default()
+	if err != nil {
+		panic(err)
+	}
+	u, err := rt.UUID(dev)
+	if err != nil {
+		panic(err)
+	}
+	return u[:]
 }

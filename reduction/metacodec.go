@@ -14,7 +14,7 @@ import (
 // written and read by hand rather than by reflection: it is on the path of
 // every tensor sent, and the reader is simpler to make strict.
 
-const metaFields = 20
+const metaFields = 21
 
 // appendMeta appends m's msgpack encoding to b.
 func appendMeta(b []byte, m *Meta) []byte {
@@ -45,7 +45,8 @@ func appendMeta(b []byte, m *Meta) []byte {
 	b = appendBytes(b, m.IPC)
 	b = appendBytes(b, m.IPCEvent)
 	b = appendInt(b, m.DevOffset)
-	return appendInt(b, int64(m.MemFD))
+	b = appendInt(b, int64(m.MemFD))
+	return appendBytes(b, m.DevUUID)
 }
 
 func appendBytes(b, v []byte) []byte {
@@ -456,6 +457,7 @@ func parseMeta(b []byte, room []int) (Meta, error) {
 	m.IPCEvent = r.bytes()
 	m.DevOffset = r.int()
 	m.MemFD = r.small()
+	m.DevUUID = r.bytes()
 	if r.err != nil {
 		return Meta{}, fmt.Errorf("decoding tensor metadata: %w", r.err)
 	}

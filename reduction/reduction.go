@@ -13,7 +13,7 @@ import (
 )
 
 // Version is the version of Meta this package writes and reads.
-const Version = 6
+const Version = 7
 
 // ErrDeviceTensor is returned for a tensor whose memory is neither on the
 // CPU nor on an NVIDIA GPU through package cuda.
@@ -53,6 +53,12 @@ type Meta struct {
 	// Dev, Ino, Segment, Block and Gen name the block as for a pooled CPU
 	// block; the slab's segment holds its slot table. Else -1.
 	MemFD int
+
+	// A GPU tensor's device UUID (16 bytes), nil for a CPU one: Place
+	// names the device by the sender's ordinal, and ordinals are per
+	// process (CUDA_VISIBLE_DEVICES), so the receiver finds its own
+	// ordinal of the device by this.
+	DevUUID []byte
 }
 
 // StrategyCUDAIPC is Meta.Strategy for a GPU tensor shared by CUDA IPC,
@@ -260,6 +266,13 @@ func rebuildTensor(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tenso
 	}
 	if p.IsGPU() != (m.Strategy == StrategyCUDAIPC || m.Strategy == StrategyCUDAFD) && m.Strategy != "" {
 		return nil, fmt.Errorf("strategy %q for a tensor on %s", m.Strategy, p)
+	}
+	if p.IsGPU() {
+		if p, err = localGPU(m.DevUUID); err != nil {
+			return nil, err
+		}
+	} else if m.DevUUID != nil {
+		return nil, errors.New("metadata of a CPU tensor names a device UUID")
 	}
 	if m.MemFD != -1 && m.Strategy != StrategyCUDAFD {
 		return nil, fmt.Errorf("metadata of strategy %q carries a device slab's descriptor", m.Strategy)

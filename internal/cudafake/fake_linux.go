@@ -327,6 +327,19 @@ func (d *Driver) MemGetInfo() (int64, int64, error) {
 	return total - d.used, total, nil
 }
 
+func (d *Driver) CtxSynchronize() error { return d.Synchronize() }
+
+func (d *Driver) DeviceUUID(dev int) ([16]byte, error) {
+	var u [16]byte
+	copy(u[:], "cudafake-gpu")
+	u[15] = byte(dev)
+	return u, nil
+}
+
+func (d *Driver) CanAccessPeer(dev, peer int) (bool, error) { return dev != peer, nil }
+
+func (d *Driver) ComputeMode(int) (int, error) { return 0, nil }
+
 // Syncs returns how many times Synchronize was called.
 func (d *Driver) Syncs() int {
 	d.mu.Lock()

@@ -195,17 +195,17 @@ func memOf(fd int) (dev int, size int64, ok bool) {
 	return dev, st.Size, true
 }
 
-func (d *Driver) MemDevice(h cuda.MemHandle) (int, bool, error) {
+func (d *Driver) MemDevice(h cuda.MemHandle) (int, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	m, ok := d.mems[h]
 	if !ok {
-		return 0, false, fail("cuMemGetAllocationPropertiesFromHandle", 1, "CUDA_ERROR_INVALID_VALUE")
+		return 0, fail("cuMemGetAllocationPropertiesFromHandle", 1, "CUDA_ERROR_INVALID_VALUE")
 	}
-	return m.dev, true, nil
+	return m.dev, nil
 }
 
-func (d *Driver) MemAddressReserve(size int64) (cuda.DevicePtr, error) {
+func (d *Driver) MemAddressReserve(size, _ int64) (cuda.DevicePtr, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if size <= 0 || size%Granularity != 0 {
@@ -272,11 +272,11 @@ func (d *Driver) MemUnmap(p cuda.DevicePtr, size int64) error {
 	return nil
 }
 
-func (d *Driver) MemSetAccess(p cuda.DevicePtr, size int64, dev int) error {
+func (d *Driver) MemSetAccess(p cuda.DevicePtr, size int64, devs []int) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	v, ok := d.mapped[p]
-	if !ok || int64(len(v.data)) != size || dev != v.mem.dev {
+	if !ok || int64(len(v.data)) != size || len(devs) == 0 {
 		return fail("cuMemSetAccess", 1, "CUDA_ERROR_INVALID_VALUE")
 	}
 	v.accessible = true

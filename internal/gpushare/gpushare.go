@@ -57,9 +57,15 @@ type Sharer interface {
 	Import(h Handle) (tensor.Buffer, error)
 	// ImportBlock returns the buffer of size bytes that blk, a block of
 	// a device slab attached from a message's ticket, holds on device
-	// dev; the buffer takes blk over. memFD gives the slab's descriptor,
-	// which stays the caller's, if the slab is not mapped yet.
-	ImportBlock(dev int, blk *shm.Block, size int64, memFD func() (int, error)) (tensor.Buffer, error)
+	// dev; the buffer takes blk over. memFD is the message's descriptor
+	// of the slab, which stays the caller's: the slab is imported from
+	// it if it is not mapped yet, and must be the one mapped if it is.
+	ImportBlock(dev int, blk *shm.Block, size int64, memFD int) (tensor.Buffer, error)
+	// UUID returns the UUID of the device this process calls dev.
+	UUID(dev int) ([16]byte, error)
+	// Ordinal returns this process's ordinal of the device named uuid,
+	// or an error if this process does not see it.
+	Ordinal(uuid [16]byte) (int, error)
 }
 
 var registered atomic.Pointer[Sharer]
