@@ -384,6 +384,13 @@ func tensormp_dlpack_deleter(m *C.DLManagedTensor) {
 	if !ok {
 		return // not ours, or deleted before: nothing to give back
 	}
+	// The consumer (PyTorch) calls the deleter as soon as its tensor
+	// dies, with kernels on it still queued: the memory goes back to a
+	// pool, whose next user (in any process) must not see them land.
+	// cudaFree would wait; a pool waits here.
+	if b, isGPU := s.Backing().(cudaMemory); isGPU {
+		_ = b.SyncAll()
+	}
 	holds.drop(s)
 	C.free(unsafe.Pointer(m))
 }

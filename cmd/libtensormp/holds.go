@@ -11,11 +11,14 @@ import (
 )
 
 // cudaMemory is device memory DLPack can hand out: a device, an address
-// and a way to wait for the work queued on it (package cuda's Buffer).
+// and ways to wait for the work queued on it (package cuda's Buffer):
+// tensormp's own (Sync), or every stream's, another library's included
+// (SyncAll).
 type cudaMemory interface {
 	Device() int
 	Ptr() cuda.DevicePtr
 	Sync() error
+	SyncAll() error
 }
 
 // holdTable counts, per storage, the handles and DLPack exports that use

@@ -76,9 +76,11 @@ class Tensor(_Handle):
             return (_dlpack.CUDA, int(self.device[5:]))
         return (_dlpack.CPU, 0)
 
-    def __dlpack__(self, stream: Optional[int] = None) -> Any:
+    def __dlpack__(self, stream: Optional[int] = None, **kwargs: Any) -> Any:
         # GPU memory is ready on every stream when it gets here (see the
         # library's tensormp_to_dlpack): stream has nothing to wait for.
+        # Newer consumers pass max_version and friends: the capsule is
+        # the unversioned one, which they all accept.
         return _dlpack.capsule(self._handle())
 
     def torch(self):
@@ -165,8 +167,9 @@ def share(obj: Any) -> Tensor:
         # Stream 1 is CUDA's legacy default stream, where the library
         # copies and marks what a receiver waits for: the producer orders
         # it after the work queued on its current stream. (Without a
-        # stream, torch orders nothing.)
-        cap = obj.__dlpack__(stream=1)
+        # stream, torch orders nothing.) torch orders the streams of its
+        # current device, so the tensor's device is made current first.
+        cap = _dlpack_on_device(obj)
     else:
         cap = obj.__dlpack__()
     # From here the library owns the DLManagedTensor: it calls its deleter.
@@ -174,6 +177,16 @@ def share(obj: Any) -> Tensor:
     out = ctypes.c_int64()
     _lib.call(_lib.from_dlpack, ptr, as_dtype, ctypes.byref(out))
     return _tensor(out.value)
+
+
+def _dlpack_on_device(obj: Any) -> Any:
+    """obj.__dlpack__(stream=1), with obj's device torch's current one
+    when obj is a torch tensor on another GPU than the current."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor) and obj.is_cuda:
+        with torch.cuda.device(obj.device):
+            return obj.__dlpack__(stream=1)
+    return obj.__dlpack__(stream=1)
 
 
 def _wire(v: Any, temps: list) -> Optional[dict]:
