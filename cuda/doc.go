@@ -8,7 +8,7 @@
 // description.
 //
 // The CUDA current context belongs to an OS thread, so each device has an
-// Executor that holds the device's primary context and runs the device's
+// executor that holds the device's primary context and runs the device's
 // work on the calling goroutine's thread, locked to it for the call, with
 // the context made current there and the thread's previous context put
 // back afterwards (a Python thread calling in keeps PyTorch's). Work that

@@ -26,30 +26,31 @@ func (e *Error) Error() string {
 // DevicePtr is an address in a device's memory.
 type DevicePtr uint64
 
-// Context is a driver context (CUcontext).
-type Context uintptr
+// cuContext is a driver context (CUcontext).
+type cuContext uintptr
 
-// Event is a driver event (CUevent).
-type Event uintptr
+// cuEvent is a driver event (CUevent).
+type cuEvent uintptr
 
-// IPCMemHandle names a device allocation to other processes.
-type IPCMemHandle [64]byte
+// ipcMemHandle names a device allocation to other processes.
+type ipcMemHandle [64]byte
 
-// IPCEventHandle names an interprocess event to other processes.
-type IPCEventHandle [64]byte
+// ipcEventHandle names an interprocess event to other processes.
+type ipcEventHandle [64]byte
 
-// Driver is the part of the CUDA driver API tensormp uses. The real one is
-// libcuda.so.1, opened at run time; tests use a fake. Calls that act on
-// "the current context" must be made on a thread where the device's
-// context is current: inside an Executor's Do.
-type Driver interface {
+// driver is the part of the CUDA driver API tensormp uses: libcuda.so.1,
+// opened at run time (libcuda). Tests run it on a stand-in library under
+// the same binding (internal/cudastub), not on a Go double. Calls that
+// act on "the current context" must be made on a thread where the
+// device's context is current: inside an executor's Do.
+type driver interface {
 	DeviceCount() (int, error)
-	RetainPrimaryContext(dev int) (Context, error)
+	RetainPrimaryContext(dev int) (cuContext, error)
 	ReleasePrimaryContext(dev int) error
 	// Current returns the context current on the calling thread, or 0.
-	Current() (Context, error)
+	Current() (cuContext, error)
 	// SetCurrent makes ctx current on the calling thread; 0 makes none.
-	SetCurrent(ctx Context) error
+	SetCurrent(ctx cuContext) error
 
 	MemAlloc(n int64) (DevicePtr, error)
 	MemFree(p DevicePtr) error
@@ -74,16 +75,16 @@ type Driver interface {
 	// context's device.
 	MemGetInfo() (free, total int64, err error)
 
-	IPCGetMemHandle(p DevicePtr) (IPCMemHandle, error)
-	IPCOpenMemHandle(h IPCMemHandle) (DevicePtr, error)
+	IPCGetMemHandle(p DevicePtr) (ipcMemHandle, error)
+	IPCOpenMemHandle(h ipcMemHandle) (DevicePtr, error)
 	IPCCloseMemHandle(p DevicePtr) error
 
-	EventCreateInterprocess() (Event, error)
-	EventRecord(e Event) error
-	EventSynchronize(e Event) error
-	EventDestroy(e Event) error
-	IPCGetEventHandle(e Event) (IPCEventHandle, error)
-	IPCOpenEventHandle(h IPCEventHandle) (Event, error)
+	EventCreateInterprocess() (cuEvent, error)
+	EventRecord(e cuEvent) error
+	EventSynchronize(e cuEvent) error
+	EventDestroy(e cuEvent) error
+	IPCGetEventHandle(e cuEvent) (ipcEventHandle, error)
+	IPCOpenEventHandle(h ipcEventHandle) (cuEvent, error)
 
 	// DeviceUUID returns device dev's UUID: ordinals are per process
 	// (CUDA_VISIBLE_DEVICES), the UUID names the device everywhere.
@@ -96,7 +97,7 @@ type Driver interface {
 
 	// The virtual memory calls, for allocations that travel between
 	// processes as POSIX file descriptors. Each is made with a context
-	// of the device current, inside an Executor's Do.
+	// of the device current, inside an executor's Do.
 
 	// FDExportSupported reports whether allocations on dev can be
 	// exported as file descriptors: the driver has the calls, and the
@@ -107,19 +108,19 @@ type Driver interface {
 	MemGranularity(dev int) (int64, error)
 	// MemCreate makes an allocation of size bytes on dev, exportable as
 	// a file descriptor. Its memory is not cleared.
-	MemCreate(dev int, size int64) (MemHandle, error)
+	MemCreate(dev int, size int64) (memHandle, error)
 	// MemRelease lets go of a handle; the memory lives on while a
 	// mapping of it or an exported descriptor does, in any process.
-	MemRelease(h MemHandle) error
+	MemRelease(h memHandle) error
 	// MemExportFD returns a new descriptor of the allocation, the
 	// caller's to close.
-	MemExportFD(h MemHandle) (int, error)
+	MemExportFD(h memHandle) (int, error)
 	// MemImportFD returns a handle of the allocation fd describes; fd
 	// stays the caller's. A descriptor of anything else is an error.
-	MemImportFD(fd int) (MemHandle, error)
+	MemImportFD(fd int) (memHandle, error)
 	// MemDevice returns the device an allocation lives on, or -1 for
 	// memory that is no device's.
-	MemDevice(h MemHandle) (dev int, err error)
+	MemDevice(h memHandle) (dev int, err error)
 	// MemAddressReserve reserves size bytes of device address space,
 	// aligned to align.
 	MemAddressReserve(size, align int64) (DevicePtr, error)
@@ -127,48 +128,39 @@ type Driver interface {
 	// MemMap maps the first size bytes of the allocation at p, which
 	// must lie in a reservation; more than the allocation holds is an
 	// error.
-	MemMap(p DevicePtr, size int64, h MemHandle) error
+	MemMap(p DevicePtr, size int64, h memHandle) error
 	MemUnmap(p DevicePtr, size int64) error
 	// MemSetAccess lets each of devs read and write the mapping at p;
 	// no other device may touch it.
 	MemSetAccess(p DevicePtr, size int64, devs []int) error
 }
 
-// MemHandle is an allocation made with the virtual memory calls
+// memHandle is an allocation made with the virtual memory calls
 // (CUmemGenericAllocationHandle).
-type MemHandle uint64
+type memHandle uint64
 
 var (
-	driverMu  sync.Mutex
-	driver    Driver
-	driverErr error
-	opened    bool
+	driverMu   sync.Mutex
+	procDriver driver
+	driverErr  error
+	opened     bool
 )
 
-// Load returns the process's driver, opening libcuda.so.1 the first time.
+// load returns the process's driver, opening libcuda.so.1 the first time.
 // Without one it returns ErrNoDriver (wrapped with the reason).
-func Load() (Driver, error) {
+func load() (driver, error) {
 	driverMu.Lock()
 	defer driverMu.Unlock()
 	if !opened {
-		driver, driverErr = openLibcuda()
+		procDriver, driverErr = openLibcuda()
 		opened = true
 	}
-	return driver, driverErr
-}
-
-// UseDriver makes d the process's driver instead of libcuda, for tests
-// and for programs that bring their own. It must be called before any
-// GPU tensor is made.
-func UseDriver(d Driver) {
-	driverMu.Lock()
-	defer driverMu.Unlock()
-	driver, driverErr, opened = d, nil, true
+	return procDriver, driverErr
 }
 
 // Available reports whether a driver with at least one device is usable.
 func Available() bool {
-	d, err := Load()
+	d, err := load()
 	if err != nil {
 		return false
 	}

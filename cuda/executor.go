@@ -7,10 +7,10 @@ import (
 	"sync"
 )
 
-// ErrStopped is returned by an Executor that was stopped.
+// ErrStopped is returned by an executor that was stopped.
 var ErrStopped = errors.New("cuda: executor stopped")
 
-// Executor runs driver work for one device with the device's primary
+// executor runs driver work for one device with the device's primary
 // context current. The CUDA current context belongs to an OS thread, and
 // goroutines move between threads, so Do locks the calling goroutine to
 // its thread for the call, makes the context current there, and puts
@@ -21,10 +21,10 @@ var ErrStopped = errors.New("cuda: executor stopped")
 // a device thread of its own cost two thread wake-ups (20-40 µs on a busy
 // two-core machine). Calls from several goroutines run at once, as the
 // driver allows; work may call Do again.
-type Executor struct {
+type executor struct {
 	dev int
-	drv Driver
-	ctx Context // the device's primary context, retained until Stop
+	drv driver
+	ctx cuContext // the device's primary context, retained until Stop
 
 	mu       sync.RWMutex // held shared while Do admits a call; Stop takes it exclusively
 	stopped  bool
@@ -34,20 +34,20 @@ type Executor struct {
 	stopOnce sync.Once
 }
 
-// NewExecutor returns an executor for device dev: it retains the device's
+// newExecutor returns an executor for device dev: it retains the device's
 // primary context. Stop releases it.
-func NewExecutor(drv Driver, dev int) (*Executor, error) {
+func newExecutor(drv driver, dev int) (*executor, error) {
 	ctx, err := drv.RetainPrimaryContext(dev)
 	if err != nil {
 		return nil, fmt.Errorf("cuda: retaining the primary context of device %d%s: %w", dev, contextHint(drv, dev), err)
 	}
-	return &Executor{dev: dev, drv: drv, ctx: ctx}, nil
+	return &executor{dev: dev, drv: drv, ctx: ctx}, nil
 }
 
 // contextHint says why device dev may refuse this process a context: a
 // device in exclusive-process compute mode takes one process at a time,
 // a prohibited one none.
-func contextHint(drv Driver, dev int) string {
+func contextHint(drv driver, dev int) string {
 	switch mode, err := drv.ComputeMode(dev); {
 	case err != nil:
 		return ""
@@ -70,11 +70,11 @@ func run(fn func() error) (err error) {
 }
 
 // Device returns the executor's device ordinal.
-func (e *Executor) Device() int { return e.dev }
+func (e *executor) Device() int { return e.dev }
 
 // Do runs fn on the calling goroutine's thread with the device's context
 // current, and returns fn's error.
-func (e *Executor) Do(fn func() error) (err error) {
+func (e *executor) Do(fn func() error) (err error) {
 	e.mu.RLock()
 	if e.stopped {
 		e.mu.RUnlock()
@@ -88,7 +88,7 @@ func (e *Executor) Do(fn func() error) (err error) {
 
 // inContext runs fn on the calling goroutine's thread with the device's
 // context current, and puts the thread's context back.
-func (e *Executor) inContext(fn func() error) (err error) {
+func (e *executor) inContext(fn func() error) (err error) {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	prev, err := e.drv.Current()
@@ -107,7 +107,7 @@ func (e *Executor) inContext(fn func() error) (err error) {
 // Stop waits for the calls under way, then releases the device's context,
 // or, while something pinned it, leaves that to the last unpin. Later
 // calls to Do return ErrStopped.
-func (e *Executor) Stop() {
+func (e *executor) Stop() {
 	e.stopOnce.Do(func() {
 		e.mu.Lock()
 		e.stopped = true
@@ -121,7 +121,7 @@ func (e *Executor) Stop() {
 	})
 }
 
-func (e *Executor) releaseLocked() {
+func (e *executor) releaseLocked() {
 	if !e.released {
 		e.released = true
 		_ = e.drv.ReleasePrimaryContext(e.dev)
@@ -131,7 +131,7 @@ func (e *Executor) releaseLocked() {
 // pin keeps the device's context retained, after Stop too, until unpin:
 // for device memory whose teardown needs it (a slab is unmapped and
 // released inside its device's context, which may be gone otherwise).
-func (e *Executor) pin() error {
+func (e *executor) pin() error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.stopped {
@@ -142,7 +142,7 @@ func (e *Executor) pin() error {
 }
 
 // unpin undoes a pin; the last one after Stop gives the context back.
-func (e *Executor) unpin() {
+func (e *executor) unpin() {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.pins--; e.pins == 0 && e.stopped {
@@ -152,27 +152,27 @@ func (e *Executor) unpin() {
 
 // teardown runs fn as Do does, also after Stop, for what holds a pin,
 // and then unpins.
-func (e *Executor) teardown(fn func() error) error {
+func (e *executor) teardown(fn func() error) error {
 	defer e.unpin()
 	return e.inContext(fn)
 }
 
-// Executors starts one Executor per device on first use and keeps it
+// executors starts one executor per device on first use and keeps it
 // until Stop.
-type Executors struct {
-	drv     Driver
+type executors struct {
+	drv     driver
 	mu      sync.Mutex
-	m       map[int]*Executor
+	m       map[int]*executor
 	stopped bool
 }
 
-// NewExecutors returns an empty set of executors for drv's devices.
-func NewExecutors(drv Driver) *Executors {
-	return &Executors{drv: drv, m: map[int]*Executor{}}
+// newExecutors returns an empty set of executors for drv's devices.
+func newExecutors(drv driver) *executors {
+	return &executors{drv: drv, m: map[int]*executor{}}
 }
 
 // Get returns device dev's executor, starting it the first time.
-func (x *Executors) Get(dev int) (*Executor, error) {
+func (x *executors) Get(dev int) (*executor, error) {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	if x.stopped {
@@ -188,7 +188,7 @@ func (x *Executors) Get(dev int) (*Executor, error) {
 	if dev < 0 || dev >= n {
 		return nil, fmt.Errorf("cuda: device %d does not exist (%d devices)", dev, n)
 	}
-	e, err := NewExecutor(x.drv, dev)
+	e, err := newExecutor(x.drv, dev)
 	if err != nil {
 		return nil, err
 	}
@@ -198,7 +198,7 @@ func (x *Executors) Get(dev int) (*Executor, error) {
 
 // Stop stops every executor started so far; Get returns ErrStopped
 // afterwards.
-func (x *Executors) Stop() {
+func (x *executors) Stop() {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	x.stopped = true

@@ -15,3 +15,17 @@ func (b *Buffer) Share() (sh gpushare.Slab, ok bool, err error) { return b.share
 func (r *Runtime) ImportBlock(dev int, blk *shm.Block, size int64, memFD int) (*Buffer, error) {
 	return r.importBlock(dev, blk, size, memFD)
 }
+
+// NewTestRuntime returns a Runtime of its own on the process's driver,
+// the stand-in's in the tests; with legacy, every device shares by
+// legacy CUDA IPC. t's cleanup closes it.
+func NewTestRuntime(t interface{ Cleanup(func()) }, legacy bool) *Runtime {
+	d, err := load()
+	if err != nil {
+		panic(err)
+	}
+	r := newRuntime(d)
+	r.legacy = legacy
+	t.Cleanup(r.Close)
+	return r
+}

@@ -10,9 +10,9 @@ import (
 
 // export is what a producer keeps for an allocation it has sent.
 type export struct {
-	mem   IPCMemHandle
-	event Event
-	evh   IPCEventHandle
+	mem   ipcMemHandle
+	event cuEvent
+	evh   ipcEventHandle
 	token *shm.Block // the producer's own hold, for the allocation's life
 }
 
@@ -22,7 +22,7 @@ type openedMem struct {
 	dev   int
 	ptr   DevicePtr
 	size  int64 // the allocation's size, checked against every import
-	event Event
+	event cuEvent
 	users int // guarded by Runtime.mu
 	// own is set for an allocation this process made and exported,
 	// received back: the driver refuses a process its own handles, so

@@ -142,6 +142,18 @@ static CUresult tm_memprops(int *dev, CUmemGenericAllocationHandle h) {
 	*dev = p.type == ALLOC_PINNED && p.location.type == LOCATION_DEVICE ? p.location.id : -1;
 	return r;
 }
+// tm_memprops_all returns every property of an allocation the driver
+// reports, for deviceFacts.
+static CUresult tm_memprops_all(int *type, int *handleTypes, int *locType, int *locID, CUmemGenericAllocationHandle h) {
+	CUmemAllocationProp p;
+	memset(&p, 0, sizeof p);
+	CUresult r = ((CUresult (*)(CUmemAllocationProp *, CUmemGenericAllocationHandle))tm_fns[F_MEMPROPS])(&p, h);
+	*type = p.type;
+	*handleTypes = p.requestedHandleTypes;
+	*locType = p.location.type;
+	*locID = p.location.id;
+	return r;
+}
 static CUresult tm_addrreserve(CUdeviceptr *p, size_t n, size_t align) {
 	return ((CUresult (*)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))tm_fns[F_ADDRRESERVE])(p, n, align, 0, 0);
 }
@@ -235,7 +247,7 @@ type libcuda struct{}
 // openLibcuda opens libcuda.so.1 and looks up every function tensormp
 // calls. dlerror's message is per thread, so the lookups run on one
 // locked OS thread.
-func openLibcuda() (Driver, error) {
+func openLibcuda() (driver, error) {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 
@@ -287,14 +299,14 @@ func (libcuda) DeviceCount() (int, error) {
 	return int(n), err
 }
 
-func (libcuda) RetainPrimaryContext(dev int) (Context, error) {
+func (libcuda) RetainPrimaryContext(dev int) (cuContext, error) {
 	var d C.CUdevice
 	if err := check("cuDeviceGet", C.tm_devget(&d, C.int(dev))); err != nil {
 		return 0, err
 	}
 	var c C.CUcontext
 	err := check("cuDevicePrimaryCtxRetain", C.tm_pctxretain(&c, d))
-	return Context(unsafe.Pointer(c)), err
+	return cuContext(unsafe.Pointer(c)), err
 }
 
 func (libcuda) ReleasePrimaryContext(dev int) error {
@@ -305,13 +317,13 @@ func (libcuda) ReleasePrimaryContext(dev int) error {
 	return check("cuDevicePrimaryCtxRelease", C.tm_pctxrelease(d))
 }
 
-func (libcuda) Current() (Context, error) {
+func (libcuda) Current() (cuContext, error) {
 	var c C.CUcontext
 	err := check("cuCtxGetCurrent", C.tm_ctxget(&c))
-	return Context(unsafe.Pointer(c)), err
+	return cuContext(unsafe.Pointer(c)), err
 }
 
-func (libcuda) SetCurrent(ctx Context) error {
+func (libcuda) SetCurrent(ctx cuContext) error {
 	return check("cuCtxSetCurrent", C.tm_ctxset(C.CUcontext(handle(uintptr(ctx)))))
 }
 
@@ -354,13 +366,13 @@ func (libcuda) MemGetAddressRange(p DevicePtr) (DevicePtr, int64, error) {
 	return DevicePtr(base), int64(size), err
 }
 
-func (libcuda) IPCGetMemHandle(p DevicePtr) (IPCMemHandle, error) {
-	var h IPCMemHandle
+func (libcuda) IPCGetMemHandle(p DevicePtr) (ipcMemHandle, error) {
+	var h ipcMemHandle
 	err := check("cuIpcGetMemHandle", C.tm_ipcgetmem(unsafe.Pointer(&h[0]), C.CUdeviceptr(p)))
 	return h, err
 }
 
-func (libcuda) IPCOpenMemHandle(h IPCMemHandle) (DevicePtr, error) {
+func (libcuda) IPCOpenMemHandle(h ipcMemHandle) (DevicePtr, error) {
 	var p C.CUdeviceptr
 	err := check("cuIpcOpenMemHandle", C.tm_ipcopenmem(&p, unsafe.Pointer(&h[0])))
 	return DevicePtr(p), err
@@ -372,34 +384,34 @@ func (libcuda) IPCCloseMemHandle(p DevicePtr) error {
 
 func (libcuda) Synchronize() error { return check("cuStreamSynchronize", C.tm_streamsync()) }
 
-func (libcuda) EventCreateInterprocess() (Event, error) {
+func (libcuda) EventCreateInterprocess() (cuEvent, error) {
 	var e C.CUevent
 	err := check("cuEventCreate", C.tm_evcreate(&e))
-	return Event(unsafe.Pointer(e)), err
+	return cuEvent(unsafe.Pointer(e)), err
 }
 
-func (libcuda) EventRecord(e Event) error {
+func (libcuda) EventRecord(e cuEvent) error {
 	return check("cuEventRecord", C.tm_evrecord(C.CUevent(handle(uintptr(e)))))
 }
 
-func (libcuda) EventSynchronize(e Event) error {
+func (libcuda) EventSynchronize(e cuEvent) error {
 	return check("cuEventSynchronize", C.tm_evsync(C.CUevent(handle(uintptr(e)))))
 }
 
-func (libcuda) EventDestroy(e Event) error {
+func (libcuda) EventDestroy(e cuEvent) error {
 	return check("cuEventDestroy", C.tm_evdestroy(C.CUevent(handle(uintptr(e)))))
 }
 
-func (libcuda) IPCGetEventHandle(e Event) (IPCEventHandle, error) {
-	var h IPCEventHandle
+func (libcuda) IPCGetEventHandle(e cuEvent) (ipcEventHandle, error) {
+	var h ipcEventHandle
 	err := check("cuIpcGetEventHandle", C.tm_ipcgetev(unsafe.Pointer(&h[0]), C.CUevent(handle(uintptr(e)))))
 	return h, err
 }
 
-func (libcuda) IPCOpenEventHandle(h IPCEventHandle) (Event, error) {
+func (libcuda) IPCOpenEventHandle(h ipcEventHandle) (cuEvent, error) {
 	var e C.CUevent
 	err := check("cuIpcOpenEventHandle", C.tm_ipcopenev(&e, unsafe.Pointer(&h[0])))
-	return Event(unsafe.Pointer(e)), err
+	return cuEvent(unsafe.Pointer(e)), err
 }
 
 // errNoVMM is the error of a virtual memory call the driver lacks.
@@ -473,35 +485,35 @@ func (libcuda) MemGranularity(dev int) (int64, error) {
 	return int64(g), err
 }
 
-func (libcuda) MemCreate(dev int, size int64) (MemHandle, error) {
+func (libcuda) MemCreate(dev int, size int64) (memHandle, error) {
 	if !hasVMM() {
 		return 0, errNoVMM
 	}
 	var h C.CUmemGenericAllocationHandle
 	err := check("cuMemCreate", C.tm_memcreate(&h, C.size_t(size), C.int(dev)))
-	return MemHandle(h), err
+	return memHandle(h), err
 }
 
-func (libcuda) MemRelease(h MemHandle) error {
+func (libcuda) MemRelease(h memHandle) error {
 	return check("cuMemRelease", C.tm_memrelease(C.CUmemGenericAllocationHandle(h)))
 }
 
-func (libcuda) MemExportFD(h MemHandle) (int, error) {
+func (libcuda) MemExportFD(h memHandle) (int, error) {
 	fd := C.int(-1)
 	err := check("cuMemExportToShareableHandle", C.tm_memexport(&fd, C.CUmemGenericAllocationHandle(h)))
 	return int(fd), err
 }
 
-func (libcuda) MemImportFD(fd int) (MemHandle, error) {
+func (libcuda) MemImportFD(fd int) (memHandle, error) {
 	if !hasVMM() {
 		return 0, errNoVMM
 	}
 	var h C.CUmemGenericAllocationHandle
 	err := check("cuMemImportFromShareableHandle", C.tm_memimport(&h, C.int(fd)))
-	return MemHandle(h), err
+	return memHandle(h), err
 }
 
-func (libcuda) MemDevice(h MemHandle) (int, error) {
+func (libcuda) MemDevice(h memHandle) (int, error) {
 	var dev C.int
 	err := check("cuMemGetAllocationPropertiesFromHandle", C.tm_memprops(&dev, C.CUmemGenericAllocationHandle(h)))
 	return int(dev), err
@@ -517,7 +529,7 @@ func (libcuda) MemAddressFree(p DevicePtr, size int64) error {
 	return check("cuMemAddressFree", C.tm_addrfree(C.CUdeviceptr(p), C.size_t(size)))
 }
 
-func (libcuda) MemMap(p DevicePtr, size int64, h MemHandle) error {
+func (libcuda) MemMap(p DevicePtr, size int64, h memHandle) error {
 	return check("cuMemMap", C.tm_memmap(C.CUdeviceptr(p), C.size_t(size), C.CUmemGenericAllocationHandle(h)))
 }
 
@@ -540,4 +552,12 @@ func (libcuda) MemGetInfo() (int64, int64, error) {
 	var free, total C.size_t
 	err := check("cuMemGetInfo_v2", C.tm_meminfo(&free, &total))
 	return int64(free), int64(total), err
+}
+
+// memProperties returns what the driver reports of allocation h: its
+// type, the handle types it was requested with, and its location.
+func memProperties(h memHandle) (typ, handleTypes, locType, locID int, err error) {
+	var t, ht, lt, li C.int
+	err = check("cuMemGetAllocationPropertiesFromHandle", C.tm_memprops_all(&t, &ht, &lt, &li, C.CUmemGenericAllocationHandle(h)))
+	return int(t), int(ht), int(lt), int(li), err
 }

@@ -4,8 +4,8 @@ package cuda
 
 import "fmt"
 
-func openLibcuda() (Driver, error) {
+func openLibcuda() (driver, error) {
 	return nil, fmt.Errorf("%w: built without cgo or not on Linux", ErrNoDriver)
 }
 
-func removeOwnDriverFiles(Driver) {}
+func removeOwnDriverFiles(driver) {}

@@ -16,15 +16,16 @@ import (
 // the allocations exported to other processes, the handles opened from
 // them, and the limbo of freed allocations other processes still use.
 type Runtime struct {
-	drv   Driver
-	execs *Executors
+	drv   driver
+	execs *executors
 
 	mu       sync.Mutex
 	pools    map[int]*shm.Pool           // each device's slabs, nil for a device without them (see pool)
-	opened   map[IPCMemHandle]*openedMem // handles this process opened
-	exported map[IPCMemHandle]*Buffer    // allocations made here and exported, until freed for good
+	opened   map[ipcMemHandle]*openedMem // handles this process opened
+	exported map[ipcMemHandle]*Buffer    // allocations made here and exported, until freed for good
 	limbo    []*Buffer                   // freed here, still used elsewhere
 	uuids    map[int][16]byte            // each device's UUID, once asked
+	legacy   bool                        // every device shares by legacy IPC (see EnvLegacy)
 }
 
 var (
@@ -40,19 +41,19 @@ func Default() (*Runtime, error) {
 	if rt != nil {
 		return rt, nil
 	}
-	d, err := Load()
+	d, err := load()
 	if err != nil {
 		return nil, err
 	}
-	rt = NewRuntime(d)
+	rt = newRuntime(d)
 	return rt, nil
 }
 
-// NewRuntime returns a Runtime on driver d.
-func NewRuntime(d Driver) *Runtime {
+// newRuntime returns a Runtime on driver d.
+func newRuntime(d driver) *Runtime {
 	return &Runtime{
-		drv: d, execs: NewExecutors(d), pools: map[int]*shm.Pool{},
-		opened: map[IPCMemHandle]*openedMem{}, exported: map[IPCMemHandle]*Buffer{}, uuids: map[int][16]byte{},
+		drv: d, execs: newExecutors(d), pools: map[int]*shm.Pool{},
+		opened: map[ipcMemHandle]*openedMem{}, exported: map[ipcMemHandle]*Buffer{}, uuids: map[int][16]byte{},
 	}
 }
 
@@ -121,9 +122,9 @@ func (r *Runtime) Close() {
 
 // syncAll waits for every stream of each device's context this process
 // uses.
-func (x *Executors) syncAll() {
+func (x *executors) syncAll() {
 	x.mu.Lock()
-	es := make([]*Executor, 0, len(x.m))
+	es := make([]*executor, 0, len(x.m))
 	for _, e := range x.m {
 		es = append(es, e)
 	}
@@ -248,7 +249,7 @@ func (r *Runtime) Alloc(dev int, n int64) (*Buffer, error) {
 	return b, nil
 }
 
-func (b *Buffer) exec() (*Executor, error) { return b.rt.execs.Get(b.dev) }
+func (b *Buffer) exec() (*executor, error) { return b.rt.execs.Get(b.dev) }
 
 // Device returns the buffer's device ordinal.
 func (b *Buffer) Device() int { return b.dev }
@@ -459,6 +460,11 @@ func (r *Runtime) release(b *Buffer) error {
 		return err
 	}
 	err = e.Do(func() error {
+		// cuMemFree waits for the device's work in practice, but does
+		// not promise to wait for every stream's: asked first.
+		if err := r.drv.CtxSynchronize(); err != nil {
+			return err
+		}
 		errs := []error{r.drv.MemFree(b.base)}
 		if b.export != nil {
 			errs = append(errs, r.drv.EventDestroy(b.export.event))

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"strconv"
+	"strings"
 	"sync"
 
 	"golang.org/x/sys/unix"
@@ -44,11 +45,26 @@ import (
 // default is 256 MiB.
 const EnvDeviceCache = "TENSORMP_GPU_CACHE"
 
-// EnvLegacy names the environment variable that, set to 1, makes every
-// device share its buffers by legacy CUDA IPC even where it could export
+// EnvLegacy names the environment variable that makes devices share
+// their buffers by legacy CUDA IPC even where they could export
 // descriptors: the path older drivers and some virtualised GPUs take, run
-// on hardware that has both.
+// on hardware that has both. "1" means every device; a comma-separated
+// list of places ("gpu:1,gpu:3") means those of this process.
 const EnvLegacy = "TENSORMP_GPU_LEGACY"
+
+// forcedLegacy reports whether EnvLegacy names device dev.
+func forcedLegacy(dev int) bool {
+	v := os.Getenv(EnvLegacy)
+	if v == "1" {
+		return true
+	}
+	for _, p := range strings.Split(v, ",") {
+		if strings.TrimSpace(p) == "gpu:"+strconv.Itoa(dev) {
+			return true
+		}
+	}
+	return false
+}
 
 // deviceCache is what a device's pool keeps of unused slabs.
 var deviceCache = func() int64 {
@@ -63,9 +79,9 @@ var deviceCache = func() int64 {
 // extent of its slab's segment (shm.Extent).
 type slab struct {
 	rt   *Runtime
-	exec *Executor // its device's, pinned for the slab's life
+	exec *executor // its device's, pinned for the slab's life
 	dev  int
-	h    MemHandle
+	h    memHandle
 	fd   int       // the allocation's descriptor: exported here, or the message's
 	ptr  DevicePtr // where it is mapped
 	size int64     // the bytes mapped: the allocation's, a multiple of the granularity
@@ -74,7 +90,7 @@ type slab struct {
 
 // Close unmaps the slab and lets go of its handle and descriptor, on its
 // device's executor, which keeps the device's context for it even after
-// the Runtime's Close (see Executor.pin). It first waits for every stream
+// the Runtime's Close (see executor.pin). It first waits for every stream
 // of the context: the driver's unmap does not wait for work queued on the
 // memory, and such work would fault the context, another library's
 // (PyTorch's) included, for good.
@@ -94,7 +110,7 @@ func (s *slab) Close() error {
 
 // slabDevice returns device dev's executor and the size its allocations
 // and mappings are multiples of.
-func (r *Runtime) slabDevice(dev int) (*Executor, int64, error) {
+func (r *Runtime) slabDevice(dev int) (*executor, int64, error) {
 	e, err := r.execs.Get(dev)
 	if err != nil {
 		return nil, 0, err
@@ -145,7 +161,7 @@ func roundUp(n, g int64) int64 { return (n + g - 1) / g * g }
 // allocations are multiples of g, for that device and its peers, and
 // returns the slab, which owns h and fd from then on (and closes them if
 // it fails).
-func (r *Runtime) mapSlab(e *Executor, h MemHandle, fd int, size, g int64) (*slab, error) {
+func (r *Runtime) mapSlab(e *executor, h memHandle, fd int, size, g int64) (*slab, error) {
 	s := &slab{rt: r, exec: e, dev: e.Device(), h: h, fd: fd, size: size}
 	devs, err := r.accessors(s.dev)
 	if err == nil {
@@ -189,7 +205,7 @@ func (r *Runtime) newSlab(dev int, n int64) (shm.Extent, error) {
 		return nil, err
 	}
 	size := roundUp(n, g)
-	var h MemHandle
+	var h memHandle
 	fd := -1
 	err = e.Do(func() error {
 		var err error
@@ -229,7 +245,7 @@ func (r *Runtime) pool(dev int) (*shm.Pool, error) {
 	if err != nil {
 		return nil, fmt.Errorf("cuda: asking gpu:%d whether it exports descriptors: %w", dev, err)
 	}
-	if os.Getenv(EnvLegacy) == "1" {
+	if r.legacy || forcedLegacy(dev) {
 		ok = false
 	}
 	var p *shm.Pool
@@ -357,7 +373,7 @@ func (r *Runtime) importSlab(dev int, fd int, n int64) (*slab, error) {
 	if err != nil {
 		return nil, fmt.Errorf("cuda: keeping a slab's descriptor: %w", err)
 	}
-	var h MemHandle
+	var h memHandle
 	err = e.Do(func() error {
 		var err error
 		if h, err = r.drv.MemImportFD(own); err != nil {

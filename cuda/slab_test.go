@@ -1,4 +1,4 @@
-//go:build linux
+//go:build cgo && linux
 
 package cuda_test
 
@@ -11,20 +11,22 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/cuda"
-	"github.com/tensormp/tensormp/internal/cudafake"
+	"github.com/tensormp/tensormp/internal/cudastub"
 	"github.com/tensormp/tensormp/internal/gpushare"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/shm"
 )
 
-// slabRuntime returns a Runtime on a fake of n devices that export their
-// memory as descriptors, closed when t ends.
-func slabRuntime(t *testing.T, n int) (*cuda.Runtime, *cudafake.Driver) {
+// slabRuntime returns a Runtime of its own whose devices share their
+// memory in slabs, closed when t ends.
+func slabRuntime(t *testing.T) *cuda.Runtime { return cuda.NewTestRuntime(t, false) }
+
+// closeAll closes a message's descriptors.
+func closeAll(t *testing.T, fds ...int) {
 	t.Helper()
-	drv := cudafake.New(n)
-	rt := cuda.NewRuntime(drv)
-	t.Cleanup(rt.Close)
-	return rt, drv
+	for _, fd := range fds {
+		require.NoError(t, unix.Close(fd))
+	}
 }
 
 // Small buffers share a slab, a device allocation made once; each is
@@ -32,7 +34,8 @@ func slabRuntime(t *testing.T, n int) (*cuda.Runtime, *cudafake.Driver) {
 // Runtime gives the unused slabs back.
 func TestSlabsPackBuffers(t *testing.T) {
 	leakcheck.Check(t)
-	rt, drv := slabRuntime(t, 1)
+	rt := slabRuntime(t)
+	handles, mappings := cudastub.Handles(), cudastub.Mappings()
 	ok, err := rt.FDShared(0)
 	require.NoError(t, err)
 	require.True(t, ok)
@@ -46,7 +49,7 @@ func TestSlabsPackBuffers(t *testing.T) {
 		require.NoError(t, b.Write([]byte{byte(i)}, 0))
 		bufs = append(bufs, b)
 	}
-	assert.Equal(t, 1, drv.MemHandles(), "100 buffers of 4 KiB in one slab")
+	assert.Equal(t, handles+1, cudastub.Handles(), "100 buffers of 4 KiB in one slab")
 	for i, b := range bufs {
 		got := []byte{0}
 		require.NoError(t, b.Read(got, 0))
@@ -54,8 +57,8 @@ func TestSlabsPackBuffers(t *testing.T) {
 		require.NoError(t, b.Release())
 	}
 	rt.Close()
-	assert.Zero(t, drv.MemHandles(), "the unused slab is given back")
-	assert.Zero(t, drv.Mapped())
+	assert.Equal(t, handles, cudastub.Handles(), "the unused slab is given back")
+	assert.Equal(t, mappings, cudastub.Mappings())
 }
 
 // share sends b as a message would: it returns a ticket descriptor of its
@@ -93,8 +96,9 @@ func receive(t *testing.T, sh gpushare.Slab, ticket int) *shm.Block {
 // the producer has let go of it.
 func TestImportBlock(t *testing.T) {
 	leakcheck.Check(t)
-	rt, drv := slabRuntime(t, 1)
-	recv, rdrv := slabRuntime(t, 1) // another process's state, in this one
+	rt := slabRuntime(t)
+	recv := slabRuntime(t) // another process's state, in this one
+	handles, mappings := cudastub.Handles(), cudastub.Mappings()
 	a, err := rt.Alloc(0, 64)
 	require.NoError(t, err)
 	b, err := rt.Alloc(0, 64)
@@ -111,7 +115,7 @@ func TestImportBlock(t *testing.T) {
 	for _, fd := range []int{ta, tb, fa, fb} {
 		require.NoError(t, unix.Close(fd)) // the message is taken
 	}
-	assert.Equal(t, 1, rdrv.MemHandles())
+	assert.Equal(t, handles+2, cudastub.Handles(), "the producer's slab, and one import of it for two blocks")
 	got := make([]byte, 5)
 	require.NoError(t, ra.Read(got, 0))
 	assert.Equal(t, "alpha", string(got))
@@ -126,17 +130,16 @@ func TestImportBlock(t *testing.T) {
 	require.NoError(t, a.Release())
 	require.NoError(t, b.Release())
 	shm.Trim()
-	assert.Equal(t, 1, drv.MemHandles(), "a slab another process holds blocks of is kept")
+	assert.Equal(t, handles+2, cudastub.Handles(), "a slab another process holds blocks of is kept")
 	require.NoError(t, ra.Read(got, 0))
 	assert.Equal(t, "alpha", string(got))
 	require.NoError(t, ra.Release())
 	require.NoError(t, rb.Release())
 	require.Eventually(t, func() bool {
 		shm.Trim()
-		return rdrv.MemHandles() == 0 && drv.MemHandles() == 0
+		return cudastub.Handles() == handles
 	}, 5*time.Second, time.Millisecond, "the slab goes once nobody holds a block of it")
-	assert.Zero(t, rdrv.Mapped())
-	assert.Zero(t, drv.Mapped())
+	assert.Equal(t, mappings, cudastub.Mappings())
 }
 
 // What a message names as a block of a device slab is checked before
@@ -145,8 +148,8 @@ func TestImportBlock(t *testing.T) {
 // errors, and the receiver holds nothing afterwards.
 func TestImportBlockRefusesWhatIsNoSlab(t *testing.T) {
 	leakcheck.Check(t)
-	rt, _ := slabRuntime(t, 2)
-	recv, rdrv := slabRuntime(t, 2)
+	rt := slabRuntime(t)
+	recv := slabRuntime(t)
 	small, err := rt.Alloc(0, 64) // in a slab of 2 MiB
 	require.NoError(t, err)
 	defer small.Release()
@@ -166,6 +169,7 @@ func TestImportBlockRefusesWhatIsNoSlab(t *testing.T) {
 	require.NoError(t, unix.Pipe2(p[:], unix.O_CLOEXEC))
 	defer unix.Close(p[0])
 	defer unix.Close(p[1])
+	handles, mappings := cudastub.Handles(), cudastub.Mappings()
 
 	for _, c := range []struct {
 		name  string
@@ -185,8 +189,8 @@ func TestImportBlockRefusesWhatIsNoSlab(t *testing.T) {
 			_, err := recv.ImportBlock(0, blk, sh.Block.Size(), c.memFD)
 			require.ErrorContains(t, err, c.want)
 			require.NoError(t, blk.Release())
-			assert.Zero(t, rdrv.MemHandles(), "nothing imported stays")
-			assert.Zero(t, rdrv.Mapped(), "nothing mapped stays")
+			assert.Equal(t, handles, cudastub.Handles(), "nothing imported stays")
+			assert.Equal(t, mappings, cudastub.Mappings(), "nothing mapped stays")
 		})
 	}
 
@@ -203,5 +207,44 @@ func TestImportBlockRefusesWhatIsNoSlab(t *testing.T) {
 	defer blk.Release()
 	_, err = recv.ImportBlock(0, blk, 64, smallFD)
 	assert.ErrorIs(t, err, shm.ErrNoExtent, "a block of a CPU segment")
-	assert.Zero(t, rdrv.MemHandles())
+	assert.Equal(t, handles, cudastub.Handles())
+}
+
+// Once a receiver maps a slab for a segment, a message that names a block
+// of that segment with the descriptor of another allocation is refused,
+// not read from or written to the mapped one: every honest message about
+// a slab carries the producer's one export of it.
+func TestImportBlockRefusesAnotherAllocationForAMappedSlab(t *testing.T) {
+	leakcheck.Check(t)
+	rt := slabRuntime(t)
+	recv := slabRuntime(t)
+	a, err := rt.Alloc(0, 64)
+	require.NoError(t, err)
+	defer a.Release()
+	b, err := rt.Alloc(0, 64) // the same slab
+	require.NoError(t, err)
+	defer b.Release()
+	large, err := rt.Alloc(0, 17<<20) // a slab of its own
+	require.NoError(t, err)
+	defer large.Release()
+	_, largeTicket, largeFD := share(t, large)
+	closeAll(t, largeTicket)
+	defer closeAll(t, largeFD)
+
+	sa, ta, fa := share(t, a)
+	ra, err := recv.ImportBlock(0, receive(t, sa, ta), 64, fa)
+	require.NoError(t, err)
+	defer ra.Release()
+	closeAll(t, ta, fa)
+
+	sb, tb, fb := share(t, b)
+	defer closeAll(t, tb, fb)
+	blk := receive(t, sb, tb)
+	_, err = recv.ImportBlock(0, blk, 64, largeFD)
+	assert.ErrorContains(t, err, "not of the allocation this process maps for its segment")
+	require.NoError(t, blk.Release())
+	blk = receive(t, sb, tb)
+	rb, err := recv.ImportBlock(0, blk, 64, fb)
+	require.NoError(t, err, "the honest message still works")
+	require.NoError(t, rb.Release())
 }

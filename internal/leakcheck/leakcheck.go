@@ -20,6 +20,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/tensormp/tensormp/internal/cudastub"
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/shm"
 )
@@ -108,8 +109,11 @@ func Check(t testing.TB) {
 }
 
 // FDs returns the process's open descriptors and what each refers to,
-// leaving out the one FDs itself uses to read the list.
+// leaving out the one FDs itself uses to read the list, and those the
+// stand-in CUDA driver keeps for itself (cudastub.OwnFDs), as the real
+// one keeps its device files.
 func FDs() (map[int]string, error) {
+	driver := cudastub.OwnFDs()
 	entries, err := os.ReadDir("/proc/self/fd")
 	if err != nil {
 		return nil, fmt.Errorf("listing descriptors: %w", err)
@@ -117,7 +121,7 @@ func FDs() (map[int]string, error) {
 	fds := make(map[int]string, len(entries))
 	for _, e := range entries {
 		n, err := strconv.Atoi(e.Name())
-		if err != nil {
+		if err != nil || slices.Contains(driver, n) {
 			continue
 		}
 		target, err := os.Readlink("/proc/self/fd/" + e.Name())

@@ -9,6 +9,7 @@ import (
 	"os"
 	"testing"
 
+	"github.com/tensormp/tensormp/internal/cudastub"
 	"github.com/tensormp/tensormp/internal/reexec"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/tensor"
@@ -20,7 +21,20 @@ type Option func(*options)
 type options struct {
 	session bool
 	after   []func()
+	gpu     *cudastub.Config
 }
+
+// EnvRealGPU names the environment variable that, set, makes a test
+// binary run on the machine's own CUDA driver instead of the stand-in
+// (tests/gpu.sh sets it, on a machine with a GPU).
+const EnvRealGPU = "TENSORMP_REQUIRE_GPU"
+
+// WithStandInGPU runs the test binary, and every process it starts, on
+// the stand-in CUDA driver (package cudastub) playing the machine cfg
+// describes, unless EnvRealGPU is set: the binary re-executes itself
+// with the stand-in first on its library path, so that package cuda
+// opens it through its real binding.
+func WithStandInGPU(cfg cudastub.Config) Option { return func(o *options) { o.gpu = &cfg } }
 
 // WithSession starts the test process's session (mp.StartSession) before
 // the tests, as a program that shares tensors under file_system does
@@ -44,6 +58,9 @@ func Run(m *testing.M, opts ...Option) {
 	var o options
 	for _, opt := range opts {
 		opt(&o)
+	}
+	if o.gpu != nil && os.Getenv(EnvRealGPU) == "" {
+		cudastub.Enter(*o.gpu)
 	}
 	reexec.SkipRaceExitSleep()
 	mp.Init()
