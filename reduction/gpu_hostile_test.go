@@ -1,6 +1,8 @@
 package reduction
 
 import (
+	"flag"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -10,6 +12,7 @@ import (
 
 	"github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/cudastub"
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/shm"
@@ -41,14 +44,13 @@ func messageOf(t testing.TB, x *tensor.Tensor) (Meta, [2]int) {
 
 // A received slab is imported from the message's descriptor, once.
 func TestGPUSlabImportedFromTheMessage(t *testing.T) {
-	useFakeGPU(t)
 	leakcheck.Check(t)
-	handles := gpuFake.MemHandles()
+	handles := cudastub.Handles()
 	m, fds := slabMessage(t, 256)
 	x, err := Rebuild(m, fds[:])
 	require.NoError(t, err)
 	fd.CloseAll(fds[:])
-	assert.Equal(t, handles+2, gpuFake.MemHandles(), "the producer's slab, and the receiver's import of it")
+	assert.Equal(t, handles+2, cudastub.Handles(), "the producer's slab, and the receiver's import of it")
 	want, err := tensor.Arange(tensor.Int32, 256)
 	require.NoError(t, err)
 	host, err := x.To(device.CPU())
@@ -62,7 +64,6 @@ func TestGPUSlabImportedFromTheMessage(t *testing.T) {
 // the slab; a ticket of another segment; a block outside the slab. Each
 // closes every descriptor and maps nothing.
 func TestHostileSlabMessages(t *testing.T) {
-	useFakeGPU(t)
 	leakcheck.Check(t)
 	var pipe [2]int
 	require.NoError(t, unix.Pipe2(pipe[:], unix.O_CLOEXEC))
@@ -74,9 +75,12 @@ func TestHostileSlabMessages(t *testing.T) {
 	cpu, err := shm.Create(4096, shm.KeepFD|shm.Unlink)
 	require.NoError(t, err)
 	defer cpu.Release()
-	legacy, err := tensor.On(legacyGPU).Zeros(tensor.Uint8, 16)
+	other, err := tensor.On(otherGPU).Zeros(tensor.Uint8, 16)
 	require.NoError(t, err)
-	defer legacy.Release()
+	defer other.Release()
+	_, otherFDs, err := Reduce(other)
+	require.NoError(t, err)
+	defer fd.CloseAll(otherFDs)
 
 	for _, c := range []struct {
 		name string
@@ -86,6 +90,7 @@ func TestHostileSlabMessages(t *testing.T) {
 		{"a pipe for the slab", func(m *Meta, fds *[2]int) { swap(t, &fds[1], pipe[0]) }, "importing a slab"},
 		{"a memfd for the slab", func(m *Meta, fds *[2]int) { swap(t, &fds[1], memfd) }, "importing a slab"},
 		{"a CPU segment for the slab", func(m *Meta, fds *[2]int) { swap(t, &fds[1], cpu.FD()) }, "importing a slab"},
+		{"another device's slab", func(m *Meta, fds *[2]int) { swap(t, &fds[1], otherFDs[1]) }, "not of gpu:0"},
 		{"the slab for the ticket", func(m *Meta, fds *[2]int) { swap(t, &fds[0], fds[1]) }, "descriptor 0 is of segment"},
 		{"a CPU segment for the ticket", func(m *Meta, fds *[2]int) { swap(t, &fds[0], cpu.FD()) }, "descriptor 0 is of segment"},
 		{"a slab of another size", func(m *Meta, fds *[2]int) {
@@ -106,7 +111,7 @@ func TestHostileSlabMessages(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			shm.Trim()
-			base, handles, mapped := leakcheck.Count(), gpuFake.MemHandles(), gpuFake.Mapped()
+			base, handles, mapped := leakcheck.Count(), cudastub.Handles(), cudastub.Mappings()
 			m, fds := slabMessage(t, 256)
 			c.edit(&m, &fds)
 			var x *tensor.Tensor
@@ -118,7 +123,7 @@ func TestHostileSlabMessages(t *testing.T) {
 			var fdsNow, handlesNow, mappedNow int
 			assert.Eventually(t, func() bool {
 				shm.Trim()
-				fdsNow, handlesNow, mappedNow = leakcheck.Count(), gpuFake.MemHandles(), gpuFake.Mapped()
+				fdsNow, handlesNow, mappedNow = leakcheck.Count(), cudastub.Handles(), cudastub.Mappings()
 				return fdsNow <= base && handlesNow <= handles && mappedNow <= mapped
 			}, 5*time.Second, time.Millisecond, "every descriptor of the message closed, nothing imported or mapped stays: "+
 				"descriptors %d -> %d, handles %d -> %d, mappings %d -> %d", base, fdsNow, handles, handlesNow, mapped, mappedNow)
@@ -138,10 +143,13 @@ func swap(t testing.TB, fd *int, other int) {
 // no panic, every descriptor owned by a rebuilt tensor or closed, and
 // nothing of the fake device left imported once the results are released.
 func FuzzUnmarshalGPU(f *testing.F) {
-	cuda.UseDriver(gpuFake)
-	m, fds := slabMessage(f, 64)
+	// The message stays in flight for the whole run: its ticket holds the
+	// block, so every input names a live block of a live slab, which
+	// this process no longer holds a tensor of (slabMessage released
+	// it), and the seeds reach the import, the mapping and the rebuild.
+	m, kept := slabMessage(f, 64)
 	msg := extMessage(f, m)
-	fd.CloseAll(fds[:])
+	f.Cleanup(func() { fd.CloseAll(kept[:]) })
 	f.Add(msg, []byte{0, 1})
 	f.Add(msg, []byte{1, 0})
 	f.Add(msg, []byte{0, 2})
@@ -155,10 +163,16 @@ func FuzzUnmarshalGPU(f *testing.F) {
 	f.Cleanup(func() { fd.CloseAll(pipe[:]) })
 	shm.Trim()
 	base := leakcheck.Count()
-	handles, mapped := gpuFake.MemHandles(), gpuFake.Mapped()
+	handles, mapped := cudastub.Handles(), cudastub.Mappings()
 
+	var rebuilt atomic.Int64
+	f.Cleanup(func() {
+		if fuzzing := flag.Lookup("test.fuzz"); (fuzzing == nil || fuzzing.Value.String() == "") && rebuilt.Load() == 0 {
+			f.Error("no seed reached a rebuild")
+		}
+	})
 	f.Fuzz(func(t *testing.T, data []byte, kinds []byte) {
-		_, msgFDs := slabMessage(t, 64)
+		msgFDs := [2]int{dupFD(t, kept[0]), dupFD(t, kept[1])}
 		var fds []int
 		for _, k := range kinds[:min(len(kinds), 4)] {
 			switch k % 4 {
@@ -173,13 +187,16 @@ func FuzzUnmarshalGPU(f *testing.F) {
 		fd.CloseAll(msgFDs[:])
 		var v any
 		if err := Unmarshal(data, fds, &v); err == nil {
+			if x, ok := v.(*tensor.Tensor); ok && x.Place().IsGPU() {
+				rebuilt.Add(1)
+			}
 			leakcheck.Free(v)
 		}
 		// What the producer's pool and the receiver keep for reuse goes
 		// with the trim, once the receiver's holds are settled.
 		for deadline := time.Now().Add(time.Second); ; time.Sleep(time.Millisecond) {
 			shm.Trim()
-			n, h, m := leakcheck.Count(), gpuFake.MemHandles(), gpuFake.Mapped()
+			n, h, m := leakcheck.Count(), cudastub.Handles(), cudastub.Mappings()
 			if n == base && h == handles && m == mapped {
 				break
 			}
@@ -194,7 +211,6 @@ func FuzzUnmarshalGPU(f *testing.F) {
 // tensor in, for a tensor on another place, is refused: a tensor rebuilt
 // is never on a place other than the one its metadata names.
 func TestMetaNamingALiveSlabBlockElsewhere(t *testing.T) {
-	useFakeGPU(t)
 	for _, c := range []struct {
 		name, strategy, place string
 		keepMemFD             bool

@@ -9,9 +9,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/device"
-	"github.com/tensormp/tensormp/internal/cudafake"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/reduction"
 	"github.com/tensormp/tensormp/tensor"
@@ -21,7 +19,6 @@ import (
 // the producer's bytes and writes back in place; what it received stays
 // its own to release, and the producer's block is held until it does.
 func TestGPUSlabTensorAcrossProcesses(t *testing.T) {
-	reduction.UseFakeGPU(t)
 	leakcheck.Check(t)
 	x, err := tensor.On(reduction.SlabGPU).Arange(tensor.Int32, 1024)
 	require.NoError(t, err)
@@ -41,7 +38,6 @@ func TestGPUSlabTensorAcrossProcesses(t *testing.T) {
 // helperRebuildGPU receives a GPU tensor of 0..n-1 on the fake's device
 // 0 in a process of its own, checks it and sets its first element to -1.
 func helperRebuildGPU() int {
-	cuda.UseDriver(cudafake.New(1))
 	if err := rebuildGPU(); err != nil {
 		fmt.Fprintln(os.Stderr, "rebuild-gpu:", err)
 		return 1

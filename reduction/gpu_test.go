@@ -8,35 +8,27 @@ import (
 
 	"github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/device"
-	"github.com/tensormp/tensormp/internal/cudafake"
+	"github.com/tensormp/tensormp/internal/cudastub"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/tensor"
 )
 
-// gpuFake is the driver the GPU tests of this package run on; the fake
-// lets one process play producer and consumer. Its device 0 exports its
-// memory as descriptors (device slabs, cuda_fd), its device 1 cannot
-// (legacy CUDA IPC, cuda_ipc), as an older driver's.
-var gpuFake = func() *cudafake.Driver {
-	d := cudafake.New(2)
-	d.SetFDExport(1, false)
-	return d
-}()
-
-// The devices of gpuFake, by how they share memory.
+// The GPU tests of this package run on the stand-in driver's three
+// devices (see TestMain): devices 0 and 2 share their memory in slabs
+// (cuda_fd), device 1 by legacy CUDA IPC (cuda_ipc), as an older
+// driver's does.
 var (
 	slabGPU   = device.GPU(0)
 	legacyGPU = device.GPU(1)
+	otherGPU  = device.GPU(2)
 )
 
-func useFakeGPU(t *testing.T) {
-	t.Helper()
-	cuda.UseDriver(gpuFake)
-}
+// gpuConfig is the machine TestMain plays: three GPUs, the second
+// sharing by legacy IPC.
+var gpuConfig = cudastub.Config{Devices: 3, Env: []string{cuda.EnvLegacy + "=gpu:1"}}
 
 func TestGPUTensorThroughTheCodec(t *testing.T) {
-	useFakeGPU(t)
 	leakcheck.Check(t)
 	x, err := tensor.On(legacyGPU).Arange(tensor.Float32, 12)
 	require.NoError(t, err)
@@ -57,9 +49,8 @@ func TestGPUTensorThroughTheCodec(t *testing.T) {
 }
 
 func TestGPUTensorOpenedByAReceiver(t *testing.T) {
-	useFakeGPU(t)
 	leakcheck.Check(t)
-	live := gpuFake.Live()
+	live := cudastub.Allocs()
 	x, err := tensor.On(legacyGPU).Full(tensor.Int32, 7, 8)
 	require.NoError(t, err)
 	meta, fd, memFD, tok, err := reduce(x, nil, nil)
@@ -72,7 +63,7 @@ func TestGPUTensorOpenedByAReceiver(t *testing.T) {
 	// As a receiver that never held this memory: forget the producer's
 	// entry in the cache.
 	storages.mu.Lock()
-	delete(storages.m, gpuKey(cuda.IPCMemHandle(meta.IPC), meta.DevOffset))
+	delete(storages.m, gpuKey([64]byte(meta.IPC), meta.DevOffset))
 	storages.mu.Unlock()
 	meta.FD = 0
 	y, err := Rebuild(meta, []int{fd})
@@ -89,20 +80,19 @@ func TestGPUTensorOpenedByAReceiver(t *testing.T) {
 	assert.Equal(t, int32(1), first, "the producer sees the receiver's write")
 
 	require.NoError(t, x.Release())
-	assert.Equal(t, live+1, gpuFake.Live(), "the receiver still holds the producer's memory")
+	assert.Equal(t, live+1, cudastub.Allocs(), "the receiver still holds the producer's memory")
 	require.NoError(t, y.Release())
 	rt, err := cuda.Default()
 	require.NoError(t, err)
 	rt.CollectLimbo()
-	assert.Equal(t, live, gpuFake.Live(), "released everywhere: freed")
-	assert.Equal(t, 0, gpuFake.Opened())
+	assert.Equal(t, live, cudastub.Allocs(), "released everywhere: freed")
+	assert.Equal(t, 0, cudastub.IPCOpened(), "its own export is never opened")
 }
 
 // A GPU tensor in a device slab travels as its block's ticket and the
 // slab's descriptor; in the process that made it, it comes back as the
 // same storage.
 func TestGPUSlabTensorThroughTheCodec(t *testing.T) {
-	useFakeGPU(t)
 	leakcheck.Check(t)
 	x, err := tensor.On(slabGPU).Arange(tensor.Float32, 12)
 	require.NoError(t, err)

@@ -48,7 +48,7 @@ func onSegment(x *tensor.Tensor) bool {
 func TestMain(m *testing.M) {
 	reexec.Register("rebuild-check", helperRebuildCheck)
 	reexec.Register("rebuild-gpu", helperRebuildGPU)
-	testmain.Run(m)
+	testmain.Run(m, testmain.WithStandInGPU(reduction.GPUConfig))
 }
 
 // withStrategy runs fn once per sharing strategy, with the process
