@@ -18,7 +18,6 @@ import (
 
 	"github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/device"
-	"github.com/tensormp/tensormp/internal/cudafake"
 	"github.com/tensormp/tensormp/internal/cudashm"
 	"github.com/tensormp/tensormp/internal/gpushare"
 	"github.com/tensormp/tensormp/internal/leakcheck"
@@ -31,8 +30,8 @@ import (
 
 // The CUDA driver's files in /dev/shm of processes that die without
 // giving their context back: whoever learns of the death removes them.
-// The fake driver makes its file as the real one does, when the process
-// first exports GPU memory.
+// The stand-in driver makes its file as the real one does, when the
+// process first exports GPU memory by legacy CUDA IPC.
 
 func init() {
 	// Makes a file named as the driver names one of this process's,
@@ -51,14 +50,14 @@ func init() {
 		var ack string
 		return a.Ack.Get(ctx, &ack)
 	})
-	// Exports GPU memory on the fake driver, which makes the driver's
+	// Exports GPU memory by legacy CUDA IPC, which makes the driver's
 	// file, reports, and waits for the end of its program.
 	mp.Register("driverfile.export", func(ctx context.Context, w *mp.Worker) error {
 		var status *mp.Queue
 		if err := w.Args(&status); err != nil {
 			return err
 		}
-		if err := exportOnFake(); err != nil {
+		if err := exportLegacy(); err != nil {
 			return err
 		}
 		if err := status.Put(ctx, os.Getpid()); err != nil {
@@ -71,13 +70,14 @@ func init() {
 	reexec.Register("program.gpu-peer", programGPUPeer)
 }
 
-// exportOnFake makes this process export GPU memory on a fake driver by
-// legacy CUDA IPC, as a process does that sends a GPU tensor from a
-// device that cannot export descriptors: the driver makes its file.
-func exportOnFake() error {
-	d := cudafake.New(1)
-	d.SetFDExport(0, false)
-	cuda.UseDriver(d)
+// exportLegacy makes this process export GPU memory by legacy CUDA IPC,
+// as a process does that sends a GPU tensor from a device that cannot
+// export descriptors: the driver makes its file. It must run before the
+// process's first GPU tensor.
+func exportLegacy() error {
+	if err := os.Setenv(cuda.EnvLegacy, "1"); err != nil {
+		return err
+	}
 	x, err := tensor.On(device.GPU(0)).Zeros(tensor.Uint8, 16)
 	if err != nil {
 		return err
@@ -92,7 +92,7 @@ func exportOnFake() error {
 	}
 	h.Ticket.Discard()
 	if len(cudashm.Of(os.Getpid())) == 0 {
-		return errors.New("the fake driver made no file")
+		return errors.New("the driver made no file")
 	}
 	return nil
 }
@@ -116,7 +116,7 @@ func programGPUFatal() int {
 		fmt.Println("error", err)
 		return 2
 	}
-	if err := exportOnFake(); err != nil {
+	if err := exportLegacy(); err != nil {
 		fmt.Println("error", err)
 		return 2
 	}
@@ -151,7 +151,7 @@ func programGPUPeer() int {
 		p, err = mp.Dial(ctx, os.Getenv("ENDPOINT"))
 	}
 	if err == nil {
-		err = exportOnFake()
+		err = exportLegacy()
 	}
 	if err == nil {
 		err = p.Send(ctx, os.Getpid())

@@ -16,9 +16,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/device"
-	"github.com/tensormp/tensormp/internal/cudafake"
+	"github.com/tensormp/tensormp/internal/cudastub"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/reexec"
 	"github.com/tensormp/tensormp/internal/shm"
@@ -27,14 +26,15 @@ import (
 	"github.com/tensormp/tensormp/tensor"
 )
 
-// GPU tensors in device slabs across real processes, on the fake driver,
-// whose allocations are memfds that processes share as a GPU's: every
-// process of these programs, and of their workers, uses it. Each program
+// GPU tensors in device slabs across real processes, on the stand-in
+// driver in CI (every process of these programs, and of their workers,
+// inherits it) and on the machine's GPU under tests/gpu.sh. Each program
 // prints "ok" once what it checks holds, else "error ...".
 
 type slabArgs struct {
 	In, Out, Ack *mp.Queue
 	N            int
+	Value        float32 // every element of what gpufd.hold takes
 }
 
 func init() {
@@ -57,9 +57,10 @@ func init() {
 		}
 		return nil
 	}))
-	// gpufd.hold takes N GPU tensors from In, holds them, says so with
-	// the number of descriptors it holds more than when it started, and
-	// waits to be killed or told to let go.
+	// gpufd.hold takes N GPU tensors of Value from In, checks that each
+	// is on the GPU and whole, holds them, says so with the number of
+	// descriptors it holds more than when it started, and waits to be
+	// killed or told to let go.
 	mp.Register("gpufd.hold", slabWorker(func(ctx context.Context, a slabArgs) error {
 		before := leakcheck.Count()
 		var held []*tensor.Tensor
@@ -67,6 +68,11 @@ func init() {
 			var err error
 			if held, err = mp.GetMany(ctx, a.In, held); err != nil {
 				return err
+			}
+		}
+		for i, x := range held {
+			if err := checkAll(x, a.Value); err != nil {
+				return fmt.Errorf("tensor %d: %w", i, err)
 			}
 		}
 		if err := a.Out.Put(ctx, leakcheck.Count()-before); err != nil {
@@ -106,10 +112,9 @@ func init() {
 	}))
 }
 
-// slabWorker is a worker that runs fn with its slabArgs on the fake GPU.
+// slabWorker is a worker that runs fn with its slabArgs.
 func slabWorker(fn func(ctx context.Context, a slabArgs) error) mp.WorkerFunc {
 	return func(ctx context.Context, w *mp.Worker) error {
-		useFakeGPU()
 		var a slabArgs
 		if err := w.Args(&a); err != nil {
 			return err
@@ -118,12 +123,11 @@ func slabWorker(fn func(ctx context.Context, a slabArgs) error) mp.WorkerFunc {
 	}
 }
 
-// useFakeGPU makes this process's GPU the fake's device 0, which shares
-// its memory in slabs.
-func useFakeGPU() { cuda.UseDriver(cudafake.New(1)) }
-
 // checkSevens checks that every element of GPU tensor x is 7.
-func checkSevens(x *tensor.Tensor) error {
+func checkSevens(x *tensor.Tensor) error { return checkAll(x, 7) }
+
+// checkAll checks that every element of GPU tensor x is v.
+func checkAll(x *tensor.Tensor, v float32) error {
 	if !x.Place().IsGPU() {
 		return fmt.Errorf("received a tensor on %s", x.Place())
 	}
@@ -135,15 +139,14 @@ func checkSevens(x *tensor.Tensor) error {
 	if err != nil {
 		return err
 	}
-	if i := slices.IndexFunc(vals, func(v float32) bool { return v != 7 }); i >= 0 {
-		return fmt.Errorf("element %d of %d is %v, not 7", i, len(vals), vals[i])
+	if i := slices.IndexFunc(vals, func(e float32) bool { return e != v }); i >= 0 {
+		return fmt.Errorf("element %d of %d is %v, not %v", i, len(vals), vals[i], v)
 	}
 	return nil
 }
 
 // programGPUFD runs the case GPUFD_CASE names.
 func programGPUFD() int {
-	useFakeGPU()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	cases := map[string]func(context.Context) error{
@@ -191,14 +194,24 @@ func letGo(x *tensor.Tensor) error {
 	return noDeviceMemory()
 }
 
+// heldDeviceMemory returns how many bytes of device memory the processes
+// pids hold between them, or -1 where that cannot be told: the stand-in
+// driver counts it per process, a real one only per device.
+func heldDeviceMemory(pids ...int) int64 {
+	if !cudastub.Active() {
+		return -1
+	}
+	return cudastub.Held(pids...)
+}
+
 // noDeviceMemory waits up to a second for this process to hold no device
 // memory once what it keeps for reuse is trimmed.
 func noDeviceMemory() error {
 	deadline := time.Now().Add(time.Second)
 	for {
 		shm.Trim()
-		held := cudafake.Held(os.Getpid())
-		if held == 0 {
+		held := heldDeviceMemory(os.Getpid())
+		if held <= 0 {
 			return nil
 		}
 		if time.Now().After(deadline) {
@@ -261,7 +274,7 @@ func gpufdKilledReceiver(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	g, err := mp.Spawn(ctx, "gpufd.hold", 1, mp.WithArgs(slabArgs{In: qs[0], Out: qs[1], Ack: qs[2], N: 8}))
+	g, err := mp.Spawn(ctx, "gpufd.hold", 1, mp.WithArgs(slabArgs{In: qs[0], Out: qs[1], Ack: qs[2], N: 8, Value: 7}))
 	if err != nil {
 		return err
 	}
@@ -284,7 +297,7 @@ func gpufdKilledReceiver(ctx context.Context) error {
 			return err
 		}
 	}
-	if held := cudafake.Held(g.Pids()[0]); held == 0 {
+	if held := heldDeviceMemory(g.Pids()[0]); held == 0 {
 		return errors.New("the receiver holds no device memory")
 	}
 	if err := syscall.Kill(g.Pids()[0], syscall.SIGKILL); err != nil {
@@ -317,7 +330,7 @@ func gpufdNeverTaken(ctx context.Context) error {
 		return err
 	}
 	shm.Trim()
-	if cudafake.Held(os.Getpid()) == 0 {
+	if heldDeviceMemory(os.Getpid()) == 0 {
 		return errors.New("the messages in flight hold no device memory")
 	}
 	if err := qs[0].Close(); err != nil {

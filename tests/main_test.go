@@ -21,6 +21,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/tensormp/tensormp/internal/cudastub"
 	"github.com/tensormp/tensormp/internal/reexec"
 	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/internal/testmain"
@@ -33,7 +34,10 @@ func TestMain(m *testing.M) {
 	registerFaultPrograms()
 	registerOwnershipPrograms()
 	registerEndpointPrograms()
-	testmain.Run(m, testmain.WithSession(), testmain.After(func() { pythonCleanup() }))
+	// Without TENSORMP_REQUIRE_GPU (tests/gpu.sh sets it, on a GPU),
+	// the GPU tests run on the stand-in driver, through the real binding.
+	testmain.Run(m, testmain.WithSession(), testmain.WithStandInGPU(cudastub.Config{Devices: 1}),
+		testmain.After(func() { pythonCleanup() }))
 }
 
 // gone is how long a test waits for its processes and segments to

@@ -312,7 +312,7 @@ func TestPythonConsumerWritesInPlace(t *testing.T) {
 // The same for GPU tensors and a PyTorch consumer: it views Go's device
 // memory on its device, through CUDA IPC and DLPack.
 func TestPythonGPUConsumerWritesInPlace(t *testing.T) {
-	rt := requireGPU(t)
+	rt := requireTorchGPU(t)
 	leakcheck.Check(t)
 	files := driverFiles(t)
 	consumeInPython(t, device.GPU(0), gpuHeld(rt), "torch")
@@ -414,7 +414,7 @@ func TestPythonProducerToGo(t *testing.T) {
 // The same for PyTorch's CUDA tensors: copied once on the GPU when torch
 // made them, shared in place when born in tensormp's GPU memory.
 func TestPythonGPUProducerToGo(t *testing.T) {
-	rt := requireGPU(t)
+	rt := requireTorchGPU(t)
 	leakcheck.Check(t)
 	files := driverFiles(t)
 	produceInPython(t, device.GPU(0))
@@ -544,7 +544,7 @@ func TestPythonKilledWhileHolding(t *testing.T) {
 // CUDA driver's file for the dead process's interprocess events, which
 // only that process could remove, is removed by this one.
 func TestPythonGPUKilledWhileHolding(t *testing.T) {
-	rt := requireGPU(t)
+	rt := requireTorchGPU(t)
 	leakcheck.Check(t)
 	shmBefore := tensormpEntries(t)
 	files := driverFiles(t)
@@ -564,7 +564,7 @@ func TestPythonGPUKilledWhileHolding(t *testing.T) {
 // the write is done, as the Tensor or as a torch view, arrives with the
 // write: the receiver waits for the work torch had queued.
 func TestPythonGPUSideStreamWriteArrives(t *testing.T) {
-	requireGPU(t)
+	requireTorchGPU(t)
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -706,7 +706,7 @@ func TestPythonGPUMalformedInput(t *testing.T) {
 	badInputFromPython(t, "malformed-gpu", device.GPU(0), map[string]string{
 		"bogus-pointer":     "Error: cuda: copying from 0x1000 on gpu:0",
 		"host-pointer":      "Error: cuda: copying from 0x",
-		"past-allocation":   "the allocation there ends at",
+		"past-allocation":   "the memory there ends at",
 		"no-such-gpu":       "Error: cuda: device 7 does not exist",
 		"negative-gpu":      "Error: DLPack CUDA device -1",
 		"managed":           "Error: DLPack device type 13: only CPU and CUDA memory is taken",
