@@ -3,7 +3,6 @@ package dist_test
 import (
 	"context"
 	"fmt"
-	"os"
 	"sync"
 	"testing"
 	"time"
@@ -18,21 +17,15 @@ import (
 	"github.com/tensormp/tensormp/tensor"
 )
 
-// GPU tests run on the real driver and skip where there is none: across
+// GPU tests run on the machine's driver where tests/gpu.sh asks for it
+// (TENSORMP_REQUIRE_GPU), else on the stand-in (see TestMain): across
 // hosts a GPU tensor is staged through host memory and arrives on the CPU.
 
 func requireGPU(t *testing.T) {
 	t.Helper()
-	skip := t.Skipf
-	if os.Getenv("TENSORMP_REQUIRE_GPU") != "" { // tests/gpu.sh sets it
-		skip = t.Fatalf
-	}
-	if _, err := cuda.Load(); err != nil {
-		skip("no CUDA driver here: %v", err)
-	}
-	if !cuda.Available() {
-		skip("the CUDA driver reports no device")
-	}
+	_, err := cuda.Default()
+	require.NoError(t, err, "no CUDA driver")
+	require.True(t, cuda.Available(), "the CUDA driver reports no device")
 	warmDriver.Do(func() {
 		var x *tensor.Tensor
 		if x, warmDriver.err = tensor.On(device.GPU(0)).Zeros(tensor.Uint8, 16); warmDriver.err == nil {

@@ -19,6 +19,7 @@ import (
 
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/dist"
+	"github.com/tensormp/tensormp/internal/cudastub"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/reexec"
 	"github.com/tensormp/tensormp/tensor"
@@ -30,6 +31,9 @@ import (
 // same-host shortcut.
 
 func TestMain(m *testing.M) {
+	if os.Getenv("TENSORMP_REQUIRE_GPU") == "" { // tests/gpu.sh sets it, on a GPU
+		cudastub.Enter(cudastub.Config{Devices: 1})
+	}
 	reexec.SkipRaceExitSleep()
 	reexec.Register("dist-rank", rankMain)
 	reexec.Main()

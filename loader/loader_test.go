@@ -15,9 +15,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/device"
-	"github.com/tensormp/tensormp/internal/cudafake"
+	"github.com/tensormp/tensormp/internal/cudastub"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/testmain"
 	"github.com/tensormp/tensormp/loader"
@@ -27,7 +26,7 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	testmain.Run(m, testmain.WithSession())
+	testmain.Run(m, testmain.WithSession(), testmain.WithStandInGPU(cudastub.Config{Devices: 1}))
 }
 
 // numbered is a map-style dataset of N samples: sample i holds a tensor
@@ -428,7 +427,6 @@ func TestLoaderWorkerInitInfoAndCollate(t *testing.T) {
 }
 
 func TestLoaderCopiesBatchesToTheTargetPlace(t *testing.T) {
-	cuda.UseDriver(cudafake.New(1))
 	leakcheck.Check(t)
 	l, err := loader.New[batch](numbers, numberedArgs{N: 6, FailAt: -1, KillAt: -1},
 		loader.Options{BatchSize: 3, NumWorkers: 1, Place: device.GPU(0)})

@@ -16,8 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
-	"github.com/tensormp/tensormp/cuda"
-	"github.com/tensormp/tensormp/internal/cudafake"
+	"github.com/tensormp/tensormp/internal/cudastub"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/pytorch"
 	"github.com/tensormp/tensormp/internal/shm"
@@ -25,11 +24,10 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	// GPUs are the fake driver's here, in this process and in the
-	// workers, which run this TestMain too: bench -device gpu:0 runs on
-	// memfds that the processes share as a GPU's allocations.
-	cuda.UseDriver(cudafake.New(1))
-	testmain.Run(m, testmain.WithSession())
+	// GPUs are the stand-in driver's here, in this process and in the
+	// workers, which inherit it: bench -device gpu:0 runs through the
+	// real binding on memory the processes share as a GPU's.
+	testmain.Run(m, testmain.WithSession(), testmain.WithStandInGPU(cudastub.Config{Devices: 1}))
 }
 
 func TestDemo(t *testing.T) {
@@ -341,13 +339,14 @@ func TestBenchDeviceJSON(t *testing.T) {
 	}, rows)
 }
 
-// BenchmarkDeviceOnFake runs spawn bench -device gpu:0 on the fake driver
-// of this test binary, whose device memory is memfds, and reports each
+// BenchmarkDeviceOnStandIn runs spawn bench -device gpu:0 on the stand-in
+// driver of this test binary, whose work runs a fixed delay after it is
+// queued (cudastub.DefaultDelay, as a GPU's launch latency), and reports each
 // GPU round trip over the CPU's of its size, measured in the same run,
 // and the descriptors a receiver holds for 10,000 GPU tensors:
 //
-//	go test -run '^$' -bench DeviceOnFake -benchtime 1x ./cmd/spawn
-func BenchmarkDeviceOnFake(b *testing.B) {
+//	go test -run '^$' -bench DeviceOnStandIn -benchtime 1x ./cmd/spawn
+func BenchmarkDeviceOnStandIn(b *testing.B) {
 	noTorch := filepath.Join(b.TempDir(), "python3")
 	require.NoError(b, os.WriteFile(noTorch, []byte("#!/bin/sh\nexit 1\n"), 0o700))
 	for range b.N {
