@@ -9,8 +9,10 @@
 // tell, so that bugs a GPU would expose fail in CI:
 //
 //   - memset, copies from pageable host memory, device-to-device copies
-//     and event records are queued per context and run later (Config's
-//     Delay after they were queued), in order; only a synchronization, a
+//     and event records are queued per context and land later, in order:
+//     Config's Delay after they were queued, and no sooner than their
+//     length (10 bytes a nanosecond) after the one before landed, so that
+//     big work is under way a while; only a synchronization, a
 //     copy to the host (which waits for its own context only) or an
 //     event waits for them;
 //   - unmapping or freeing memory that queued work still touches
