@@ -701,7 +701,7 @@ func TestPythonMalformedInput(t *testing.T) {
 // input from Python, get errors that say what was wrong; the library
 // goes on working, on the GPU too.
 func TestPythonGPUMalformedInput(t *testing.T) {
-	requireGPU(t)
+	requireTorchGPU(t)
 	leakcheck.Check(t)
 	badInputFromPython(t, "malformed-gpu", device.GPU(0), map[string]string{
 		"bogus-pointer":     "Error: cuda: copying from 0x1000 on gpu:0",
