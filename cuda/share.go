@@ -1,6 +1,9 @@
 package cuda
 
 import (
+	"errors"
+	"fmt"
+
 	"github.com/tensormp/tensormp/internal/gpushare"
 	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/tensor"
@@ -42,6 +45,21 @@ func (sharer) ImportBlock(dev int, blk *shm.Block, size int64, memFD int) (tenso
 		return nil, err
 	}
 	return nilIfFailed(r.importBlock(dev, blk, size, memFD))
+}
+
+func (sharer) SameSlab(b tensor.Buffer, memFD int) error {
+	buf, ok := b.(*Buffer)
+	if !ok || buf.block == nil {
+		return gpushare.ErrForeign
+	}
+	s, _ := buf.block.Extent().(*slab)
+	if s == nil {
+		return errors.New("cuda: a buffer whose slab is gone")
+	}
+	if err := sameDescription(s.fd, memFD); err != nil {
+		return fmt.Errorf("cuda: a block of a slab of gpu:%d: %w", buf.dev, err)
+	}
+	return nil
 }
 
 func (sharer) UUID(dev int) ([16]byte, error) {

@@ -165,23 +165,26 @@ func openSlabBlock(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage
 	if _, err := fds.fd(m.FD); err != nil {
 		return nil, err
 	}
-	if _, err := fds.fd(m.MemFD); err != nil {
+	memFD, err := fds.fd(m.MemFD)
+	if err != nil {
 		return nil, fmt.Errorf("the slab's descriptor: %w", err)
-	}
-	if s := liveUser(shm.FindUser(m.segmentID(), m.Block, m.Gen), m.Size); s != nil {
-		return s, nil // on p, or refused by rebuildTensor
 	}
 	gs, err := gpushare.Get()
 	if err != nil {
 		return nil, err
 	}
+	if s := liveUser(shm.FindUser(m.segmentID(), m.Block, m.Gen), m.Size); s != nil {
+		// On p, or refused by rebuildTensor; and the message's slab
+		// descriptor must be the slab's, as for a block not held yet.
+		if buf, ok := s.Backing().(tensor.Buffer); ok {
+			if err := gs.SameSlab(buf, memFD); err != nil && !errors.Is(err, gpushare.ErrForeign) {
+				return nil, err
+			}
+		}
+		return s, nil
+	}
 	b, err := attachBlock(m, fds)
 	if err != nil {
-		return nil, err
-	}
-	memFD, err := fds.fd(m.MemFD)
-	if err != nil {
-		_ = b.Release()
 		return nil, err
 	}
 	buf, err := gs.ImportBlock(p.Index(), b, m.Size, memFD)

@@ -245,3 +245,27 @@ func TestMetaNamingALiveSlabBlockElsewhere(t *testing.T) {
 		})
 	}
 }
+
+// A message naming a block of a slab this process holds a tensor in,
+// with the descriptor of another allocation for the slab, is refused:
+// every honest message about a slab carries the one export of it.
+func TestSlabDescriptorOfAnotherAllocation(t *testing.T) {
+	leakcheck.Check(t)
+	x, err := tensor.On(slabGPU).Arange(tensor.Int32, 256)
+	require.NoError(t, err)
+	defer x.Release()
+	large, err := tensor.On(slabGPU).Zeros(tensor.Uint8, 17<<20) // a slab of its own
+	require.NoError(t, err)
+	defer large.Release()
+	_, lfds, err := Reduce(large)
+	require.NoError(t, err)
+	defer fd.CloseAll(lfds)
+	m, fds, err := Reduce(x)
+	require.NoError(t, err)
+	require.Len(t, fds, 2)
+	swap(t, &fds[1], lfds[1])
+	var y *tensor.Tensor
+	err = NewDecoder().Decode(extMessage(t, m), fds, &y)
+	assert.ErrorContains(t, err, "not of the allocation this process maps for its segment")
+	assert.Nil(t, y)
+}

@@ -61,6 +61,10 @@ type Sharer interface {
 	// of the slab, which stays the caller's: the slab is imported from
 	// it if it is not mapped yet, and must be the one mapped if it is.
 	ImportBlock(dev int, blk *shm.Block, size int64, memFD int) (tensor.Buffer, error)
+	// SameSlab checks that memFD, a message's descriptor of the slab
+	// that b, a buffer of this process in a device slab, lies in, is of
+	// that slab's allocation.
+	SameSlab(b tensor.Buffer, memFD int) error
 	// UUID returns the UUID of the device this process calls dev.
 	UUID(dev int) ([16]byte, error)
 	// Ordinal returns this process's ordinal of the device named uuid,
