@@ -20,7 +20,26 @@ type Error struct {
 }
 
 func (e *Error) Error() string {
-	return fmt.Sprintf("cuda: %s: %s (%d): %s", e.Call, e.Name, e.Code, e.Msg)
+	s := fmt.Sprintf("cuda: %s: %s (%d): %s", e.Call, e.Name, e.Code, e.Msg)
+	if e.Sticky() {
+		s += " (the context is broken for good: every later call of this process on the device fails)"
+	}
+	return s
+}
+
+// Sticky reports whether the error broke the device's context for good,
+// as a fault on the device does: every later call in the context, another
+// library's included, returns it, and only a new process can use the
+// device again.
+func (e *Error) Sticky() bool {
+	switch e.Code {
+	case 214, 700, 702, 710, 714, 715, 716, 717, 718, 719, 999:
+		// ECC_UNCORRECTABLE, ILLEGAL_ADDRESS, LAUNCH_TIMEOUT, ASSERT,
+		// HARDWARE_STACK_ERROR, ILLEGAL_INSTRUCTION, MISALIGNED_ADDRESS,
+		// INVALID_ADDRESS_SPACE, INVALID_PC, LAUNCH_FAILED, UNKNOWN
+		return true
+	}
+	return false
 }
 
 // DevicePtr is an address in a device's memory.

@@ -2,6 +2,7 @@ package cuda
 
 import (
 	"errors"
+	"strings"
 	"testing"
 )
 
@@ -24,5 +25,9 @@ func TestErrorNamesTheCall(t *testing.T) {
 	want := "cuda: cuMemAlloc_v2: CUDA_ERROR_OUT_OF_MEMORY (2): out of memory"
 	if err.Error() != want {
 		t.Fatalf("got %q, want %q", err, want)
+	}
+	fault := &Error{Call: "cuCtxSynchronize", Code: 700, Name: "CUDA_ERROR_ILLEGAL_ADDRESS", Msg: "an illegal memory access was encountered"}
+	if !fault.Sticky() || !strings.Contains(fault.Error(), "broken for good") {
+		t.Fatalf("%q is not reported as breaking the context", fault)
 	}
 }
