@@ -17,6 +17,7 @@ import (
 
 	"github.com/tensormp/tensormp/internal/cudastub"
 	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/internal/shm"
 )
 
 // testDriver is the process's driver: the stand-in's in the tests (see
@@ -266,6 +267,34 @@ func TestSlabCloseWaitsForForeignWork(t *testing.T) {
 	small, err := r.Alloc(0, 16)
 	require.NoError(t, err)
 	require.NoError(t, small.Release())
+}
+
+// A slab is closed outside the pool's lock: while its close waits for
+// the device's work, the pool goes on allocating.
+func TestSlabCloseLeavesThePoolFree(t *testing.T) {
+	drv := testDriver(t)
+	r := newRuntime(drv)
+	defer r.Close()
+	first, err := r.Alloc(0, 64)
+	require.NoError(t, err)
+	defer first.Release()
+	big, err := r.Alloc(0, 300<<20)
+	require.NoError(t, err)
+	require.NoError(t, big.Sync())
+	cudastub.SetDelay(2 * time.Second) // a long kernel
+	defer cudastub.SetDelay(cudastub.DefaultDelay)
+	e, err := big.exec()
+	require.NoError(t, err)
+	require.NoError(t, e.Do(func() error { return drv.MemsetD8(big.ptr, 4096) }), "another library's work")
+	mappings := cudastub.Mappings()
+	require.NoError(t, big.Release()) // over the pool's 256 MiB: its slab closes
+	next, err := r.Alloc(0, 64)
+	require.NoError(t, err)
+	assert.Equal(t, mappings, cudastub.Mappings(), "allocated while the big slab's close waits for the work")
+	require.NoError(t, next.Release())
+	shm.Trim()
+	assert.Equal(t, mappings-1, cudastub.Mappings(), "Trim waits for the close")
+	assert.Zero(t, cudastub.Sticky(0))
 }
 
 // BenchmarkExecutorDo is the cost Do adds to a driver call, on the

@@ -512,7 +512,8 @@ func (t *segmentTable) closeLocked(seg *segment) error {
 	seg.tickets.rotate()
 	fd.CloseAll(seg.adopted)
 	seg.adopted = nil
-	return errors.Join(seg.closeExtent(), seg.alloc.Release())
+	seg.closeExtent()
+	return seg.alloc.Release()
 }
 
 func (t *segmentTable) isIdleLocked(seg *segment) bool {
@@ -553,8 +554,10 @@ func (t *segmentTable) trimLocked(n int, bytes int64) error {
 // one.
 func DropIdle() error {
 	attached.mu.Lock()
-	defer attached.mu.Unlock()
-	return attached.trimLocked(0, 0)
+	err := attached.trimLocked(0, 0)
+	attached.mu.Unlock()
+	extentClosing.wait()
+	return err
 }
 
 // Trim gives back to the system what this process keeps only for reuse:
@@ -569,6 +572,7 @@ func Trim() {
 		p.Trim(0)
 	}
 	_ = DropIdle()
+	extentClosing.wait()
 }
 
 // DropRefsForExit lets go, for a process about to exit, of everything it

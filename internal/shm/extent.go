@@ -1,6 +1,9 @@
 package shm
 
-import "errors"
+import (
+	"errors"
+	"sync"
+)
 
 // Extents: pooled slots whose data lies elsewhere.
 //
@@ -86,14 +89,64 @@ func (s *segment) bytes() int64 {
 	return s.alloc.Size()
 }
 
-// closeExtent closes the segment's extent, if it has one.
-func (s *segment) closeExtent() error {
-	if s.ext == nil {
-		return nil
+// closeExtent hands the segment's extent, if it has one, to a goroutine
+// of its own that closes it. Segments are let go of under the pool's or
+// the received segments' lock, and a device slab's Close waits for the
+// device's work and unmaps (milliseconds, more behind a long kernel):
+// every allocation and every receive of the process would wait behind
+// it. Trim waits for the closes handed over before it returns, and so
+// does a pool that is out of room before it tries again.
+func (s *segment) closeExtent() {
+	x := s.ext
+	if x == nil {
+		return
 	}
-	err := s.ext.Close()
 	s.ext = nil
-	return err
+	extentClosing.add()
+	go func() {
+		defer extentClosing.done()
+		_ = x.Close() // nobody to tell: the segment is gone
+	}()
+}
+
+// extentClosing counts the extents handed over to be closed and not
+// closed yet.
+var extentClosing = newCounter()
+
+// counter is a count that can be waited on to fall to zero.
+type counter struct {
+	mu   sync.Mutex
+	zero *sync.Cond
+	n    int
+}
+
+func newCounter() *counter {
+	c := &counter{}
+	c.zero = sync.NewCond(&c.mu)
+	return c
+}
+
+func (c *counter) add() {
+	c.mu.Lock()
+	c.n++
+	c.mu.Unlock()
+}
+
+func (c *counter) done() {
+	c.mu.Lock()
+	if c.n--; c.n == 0 {
+		c.zero.Broadcast()
+	}
+	c.mu.Unlock()
+}
+
+// wait returns once the count is zero.
+func (c *counter) wait() {
+	c.mu.Lock()
+	for c.n > 0 {
+		c.zero.Wait()
+	}
+	c.mu.Unlock()
 }
 
 // ExtentSize returns the bytes of the extent the block's slab keeps its

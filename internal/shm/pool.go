@@ -304,6 +304,7 @@ func (p *Pool) growLocked(c *sizeClass) error {
 	seg, err := p.newSegment(c, nslots)
 	if err != nil {
 		p.trimAllLocked(0)
+		extentClosing.wait() // their memory back before the retry
 		seg, err = p.newSegment(c, nslots)
 	}
 	if err != nil {
@@ -401,11 +402,13 @@ func (p *Pool) put(b *Block) {
 }
 
 // Trim closes the pool's segments that no block uses, keeping at most
-// keep bytes of them. It is how memory goes back to the system on demand.
+// keep bytes of them, and returns once their extents are closed. It is
+// how memory goes back to the system on demand.
 func (p *Pool) Trim(keep int64) {
 	p.mu.Lock()
-	defer p.mu.Unlock()
 	p.trimAllLocked(keep)
+	p.mu.Unlock()
+	extentClosing.wait()
 }
 
 // trimAllLocked retires this process's ticket descriptions of the pool's
@@ -456,7 +459,7 @@ func (seg *segment) close() {
 	seg.tickets.rotate()
 	_ = seg.alloc.Remove()
 	_ = seg.alloc.Release()
-	_ = seg.closeExtent()
+	seg.closeExtent()
 }
 
 func without(blocks []*Block, seg *segment) []*Block {
