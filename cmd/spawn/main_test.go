@@ -349,9 +349,13 @@ func TestBenchDeviceJSON(t *testing.T) {
 func BenchmarkDeviceOnStandIn(b *testing.B) {
 	noTorch := filepath.Join(b.TempDir(), "python3")
 	require.NoError(b, os.WriteFile(noTorch, []byte("#!/bin/sh\nexit 1\n"), 0o700))
+	// This process's device work lands 10 µs after it is queued, about
+	// a GPU's launch latency, not the tests' 500 µs.
+	cudastub.SetDelay(10 * time.Microsecond)
+	defer cudastub.SetDelay(cudastub.DefaultDelay)
 	for range b.N {
 		var out, errOut bytes.Buffer
-		code := run([]string{"bench", "-device", "gpu:0", "-json", "-trips", "2000", "-hold", "10000", "-python3", noTorch}, &out, &errOut)
+		code := run([]string{"bench", "-device", "gpu:0", "-json", "-trips", "2000", "-stream", "20000", "-hold", "10000", "-python3", noTorch}, &out, &errOut)
 		require.Equal(b, 0, code, errOut.String())
 		p50 := map[string]float64{}
 		for _, line := range strings.Split(strings.TrimSpace(out.String()), "\n") {
