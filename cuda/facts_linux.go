@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"runtime"
 	"slices"
 	"time"
 	"unsafe"
@@ -89,11 +90,15 @@ func deviceFacts(drv driver, dev int) (lines []string, err error) {
 	}
 
 	// The executor's reference is the only one this process holds:
-	// Stop destroys the context, and the mapping is let go of without.
+	// Stop destroys the context, and the mapping is let go of without,
+	// on a thread with no context current.
 	e.Stop()
 	stopped = true
+	runtime.LockOSThread()
+	_ = drv.SetCurrent(0)
 	say("cuMemUnmap after the last context reference is released: %s", errText(drv.MemUnmap(p, g)))
 	say("cuMemAddressFree then: %s", errText(drv.MemAddressFree(p, g)))
+	runtime.UnlockOSThread()
 
 	say("unmapping memory that a queued memset writes: %s", unmapUnderWork(drv, dev))
 	return lines, nil

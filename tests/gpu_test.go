@@ -368,6 +368,7 @@ func within(d time.Duration, ok func() bool) error {
 // Then it has the survivor check what it holds, let go of it and see its
 // memory come back, and prints "ok", else "error ...".
 func programGPUStream() int {
+	defer tensor.CloseBackends() // as a program that sends GPU tensors ends (README, GPUs)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	if err := gpuStream(ctx, os.Getenv("GPU_VICTIM")); err != nil {

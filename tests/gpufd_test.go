@@ -183,6 +183,7 @@ func checkAll(x *tensor.Tensor, v float32) error {
 
 // programGPUFD runs the case GPUFD_CASE names.
 func programGPUFD() int {
+	defer tensor.CloseBackends() // as a program that sends GPU tensors ends (README, GPUs)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	cases := map[string]func(context.Context) error{
