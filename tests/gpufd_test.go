@@ -124,6 +124,26 @@ func init() {
 		}
 		return a.Ack.Get(ctx, new(string))
 	}))
+	// gpufd.own takes a GPU tensor of sevens from In, checks that it is on
+	// this process's gpu:0 (its only device), writes a one into its first
+	// element, and sends it back on Out.
+	mp.Register("gpufd.own", slabWorker(func(ctx context.Context, a slabArgs) error {
+		var x *tensor.Tensor
+		if err := a.In.Get(ctx, &x); err != nil {
+			return err
+		}
+		defer x.Release()
+		if x.Place() != device.GPU(0) {
+			return fmt.Errorf("received on %s", x.Place())
+		}
+		if err := checkSevens(x); err != nil {
+			return err
+		}
+		if err := x.Storage().Backing().(tensor.Buffer).Write([]byte{0, 0, 0x80, 0x3f}, 0); err != nil {
+			return err
+		}
+		return a.Out.Put(ctx, x)
+	}))
 	// gpufd.forward takes a GPU tensor from In and puts it on Out.
 	mp.Register("gpufd.forward", slabWorker(func(ctx context.Context, a slabArgs) error {
 		var x *tensor.Tensor
@@ -194,6 +214,7 @@ func programGPUFD() int {
 		"third-process":      gpufdThirdProcess,
 		"spawn-after-export": gpufdSpawnAfterExport,
 		"recycled-block":     gpufdRecycledBlock,
+		"visible-devices":    gpufdVisibleDevices,
 		"many":               gpufdMany,
 	}
 	run, ok := cases[os.Getenv("GPUFD_CASE")]
@@ -518,6 +539,51 @@ func gpufdRecycledBlock(ctx context.Context) error {
 	return g.Join()
 }
 
+// On a machine of two GPUs, a worker that sees only the second
+// (CUDA_VISIBLE_DEVICES=1, as a launcher gives each worker its own)
+// calls it gpu:0: a tensor sent from this process's gpu:1 arrives there,
+// on the same memory, and comes back on gpu:1.
+func gpufdVisibleDevices(ctx context.Context) error {
+	x, err := tensor.On(device.GPU(1)).Full(tensor.Float32, 7, 1024)
+	if err != nil {
+		return err
+	}
+	defer x.Release()
+	qs, err := newQueues(2)
+	if err != nil {
+		return err
+	}
+	g, err := mp.Spawn(ctx, "gpufd.own", 1, mp.WithArgs(slabArgs{In: qs[0], Out: qs[1]}), mp.WithEnv("CUDA_VISIBLE_DEVICES=1"))
+	if err != nil {
+		return err
+	}
+	joined := make(chan error, 1)
+	got, stop := context.WithCancel(ctx) // a worker that fails sends nothing
+	go func() { joined <- g.Join(); stop() }()
+	if err := qs[0].Put(ctx, x); err != nil {
+		return err
+	}
+	var back *tensor.Tensor
+	if err := qs[1].Get(got, &back); err != nil {
+		return errors.Join(err, <-joined)
+	}
+	defer back.Release()
+	if err := <-joined; err != nil {
+		return err
+	}
+	if back.Place() != device.GPU(1) || back.Storage() != x.Storage() {
+		return fmt.Errorf("came back on %s, not as the tensor sent from gpu:1", back.Place())
+	}
+	host, err := x.To(device.CPU())
+	if err != nil {
+		return err
+	}
+	if v, err := tensor.At[float32](host, 0); err != nil || v != 1 {
+		return fmt.Errorf("the worker's write: %v, %v", v, err)
+	}
+	return nil
+}
+
 // A receiver holding 10,000 received GPU tensors of 4 KiB holds few
 // descriptors: one per slab and per slab's segment.
 func gpufdMany(ctx context.Context) error {
@@ -565,7 +631,7 @@ func legacyIPC() bool { return os.Getenv(cuda.EnvLegacy) == "1" }
 
 // TestGPUSlabsAcrossProcesses runs each case in a program of its own.
 func TestGPUSlabsAcrossProcesses(t *testing.T) {
-	for _, c := range []string{"sender-exits-first", "killed-producer", "killed-receiver", "never-taken", "third-process", "spawn-after-export", "recycled-block"} {
+	for _, c := range []string{"sender-exits-first", "killed-producer", "killed-receiver", "never-taken", "third-process", "spawn-after-export", "recycled-block", "visible-devices"} {
 		t.Run(c, func(t *testing.T) {
 			if legacyIPC() {
 				switch c {
@@ -576,7 +642,17 @@ func TestGPUSlabsAcrossProcesses(t *testing.T) {
 				}
 			}
 			leakcheck.Check(t)
-			p := startProgramIn(t, newSession(), "program.gpufd", strategy.FileDescriptor, false, "GPUFD_CASE="+c)
+			env := []string{"GPUFD_CASE=" + c}
+			if c == "visible-devices" {
+				if cudastub.Active() {
+					env = append(env, cudastub.EnvDevices+"=2") // the stand-in plays two
+				} else if x, err := tensor.On(device.GPU(1)).Zeros(tensor.Uint8, 1); err != nil {
+					t.Skipf("needs a machine of two GPUs: %v", err)
+				} else {
+					require.NoError(t, x.Release())
+				}
+			}
+			p := startProgramIn(t, newSession(), "program.gpufd", strategy.FileDescriptor, false, env...)
 			assert.Equal(t, "", p.waitLine(t, "ok"))
 			assert.Equal(t, 0, p.wait(t))
 			p.expectGone(t)
