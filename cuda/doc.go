@@ -18,11 +18,22 @@
 // tensor.On(device.GPU(0)).Zeros(...) allocates on the device, and To moves
 // tensors between host and devices.
 //
+// A device travels between processes as its UUID: ordinals are per
+// process (CUDA_VISIBLE_DEVICES), and a receiver maps the UUID to its own
+// ordinal, or refuses a tensor of a device it cannot see. Memory is
+// mapped for its device and every peer that can access it.
+//
+// The driver's unmap and release do not wait for the work queued on the
+// memory, and work that touches unmapped memory breaks the context for
+// good (Error.Sticky), another library's in the process too: a block is
+// given back only after the work this process queued on it, a slab is
+// unmapped only after every stream of its context is idle, and Write
+// returns once its bytes are on the device.
+//
 // Ownership across processes, where the device exports allocations as
-// POSIX file descriptors (FDExportSupported; CUDA 10.2 and newer, most
-// GPUs): buffers are blocks of pooled device slabs (see slab.go), many
+// POSIX file descriptors (FDShared; CUDA 10.2 and newer, most GPUs): buffers are blocks of pooled device slabs (see slab.go), many
 // small ones to a slab. A slab's segment, a small sealed memfd of package
-// mmapalloc, names it and holds its slot table, and the kernel counts who
+// internal/shm, names it and holds its slot table, and the kernel counts who
 // holds each block by the locks on that segment, as for a CPU block: a
 // process's buffers, each receiver's, each message in flight. A message
 // carries the block's ticket and the slab's descriptor; a receiver imports
