@@ -3,6 +3,7 @@
 package cuda_test
 
 import (
+	"bytes"
 	"context"
 	"testing"
 	"time"
@@ -270,4 +271,27 @@ func TestCopyIn(t *testing.T) {
 	require.NoError(t, b.Sync())
 	require.NoError(t, foreign.Release())
 	assert.ErrorContains(t, foreign.Sync(), "freed")
+}
+
+// A copy to another device reads its source on that device's stream:
+// the source given back at once (its slab closed, being larger than what
+// the pool keeps) must not be unmapped under it, and the copy holds the
+// source's bytes.
+func TestCopyToAnotherDeviceBeforeTheSourceGoes(t *testing.T) {
+	leakcheck.Check(t)
+	x, err := tensor.On(device.GPU(0)).Full(tensor.Uint8, 7, 300<<20)
+	require.NoError(t, err)
+	y, err := x.To(device.GPU(1))
+	require.NoError(t, err)
+	defer y.Release()
+	require.NoError(t, x.Release())
+	shm.Trim()
+	assert.Zero(t, cudastub.Sticky(1), "gpu:1's copy did not fault")
+	head, err := y.Narrow(0, 0, 4096)
+	require.NoError(t, err)
+	host, err := head.To(device.CPU())
+	require.NoError(t, err)
+	vals, err := tensor.Data[uint8](host)
+	require.NoError(t, err)
+	assert.Equal(t, bytes.Repeat([]byte{7}, 4096), vals)
 }

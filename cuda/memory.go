@@ -307,9 +307,11 @@ func (b *Buffer) Write(src []byte, off int64) error {
 
 // CopyFrom copies n bytes from another GPU buffer, starting at srcOff,
 // device to device (tensor.DeviceCopier). The copy runs in order after
-// the work queued on b's device; from another device, the source's
-// queued work is waited for first, since the two devices' streams are
-// not ordered with each other.
+// the work queued on b's device, and both buffers count it as their
+// queued work (see Release). From another device it is waited for: the
+// source's queued work first, and the copy before CopyFrom returns,
+// since the two devices' streams are not ordered with each other and the
+// source's Release waits only for its own device.
 func (b *Buffer) CopyFrom(src tensor.Buffer, srcOff, n int64) (bool, error) {
 	s, ok := src.(*Buffer)
 	if !ok || s.rt != b.rt {
@@ -321,7 +323,8 @@ func (b *Buffer) CopyFrom(src tensor.Buffer, srcOff, n int64) (bool, error) {
 	if err := b.check(0, n); err != nil {
 		return false, err
 	}
-	if s.dev != b.dev {
+	peer := s.dev != b.dev
+	if peer {
 		if err := s.Sync(); err != nil {
 			return false, err
 		}
@@ -331,7 +334,13 @@ func (b *Buffer) CopyFrom(src tensor.Buffer, srcOff, n int64) (bool, error) {
 		return false, err
 	}
 	b.dirty.Store(true)
-	return true, e.Do(func() error { return b.rt.drv.MemcpyDtoD(b.ptr, s.ptr+DevicePtr(srcOff), n) })
+	s.dirty.Store(true)
+	return true, e.Do(func() error {
+		if err := b.rt.drv.MemcpyDtoD(b.ptr, s.ptr+DevicePtr(srcOff), n); err != nil || !peer {
+			return err
+		}
+		return b.rt.drv.Synchronize()
+	})
 }
 
 // CopyIn copies n bytes from device address src to the start of b and
@@ -430,10 +439,11 @@ func (b *Buffer) Release() error {
 				err = e.Do(b.rt.drv.Synchronize)
 			}
 		}
-		if err != nil && !errors.Is(err, ErrStopped) {
+		switch {
+		case errors.Is(err, ErrStopped):
+			err = nil // a closed runtime's work was waited for by its Close
+		case err != nil:
 			err = fmt.Errorf("cuda: waiting for the work on a block of gpu:%d before giving it back: %w", b.dev, err)
-		} else {
-			err = nil // a closed runtime's work was waited for by Close
 		}
 		return errors.Join(err, b.block.Release())
 	}
@@ -461,8 +471,11 @@ func (r *Runtime) release(b *Buffer) error {
 	}
 	err = e.Do(func() error {
 		// cuMemFree waits for the device's work in practice, but does
-		// not promise to wait for every stream's: asked first.
-		if err := r.drv.CtxSynchronize(); err != nil {
+		// not promise to: tensormp's own work on the allocation, all on
+		// the default stream, is waited for first. (Another library's,
+		// on memory it was handed through DLPack, was waited for when it
+		// gave the memory back.)
+		if err := r.drv.Synchronize(); err != nil {
 			return err
 		}
 		errs := []error{r.drv.MemFree(b.base)}

@@ -98,10 +98,13 @@ func (s *slab) Close() error {
 	var err error
 	s.once.Do(func() {
 		err = s.exec.teardown(func() error {
-			if err := s.rt.drv.CtxSynchronize(); err != nil {
-				return fmt.Errorf("cuda: waiting for the work on a slab of gpu:%d before unmapping it: %w", s.dev, err)
+			// A failed wait is a broken context (Error.Sticky), whose
+			// work will never run: the slab is let go of all the same.
+			err := s.rt.drv.CtxSynchronize()
+			if err != nil {
+				err = fmt.Errorf("cuda: waiting for the work on a slab of gpu:%d before unmapping it: %w", s.dev, err)
 			}
-			return errors.Join(s.rt.drv.MemUnmap(s.ptr, s.size), s.rt.drv.MemAddressFree(s.ptr, s.size), s.rt.drv.MemRelease(s.h))
+			return errors.Join(err, s.rt.drv.MemUnmap(s.ptr, s.size), s.rt.drv.MemAddressFree(s.ptr, s.size), s.rt.drv.MemRelease(s.h))
 		})
 		err = errors.Join(err, unix.Close(s.fd))
 	})
