@@ -67,10 +67,11 @@ func TestTensorsOnGPU(t *testing.T) {
 	require.NoError(t, z.Release())
 }
 
-// A buffer given back goes back to its pool only once the work queued on
-// it is done: a big one closes its slab at once (the pool keeps less than
-// it), which the driver's unmap does not wait for. Without the wait, the
-// queued memset would fault the context for good.
+// A buffer given back with its clearing still queued, whose slab then
+// closes at once (the pool keeps less than it), leaves the context whole:
+// Release waits for the buffer's own work, and the slab's close for the
+// context's (each alone suffices here; TestSlabCloseWaitsForForeignWork
+// and the recycled-block case of tests/gpufd_test.go tell them apart).
 func TestReleaseWaitsForQueuedWork(t *testing.T) {
 	leakcheck.Check(t)
 	rt := cuda.NewTestRuntime(t, false)

@@ -20,10 +20,7 @@ func init() { leftover.Register(removeDriverFiles) }
 // another library in the process (PyTorch, say) still holds the device's
 // primary context. It is for a process about to exit: an event handle
 // sent earlier can no longer be opened once its file is gone.
-func removeOwnDriverFiles(d driver) {
-	if _, ok := d.(libcuda); !ok {
-		return // a fake, or a driver a program brought: its files are its own
-	}
+func removeOwnDriverFiles(driver) {
 	for _, f := range cudashm.Of(os.Getpid()) {
 		_ = os.Remove(f)
 	}

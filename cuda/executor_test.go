@@ -249,9 +249,10 @@ func TestCopyInAcrossMappings(t *testing.T) {
 }
 
 // A slab is unmapped only once the work queued on it is done, work that
-// tensormp did not queue (another library's kernel) included: a block
-// given back with such work pending closes its slab (it is larger than
-// what the pool keeps), and the context survives.
+// another library queued on a stream of its own (PyTorch's kernel, which
+// the default stream is not ordered with) included: a block given back
+// with such work pending closes its slab (it is larger than what the
+// pool keeps), and the context survives.
 func TestSlabCloseWaitsForForeignWork(t *testing.T) {
 	drv := testDriver(t)
 	r := newRuntime(drv)
@@ -261,7 +262,7 @@ func TestSlabCloseWaitsForForeignWork(t *testing.T) {
 	require.NoError(t, b.Sync())
 	e, err := b.exec()
 	require.NoError(t, err)
-	require.NoError(t, e.Do(func() error { return drv.MemsetD8(b.ptr, b.size) }), "another library's work")
+	require.NoError(t, e.Do(func() error { return sideMemset(b.ptr, b.size) }), "another library's work")
 	require.NoError(t, b.Release())
 	assert.Zero(t, cudastub.Sticky(0), "the unmap waited for the work")
 	small, err := r.Alloc(0, 16)
@@ -285,7 +286,7 @@ func TestSlabCloseLeavesThePoolFree(t *testing.T) {
 	defer cudastub.SetDelay(cudastub.DefaultDelay)
 	e, err := big.exec()
 	require.NoError(t, err)
-	require.NoError(t, e.Do(func() error { return drv.MemsetD8(big.ptr, 4096) }), "another library's work")
+	require.NoError(t, e.Do(func() error { return sideMemset(big.ptr, 4096) }), "another library's work")
 	mappings := cudastub.Mappings()
 	require.NoError(t, big.Release()) // over the pool's 256 MiB: its slab closes
 	next, err := r.Alloc(0, 64)
@@ -295,6 +296,15 @@ func TestSlabCloseLeavesThePoolFree(t *testing.T) {
 	shm.Trim()
 	assert.Equal(t, mappings-1, cudastub.Mappings(), "Trim waits for the close")
 	assert.Zero(t, cudastub.Sticky(0))
+}
+
+// sideMemset queues a memset on a non-blocking stream of another
+// library's in the context current here (inside an executor's Do).
+func sideMemset(p DevicePtr, n int64) error {
+	if r := cudastub.SideMemset(uint64(p), n, 0x5a); r != 0 {
+		return fmt.Errorf("a memset on another stream: CUresult %d", r)
+	}
+	return nil
 }
 
 // BenchmarkExecutorDo is the cost Do adds to a driver call, on the

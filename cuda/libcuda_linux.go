@@ -131,19 +131,8 @@ static CUresult tm_memexport(int *fd, CUmemGenericAllocationHandle h) {
 static CUresult tm_memimport(CUmemGenericAllocationHandle *h, int fd) {
 	return ((CUresult (*)(CUmemGenericAllocationHandle *, void *, int))tm_fns[F_MEMIMPORT])(h, (void *)(long)fd, HANDLE_POSIX_FD);
 }
-// tm_memprops returns the device an allocation lives on, or -1 when it
-// is no pinned device memory. It reads nothing else: the driver does not
-// promise what an imported handle reports of the handle types it was
-// made with.
-static CUresult tm_memprops(int *dev, CUmemGenericAllocationHandle h) {
-	CUmemAllocationProp p;
-	memset(&p, 0, sizeof p);
-	CUresult r = ((CUresult (*)(CUmemAllocationProp *, CUmemGenericAllocationHandle))tm_fns[F_MEMPROPS])(&p, h);
-	*dev = p.type == ALLOC_PINNED && p.location.type == LOCATION_DEVICE ? p.location.id : -1;
-	return r;
-}
 // tm_memprops_all returns every property of an allocation the driver
-// reports, for deviceFacts.
+// reports.
 static CUresult tm_memprops_all(int *type, int *handleTypes, int *locType, int *locID, CUmemGenericAllocationHandle h) {
 	CUmemAllocationProp p;
 	memset(&p, 0, sizeof p);
@@ -513,10 +502,15 @@ func (libcuda) MemImportFD(fd int) (memHandle, error) {
 	return memHandle(h), err
 }
 
+// MemDevice reads nothing of the properties but the location: the
+// driver does not promise what an imported handle reports of the handle
+// types it was made with.
 func (libcuda) MemDevice(h memHandle) (int, error) {
-	var dev C.int
-	err := check("cuMemGetAllocationPropertiesFromHandle", C.tm_memprops(&dev, C.CUmemGenericAllocationHandle(h)))
-	return int(dev), err
+	typ, _, locType, locID, err := memProperties(h)
+	if typ != C.ALLOC_PINNED || locType != C.LOCATION_DEVICE {
+		return -1, err
+	}
+	return locID, err
 }
 
 func (libcuda) MemAddressReserve(size, align int64) (DevicePtr, error) {

@@ -25,6 +25,7 @@ type Runtime struct {
 	exported map[ipcMemHandle]*Buffer    // allocations made here and exported, until freed for good
 	limbo    []*Buffer                   // freed here, still used elsewhere
 	uuids    map[int][16]byte            // each device's UUID, once asked
+	ordinals map[[16]byte]int            // each device's ordinal by UUID, once asked (nil before)
 	legacy   bool                        // every device shares by legacy IPC (see EnvLegacy)
 }
 
@@ -83,25 +84,37 @@ func (r *Runtime) UUID(dev int) ([16]byte, error) {
 }
 
 // Ordinal returns this process's ordinal of the device named uuid, or an
-// error when this process does not see it.
+// error when this process does not see it. The driver is asked once per
+// process: a message that names a device costs no driver call.
 func (r *Runtime) Ordinal(uuid [16]byte) (int, error) {
-	n, err := r.drv.DeviceCount()
-	if err != nil {
-		return 0, err
-	}
-	for dev := range n {
-		u, err := r.UUID(dev)
+	r.mu.Lock()
+	ordinals := r.ordinals
+	r.mu.Unlock()
+	if ordinals == nil {
+		n, err := r.drv.DeviceCount()
 		if err != nil {
 			return 0, err
 		}
-		if u == uuid {
-			return dev, nil
+		ordinals = make(map[[16]byte]int, n)
+		for dev := range n {
+			u, err := r.UUID(dev)
+			if err != nil {
+				return 0, err
+			}
+			ordinals[u] = dev
 		}
+		r.mu.Lock()
+		r.ordinals = ordinals
+		r.mu.Unlock()
 	}
-	return 0, fmt.Errorf("cuda: device %s is not one of this process's %d (CUDA_VISIBLE_DEVICES, or another MIG instance)", FormatUUID(uuid), n)
+	if dev, ok := ordinals[uuid]; ok {
+		return dev, nil
+	}
+	return 0, fmt.Errorf("cuda: device %s is not one of this process's %d (CUDA_VISIBLE_DEVICES, or another MIG instance)", FormatUUID(uuid), len(ordinals))
 }
 
-// FormatUUID writes a device UUID as nvidia-smi does: GPU-xxxxxxxx-....
+// FormatUUID writes a device UUID as nvidia-smi writes a GPU's:
+// GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx (a MIG instance's is MIG-...).
 func FormatUUID(u [16]byte) string {
 	return fmt.Sprintf("GPU-%x-%x-%x-%x-%x", u[0:4], u[4:6], u[6:8], u[8:10], u[10:16])
 }

@@ -22,6 +22,7 @@ import (
 	"github.com/tensormp/tensormp/internal/cudastub"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/internal/testmain"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -31,7 +32,7 @@ import (
 // same-host shortcut.
 
 func TestMain(m *testing.M) {
-	if os.Getenv("TENSORMP_REQUIRE_GPU") == "" { // tests/gpu.sh sets it, on a GPU
+	if os.Getenv(testmain.EnvRealGPU) == "" { // tests/gpu.sh sets it, on a GPU
 		cudastub.Enter(cudastub.Config{Devices: 1})
 	}
 	reexec.SkipRaceExitSleep()

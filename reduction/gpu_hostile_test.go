@@ -20,7 +20,7 @@ import (
 )
 
 // slabMessage is a message carrying a GPU tensor of n int32s in a device
-// slab of the fake's device 0, as another process would receive it: the
+// slab of device 0, as another process would receive it: the
 // tensor is released here, so that the receiver finds no storage of its
 // own and imports the slab. It returns the message's Meta and its two
 // descriptors, the block's ticket and the slab's, which are the caller's.
@@ -141,7 +141,7 @@ func swap(t testing.TB, fd *int, other int) {
 // FuzzUnmarshalGPU decodes arbitrary bytes with descriptors of a device
 // slab's message, and of other kinds, in any order: whatever the input,
 // no panic, every descriptor owned by a rebuilt tensor or closed, and
-// nothing of the fake device left imported once the results are released.
+// nothing of the device left imported once the results are released.
 func FuzzUnmarshalGPU(f *testing.F) {
 	// The message stays in flight for the whole run: its ticket holds the
 	// block, so every input names a live block of a live slab, which

@@ -35,7 +35,7 @@ func TestGPUSlabTensorAcrossProcesses(t *testing.T) {
 	assert.Equal(t, int32(1023), vals[1023])
 }
 
-// helperRebuildGPU receives a GPU tensor of 0..n-1 on the fake's device
+// helperRebuildGPU receives a GPU tensor of 0..n-1 on device
 // 0 in a process of its own, checks it and sets its first element to -1.
 func helperRebuildGPU() int {
 	if err := rebuildGPU(); err != nil {

@@ -2,8 +2,9 @@
 // a process's interprocess events and memory handles. The driver removes
 // them only when the process gives its context back, so a process that
 // is killed, or exits without doing so, leaves them; package cuda removes
-// them for it (through package leftover), the fake driver makes them as
-// the real one does, and the tests look for them.
+// them for it (through package leftover), the stand-in driver of the
+// tests (internal/cudastub) makes them as the real one does, and the
+// tests look for them.
 package cudashm
 
 import (

@@ -8,6 +8,11 @@
 // It is at least as strict as the real driver wherever a test could
 // tell, so that bugs a GPU would expose fail in CI:
 //
+//   - a context has two streams: the legacy default stream, which the
+//     driver calls queue on, and a non-blocking stream of another
+//     library's (SideMemset), as PyTorch's are: cuStreamSynchronize(0)
+//     and copies to the host wait for the first only, cuCtxSynchronize
+//     for both;
 //   - memset, copies from pageable host memory, device-to-device copies
 //     and event records are queued per context and land later, in order:
 //     Config's Delay after they were queued, and no sooner than their

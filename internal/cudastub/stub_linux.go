@@ -29,6 +29,7 @@ static long long tm_call_i(void *f, int a) { return ((long long (*)(int))f)(a); 
 static int tm_call_ll(void *f, long long a) { return ((int (*)(long long))f)(a); }
 static int tm_call_ii(void *f, int a, int b) { return ((int (*)(int, int))f)(a, b); }
 static int tm_call_fds(void *f, int *out, int max) { return ((int (*)(int *, int))f)(out, max); }
+static int tm_call_side(void *f, unsigned long long p, unsigned long long n, int v) { return ((int (*)(unsigned long long, unsigned long long, int))f)(p, n, v); }
 */
 import "C"
 
@@ -181,4 +182,17 @@ func OwnFDs() []int {
 		fds = append(fds, int(fd))
 	}
 	return fds
+}
+
+// SideMemset queues a memset of n bytes at device address ptr with v on
+// a non-blocking stream of another library's (PyTorch's, say) in the
+// context current on the calling thread, which must be locked to it: a
+// synchronisation of the default stream does not wait for it, one of the
+// context does. It returns the CUresult, 0 for success; -1 if not Active.
+func SideMemset(ptr uint64, n int64, v byte) int {
+	f := sym("tmstub_side_memset")
+	if f == nil {
+		return -1
+	}
+	return int(C.tm_call_side(f, C.ulonglong(ptr), C.ulonglong(n), C.int(v)))
 }

@@ -50,8 +50,8 @@ func After(f func()) Option { return func(o *options) { o.after = append(o.after
 //
 // In a helper process it runs the helper and exits (mp.Init). Otherwise
 // it runs the tests, then the After functions, then gives the GPU
-// contexts back (tensor.CloseBackends), so that a CUDA driver, the fake
-// one included, removes the files it made in /dev/shm, and exits with the
+// contexts back (tensor.CloseBackends), so that a CUDA driver, the
+// stand-in included, removes the files it made in /dev/shm, and exits with the
 // tests' code. The processes it starts skip the race detector's exit
 // sleep (reexec.SkipRaceExitSleep).
 func Run(m *testing.M, opts ...Option) {

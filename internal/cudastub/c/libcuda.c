@@ -235,7 +235,8 @@ struct tm_ctx {
 	CUresult sticky;
 	int exclfd;
 	long long ops;
-	struct op *qhead, *qtail;
+	struct op *qhead, *qtail; /* the legacy default stream */
+	struct op *shead, *stail; /* another library's non-blocking stream (tmstub_side_memset) */
 };
 static struct tm_ctx ctxs[MAXDEV];
 static __thread struct tm_ctx *cur;
@@ -911,24 +912,45 @@ static void record_done(struct op *o, int ran)
  * queued after the faulting operation never runs. bad is the faulting
  * operation, already removed from the queue, or NULL when the fault is
  * found at enqueue; from is the first queued operation to drop. */
-static void fault(struct tm_ctx *c, CUresult code, struct op *from)
+static void drop_from(struct op **head, struct op **tail, struct op *from)
 {
-	if (!c->sticky)
-		c->sticky = code;
-	struct op **pp = &c->qhead;
+	struct op **pp = head;
 	while (*pp && *pp != from)
 		pp = &(*pp)->next;
 	struct op *o = *pp;
 	*pp = NULL;
-	c->qtail = NULL;
-	for (struct op *q = c->qhead; q; q = q->next)
-		c->qtail = q;
+	*tail = NULL;
+	for (struct op *q = *head; q; q = q->next)
+		*tail = q;
 	while (o) {
 		struct op *next = o->next;
 		if (o->kind == OP_RECORD)
 			record_done(o, 0);
 		free_op(o);
 		o = next;
+	}
+}
+
+static int queued_in(struct op *head, struct op *o)
+{
+	for (; head; head = head->next)
+		if (head == o)
+			return 1;
+	return 0;
+}
+
+/* The fault breaks the whole context: the other stream's queued work
+ * never runs either. */
+static void fault(struct tm_ctx *c, CUresult code, struct op *from)
+{
+	if (!c->sticky)
+		c->sticky = code;
+	if (from && queued_in(c->shead, from)) {
+		drop_from(&c->shead, &c->stail, from);
+		drop_from(&c->qhead, &c->qtail, c->qhead);
+	} else if (from) {
+		drop_from(&c->qhead, &c->qtail, from);
+		drop_from(&c->shead, &c->stail, c->shead);
 	}
 	pthread_cond_broadcast(&done_cv);
 }
@@ -944,10 +966,12 @@ static void drop_touching(uintptr_t va, size_t n)
 {
 	for (int i = 0; i < cfg.nvis; i++) {
 		struct tm_ctx *c = &ctxs[i];
-		for (struct op *o = c->qhead; o; o = o->next) {
-			if ((o->dva && overlaps(o->dva, o->n, va, n)) || (o->sva && overlaps(o->sva, o->n, va, n))) {
-				fault(c, CUDA_ERROR_ILLEGAL_ADDRESS, o);
-				break;
+		for (int side = 0; side < 2; side++) {
+			for (struct op *o = side ? c->shead : c->qhead; o; o = o->next) {
+				if ((o->dva && overlaps(o->dva, o->n, va, n)) || (o->sva && overlaps(o->sva, o->n, va, n))) {
+					fault(c, CUDA_ERROR_ILLEGAL_ADDRESS, o);
+					break;
+				}
 			}
 		}
 	}
@@ -983,7 +1007,7 @@ static void run_op(struct op *o)
 		break;
 	}
 	if (bad)
-		fault(o->ctx, CUDA_ERROR_UNKNOWN, o->ctx->qhead);
+		fault(o->ctx, CUDA_ERROR_UNKNOWN, o->ctx->qhead ? o->ctx->qhead : o->ctx->shead);
 }
 
 /* The worker runs every context's queue: each operation no earlier than
@@ -994,9 +1018,12 @@ static void *worker(void *arg)
 	pthread_mutex_lock(&mu);
 	for (;;) {
 		struct op *best = NULL;
-		for (int i = 0; i < cfg.nvis; i++)
+		for (int i = 0; i < cfg.nvis; i++) {
 			if (ctxs[i].qhead && (!best || ctxs[i].qhead->due < best->due))
 				best = ctxs[i].qhead;
+			if (ctxs[i].shead && (!best || ctxs[i].shead->due < best->due))
+				best = ctxs[i].shead;
+		}
 		if (!best) {
 			pthread_cond_wait(&work_cv, &mu);
 			continue;
@@ -1008,9 +1035,15 @@ static void *worker(void *arg)
 			continue;
 		}
 		struct tm_ctx *c = best->ctx;
-		c->qhead = best->next;
-		if (!c->qhead)
-			c->qtail = NULL;
+		if (best == c->shead) {
+			c->shead = best->next;
+			if (!c->shead)
+				c->stail = NULL;
+		} else {
+			c->qhead = best->next;
+			if (!c->qhead)
+				c->qtail = NULL;
+		}
 		best->next = NULL;
 		run_op(best);
 		free_op(best);
@@ -1046,27 +1079,40 @@ static CUresult start_worker(void)
  * length after the one before it in the queue landed, at 10 bytes a
  * nanosecond (a memset of 256 MiB takes 27 ms): a big piece of work is
  * still under way a while after the call that queued it returned. */
-static void enqueue(struct tm_ctx *c, struct op *o)
+static void enqueue_on(struct tm_ctx *c, struct op *o, struct op **head, struct op **tail)
 {
 	int64_t start = now_ns() + cfg.delay_ns;
-	if (c->qtail && c->qtail->due > start)
-		start = c->qtail->due;
+	if (*tail && (*tail)->due > start)
+		start = (*tail)->due;
 	o->ctx = c;
 	o->due = start + (int64_t)(o->n / 10);
 	o->next = NULL;
-	if (c->qtail)
-		c->qtail->next = o;
+	if (*tail)
+		(*tail)->next = o;
 	else
-		c->qhead = o;
-	c->qtail = o;
+		*head = o;
+	*tail = o;
 	if (o->kind != OP_RECORD)
 		c->ops++;
 	pthread_cond_signal(&work_cv);
 }
 
-static void drain(struct tm_ctx *c)
+/* enqueue queues o on the context's legacy default stream. */
+static void enqueue(struct tm_ctx *c, struct op *o) { enqueue_on(c, o, &c->qhead, &c->qtail); }
+
+/* drain_legacy waits for the legacy default stream: what
+ * cuStreamSynchronize(0) and a copy to pageable host memory wait for.
+ * Work on a non-blocking stream is not ordered with it. */
+static void drain_legacy(struct tm_ctx *c)
 {
 	while (c->qhead)
+		pthread_cond_wait(&done_cv, &mu);
+}
+
+/* drain waits for every stream of the context. */
+static void drain(struct tm_ctx *c)
+{
+	while (c->qhead || c->shead)
 		pthread_cond_wait(&done_cv, &mu);
 }
 
@@ -1476,7 +1522,7 @@ static CUresult mem_dtoh(void *dst, CUdeviceptr src, size_t n)
 		fault(c, CUDA_ERROR_ILLEGAL_ADDRESS, NULL);
 		return CUDA_ERROR_ILLEGAL_ADDRESS;
 	}
-	drain(c);
+	drain_legacy(c);
 	if (c->sticky)
 		return c->sticky;
 	if (c->refs <= 0)
@@ -2401,10 +2447,17 @@ EXPORT CUresult cuCtxSynchronize(void) { LOCKED(ctx_sync()); }
 
 static CUresult stream_sync(CUstream s)
 {
-	/* Only the legacy default stream exists here. */
+	/* Only the legacy default stream can be named here. */
 	if (s)
 		return CUDA_ERROR_INVALID_HANDLE;
-	return ctx_sync();
+	struct tm_ctx *c = cur;
+	if (!c || !valid_ctx_ptr(c) || c->refs <= 0)
+		return CUDA_ERROR_INVALID_CONTEXT;
+	syncs++;
+	if (c->sticky)
+		return c->sticky;
+	drain_legacy(c);
+	return c->sticky;
 }
 EXPORT CUresult cuStreamSynchronize(CUstream s) { LOCKED(stream_sync(s)); }
 
@@ -2531,6 +2584,44 @@ EXPORT long long tmstub_ops(int ordinal) { INTROSPECT(valid_ordinal(ordinal) ? c
 EXPORT long long tmstub_sticky(int ordinal) { INTROSPECT(valid_ordinal(ordinal) ? ctxs[ordinal].sticky : -1); }
 /* The physical device of an ordinal, -1 for one this process lacks. */
 EXPORT long long tmstub_physical(int ordinal) { INTROSPECT(valid_ordinal(ordinal) ? cfg.vis[ordinal] : -1); }
+
+/* tmstub_side_memset queues a memset of n bytes at ptr with v on a
+ * stream of another library's, non-blocking (PyTorch's, say), of the
+ * context current on the calling thread: cuStreamSynchronize(0) and
+ * copies to the host do not wait for it, cuCtxSynchronize does. It
+ * returns what cuMemsetD8Async would. */
+EXPORT int tmstub_side_memset(unsigned long long ptr, unsigned long long n, int v)
+{
+	CUresult r = begin();
+	if (r)
+		return r;
+	struct tm_ctx *c;
+	if ((r = need_ctx(&c)))
+		goto out;
+	struct where w;
+	if ((r = find((uintptr_t)ptr, (size_t)n, &w)))
+		goto out;
+	if (!allowed(&w, c, 1)) {
+		fault(c, CUDA_ERROR_ILLEGAL_ADDRESS, NULL);
+		r = CUDA_ERROR_ILLEGAL_ADDRESS;
+		goto out;
+	}
+	struct op *o = calloc(1, sizeof *o);
+	if (!o) {
+		r = CUDA_ERROR_OUT_OF_MEMORY;
+		goto out;
+	}
+	o->kind = OP_MEMSET;
+	o->dphys = w.phys;
+	o->doff = w.off;
+	o->n = (size_t)n;
+	o->val = (unsigned char)v;
+	o->dva = (uintptr_t)ptr;
+	enqueue_on(c, o, &c->shead, &c->stail);
+out:
+	pthread_mutex_unlock(&mu);
+	return r;
+}
 
 /* tmstub_own_fds writes up to max of the descriptors the stand-in keeps
  * for itself (state files, tables, exclusive-mode locks), as the real
