@@ -45,6 +45,28 @@ func requireGPU(t *testing.T) *cuda.Runtime {
 	return rt
 }
 
+// heldDeviceMemory returns how many bytes of device memory the processes
+// pids hold between them, or -1 where that cannot be told: the stand-in
+// driver counts it per process, a real one only per device.
+func heldDeviceMemory(pids ...int) int64 {
+	if !cudastub.Active() {
+		return -1
+	}
+	return cudastub.Held(pids...)
+}
+
+// newQueues makes n queues.
+func newQueues(n int) ([]*mp.Queue, error) {
+	qs := make([]*mp.Queue, n)
+	for i := range qs {
+		var err error
+		if qs[i], err = mp.NewQueue(); err != nil {
+			return nil, err
+		}
+	}
+	return qs, nil
+}
+
 // requireTorchGPU is requireGPU for a test whose Python side makes or
 // takes PyTorch CUDA tensors: those need a real GPU, which tests/gpu.sh
 // runs it on.

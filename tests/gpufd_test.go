@@ -215,6 +215,7 @@ func programGPUFD() int {
 		"spawn-after-export": gpufdSpawnAfterExport,
 		"recycled-block":     gpufdRecycledBlock,
 		"visible-devices":    gpufdVisibleDevices,
+		"zeros-arrive":       gpufdZerosArrive,
 		"many":               gpufdMany,
 	}
 	run, ok := cases[os.Getenv("GPUFD_CASE")]
@@ -230,18 +231,6 @@ func programGPUFD() int {
 	return 0
 }
 
-// queues makes n queues.
-func newQueues(n int) ([]*mp.Queue, error) {
-	qs := make([]*mp.Queue, n)
-	for i := range qs {
-		var err error
-		if qs[i], err = mp.NewQueue(); err != nil {
-			return nil, err
-		}
-	}
-	return qs, nil
-}
-
 // letGo checks that x, a GPU tensor of sevens, is whole, releases it, and
 // waits for this process to hold no device memory.
 func letGo(x *tensor.Tensor) error {
@@ -252,16 +241,6 @@ func letGo(x *tensor.Tensor) error {
 		return err
 	}
 	return noDeviceMemory()
-}
-
-// heldDeviceMemory returns how many bytes of device memory the processes
-// pids hold between them, or -1 where that cannot be told: the stand-in
-// driver counts it per process, a real one only per device.
-func heldDeviceMemory(pids ...int) int64 {
-	if !cudastub.Active() {
-		return -1
-	}
-	return cudastub.Held(pids...)
 }
 
 // noDeviceMemory waits up to a second for this process to hold no device
@@ -557,18 +536,16 @@ func gpufdVisibleDevices(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	joined := make(chan error, 1)
-	got, stop := context.WithCancel(ctx) // a worker that fails sends nothing
-	go func() { joined <- g.Join(); stop() }()
+	joined := joinLater(ctx, g)
 	if err := qs[0].Put(ctx, x); err != nil {
 		return err
 	}
 	var back *tensor.Tensor
-	if err := qs[1].Get(got, &back); err != nil {
-		return errors.Join(err, <-joined)
+	if err := qs[1].Get(joined.ctx, &back); err != nil {
+		return errors.Join(err, joined.wait())
 	}
 	defer back.Release()
-	if err := <-joined; err != nil {
+	if err := joined.wait(); err != nil {
 		return err
 	}
 	if back.Place() != device.GPU(1) || back.Storage() != x.Storage() {
@@ -583,6 +560,55 @@ func gpufdVisibleDevices(ctx context.Context) error {
 	}
 	return nil
 }
+
+// A new tensor sent at once, its clearing still queued on a slow device,
+// arrives cleared: the send waits for the work queued on the device.
+func gpufdZerosArrive(ctx context.Context) error {
+	qs, err := newQueues(3)
+	if err != nil {
+		return err
+	}
+	g, err := mp.Spawn(ctx, "gpufd.hold", 1, mp.WithArgs(slabArgs{In: qs[0], Out: qs[1], Ack: qs[2], N: 1, Value: 0}))
+	if err != nil {
+		return err
+	}
+	if cudastub.Active() {
+		cudastub.SetDelay(100 * time.Millisecond) // this process's work lands late
+	}
+	x, err := tensor.On(device.GPU(0)).Zeros(tensor.Float32, 1<<18)
+	if err != nil {
+		return err
+	}
+	defer x.Release()
+	joined := joinLater(ctx, g)
+	if err := qs[0].Put(ctx, x); err != nil {
+		return err
+	}
+	if err := qs[1].Get(joined.ctx, new(int)); err != nil {
+		return errors.Join(err, joined.wait())
+	}
+	if err := qs[2].Put(ctx, "let go"); err != nil {
+		return err
+	}
+	return joined.wait()
+}
+
+// joining is a group joined in the background: its ctx ends when the
+// group does, so that a wait for what a failed worker never sends ends.
+type joining struct {
+	ctx  context.Context
+	done chan error
+}
+
+func joinLater(ctx context.Context, g *mp.Group) *joining {
+	j := &joining{done: make(chan error, 1)}
+	var stop context.CancelFunc
+	j.ctx, stop = context.WithCancel(ctx)
+	go func() { j.done <- g.Join(); stop() }()
+	return j
+}
+
+func (j *joining) wait() error { return <-j.done }
 
 // A receiver holding 10,000 received GPU tensors of 4 KiB holds few
 // descriptors: one per slab and per slab's segment.
@@ -631,7 +657,7 @@ func legacyIPC() bool { return os.Getenv(cuda.EnvLegacy) == "1" }
 
 // TestGPUSlabsAcrossProcesses runs each case in a program of its own.
 func TestGPUSlabsAcrossProcesses(t *testing.T) {
-	for _, c := range []string{"sender-exits-first", "killed-producer", "killed-receiver", "never-taken", "third-process", "spawn-after-export", "recycled-block", "visible-devices"} {
+	for _, c := range []string{"sender-exits-first", "killed-producer", "killed-receiver", "never-taken", "third-process", "spawn-after-export", "recycled-block", "visible-devices", "zeros-arrive"} {
 		t.Run(c, func(t *testing.T) {
 			if legacyIPC() {
 				switch c {
