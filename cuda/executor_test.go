@@ -3,6 +3,7 @@
 package cuda
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -174,6 +175,67 @@ func init() {
 		fmt.Println(err)
 		return 0
 	})
+}
+
+func init() {
+	// cuda.nopeer copies a slab's bytes from gpu:0 to gpu:1 on a machine
+	// whose GPUs cannot reach each other's memory, and prints what
+	// happened.
+	reexec.Register("cuda.nopeer", func() int {
+		r := newRuntime(mustLoad())
+		defer r.Close()
+		err := copyAcross(r)
+		fmt.Println("result", err, cudastub.Sticky(0), cudastub.Sticky(1))
+		return 0
+	})
+}
+
+func mustLoad() driver {
+	d, err := load()
+	if err != nil {
+		panic(err)
+	}
+	return d
+}
+
+// copyAcross copies 4 KiB of sevens from gpu:0 to gpu:1 and checks them.
+func copyAcross(r *Runtime) error {
+	src, err := r.Alloc(0, 4096)
+	if err != nil {
+		return err
+	}
+	defer src.Release()
+	if err := src.Write(bytes.Repeat([]byte{7}, 4096), 0); err != nil {
+		return err
+	}
+	dst, err := r.Alloc(1, 4096)
+	if err != nil {
+		return err
+	}
+	defer dst.Release()
+	if _, err := dst.CopyFrom(src, 0, 4096); err != nil {
+		return err
+	}
+	got := make([]byte, 4096)
+	if err := dst.Read(got, 0); err != nil {
+		return err
+	}
+	if !bytes.Equal(got, bytes.Repeat([]byte{7}, 4096)) {
+		return errors.New("gpu:1 does not hold gpu:0's bytes")
+	}
+	return nil
+}
+
+// On a machine whose GPUs cannot reach each other's memory, a slab is
+// mapped for its own device only (the driver refuses more), and a copy
+// between devices goes through the host instead of faulting.
+func TestNoPeerAccess(t *testing.T) {
+	cmd, err := reexec.Command(context.Background(), "cuda.nopeer")
+	require.NoError(t, err)
+	cmd.Env = append(cmd.Env, cudastub.EnvNoPeer+"=1")
+	out, err := cmd.Output()
+	require.NoError(t, err)
+	assert.Equal(t, "result <nil> 0 0\n", string(out))
 }
 
 // A device in exclusive-process compute mode that another process holds

@@ -341,6 +341,9 @@ func (b *Buffer) CopyFrom(src tensor.Buffer, srcOff, n int64) (bool, error) {
 		if err := s.Sync(); err != nil {
 			return false, err
 		}
+		if ok, err := b.rt.drv.CanAccessPeer(b.dev, s.dev); err != nil || !ok {
+			return err == nil, errors.Join(err, b.copyThroughHost(s, srcOff, n))
+		}
 	}
 	e, err := b.exec()
 	if err != nil {
@@ -354,6 +357,24 @@ func (b *Buffer) CopyFrom(src tensor.Buffer, srcOff, n int64) (bool, error) {
 		}
 		return b.rt.drv.Synchronize()
 	})
+}
+
+// copyThroughHost copies n bytes of s from srcOff to the start of b
+// through host memory, a piece at a time: b's device cannot reach s's
+// memory (no peer-to-peer between them), and a copy in its context would
+// fault.
+func (b *Buffer) copyThroughHost(s *Buffer, srcOff, n int64) error {
+	buf := make([]byte, min(n, 64<<20))
+	for off := int64(0); off < n; off += int64(len(buf)) {
+		piece := buf[:min(int64(len(buf)), n-off)]
+		if err := s.Read(piece, srcOff+off); err != nil {
+			return err
+		}
+		if err := b.Write(piece, off); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // CopyIn copies n bytes from device address src to the start of b and

@@ -79,6 +79,7 @@ const (
 	EnvDir     = "TMSTUB_DIR"
 	EnvDevices = "TMSTUB_DEVICES"
 	EnvNoVMM   = "TMSTUB_NO_VMM"
+	EnvNoPeer  = "TMSTUB_NO_PEER"
 	EnvDelayUS = "TMSTUB_DELAY_US"
 	EnvMemory  = "TMSTUB_MEMORY"
 )
@@ -90,6 +91,7 @@ const LibName = "libcuda.so.1"
 type Config struct {
 	Devices int           // physical GPUs, default 1
 	NoVMM   bool          // devices say they cannot export allocations as POSIX fds (attribute 103 reads 0, cuMemCreate with POSIX_FD handle type returns CUDA_ERROR_NOT_SUPPORTED 801), so the legacy IPC path runs
+	NoPeer  bool          // no device can reach another's memory (PCIe without peer-to-peer): cuDeviceCanAccessPeer says 0, and cuMemSetAccess refuses to give a device access to another's memory
 	Delay   time.Duration // how long after enqueue each asynchronous operation runs, default 500µs
 	Memory  int64         // bytes per device, default 8 GiB
 	Env     []string      // extra environment for the re-executed process

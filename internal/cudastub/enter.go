@@ -18,7 +18,7 @@ func (c Config) environ(lib, state string) []string {
 		switch {
 		case k == "LD_LIBRARY_PATH":
 			old = v
-		case k == EnvDir || k == EnvDevices || k == EnvNoVMM || k == EnvDelayUS || k == EnvMemory:
+		case k == EnvDir || k == EnvDevices || k == EnvNoVMM || k == EnvNoPeer || k == EnvDelayUS || k == EnvMemory:
 		default:
 			env = append(env, kv)
 		}
@@ -46,6 +46,9 @@ func (c Config) environ(lib, state string) []string {
 		EnvDelayUS+"="+strconv.FormatInt(delay.Microseconds(), 10),
 		EnvMemory+"="+strconv.FormatInt(memory, 10),
 	)
+	if c.NoPeer {
+		env = append(env, EnvNoPeer+"=1")
+	}
 	if c.NoVMM {
 		env = append(env, EnvNoVMM+"=1")
 	}

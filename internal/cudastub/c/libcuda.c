@@ -192,6 +192,7 @@ static struct {
 	char dir[PATH_MAX];
 	int ndev;
 	int novmm;
+	int nopeer; /* no device can reach another's memory (PCIe without peer-to-peer) */
 	int64_t delay_ns;
 	long long memory;
 	int nvis;
@@ -546,6 +547,8 @@ static void load_config(void)
 	cfg.ndev = nd < 0 ? 0 : nd > MAXDEV ? MAXDEV : (int)nd;
 	const char *nv = getenv("TMSTUB_NO_VMM");
 	cfg.novmm = nv && *nv && strcmp(nv, "0") != 0;
+	const char *np = getenv("TMSTUB_NO_PEER");
+	cfg.nopeer = np && *np && strcmp(np, "0") != 0;
 	long long d = env_ll("TMSTUB_DELAY_US", 500);
 	cfg.delay_ns = (d < 0 ? 0 : d) * 1000LL;
 	long long m = env_ll("TMSTUB_MEMORY", 8LL << 30);
@@ -2337,6 +2340,10 @@ static CUresult vmm_set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDe
 		int f = desc[i].flags;
 		if (f != ACCESS_NONE && f != ACCESS_READ && f != ACCESS_READWRITE)
 			return CUDA_ERROR_INVALID_VALUE;
+		/* A device that cannot reach the memory's device as a peer
+		 * cannot be given access to it. */
+		if (cfg.nopeer && f != ACCESS_NONE && cfg.vis[desc[i].location.id] != m->a->phys)
+			return CUDA_ERROR_INVALID_DEVICE;
 	}
 	for (size_t i = 0; i < count; i++) {
 		uint64_t bit = 1ULL << cfg.vis[desc[i].location.id];
@@ -2403,7 +2410,7 @@ static CUresult dev_peer(int *can, CUdevice d, CUdevice peer)
 		return CUDA_ERROR_INVALID_VALUE;
 	if (!valid_ordinal(d) || !valid_ordinal(peer))
 		return CUDA_ERROR_INVALID_DEVICE;
-	*can = d != peer;
+	*can = d != peer && !cfg.nopeer;
 	return CUDA_SUCCESS;
 }
 
