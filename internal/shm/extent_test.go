@@ -116,3 +116,41 @@ func TestExtentPool(t *testing.T) {
 	_, err = rb.SetExtent(other)
 	assert.ErrorIs(t, err, shm.ErrNoExtent)
 }
+
+// A slab's extent is made outside the pool's lock: while one allocation
+// waits for a new slab's extent, another of a slab with room goes on.
+func TestExtentMadeOutsideTheLock(t *testing.T) {
+	leakcheck.Check(t)
+	var made extents
+	slow := make(chan struct{})
+	entered := make(chan struct{}, 1)
+	first := true
+	var mu sync.Mutex
+	p := shm.NewExtentPool(1<<30, func(n int64) (shm.Extent, error) {
+		mu.Lock()
+		wait := !first
+		first = false
+		mu.Unlock()
+		if wait {
+			entered <- struct{}{}
+			<-slow
+		}
+		return made.make(n)
+	})
+	defer p.Trim(0)
+	small := mustAlloc(t, p, 64) // a slab with room, made at once
+	defer small.Release()
+	big := make(chan error, 1)
+	go func() {
+		b, err := p.Alloc(32 << 20) // a slab of its own, made slowly
+		if err == nil {
+			err = b.Release()
+		}
+		big <- err
+	}()
+	<-entered
+	other := mustAlloc(t, p, 64) // while the big one's extent is being made
+	require.NoError(t, other.Release())
+	close(slow)
+	require.NoError(t, <-big)
+}

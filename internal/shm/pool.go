@@ -324,16 +324,23 @@ func (p *Pool) growLocked(c *sizeClass) error {
 // newSegment makes a segment of nslots slots of class c, owned by the
 // pool, with its slot table written (and its pages reserved); on error
 // nothing is left of it.
+//
+// The caller holds p.mu, which newSegment lets go of while the extent is
+// made: a device slab takes the driver milliseconds, more for a big one,
+// and the pool's other allocations and releases need not wait for it.
 func (p *Pool) newSegment(c *sizeClass, nslots int64) (*segment, error) {
 	dataOff := slabLayout(nslots)
 	segSize := dataOff + nslots*c.cap
 	var ext Extent
 	if p.extent != nil {
 		// The table alone; the data in an extent of its own.
-		var err error
-		if ext, err = p.extent(nslots * c.cap); err != nil {
+		p.mu.Unlock()
+		x, err := p.extent(nslots * c.cap)
+		p.mu.Lock()
+		if err != nil {
 			return nil, err
 		}
+		ext = x
 		segSize, dataOff = dataOff, 0
 	}
 	seg, err := p.newSegmentWith(c, nslots, segSize, dataOff)
