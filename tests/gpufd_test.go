@@ -139,7 +139,7 @@ func init() {
 		if err := checkSevens(x); err != nil {
 			return err
 		}
-		if err := x.Storage().Backing().(tensor.Buffer).Write([]byte{0, 0, 0x80, 0x3f}, 0); err != nil {
+		if err := writeOne(x); err != nil {
 			return err
 		}
 		return a.Out.Put(ctx, x)
@@ -164,7 +164,7 @@ func init() {
 		if err := checkSevens(x); err != nil {
 			return err
 		}
-		return x.Storage().Backing().(tensor.Buffer).Write([]byte{0, 0, 0x80, 0x3f}, 0) // float32 1
+		return writeOne(x)
 	}))
 }
 
@@ -177,6 +177,24 @@ func slabWorker(fn func(ctx context.Context, a slabArgs) error) mp.WorkerFunc {
 		}
 		return fn(ctx, a)
 	}
+}
+
+// writeOne writes a one into the first element of float32 GPU tensor x,
+// through its device memory.
+func writeOne(x *tensor.Tensor) error {
+	return x.Storage().Backing().(tensor.Buffer).Write([]byte{0, 0, 0x80, 0x3f}, 0) // float32 1
+}
+
+// firstIsOne checks that the first element of float32 GPU tensor x is 1.
+func firstIsOne(x *tensor.Tensor) error {
+	host, err := x.To(device.CPU())
+	if err != nil {
+		return err
+	}
+	if v, err := tensor.At[float32](host, 0); err != nil || v != 1 {
+		return fmt.Errorf("the first element is %v, not 1 (%v)", v, err)
+	}
+	return nil
 }
 
 // checkSevens checks that every element of GPU tensor x is 7.
@@ -409,12 +427,8 @@ func gpufdThirdProcess(ctx context.Context) error {
 	if err := errors.Join(fwd.Join(), wr.Join()); err != nil {
 		return err
 	}
-	first, err := x.To(device.CPU())
-	if err != nil {
-		return err
-	}
-	if v, err := tensor.At[float32](first, 0); err != nil || v != 1 {
-		return fmt.Errorf("the third process's write: %v, %v", v, err)
+	if err := firstIsOne(x); err != nil {
+		return fmt.Errorf("the third process's write: %w", err)
 	}
 	return nil
 }
@@ -551,12 +565,8 @@ func gpufdVisibleDevices(ctx context.Context) error {
 	if back.Place() != device.GPU(1) || back.Storage() != x.Storage() {
 		return fmt.Errorf("came back on %s, not as the tensor sent from gpu:1", back.Place())
 	}
-	host, err := x.To(device.CPU())
-	if err != nil {
-		return err
-	}
-	if v, err := tensor.At[float32](host, 0); err != nil || v != 1 {
-		return fmt.Errorf("the worker's write: %v, %v", v, err)
+	if err := firstIsOne(x); err != nil {
+		return fmt.Errorf("the worker's write: %w", err)
 	}
 	return nil
 }
