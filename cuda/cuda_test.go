@@ -80,6 +80,7 @@ func TestReleaseWaitsForQueuedWork(t *testing.T) {
 		require.NoError(t, err)
 		require.NoError(t, b.Release())
 	}
+	shm.Trim() // the slabs' closes, on goroutines of their own, are done
 	handles := cudastub.Handles()
 	small, err := rt.Alloc(0, 16)
 	require.NoError(t, err, "the context survived")

@@ -33,10 +33,11 @@ func (e *Error) Error() string {
 // device again.
 func (e *Error) Sticky() bool {
 	switch e.Code {
-	case 214, 700, 702, 710, 714, 715, 716, 717, 718, 719, 999:
+	case 214, 700, 702, 710, 714, 715, 716, 717, 718, 719:
 		// ECC_UNCORRECTABLE, ILLEGAL_ADDRESS, LAUNCH_TIMEOUT, ASSERT,
 		// HARDWARE_STACK_ERROR, ILLEGAL_INSTRUCTION, MISALIGNED_ADDRESS,
-		// INVALID_ADDRESS_SPACE, INVALID_PC, LAUNCH_FAILED, UNKNOWN
+		// INVALID_ADDRESS_SPACE, INVALID_PC, LAUNCH_FAILED (UNKNOWN, 999,
+		// may be either, so it is not counted)
 		return true
 	}
 	return false

@@ -16,9 +16,11 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/cudastub"
 	"github.com/tensormp/tensormp/internal/reexec"
 	"github.com/tensormp/tensormp/internal/shm"
+	"github.com/tensormp/tensormp/tensor"
 )
 
 // testDriver is the process's driver: the stand-in's in the tests (see
@@ -178,16 +180,56 @@ func init() {
 }
 
 func init() {
-	// cuda.nopeer copies a slab's bytes from gpu:0 to gpu:1 on a machine
-	// whose GPUs cannot reach each other's memory, and prints what
-	// happened.
+	// cuda.nopeer copies sevens from gpu:0 to gpu:1 on a machine whose
+	// GPUs cannot reach each other's memory, and prints what happened.
 	reexec.Register("cuda.nopeer", func() int {
-		r := newRuntime(mustLoad())
-		defer r.Close()
-		err := copyAcross(r)
+		err := copyAcross()
 		fmt.Println("result", err, cudastub.Sticky(0), cudastub.Sticky(1))
 		return 0
 	})
+}
+
+// copyAcross checks that a device-to-device copy between the devices is
+// declined, and that a tensor's To, which then copies through the host,
+// moves the bytes.
+func copyAcross() error {
+	r := newRuntime(mustLoad())
+	defer r.Close()
+	src, err := r.Alloc(0, 4096)
+	if err != nil {
+		return err
+	}
+	defer src.Release()
+	dst, err := r.Alloc(1, 4096)
+	if err != nil {
+		return err
+	}
+	defer dst.Release()
+	if done, err := dst.CopyFrom(src, 0, 4096); done || err != nil {
+		return fmt.Errorf("a copy gpu:1 cannot make on the device: done %v, %v", done, err)
+	}
+	x, err := tensor.On(device.GPU(0)).Full(tensor.Uint8, 7, 4096)
+	if err != nil {
+		return err
+	}
+	defer x.Release()
+	y, err := x.To(device.GPU(1))
+	if err != nil {
+		return err
+	}
+	defer y.Release()
+	host, err := y.To(device.CPU())
+	if err != nil {
+		return err
+	}
+	got, err := tensor.Data[uint8](host)
+	if err != nil {
+		return err
+	}
+	if !bytes.Equal(got, bytes.Repeat([]byte{7}, 4096)) {
+		return errors.New("gpu:1 does not hold gpu:0's bytes")
+	}
+	return nil
 }
 
 func mustLoad() driver {
@@ -198,37 +240,10 @@ func mustLoad() driver {
 	return d
 }
 
-// copyAcross copies 4 KiB of sevens from gpu:0 to gpu:1 and checks them.
-func copyAcross(r *Runtime) error {
-	src, err := r.Alloc(0, 4096)
-	if err != nil {
-		return err
-	}
-	defer src.Release()
-	if err := src.Write(bytes.Repeat([]byte{7}, 4096), 0); err != nil {
-		return err
-	}
-	dst, err := r.Alloc(1, 4096)
-	if err != nil {
-		return err
-	}
-	defer dst.Release()
-	if _, err := dst.CopyFrom(src, 0, 4096); err != nil {
-		return err
-	}
-	got := make([]byte, 4096)
-	if err := dst.Read(got, 0); err != nil {
-		return err
-	}
-	if !bytes.Equal(got, bytes.Repeat([]byte{7}, 4096)) {
-		return errors.New("gpu:1 does not hold gpu:0's bytes")
-	}
-	return nil
-}
-
 // On a machine whose GPUs cannot reach each other's memory, a slab is
 // mapped for its own device only (the driver refuses more), and a copy
-// between devices goes through the host instead of faulting.
+// between devices is declined on the device and goes through the host
+// instead of faulting.
 func TestNoPeerAccess(t *testing.T) {
 	cmd, err := reexec.Command(context.Background(), "cuda.nopeer")
 	require.NoError(t, err)
@@ -326,6 +341,7 @@ func TestSlabCloseWaitsForForeignWork(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, e.Do(func() error { return sideMemset(b.ptr, b.size) }), "another library's work")
 	require.NoError(t, b.Release())
+	shm.Trim() // the slab's close, on a goroutine of its own, is done
 	assert.Zero(t, cudastub.Sticky(0), "the unmap waited for the work")
 	small, err := r.Alloc(0, 16)
 	require.NoError(t, err)
@@ -354,9 +370,9 @@ func TestSlabCloseLeavesThePoolFree(t *testing.T) {
 	next, err := r.Alloc(0, 64)
 	require.NoError(t, err)
 	assert.Equal(t, mappings, cudastub.Mappings(), "allocated while the big slab's close waits for the work")
-	require.NoError(t, next.Release())
 	shm.Trim()
 	assert.Equal(t, mappings-1, cudastub.Mappings(), "Trim waits for the close")
+	require.NoError(t, next.Release())
 	assert.Zero(t, cudastub.Sticky(0))
 }
 
@@ -367,6 +383,33 @@ func sideMemset(p DevicePtr, n int64) error {
 		return fmt.Errorf("a memset on another stream: CUresult %d", r)
 	}
 	return nil
+}
+
+// A slab given back and closed on its own goroutine (behind another
+// library's work) leaves no room on the device until its close is done:
+// the next allocation that needs the room waits for it, out of room,
+// before it tries again.
+func TestAllocWaitsForAClosingSlabsRoom(t *testing.T) {
+	drv := testDriver(t)
+	r := newRuntime(drv)
+	defer r.Close()
+	free, total, err := r.MemInfo(0)
+	require.NoError(t, err)
+	cudastub.SetMemory(total - free + 400<<20) // room for one 300 MiB slab
+	defer cudastub.SetMemory(total)
+	big, err := r.Alloc(0, 300<<20)
+	require.NoError(t, err)
+	require.NoError(t, big.Sync())
+	cudastub.SetDelay(300 * time.Millisecond)
+	defer cudastub.SetDelay(cudastub.DefaultDelay)
+	e, err := big.exec()
+	require.NoError(t, err)
+	require.NoError(t, e.Do(func() error { return sideMemset(big.ptr, 4096) }))
+	require.NoError(t, big.Release()) // its slab's close waits 300 ms
+	again, err := r.Alloc(0, 300<<20)
+	require.NoError(t, err, "the retry waited for the close")
+	require.NoError(t, again.Release())
+	require.Zero(t, cudastub.Sticky(0))
 }
 
 // BenchmarkExecutorDo is the cost Do adds to a driver call, on the

@@ -129,6 +129,7 @@ func FormatUUID(u [16]byte) string {
 func (r *Runtime) Close() {
 	r.CollectLimbo()
 	r.trimSlabs()
+	shm.WaitExtentsClosed() // received slabs' too
 	r.execs.syncAll()
 	r.execs.Stop()
 }
@@ -200,12 +201,13 @@ type Buffer struct {
 	block    *shm.Block
 	received bool
 
-	// dirty is set while work this process queued on the buffer (its
-	// clearing, a copy into it) may still run: a block is given back
-	// only after it, else it would land in memory that its next user
-	// owns.
-	dirty atomic.Bool
-	freed atomic.Bool
+	// queued counts the work this process queued on the buffer (its
+	// clearing, a copy into or out of it), and waited the count a wait
+	// saw done: while they differ, work may still run, and a block is
+	// given back only after it, else it would touch memory that its
+	// next user owns.
+	queued, waited atomic.Uint64
+	freed          atomic.Bool
 }
 
 // Alloc returns n bytes of zeroed memory on device dev. When the device is
@@ -232,7 +234,7 @@ func (r *Runtime) Alloc(dev int, n int64) (*Buffer, error) {
 		}
 		// A recycled block holds its last user's bytes, a new one the
 		// device's garbage.
-		b.dirty.Store(true)
+		b.queued.Add(1)
 		if err := e.Do(func() error { return r.drv.MemsetD8(b.ptr, n) }); err != nil {
 			_ = b.Release()
 			return nil, fmt.Errorf("cuda: clearing %d bytes on gpu:%d: %w", n, dev, err)
@@ -341,40 +343,24 @@ func (b *Buffer) CopyFrom(src tensor.Buffer, srcOff, n int64) (bool, error) {
 		if err := s.Sync(); err != nil {
 			return false, err
 		}
+		// b's device must reach s's memory; else the copy goes
+		// through the host (tensor's copy, when this one says no).
 		if ok, err := b.rt.drv.CanAccessPeer(b.dev, s.dev); err != nil || !ok {
-			return err == nil, errors.Join(err, b.copyThroughHost(s, srcOff, n))
+			return false, err
 		}
 	}
 	e, err := b.exec()
 	if err != nil {
 		return false, err
 	}
-	b.dirty.Store(true)
-	s.dirty.Store(true)
+	b.queued.Add(1)
+	s.queued.Add(1)
 	return true, e.Do(func() error {
 		if err := b.rt.drv.MemcpyDtoD(b.ptr, s.ptr+DevicePtr(srcOff), n); err != nil || !peer {
 			return err
 		}
 		return b.rt.drv.Synchronize()
 	})
-}
-
-// copyThroughHost copies n bytes of s from srcOff to the start of b
-// through host memory, a piece at a time: b's device cannot reach s's
-// memory (no peer-to-peer between them), and a copy in its context would
-// fault.
-func (b *Buffer) copyThroughHost(s *Buffer, srcOff, n int64) error {
-	buf := make([]byte, min(n, 64<<20))
-	for off := int64(0); off < n; off += int64(len(buf)) {
-		piece := buf[:min(int64(len(buf)), n-off)]
-		if err := s.Read(piece, srcOff+off); err != nil {
-			return err
-		}
-		if err := b.Write(piece, off); err != nil {
-			return err
-		}
-	}
-	return nil
 }
 
 // CopyIn copies n bytes from device address src to the start of b and
@@ -434,11 +420,21 @@ func (b *Buffer) Sync() error {
 	if err != nil {
 		return err
 	}
+	q := b.queued.Load() // queued before the wait, so done after it
 	if err := e.Do(b.rt.drv.Synchronize); err != nil {
 		return err
 	}
-	b.dirty.Store(false)
+	raise(&b.waited, q)
 	return nil
+}
+
+// raise sets v to n unless it holds more already.
+func raise(v *atomic.Uint64, n uint64) {
+	for w := v.Load(); w < n; w = v.Load() {
+		if v.CompareAndSwap(w, n) {
+			return
+		}
+	}
 }
 
 // SyncAll returns once every stream of b's device's context, another
@@ -466,7 +462,7 @@ func (b *Buffer) Release() error {
 	}
 	if b.block != nil {
 		var err error
-		if b.dirty.Load() {
+		if b.queued.Load() != b.waited.Load() {
 			if e, xerr := b.exec(); xerr != nil {
 				err = xerr
 			} else {

@@ -99,7 +99,9 @@ func (s *slab) Close() error {
 	s.once.Do(func() {
 		err = s.exec.teardown(func() error {
 			// A failed wait is a broken context (Error.Sticky), whose
-			// work will never run: the slab is let go of all the same.
+			// work will never run: the unmap and release are tried all
+			// the same (a broken context may refuse them; the memory
+			// then goes with the process), and the descriptor closed.
 			err := s.rt.drv.CtxSynchronize()
 			if err != nil {
 				err = fmt.Errorf("cuda: waiting for the work on a slab of gpu:%d before unmapping it: %w", s.dev, err)

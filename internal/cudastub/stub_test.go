@@ -685,3 +685,31 @@ func TestEnter(t *testing.T) {
 	assert.Equal(t, os.Getenv(cudastub.EnvDir), c.expect("dir")[0])
 	assert.Equal(t, 0, c.wait())
 }
+
+// Another library's non-blocking stream (SideMemset): the default
+// stream's synchronisation and a copy to the host do not wait for it,
+// the context's does.
+func TestSideStream(t *testing.T) {
+	begin(t)
+	cudastub.SetDelay(150 * time.Millisecond)
+	defer cudastub.SetDelay(cudastub.DefaultDelay)
+	retain(t, 0)
+	h, p := vmm(t, 0, granule)
+	ok(t, drv.Memset(p, 1, 4096), "memset")
+	ok(t, drv.CtxSync(), "sync")
+	assert.Equal(t, 0, cudastub.SideMemset(p, 4096, 9))
+	ok(t, drv.StreamSync(0), "stream sync")
+	assert.Equal(t, bytes.Repeat([]byte{1}, 16), read(t, p, 16), "dtoh waited for side stream")
+	ok(t, drv.CtxSync(), "ctx sync")
+	assert.Equal(t, bytes.Repeat([]byte{9}, 16), read(t, p, 16))
+	// Both streams queued at once: each keeps its order.
+	for i := 0; i < 20; i++ {
+		ok(t, drv.Memset(p, byte(i), 1024), "memset")
+		assert.Equal(t, 0, cudastub.SideMemset(p+2048, 1024, byte(100+i)))
+	}
+	ok(t, drv.CtxSync(), "ctx sync")
+	assert.Equal(t, byte(19), read(t, p, 1)[0])
+	assert.Equal(t, byte(119), read(t, p+2048, 1)[0])
+	vmmFree(t, h, p, granule)
+	ok(t, drv.Release(0), "release")
+}

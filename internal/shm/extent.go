@@ -96,18 +96,28 @@ func (s *segment) bytes() int64 {
 // every allocation and every receive of the process would wait behind
 // it. Trim waits for the closes handed over before it returns, and so
 // does a pool that is out of room before it tries again.
+//
+// An Extent's Close must take no lock of this package: Trim, DropIdle and
+// a pool out of room wait for it.
 func (s *segment) closeExtent() {
-	x := s.ext
-	if x == nil {
-		return
+	if s.ext != nil {
+		closeLater(s.ext)
+		s.ext = nil
 	}
-	s.ext = nil
+}
+
+// closeLater closes x on a goroutine of its own (see closeExtent).
+func closeLater(x Extent) {
 	extentClosing.add()
 	go func() {
 		defer extentClosing.done()
 		_ = x.Close() // nobody to tell: the segment is gone
 	}()
 }
+
+// WaitExtentsClosed returns once every extent let go of so far is closed:
+// for a process that gives its devices back (cuda's Runtime.Close).
+func WaitExtentsClosed() { extentClosing.wait() }
 
 // extentClosing counts the extents handed over to be closed and not
 // closed yet.

@@ -3,6 +3,7 @@ package shm_test
 import (
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -149,8 +150,52 @@ func TestExtentMadeOutsideTheLock(t *testing.T) {
 		big <- err
 	}()
 	<-entered
-	other := mustAlloc(t, p, 64) // while the big one's extent is being made
-	require.NoError(t, other.Release())
+	other := make(chan error, 1)
+	go func() { // while the big one's extent is being made
+		b, err := p.Alloc(64)
+		if err == nil {
+			err = b.Release()
+		}
+		other <- err
+	}()
+	select {
+	case err := <-other:
+		require.NoError(t, err)
+	case <-time.After(10 * time.Second):
+		close(slow)
+		t.Fatal("an allocation from a slab with room waited for another slab's extent")
+	}
 	close(slow)
 	require.NoError(t, <-big)
+}
+
+// Allocations that find a class empty at once wait for one new slab,
+// not one each: a slab's extent is made with the pool's lock let go.
+func TestConcurrentGrowMakesOneSlab(t *testing.T) {
+	var made extents
+	p := shm.NewExtentPool(1<<30, func(n int64) (shm.Extent, error) {
+		time.Sleep(20 * time.Millisecond) // a device allocation
+		return made.make(n)
+	})
+	defer p.Trim(0)
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var bs []*shm.Block
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			b, err := p.Alloc(64)
+			require.NoError(t, err)
+			mu.Lock()
+			bs = append(bs, b)
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	n, _ := made.counts()
+	for _, b := range bs {
+		require.NoError(t, b.Release())
+	}
+	require.Equal(t, 1, n, "one slab would hold all 8")
 }

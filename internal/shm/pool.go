@@ -21,6 +21,7 @@ type sizeClass struct {
 	pending []*Block // released here, perhaps still held elsewhere
 	asking  []*Block // reclaimLocked's room
 	segs    []*segment
+	growing bool // a goroutine makes a segment for the class, the pool's lock let go (see newSegment)
 }
 
 // Pool hands out blocks of pooled segments and recycles them (see
@@ -37,6 +38,7 @@ type Pool struct {
 	limit   int64       // bytes of unused segments kept for reuse
 	stuck   time.Time   // last trim over the limit that could close nothing
 	extent  ExtentMaker // makes the slabs' data, for an extent pool; else nil
+	grown   *sync.Cond  // on mu: a class's growth is over
 }
 
 // overLimitTrim is the least time between a trim of a pool over its limit
@@ -88,7 +90,9 @@ func NamedPool() *Pool {
 // NewPool returns a pool of file_descriptor segments that keeps at most
 // limit bytes of unused segments for reuse.
 func NewPool(limit int64) *Pool {
-	return &Pool{classes: map[int64]*sizeClass{}, segs: map[*segment]struct{}{}, limit: limit}
+	p := &Pool{classes: map[int64]*sizeClass{}, segs: map[*segment]struct{}{}, limit: limit}
+	p.grown = sync.NewCond(&p.mu)
+	return p
 }
 
 // classCap returns the capacity of the class serving size: powers of two
@@ -121,14 +125,23 @@ func (p *Pool) Alloc(size int64) (*Block, error) {
 		c = &sizeClass{cap: capacity}
 		p.classes[capacity] = c
 	}
-	if len(c.free) == 0 && len(c.pending) > 0 {
-		p.reclaimLocked(c)
-		if len(c.free) == 0 && p.rotateLocked(c) {
+	for len(c.free) == 0 {
+		if len(c.pending) > 0 {
 			p.reclaimLocked(c)
+			if len(c.free) == 0 && p.rotateLocked(c) {
+				p.reclaimLocked(c)
+			}
+			if len(c.free) > 0 {
+				break
+			}
 		}
-	}
-	if len(c.free) == 0 {
-		if err := p.growLocked(c); err != nil {
+		if c.growing {
+			// Another goroutine makes a segment for the class, with the
+			// lock let go: its blocks will do for this one too.
+			p.grown.Wait()
+			continue
+		}
+		if err := p.growOnce(c); err != nil {
 			return nil, err
 		}
 	}
@@ -296,15 +309,33 @@ func (p *Pool) rotateLocked(c *sizeClass) bool {
 	return any
 }
 
+// growOnce is growLocked for one goroutine of those that find class c
+// empty at once; the others wait for it (grown).
+func (p *Pool) growOnce(c *sizeClass) error {
+	c.growing = true
+	defer func() {
+		c.growing = false
+		p.grown.Broadcast()
+	}()
+	return p.growLocked(c)
+}
+
 // growLocked adds a segment to class c: a slab of blocks (see slabSlots),
 // or one large block. When the system is out of room, it trims the pool
-// and tries once more.
+// and tries once more. It lets go of the pool's lock while an extent is
+// made or closed (see newSegment), and adds nothing if the class has
+// free blocks when the lock is back after a failed try.
 func (p *Pool) growLocked(c *sizeClass) error {
 	nslots := slabSlots(c.cap, len(c.segs))
 	seg, err := p.newSegment(c, nslots)
 	if err != nil {
 		p.trimAllLocked(0)
+		p.mu.Unlock()
 		extentClosing.wait() // their memory back before the retry
+		p.mu.Lock()
+		if len(c.free) > 0 {
+			return nil
+		}
 		seg, err = p.newSegment(c, nslots)
 	}
 	if err != nil {
@@ -333,20 +364,23 @@ func (p *Pool) newSegment(c *sizeClass, nslots int64) (*segment, error) {
 	segSize := dataOff + nslots*c.cap
 	var ext Extent
 	if p.extent != nil {
-		// The table alone; the data in an extent of its own.
-		p.mu.Unlock()
-		x, err := p.extent(nslots * c.cap)
-		p.mu.Lock()
+		// The table alone; the data in an extent of its own, made with
+		// the lock let go (and taken back, the maker panicking or not).
+		var err error
+		ext, err = func() (Extent, error) {
+			p.mu.Unlock()
+			defer p.mu.Lock()
+			return p.extent(nslots * c.cap)
+		}()
 		if err != nil {
 			return nil, err
 		}
-		ext = x
 		segSize, dataOff = dataOff, 0
 	}
 	seg, err := p.newSegmentWith(c, nslots, segSize, dataOff)
 	if err != nil {
 		if ext != nil {
-			_ = ext.Close()
+			closeLater(ext)
 		}
 		return nil, err
 	}

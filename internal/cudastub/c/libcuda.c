@@ -911,10 +911,8 @@ static void record_done(struct op *o, int ran)
 		event_finalize(e);
 }
 
-/* fault gives context c a sticky error, as a GPU fault does: the work
- * queued after the faulting operation never runs. bad is the faulting
- * operation, already removed from the queue, or NULL when the fault is
- * found at enqueue; from is the first queued operation to drop. */
+/* drop_from drops from its queue the operation from and every one after
+ * it, and leaves the queue's tail right. */
 static void drop_from(struct op **head, struct op **tail, struct op *from)
 {
 	struct op **pp = head;
@@ -942,8 +940,10 @@ static int queued_in(struct op *head, struct op *o)
 	return 0;
 }
 
-/* The fault breaks the whole context: the other stream's queued work
- * never runs either. */
+/* fault gives context c a sticky error, as a GPU fault does: from, the
+ * first queued operation to drop, and every one after it in its stream
+ * never run, nor does the other stream's queued work; NULL (a fault
+ * found at enqueue) drops nothing. */
 static void fault(struct tm_ctx *c, CUresult code, struct op *from)
 {
 	if (!c->sticky)
