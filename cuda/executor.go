@@ -207,3 +207,17 @@ func (x *executors) Stop() {
 		delete(x.m, dev)
 	}
 }
+
+// syncAll waits for every stream of each device's context this process
+// uses.
+func (x *executors) syncAll() {
+	x.mu.Lock()
+	es := make([]*executor, 0, len(x.m))
+	for _, e := range x.m {
+		es = append(es, e)
+	}
+	x.mu.Unlock()
+	for _, e := range es {
+		_ = e.Do(x.drv.CtxSynchronize)
+	}
+}

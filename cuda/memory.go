@@ -134,20 +134,6 @@ func (r *Runtime) Close() {
 	r.execs.Stop()
 }
 
-// syncAll waits for every stream of each device's context this process
-// uses.
-func (x *executors) syncAll() {
-	x.mu.Lock()
-	es := make([]*executor, 0, len(x.m))
-	for _, e := range x.m {
-		es = append(es, e)
-	}
-	x.mu.Unlock()
-	for _, e := range es {
-		_ = e.Do(x.drv.CtxSynchronize)
-	}
-}
-
 func init() {
 	tensor.RegisterBackend(device.TypeGPU, backend{})
 }
