@@ -85,6 +85,9 @@ func Values[T Element](t *Tensor) ([]T, error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := checkHostSize(t.Nbytes()); err != nil {
+		return nil, fmt.Errorf("tensor: the values of %v: %w", t, err)
+	}
 	out := make([]T, 0, t.Numel())
 	s := asSlice[T](b)
 	base := t.offset / int64(t.dtype.Size())

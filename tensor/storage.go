@@ -17,6 +17,28 @@ import (
 // released.
 var ErrReleased = errors.New("tensor: storage released")
 
+// ErrTooLarge is returned for a tensor whose copy in host memory would
+// need more bytes than the machine has: a peer's shape over a small
+// storage (zero strides let a few bytes stand for any number of
+// elements) must be an error, not the end of the process.
+var ErrTooLarge = errors.New("tensor: more host memory than this machine has")
+
+// hostBytesFor makes n bytes of host memory, or returns ErrTooLarge.
+func hostBytesFor(n int64) ([]byte, error) {
+	if err := checkHostSize(n); err != nil {
+		return nil, err
+	}
+	return make([]byte, n), nil
+}
+
+// checkHostSize reports whether n bytes of host memory can be asked for.
+func checkHostSize(n int64) error {
+	if max := hostMemory(); n > max {
+		return fmt.Errorf("%w: %d bytes, of %d", ErrTooLarge, n, max)
+	}
+	return nil
+}
+
 // Backing is the memory behind a Storage: heap bytes, a block of a
 // pooled shared segment, a whole shared segment, or device memory. A
 // Storage owns its Backing: it calls Release exactly once, when the
@@ -166,7 +188,10 @@ func (s *Storage) newTensor(v Tensor) *Tensor {
 
 // newHeapStorage allocates nbytes of zeroed host memory, aligned for every
 // element type.
-func newHeapStorage(nbytes int64) *Storage {
+func newHeapStorage(nbytes int64) (*Storage, error) {
+	if err := checkHostSize(nbytes); err != nil {
+		return nil, err
+	}
 	words := make([]uint64, (nbytes+7)/8)
 	var b []byte
 	if nbytes > 0 {
@@ -176,7 +201,7 @@ func newHeapStorage(nbytes int64) *Storage {
 	}
 	s := allocStorage(device.CPU(), nbytes)
 	s.mem.Store(&memory{bytes: b})
-	return s
+	return s, nil
 }
 
 func newStorage(p device.Place, nbytes int64) (*Storage, error) {
@@ -184,7 +209,7 @@ func newStorage(p device.Place, nbytes int64) (*Storage, error) {
 		return nil, fmt.Errorf("tensor: negative storage size %d", nbytes)
 	}
 	if p.IsCPU() {
-		return newHeapStorage(nbytes), nil
+		return newHeapStorage(nbytes)
 	}
 	if !p.Valid() {
 		return nil, fmt.Errorf("tensor: cannot allocate on invalid place %s", p)

@@ -654,3 +654,22 @@ func TestCloseBackendsClosesThoseThatClose(t *testing.T) {
 	assert.ErrorContains(t, err, "closing the test_failing backend: driver gone")
 	assert.NotContains(t, err.Error(), "test_closing", "a backend that closed cleanly adds nothing")
 }
+
+// A view of more elements than the machine has memory for (a zero stride
+// lets four bytes stand for a trillion of them), as a peer's metadata can
+// describe one, is an error to copy, not the end of the process.
+func TestCopyOfAHugeViewIsAnError(t *testing.T) {
+	x, err := tensor.Zeros(tensor.Float32, 1)
+	require.NoError(t, err)
+	huge, err := tensor.FromStorage(x.Storage(), tensor.Float32, 0, []int{1 << 40}, []int{0})
+	require.NoError(t, err, "a valid view: every element is the one float")
+	_, err = huge.Contiguous()
+	assert.ErrorIs(t, err, tensor.ErrTooLarge)
+	_, err = huge.Clone()
+	assert.ErrorIs(t, err, tensor.ErrTooLarge)
+	_, err = tensor.Values[float32](huge)
+	assert.ErrorIs(t, err, tensor.ErrTooLarge)
+	v, err := tensor.At[float32](huge, 1<<40-1)
+	require.NoError(t, err, "its elements are still readable one by one")
+	assert.Equal(t, float32(0), v)
+}

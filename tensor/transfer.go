@@ -16,7 +16,11 @@ func (t *Tensor) Clone() (*Tensor, error) {
 			return out, err
 		}
 	}
-	c := t.contiguousOn(newHeapStorage(t.Nbytes()))
+	s, err := newHeapStorage(t.Nbytes())
+	if err != nil {
+		return nil, fmt.Errorf("tensor: cloning %v: %w", t, err)
+	}
+	c := t.contiguousOn(s)
 	if err := t.readInto(c.storage.Bytes()); err != nil {
 		return nil, err
 	}
@@ -36,7 +40,10 @@ func (t *Tensor) hostBytes() ([]byte, error) {
 		}
 		return t.storage.Bytes(), nil
 	}
-	b := make([]byte, t.storage.nbytes)
+	b, err := hostBytesFor(t.storage.nbytes)
+	if err != nil {
+		return nil, err
+	}
 	if err := dev.Read(b, 0); err != nil {
 		return nil, fmt.Errorf("tensor: reading %d bytes from %s: %w", len(b), t.Place(), err)
 	}
@@ -53,7 +60,10 @@ func (t *Tensor) denseHost() ([]byte, error) {
 	if t.IsContiguous() {
 		return host[t.offset : t.offset+t.Nbytes()], nil
 	}
-	dense := make([]byte, t.Nbytes())
+	dense, err := hostBytesFor(t.Nbytes())
+	if err != nil {
+		return nil, fmt.Errorf("tensor: copying %v: %w", t, err)
+	}
 	if err := t.gather(host, dense); err != nil {
 		return nil, err
 	}
@@ -107,7 +117,11 @@ func (t *Tensor) To(p device.Place) (*Tensor, error) {
 		return out, err
 	}
 	if p.IsCPU() {
-		out := t.contiguousOn(newHeapStorage(t.Nbytes()))
+		s, err := newHeapStorage(t.Nbytes())
+		if err != nil {
+			return nil, fmt.Errorf("tensor: copying %v to %s: %w", t, p, err)
+		}
+		out := t.contiguousOn(s)
 		return out, t.readInto(out.storage.Bytes())
 	}
 	dense, err := t.denseHost()
