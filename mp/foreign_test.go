@@ -37,6 +37,9 @@ var foreignKinds = []struct {
 	{"tcp", func(t testing.TB) int { return socket(t, unix.AF_INET, unix.SOCK_STREAM) }},
 	{"unix stream", func(t testing.TB) int { return socket(t, unix.AF_UNIX, unix.SOCK_STREAM) }},
 	{"unix datagram", func(t testing.TB) int { return socket(t, unix.AF_UNIX, unix.SOCK_DGRAM) }},
+	// A queue's type of socket, of another family: only the check of
+	// the socket's domain tells it from a queue's.
+	{"vsock seqpacket", func(t testing.TB) int { return socket(t, unix.AF_VSOCK, unix.SOCK_SEQPACKET) }},
 	{"eventfd", func(t testing.TB) int {
 		fd, err := unix.Eventfd(0, unix.EFD_CLOEXEC)
 		require.NoError(t, err)
