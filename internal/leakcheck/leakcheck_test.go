@@ -7,6 +7,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/shm"
@@ -58,4 +59,26 @@ func TestFindsLeaks(t *testing.T) {
 	assert.Contains(t, r.errs[2], a.Name())
 	require.NoError(t, f.Close())
 	require.NoError(t, a.Release())
+}
+
+// An eventfd or an epoll descriptor the test leaks is reported too: only
+// the ones recorded as lifelong (fd.Lifelong) are excused, not every
+// anonymous inode.
+func TestFindsLeakedAnonInodes(t *testing.T) {
+	for name, open := range map[string]func() (int, error){
+		"eventfd": func() (int, error) { return unix.Eventfd(0, unix.EFD_CLOEXEC) },
+		"epoll":   func() (int, error) { return unix.EpollCreate1(unix.EPOLL_CLOEXEC) },
+	} {
+		t.Run(name, func(t *testing.T) {
+			r := &recorder{TB: t}
+			leakcheck.Check(r)
+			fd, err := open()
+			require.NoError(t, err)
+			r.finish()
+			require.NoError(t, unix.Close(fd))
+			require.Len(t, r.errs, 1, "%q", r.errs)
+			assert.Contains(t, r.errs[0], "descriptors leaked")
+			assert.Contains(t, r.errs[0], "anon_inode:")
+		})
+	}
 }
