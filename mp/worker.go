@@ -193,10 +193,11 @@ var errTerminated = errors.New("SIGTERM cancelled the worker's context")
 // context with errTerminated as its cause and gives SIGTERM back its
 // default action; if the function has not returned grace later, the
 // worker raises SIGTERM again and dies of it, so that its parent sees a
-// worker killed by SIGTERM. A second SIGTERM kills it at once.
+// worker killed by SIGTERM. A second SIGTERM kills it at once, also one
+// that came before this process got to the first: the channel holds two.
 func workerContext(grace time.Duration) (context.Context, func()) {
 	ctx, cancel := context.WithCancelCause(context.Background())
-	sigs := make(chan os.Signal, 1)
+	sigs := make(chan os.Signal, 2)
 	signal.Notify(sigs, syscall.SIGTERM)
 	returned := make(chan struct{})
 	go func() {
@@ -206,6 +207,11 @@ func workerContext(grace time.Duration) (context.Context, func()) {
 			return
 		}
 		signal.Reset(syscall.SIGTERM)
+		select {
+		case <-sigs: // a second one, before the default action was back
+			dieOf(syscall.SIGTERM)
+		default:
+		}
 		cancel(errTerminated)
 		deadline := time.NewTimer(grace)
 		defer deadline.Stop()
