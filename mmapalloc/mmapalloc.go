@@ -18,7 +18,7 @@ const EnvSession = "TENSORMP_SESSION"
 
 // EnvCache names the environment variable that bounds, in bytes, the
 // shared memory a process keeps for reuse after its tensors let go of it
-// (default 256 MiB); Trim gives it back at once.
+// (default 1 GiB); Trim gives it back at once.
 const EnvCache = "TENSORMP_SHM_CACHE"
 
 // NamePrefix starts every segment name tensormp makes.

@@ -206,7 +206,7 @@ func (r *fdReader) ticket(i int, id shm.ID) (int, bool) {
 	return fd, true
 }
 
-// adoptTickets hands the descriptors that covered blocks to mmapalloc,
+// adoptTickets hands the descriptors that covered blocks to internal/shm,
 // once every block of the message is held.
 func (r *fdReader) adoptTickets() {
 	for i, id := range r.tickets {
