@@ -24,8 +24,7 @@ type Runtime struct {
 	opened   map[ipcMemHandle]*openedMem // handles this process opened
 	exported map[ipcMemHandle]*Buffer    // allocations made here and exported, until freed for good
 	limbo    []*Buffer                   // freed here, still used elsewhere
-	uuids    map[int][16]byte            // each device's UUID, once asked
-	ordinals map[[16]byte]int            // each device's ordinal by UUID, once asked (nil before)
+	uuids    [][16]byte                  // each device's UUID by ordinal, asked once (nil before)
 	legacy   bool                        // every device shares by legacy IPC (see EnvLegacy)
 }
 
@@ -54,63 +53,59 @@ func Default() (*Runtime, error) {
 func newRuntime(d driver) *Runtime {
 	return &Runtime{
 		drv: d, execs: newExecutors(d), pools: map[int]*shm.Pool{},
-		opened: map[ipcMemHandle]*openedMem{}, exported: map[ipcMemHandle]*Buffer{}, uuids: map[int][16]byte{},
+		opened: map[ipcMemHandle]*openedMem{}, exported: map[ipcMemHandle]*Buffer{},
 	}
+}
+
+// deviceUUIDs returns every device's UUID, by ordinal: the driver is
+// asked once per Runtime, so a message that names a device costs no
+// driver call.
+func (r *Runtime) deviceUUIDs() ([][16]byte, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.uuids != nil {
+		return r.uuids, nil
+	}
+	n, err := r.drv.DeviceCount()
+	if err != nil {
+		return nil, err
+	}
+	uuids := make([][16]byte, n)
+	for dev := range uuids {
+		if uuids[dev], err = r.drv.DeviceUUID(dev); err != nil {
+			return nil, fmt.Errorf("cuda: the UUID of gpu:%d: %w", dev, err)
+		}
+	}
+	r.uuids = uuids
+	return uuids, nil
 }
 
 // UUID returns device dev's UUID, the name other processes know it by:
 // ordinals are per process (CUDA_VISIBLE_DEVICES).
 func (r *Runtime) UUID(dev int) ([16]byte, error) {
-	r.mu.Lock()
-	u, ok := r.uuids[dev]
-	r.mu.Unlock()
-	if ok {
-		return u, nil
-	}
-	n, err := r.drv.DeviceCount()
+	uuids, err := r.deviceUUIDs()
 	if err != nil {
-		return u, err
+		return [16]byte{}, err
 	}
-	if dev < 0 || dev >= n {
-		return u, fmt.Errorf("cuda: device %d does not exist (%d devices)", dev, n)
+	if dev < 0 || dev >= len(uuids) {
+		return [16]byte{}, fmt.Errorf("cuda: device %d does not exist (%d devices)", dev, len(uuids))
 	}
-	if u, err = r.drv.DeviceUUID(dev); err != nil {
-		return u, fmt.Errorf("cuda: the UUID of gpu:%d: %w", dev, err)
-	}
-	r.mu.Lock()
-	r.uuids[dev] = u
-	r.mu.Unlock()
-	return u, nil
+	return uuids[dev], nil
 }
 
 // Ordinal returns this process's ordinal of the device named uuid, or an
-// error when this process does not see it. The driver is asked once per
-// process: a message that names a device costs no driver call.
+// error when this process does not see it.
 func (r *Runtime) Ordinal(uuid [16]byte) (int, error) {
-	r.mu.Lock()
-	ordinals := r.ordinals
-	r.mu.Unlock()
-	if ordinals == nil {
-		n, err := r.drv.DeviceCount()
-		if err != nil {
-			return 0, err
-		}
-		ordinals = make(map[[16]byte]int, n)
-		for dev := range n {
-			u, err := r.UUID(dev)
-			if err != nil {
-				return 0, err
-			}
-			ordinals[u] = dev
-		}
-		r.mu.Lock()
-		r.ordinals = ordinals
-		r.mu.Unlock()
+	uuids, err := r.deviceUUIDs()
+	if err != nil {
+		return 0, err
 	}
-	if dev, ok := ordinals[uuid]; ok {
-		return dev, nil
+	for dev, u := range uuids {
+		if u == uuid {
+			return dev, nil
+		}
 	}
-	return 0, fmt.Errorf("cuda: device %s is not one of this process's %d (CUDA_VISIBLE_DEVICES, or another MIG instance)", FormatUUID(uuid), len(ordinals))
+	return 0, fmt.Errorf("cuda: device %s is not one of this process's %d (CUDA_VISIBLE_DEVICES, or another MIG instance)", FormatUUID(uuid), len(uuids))
 }
 
 // FormatUUID writes a device UUID as nvidia-smi writes a GPU's:

@@ -2,7 +2,6 @@ package cuda
 
 import (
 	"errors"
-	"fmt"
 
 	"github.com/tensormp/tensormp/internal/gpushare"
 	"github.com/tensormp/tensormp/internal/shm"
@@ -56,10 +55,7 @@ func (sharer) SameSlab(b tensor.Buffer, memFD int) error {
 	if s == nil {
 		return errors.New("cuda: a buffer whose slab is gone")
 	}
-	if err := sameDescription(s.fd, memFD); err != nil {
-		return fmt.Errorf("cuda: a block of a slab of gpu:%d: %w", buf.dev, err)
-	}
-	return nil
+	return s.describedBy(memFD)
 }
 
 func (sharer) UUID(dev int) ([16]byte, error) {

@@ -319,8 +319,8 @@ func (r *Runtime) importBlock(dev int, blk *shm.Block, size int64, fd int) (*Buf
 	}
 	s, _ := blk.Extent().(*slab)
 	if s != nil {
-		if err := sameDescription(s.fd, fd); err != nil {
-			return nil, fmt.Errorf("cuda: a block of a slab of gpu:%d: %w", dev, err)
+		if err := s.describedBy(fd); err != nil {
+			return nil, err
 		}
 	} else {
 		var err error
@@ -341,6 +341,15 @@ func (r *Runtime) importBlock(dev int, blk *shm.Block, size int64, fd int) (*Buf
 		return nil, fmt.Errorf("cuda: a block of gpu:%d in a slab mapped for another device", dev)
 	}
 	return &Buffer{rt: r, dev: dev, ptr: s.ptr + DevicePtr(blk.Offset()), size: size, block: blk, received: true}, nil
+}
+
+// describedBy checks that fd, a message's descriptor of the slab, is of
+// this slab's allocation (see sameDescription).
+func (s *slab) describedBy(fd int) error {
+	if err := sameDescription(s.fd, fd); err != nil {
+		return fmt.Errorf("cuda: a block of a slab of gpu:%d: %w", s.dev, err)
+	}
+	return nil
 }
 
 // importSlab imports and maps the allocation fd describes, which must be
