@@ -3,6 +3,8 @@ package mp_test
 import (
 	"context"
 	"errors"
+	"os"
+	"os/signal"
 	"syscall"
 	"testing"
 	"time"
@@ -218,6 +220,74 @@ func TestOutsideSIGTERM(t *testing.T) {
 			assert.Equal(t, syscall.SIGTERM, xe.Signal)
 			assert.Equal(t, 0, xe.Rank)
 			assert.Equal(t, pid, xe.Pid)
+		})
+	}
+}
+
+func init() { mp.Register("own-sigterm", ownSIGTERM) }
+
+// ownSIGTERM is a worker that asks to be notified of SIGTERM itself, as a
+// program with its own shutdown does, and once its context is cancelled
+// asks again, from its shutdown path. It says what its own channel got,
+// and stays deaf to its context.
+func ownSIGTERM(ctx context.Context, w *mp.Worker) error {
+	var q *mp.Queue
+	if err := w.Args(&q); err != nil {
+		return err
+	}
+	own := make(chan os.Signal, 1)
+	signal.Notify(own, syscall.SIGTERM)
+	if err := q.Put(ctx, "ready"); err != nil {
+		return err
+	}
+	<-ctx.Done()
+	late := make(chan os.Signal, 1)
+	signal.Notify(late, syscall.SIGTERM)
+	word := "nothing on its own channel"
+	select {
+	case sig := <-own:
+		word = "own channel: " + sig.String()
+	case <-time.After(10 * time.Second):
+	}
+	_ = q.Put(context.Background(), word)
+	time.Sleep(time.Hour)
+	return nil
+}
+
+// A worker's own signal.Notify(SIGTERM) gets the SIGTERM that cancels its
+// context, and neither it nor one made during the grace period keeps the
+// worker alive: it dies of SIGTERM once the grace is over, or at once on
+// a second SIGTERM.
+func TestWorkerOwnSIGTERMHandler(t *testing.T) {
+	for _, c := range []struct {
+		name  string
+		grace time.Duration
+		twice bool
+	}{
+		{"after the grace period", 200 * time.Millisecond, false},
+		{"a second one at once", time.Hour, true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			leakcheck.Check(t)
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			g, q := spawnReady(ctx, t, "own-sigterm", c.grace, "ready")
+			pid := g.Pids()[0]
+			sent := time.Now()
+			require.NoError(t, syscall.Kill(pid, syscall.SIGTERM))
+			var s string
+			require.NoError(t, q.Get(ctx, &s))
+			assert.Equal(t, "own channel: terminated", s)
+			if c.twice {
+				require.NoError(t, syscall.Kill(pid, syscall.SIGTERM))
+			}
+			err := g.JoinContext(ctx)
+			var xe *mp.ExitError
+			require.ErrorAs(t, err, &xe)
+			assert.Equal(t, syscall.SIGTERM, xe.Signal, "died of SIGTERM, not of an exit code: %v", err)
+			if !c.twice {
+				assert.GreaterOrEqual(t, time.Since(sent), c.grace, "the worker lived out its grace")
+			}
 		})
 	}
 }

@@ -50,6 +50,8 @@ const workerPrefix = "mp.worker."
 // return. One that has not returned by then exits as killed by SIGTERM,
 // and a second SIGTERM ends it at once, as os/signal's NotifyContext
 // convention has it: the first signal asks, the default action follows.
+// A worker may also ask for SIGTERM itself (signal.Notify): its channel
+// gets the signal too, and the grace period still ends the process.
 type WorkerFunc func(ctx context.Context, w *Worker) error
 
 // Register makes fn available to Spawn under name. Call it from an init
@@ -190,11 +192,16 @@ var errTerminated = errors.New("SIGTERM cancelled the worker's context")
 // workerContext returns the context a worker function runs under and the
 // function to call once it has returned. The first SIGTERM, which the
 // parent sends to stop the group and anyone else may send, cancels the
-// context with errTerminated as its cause and gives SIGTERM back its
-// default action; if the function has not returned grace later, the
-// worker raises SIGTERM again and dies of it, so that its parent sees a
-// worker killed by SIGTERM. A second SIGTERM kills it at once, also one
-// that came before this process got to the first: the channel holds two.
+// context with errTerminated as its cause; if the function has not
+// returned grace later, the worker dies of SIGTERM, so that its parent
+// sees a worker killed by SIGTERM. A second SIGTERM kills it at once,
+// also one that came before this process got to the first: the channel
+// holds two.
+//
+// The worker's own signal.Notify(SIGTERM), made before or after the
+// first, keeps working through the grace period: this function stops
+// only its own channel, and gives SIGTERM back its default action
+// (signal.Reset, which undoes every Notify) only as the process dies.
 func workerContext(grace time.Duration) (context.Context, func()) {
 	ctx, cancel := context.WithCancelCause(context.Background())
 	sigs := make(chan os.Signal, 2)
@@ -206,16 +213,12 @@ func workerContext(grace time.Duration) (context.Context, func()) {
 		case <-returned:
 			return
 		}
-		signal.Reset(syscall.SIGTERM)
-		select {
-		case <-sigs: // a second one, before the default action was back
-			dieOf(syscall.SIGTERM)
-		default:
-		}
 		cancel(errTerminated)
 		deadline := time.NewTimer(grace)
 		defer deadline.Stop()
 		select {
+		case <-sigs:
+			dieOf(syscall.SIGTERM)
 		case <-deadline.C:
 			dieOf(syscall.SIGTERM)
 		case <-returned:
@@ -229,10 +232,11 @@ func workerContext(grace time.Duration) (context.Context, func()) {
 }
 
 // dieOf ends the process by sig, whose default action must be to
-// terminate and which the caller has given back that action
-// (signal.Reset). A process that inherited sig ignored exits with the
-// shell's code for it instead.
+// terminate, after giving sig back that action (signal.Reset: whoever
+// asked to be notified of it, the process is going). A process that
+// inherited sig ignored exits with the shell's code for it instead.
 func dieOf(sig syscall.Signal) {
+	signal.Reset(sig)
 	_ = unix.Kill(os.Getpid(), sig)
 	time.Sleep(100 * time.Millisecond)
 	os.Exit(128 + int(sig))
