@@ -47,9 +47,9 @@ type benchOpts struct {
 	profile                    string
 }
 
-func runBench(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+// benchFlags defines bench's flags on fs and returns what runs it once
+// they are parsed.
+func benchFlags(fs *flag.FlagSet) func(stdout, stderr io.Writer) int {
 	asJSON := fs.Bool("json", false, "print one JSON object per line instead of a table")
 	sts := strategyList(strategy.All())
 	fs.Var(&sts, "strategy", "comma-separated sharing strategies to measure")
@@ -69,54 +69,46 @@ func runBench(args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&po.lib, "pylib", os.Getenv("TENSORMP_LIB"), "libtensormp.so for -python (default: $TENSORMP_LIB, else built from ./cmd/libtensormp)")
 	fs.StringVar(&po.pkg, "pypath", "python", "the directory holding the tensormp Python package, for -python")
 	fs.StringVar(&po.device, "pydevice", "cpu", "where -python's tensors are: cpu, or cuda:N")
-	fs.Usage = func() {
-		fmt.Fprintf(stderr, "usage: spawn bench [flags]\n\n%s\n\n%s\n\n%s\n\n%s\n\nflags:\n", benchHelp, deviceHelp, loaderHelp, pythonHelp)
-		fs.PrintDefaults()
-	}
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return 0
-		}
-		return 2
-	}
-	if o.trips < 1 || o.stream < 1 || o.batch < 1 || o.hold < 1 {
-		fmt.Fprintln(stderr, "spawn bench: -trips, -stream, -batch and -hold must be positive")
-		return 2
-	}
-	progress := func(string) {}
-	if f, ok := stderr.(*os.File); ok && term.IsTerminal(int(f.Fd())) {
-		progress = func(s string) { fmt.Fprintf(stderr, "\r\033[K%s", s) }
-		defer fmt.Fprint(stderr, "\r\033[K")
-	}
-	if *loaderMode {
-		if *batches < 1 {
-			fmt.Fprintln(stderr, "spawn bench: -batches must be positive")
+	return func(stdout, stderr io.Writer) int {
+		if o.trips < 1 || o.stream < 1 || o.batch < 1 || o.hold < 1 {
+			fmt.Fprintln(stderr, "spawn bench: -trips, -stream, -batch and -hold must be positive")
 			return 2
 		}
-		return runLoaderBench(*batches, *asJSON, stdout, stderr, progress)
-	}
-	if *pythonMode {
-		po.trips = o.trips
-		return runPythonBench(po, *asJSON, stdout, stderr, progress)
-	}
-	if place, err := device.Parse(*onDevice); err != nil || !place.IsCPU() && !place.IsGPU() {
-		fmt.Fprintf(stderr, "spawn bench: -device %q: want cpu or gpu:N\n", *onDevice)
-		return 2
-	} else if place.IsGPU() {
-		po.trips, po.stream = o.trips, o.stream
-		return runDeviceBench(place, o, po, *asJSON, stdout, stderr, progress)
-	}
-	results := &resultLog{json: *asJSON, w: stdout}
-	for _, st := range sts {
-		if err := benchStrategy(st, o, progress, results.emit); err != nil {
-			fmt.Fprintf(stderr, "spawn bench: %s: %v\n", st, err)
-			return 1
+		progress := func(string) {}
+		if f, ok := stderr.(*os.File); ok && term.IsTerminal(int(f.Fd())) {
+			progress = func(s string) { fmt.Fprintf(stderr, "\r\033[K%s", s) }
+			defer fmt.Fprint(stderr, "\r\033[K")
 		}
+		if *loaderMode {
+			if *batches < 1 {
+				fmt.Fprintln(stderr, "spawn bench: -batches must be positive")
+				return 2
+			}
+			return runLoaderBench(*batches, *asJSON, stdout, stderr, progress)
+		}
+		if *pythonMode {
+			po.trips = o.trips
+			return runPythonBench(po, *asJSON, stdout, stderr, progress)
+		}
+		if place, err := device.Parse(*onDevice); err != nil || !place.IsCPU() && !place.IsGPU() {
+			fmt.Fprintf(stderr, "spawn bench: -device %q: want cpu or gpu:N\n", *onDevice)
+			return 2
+		} else if place.IsGPU() {
+			po.trips, po.stream = o.trips, o.stream
+			return runDeviceBench(place, o, po, *asJSON, stdout, stderr, progress)
+		}
+		results := &resultLog{json: *asJSON, w: stdout}
+		for _, st := range sts {
+			if err := benchStrategy(st, o, progress, results.emit); err != nil {
+				fmt.Fprintf(stderr, "spawn bench: %s: %v\n", st, err)
+				return 1
+			}
+		}
+		if !*asJSON {
+			printBenchTable(stdout, results.rs)
+		}
+		return 0
 	}
-	if !*asJSON {
-		printBenchTable(stdout, results.rs)
-	}
-	return 0
 }
 
 func benchStrategy(st strategy.Strategy, o benchOpts, progress func(string), emit func(benchResult)) error {

@@ -18,6 +18,14 @@ import (
 	"github.com/tensormp/tensormp/tensor"
 )
 
+const demoHelp = `Spawns worker processes, sends them tensors of several dtypes and sizes
+through a queue under each sharing strategy, has every worker check the
+values and overwrite them in place, and checks in the parent that each
+tensor came back on the same shared memory with the workers' writes.
+Prints the number of tensors, bytes and the median round trip per
+strategy, and how many tensormp_ segments /dev/shm held before and after.
+Exits non-zero on any mismatch or leftover segment.`
+
 // demoCase is one kind of tensor the demo sends.
 type demoCase struct {
 	dtype tensor.DType
@@ -118,67 +126,59 @@ type demoRow struct {
 	p50      time.Duration
 }
 
-func runDemo(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+// demoFlags defines demo's flags on fs and returns what runs it once they
+// are parsed.
+func demoFlags(fs *flag.FlagSet) func(stdout, stderr io.Writer) int {
 	workers := fs.Int("workers", 4, "number of worker processes")
 	rounds := fs.Int("rounds", 4, "times each kind of tensor is sent per strategy")
 	sts := strategyList(strategy.All())
 	fs.Var(&sts, "strategy", "comma-separated sharing strategies to run")
-	fs.Usage = func() {
-		fmt.Fprintf(stderr, "usage: spawn demo [flags]\n\n%s\n\nflags:\n", demoHelp)
-		fs.PrintDefaults()
-	}
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return 0
+	return func(stdout, stderr io.Writer) int {
+		if *workers < 1 || *rounds < 1 {
+			fmt.Fprintln(stderr, "spawn demo: -workers and -rounds must be at least 1")
+			return 2
 		}
-		return 2
-	}
-	if *workers < 1 || *rounds < 1 {
-		fmt.Fprintln(stderr, "spawn demo: -workers and -rounds must be at least 1")
-		return 2
-	}
 
-	before, _, err := segments(mmapalloc.Dir())
-	if err != nil {
-		fmt.Fprintln(stderr, "spawn demo:", err)
-		return 1
-	}
-	fmt.Fprintf(stdout, "spawn demo: %d workers, %d tensors per strategy, shared memory in %s\n\n", *workers, *rounds*len(demoCases), mmapalloc.Dir())
-	var rows []demoRow
-	failed := false
-	for _, st := range sts {
-		row, err := demoStrategy(st, *workers, *rounds)
+		before, _, err := segments(mmapalloc.Dir())
 		if err != nil {
-			fmt.Fprintf(stderr, "spawn demo: %s: %v\n", st, err)
-			failed = true
-			continue
+			fmt.Fprintln(stderr, "spawn demo:", err)
+			return 1
 		}
-		rows = append(rows, row)
+		fmt.Fprintf(stdout, "spawn demo: %d workers, %d tensors per strategy, shared memory in %s\n\n", *workers, *rounds*len(demoCases), mmapalloc.Dir())
+		var rows []demoRow
+		failed := false
+		for _, st := range sts {
+			row, err := demoStrategy(st, *workers, *rounds)
+			if err != nil {
+				fmt.Fprintf(stderr, "spawn demo: %s: %v\n", st, err)
+				failed = true
+				continue
+			}
+			rows = append(rows, row)
+		}
+		t := newTable(stdout, "strategy", "tensors", "bytes", "hand-off p50")
+		for _, r := range rows {
+			t.row(r.strategy.String(), fmt.Sprint(r.tensors), formatBytes(r.bytes), formatDuration(r.p50))
+		}
+		t.flush()
+		mmapalloc.Trim() // what the pools keep for reuse is not residue
+		after, mine, err := segments(mmapalloc.Dir())
+		if err != nil {
+			fmt.Fprintln(stderr, "spawn demo:", err)
+			return 1
+		}
+		fmt.Fprintf(stdout, "\nresidue: %d tensormp_ segments in %s before, %d after; %d of this run\n", before, mmapalloc.Dir(), after, len(mine))
+		if len(mine) > 0 {
+			fmt.Fprintf(stderr, "spawn demo: segments left behind: %s\n", strings.Join(mine, " "))
+			failed = true
+		}
+		if failed {
+			fmt.Fprintln(stdout, "FAIL")
+			return 1
+		}
+		fmt.Fprintln(stdout, "ok: every value checked, every in-place write seen by the parent")
+		return 0
 	}
-	t := newTable(stdout, "strategy", "tensors", "bytes", "hand-off p50")
-	for _, r := range rows {
-		t.row(r.strategy.String(), fmt.Sprint(r.tensors), formatBytes(r.bytes), formatDuration(r.p50))
-	}
-	t.flush()
-	mmapalloc.Trim() // what the pools keep for reuse is not residue
-	after, mine, err := segments(mmapalloc.Dir())
-	if err != nil {
-		fmt.Fprintln(stderr, "spawn demo:", err)
-		return 1
-	}
-	fmt.Fprintf(stdout, "\nresidue: %d tensormp_ segments in %s before, %d after; %d of this run\n", before, mmapalloc.Dir(), after, len(mine))
-	if len(mine) > 0 {
-		fmt.Fprintf(stderr, "spawn demo: segments left behind: %s\n", strings.Join(mine, " "))
-		failed = true
-	}
-	if failed {
-		fmt.Fprintln(stdout, "FAIL")
-		return 1
-	}
-	fmt.Fprintln(stdout, "ok: every value checked, every in-place write seen by the parent")
-	return 0
 }
 
 // demoStrategy runs one strategy: sends every tensor, checks every reply.

@@ -12,36 +12,37 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strings"
 
-	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/tensor"
 )
 
-const demoHelp = `Spawns worker processes, sends them tensors of several dtypes and sizes
-through a queue under each sharing strategy, has every worker check the
-values and overwrite them in place, and checks in the parent that each
-tensor came back on the same shared memory with the workers' writes.
-Prints the number of tensors, bytes and the median round trip per
-strategy, and how many tensormp_ segments /dev/shm held before and after.
-Exits non-zero on any mismatch or leftover segment.`
+// A command is one of spawn's subcommands: a row of commands.
+type command struct {
+	name  string
+	args  string // what follows the name in its usage line; "[flags]" if empty
+	short string // its line in spawn's usage
+	long  string // what "spawn <name> -h" prints above the flags
+	// flags defines the command's flags on fs and returns what runs the
+	// command once they are parsed. run parses them, and prints the
+	// command's usage on -h or a flag it does not know.
+	flags func(fs *flag.FlagSet) func(stdout, stderr io.Writer) int
+}
 
-const cleanHelp = `Removes the tensormp_ segments of sessions that have no live process left
-(a program killed before its session keeper could run, say), printing
-each one. Segments of live sessions and files tensormp did not make are
-never touched.`
+// commands are spawn's subcommands, in the order its usage lists them.
+// The first runs when none is named.
+var commands []*command
 
-const usage = `usage: spawn <command> [flags]
-
-commands:
-  demo     share tensors with worker processes and verify them (default)
-  bench    measure hand-off latency, throughput and descriptors held
-  clean    remove segments of sessions with no live process
-  help     show this help, or a command's: spawn help demo
-
-Run "spawn <command> -h" for a command's flags.
-Environment: TENSORMP_SHARING_STRATEGY, TENSORMP_SHM_DIR, TENSORMP_LOG.
-`
+func init() {
+	// Set here, not where declared: help's run reads commands.
+	commands = []*command{
+		{name: "demo", short: "share tensors with worker processes and verify them", long: demoHelp, flags: demoFlags},
+		{name: "bench", short: "measure hand-off latency, throughput and descriptors held", long: benchHelp + "\n\n" + deviceHelp + "\n\n" + loaderHelp + "\n\n" + pythonHelp, flags: benchFlags},
+		{name: "clean", short: "remove segments of sessions with no live process", long: cleanHelp, flags: cleanFlags},
+		{name: "help", args: "[command]", short: "show this help, or a command's: spawn help demo", long: helpHelp, flags: helpFlags},
+	}
+}
 
 func main() {
 	mp.Init()
@@ -54,36 +55,43 @@ func main() {
 	os.Exit(code)
 }
 
+// run runs the command args name, with the rest of args, and returns the
+// exit status: 0, 1 where the command failed, 2 for a bad command line.
 func run(args []string, stdout, stderr io.Writer) int {
 	if len(args) == 0 {
-		return runDemo(nil, stdout, stderr)
+		return commands[0].run(nil, stdout, stderr)
 	}
-	switch args[0] {
-	case "demo":
-		return runDemo(args[1:], stdout, stderr)
-	case "clean":
-		return runClean(args[1:], stdout, stderr)
-	case "bench":
-		return runBench(args[1:], stdout, stderr)
-	case "help", "-h", "-help", "--help":
-		if len(args) > 1 {
-			return run([]string{args[1], "-h"}, stdout, stderr)
+	name := args[0]
+	switch name {
+	case "-h", "-help", "--help":
+		name = "help"
+	}
+	for _, c := range commands {
+		if c.name == name {
+			return c.run(args[1:], stdout, stderr)
 		}
-		fmt.Fprint(stdout, usage)
-		return 0
 	}
-	fmt.Fprintf(stderr, "spawn: unknown command %q\n\n%s", args[0], usage)
+	fmt.Fprintf(stderr, "spawn: unknown command %q\n\n%s", args[0], usage())
 	return 2
 }
 
-func runClean(args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("clean", flag.ContinueOnError)
+// run parses c's flags from args and runs c.
+func (c *command) run(args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	dryRun := fs.Bool("n", false, "dry run: print what would be removed, remove nothing")
-	dir := fs.String("dir", mmapalloc.Dir(), "shared-memory directory to clean")
+	run := c.flags(fs)
 	fs.Usage = func() {
-		fmt.Fprintf(stderr, "usage: spawn clean [flags]\n\n%s\n\nflags:\n", cleanHelp)
-		fs.PrintDefaults()
+		line := c.args
+		if line == "" {
+			line = "[flags]"
+		}
+		fmt.Fprintf(stderr, "usage: spawn %s %s\n\n%s\n", c.name, line, c.long)
+		hasFlags := false
+		fs.VisitAll(func(*flag.Flag) { hasFlags = true })
+		if hasFlags {
+			fmt.Fprint(stderr, "\nflags:\n")
+			fs.PrintDefaults()
+		}
 	}
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -91,18 +99,38 @@ func runClean(args []string, stdout, stderr io.Writer) int {
 		}
 		return 2
 	}
-	removed, err := mp.Clean(*dir, *dryRun)
-	verb := "removed"
-	if *dryRun {
-		verb = "would remove"
+	return run(stdout, stderr)
+}
+
+// usage is spawn's usage, a line for each of its commands.
+func usage() string {
+	var b strings.Builder
+	b.WriteString("usage: spawn <command> [flags]\n\ncommands:\n")
+	for i, c := range commands {
+		fmt.Fprintf(&b, "  %-8s %s", c.name, c.short)
+		if i == 0 {
+			b.WriteString(" (default)")
+		}
+		b.WriteString("\n")
 	}
-	for _, name := range removed {
-		fmt.Fprintf(stdout, "%s %s\n", verb, name)
+	b.WriteString(`
+Run "spawn <command> -h" for a command's flags.
+Environment: TENSORMP_SHARING_STRATEGY, TENSORMP_SHM_DIR, TENSORMP_LOG.
+`)
+	return b.String()
+}
+
+const helpHelp = `Prints spawn's commands, or, given a command's name, what that command
+does and its flags, as "spawn <command> -h" does.`
+
+// helpFlags defines help's flags, of which it has none, and returns what
+// runs it.
+func helpFlags(fs *flag.FlagSet) func(stdout, stderr io.Writer) int {
+	return func(stdout, stderr io.Writer) int {
+		if fs.NArg() == 0 {
+			fmt.Fprint(stdout, usage())
+			return 0
+		}
+		return run([]string{fs.Arg(0), "-h"}, stdout, stderr)
 	}
-	fmt.Fprintf(stdout, "%s %d entries from %s\n", verb, len(removed), *dir)
-	if err != nil {
-		fmt.Fprintln(stderr, "spawn clean:", err)
-		return 1
-	}
-	return 0
 }

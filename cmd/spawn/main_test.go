@@ -110,6 +110,11 @@ func TestHelp(t *testing.T) {
 	assert.Equal(t, 0, run([]string{"help", "demo"}, &out, &errOut))
 	assert.Contains(t, errOut.String(), "-workers")
 	errOut.Reset()
+	for _, args := range [][]string{{"help", "help"}, {"help", "-h"}} {
+		assert.Equal(t, 0, run(args, &out, &errOut), "%q", args)
+		assert.Contains(t, errOut.String(), "usage: spawn help [command]")
+		errOut.Reset()
+	}
 	assert.Equal(t, 0, run([]string{"clean", "-h"}, &out, &errOut))
 	assert.Contains(t, errOut.String(), "dry run")
 	errOut.Reset()
