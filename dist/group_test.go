@@ -32,13 +32,8 @@ import (
 // same-host shortcut.
 
 func TestMain(m *testing.M) {
-	if os.Getenv(testmain.EnvRealGPU) == "" { // tests/gpu.sh sets it, on a GPU
-		cudastub.Enter(cudastub.Config{Devices: 1})
-	}
-	reexec.SkipRaceExitSleep()
 	reexec.Register("dist-rank", rankMain)
-	reexec.Main()
-	os.Exit(m.Run())
+	testmain.Run(m, testmain.WithStandInGPU(cudastub.Config{Devices: 1}))
 }
 
 const heartbeat = 200 * time.Millisecond

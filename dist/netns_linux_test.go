@@ -25,7 +25,21 @@ import (
 // pair whose addresses exist only inside the namespaces this test makes.
 
 func init() {
-	reexec.Register("dist-host", hostMain)
+	if namespacesUsable() == "" {
+		reexec.Register("dist-host", hostMain)
+	}
+}
+
+// namespacesUsable says why this machine cannot make namespaced hosts, or
+// returns "" if it can.
+func namespacesUsable() string {
+	if os.Geteuid() != 0 {
+		return "needs root: network and mount namespaces"
+	}
+	if _, err := exec.LookPath("ip"); err != nil {
+		return "needs iproute2's ip"
+	}
+	return ""
 }
 
 // hostMain is a rank on a namespaced host: it joins, moves one tensor
@@ -93,11 +107,8 @@ func run(t *testing.T, args ...string) {
 
 // makeHosts makes two namespaced hosts joined by a veth pair.
 func makeHosts(t *testing.T) [2]*nsHost {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: network and mount namespaces")
-	}
-	if _, err := exec.LookPath("ip"); err != nil {
-		t.Skip("needs iproute2's ip")
+	if why := namespacesUsable(); why != "" {
+		t.Skip(why)
 	}
 	id := strconv.Itoa(os.Getpid() % 100000)
 	subnet := "10.213." + strconv.Itoa(os.Getpid()%250) + "."
@@ -127,7 +138,7 @@ func (h *nsHost) start(t *testing.T, r int, store string) {
 	require.NoError(t, err)
 	script := `mount -t tmpfs -o size=256m tensormp-test /dev/shm && exec "$0"`
 	h.cmd = exec.Command("ip", "netns", "exec", h.name, "unshare", "--mount", "--propagation", "private", "sh", "-c", script, self)
-	h.cmd.Env = append(os.Environ(), reexec.EnvVar+"=dist-host", "TEST_RANK="+strconv.Itoa(r), "TEST_STORE="+store,
+	h.cmd.Env = append(os.Environ(), reexec.Env("dist-host"), "TEST_RANK="+strconv.Itoa(r), "TEST_STORE="+store,
 		"TEST_ADDR="+h.addr, "TENSORMP_DIST_HOST="+h.name)
 	h.cmd.Stderr = os.Stderr
 	h.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}

@@ -1,28 +1,33 @@
 package strategy_test
 
 import (
+	"context"
 	"os"
-	"os/exec"
 	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/internal/testmain"
 	"github.com/tensormp/tensormp/strategy"
 )
 
 func TestMain(m *testing.M) {
-	// Helper mode: print what this process started with.
-	if os.Getenv("STRATEGY_TEST_HELPER") == "1" {
-		errText := "<nil>"
-		if err := strategy.EnvError(); err != nil {
-			errText = err.Error()
-		}
-		os.Stdout.WriteString(string(strategy.Get()) + "\n" + errText + "\n")
-		os.Exit(0)
+	reexec.Register("strategy.print", printStrategy)
+	testmain.Run(m)
+}
+
+// printStrategy prints the strategy this process started with, and the
+// error its environment gave, if any.
+func printStrategy() int {
+	errText := "<nil>"
+	if err := strategy.EnvError(); err != nil {
+		errText = err.Error()
 	}
-	os.Exit(m.Run())
+	os.Stdout.WriteString(string(strategy.Get()) + "\n" + errText + "\n")
+	return 0
 }
 
 func TestDefault(t *testing.T) {
@@ -57,8 +62,9 @@ func TestSetGetParse(t *testing.T) {
 
 func TestEnvSeedsProcess(t *testing.T) {
 	run := func(value string) (string, string) {
-		cmd := exec.Command(os.Args[0], "-test.run=^$")
-		cmd.Env = append(os.Environ(), "STRATEGY_TEST_HELPER=1", strategy.EnvVar+"="+value)
+		cmd, err := reexec.Command(context.Background(), "strategy.print")
+		require.NoError(t, err)
+		cmd.Env = append(cmd.Env, strategy.EnvVar+"="+value)
 		out, err := cmd.Output()
 		require.NoError(t, err)
 		lines := strings.SplitN(strings.TrimSpace(string(out)), "\n", 2)

@@ -469,9 +469,13 @@ func TestPlaceFollowsContext(t *testing.T) {
 	assert.Equal(t, device.CPU(), y.Place())
 	assert.Equal(t, device.CPU(), tensor.In(context.Background()).Place(), "no scope: the default")
 
-	_, err = tensor.On(device.GPU(0)).Zeros(tensor.Float32, 2)
-	assert.ErrorContains(t, err, "no backend for gpu:0")
-	_, err = y.To(device.GPU(0))
+	_, err = device.RegisterType("test_nobackend")
+	require.NoError(t, err)
+	none, err := device.Custom("test_nobackend", 0)
+	require.NoError(t, err)
+	_, err = tensor.On(none).Zeros(tensor.Float32, 2)
+	assert.ErrorContains(t, err, "no backend registered for device type test_nobackend")
+	_, err = y.To(none)
 	assert.Error(t, err)
 }
 

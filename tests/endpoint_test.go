@@ -163,7 +163,7 @@ func TestEndpointRefusesAnotherUser(t *testing.T) {
 	require.NoError(t, errors.Join(err, src.Close(), dst.Close()))
 
 	cmd := exec.Command(bin)
-	cmd.Env = append(os.Environ(), reexec.EnvVar+"=program.dial", "ENDPOINT="+addr, "DIAL_ANYONE=1",
+	cmd.Env = append(os.Environ(), reexec.Env("program.dial"), "ENDPOINT="+addr, "DIAL_ANYONE=1",
 		shm.EnvSession+"="+newSession())
 	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
 	out, err := cmd.StdoutPipe()

@@ -35,7 +35,11 @@ type FD struct {
 // New takes ownership of raw.
 func New(raw int) *FD {
 	f := &FD{num: raw}
-	f.cleanup = runtime.AddCleanup(f, func(raw int) { _ = unix.Close(raw) }, raw)
+	f.cleanup = runtime.AddCleanup(f, func(raw int) {
+		untraced(raw)
+		_ = unix.Close(raw)
+	}, raw)
+	traced(raw)
 	return f
 }
 
@@ -93,6 +97,7 @@ func (f *FD) Close() error {
 func (f *FD) closeLocked() error {
 	f.cleanup.Stop()
 	f.gone, f.closing = true, false
+	untraced(f.num)
 	return unix.Close(f.num)
 }
 
@@ -109,6 +114,7 @@ func (f *FD) Disown() (int, error) {
 	}
 	f.cleanup.Stop()
 	f.gone = true
+	untraced(f.num)
 	return f.num, nil
 }
 

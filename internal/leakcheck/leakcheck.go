@@ -39,73 +39,108 @@ var warmUp = sync.OnceFunc(func() {
 	}
 })
 
-// Check snapshots the process's descriptors, its mappings of segments and
-// this session's segments, and registers a cleanup that fails t if, once
-// the test is over, a descriptor is open that was not before, a segment is
-// mapped more often than before, or a segment of this session is in the
-// shared-memory directory that was not before.
+// Check snapshots what the process holds (Take) and registers a cleanup
+// that fails t if, once the test is over and settled, it holds more: a
+// descriptor open that was not before, a segment mapped more often than
+// before, a segment of this session in the shared-memory directory that
+// was not before, or a goroutine started since that is still running.
 func Check(t testing.TB) {
 	t.Helper()
-	warmUp()
-	shm.Trim()
-	before, err := FDs()
-	if err != nil {
-		t.Fatalf("leakcheck: %v", err)
-	}
-	mapsBefore, err := Mappings()
-	if err != nil {
-		t.Fatalf("leakcheck: %v", err)
-	}
-	segsBefore, err := Segments()
+	s, err := Take()
 	if err != nil {
 		t.Fatalf("leakcheck: %v", err)
 	}
 	t.Cleanup(func() {
-		deadline := time.Now().Add(settle)
-		for {
-			runtime.GC()
-			// Segments kept for reuse are not leaks; blocks still
-			// counted by someone keep theirs from being trimmed.
-			shm.Trim()
-			after, err := FDs()
-			if err != nil {
-				t.Errorf("leakcheck: %v", err)
-				return
-			}
-			leaked := newFDs(before, after)
-			segs, err := Segments()
-			if err != nil {
-				t.Errorf("leakcheck: %v", err)
-				return
-			}
-			segs = slices.DeleteFunc(segs, func(s string) bool { return slices.Contains(segsBefore, s) })
-			mapsAfter, err := Mappings()
-			if err != nil {
-				t.Errorf("leakcheck: %v", err)
-				return
-			}
-			mapped := mapsAfter - mapsBefore
-			if len(leaked) == 0 && len(segs) == 0 && mapped <= 0 {
-				return
-			}
-			if time.Now().After(deadline) {
-				if len(leaked) > 0 {
-					t.Errorf("leakcheck: descriptors leaked: %s", strings.Join(leaked, ", "))
-				}
-				if mapped > 0 {
-					t.Errorf("leakcheck: %d more segment mappings than before the test", mapped)
-				}
-				if len(segs) > 0 {
-					t.Errorf("leakcheck: segments left in %s: %s", shm.Dir(), strings.Join(segs, ", "))
-					for _, s := range segs {
-						t.Logf("leakcheck: %s: %s", s, describe(s))
-					}
-				}
-				return
-			}
-			time.Sleep(20 * time.Millisecond)
+		for _, leak := range s.Leaks(settle) {
+			t.Errorf("leakcheck: %s", leak)
 		}
 	})
+}
+
+// A Snapshot is what the process holds at one moment: its descriptors,
+// its mappings of segments, this session's segments and its goroutines.
+type Snapshot struct {
+	fds        map[int]string
+	mappings   int
+	segments   []string
+	goroutines map[uint64]string
+}
+
+// Take snapshots what the process holds, after trimming the segments kept
+// for reuse.
+func Take() (Snapshot, error) {
+	warmUp()
+	shm.Trim()
+	var s Snapshot
+	var err error
+	if s.fds, err = FDs(); err != nil {
+		return s, err
+	}
+	if s.mappings, err = Mappings(); err != nil {
+		return s, err
+	}
+	if s.segments, err = Segments(); err != nil {
+		return s, err
+	}
+	s.goroutines = goroutines()
+	return s, nil
+}
+
+// Leaks waits up to settle for what was taken since s to be given back
+// (garbage-collection safety nets, exiting helpers, goroutines on their
+// way out), and returns what still is, one line for each kind, with
+// where a leaked descriptor was opened when fd.Trace was on.
+func (s Snapshot) Leaks(settle time.Duration) []string {
+	deadline := time.Now().Add(settle)
+	for {
+		runtime.GC()
+		// Segments kept for reuse are not leaks; blocks still counted by
+		// someone keep theirs from being trimmed.
+		shm.Trim()
+		leaks, err := s.leaks()
+		if err != nil {
+			return []string{err.Error()}
+		}
+		if len(leaks) == 0 || time.Now().After(deadline) {
+			return leaks
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func (s Snapshot) leaks() ([]string, error) {
+	var out []string
+	after, err := FDs()
+	if err != nil {
+		return nil, err
+	}
+	if leaked := newFDs(s.fds, after); len(leaked) > 0 {
+		out = append(out, "descriptors leaked: "+strings.Join(leaked, ", "))
+	}
+	mappings, err := Mappings()
+	if err != nil {
+		return nil, err
+	}
+	if n := mappings - s.mappings; n > 0 {
+		out = append(out, fmt.Sprintf("%d more segment mappings than before", n))
+	}
+	segs, err := Segments()
+	if err != nil {
+		return nil, err
+	}
+	segs = slices.DeleteFunc(segs, func(name string) bool { return slices.Contains(s.segments, name) })
+	if len(segs) > 0 {
+		var b strings.Builder
+		fmt.Fprintf(&b, "segments left in %s: %s", shm.Dir(), strings.Join(segs, ", "))
+		for _, name := range segs {
+			fmt.Fprintf(&b, "\n\t%s: %s", name, describe(name))
+		}
+		out = append(out, b.String())
+	}
+	if g := newGoroutines(s.goroutines, goroutines()); len(g) > 0 {
+		out = append(out, fmt.Sprintf("%d goroutines still running:\n\n%s", len(g), strings.Join(g, "\n\n")))
+	}
+	return out, nil
 }
 
 // FDs returns the process's open descriptors and what each refers to,
@@ -151,7 +186,11 @@ func newFDs(before, after map[int]string) []string {
 		if strings.HasSuffix(target, "/fd") && strings.HasPrefix(target, "/proc/") || fd.Lifelong(n) {
 			continue
 		}
-		out = append(out, fmt.Sprintf("%d -> %s", n, target))
+		line := fmt.Sprintf("%d -> %s", n, target)
+		if origin, ok := fd.Origin(n); ok {
+			line += ", opened at" + origin
+		}
+		out = append(out, line)
 	}
 	slices.Sort(out)
 	return out

@@ -12,6 +12,9 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"runtime"
+	"slices"
+	"strings"
 	"sync"
 )
 
@@ -21,6 +24,9 @@ const EnvVar = "TENSORMP_REEXEC"
 var (
 	mu    sync.RWMutex
 	funcs = map[string]func() int{}
+	// tests holds the names registered from test files, and whether a
+	// Command of this process has started each.
+	tests = map[string]bool{}
 )
 
 // Register makes fn runnable in a child under name. fn returns the
@@ -33,6 +39,48 @@ func Register(name string, fn func() int) {
 		panic(fmt.Sprintf("reexec: %q registered twice", name))
 	}
 	funcs[name] = fn
+	if calledFromTest() {
+		tests[name] = false
+	}
+}
+
+// calledFromTest reports whether a test file (_test.go) is among the
+// callers.
+func calledFromTest() bool {
+	pcs := make([]uintptr, 32)
+	frames := runtime.CallersFrames(pcs[:runtime.Callers(2, pcs)])
+	for {
+		f, more := frames.Next()
+		if strings.HasSuffix(f.File, "_test.go") {
+			return true
+		}
+		if !more {
+			return false
+		}
+	}
+}
+
+// Unused returns, sorted, the names that test files registered and that
+// no Command of this process, or of the processes it started when it
+// tracks starts (TrackStarts), started: helpers that no test uses, once
+// every test has run.
+func Unused() []string {
+	var tree []string
+	if path := os.Getenv(envStarts); path != "" {
+		if data, err := os.ReadFile(path); err == nil {
+			tree = strings.Fields(string(data))
+		}
+	}
+	mu.RLock()
+	defer mu.RUnlock()
+	var out []string
+	for name, used := range tests {
+		if !used && !slices.Contains(tree, name) {
+			out = append(out, name)
+		}
+	}
+	slices.Sort(out)
+	return out
 }
 
 // Main runs the registered function named by TENSORMP_REEXEC and exits
@@ -72,6 +120,7 @@ func Child() bool {
 // Extra arguments are passed on; a child reads them after its own
 // program-specific flags, from os.Args.
 func Command(ctx context.Context, name string, args ...string) (*exec.Cmd, error) {
+	started(name)
 	self, err := os.Executable()
 	if err != nil {
 		return nil, fmt.Errorf("reexec: finding the running executable: %w", err)
@@ -80,6 +129,49 @@ func Command(ctx context.Context, name string, args ...string) (*exec.Cmd, error
 	cmd.Env = append(os.Environ(), EnvVar+"="+name)
 	cmd.Stderr = os.Stderr
 	return cmd, nil
+}
+
+// Env returns the environment entry that makes this executable, started
+// with it, run the function registered as name: for a command that
+// starts the executable through another program (a namespace's wrapper,
+// say) instead of Command.
+func Env(name string) string {
+	started(name)
+	return EnvVar + "=" + name
+}
+
+// started records that this process has started name, and, in a process
+// tree that tracks its starts (TrackStarts), tells the tree's file.
+func started(name string) {
+	mu.Lock()
+	if _, ok := tests[name]; ok {
+		tests[name] = true
+	}
+	mu.Unlock()
+	if path := os.Getenv(envStarts); path != "" {
+		if f, err := os.OpenFile(path, os.O_WRONLY|os.O_APPEND, 0); err == nil {
+			_, _ = f.WriteString(name + "\n") // one write: appends do not interleave
+			_ = f.Close()
+		}
+	}
+}
+
+// envStarts names the file in which the processes of a tree that tracks
+// its starts record the names they start.
+const envStarts = "TENSORMP_REEXEC_STARTS"
+
+// TrackStarts has this process and every process it starts record the
+// names they start in a file of dir, so that Unused counts a helper that
+// only a helper starts as used.
+func TrackStarts(dir string) error {
+	f, err := os.CreateTemp(dir, "reexec-starts-")
+	if err != nil {
+		return fmt.Errorf("reexec: tracking starts: %w", err)
+	}
+	if err := f.Close(); err != nil {
+		return fmt.Errorf("reexec: tracking starts: %w", err)
+	}
+	return os.Setenv(envStarts, f.Name())
 }
 
 // SkipRaceExitSleep has the processes this one starts skip the second

@@ -5,11 +5,15 @@
 package testmain
 
 import (
+	"flag"
 	"fmt"
 	"os"
 	"testing"
+	"time"
 
 	"github.com/tensormp/tensormp/internal/cudastub"
+	"github.com/tensormp/tensormp/internal/fd"
+	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/reexec"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/tensor"
@@ -54,6 +58,14 @@ func After(f func()) Option { return func(o *options) { o.after = append(o.after
 // stand-in included, removes the files it made in /dev/shm, and exits with the
 // tests' code. The processes it starts skip the race detector's exit
 // sleep (reexec.SkipRaceExitSleep).
+//
+// It is the safety net under every test: it fails a binary whose tests
+// passed but left, once they are all over, a descriptor open (named with
+// where it was opened, fd.Trace), a segment mapped or in the
+// shared-memory directory, or a goroutine running, that was not there
+// before them (leakcheck.Snapshot); and, when every test ran (no -run,
+// -skip or -short), one whose test files registered a helper that no
+// test started (reexec.Unused).
 func Run(m *testing.M, opts ...Option) {
 	var o options
 	for _, opt := range opts {
@@ -64,16 +76,65 @@ func Run(m *testing.M, opts ...Option) {
 	}
 	reexec.SkipRaceExitSleep()
 	mp.Init()
+	fd.Trace()
 	if o.session {
 		if _, err := mp.StartSession(); err != nil {
 			fmt.Fprintln(os.Stderr, "testmain: starting the session:", err)
 			os.Exit(2)
 		}
 	}
+	starts, err := os.MkdirTemp("", "tensormp-testmain-")
+	if err == nil {
+		err = reexec.TrackStarts(starts)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "testmain:", err)
+		os.Exit(2)
+	}
+	before, err := leakcheck.Take()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "testmain:", err)
+		os.Exit(2)
+	}
 	code := m.Run()
 	for _, f := range o.after {
 		f()
 	}
 	_ = tensor.CloseBackends()
+	if code == 0 {
+		code = check(before)
+	}
+	_ = os.RemoveAll(starts)
 	os.Exit(code)
+}
+
+// check returns 1, after saying why on stderr, if the tests left
+// something behind that was not there before them, or a helper unused.
+func check(before leakcheck.Snapshot) int {
+	code := 0
+	for _, leak := range before.Leaks(settle) {
+		fmt.Fprintln(os.Stderr, "testmain: after the tests:", leak)
+		code = 1
+	}
+	if everyTestRan() {
+		for _, name := range reexec.Unused() {
+			fmt.Fprintf(os.Stderr, "testmain: helper %q is registered but no test starts it\n", name)
+			code = 1
+		}
+	}
+	return code
+}
+
+// settle is how long the check after the tests waits for what they
+// started to end (helpers exiting, safety nets running).
+const settle = 5 * time.Second
+
+// everyTestRan reports whether the tests ran unfiltered.
+func everyTestRan() bool {
+	for _, name := range []string{"test.run", "test.skip"} {
+		if f := flag.Lookup(name); f != nil && f.Value.String() != "" {
+			return false
+		}
+	}
+	return !testing.Short()
 }
