@@ -26,22 +26,22 @@ func PutMany[T any](ctx context.Context, q *Queue, batch []T) error {
 //
 // It waits as Get does. On error, batch is returned unchanged.
 func GetMany[T any](ctx context.Context, q *Queue, batch []T) ([]T, error) {
-	data, fds, done, err := q.take(ctx, true)
+	m, err := q.take(ctx, true)
 	if err != nil {
 		return batch, err
 	}
-	defer done()
-	if len(data) == 0 || !(msgpcode.IsFixedArray(data[0]) || data[0] == msgpcode.Array16 || data[0] == msgpcode.Array32) {
+	defer m.Done()
+	if len(m.Data) == 0 || !(msgpcode.IsFixedArray(m.Data[0]) || m.Data[0] == msgpcode.Array16 || m.Data[0] == msgpcode.Array32) {
 		var zero T
 		batch = append(batch, zero) // decoded in place: a T of its own would escape
-		if err := decode(data, fds, &batch[len(batch)-1]); err != nil {
+		if err := decode(m.Data, m.FDs, &batch[len(batch)-1]); err != nil {
 			batch[len(batch)-1] = zero
 			return batch[:len(batch)-1], err
 		}
 		return batch, nil
 	}
 	got := batch[len(batch):] // empty, with the room batch has left
-	if err := decode(data, fds, &got); err != nil {
+	if err := decode(m.Data, m.FDs, &got); err != nil {
 		clear(batch[len(batch):cap(batch)]) // no half-decoded values left behind
 		return batch, err
 	}

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/internal/sock"
 )
 
 // foreignKinds make descriptors of every kind but a queue's or a pipe's
@@ -82,10 +83,16 @@ func seqpacket(t testing.TB) [2]int {
 
 // placesEnds returns the ends of a real places pipe of one place.
 func placesEnds(t testing.TB) [2]int {
-	p, err := placesPipe(1)
+	p, err := sock.NewPlaces(1)
 	require.NoError(t, err)
-	require.NoError(t, fillPlaces(p[1], 1))
-	return p
+	defer p.Close()
+	r, w, err := p.Dup()
+	require.NoError(t, err)
+	rr, err := r.Disown()
+	require.NoError(t, err)
+	rw, err := w.Disown()
+	require.NoError(t, err)
+	return [2]int{rr, rw}
 }
 
 // A queue or a pipe whose descriptors are not what they must be fails to
@@ -245,7 +252,7 @@ func TestForeignQueueOverAConnection(t *testing.T) {
 	base := leakcheck.Count()
 	for range 5 {
 		m1, m2 := foreignKinds[0].make(t), foreignKinds[0].make(t)
-		require.NoError(t, a.c.send(ctx, extMsg(t, queueExt, nil, 0, 1), []int{m1, m2}, true))
+		require.NoError(t, a.c.Send(ctx, extMsg(t, queueExt, nil, 0, 1), []int{m1, m2}))
 		_, _ = unix.Close(m1), unix.Close(m2) // sent: the message holds its own
 		var q *Queue
 		err := b.Recv(ctx, &q)

@@ -10,6 +10,7 @@ import (
 
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/internal/sock"
 )
 
 // initHint is the fix for a worker process whose main did not start with
@@ -64,7 +65,7 @@ func failKeeper(reason string) {
 // control socket, and on stderr, and exits with code 2.
 func failSetup(reason string) {
 	fmt.Fprintf(os.Stderr, "tensormp: %s\n", reason)
-	if ctl, err := newConn(fd.New(ctlFD), "control"); err == nil {
+	if ctl, err := sock.New(fd.New(ctlFD), "control"); err == nil {
 		_ = report(ctl, result{Failed: true, Err: reason})
 	}
 	os.Exit(2)

@@ -5,13 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"strings"
-	"sync"
-	"time"
 
-	"golang.org/x/sys/unix"
-
-	"github.com/tensormp/tensormp/internal/fd"
+	"github.com/tensormp/tensormp/internal/sock"
 )
 
 // Named endpoints: processes that did not start one another reach each
@@ -60,16 +55,14 @@ func endpointConfig(opts []EndpointOption) endpointOptions {
 	return o
 }
 
-// checkPeer reads the credentials of the peer of the connected socket s
-// and runs check on them, if there is one.
-func checkPeer(s int, check func(Cred) error) (Cred, error) {
-	cred, err := peerCred(s)
-	if err == nil && check != nil {
-		if cerr := check(cred); cerr != nil {
-			err = fmt.Errorf("%w: pid %d, uid %d: %v", ErrPeerRefused, cred.PID, cred.UID, cerr)
+// checkPeer runs check, if there is one, on the credentials of a peer.
+func checkPeer(cred Cred, check func(Cred) error) error {
+	if check != nil {
+		if err := check(cred); err != nil {
+			return fmt.Errorf("%w: pid %d, uid %d: %v", ErrPeerRefused, cred.PID, cred.UID, err)
 		}
 	}
-	return cred, err
+	return nil
 }
 
 // sameUser is the default peer check.
@@ -83,11 +76,8 @@ func sameUser(c Cred) error {
 // Listener accepts connections on a named endpoint. It owns its socket
 // and the socket file it made; Close releases both.
 type Listener struct {
-	c     *conn
-	addr  string
-	file  string // the socket file Listen made, "" for an abstract name
+	l     *sock.Listener
 	check func(Cred) error
-	once  sync.Once
 }
 
 // Listen listens on addr: a file system path, or "@name" for a name in
@@ -97,83 +87,31 @@ type Listener struct {
 func Listen(addr string, opts ...EndpointOption) (*Listener, error) {
 	checkInit("mp.Listen")
 	o := endpointConfig(opts)
-	sa, file, err := sockaddr(addr)
+	l, err := sock.Listen(addr, o.mode)
 	if err != nil {
 		return nil, err
 	}
-	s, err := unix.Socket(unix.AF_UNIX, sockType, 0)
-	if err != nil {
-		return nil, fmt.Errorf("mp: listen on %s: %w%s", addr, err, fdHint(err))
-	}
-	sock := fd.New(s)
-	if err := unix.Bind(s, sa); err != nil {
-		_ = sock.Close()
-		return nil, fmt.Errorf("mp: listen on %s: %w", addr, err)
-	}
-	// Bound: from here a failure also removes the socket file. Nobody
-	// can connect before listen, so the mode is set first.
-	c, err := func() (*conn, error) {
-		if file != "" {
-			if err := os.Chmod(file, o.mode); err != nil {
-				return nil, err
-			}
-		}
-		if err := unix.Listen(s, unix.SOMAXCONN); err != nil {
-			return nil, err
-		}
-		return newConn(sock, "listener")
-	}()
-	if err != nil {
-		_ = sock.Close()
-		if file != "" {
-			_ = os.Remove(file)
-		}
-		return nil, fmt.Errorf("mp: listen on %s: %w", addr, err)
-	}
-	return &Listener{c: c, addr: addr, file: file, check: o.check}, nil
-}
-
-// sockaddr parses an endpoint's address; file is the path of the socket
-// file it names, "" for an abstract name.
-func sockaddr(addr string) (sa *unix.SockaddrUnix, file string, err error) {
-	switch {
-	case addr == "" || addr == "@":
-		return nil, "", errors.New("mp: an endpoint needs a path or an @name")
-	case len(addr) > 107:
-		return nil, "", fmt.Errorf("mp: endpoint %q is longer than a Unix socket address (107 bytes)", addr)
-	case strings.HasPrefix(addr, "@"):
-		return &unix.SockaddrUnix{Name: addr}, "", nil
-	}
-	return &unix.SockaddrUnix{Name: addr}, addr, nil
+	return &Listener{l: l, check: o.check}, nil
 }
 
 // Addr returns the address the listener listens on.
-func (l *Listener) Addr() string { return l.addr }
+func (l *Listener) Addr() string { return l.l.Addr() }
 
 // Accept waits, while ctx lasts, for a process to connect, and returns
 // its end of the connection and its credentials. A peer the check
 // refuses is disconnected and Accept returns an error wrapping
 // ErrPeerRefused; the listener stays usable.
 func (l *Listener) Accept(ctx context.Context) (*Pipe, Cred, error) {
-	var s int
-	err := l.c.io(ctx, unix.POLLIN, "accept on "+l.addr, true, func(ls int) error {
-		var err error
-		s, err = accept(ls)
-		return err
-	}, nil)
+	s, sc, err := l.l.Accept(ctx)
+	cred := Cred(sc)
 	if err != nil {
-		if errors.Is(err, errConnClosed) {
-			err = ErrClosed
-		}
-		return nil, Cred{}, err
+		return nil, cred, err
 	}
-	sock := fd.New(s)
-	cred, err := checkPeer(s, l.check)
-	if err != nil {
-		_ = sock.Close()
-		return nil, cred, fmt.Errorf("mp: accept on %s: %w", l.addr, err)
+	if err := checkPeer(cred, l.check); err != nil {
+		_ = s.Close()
+		return nil, cred, fmt.Errorf("mp: accept on %s: %w", l.l.Addr(), err)
 	}
-	c, err := newConn(sock, "endpoint")
+	c, err := sock.New(s, "endpoint")
 	if err != nil {
 		return nil, cred, err
 	}
@@ -183,18 +121,7 @@ func (l *Listener) Accept(ctx context.Context) (*Pipe, Cred, error) {
 // Close stops listening and removes the socket file Listen made.
 // Connections accepted before stay open. Close wakes a blocked Accept,
 // which returns ErrClosed.
-func (l *Listener) Close() error {
-	var err error
-	l.once.Do(func() {
-		err = l.c.close()
-		if l.file != "" {
-			if rerr := os.Remove(l.file); rerr != nil && !errors.Is(rerr, os.ErrNotExist) {
-				err = errors.Join(err, rerr)
-			}
-		}
-	})
-	return err
-}
+func (l *Listener) Close() error { return l.l.Close() }
 
 // Dial connects to the endpoint at addr (see Listen), retrying while the
 // listener's backlog is full and ctx lasts, and checks the listener's
@@ -203,41 +130,16 @@ func (l *Listener) Close() error {
 func Dial(ctx context.Context, addr string, opts ...EndpointOption) (*Pipe, error) {
 	checkInit("mp.Dial")
 	o := endpointConfig(opts)
-	sa, _, err := sockaddr(addr)
+	s, sc, err := sock.Dial(ctx, addr)
 	if err != nil {
 		return nil, err
 	}
-	s, err := unix.Socket(unix.AF_UNIX, sockType, 0)
-	if err != nil {
-		return nil, fmt.Errorf("mp: dial %s: %w%s", addr, err, fdHint(err))
-	}
-	sock := fd.New(s)
-	fail := func(err error) (*Pipe, error) {
-		_ = sock.Close()
+	cred := Cred(sc)
+	if err := checkPeer(cred, o.check); err != nil {
+		_ = s.Close()
 		return nil, fmt.Errorf("mp: dial %s: %w", addr, err)
 	}
-	if err := unix.SetNonblock(s, true); err != nil {
-		return fail(err)
-	}
-	for wait := time.Millisecond; ; wait = min(2*wait, 100*time.Millisecond) {
-		err := unix.Connect(s, sa)
-		if err == nil {
-			break
-		}
-		if err != unix.EAGAIN && err != unix.EINTR {
-			return fail(err)
-		}
-		select {
-		case <-ctx.Done():
-			return fail(ctx.Err())
-		case <-time.After(wait):
-		}
-	}
-	cred, err := checkPeer(s, o.check)
-	if err != nil {
-		return fail(err)
-	}
-	c, err := newConn(sock, "endpoint")
+	c, err := sock.New(s, "endpoint")
 	if err != nil {
 		return nil, err
 	}

@@ -276,17 +276,17 @@ func (p *Pool) failLocked(c *chunk, s *poolSlot, err error) {
 func (p *Pool) replies() {
 	defer p.loop.Done()
 	for {
-		data, fds, done, err := p.results.take(context.Background(), true)
+		m, err := p.results.take(context.Background(), true)
 		if err != nil {
 			if !errors.Is(err, ErrClosed) {
 				Logger().Error("pool: receiving a reply", "error", err)
 			}
 			return
 		}
-		call, start, rank, gen, err := peekReply(data)
+		call, start, rank, gen, err := peekReply(m.Data)
 		if err != nil || call == stopCall || rank < 0 || rank >= p.n {
-			fd.CloseAll(fds)
-			done()
+			fd.CloseAll(m.FDs)
+			m.Done()
 			if err != nil {
 				Logger().Error("pool: dropping a reply", "error", err)
 			} else if call == stopCall && rank >= 0 && rank < p.n {
@@ -309,11 +309,11 @@ func (p *Pool) replies() {
 		ws := p.assignLocked()
 		p.mu.Unlock()
 		if deliver {
-			c.call.deliver(c, data, fds)
+			c.call.deliver(c, m.Data, m.FDs)
 		} else {
-			fd.CloseAll(fds) // what the reply held goes back
+			fd.CloseAll(m.FDs) // what the reply held goes back
 		}
-		done()
+		m.Done()
 		p.send(ws)
 	}
 }
@@ -339,13 +339,13 @@ func (p *Pool) exited(rank, gen int) {
 	}
 	untaken := map[key]bool{}
 	for {
-		data, fds, done, err := tasks.take(context.Background(), false)
+		m, err := tasks.take(context.Background(), false)
 		if err != nil {
 			break
 		}
-		call, start, _, err := peekTask(data)
-		fd.CloseAll(fds)
-		done()
+		call, start, _, err := peekTask(m.Data)
+		fd.CloseAll(m.FDs)
+		m.Done()
 		if err == nil {
 			untaken[key{call, start}] = true
 		}

@@ -102,34 +102,34 @@ func poolWorker(ctx context.Context, w *Worker) error {
 	defer a.Tasks.Close()
 	defer a.Results.Close()
 	for {
-		data, fds, done, err := a.Tasks.take(ctx, true)
+		m, err := a.Tasks.take(ctx, true)
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil // the pool was terminated
 			}
 			return fmt.Errorf("taking a task: %w", err)
 		}
-		call, start, name, err := peekTask(data)
+		call, start, name, err := peekTask(m.Data)
 		if err != nil {
-			fd.CloseAll(fds)
-			done()
+			fd.CloseAll(m.FDs)
+			m.Done()
 			w.Logger().Error("dropping a task", "error", err)
 			continue
 		}
 		if call == stopCall {
-			fd.CloseAll(fds)
-			done()
+			fd.CloseAll(m.FDs)
+			m.Done()
 			return nil
 		}
 		var rep any
 		if f, ok := poolFuncs.Load(name); ok {
-			rep, err = f.(*poolFunc).run(ctx, a.Rank, a.Gen, data, fds)
+			rep, err = f.(*poolFunc).run(ctx, a.Rank, a.Gen, m.Data, m.FDs)
 		} else {
-			fd.CloseAll(fds)
+			fd.CloseAll(m.FDs)
 			err = fmt.Errorf("no function is registered as %q in the worker (RegisterFunc before Init)", name)
 			rep = &reply[struct{}]{Call: call, Start: start, Rank: a.Rank, Gen: a.Gen, Failed: true, At: start, Err: err.Error()}
 		}
-		done()
+		m.Done()
 		if call == initCall {
 			if err != nil {
 				return fmt.Errorf("the pool's initializer %q: %w", name, err)

@@ -5,14 +5,13 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"io"
 	"sync"
 
 	"github.com/vmihailenco/msgpack/v5"
-	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/carry"
 	"github.com/tensormp/tensormp/internal/fd"
+	"github.com/tensormp/tensormp/internal/sock"
 	"github.com/tensormp/tensormp/reduction"
 )
 
@@ -32,15 +31,28 @@ var (
 	decoders = sync.Pool{New: func() any { return reduction.NewDecoder() }}
 )
 
+// ErrClosed is returned by operations on a closed Queue, Pipe or
+// connection, and to callers blocked in one when it is closed.
+var ErrClosed = sock.ErrClosed
+
+// ErrMalformed is wrapped by the errors for a message that tensormp did
+// not frame: whatever it brought is closed, and the queue goes on.
+var ErrMalformed = sock.ErrMalformed
+
 // put encodes v and sends it on c, waiting for room unless not block.
-func put(ctx context.Context, c *conn, v any, block bool) error {
+func put(ctx context.Context, c *sock.Conn, v any, block bool) error {
 	enc := encoders.Get().(*reduction.Encoder)
 	defer encoders.Put(enc)
 	data, fds, err := enc.Encode(v)
 	if err != nil {
 		return fmt.Errorf("mp: encoding %T: %w", v, err)
 	}
-	if err := c.send(ctx, data, fds, block); err != nil {
+	if block {
+		err = c.Send(ctx, data, fds)
+	} else {
+		err = c.TrySend(ctx, data, fds)
+	}
+	if err != nil {
 		enc.Discard() // no receiver will take what Encode held for it
 		return err
 	}
@@ -50,13 +62,21 @@ func put(ctx context.Context, c *conn, v any, block bool) error {
 
 // get receives a message on c and decodes it into v, waiting for one
 // unless not block.
-func get(ctx context.Context, c *conn, v any, block bool) error {
-	data, fds, done, err := c.recv(ctx, block)
+func get(ctx context.Context, c *sock.Conn, v any, block bool) error {
+	m, err := recv(ctx, c, block)
 	if err != nil {
 		return err
 	}
-	defer done()
-	return decode(data, fds, v)
+	defer m.Done()
+	return decode(m.Data, m.FDs, v)
+}
+
+// recv receives a message on c, waiting for one unless not block.
+func recv(ctx context.Context, c *sock.Conn, block bool) (sock.Msg, error) {
+	if block {
+		return c.Recv(ctx)
+	}
+	return c.TryRecv(ctx)
 }
 
 // decode decodes a received message into v. It owns fds.
@@ -80,14 +100,13 @@ func decode(data []byte, fds []int, v any) error {
 // pair) in each process that holds it, four with a capacity; Close
 // releases this process's.
 type Queue struct {
-	in  *conn // Put writes here
-	out *conn // Get reads here
+	in  *sock.Conn // Put writes here
+	out *sock.Conn // Get reads here
 
-	// With a capacity, the free places: a pipe holding a byte for each.
-	// Put takes one before it sends, Get gives one back as soon as it has
-	// taken a message. Both nil without a capacity.
-	free, freed *conn // the pipe's reading and writing ends
-	capacity    int
+	// With a capacity, the free places: Put takes one before it sends,
+	// Get gives one back as soon as it has taken a message. Nil without
+	// a capacity.
+	places *sock.Places
 }
 
 // ErrFull is returned by TryPut when the queue has no room, and ErrEmpty
@@ -124,7 +143,7 @@ func NewQueue(opts ...QueueOption) (*Queue, error) {
 	if o.capacity < 0 || o.capacity > MaxCapacity {
 		return nil, fmt.Errorf("mp: queue capacity %d is outside 1 to %d", o.capacity, MaxCapacity)
 	}
-	pair, err := socketPair()
+	pair, err := sock.Pair()
 	if err != nil {
 		return nil, err
 	}
@@ -132,7 +151,7 @@ func NewQueue(opts ...QueueOption) (*Queue, error) {
 	if err != nil || o.capacity == 0 {
 		return q, err
 	}
-	if err := q.makePlaces(o.capacity); err != nil {
+	if q.places, err = sock.NewPlaces(o.capacity); err != nil {
 		_ = q.Close()
 		return nil, err
 	}
@@ -140,66 +159,26 @@ func NewQueue(opts ...QueueOption) (*Queue, error) {
 }
 
 func queueFrom(in, out *fd.FD) (*Queue, error) {
-	ci, err := newConn(in, "queue")
+	ci, err := sock.New(in, "queue")
 	if err != nil {
 		_ = out.Close()
 		return nil, err
 	}
-	co, err := newConn(out, "queue")
+	co, err := sock.New(out, "queue")
 	if err != nil {
-		_ = ci.close()
+		_ = ci.Close()
 		return nil, err
 	}
 	return &Queue{in: ci, out: co}, nil
 }
 
-// makePlaces gives q a capacity of n: a pipe holding n bytes.
-func (q *Queue) makePlaces(n int) error {
-	p, err := placesPipe(n)
-	if err != nil {
-		return fmt.Errorf("mp: a queue capacity of %d: %w%s", n, err, fdHint(err))
-	}
-	if err := fillPlaces(p[1], n); err != nil {
-		_, _ = unix.Close(p[0]), unix.Close(p[1])
-		return err
-	}
-	return q.adoptPlaces(fd.New(p[0]), fd.New(p[1]), n)
-}
-
-// fillPlaces writes n bytes, one per free place, into a places pipe.
-func fillPlaces(w, n int) error {
-	ones := make([]byte, min(n, 64<<10))
-	for i := range ones {
-		ones[i] = 1
-	}
-	for left := n; left > 0; {
-		k, err := unix.Write(w, ones[:min(left, len(ones))])
-		if err != nil {
-			return fmt.Errorf("mp: filling a queue's places: %w", err)
-		}
-		left -= k
-	}
-	return nil
-}
-
-// adoptPlaces makes r and w, the ends of a places pipe, q's.
-func (q *Queue) adoptPlaces(r, w *fd.FD, n int) error {
-	free, err := newConn(r, "queue places")
-	if err != nil {
-		_ = w.Close()
-		return err
-	}
-	freed, err := newConn(w, "queue places")
-	if err != nil {
-		_ = free.close()
-		return err
-	}
-	q.free, q.freed, q.capacity = free, freed, n
-	return nil
-}
-
 // Cap returns the queue's capacity, or 0 if it has none.
-func (q *Queue) Cap() int { return q.capacity }
+func (q *Queue) Cap() int {
+	if q.places == nil {
+		return 0
+	}
+	return q.places.Cap()
+}
 
 // Put sends v, which may hold tensors, queues and pipes anywhere inside
 // it. It waits while the queue is full (see WithCapacity), until ctx ends.
@@ -210,14 +189,20 @@ func (q *Queue) Put(ctx context.Context, v any) error { return q.put(ctx, v, tru
 func (q *Queue) TryPut(ctx context.Context, v any) error { return q.put(ctx, v, false) }
 
 func (q *Queue) put(ctx context.Context, v any, block bool) error {
-	if q.free != nil {
-		if err := q.takePlace(ctx, block); err != nil {
+	if q.places != nil {
+		var err error
+		if block {
+			err = q.places.Take(ctx)
+		} else {
+			err = q.places.TryTake(ctx)
+		}
+		if err != nil {
 			return fullErr(err)
 		}
 	}
 	err := put(ctx, q.in, v, block)
-	if err != nil && q.free != nil {
-		q.givePlace()
+	if err != nil && q.places != nil {
+		q.places.Give()
 	}
 	return fullErr(err)
 }
@@ -231,68 +216,44 @@ func (q *Queue) Get(ctx context.Context, v any) error { return q.get(ctx, v, tru
 func (q *Queue) TryGet(ctx context.Context, v any) error { return q.get(ctx, v, false) }
 
 func (q *Queue) get(ctx context.Context, v any, block bool) error {
-	data, fds, done, err := q.take(ctx, block)
+	m, err := q.take(ctx, block)
 	if err != nil {
 		return err
 	}
-	defer done()
-	return decode(data, fds, v)
+	defer m.Done()
+	return decode(m.Data, m.FDs, v)
 }
 
 // take receives the next message, giving its place back at once; the
-// caller decodes it (which takes fds over), then calls done.
-func (q *Queue) take(ctx context.Context, block bool) (data []byte, fds []int, done func(), err error) {
-	data, fds, done, err = q.out.recv(ctx, block)
-	if errors.Is(err, errWouldBlock) {
-		return nil, nil, nil, ErrEmpty
+// caller decodes it (which takes its descriptors over), then calls its
+// Done.
+func (q *Queue) take(ctx context.Context, block bool) (sock.Msg, error) {
+	m, err := recv(ctx, q.out, block)
+	if errors.Is(err, sock.ErrWouldBlock) {
+		return sock.Msg{}, ErrEmpty
 	}
 	if err != nil {
-		return nil, nil, nil, err
+		return sock.Msg{}, err
 	}
-	if q.free != nil {
-		q.givePlace() // the message is out of the queue
+	if q.places != nil {
+		q.places.Give() // the message is out of the queue
 	}
-	return data, fds, done, nil
+	return m, nil
 }
 
 func fullErr(err error) error {
-	if errors.Is(err, errWouldBlock) {
+	if errors.Is(err, sock.ErrWouldBlock) {
 		return ErrFull
 	}
 	return err
 }
 
-// takePlace takes a byte from the places pipe.
-func (q *Queue) takePlace(ctx context.Context, block bool) error {
-	if err := q.free.lock(ctx, q.free.rmu, block); err != nil {
-		return err
-	}
-	defer func() { <-q.free.rmu }()
-	return q.free.io(ctx, unix.POLLIN, "taking a place in a queue", block, func(s int) error {
-		var b [1]byte
-		n, err := unix.Read(s, b[:])
-		if err == nil && n == 0 {
-			return io.EOF // every writing end closed: not while q holds one
-		}
-		return err
-	}, nil)
-}
-
-// givePlace puts a byte back into the places pipe. It never waits: the
-// pipe has room for every place.
-func (q *Queue) givePlace() {
-	_ = q.freed.io(context.Background(), unix.POLLOUT, "giving a place back to a queue", false, func(s int) error {
-		_, err := unix.Write(s, []byte{1})
-		return err
-	}, nil)
-}
-
 // Close releases this process's hold on the queue and wakes its blocked
 // Put and Get calls with ErrClosed. Other processes keep theirs.
 func (q *Queue) Close() error {
-	err := errors.Join(q.in.close(), q.out.close())
-	if q.free != nil {
-		err = errors.Join(err, q.free.close(), q.freed.close())
+	err := errors.Join(q.in.Close(), q.out.Close())
+	if q.places != nil {
+		err = errors.Join(err, q.places.Close())
 	}
 	return err
 }
@@ -300,14 +261,18 @@ func (q *Queue) Close() error {
 // A queue travels as the indexes of its descriptors (in, out, and with a
 // capacity the places pipe's ends) and, with a capacity, the capacity.
 func (q *Queue) encode(enc *msgpack.Encoder) ([]byte, error) {
-	if q.free == nil {
-		return encodeConns(enc, q.in, q.out)
+	payload, err := encodeConns(enc, q.in, q.out)
+	if err != nil || q.places == nil {
+		return payload, err
 	}
-	payload, err := encodeConns(enc, q.in, q.out, q.free, q.freed)
+	r, w, err := q.places.Dup()
 	if err != nil {
+		return nil, fmt.Errorf("mp: sending a queue or pipe: %w", err)
+	}
+	if payload, err = addFDs(enc, payload, r, w); err != nil {
 		return nil, err
 	}
-	return binary.LittleEndian.AppendUint32(payload, uint32(q.capacity)), nil
+	return binary.LittleEndian.AppendUint32(payload, uint32(q.places.Cap())), nil
 }
 
 func decodeQueue(dec *msgpack.Decoder, n int) (*Queue, error) {
@@ -330,9 +295,9 @@ func decodeQueue(dec *msgpack.Decoder, n int) (*Queue, error) {
 	if err != nil {
 		return nil, err
 	}
-	err = errors.Join(checkSocket(fds[0]), checkSocket(fds[1]))
+	err = errors.Join(sock.CheckSocket(fds[0]), sock.CheckSocket(fds[1]))
 	if err == nil && bounded {
-		err = checkPlaces(fds[2], fds[3])
+		err = sock.CheckPlaces(fds[2], fds[3])
 	}
 	if err != nil {
 		fd.CloseEach(fds)
@@ -344,7 +309,7 @@ func decodeQueue(dec *msgpack.Decoder, n int) (*Queue, error) {
 		return nil, err
 	}
 	if bounded {
-		if err := q.adoptPlaces(fds[2], fds[3], capacity); err != nil {
+		if q.places, err = sock.AdoptPlaces(fds[2], fds[3], capacity); err != nil {
 			_ = q.Close()
 			return nil, err
 		}
@@ -356,7 +321,7 @@ func decodeQueue(dec *msgpack.Decoder, n int) (*Queue, error) {
 // end sends, the other receives, in order. NewPipe returns both ends; give
 // one to another process through Spawn's arguments or a Queue.
 type Pipe struct {
-	c *conn
+	c *sock.Conn
 	// unwatch ends the watch on the process at the other end of an
 	// endpoint's connection (see watchPeer); nil for other pipes.
 	unwatch func()
@@ -365,18 +330,18 @@ type Pipe struct {
 // NewPipe returns the two connected ends of a new Pipe.
 func NewPipe() (*Pipe, *Pipe, error) {
 	checkInit("mp.NewPipe")
-	pair, err := socketPair()
+	pair, err := sock.Pair()
 	if err != nil {
 		return nil, nil, err
 	}
-	a, err := newConn(pair[0], "pipe")
+	a, err := sock.New(pair[0], "pipe")
 	if err != nil {
 		_ = pair[1].Close()
 		return nil, nil, err
 	}
-	b, err := newConn(pair[1], "pipe")
+	b, err := sock.New(pair[1], "pipe")
 	if err != nil {
-		_ = a.close()
+		_ = a.Close()
 		return nil, nil, err
 	}
 	return &Pipe{c: a}, &Pipe{c: b}, nil
@@ -394,7 +359,7 @@ func (p *Pipe) Close() error {
 	if p.unwatch != nil {
 		p.unwatch()
 	}
-	return p.c.close()
+	return p.c.Close()
 }
 
 func (p *Pipe) encode(enc *msgpack.Encoder) ([]byte, error) {
@@ -413,11 +378,11 @@ func decodePipe(dec *msgpack.Decoder, n int) (*Pipe, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := checkSocket(fds[0]); err != nil {
+	if err := sock.CheckSocket(fds[0]); err != nil {
 		fd.CloseEach(fds)
 		return nil, err
 	}
-	c, err := newConn(fds[0], "pipe")
+	c, err := sock.New(fds[0], "pipe")
 	if err != nil {
 		return nil, err
 	}
@@ -427,15 +392,27 @@ func decodePipe(dec *msgpack.Decoder, n int) (*Pipe, error) {
 // encodeConns adds duplicates of the connections' descriptors to the
 // message, which owns them until it is sent, and returns their indexes as
 // the extension's payload.
-func encodeConns(enc *msgpack.Encoder, conns ...*conn) ([]byte, error) {
+func encodeConns(enc *msgpack.Encoder, conns ...*sock.Conn) ([]byte, error) {
 	payload := make([]byte, 0, 4*len(conns))
 	for _, c := range conns {
-		dup, err := c.dupSocket()
+		dup, err := c.Dup()
 		if err != nil {
 			return nil, fmt.Errorf("mp: sending a queue or pipe: %w", err)
 		}
-		i, err := carry.AddFD(enc, dup)
+		if payload, err = addFDs(enc, payload, dup); err != nil {
+			return nil, err
+		}
+	}
+	return payload, nil
+}
+
+// addFDs adds fds, which the caller owned, to the message, which owns
+// them from then on, and appends their indexes to payload.
+func addFDs(enc *msgpack.Encoder, payload []byte, fds ...*fd.FD) ([]byte, error) {
+	for k, f := range fds {
+		i, err := carry.AddFD(enc, f)
 		if err != nil {
+			fd.CloseEach(fds[k+1:])
 			return nil, err
 		}
 		payload = binary.LittleEndian.AppendUint32(payload, uint32(i))
@@ -456,48 +433,4 @@ func takeFDs(dec *msgpack.Decoder, payload []byte, want int) ([]*fd.FD, error) {
 		fds = append(fds, f)
 	}
 	return fds, nil
-}
-
-// checkSocket checks that f, received for a queue or a pipe, is what
-// NewQueue and NewPipe make: an AF_UNIX SOCK_SEQPACKET socket. A peer can
-// put any descriptor it has in a queue's place; taken for one, it would
-// fail only at first use.
-func checkSocket(f *fd.FD) error {
-	raw, err := f.Lend()
-	if err != nil {
-		return err
-	}
-	defer f.Return()
-	if domain, typ, err := socketKind(raw); err != nil || domain != unix.AF_UNIX || typ != unix.SOCK_SEQPACKET {
-		return fmt.Errorf("mp: a received queue or pipe: %s is not a queue's or pipe's socket (AF_UNIX, SOCK_SEQPACKET)", describeFD(raw))
-	}
-	return nil
-}
-
-// checkPlaces checks that r and w, received for a bounded queue's places,
-// are the reading and the writing end of one pipe.
-func checkPlaces(r, w *fd.FD) error {
-	rr, err := r.Lend()
-	if err != nil {
-		return err
-	}
-	defer r.Return()
-	rw, err := w.Lend()
-	if err != nil {
-		return err
-	}
-	defer w.Return()
-	var rs, ws unix.Stat_t
-	if unix.Fstat(rr, &rs) != nil || unix.Fstat(rw, &ws) != nil ||
-		rs.Mode&unix.S_IFMT != unix.S_IFIFO || rs.Dev != ws.Dev || rs.Ino != ws.Ino ||
-		!accessMode(rr, unix.O_RDONLY) || !accessMode(rw, unix.O_WRONLY) {
-		return fmt.Errorf("mp: a received bounded queue: %s and %s are not the two ends of its places pipe", describeFD(rr), describeFD(rw))
-	}
-	return nil
-}
-
-// accessMode reports whether fd is open with access mode mode.
-func accessMode(fd, mode int) bool {
-	fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
-	return err == nil && fl&unix.O_ACCMODE == mode
 }

@@ -21,6 +21,7 @@ import (
 	"github.com/tensormp/tensormp/internal/leftover"
 	"github.com/tensormp/tensormp/internal/reexec"
 	"github.com/tensormp/tensormp/internal/shm"
+	"github.com/tensormp/tensormp/internal/sock"
 )
 
 // A session is a program's process and every worker it spawns, however
@@ -153,7 +154,7 @@ func startSession() (*os.File, error) {
 	if f, err := openLock(path, false); err == nil {
 		_ = f.Close()
 	} else if !errors.Is(err, os.ErrNotExist) {
-		return nil, fmt.Errorf("mp: session lock: %w%s", err, fdHint(err))
+		return nil, fmt.Errorf("mp: session lock: %w%s", err, sock.FDHint(err))
 	}
 	type start struct {
 		k   *keeper
@@ -191,7 +192,7 @@ func startSession() (*os.File, error) {
 		for _, k := range ks {
 			k.abandon()
 		}
-		return nil, fmt.Errorf("mp: session lock %s: %w%s", path, err, fdHint(err))
+		return nil, fmt.Errorf("mp: session lock %s: %w%s", path, err, sock.FDHint(err))
 	}
 	joinRoll(f)
 	for _, k := range ks {
@@ -237,7 +238,7 @@ func startKeeper(id, dir, how string) (*keeper, error) {
 	}
 	pair, err := unix.Socketpair(unix.AF_UNIX, streamType, 0)
 	if err != nil {
-		return nil, fmt.Errorf("mp: starting the session keeper: %w%s", err, fdHint(err))
+		return nil, fmt.Errorf("mp: starting the session keeper: %w%s", err, sock.FDHint(err))
 	}
 	if err := unix.SetNonblock(pair[0], true); err != nil {
 		_, _ = unix.Close(pair[0]), unix.Close(pair[1])

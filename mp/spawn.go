@@ -18,6 +18,7 @@ import (
 	"github.com/tensormp/tensormp/internal/leftover"
 	"github.com/tensormp/tensormp/internal/reexec"
 	"github.com/tensormp/tensormp/internal/shm"
+	"github.com/tensormp/tensormp/internal/sock"
 	"github.com/tensormp/tensormp/reduction"
 	"github.com/tensormp/tensormp/strategy"
 )
@@ -122,7 +123,7 @@ type Group struct {
 type proc struct {
 	rank int
 	cmd  *exec.Cmd
-	ctl  *conn
+	ctl  *sock.Conn
 	out  []*lineWriter
 	done chan struct{}
 
@@ -198,7 +199,7 @@ func Spawn(ctx context.Context, name string, n int, opts ...Option) (*Group, err
 			var fds []int
 			if args, fds, err = enc.Encode(v); err != nil {
 				err = fmt.Errorf("encoding arguments: %w", err)
-			} else if err = p.ctl.send(ctx, args, fds, true); err != nil {
+			} else if err = p.ctl.Send(ctx, args, fds); err != nil {
 				enc.Discard()
 				if said := p.setupFailure(err); said != nil {
 					err = said
@@ -249,18 +250,18 @@ func Run(ctx context.Context, name string, n int, opts ...Option) error {
 // dies of o.grace later (see workerContext), and SIGKILL if it has not
 // exited killAfterGrace after that.
 func start(ctx context.Context, name string, rank, world int, place device.Place, lock *os.File, o options, stdout, stderr *lineWriter) (*proc, error) {
-	pair, err := socketPair()
+	pair, err := sock.Pair()
 	if err != nil {
 		return nil, err
 	}
-	ctl, err := newConn(pair[0], "control")
+	ctl, err := sock.New(pair[0], "control")
 	if err != nil {
 		_ = pair[1].Close()
 		return nil, err
 	}
 	raw, err := pair[1].Disown()
 	if err != nil {
-		_ = ctl.close()
+		_ = ctl.Close()
 		return nil, err
 	}
 	child := os.NewFile(uintptr(raw), "control")
@@ -268,7 +269,7 @@ func start(ctx context.Context, name string, rank, world int, place device.Place
 
 	cmd, err := reexec.Command(ctx, workerPrefix+name)
 	if err != nil {
-		_ = ctl.close()
+		_ = ctl.Close()
 		return nil, err
 	}
 	cmd.Env = append(cmd.Env,
@@ -290,8 +291,8 @@ func start(ctx context.Context, name string, rank, world int, place device.Place
 	// pipes from hanging Wait.
 	cmd.WaitDelay = o.grace + killAfterGrace
 	if err := startOnSpawnerThread(cmd); err != nil {
-		_ = ctl.close()
-		return nil, fmt.Errorf("mp: starting worker %d: %w%s", rank, err, fdHint(err))
+		_ = ctl.Close()
+		return nil, fmt.Errorf("mp: starting worker %d: %w%s", rank, err, sock.FDHint(err))
 	}
 	return &proc{
 		rank: rank, cmd: cmd, ctl: ctl, out: []*lineWriter{stdout, stderr}, done: make(chan struct{}),
@@ -329,7 +330,7 @@ func (g *Group) watch(p *proc) {
 		leftover.Remove(pid)
 	}
 	waitErr := p.cmd.Wait()
-	_ = p.ctl.close()
+	_ = p.ctl.Close()
 	for _, w := range p.out {
 		w.flush()
 	}

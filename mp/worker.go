@@ -19,6 +19,7 @@ import (
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/reexec"
 	"github.com/tensormp/tensormp/internal/shm"
+	"github.com/tensormp/tensormp/internal/sock"
 	"github.com/tensormp/tensormp/reduction"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -66,7 +67,7 @@ func Register(name string, fn WorkerFunc) {
 type Worker struct {
 	rank, world int
 	log         hclog.Logger
-	ctl         *conn
+	ctl         *sock.Conn
 
 	argsOnce sync.Once
 	argsData []byte
@@ -134,19 +135,19 @@ func runWorker(name string, fn WorkerFunc) int {
 			return fail(err)
 		}
 	}
-	ctl, err := newConn(fd.New(ctlFD), "control")
+	ctl, err := sock.New(fd.New(ctlFD), "control")
 	if err != nil {
 		return fail(err)
 	}
 	w := &Worker{rank: rank, world: world, log: log, ctl: ctl}
 	setup, cancel := context.WithTimeout(context.Background(), time.Minute)
-	data, fds, done, err := ctl.recv(setup, true)
+	m, err := ctl.Recv(setup)
 	cancel()
 	if err != nil {
 		return fail(fmt.Errorf("receiving arguments: %w", err))
 	}
-	w.argsData, w.argsFDs = append([]byte(nil), data...), fds
-	done()
+	w.argsData, w.argsFDs = append([]byte(nil), m.Data...), m.FDs
+	m.Done()
 
 	// The backstop to Pdeathsig: the parent closing the control socket,
 	// or dying, ends the worker.
@@ -244,7 +245,7 @@ func dieOf(sig syscall.Signal) {
 
 // report sends a worker's result to its parent on ctl, giving up after
 // 10 seconds.
-func report(ctl *conn, res result) error {
+func report(ctl *sock.Conn, res result) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	return put(ctx, ctl, &res, true)

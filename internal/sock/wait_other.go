@@ -1,6 +1,6 @@
 //go:build !linux
 
-package mp
+package sock
 
 import (
 	"context"
@@ -26,7 +26,7 @@ func (*waitSlot) wait(int, int16) bool { return false }
 // Receives do not block in the call: they poll.
 func blockingReceives(int) bool { return false }
 
-func (*conn) blockingCall(context.Context, func(int) error) error { return unix.EAGAIN }
+func (*Conn) blockingCall(context.Context, func(int) error) error { return unix.EAGAIN }
 
 type parking struct{ ready chan struct{} }
 

@@ -1,4 +1,4 @@
-package mp
+package sock
 
 import (
 	"context"
@@ -155,7 +155,7 @@ func blockingReceives(s int) bool {
 // make a second call. The socket's receive timeout bounds it (see
 // blockingReceives); close and the end of ctx interrupt it. Without a
 // free wait slot it returns EAGAIN at once, and the caller parks.
-func (c *conn) blockingCall(ctx context.Context, recv func(s int) error) error {
+func (c *Conn) blockingCall(ctx context.Context, recv func(s int) error) error {
 	sl := takeWaitSlot()
 	if sl == nil {
 		return unix.EAGAIN
@@ -190,7 +190,7 @@ func (sl *waitSlot) wait(s int, ev int16) bool {
 }
 
 // thePoller is the package's poller: one epoll instance and one goroutine
-// waiting on it, for every parked caller of every conn. Sockets are
+// waiting on it, for every parked caller of every Conn. Sockets are
 // registered one-shot, when a caller parks, so a socket nobody waits on
 // never wakes it.
 var thePoller struct {
@@ -203,8 +203,8 @@ var thePoller struct {
 	parks map[uint64]*parking
 }
 
-// parking is a conn's registration with the poller. It belongs to the
-// conn, which releases it before it closes its socket.
+// parking is a Conn's registration with the poller. It belongs to the
+// Conn, which releases it before it closes its socket.
 type parking struct {
 	mu   sync.Mutex
 	id   uint64 // 0 until the socket is registered
@@ -253,7 +253,7 @@ func (p *parking) arm(s int, ev int16) (<-chan struct{}, error) {
 	return ch, nil
 }
 
-// release unregisters s. The conn calls it once no call uses s, before
+// release unregisters s. The Conn calls it once no call uses s, before
 // closing s: the socket may live on in other processes, and epoll would
 // keep reporting it.
 func (p *parking) release(s int) {
@@ -323,7 +323,7 @@ func pollLoop(epfd int) {
 		for _, p := range ready {
 			p.notify()
 		}
-		clear(ready) // no registration outlives its conn here
+		clear(ready) // no registration outlives its Conn here
 	}
 }
 

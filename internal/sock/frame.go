@@ -1,4 +1,4 @@
-package mp
+package sock
 
 import (
 	"encoding/binary"
@@ -12,7 +12,7 @@ import (
 	"github.com/tensormp/tensormp/internal/shm"
 )
 
-// A message on a conn's socket is one frame, sent by one sendmsg: a
+// A message on a Conn's socket is one frame, sent by one sendmsg: a
 // header, then the payload, with the descriptors in one SCM_RIGHTS
 // control message:
 //
@@ -152,14 +152,14 @@ func appendRights(b []byte, fds []int) []byte {
 func sendCarried(fds []int) (int, error) {
 	pair, err := unix.Socketpair(unix.AF_UNIX, sockType, 0)
 	if err != nil {
-		return -1, fmt.Errorf("mp: carrier socket: %w%s", err, fdHint(err))
+		return -1, fmt.Errorf("mp: carrier socket: %w%s", err, FDHint(err))
 	}
 	defer unix.Close(pair[0])
 	for len(fds) > 0 {
 		n := min(len(fds), maxFDs)
 		if err := unix.Sendmsg(pair[0], []byte{1}, unix.UnixRights(fds[:n]...), nil, 0); err != nil {
 			_ = unix.Close(pair[1])
-			return -1, fmt.Errorf("mp: carrying %d descriptors: %w%s", len(fds), err, fdHint(err))
+			return -1, fmt.Errorf("mp: carrying %d descriptors: %w%s", len(fds), err, FDHint(err))
 		}
 		fds = fds[n:]
 	}
@@ -231,7 +231,7 @@ func recvCarried(carrier, want int) (fds []int, err error) {
 			}
 		}
 		if err != nil {
-			return fds, fmt.Errorf("mp: receive: carried descriptors: %w%s", err, fdHint(err))
+			return fds, fmt.Errorf("mp: receive: carried descriptors: %w%s", err, FDHint(err))
 		}
 		if flags&unix.MSG_CTRUNC != 0 {
 			return fds, errors.New("mp: receive: carried descriptors were dropped by the kernel (MSG_CTRUNC): " + shm.FDLimitHint)

@@ -1,6 +1,6 @@
 //go:build linux
 
-package mp
+package sock
 
 import (
 	"context"
@@ -16,7 +16,7 @@ import (
 
 // inBlockingReceive waits until a receive on c is blocked in the receive
 // call itself, its thread published for signals.
-func inBlockingReceive(t *testing.T, c *conn) {
+func inBlockingReceive(t *testing.T, c *Conn) {
 	t.Helper()
 	require.Eventually(t, func() bool {
 		sl := c.rwait.Load()
@@ -30,7 +30,7 @@ func inBlockingReceive(t *testing.T, c *conn) {
 // is an hour here, so only the signal can end those waits in time.
 func TestBlockingReceiveIsInterrupted(t *testing.T) {
 	leakcheck.Check(t)
-	blocked := func(t *testing.T) (*conn, int) {
+	blocked := func(t *testing.T) (*Conn, int) {
 		c, raw := rawPair(t)
 		t.Cleanup(func() { _ = unix.Close(raw) })
 		require.True(t, c.recvBlock, "a socket pair's end receives in the receive call")
@@ -38,14 +38,14 @@ func TestBlockingReceiveIsInterrupted(t *testing.T) {
 		require.NoError(t, unix.SetsockoptTimeval(c.sock.Num(), unix.SOL_SOCKET, unix.SO_RCVTIMEO, &hour))
 		return c, raw
 	}
-	recv := func(ctx context.Context, c *conn) <-chan error {
+	recv := func(ctx context.Context, c *Conn) <-chan error {
 		errc := make(chan error, 1)
 		go func() {
-			data, fds, done, err := c.recv(ctx, true)
+			m, err := c.Recv(ctx)
 			if err == nil {
-				assert.Equal(t, []byte("hello"), data)
-				assert.Empty(t, fds)
-				done()
+				assert.Equal(t, []byte("hello"), m.Data)
+				assert.Empty(t, m.FDs)
+				m.Done()
 			}
 			errc <- err
 		}()
@@ -76,7 +76,7 @@ func TestBlockingReceiveIsInterrupted(t *testing.T) {
 		errc := recv(context.Background(), c)
 		inBlockingReceive(t, c)
 		closed := make(chan error, 1)
-		go func() { closed <- c.close() }() // waits for the receive to return
+		go func() { closed <- c.Close() }() // waits for the receive to return
 		assert.ErrorIs(t, returns(t, errc, raw), ErrClosed)
 		assert.NoError(t, <-closed)
 	})

@@ -1,4 +1,4 @@
-package mp
+package sock
 
 import (
 	"context"
@@ -15,23 +15,34 @@ import (
 	"github.com/tensormp/tensormp/internal/shm"
 )
 
-// ErrClosed is returned by operations on a closed Queue, Pipe or
-// connection, and to callers blocked in one when it is closed.
+// ErrClosed is returned by calls on a closed Conn, and to callers blocked
+// in one when it is closed; also by receives once the other end is closed
+// in every process. It is mp.ErrClosed.
 var ErrClosed = errors.New("mp: closed")
 
 // ErrMalformed is wrapped by the errors for a message that tensormp did
-// not frame: whatever it brought is closed, and the queue goes on.
+// not frame: whatever it brought is closed, and the Conn goes on. It is
+// mp.ErrMalformed.
 var ErrMalformed = errors.New("mp: malformed message")
 
-// conn is one end of a SOCK_SEQPACKET socket. Each logical message is one
-// sendmsg, whatever its size or number of descriptors (see frame.go), so
-// that several processes writing and reading the same socket never see a
-// message in parts.
+// ErrWouldBlock is what the Try calls return instead of waiting.
+var ErrWouldBlock = errors.New("mp: would block")
+
+// A Conn is this process's hold on one descriptor that tensormp waits
+// on: most often an end of a connected AF_UNIX SOCK_SEQPACKET socket,
+// whose messages Send and Recv carry, each logical message one sendmsg
+// whatever its size or number of descriptors (see frame.go), so that
+// several processes writing and reading the same socket never see a
+// message in parts. Inside this package a Conn also holds a listening
+// socket (Listener) and an end of a pipe (Places), which only its waiting
+// serves; Send and Recv are for the first kind alone.
 //
-// A conn does its own waiting, not the runtime poller's (see io): a
+// A Conn does its own waiting, not the runtime poller's (see io): a
 // message that arrives while its reader waits wakes the reader's thread
-// directly, without a round of the scheduler.
-type conn struct {
+// directly, without a round of the scheduler. It owns its descriptor
+// until Close; any number of goroutines may call it, one receive and one
+// send running at a time.
+type Conn struct {
 	sock *fd.FD // the socket; its number is valid while use is held
 
 	// use is read-held by every call on s and write-held by close,
@@ -61,7 +72,7 @@ type conn struct {
 	rmu  chan struct{} // held by the one reader
 	wmu  chan struct{} // held by the one writer
 	once sync.Once
-	// waiting counts the calls of this process that wait on the conn:
+	// waiting counts the calls of this process that wait on the Conn:
 	// for rmu or wmu, or for the socket to be ready.
 	waiting atomic.Int32
 
@@ -71,7 +82,6 @@ type conn struct {
 	buf, oob          []byte
 	rfds              []int // the message's descriptors, in a slice reused
 	tryRecv, waitRecv func(s int) error
-	endRecv           func() // recvDone
 	got               received
 	spill             []byte // the mapping the message lies in, if spilled
 
@@ -82,9 +92,11 @@ type conn struct {
 	wrights []byte
 }
 
-// newConn wraps s, a SOCK_SEQPACKET socket (or an end of a queue's places
-// pipe, which only io uses), taking it over.
-func newConn(s *fd.FD, name string) (*conn, error) {
+// New wraps s, a connected SOCK_SEQPACKET socket (or, inside this
+// package, a listening socket or an end of a places pipe, which only io
+// uses), taking it over: on error s is closed. name says what s is in
+// errors.
+func New(s *fd.FD, name string) (*Conn, error) {
 	raw, err := s.Lend()
 	if err != nil {
 		return nil, fmt.Errorf("mp: %s: %w", name, err)
@@ -97,7 +109,7 @@ func newConn(s *fd.FD, name string) (*conn, error) {
 			return nil, fmt.Errorf("mp: %s: %w", name, err)
 		}
 	}
-	return &conn{
+	return &Conn{
 		sock:      s,
 		done:      make(chan struct{}),
 		park:      newParking(),
@@ -107,17 +119,20 @@ func newConn(s *fd.FD, name string) (*conn, error) {
 	}, nil
 }
 
-// socketPair returns the two connected ends of a new SOCK_SEQPACKET
-// socket pair, close-on-exec, each owned by the caller.
-func socketPair() ([2]*fd.FD, error) {
+// Pair returns the two connected ends of a new SOCK_SEQPACKET socket
+// pair, close-on-exec, each owned by the caller.
+func Pair() ([2]*fd.FD, error) {
 	fds, err := unix.Socketpair(unix.AF_UNIX, sockType, 0)
 	if err != nil {
-		return [2]*fd.FD{}, fmt.Errorf("mp: socketpair: %w%s", err, fdHint(err))
+		return [2]*fd.FD{}, fmt.Errorf("mp: socketpair: %w%s", err, FDHint(err))
 	}
 	return [2]*fd.FD{fd.New(fds[0]), fd.New(fds[1])}, nil
 }
 
-func fdHint(err error) string {
+// FDHint is what to append to an error for err, the failure of a call
+// that makes descriptors: the way out of the descriptor limit when err is
+// that limit, else nothing.
+func FDHint(err error) string {
 	if fd.OutOfDescriptors(err) {
 		return " (out of file descriptors: " + shm.FDLimitHint + ")"
 	}
@@ -128,16 +143,13 @@ func fdHint(err error) string {
 // sleep and wakeup. One that took less found its message there.
 const waitedMin = 5 * time.Microsecond
 
-// errWouldBlock is what a call that may not wait returns instead.
-var errWouldBlock = errors.New("mp: would block")
-
-// errConnClosed is what calls on a closed conn return.
+// errConnClosed is what calls on a closed Conn return.
 var errConnClosed = fmt.Errorf("%w (the connection)", ErrClosed)
 
-// dupSocket returns a duplicate of the socket's descriptor, for passing
-// to another process, owned by the caller. A Close racing the send of it
-// closes the conn, never the duplicate.
-func (c *conn) dupSocket() (*fd.FD, error) {
+// Dup returns a duplicate of the Conn's descriptor, for passing to
+// another process, owned by the caller. A Close racing the send of it
+// closes the Conn, never the duplicate.
+func (c *Conn) Dup() (*fd.FD, error) {
 	c.use.RLock()
 	defer c.use.RUnlock()
 	if c.closed.Load() {
@@ -145,14 +157,15 @@ func (c *conn) dupSocket() (*fd.FD, error) {
 	}
 	dup, err := c.sock.Dup()
 	if err != nil {
-		return nil, fmt.Errorf("mp: duplicating a socket: %w%s", err, fdHint(err))
+		return nil, fmt.Errorf("mp: duplicating a socket: %w%s", err, FDHint(err))
 	}
 	return dup, nil
 }
 
-// close closes the socket once the calls using it have returned: it wakes
-// those that wait first, and they return ErrClosed.
-func (c *conn) close() error {
+// Close closes the descriptor once the calls using it have returned: it
+// wakes those that wait first, and they return ErrClosed. Calls after the
+// first do nothing and return nil.
+func (c *Conn) Close() error {
 	var err error
 	c.once.Do(func() {
 		c.closed.Store(true)
@@ -174,7 +187,7 @@ func (c *conn) close() error {
 // caller that cancels its context after its receive has returned does not
 // disturb the next receive. Contexts are told apart by their Done
 // channels, which any context type has comparable.
-func (c *conn) watch(ctx context.Context) {
+func (c *Conn) watch(ctx context.Context) {
 	done := ctx.Done()
 	c.watchMu.Lock()
 	defer c.watchMu.Unlock()
@@ -213,7 +226,7 @@ func interrupt(sl *waitSlot) {
 // lock takes sem, one of c's, giving up when ctx ends. A context that is
 // done already gets nothing, even if sem is free: a Get on a cancelled
 // context never takes a message.
-func (c *conn) lock(ctx context.Context, sem chan struct{}, block bool) error {
+func (c *Conn) lock(ctx context.Context, sem chan struct{}, block bool) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -222,7 +235,7 @@ func (c *conn) lock(ctx context.Context, sem chan struct{}, block bool) error {
 		return nil
 	default:
 		if !block {
-			return errWouldBlock // another call of this process is waiting
+			return ErrWouldBlock // another call of this process is waiting
 		}
 	}
 	c.waiting.Add(1)
@@ -240,9 +253,9 @@ func (c *conn) lock(ctx context.Context, sem chan struct{}, block bool) error {
 // Between tries it waits for the socket to be ready for ev (POLLIN or
 // POLLOUT): in the kernel if a wait slot is free, where readiness wakes
 // this thread directly (a reply within microseconds costs no scheduling),
-// else parked on the package's poller, costing no thread. Once the conn
+// else parked on the package's poller, costing no thread. Once the Conn
 // is closed it returns ErrClosed, once ctx is done ctx's error, at once
-// from either wait. Unless block, it returns errWouldBlock instead of
+// from either wait. Unless block, it returns ErrWouldBlock instead of
 // waiting.
 //
 // wait, if not nil, is op's blocking form, a receive: on a socket whose
@@ -250,7 +263,7 @@ func (c *conn) lock(ctx context.Context, sem chan struct{}, block bool) error {
 // message wakes with the message (one system call where a poll costs two).
 // When the last receive waited, as every one does in a conversation, the
 // blocking call is also the first try.
-func (c *conn) io(ctx context.Context, ev int16, what string, block bool, op, wait func(s int) error) error {
+func (c *Conn) io(ctx context.Context, ev int16, what string, block bool, op, wait func(s int) error) error {
 	c.use.RLock()
 	defer c.use.RUnlock()
 	reset, waiting := false, false
@@ -295,9 +308,9 @@ func (c *conn) io(ctx context.Context, ev int16, what string, block bool, op, wa
 			if err = connErr(err); errors.Is(err, ErrClosed) {
 				return err
 			}
-			return fmt.Errorf("mp: %s: %w%s", what, err, fdHint(err))
+			return fmt.Errorf("mp: %s: %w%s", what, err, FDHint(err))
 		case !block:
-			return errWouldBlock
+			return ErrWouldBlock
 		case ctx.Err() != nil:
 			return ctx.Err()
 		case canBlock:
@@ -319,9 +332,9 @@ func (c *conn) io(ctx context.Context, ev int16, what string, block bool, op, wa
 
 // waitKernel waits in the kernel for the socket to be ready for ev and
 // reports whether it may be. It returns false at once when no wait slot is
-// free, when the conn is closed or ctx is done, and when its wait is
+// free, when the Conn is closed or ctx is done, and when its wait is
 // interrupted (by close, by ctx, or to give its slot to another caller).
-func (c *conn) waitKernel(ctx context.Context, ev int16) bool {
+func (c *Conn) waitKernel(ctx context.Context, ev int16) bool {
 	sl := takeWaitSlot()
 	if sl == nil {
 		return false
@@ -347,10 +360,10 @@ func (c *conn) waitKernel(ctx context.Context, ev int16) bool {
 
 // waitParked waits for the socket to be ready for ev on the package's
 // poller, without a thread of its own.
-func (c *conn) waitParked(ctx context.Context, ev int16) error {
+func (c *Conn) waitParked(ctx context.Context, ev int16) error {
 	ready, err := c.park.arm(c.sock.Num(), ev)
 	if err != nil {
-		return fmt.Errorf("mp: waiting for a socket: %w%s", err, fdHint(err))
+		return fmt.Errorf("mp: waiting for a socket: %w%s", err, FDHint(err))
 	}
 	select {
 	case <-ready:
@@ -371,9 +384,22 @@ func connErr(err error) error {
 	return err
 }
 
+// Send sends one message, data and the descriptors fds, which stay the
+// caller's, waiting while the socket is full until ctx ends or c is
+// closed.
+func (c *Conn) Send(ctx context.Context, data []byte, fds []int) error {
+	return c.send(ctx, data, fds, true)
+}
+
+// TrySend is Send that returns ErrWouldBlock instead of waiting, for a
+// full socket or a send of this process already waiting on c.
+func (c *Conn) TrySend(ctx context.Context, data []byte, fds []int) error {
+	return c.send(ctx, data, fds, false)
+}
+
 // send sends one message: data and the descriptors fds, which stay the
-// caller's. Unless block, a full socket is errWouldBlock.
-func (c *conn) send(ctx context.Context, data []byte, fds []int, block bool) error {
+// caller's. Unless block, a full socket is ErrWouldBlock.
+func (c *Conn) send(ctx context.Context, data []byte, fds []int, block bool) error {
 	if err := c.lock(ctx, c.wmu, block); err != nil {
 		return err
 	}
@@ -404,27 +430,51 @@ func (c *conn) send(ctx context.Context, data []byte, fds []int, block bool) err
 	}, nil)
 }
 
-// recv receives one message. The caller owns the returned descriptors.
-// The data and the slice of descriptors stay valid, and the connection
-// reserved to the caller, until it calls done: a message's bytes and
-// descriptor numbers are in the connection's buffers, or its bytes, if
-// spilled, in a mapping of the sender's sealed copy. Unless block, an
-// empty socket is errWouldBlock.
-func (c *conn) recv(ctx context.Context, block bool) (data []byte, fds []int, done func(), err error) {
+// A Msg is a message Recv received. The caller owns its descriptors.
+// Data and the slice FDs stay valid, and the Conn reserved to the
+// receiver, until Done: a message's bytes and descriptor numbers are in
+// the Conn's buffers, or its bytes, if spilled, in a mapping of the
+// sender's sealed copy.
+type Msg struct {
+	Data []byte
+	FDs  []int
+	c    *Conn
+}
+
+// Done ends the receive of m: its Data and FDs slices are the Conn's
+// again, and the next receive may begin. It is called once.
+func (m Msg) Done() { m.c.recvDone() }
+
+// Recv receives one message, waiting for one until ctx ends or c is
+// closed. Once the other end is closed in every process that held it,
+// Recv returns an error wrapping ErrClosed.
+func (c *Conn) Recv(ctx context.Context) (Msg, error) { return c.recv(ctx, true) }
+
+// TryRecv is Recv that returns ErrWouldBlock instead of waiting, for an
+// empty socket or a receive of this process already waiting on c.
+func (c *Conn) TryRecv(ctx context.Context) (Msg, error) { return c.recv(ctx, false) }
+
+// Waiting returns how many calls of this process wait on c now: for
+// another call of this process to finish, or for the socket to be ready.
+func (c *Conn) Waiting() int { return int(c.waiting.Load()) }
+
+// recv receives one message, which the caller ends with its Done. Unless
+// block, an empty socket is ErrWouldBlock.
+func (c *Conn) recv(ctx context.Context, block bool) (Msg, error) {
 	if err := c.lock(ctx, c.rmu, block); err != nil {
-		return nil, nil, nil, err
+		return Msg{}, err
 	}
 	data, fds, spill, err := c.recvLocked(ctx, block)
 	if err != nil {
 		<-c.rmu
-		return nil, nil, nil, err
+		return Msg{}, err
 	}
 	c.spill = spill
-	return data, fds, c.endRecv, nil
+	return Msg{Data: data, FDs: fds, c: c}, nil
 }
 
 // recvDone ends the receive that recv began.
-func (c *conn) recvDone() {
+func (c *Conn) recvDone() {
 	if c.spill != nil {
 		_ = shm.Unmap(c.spill)
 		c.spill = nil
@@ -434,13 +484,12 @@ func (c *conn) recvDone() {
 
 // recvLocked is recv with the read lock held; spill is the mapping data
 // lies in, if the message was spilled.
-func (c *conn) recvLocked(ctx context.Context, block bool) (data []byte, fds []int, spill []byte, err error) {
+func (c *Conn) recvLocked(ctx context.Context, block bool) (data []byte, fds []int, spill []byte, err error) {
 	if c.buf == nil {
 		c.buf = make([]byte, headerLen+maxInline)
 		c.oob = make([]byte, unix.CmsgSpace(maxFDs*4))
 		c.tryRecv = func(s int) error { return c.recvmsg(s, unix.MSG_DONTWAIT) }
 		c.waitRecv = func(s int) error { return c.recvmsg(s, 0) }
-		c.endRecv = c.recvDone
 	}
 	c.got = received{}
 	err = c.io(ctx, unix.POLLIN, "receive", block, c.tryRecv, c.waitRecv)
@@ -486,7 +535,7 @@ type received struct{ n, oobn, flags int }
 
 // recvmsg receives a message into c.buf and c.oob, how says whether it
 // may wait, and leaves what it got in c.got.
-func (c *conn) recvmsg(s, how int) error {
+func (c *Conn) recvmsg(s, how int) error {
 	n, oobn, flags, err := recvmsg(s, c.buf, c.oob, recvFlags|how)
 	c.got = received{n, oobn, flags}
 	return err
@@ -494,7 +543,7 @@ func (c *conn) recvmsg(s, how int) error {
 
 // peerGone reports whether the other end of the socket is closed in
 // every process: a read of zero bytes is that, or an empty message.
-func (c *conn) peerGone() bool {
+func (c *Conn) peerGone() bool {
 	c.use.RLock()
 	defer c.use.RUnlock()
 	if c.closed.Load() {

@@ -1,4 +1,4 @@
-package mp
+package sock
 
 import (
 	"context"
@@ -17,13 +17,13 @@ import (
 
 // rawPair returns a connection and the raw other end of its socket, for
 // writing what no tensormp sender writes.
-func rawPair(t *testing.T) (*conn, int) {
+func rawPair(t *testing.T) (*Conn, int) {
 	t.Helper()
-	pair, err := socketPair()
+	pair, err := Pair()
 	require.NoError(t, err)
-	c, err := newConn(pair[0], "test")
+	c, err := New(pair[0], "test")
 	require.NoError(t, err)
-	t.Cleanup(func() { _ = c.close() })
+	t.Cleanup(func() { _ = c.Close() })
 	raw, err := pair[1].Disown()
 	require.NoError(t, err)
 	return c, raw
@@ -35,20 +35,20 @@ func TestEmptyDatagramIsMalformedNotClosed(t *testing.T) {
 	require.NoError(t, unix.Sendmsg(peer, nil, nil, nil, 0))
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	_, _, _, err := c.recv(ctx, true)
+	_, err := c.Recv(ctx)
 	assert.ErrorIs(t, err, ErrMalformed, "an empty message while the peer is open")
 	assert.NotErrorIs(t, err, ErrClosed)
 
 	// The connection still works, and its peer's close is ErrClosed.
 	var frame [headerLen]byte
 	require.NoError(t, unix.Sendmsg(peer, frame[:], nil, nil, 0))
-	data, fds, done, err := c.recv(ctx, true)
+	m, err := c.Recv(ctx)
 	require.NoError(t, err)
-	assert.Empty(t, data)
-	assert.Empty(t, fds)
-	done()
+	assert.Empty(t, m.Data)
+	assert.Empty(t, m.FDs)
+	m.Done()
 	require.NoError(t, unix.Close(peer))
-	_, _, _, err = c.recv(ctx, true)
+	_, err = c.Recv(ctx)
 	assert.ErrorIs(t, err, ErrClosed)
 }
 
@@ -89,33 +89,33 @@ func TestHostileSpills(t *testing.T) {
 			require.NoError(t, unix.Sendmsg(peer, frame[:], unix.UnixRights(c.fd), nil, 0))
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 			defer cancel()
-			_, fds, _, err := conn.recv(ctx, true)
+			m, err := conn.Recv(ctx)
 			assert.ErrorContains(t, err, c.want)
-			assert.Empty(t, fds, "whatever arrived is closed")
+			assert.Empty(t, m.FDs, "whatever arrived is closed")
 		})
 	}
 }
 
 // A peer that closes with our message unread makes the kernel report a
 // reset once, ahead of what the peer sent before closing: that message is
-// still delivered, and only then is the conn closed.
+// still delivered, and only then is the Conn closed.
 func TestMessageBeforeResetIsDelivered(t *testing.T) {
 	leakcheck.Check(t)
 	c, peer := rawPair(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	require.NoError(t, c.send(ctx, []byte("unread"), nil, true))
+	require.NoError(t, c.Send(ctx, []byte("unread"), nil))
 	frame := make([]byte, headerLen, headerLen+5)
 	frame = append(frame, "last!"...)
 	require.NoError(t, unix.Sendmsg(peer, frame, nil, nil, 0))
 	require.NoError(t, unix.Close(peer))
 
-	data, fds, done, err := c.recv(ctx, true)
+	m, err := c.Recv(ctx)
 	require.NoError(t, err, "the message sent before the close")
-	assert.Equal(t, "last!", string(data))
-	assert.Empty(t, fds)
-	done()
-	_, _, _, err = c.recv(ctx, true)
+	assert.Equal(t, "last!", string(m.Data))
+	assert.Empty(t, m.FDs)
+	m.Done()
+	_, err = c.Recv(ctx)
 	assert.ErrorIs(t, err, ErrClosed)
 }
 

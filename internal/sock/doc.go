@@ -1,0 +1,31 @@
+// Package sock is package mp's transport: the descriptors its queues,
+// pipes, endpoints and control sockets wait on, and the wire format of
+// their messages, as the standard library keeps internal/poll under os
+// and net.
+//
+// A Conn holds one descriptor: most often an end of an AF_UNIX
+// SOCK_SEQPACKET socket (Pair, or an endpoint's connection from
+// Listener.Accept or Dial), whose messages it sends and receives whole,
+// each in one sendmsg with its descriptors (SCM_RIGHTS, received
+// close-on-exec). A payload over 64 KiB spills into a sealed memfd the
+// receiver maps in place (1 GiB at most), and descriptors beyond the 253
+// one message carries travel through a carrier socket sent in it; a
+// message tensormp did not frame is an error wrapping ErrMalformed. The
+// same waiting serves a Listener's listening socket and the two ends of a
+// bounded queue's Places, a pipe.
+//
+// A call that must wait first waits in the kernel, where readiness wakes
+// its thread directly; a receive waits in the receive call itself, for up
+// to a millisecond, and then polls. At most four callers of a process
+// wait in the kernel at once; the others park on the package's one
+// poller (an epoll instance, and a goroutine for the life of the
+// process). Close and a context's end interrupt a receive call with
+// SIGURG to its thread.
+//
+// Ownership: a Conn owns its descriptor until Close, which waits for the
+// calls using it; a received message's descriptors are the receiver's; a
+// sent message's stay the sender's. The wait slots' eventfds and the
+// poller's epoll descriptor belong to the package for the life of the
+// process. Errors speak as package mp's, whose they are: ErrClosed and
+// ErrMalformed are mp.ErrClosed and mp.ErrMalformed.
+package sock

@@ -1,0 +1,9 @@
+package sock_test
+
+import (
+	"testing"
+
+	"github.com/tensormp/tensormp/internal/testmain"
+)
+
+func TestMain(m *testing.M) { testmain.Run(m) }

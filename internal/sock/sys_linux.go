@@ -1,0 +1,88 @@
+package sock
+
+import (
+	"fmt"
+	"os"
+	"strconv"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+const (
+	// sockType makes close-on-exec SOCK_SEQPACKET sockets.
+	sockType = unix.SOCK_SEQPACKET | unix.SOCK_CLOEXEC
+	// pollPeerGone is the poll event of a socket whose peer is closed.
+	pollPeerGone = unix.POLLRDHUP
+	// recvFlags makes received descriptors close-on-exec atomically.
+	recvFlags = unix.MSG_CMSG_CLOEXEC
+)
+
+// placesPipe returns a non-blocking, close-on-exec pipe with room for n
+// bytes, its ends owned by the caller.
+func placesPipe(n int) ([2]int, error) {
+	var p [2]int
+	if err := unix.Pipe2(p[:], unix.O_CLOEXEC|unix.O_NONBLOCK); err != nil {
+		return p, err
+	}
+	if n > 64<<10 {
+		if _, err := unix.FcntlInt(uintptr(p[1]), unix.F_SETPIPE_SZ, n); err != nil {
+			_, _ = unix.Close(p[0]), unix.Close(p[1])
+			return p, fmt.Errorf("%w (see /proc/sys/fs/pipe-max-size)", err)
+		}
+	}
+	return p, nil
+}
+
+// accept takes a connection from the listening socket ls, non-blocking
+// and close-on-exec.
+func accept(ls int) (int, error) {
+	s, _, err := unix.Accept4(ls, unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK)
+	return s, err
+}
+
+// peerCred returns the credentials of the process at the other end of
+// the connected socket s, as the kernel recorded them at connect.
+func peerCred(s int) (Cred, error) {
+	u, err := unix.GetsockoptUcred(s, unix.SOL_SOCKET, unix.SO_PEERCRED)
+	if err != nil {
+		return Cred{}, fmt.Errorf("reading the peer's credentials: %w", err)
+	}
+	return Cred{PID: int(u.Pid), UID: int(u.Uid), GID: int(u.Gid)}, nil
+}
+
+// recvmsg is unix.Recvmsg for a connected socket, without the sender's
+// address, which that allocates for each call.
+func recvmsg(s int, p, oob []byte, flags int) (n, oobn, recvflags int, err error) {
+	iov := unix.Iovec{Base: &p[0]}
+	iov.SetLen(len(p))
+	msg := unix.Msghdr{Iov: &iov, Control: &oob[0]}
+	msg.SetIovlen(1)
+	msg.SetControllen(len(oob))
+	r, _, errno := unix.Syscall(unix.SYS_RECVMSG, uintptr(s), uintptr(unsafe.Pointer(&msg)), uintptr(flags))
+	if errno != 0 {
+		return 0, 0, 0, errno
+	}
+	return int(r), int(msg.Controllen), int(msg.Flags), nil
+}
+
+// socketKind is what a received queue's or pipe's socket descriptor is,
+// for its check (CheckSocket).
+func socketKind(s int) (domain, typ int, err error) {
+	if domain, err = unix.GetsockoptInt(s, unix.SOL_SOCKET, unix.SO_DOMAIN); err != nil {
+		return 0, 0, err
+	}
+	typ, err = unix.GetsockoptInt(s, unix.SOL_SOCKET, unix.SO_TYPE)
+	return domain, typ, err
+}
+
+// describeFD names what descriptor fd refers to, for errors about
+// descriptors that are not what they should be: the kernel's own name
+// of it ("socket:[123]", "pipe:[45]", "anon_inode:[eventfd]", a path).
+func describeFD(fd int) string {
+	target, err := os.Readlink("/proc/self/fd/" + strconv.Itoa(fd))
+	if err != nil {
+		return "an unknown descriptor"
+	}
+	return target
+}
