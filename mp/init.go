@@ -6,17 +6,16 @@ import (
 	"strings"
 	"sync/atomic"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/internal/session"
 	"github.com/tensormp/tensormp/internal/sock"
 )
 
 // initHint is the fix for a worker process whose main did not start with
 // Init: without it, the worker would run the program's main again, and
 // spawn again.
-const initHint = "call mp.Init first in main"
+const initHint = session.InitHint
 
 // initCalled is set by Init, in every process.
 var initCalled atomic.Bool
@@ -46,19 +45,11 @@ func checkInit(op string) {
 	name, ok := os.LookupEnv(reexec.EnvVar)
 	switch {
 	case !ok:
-	case name == keeperName:
-		failKeeper(fmt.Sprintf("the session keeper reached %s before mp.Init ran: %s", op, initHint))
+	case name == session.KeeperName:
+		session.FailKeeper(fmt.Sprintf("the session keeper reached %s before mp.Init ran: %s", op, initHint))
 	case strings.HasPrefix(name, workerPrefix):
 		failSetup(fmt.Sprintf("worker %q reached %s before mp.Init ran: %s", strings.TrimPrefix(name, workerPrefix), op, initHint))
 	}
-}
-
-// failKeeper tells the process starting a keeper why it cannot run, and
-// exits with code 2.
-func failKeeper(reason string) {
-	fmt.Fprintf(os.Stderr, "tensormp: %s\n", reason)
-	_, _ = unix.Write(keeperFD, []byte(reason))
-	os.Exit(2)
 }
 
 // failSetup reports why a worker process cannot run to its parent, on the

@@ -17,6 +17,7 @@ import (
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/leftover"
 	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/internal/session"
 	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/internal/sock"
 	"github.com/tensormp/tensormp/reduction"
@@ -166,7 +167,7 @@ func Spawn(ctx context.Context, name string, n int, opts ...Option) (*Group, err
 	if !reexec.Registered(workerPrefix + name) {
 		return nil, fmt.Errorf("mp: spawn: no worker registered as %q (call mp.Register before mp.Init)", name)
 	}
-	lock, err := StartSession()
+	lock, err := session.Start(Logger())
 	if err != nil {
 		return nil, err
 	}

@@ -10,9 +10,6 @@ import (
 	"github.com/tensormp/tensormp/internal/leftover"
 )
 
-// streamType makes close-on-exec SOCK_STREAM sockets.
-const streamType = unix.SOCK_STREAM | unix.SOCK_CLOEXEC
-
 // workerAttr kills a worker when the thread that started it, the
 // spawner thread, goes away: when the parent dies.
 func workerAttr() *syscall.SysProcAttr {

@@ -5,11 +5,7 @@ package mp
 import (
 	"errors"
 	"syscall"
-
-	"golang.org/x/sys/unix"
 )
-
-const streamType = unix.SOCK_STREAM
 
 // Other systems build, but sharing needs Linux: workers have no
 // parent-death signal, only the control-socket backstop.

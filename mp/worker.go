@@ -18,6 +18,7 @@ import (
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/internal/session"
 	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/internal/sock"
 	"github.com/tensormp/tensormp/reduction"
@@ -117,7 +118,7 @@ func runWorker(name string, fn WorkerFunc) int {
 	ctx, stop := workerContext(grace)
 	unix.CloseOnExec(ctlFD)
 	unix.CloseOnExec(lockFD)
-	keepSessionLock(lockFD)
+	session.Join(lockFD, Logger())
 
 	rank, _ := strconv.Atoi(os.Getenv(envRank))
 	world, _ := strconv.Atoi(os.Getenv(envWorld))

@@ -377,7 +377,7 @@ func TestWorkerGenerationsLeaveNothing(t *testing.T) {
 
 // programStartSession starts its session and says how that went.
 func programStartSession() int {
-	if _, err := mp.StartSession(); err != nil {
+	if err := mp.StartSession(); err != nil {
 		fmt.Println("refused", err)
 		return 1
 	}

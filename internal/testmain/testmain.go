@@ -78,7 +78,7 @@ func Run(m *testing.M, opts ...Option) {
 	mp.Init()
 	fd.Trace()
 	if o.session {
-		if _, err := mp.StartSession(); err != nil {
+		if err := mp.StartSession(); err != nil {
 			fmt.Fprintln(os.Stderr, "testmain: starting the session:", err)
 			os.Exit(2)
 		}
