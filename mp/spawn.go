@@ -1,7 +1,6 @@
 package mp
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -187,7 +186,11 @@ func Spawn(ctx context.Context, name string, n int, opts ...Option) (*Group, err
 		if o.place != nil {
 			place = o.place(rank)
 		}
-		p, err := start(g.ctx, name, rank, n, place, lock, o, newLineWriter(stdout, outMu), newLineWriter(stderr, outMu))
+		p, err := start(g.ctx, workerSpec{
+			name: name, rank: rank, world: n, place: place,
+			lock: lock, grace: o.grace, env: o.env,
+			stdout: newLineWriter(stdout, outMu), stderr: newLineWriter(stderr, outMu),
+		})
 		if err == nil {
 			g.procs = append(g.procs, p)
 			// Encoded once per worker: each message carries its own
@@ -246,11 +249,24 @@ func Run(ctx context.Context, name string, n int, opts ...Option) error {
 	return g.Join()
 }
 
-// start starts the worker of the given rank. Its command is tied to ctx,
+// workerSpec is what start needs to start one worker.
+type workerSpec struct {
+	name        string // the worker's, as registered
+	rank, world int
+	place       device.Place  // the worker's default place
+	lock        *os.File      // the session lock, which the worker inherits
+	grace       time.Duration // see WithGrace
+	env         []string      // added to the worker's environment
+	// stdout and stderr take the worker's output; the group flushes
+	// them once the worker has exited.
+	stdout, stderr *lineWriter
+}
+
+// start starts the worker spec describes. Its command is tied to ctx,
 // the group's: once ctx is cancelled the worker gets SIGTERM, which it
-// dies of o.grace later (see workerContext), and SIGKILL if it has not
-// exited killAfterGrace after that.
-func start(ctx context.Context, name string, rank, world int, place device.Place, lock *os.File, o options, stdout, stderr *lineWriter) (*proc, error) {
+// dies of spec.grace later (see workerContext), and SIGKILL if it has
+// not exited killAfterGrace after that.
+func start(ctx context.Context, spec workerSpec) (*proc, error) {
 	pair, err := sock.Pair()
 	if err != nil {
 		return nil, err
@@ -268,36 +284,36 @@ func start(ctx context.Context, name string, rank, world int, place device.Place
 	child := os.NewFile(uintptr(raw), "control")
 	defer child.Close()
 
-	cmd, err := reexec.Command(ctx, workerPrefix+name)
+	cmd, err := reexec.Command(ctx, workerPrefix+spec.name)
 	if err != nil {
 		_ = ctl.Close()
 		return nil, err
 	}
 	cmd.Env = append(cmd.Env,
-		envRank+"="+strconv.Itoa(rank),
-		envWorld+"="+strconv.Itoa(world),
-		envPlace+"="+place.String(),
+		envRank+"="+strconv.Itoa(spec.rank),
+		envWorld+"="+strconv.Itoa(spec.world),
+		envPlace+"="+spec.place.String(),
 		envLockFD+"="+strconv.Itoa(lockFD),
-		envGrace+"="+o.grace.String(),
+		envGrace+"="+spec.grace.String(),
 		strategy.EnvVar+"="+strategy.Get().String(),
 		shm.EnvSession+"="+shm.Session(),
 	)
-	cmd.Env = append(cmd.Env, o.env...)
-	cmd.ExtraFiles = []*os.File{child, lock}
-	cmd.Stdout, cmd.Stderr = stdout, stderr
+	cmd.Env = append(cmd.Env, spec.env...)
+	cmd.ExtraFiles = []*os.File{child, spec.lock}
+	cmd.Stdout, cmd.Stderr = spec.stdout, spec.stderr
 	cmd.SysProcAttr = workerAttr()
 	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
 	// The grace period after SIGTERM, and the SIGKILL for a worker that
 	// outlives it; it also keeps a grandchild holding the worker's output
 	// pipes from hanging Wait.
-	cmd.WaitDelay = o.grace + killAfterGrace
+	cmd.WaitDelay = spec.grace + killAfterGrace
 	if err := startOnSpawnerThread(cmd); err != nil {
 		_ = ctl.Close()
-		return nil, fmt.Errorf("mp: starting worker %d: %w%s", rank, err, sock.FDHint(err))
+		return nil, fmt.Errorf("mp: starting worker %d: %w%s", spec.rank, err, sock.FDHint(err))
 	}
 	return &proc{
-		rank: rank, cmd: cmd, ctl: ctl, out: []*lineWriter{stdout, stderr}, done: make(chan struct{}),
-		state: WorkerState{Rank: rank, Pid: cmd.Process.Pid},
+		rank: spec.rank, cmd: cmd, ctl: ctl, out: []*lineWriter{spec.stdout, spec.stderr}, done: make(chan struct{}),
+		state: WorkerState{Rank: spec.rank, Pid: cmd.Process.Pid},
 	}, nil
 }
 
@@ -455,65 +471,3 @@ func (g *Group) Pids() []int {
 // SIGTERM) and records cause as the
 // failure Join reports, unless there was one before.
 func (g *Group) Stop(cause error) { g.stop(cause) }
-
-// The spawner thread. The kernel sends Pdeathsig when the thread that
-// forked a child exits, not the process (golang/go#27505), and the Go
-// runtime may end an OS thread at any time; so every worker is started
-// from one goroutine that is locked to its OS thread and never returns.
-var (
-	spawnerOnce sync.Once
-	spawnerReq  chan func()
-)
-
-func startOnSpawnerThread(cmd *exec.Cmd) error {
-	spawnerOnce.Do(func() {
-		spawnerReq = make(chan func())
-		go func() {
-			runtime.LockOSThread()
-			for f := range spawnerReq {
-				f()
-			}
-		}()
-	})
-	errc := make(chan error, 1)
-	spawnerReq <- func() { errc <- cmd.Start() }
-	return <-errc
-}
-
-// lineWriter passes whole lines to w, so that the output of several
-// workers writing at once interleaves by line, never inside one.
-type lineWriter struct {
-	w   io.Writer
-	mu  *sync.Mutex // shared by the writers of one destination
-	buf []byte
-	own sync.Mutex
-}
-
-func newLineWriter(w io.Writer, mu *sync.Mutex) *lineWriter { return &lineWriter{w: w, mu: mu} }
-
-func (l *lineWriter) Write(p []byte) (int, error) {
-	l.own.Lock()
-	defer l.own.Unlock()
-	l.buf = append(l.buf, p...)
-	if i := bytes.LastIndexByte(l.buf, '\n'); i >= 0 {
-		l.mu.Lock()
-		_, err := l.w.Write(l.buf[:i+1])
-		l.mu.Unlock()
-		l.buf = append(l.buf[:0], l.buf[i+1:]...)
-		if err != nil {
-			return len(p), nil // a broken destination must not break the worker's pipe
-		}
-	}
-	return len(p), nil
-}
-
-func (l *lineWriter) flush() {
-	l.own.Lock()
-	defer l.own.Unlock()
-	if len(l.buf) > 0 {
-		l.mu.Lock()
-		_, _ = l.w.Write(append(l.buf, '\n'))
-		l.mu.Unlock()
-		l.buf = l.buf[:0]
-	}
-}
