@@ -26,7 +26,7 @@ import (
 	"github.com/tensormp/tensormp/tensor"
 )
 
-func registerEndpointPrograms() {
+func init() {
 	reexec.Register("program.dial", programDial)
 }
 

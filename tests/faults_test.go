@@ -29,81 +29,71 @@ import (
 // separate program (a session of its own), kills part or all of it, and
 // then checks that within a few seconds nothing of the session is left.
 
-type holdArgs struct {
-	Tasks, Status *mp.Queue
-}
-
-func registerFaultPrograms() {
-	// fault.hold receives tensors and keeps them, reporting each.
-	mp.Register("fault.hold", func(ctx context.Context, w *mp.Worker) error {
-		var a holdArgs
-		if err := w.Args(&a); err != nil {
-			return err
-		}
-		var held []*tensor.Tensor
-		for {
-			var x *tensor.Tensor
-			if err := a.Tasks.Get(ctx, &x); err != nil {
-				return err
-			}
-			if x == nil {
-				for _, h := range held {
-					_ = h.Release()
-				}
-				return nil
-			}
-			held = append(held, x)
-			if err := a.Status.Put(ctx, w.Rank()); err != nil {
-				return err
-			}
-		}
-	})
-	// fault.put-and-die puts tensors that nobody will read, says its pid,
-	// and is killed.
-	mp.Register("fault.put-and-die", func(ctx context.Context, w *mp.Worker) error {
-		var a holdArgs
-		if err := w.Args(&a); err != nil {
-			return err
-		}
-		for range 4 {
-			x, err := tensor.Arange(tensor.Float32, 256)
-			if err != nil {
-				return err
-			}
-			if err := a.Tasks.Put(ctx, x); err != nil {
-				return err
-			}
-		}
-		if err := a.Status.Put(ctx, os.Getpid()); err != nil {
-			return err
-		}
-		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
-		select {}
-	})
+func init() {
+	mp.Register("fault.hold", faultHold)
+	mp.Register("fault.put-and-die", faultPutAndDie)
+	mp.Register("fault.double-row", faultDoubleRow)
 	reexec.Register("program.kill-worker", programKillWorker)
 	reexec.Register("program.stream", programStream)
 	reexec.Register("program.hold-forever", programHoldForever)
 	reexec.Register("program.short", programShort)
-	// fault.double-row doubles the tensor it takes, in place.
-	mp.Register("fault.double-row", func(ctx context.Context, w *mp.Worker) error {
-		var q *mp.Queue
-		if err := w.Args(&q); err != nil {
-			return err
-		}
+}
+
+// holdArgs are fault.hold's and fault.put-and-die's queues: tensors go
+// on Tasks, the worker's reports come back on Status.
+type holdArgs struct {
+	Tasks, Status *mp.Queue
+}
+
+// faultHold receives tensors on Tasks and keeps them, reporting each
+// with its rank on Status, until a nil tensor: the worker that
+// startHolders spawns for the faults' programs, and program.kill-holder.
+func faultHold(ctx context.Context, w *mp.Worker) error {
+	var a holdArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	var held []*tensor.Tensor
+	for {
 		var x *tensor.Tensor
-		if err := q.Get(ctx, &x); err != nil {
+		if err := a.Tasks.Get(ctx, &x); err != nil {
 			return err
 		}
-		defer x.Release()
-		vals, err := tensor.Data[float32](x)
+		if x == nil {
+			for _, h := range held {
+				_ = h.Release()
+			}
+			return nil
+		}
+		held = append(held, x)
+		if err := a.Status.Put(ctx, w.Rank()); err != nil {
+			return err
+		}
+	}
+}
+
+// faultPutAndDie puts tensors on Tasks that nobody will read, says its
+// pid on Status, and kills itself with SIGKILL:
+// TestKilledProducersUnreadTensorsLeaveNothing's worker.
+func faultPutAndDie(ctx context.Context, w *mp.Worker) error {
+	var a holdArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	for range 4 {
+		x, err := tensor.Arange(tensor.Float32, 256)
 		if err != nil {
 			return err
 		}
-		for i := range vals {
-			vals[i] *= 2
+		if err := a.Tasks.Put(ctx, x); err != nil {
+			return err
 		}
-		return nil
-	})
+	}
+	if err := a.Status.Put(ctx, os.Getpid()); err != nil {
+		return err
+	}
+	_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+	select {}
 }
 
 // startHolders spawns n fault.hold workers and gives each k tensors, which
@@ -356,6 +346,28 @@ func keepersOf(session string) []int {
 		}
 	}
 	return keepers
+}
+
+// faultDoubleRow takes a tensor from its queue and doubles it in place:
+// program.short's worker.
+func faultDoubleRow(ctx context.Context, w *mp.Worker) error {
+	var q *mp.Queue
+	if err := w.Args(&q); err != nil {
+		return err
+	}
+	var x *tensor.Tensor
+	if err := q.Get(ctx, &x); err != nil {
+		return err
+	}
+	defer x.Release()
+	vals, err := tensor.Data[float32](x)
+	if err != nil {
+		return err
+	}
+	for i := range vals {
+		vals[i] *= 2
+	}
+	return nil
 }
 
 // programShort is a short run: two workers each take a tensor, double it

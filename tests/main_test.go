@@ -29,11 +29,6 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	registerSpawnWorkers()
-	registerSharingWorkers()
-	registerFaultPrograms()
-	registerOwnershipPrograms()
-	registerEndpointPrograms()
 	// Without TENSORMP_REQUIRE_GPU (tests/gpu.sh sets it, on a GPU),
 	// the GPU tests run on the stand-in driver, through the real binding.
 	testmain.Run(m, testmain.WithSession(), testmain.WithStandInGPU(cudastub.Config{Devices: 1}),

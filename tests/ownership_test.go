@@ -26,7 +26,7 @@ import (
 // Ownership: what a process holds in shared memory is given back when it
 // dies or fails to take it, and what nobody holds leaves the directory.
 
-func registerOwnershipPrograms() {
+func init() {
 	mp.Register("own.starve", workerStarve)
 	mp.Register("own.send", workerSend)
 	reexec.Register("program.kill-holder", programKillHolder)

@@ -31,44 +31,50 @@ type echoArgs struct {
 	In, Out *mp.Queue
 }
 
-func registerSharingWorkers() {
-	mp.Register("share.echo", func(ctx context.Context, w *mp.Worker) error {
-		var a echoArgs
-		if err := w.Args(&a); err != nil {
+func init() {
+	mp.Register("share.echo", shareEcho)
+}
+
+// shareEcho takes items from In until an empty one, checks that each
+// arrived shared, with its tensor and view on one storage and its empty
+// tensor empty, writes Write into the view, and puts the item on Out:
+// TestSharingAcrossProcesses' worker.
+func shareEcho(ctx context.Context, w *mp.Worker) error {
+	var a echoArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	for {
+		var it item
+		if err := a.In.Get(ctx, &it); err != nil {
 			return err
 		}
-		for {
-			var it item
-			if err := a.In.Get(ctx, &it); err != nil {
-				return err
-			}
-			if it.Tensor == nil {
-				return nil
-			}
-			if !it.Tensor.IsShared() || !it.View.IsShared() || !it.Empty.IsShared() {
-				return errors.New("received tensors are not shared")
-			}
-			if it.Tensor.Storage() != it.View.Storage() {
-				return errors.New("a tensor and its view came back on different storages")
-			}
-			if it.Empty.Numel() != 0 {
-				return fmt.Errorf("empty tensor arrived as %v", it.Empty)
-			}
-			fill, err := tensor.Full(it.View.DType(), it.Write, it.View.Shape()...)
-			if err != nil {
-				return err
-			}
-			if err := tensor.Copy(it.View, fill); err != nil { // into a non-contiguous view
-				return err
-			}
-			if err := a.Out.Put(ctx, it); err != nil {
-				return err
-			}
-			if err := it.Tensor.Release(); err != nil {
-				return err
-			}
+		if it.Tensor == nil {
+			return nil
 		}
-	})
+		if !it.Tensor.IsShared() || !it.View.IsShared() || !it.Empty.IsShared() {
+			return errors.New("received tensors are not shared")
+		}
+		if it.Tensor.Storage() != it.View.Storage() {
+			return errors.New("a tensor and its view came back on different storages")
+		}
+		if it.Empty.Numel() != 0 {
+			return fmt.Errorf("empty tensor arrived as %v", it.Empty)
+		}
+		fill, err := tensor.Full(it.View.DType(), it.Write, it.View.Shape()...)
+		if err != nil {
+			return err
+		}
+		if err := tensor.Copy(it.View, fill); err != nil { // into a non-contiguous view
+			return err
+		}
+		if err := a.Out.Put(ctx, it); err != nil {
+			return err
+		}
+		if err := it.Tensor.Release(); err != nil {
+			return err
+		}
+	}
 }
 
 func TestSharingAcrossProcesses(t *testing.T) {

@@ -29,85 +29,114 @@ func sleep(ctx context.Context, d time.Duration) error {
 	}
 }
 
+func init() {
+	mp.Register("spawn.success", spawnSuccess)
+	mp.Register("spawn.raise-rank1", spawnRaiseRank1)
+	mp.Register("spawn.raise-all", spawnRaiseAll)
+	mp.Register("spawn.exit", spawnExit)
+	mp.Register("spawn.signal", spawnSignal)
+	mp.Register("spawn.signal-twice", spawnSignalTwice)
+	mp.Register("spawn.later-failure", spawnLaterFailure)
+}
+
+// spawnSuccess succeeds at once: TestSpawnBehaviours' group that joins
+// without error.
+func spawnSuccess(ctx context.Context, w *mp.Worker) error { return nil }
+
+// spawnRaiseRank1 fails on rank 1 and sleeps elsewhere until the group
+// stops it: TestSpawnBehaviours' one failing worker.
+func spawnRaiseRank1(ctx context.Context, w *mp.Worker) error {
+	if w.Rank() == 1 {
+		return errors.New("ValueError: legitimate failure")
+	}
+	return sleep(ctx, time.Minute)
+}
+
+// spawnRaiseAll fails on every rank: TestSpawnBehaviours' group whose
+// first failure is the one reported.
+func spawnRaiseAll(ctx context.Context, w *mp.Worker) error {
+	return fmt.Errorf("rank %d failed", w.Rank())
+}
+
+// spawnExit exits with status 123 instead of returning:
+// TestSpawnBehaviours' worker that exits.
+func spawnExit(ctx context.Context, w *mp.Worker) error {
+	os.Exit(123)
+	return nil
+}
+
+// spawnSignal sends itself SIGTERM on rank 0 and returns once its context
+// is cancelled, which is how a group stops its workers; other ranks sleep
+// until stopped. For TestSpawnBehaviours.
+func spawnSignal(ctx context.Context, w *mp.Worker) error {
+	if w.Rank() == 0 {
+		_ = syscall.Kill(os.Getpid(), syscall.SIGTERM)
+		<-ctx.Done()
+		return ctx.Err()
+	}
+	return sleep(ctx, time.Minute)
+}
+
+// spawnSignalTwice sends itself SIGTERM twice on rank 0: the first
+// cancels its context, the second kills it, as torch's test expects of
+// one. For TestSpawnBehaviours.
+func spawnSignalTwice(ctx context.Context, w *mp.Worker) error {
+	if w.Rank() == 0 {
+		_ = syscall.Kill(os.Getpid(), syscall.SIGTERM)
+		<-ctx.Done()
+		_ = syscall.Kill(os.Getpid(), syscall.SIGTERM)
+		time.Sleep(time.Minute) // the signal's default action ends this
+	}
+	return sleep(ctx, time.Minute)
+}
+
 // spawnQueues are spawn.later-failure's: rank 0's pid goes to rank 1 on
 // one, rank 1's word that it watches rank 0 back on the other.
 type spawnQueues struct{ Pid, Watching *mp.Queue }
 
-func registerSpawnWorkers() {
-	mp.Register("spawn.success", func(ctx context.Context, w *mp.Worker) error { return nil })
-	mp.Register("spawn.raise-rank1", func(ctx context.Context, w *mp.Worker) error {
-		if w.Rank() == 1 {
-			return errors.New("ValueError: legitimate failure")
-		}
-		return sleep(ctx, time.Minute)
-	})
-	mp.Register("spawn.raise-all", func(ctx context.Context, w *mp.Worker) error {
-		return fmt.Errorf("rank %d failed", w.Rank())
-	})
-	mp.Register("spawn.exit", func(ctx context.Context, w *mp.Worker) error {
-		os.Exit(123)
-		return nil
-	})
-	// SIGTERM cancels a worker's context (it is how a group stops its
-	// workers); a second one kills it, as torch's test expects of one.
-	mp.Register("spawn.signal", func(ctx context.Context, w *mp.Worker) error {
-		if w.Rank() == 0 {
-			_ = syscall.Kill(os.Getpid(), syscall.SIGTERM)
-			<-ctx.Done()
-			return ctx.Err()
-		}
-		return sleep(ctx, time.Minute)
-	})
-	mp.Register("spawn.signal-twice", func(ctx context.Context, w *mp.Worker) error {
-		if w.Rank() == 0 {
-			_ = syscall.Kill(os.Getpid(), syscall.SIGTERM)
-			<-ctx.Done()
-			_ = syscall.Kill(os.Getpid(), syscall.SIGTERM)
-			time.Sleep(time.Minute) // the signal's default action ends this
-		}
-		return sleep(ctx, time.Minute)
-	})
-	mp.Register("spawn.later-failure", func(ctx context.Context, w *mp.Worker) error {
-		var q spawnQueues
-		if err := w.Args(&q); err != nil {
+// spawnLaterFailure has rank 0 succeed and rank 1 fail after it, with
+// other ranks sleeping until the group stops them: TestSpawnBehaviours'
+// failure that comes after another worker's success.
+func spawnLaterFailure(ctx context.Context, w *mp.Worker) error {
+	var q spawnQueues
+	if err := w.Args(&q); err != nil {
+		return err
+	}
+	switch w.Rank() {
+	case 0:
+		// Says who it is, waits until rank 1 watches it, and
+		// succeeds.
+		if err := q.Pid.Put(ctx, os.Getpid()); err != nil {
 			return err
 		}
-		switch w.Rank() {
-		case 0:
-			// Says who it is, waits until rank 1 watches it, and
-			// succeeds.
-			if err := q.Pid.Put(ctx, os.Getpid()); err != nil {
-				return err
-			}
-			return q.Watching.Get(ctx, new(string))
-		case 1:
-			// Fails once rank 0 has exited: a pidfd names the process
-			// itself, not a pid another may take over.
-			var pid int
-			if err := q.Pid.Get(ctx, &pid); err != nil {
-				return err
-			}
-			pidfd, err := unix.PidfdOpen(pid, 0)
-			if err != nil {
-				return err
-			}
-			defer unix.Close(pidfd)
-			if err := q.Watching.Put(ctx, "watching"); err != nil {
-				return err
-			}
-			exited := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}
-			for {
-				if n, err := unix.Poll(exited, 30_000); err != unix.EINTR {
-					if err != nil || n == 0 {
-						return fmt.Errorf("waiting for rank 0 to exit: %v", err)
-					}
-					break
-				}
-			}
-			return errors.New("failed after another worker succeeded")
+		return q.Watching.Get(ctx, new(string))
+	case 1:
+		// Fails once rank 0 has exited: a pidfd names the process
+		// itself, not a pid another may take over.
+		var pid int
+		if err := q.Pid.Get(ctx, &pid); err != nil {
+			return err
 		}
-		return sleep(ctx, time.Minute) // stopped by the group
-	})
+		pidfd, err := unix.PidfdOpen(pid, 0)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(pidfd)
+		if err := q.Watching.Put(ctx, "watching"); err != nil {
+			return err
+		}
+		exited := []unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}
+		for {
+			if n, err := unix.Poll(exited, 30_000); err != unix.EINTR {
+				if err != nil || n == 0 {
+					return fmt.Errorf("waiting for rank 0 to exit: %v", err)
+				}
+				break
+			}
+		}
+		return errors.New("failed after another worker succeeded")
+	}
+	return sleep(ctx, time.Minute) // stopped by the group
 }
 
 func TestSpawnBehaviours(t *testing.T) {
