@@ -34,40 +34,46 @@ import (
 // process first exports GPU memory by legacy CUDA IPC.
 
 func init() {
-	// Makes a file named as the driver names one of this process's,
-	// reports, and waits to be killed.
-	mp.Register("driverfile.plant", func(ctx context.Context, w *mp.Worker) error {
-		var a gpuArgs
-		if err := w.Args(&a); err != nil {
-			return err
-		}
-		if err := os.WriteFile(cudashm.Name(os.Getpid(), 1), nil, 0o600); err != nil {
-			return err
-		}
-		if err := a.Status.Put(ctx, os.Getpid()); err != nil {
-			return err
-		}
-		var ack string
-		return a.Ack.Get(ctx, &ack)
-	})
-	// Exports GPU memory by legacy CUDA IPC, which makes the driver's
-	// file, reports, and waits for the end of its program.
-	mp.Register("driverfile.export", func(ctx context.Context, w *mp.Worker) error {
-		var status *mp.Queue
-		if err := w.Args(&status); err != nil {
-			return err
-		}
-		if err := exportLegacy(); err != nil {
-			return err
-		}
-		if err := status.Put(ctx, os.Getpid()); err != nil {
-			return err
-		}
-		<-ctx.Done()
-		return nil
-	})
+	mp.Register("driverfile.plant", driverfilePlant)
+	mp.Register("driverfile.export", driverfileExport)
 	reexec.Register("program.gpu-fatal", programGPUFatal)
 	reexec.Register("program.gpu-peer", programGPUPeer)
+}
+
+// driverfilePlant makes a file named as the driver names one of this
+// process's, reports, and waits to be killed:
+// TestKilledWorkerLeavesNoDriverFiles' worker.
+func driverfilePlant(ctx context.Context, w *mp.Worker) error {
+	var a gpuArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	if err := os.WriteFile(cudashm.Name(os.Getpid(), 1), nil, 0o600); err != nil {
+		return err
+	}
+	if err := a.Status.Put(ctx, os.Getpid()); err != nil {
+		return err
+	}
+	var ack string
+	return a.Ack.Get(ctx, &ack)
+}
+
+// driverfileExport exports GPU memory by legacy CUDA IPC, which makes
+// the driver's file, reports, and waits for the end of its program:
+// program.gpu-fatal's worker.
+func driverfileExport(ctx context.Context, w *mp.Worker) error {
+	var status *mp.Queue
+	if err := w.Args(&status); err != nil {
+		return err
+	}
+	if err := exportLegacy(); err != nil {
+		return err
+	}
+	if err := status.Put(ctx, os.Getpid()); err != nil {
+		return err
+	}
+	<-ctx.Done()
+	return nil
 }
 
 // exportLegacy makes this process export GPU memory by legacy CUDA IPC,

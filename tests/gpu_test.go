@@ -124,52 +124,62 @@ type gpuArgs struct {
 }
 
 func init() {
-	mp.Register("gpu.make", func(ctx context.Context, w *mp.Worker) error {
-		var a gpuArgs
-		if err := w.Args(&a); err != nil {
-			return err
-		}
-		x, err := tensor.On(device.GPU(0)).Arange(tensor.Int32, 1<<10)
-		if err != nil {
-			return err
-		}
-		if err := a.Status.Put(ctx, x); err != nil {
-			return err
-		}
-		_ = x.Release()
-		var ack string
-		return a.Ack.Get(ctx, &ack) // hold the memory until the parent has looked
-	})
-	mp.Register("gpu.write", func(ctx context.Context, w *mp.Worker) error {
-		var a gpuArgs
-		if err := w.Args(&a); err != nil {
-			return err
-		}
-		if !a.Tensor.Place().IsGPU() {
-			return a.Status.Put(ctx, "arrived on "+a.Tensor.Place().String())
-		}
-		host, err := a.Tensor.To(device.CPU())
-		if err != nil {
-			return err
-		}
-		vals, err := tensor.Data[int32](host)
-		if err != nil {
-			return err
-		}
-		if vals[0] != 0 || vals[len(vals)-1] != int32(len(vals)-1) {
-			return a.Status.Put(ctx, "values differ")
-		}
-		var word [4]byte
-		binary.LittleEndian.PutUint32(word[:], 4242)
-		if err := a.Tensor.Storage().Backing().(tensor.Buffer).Write(word[:], 0); err != nil {
-			return err
-		}
-		if err := a.Status.Put(ctx, "written"); err != nil {
-			return err
-		}
-		var ack string
-		return a.Ack.Get(ctx, &ack) // hold the memory until the parent has looked
-	})
+	mp.Register("gpu.make", gpuMake)
+	mp.Register("gpu.write", gpuWrite)
+}
+
+// gpuMake makes a GPU tensor, puts it on Status, and holds its memory
+// until told on Ack: TestGPUWorkerLeavesNoDriverFiles' worker.
+func gpuMake(ctx context.Context, w *mp.Worker) error {
+	var a gpuArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	x, err := tensor.On(device.GPU(0)).Arange(tensor.Int32, 1<<10)
+	if err != nil {
+		return err
+	}
+	if err := a.Status.Put(ctx, x); err != nil {
+		return err
+	}
+	_ = x.Release()
+	var ack string
+	return a.Ack.Get(ctx, &ack) // hold the memory until the parent has looked
+}
+
+// gpuWrite checks that the GPU tensor it was given arrived on the GPU
+// with its values, writes 4242 into its first element, says so on
+// Status, and waits for a word on Ack: TestGPUWorkerWritesParentSees'
+// worker.
+func gpuWrite(ctx context.Context, w *mp.Worker) error {
+	var a gpuArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	if !a.Tensor.Place().IsGPU() {
+		return a.Status.Put(ctx, "arrived on "+a.Tensor.Place().String())
+	}
+	host, err := a.Tensor.To(device.CPU())
+	if err != nil {
+		return err
+	}
+	vals, err := tensor.Data[int32](host)
+	if err != nil {
+		return err
+	}
+	if vals[0] != 0 || vals[len(vals)-1] != int32(len(vals)-1) {
+		return a.Status.Put(ctx, "values differ")
+	}
+	var word [4]byte
+	binary.LittleEndian.PutUint32(word[:], 4242)
+	if err := a.Tensor.Storage().Backing().(tensor.Buffer).Write(word[:], 0); err != nil {
+		return err
+	}
+	if err := a.Status.Put(ctx, "written"); err != nil {
+		return err
+	}
+	var ack string
+	return a.Ack.Get(ctx, &ack) // hold the memory until the parent has looked
 }
 
 func TestGPUAllocationAndCopies(t *testing.T) {
@@ -278,95 +288,101 @@ func killWorker(t *testing.T, g *mp.Group) {
 
 func init() {
 	reexec.Register("program.gpu-stream", programGPUStream)
-	// gpustream.produce puts new GPU tensors on Out until told to check
-	// (on Ctl); then it lets go of everything and waits for every block
-	// it made to come back, from the consumer too, dead or alive.
-	mp.Register("gpustream.produce", func(ctx context.Context, w *mp.Worker) error {
-		var a streamArgs
-		if err := w.Args(&a); err != nil {
-			return err
+	mp.Register("gpustream.produce", gpuStreamProduce)
+	mp.Register("gpustream.consume", gpuStreamConsume)
+}
+
+// gpuStreamProduce puts new GPU tensors on Out until told to check (on
+// Ctl); then it lets go of everything and waits for every block it made
+// to come back, from the consumer too, dead or alive. It is the producer
+// of program.gpu-stream, which TestGPUKilledAtRandom runs.
+func gpuStreamProduce(ctx context.Context, w *mp.Worker) error {
+	var a streamArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	run, stop := context.WithCancel(ctx)
+	go func() { _ = a.Ctl.Get(ctx, new(string)); stop() }()
+	for i := 0; run.Err() == nil; i++ {
+		n := 1 << 10
+		if i%16 == 0 {
+			n = 1 << 18 // 1 MiB now and then: a slab of another class
 		}
-		run, stop := context.WithCancel(ctx)
-		go func() { _ = a.Ctl.Get(ctx, new(string)); stop() }()
-		for i := 0; run.Err() == nil; i++ {
-			n := 1 << 10
-			if i%16 == 0 {
-				n = 1 << 18 // 1 MiB now and then: a slab of another class
-			}
-			x, err := tensor.On(device.GPU(0)).Full(tensor.Float32, float64(i%251), n)
-			if err != nil {
-				return err
-			}
-			if err := a.Out.Put(run, x); err != nil && run.Err() == nil {
-				return err
-			}
-			if err := x.Release(); err != nil {
-				return err
-			}
-		}
-		rt, err := cuda.Default()
+		x, err := tensor.On(device.GPU(0)).Full(tensor.Float32, float64(i%251), n)
 		if err != nil {
 			return err
 		}
-		if err := within(time.Second, func() bool { shm.Trim(); return rt.InUse(0) == 0 }); err != nil {
-			return a.Status.Put(ctx, fmt.Sprintf("%d blocks still in use: %v", rt.InUse(0), err))
-		}
-		if err := a.Status.Put(ctx, "checked"); err != nil {
+		if err := a.Out.Put(run, x); err != nil && run.Err() == nil {
 			return err
 		}
-		return a.Ctl.Get(ctx, new(string))
-	})
-	// gpustream.consume takes GPU tensors from In, holds the last 64, and
-	// tells Status when it has its first. Told to check (on Ctl), it
-	// checks every tensor it holds, lets go of them, and waits for its
-	// device memory to be given back.
-	mp.Register("gpustream.consume", func(ctx context.Context, w *mp.Worker) error {
-		var a streamArgs
-		if err := w.Args(&a); err != nil {
+		if err := x.Release(); err != nil {
 			return err
 		}
-		run, stop := context.WithCancel(ctx)
-		go func() { _ = a.Ctl.Get(ctx, new(string)); stop() }()
-		var held []*tensor.Tensor
-		for run.Err() == nil {
-			var x *tensor.Tensor
-			if err := a.In.Get(run, &x); err != nil {
-				break
-			}
-			if held = append(held, x); len(held) == 1 {
-				if err := a.Status.Put(ctx, "first"); err != nil {
-					return err
-				}
-			}
-			if len(held) > 64 {
-				_ = held[0].Release()
-				held = held[1:]
-			}
+	}
+	rt, err := cuda.Default()
+	if err != nil {
+		return err
+	}
+	if err := within(time.Second, func() bool { shm.Trim(); return rt.InUse(0) == 0 }); err != nil {
+		return a.Status.Put(ctx, fmt.Sprintf("%d blocks still in use: %v", rt.InUse(0), err))
+	}
+	if err := a.Status.Put(ctx, "checked"); err != nil {
+		return err
+	}
+	return a.Ctl.Get(ctx, new(string))
+}
+
+// gpuStreamConsume takes GPU tensors from In, holds the last 64, and
+// tells Status when it has its first. Told to check (on Ctl), it checks
+// every tensor it holds, lets go of them, and waits for its device
+// memory to be given back. It is the consumer of program.gpu-stream,
+// which TestGPUKilledAtRandom runs.
+func gpuStreamConsume(ctx context.Context, w *mp.Worker) error {
+	var a streamArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	run, stop := context.WithCancel(ctx)
+	go func() { _ = a.Ctl.Get(ctx, new(string)); stop() }()
+	var held []*tensor.Tensor
+	for run.Err() == nil {
+		var x *tensor.Tensor
+		if err := a.In.Get(run, &x); err != nil {
+			break
 		}
-		for i, x := range held {
-			host, err := x.To(device.CPU())
-			if err != nil {
-				return err
-			}
-			vals, err := tensor.Values[float32](host)
-			if err != nil {
-				return err
-			}
-			if j := slices.IndexFunc(vals, func(v float32) bool { return v != vals[0] }); j >= 0 {
-				return a.Status.Put(ctx, fmt.Sprintf("held tensor %d: element %d is %v, element 0 %v", i, j, vals[j], vals[0]))
-			}
-			if err := x.Release(); err != nil {
+		if held = append(held, x); len(held) == 1 {
+			if err := a.Status.Put(ctx, "first"); err != nil {
 				return err
 			}
 		}
-		if err := within(time.Second, func() bool { shm.Trim(); return heldDeviceMemory(os.Getpid()) <= 0 }); err != nil {
-			return a.Status.Put(ctx, fmt.Sprintf("%d bytes of device memory held after letting go: %v", heldDeviceMemory(os.Getpid()), err))
+		if len(held) > 64 {
+			_ = held[0].Release()
+			held = held[1:]
 		}
-		if err := a.Status.Put(ctx, "checked"); err != nil {
+	}
+	for i, x := range held {
+		host, err := x.To(device.CPU())
+		if err != nil {
 			return err
 		}
-		return a.Ctl.Get(ctx, new(string))
-	})
+		vals, err := tensor.Values[float32](host)
+		if err != nil {
+			return err
+		}
+		if j := slices.IndexFunc(vals, func(v float32) bool { return v != vals[0] }); j >= 0 {
+			return a.Status.Put(ctx, fmt.Sprintf("held tensor %d: element %d is %v, element 0 %v", i, j, vals[j], vals[0]))
+		}
+		if err := x.Release(); err != nil {
+			return err
+		}
+	}
+	if err := within(time.Second, func() bool { shm.Trim(); return heldDeviceMemory(os.Getpid()) <= 0 }); err != nil {
+		return a.Status.Put(ctx, fmt.Sprintf("%d bytes of device memory held after letting go: %v", heldDeviceMemory(os.Getpid()), err))
+	}
+	if err := a.Status.Put(ctx, "checked"); err != nil {
+		return err
+	}
+	return a.Ctl.Get(ctx, new(string))
 }
 
 type streamArgs struct {

@@ -40,132 +40,153 @@ type slabArgs struct {
 
 func init() {
 	reexec.Register("program.gpufd", programGPUFD)
-	// gpufd.put puts a GPU tensor of 1 MiB of sevens on Out and exits,
-	// or, with Ack, waits for a word first.
-	mp.Register("gpufd.put", slabWorker(func(ctx context.Context, a slabArgs) error {
-		x, err := tensor.On(device.GPU(0)).Full(tensor.Float32, 7, 1<<18)
-		if err != nil {
+	mp.Register("gpufd.put", slabWorker(gpufdPut))
+	mp.Register("gpufd.hold", slabWorker(gpufdHold))
+	mp.Register("gpufd.idle", slabWorker(gpufdIdle))
+	mp.Register("gpufd.late", slabWorker(gpufdLate))
+	mp.Register("gpufd.own", slabWorker(gpufdOwn))
+	mp.Register("gpufd.forward", slabWorker(gpufdForward))
+	mp.Register("gpufd.write", slabWorker(gpufdWrite))
+}
+
+// gpufdPut puts a GPU tensor of 1 MiB of sevens on Out and exits, or,
+// with Ack, waits for a word first: the producer of the cases
+// sender-exits-first and killed-producer.
+func gpufdPut(ctx context.Context, a slabArgs) error {
+	x, err := tensor.On(device.GPU(0)).Full(tensor.Float32, 7, 1<<18)
+	if err != nil {
+		return err
+	}
+	if err := a.Out.Put(ctx, x); err != nil {
+		return err
+	}
+	if err := x.Release(); err != nil {
+		return err
+	}
+	if a.Ack != nil {
+		return a.Ack.Get(ctx, new(string))
+	}
+	return nil
+}
+
+// gpufdHold takes N GPU tensors of Value from In, checks that each is
+// on the GPU and whole, holds them, says so with the number of
+// descriptors it holds more than when it started, and waits to be
+// killed or told to let go: the receiver of the cases killed-receiver,
+// zeros-arrive and many.
+func gpufdHold(ctx context.Context, a slabArgs) error {
+	before := leakcheck.Count()
+	var held []*tensor.Tensor
+	for len(held) < a.N {
+		var err error
+		if held, err = mp.GetMany(ctx, a.In, held); err != nil {
 			return err
 		}
-		if err := a.Out.Put(ctx, x); err != nil {
-			return err
+	}
+	for i, x := range held {
+		if err := checkAll(x, a.Value); err != nil {
+			return fmt.Errorf("tensor %d: %w", i, err)
 		}
+	}
+	if err := a.Out.Put(ctx, leakcheck.Count()-before); err != nil {
+		return err
+	}
+	if err := a.Ack.Get(ctx, new(string)); err != nil {
+		return err
+	}
+	for _, x := range held {
 		if err := x.Release(); err != nil {
 			return err
 		}
-		if a.Ack != nil {
-			return a.Ack.Get(ctx, new(string))
-		}
-		return nil
-	}))
-	// gpufd.hold takes N GPU tensors of Value from In, checks that each
-	// is on the GPU and whole, holds them, says so with the number of
-	// descriptors it holds more than when it started, and waits to be
-	// killed or told to let go.
-	mp.Register("gpufd.hold", slabWorker(func(ctx context.Context, a slabArgs) error {
-		before := leakcheck.Count()
-		var held []*tensor.Tensor
-		for len(held) < a.N {
-			var err error
-			if held, err = mp.GetMany(ctx, a.In, held); err != nil {
-				return err
-			}
-		}
-		for i, x := range held {
-			if err := checkAll(x, a.Value); err != nil {
-				return fmt.Errorf("tensor %d: %w", i, err)
-			}
-		}
-		if err := a.Out.Put(ctx, leakcheck.Count()-before); err != nil {
-			return err
-		}
-		if err := a.Ack.Get(ctx, new(string)); err != nil {
-			return err
-		}
-		for _, x := range held {
-			if err := x.Release(); err != nil {
-				return err
-			}
-		}
-		return nil
-	}))
-	// gpufd.idle says its pid on Out and waits for a word on Ack.
-	mp.Register("gpufd.idle", slabWorker(func(ctx context.Context, a slabArgs) error {
-		if err := a.Out.Put(ctx, os.Getpid()); err != nil {
-			return err
-		}
-		return a.Ack.Get(ctx, new(string))
-	}))
-	// gpufd.late takes a GPU tensor from In, queues a copy of nines into
-	// it on a slow device (the stand-in's work lands 200 ms after it is
-	// queued here), lets go of the tensor at once, and says so on Out.
-	mp.Register("gpufd.late", slabWorker(func(ctx context.Context, a slabArgs) error {
-		var x *tensor.Tensor
-		if err := a.In.Get(ctx, &x); err != nil {
-			return err
-		}
-		nines, err := tensor.On(device.GPU(0)).Full(tensor.Float32, 9, x.Numel())
-		if err != nil {
-			return err
-		}
-		defer nines.Release()
-		if cudastub.Active() {
-			cudastub.SetDelay(200 * time.Millisecond)
-		}
-		dst := x.Storage().Backing().(tensor.DeviceCopier)
-		if _, err := dst.CopyFrom(nines.Storage().Backing().(tensor.Buffer), 0, x.Storage().Size()); err != nil {
-			return err
-		}
-		if err := x.Release(); err != nil {
-			return err
-		}
-		if err := a.Out.Put(ctx, "released"); err != nil {
-			return err
-		}
-		return a.Ack.Get(ctx, new(string))
-	}))
-	// gpufd.own takes a GPU tensor of sevens from In, checks that it is on
-	// this process's gpu:0 (its only device), writes a one into its first
-	// element, and sends it back on Out.
-	mp.Register("gpufd.own", slabWorker(func(ctx context.Context, a slabArgs) error {
-		var x *tensor.Tensor
-		if err := a.In.Get(ctx, &x); err != nil {
-			return err
-		}
-		defer x.Release()
-		if x.Place() != device.GPU(0) {
-			return fmt.Errorf("received on %s", x.Place())
-		}
-		if err := checkSevens(x); err != nil {
-			return err
-		}
-		if err := writeOne(x); err != nil {
-			return err
-		}
-		return a.Out.Put(ctx, x)
-	}))
-	// gpufd.forward takes a GPU tensor from In and puts it on Out.
-	mp.Register("gpufd.forward", slabWorker(func(ctx context.Context, a slabArgs) error {
-		var x *tensor.Tensor
-		if err := a.In.Get(ctx, &x); err != nil {
-			return err
-		}
-		defer x.Release()
-		return a.Out.Put(ctx, x)
-	}))
-	// gpufd.write takes a GPU tensor of sevens from In, checks it, and
-	// writes a one into its first element.
-	mp.Register("gpufd.write", slabWorker(func(ctx context.Context, a slabArgs) error {
-		var x *tensor.Tensor
-		if err := a.In.Get(ctx, &x); err != nil {
-			return err
-		}
-		defer x.Release()
-		if err := checkSevens(x); err != nil {
-			return err
-		}
-		return writeOne(x)
-	}))
+	}
+	return nil
+}
+
+// gpufdIdle says its pid on Out and waits for a word on Ack: the worker
+// of the case spawn-after-export.
+func gpufdIdle(ctx context.Context, a slabArgs) error {
+	if err := a.Out.Put(ctx, os.Getpid()); err != nil {
+		return err
+	}
+	return a.Ack.Get(ctx, new(string))
+}
+
+// gpufdLate takes a GPU tensor from In, queues a copy of nines into it
+// on a slow device (the stand-in's work lands 200 ms after it is queued
+// here), lets go of the tensor at once, and says so on Out: the receiver
+// of the case recycled-block.
+func gpufdLate(ctx context.Context, a slabArgs) error {
+	var x *tensor.Tensor
+	if err := a.In.Get(ctx, &x); err != nil {
+		return err
+	}
+	nines, err := tensor.On(device.GPU(0)).Full(tensor.Float32, 9, x.Numel())
+	if err != nil {
+		return err
+	}
+	defer nines.Release()
+	if cudastub.Active() {
+		cudastub.SetDelay(200 * time.Millisecond)
+	}
+	dst := x.Storage().Backing().(tensor.DeviceCopier)
+	if _, err := dst.CopyFrom(nines.Storage().Backing().(tensor.Buffer), 0, x.Storage().Size()); err != nil {
+		return err
+	}
+	if err := x.Release(); err != nil {
+		return err
+	}
+	if err := a.Out.Put(ctx, "released"); err != nil {
+		return err
+	}
+	return a.Ack.Get(ctx, new(string))
+}
+
+// gpufdOwn takes a GPU tensor of sevens from In, checks that it is on
+// this process's gpu:0 (its only device), writes a one into its first
+// element, and sends it back on Out: the worker of the case
+// visible-devices.
+func gpufdOwn(ctx context.Context, a slabArgs) error {
+	var x *tensor.Tensor
+	if err := a.In.Get(ctx, &x); err != nil {
+		return err
+	}
+	defer x.Release()
+	if x.Place() != device.GPU(0) {
+		return fmt.Errorf("received on %s", x.Place())
+	}
+	if err := checkSevens(x); err != nil {
+		return err
+	}
+	if err := writeOne(x); err != nil {
+		return err
+	}
+	return a.Out.Put(ctx, x)
+}
+
+// gpufdForward takes a GPU tensor from In and puts it on Out: the
+// second process of the case third-process.
+func gpufdForward(ctx context.Context, a slabArgs) error {
+	var x *tensor.Tensor
+	if err := a.In.Get(ctx, &x); err != nil {
+		return err
+	}
+	defer x.Release()
+	return a.Out.Put(ctx, x)
+}
+
+// gpufdWrite takes a GPU tensor of sevens from In, checks it, and writes
+// a one into its first element: the third process of the case
+// third-process.
+func gpufdWrite(ctx context.Context, a slabArgs) error {
+	var x *tensor.Tensor
+	if err := a.In.Get(ctx, &x); err != nil {
+		return err
+	}
+	defer x.Release()
+	if err := checkSevens(x); err != nil {
+		return err
+	}
+	return writeOne(x)
 }
 
 // slabWorker is a worker that runs fn with its slabArgs.
