@@ -20,14 +20,18 @@ var (
 func startOnSpawnerThread(cmd *exec.Cmd) error {
 	spawnerOnce.Do(func() {
 		spawnerReq = make(chan func())
-		go func() {
-			runtime.LockOSThread()
-			for f := range spawnerReq {
-				f()
-			}
-		}()
+		go spawner(spawnerReq)
 	})
 	errc := make(chan error, 1)
 	spawnerReq <- func() { errc <- cmd.Start() }
 	return <-errc
+}
+
+// spawner runs the functions of reqs, for the life of the process, on the
+// OS thread it locks.
+func spawner(reqs <-chan func()) {
+	runtime.LockOSThread()
+	for f := range reqs {
+		f()
+	}
 }

@@ -13,9 +13,9 @@ import (
 // one of these in its stack is not a leak. Each is a package-qualified
 // function name, as a stack names it.
 var lifelong = []string{
-	"os/signal.signal_recv",                                // signal.Notify's loop
-	"github.com/tensormp/tensormp/mp.pollLoop",             // the process's epoll waiter
-	"github.com/tensormp/tensormp/mp.startOnSpawnerThread", // the thread workers are started from
+	"os/signal.signal_recv",                               // signal.Notify's loop
+	"github.com/tensormp/tensormp/internal/sock.pollLoop", // the process's epoll waiter
+	"github.com/tensormp/tensormp/mp.spawner",             // the thread workers are started from
 }
 
 // goroutines returns the stacks of the process's goroutines by their
@@ -58,7 +58,7 @@ func newGoroutines(before, after map[uint64]string) []string {
 			continue
 		}
 		if slices.ContainsFunc(lifelong, func(fn string) bool {
-			return strings.Contains(stack, "\n"+fn+"(") || strings.Contains(stack, "\n"+fn+".func")
+			return strings.Contains(stack, "\n"+fn+"(")
 		}) {
 			continue
 		}

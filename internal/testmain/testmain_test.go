@@ -71,7 +71,9 @@ func TestSafetyNet(t *testing.T) {
 	} {
 		t.Run(c.leak, func(t *testing.T) {
 			cmd := exec.CommandContext(context.Background(), os.Args[0])
-			cmd.Env = append(os.Environ(), leakVar+"="+c.leak)
+			// What the fixture leaves in its shared-memory directory
+			// goes with the test's.
+			cmd.Env = append(os.Environ(), leakVar+"="+c.leak, mmapalloc.EnvDir+"="+t.TempDir())
 			var stderr bytes.Buffer
 			cmd.Stderr = &stderr
 			err := cmd.Run()
