@@ -113,7 +113,7 @@ func ExampleGroup_Context() {
 	fmt.Println(q.Get(g.Context(), &v)) // no worker will put anything
 	var we *mp.WorkerError
 	if errors.As(context.Cause(g.Context()), &we) {
-		fmt.Printf("worker %d failed: %s\n", we.Rank, we.Err)
+		fmt.Printf("worker %d failed: %s\n", we.Rank, we.Msg)
 	}
 	_ = g.Join()
 	// Output:

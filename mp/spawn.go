@@ -23,15 +23,16 @@ import (
 	"github.com/tensormp/tensormp/strategy"
 )
 
-// WorkerError is a worker that returned an error (or panicked).
+// WorkerError is a worker that returned an error (or panicked). The error
+// was the worker process's: what reaches the parent is its message.
 type WorkerError struct {
 	Rank int
 	Pid  int
-	Err  string // the worker's error text
+	Msg  string // the worker's error message, or its panic and stack
 }
 
 func (e *WorkerError) Error() string {
-	return fmt.Sprintf("mp: worker %d (pid %d) failed: %s", e.Rank, e.Pid, e.Err)
+	return fmt.Sprintf("mp: worker %d (pid %d) failed: %s", e.Rank, e.Pid, e.Msg)
 }
 
 // ExitError is a worker process that exited with a non-zero code or was
@@ -331,7 +332,7 @@ func (p *proc) setupFailure(err error) error {
 	if get(ctx, p.ctl, &res, true) != nil || !res.Failed {
 		return nil
 	}
-	return &WorkerError{Rank: p.rank, Pid: p.cmd.Process.Pid, Err: res.Err}
+	return &WorkerError{Rank: p.rank, Pid: p.cmd.Process.Pid, Msg: res.Err}
 }
 
 // watch waits for one worker's report and exit, and stops the group on
@@ -367,15 +368,15 @@ func (g *Group) watch(p *proc) {
 	var failure error
 	switch {
 	case reportErr == nil && res.Failed:
-		failure = &WorkerError{Rank: p.rank, Pid: pid, Err: res.Err}
+		failure = &WorkerError{Rank: p.rank, Pid: pid, Msg: res.Err}
 	case ps == nil:
-		failure = &WorkerError{Rank: p.rank, Pid: pid, Err: fmt.Sprintf("waiting for it: %v", waitErr)}
+		failure = &WorkerError{Rank: p.rank, Pid: pid, Msg: fmt.Sprintf("waiting for it: %v", waitErr)}
 	case !ps.Success():
 		failure = &ExitError{Rank: p.rank, Pid: pid, Code: code, Signal: sig}
 	case reportErr != nil:
 		// Exited 0 without a word: its main returned instead of running
 		// the worker, which is what a missing Init does.
-		failure = &WorkerError{Rank: p.rank, Pid: pid, Err: "exited without running the worker: " + initHint}
+		failure = &WorkerError{Rank: p.rank, Pid: pid, Msg: "exited without running the worker: " + initHint}
 	}
 	g.mu.Lock()
 	p.state.Exited, p.state.Code, p.state.Signal, p.state.Err = true, code, sig, failure

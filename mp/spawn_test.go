@@ -370,7 +370,7 @@ func TestWorkerErrorStopsOthers(t *testing.T) {
 	var we *mp.WorkerError
 	require.ErrorAs(t, err, &we)
 	assert.Equal(t, 1, we.Rank)
-	assert.Equal(t, "rank one gives up", we.Err)
+	assert.Equal(t, "rank one gives up", we.Msg)
 	assert.NotZero(t, we.Pid)
 	assert.Less(t, time.Since(start), 30*time.Second, "the sleeping workers were stopped")
 }
@@ -391,7 +391,7 @@ func TestExitCodeAndSignal(t *testing.T) {
 	err = mp.Run(context.Background(), "panic", 1)
 	var we *mp.WorkerError
 	require.ErrorAs(t, err, &we)
-	assert.Contains(t, we.Err, "panic: worker panicked")
+	assert.Contains(t, we.Msg, "panic: worker panicked")
 }
 
 func TestCancelStopsWorkers(t *testing.T) {
@@ -447,5 +447,5 @@ func TestDescriptorLimitIsAnError(t *testing.T) {
 	err = g.Join()
 	var we *mp.WorkerError
 	require.ErrorAs(t, err, &we)
-	assert.Contains(t, we.Err, "ulimit -n", "the error says how to raise the limit")
+	assert.Contains(t, we.Msg, "ulimit -n", "the error says how to raise the limit")
 }

@@ -149,12 +149,12 @@ func TestSpawnBehaviours(t *testing.T) {
 			var we *mp.WorkerError
 			require.ErrorAs(t, err, &we)
 			assert.Equal(t, 1, we.Rank)
-			assert.Contains(t, we.Err, "ValueError: legitimate failure")
+			assert.Contains(t, we.Msg, "ValueError: legitimate failure")
 		}},
 		{"spawn.raise-all", func(t *testing.T, err error, g *mp.Group) {
 			var we *mp.WorkerError
 			require.ErrorAs(t, err, &we)
-			assert.Equal(t, fmt.Sprintf("rank %d failed", we.Rank), we.Err, "the first failure, whichever rank")
+			assert.Equal(t, fmt.Sprintf("rank %d failed", we.Rank), we.Msg, "the first failure, whichever rank")
 		}},
 		{"spawn.exit", func(t *testing.T, err error, g *mp.Group) {
 			var xe *mp.ExitError
@@ -165,7 +165,7 @@ func TestSpawnBehaviours(t *testing.T) {
 			var we *mp.WorkerError
 			require.ErrorAs(t, err, &we)
 			assert.Equal(t, 0, we.Rank)
-			assert.Contains(t, we.Err, "SIGTERM")
+			assert.Contains(t, we.Msg, "SIGTERM")
 		}},
 		{"spawn.signal-twice", func(t *testing.T, err error, g *mp.Group) {
 			var xe *mp.ExitError
@@ -177,7 +177,7 @@ func TestSpawnBehaviours(t *testing.T) {
 			var we *mp.WorkerError
 			require.ErrorAs(t, err, &we)
 			assert.Equal(t, 1, we.Rank)
-			assert.Equal(t, "failed after another worker succeeded", we.Err)
+			assert.Equal(t, "failed after another worker succeeded", we.Msg)
 			first := g.State()[0]
 			assert.True(t, first.Exited)
 			assert.Equal(t, 0, first.Code, "rank 0 succeeded before rank 1 failed")
