@@ -13,11 +13,6 @@ import (
 	"github.com/tensormp/tensormp/internal/fd"
 )
 
-// attached is the process's table of segments it received blocks of.
-// Receivers map each segment once and share the mapping among the blocks
-// they attach.
-var attached = &segmentTable{m: map[ID]*segment{}, names: map[string]ID{}}
-
 // A receiver keeps up to idleMax segments that no block of its uses any
 // more mapped, idleBytes at most, because their producer keeps recycling
 // their blocks: the next block from one costs no mmap and no page faults.
@@ -27,6 +22,7 @@ const (
 	idleBytes = 256 << 20
 )
 
+// segmentTable is the table of received segments (attached).
 type segmentTable struct {
 	mu        sync.Mutex
 	m         map[ID]*segment
@@ -240,13 +236,6 @@ const adoptMax = 8
 // each firing wakes a thread.
 const transferDelay = 10 * time.Millisecond
 
-var transfers = newLater(transferDelay, func(seg *segment) bool {
-	attached.mu.Lock()
-	defer attached.mu.Unlock()
-	_ = seg.transferLocked()
-	return false
-})
-
 // holdLocked takes this process's hold on the block at data offset off:
 // the slot held first (through an adopted descriptor, or a lock of this
 // process's own), the generation checked second, so that the producer,
@@ -426,14 +415,6 @@ func idleLimit(n int) int {
 // sending from it) is not asked about at all.
 const idleCheckDelay = 20 * time.Millisecond
 
-// idleChecks drops received segments that nobody holds any more: the
-// producer is gone and no process holds a block of it. The last process
-// to let go of a named segment removes its name this way.
-var idleChecks = newLater(idleCheckDelay, func(seg *segment) bool {
-	attached.dropIfAbandoned(seg)
-	return false
-})
-
 func (t *segmentTable) dropIfAbandoned(seg *segment) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -547,67 +528,6 @@ func (t *segmentTable) trimLocked(n int, bytes int64) error {
 		}
 	}
 	return errors.Join(errs...)
-}
-
-// DropIdle unmaps the received segments no block of this process uses. A
-// process out of descriptors calls it before trying again: each keeps
-// one.
-func DropIdle() error {
-	attached.mu.Lock()
-	err := attached.trimLocked(0, 0)
-	attached.mu.Unlock()
-	extentClosing.wait()
-	return err
-}
-
-// Trim gives back to the system what this process keeps only for reuse:
-// the pools' unused segments (extent pools' too, with their extents) and
-// the mappings of received segments no storage uses.
-func Trim() {
-	DefaultPool().Trim(0)
-	if p := NamedPool(); p != nil {
-		p.Trim(0)
-	}
-	for _, p := range extentPools.list() {
-		p.Trim(0)
-	}
-	_ = DropIdle()
-	extentClosing.wait()
-}
-
-// DropRefsForExit lets go, for a process about to exit, of everything it
-// holds in shared memory that another process would otherwise wait for:
-// its received blocks' holds, its ticket descriptions, its reference to
-// every RefCount segment (unlinking those it was the last holder of), and
-// its pools' segments (a named one is removed now if nobody else holds a
-// block of it, else by the last process to let go of it). The mappings
-// stay for the exit to remove, so memory the process's goroutines still
-// touch stays valid. Death by a signal drops all of this too, the names
-// of abandoned named segments excepted, which the session's keeper
-// removes.
-func DropRefsForExit() {
-	for _, seg := range liveSegments.list() {
-		if seg.pool != nil {
-			continue
-		}
-		attached.mu.Lock()
-		clear(seg.holds)
-		seg.dirty = true
-		_ = seg.transferLocked()
-		seg.users = 0
-		seg.tickets.rotate()
-		if seg.named {
-			seg.abandoned()
-		}
-		attached.mu.Unlock()
-	}
-	DefaultPool().letGo()
-	if p := NamedPool(); p != nil {
-		p.letGo()
-	}
-	for _, a := range refHolders.list() {
-		_ = a.dropRef()
-	}
 }
 
 func ptrAt(b []byte, off int64) unsafe.Pointer { return unsafe.Pointer(&b[off]) }

@@ -287,7 +287,3 @@ func (b *Block) Release() error {
 func (b *Block) String() string {
 	return fmt.Sprintf("block %d+%d of %v", b.Offset(), b.size, b.seg.alloc)
 }
-
-// liveSegments holds every pooled segment this process maps, as producer
-// or receiver.
-var liveSegments = newLockedSet[*segment]()

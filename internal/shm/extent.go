@@ -2,7 +2,6 @@ package shm
 
 import (
 	"errors"
-	"sync"
 )
 
 // Extents: pooled slots whose data lies elsewhere.
@@ -39,9 +38,6 @@ func NewExtentPool(limit int64, make ExtentMaker) *Pool {
 	extentPools.add(p)
 	return p
 }
-
-// extentPools holds every extent pool of the process, for Trim.
-var extentPools = newLockedSet[*Pool]()
 
 // ErrNoExtent: a block of a segment whose slots hold their data
 // themselves, where one of an extent pool's was due, or the reverse.
@@ -118,46 +114,6 @@ func closeLater(x Extent) {
 // WaitExtentsClosed returns once every extent let go of so far is closed:
 // for a process that gives its devices back (cuda's Runtime.Close).
 func WaitExtentsClosed() { extentClosing.wait() }
-
-// extentClosing counts the extents handed over to be closed and not
-// closed yet.
-var extentClosing = newCounter()
-
-// counter is a count that can be waited on to fall to zero.
-type counter struct {
-	mu   sync.Mutex
-	zero *sync.Cond
-	n    int
-}
-
-func newCounter() *counter {
-	c := &counter{}
-	c.zero = sync.NewCond(&c.mu)
-	return c
-}
-
-func (c *counter) add() {
-	c.mu.Lock()
-	c.n++
-	c.mu.Unlock()
-}
-
-func (c *counter) done() {
-	c.mu.Lock()
-	if c.n--; c.n == 0 {
-		c.zero.Broadcast()
-	}
-	c.mu.Unlock()
-}
-
-// wait returns once the count is zero.
-func (c *counter) wait() {
-	c.mu.Lock()
-	for c.n > 0 {
-		c.zero.Wait()
-	}
-	c.mu.Unlock()
-}
 
 // ExtentSize returns the bytes of the extent the block's slab keeps its
 // data in: its slots' capacity times their number.

@@ -34,10 +34,6 @@ const (
 	orphanMax   = 4096                  // names watched at once, at most
 )
 
-// orphans watches the named segments this process let go of while they
-// were held elsewhere.
-var orphans = &orphanWatch{due: map[string]*orphan{}}
-
 type orphanWatch struct {
 	mu    sync.Mutex
 	due   map[string]*orphan // by path

@@ -4,11 +4,8 @@ import (
 	"cmp"
 	"fmt"
 	"math/bits"
-	"os"
 	"slices"
-	"strconv"
 	"sync"
-	"sync/atomic"
 	"time"
 )
 
@@ -51,26 +48,9 @@ const overLimitTrim = 5 * time.Millisecond
 // shared memory a process keeps for reuse. The default is 1 GiB.
 const EnvCache = "TENSORMP_SHM_CACHE"
 
-var defaultPool = sync.OnceValue(func() *Pool {
-	limit := int64(1 << 30)
-	if v, err := strconv.ParseInt(os.Getenv(EnvCache), 10, 64); err == nil && v >= 0 {
-		limit = v
-	}
-	return NewPool(limit)
-})
-
 // DefaultPool returns the process's pool of file_descriptor segments
 // (sealed memfds), the one shared tensors use under that strategy.
 func DefaultPool() *Pool { return defaultPool() }
-
-var (
-	namedPool = sync.OnceValue(func() *Pool {
-		p := NewPool(defaultPool().limit)
-		p.named = true
-		return p
-	})
-	namedEnabled atomic.Bool
-)
 
 // EnableNamedPool lets file_system storages come from a pool too. Named
 // segments that a pool keeps for reuse would outlive a process that dies,

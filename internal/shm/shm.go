@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"os"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"unsafe"
 
@@ -141,13 +140,6 @@ func Dir() string {
 	return DefaultDir
 }
 
-var session = sync.OnceValue(func() string {
-	if s := os.Getenv(EnvSession); validSession(s) {
-		return s
-	}
-	return randomHex(6)
-})
-
 // Session returns this process's session id: inherited from
 // TENSORMP_SESSION when a parent set it, else made at first use. It is
 // part of every segment name, so that a session's segments can be found
@@ -156,8 +148,6 @@ func Session() string { return session() }
 
 // SessionPrefix returns the prefix of every segment name of this session.
 func SessionPrefix() string { return sessionPrefix() }
-
-var sessionPrefix = sync.OnceValue(func() string { return NamePrefix + Session() + "_" })
 
 func randomHex(n int) string {
 	b := make([]byte, n)
@@ -349,42 +339,4 @@ func (a *Allocation) String() string {
 		where = fmt.Sprintf("fd %d", a.fd())
 	}
 	return fmt.Sprintf("segment %s (%d bytes, %v)", where, len(a.data), a.flags)
-}
-
-// refHolders tracks the open RefCount allocations of this process, so
-// that a process about to exit can give their references back.
-var refHolders = newLockedSet[*Allocation]()
-
-// lockedSet is a set guarded by its own lock, for the process-wide walks
-// (exit, for one) that must not take other locks in a fixed order.
-type lockedSet[T comparable] struct {
-	mu sync.Mutex
-	m  map[T]struct{}
-}
-
-func newLockedSet[T comparable]() *lockedSet[T] {
-	return &lockedSet[T]{m: map[T]struct{}{}}
-}
-
-func (s *lockedSet[T]) add(v T) {
-	s.mu.Lock()
-	s.m[v] = struct{}{}
-	s.mu.Unlock()
-}
-
-func (s *lockedSet[T]) remove(v T) {
-	s.mu.Lock()
-	delete(s.m, v)
-	s.mu.Unlock()
-}
-
-// list returns the members at the time of the call.
-func (s *lockedSet[T]) list() []T {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	out := make([]T, 0, len(s.m))
-	for v := range s.m {
-		out = append(out, v)
-	}
-	return out
 }

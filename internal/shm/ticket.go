@@ -137,20 +137,6 @@ func (s *tickets) open() bool {
 	return s.cur != nil
 }
 
-// rotations retires ticket descriptions rotateDelay after they were
-// opened, so that what a process released is free for its producer within
-// milliseconds even if the process goes quiet. One younger than that waits
-// for the next round.
-var rotations = newLater(rotateDelay, func(seg *segment) (again bool) {
-	switch seg.tickets.rotateIfOlder(rotateDelay) {
-	case rotated:
-		seg.afterTicketsRotated()
-	case tooYoung:
-		return true
-	}
-	return false
-})
-
 type rotation int
 
 const (
@@ -172,41 +158,4 @@ func (s *tickets) rotateIfOlder(age time.Duration) rotation {
 	}
 	s.rotateLocked()
 	return rotated
-}
-
-// later runs fn on segments a while after they were scheduled, each once
-// however often it was scheduled meanwhile, on one timer; a segment for
-// which fn reports again is scheduled anew.
-type later struct {
-	delay time.Duration
-	fn    func(*segment) (again bool)
-	mu    sync.Mutex
-	due   map[*segment]struct{}
-	timer *time.Timer
-}
-
-func newLater(delay time.Duration, fn func(*segment) (again bool)) *later {
-	return &later{delay: delay, fn: fn, due: map[*segment]struct{}{}}
-}
-
-func (l *later) schedule(seg *segment) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.due[seg] = struct{}{}
-	if l.timer == nil {
-		l.timer = time.AfterFunc(l.delay, l.run)
-	}
-}
-
-func (l *later) run() {
-	l.mu.Lock()
-	due := l.due
-	l.due = map[*segment]struct{}{}
-	l.timer = nil
-	l.mu.Unlock()
-	for seg := range due {
-		if l.fn(seg) {
-			l.schedule(seg)
-		}
-	}
 }

@@ -111,10 +111,6 @@ func userIn(received *segment, own func() *segment, off int64, gen uint64) any {
 	return nil
 }
 
-// produced indexes the segments this process's pools made, by identity
-// and, for named ones, by name.
-var produced = &segmentIndex{ids: map[ID]*segment{}, names: map[string]*segment{}}
-
 type segmentIndex struct {
 	mu    sync.Mutex
 	ids   map[ID]*segment
