@@ -1,6 +1,8 @@
 package mmapalloc
 
 import (
+	"fmt"
+
 	"github.com/tensormp/tensormp/internal/shm"
 )
 
@@ -55,9 +57,18 @@ type Allocation struct {
 
 func wrap(a *shm.Allocation, err error) (*Allocation, error) {
 	if err != nil {
-		return nil, err
+		return nil, wrapErr(err)
 	}
 	return &Allocation{a}, nil
+}
+
+// wrapErr says that err, an error of the implementation, which names the
+// operation and the segment, comes from this package.
+func wrapErr(err error) error {
+	if err == nil {
+		return nil
+	}
+	return fmt.Errorf("mmapalloc: %w", err)
 }
 
 // Create makes a segment of size data bytes in Dir, under a new,
@@ -126,10 +137,10 @@ func (a *Allocation) Refs() int32 { return a.a.Refs() }
 // Release gives back the mapping, the kept descriptor and, for a RefCount
 // segment, this mapping's reference; the last reference unlinks the name.
 // Releasing twice returns nil.
-func (a *Allocation) Release() error { return a.a.Release() }
+func (a *Allocation) Release() error { return wrapErr(a.a.Release()) }
 
 // Remove unlinks the segment's name, if it has one still; the mapping
 // stays.
-func (a *Allocation) Remove() error { return a.a.Remove() }
+func (a *Allocation) Remove() error { return wrapErr(a.a.Remove()) }
 
 func (a *Allocation) String() string { return a.a.String() }

@@ -103,7 +103,7 @@ func TestHostileSlabMessages(t *testing.T) {
 			swap(t, &fds[0], lfds[0])
 			fd.CloseAll(lfds[:])
 		}, "mapping a slab"},
-		{"a block outside the slab", func(m *Meta, fds *[2]int) { m.Block = 1 << 40 }, "is not a slot"},
+		{"a block outside the slab", func(m *Meta, fds *[2]int) { m.Block = 1 << 40 }, "not a slot"},
 		{"a size beyond the block", func(m *Meta, fds *[2]int) { m.Size, m.Shape = 1<<20, []int{1 << 18} }, "not a slot"},
 		{"no slab descriptor", func(m *Meta, fds *[2]int) { m.MemFD = 2 }, "slab's descriptor"},
 		{"a slab descriptor on a CPU tensor", func(m *Meta, fds *[2]int) { m.Place = "cpu" }, `strategy "cuda_fd" for a tensor on cpu`},

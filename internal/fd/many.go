@@ -34,3 +34,6 @@ func CloseAll(raws []int) {
 func OutOfDescriptors(err error) bool {
 	return errors.Is(err, unix.EMFILE) || errors.Is(err, unix.ENFILE)
 }
+
+// LimitHint tells a user out of file descriptors what to do.
+const LimitHint = "raise the limit with `ulimit -n` or RLIMIT_NOFILE"

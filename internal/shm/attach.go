@@ -47,7 +47,7 @@ type segmentTable struct {
 // call that way, and one close call per batch of descriptors.
 func AttachBlock(ticket int, st FileStat, covered bool, segSize, off, size int64, gen uint64) (*Block, error) {
 	if st.Size < segSize {
-		return nil, fmt.Errorf("mmapalloc: segment holds %d bytes, fewer than the %d claimed", st.Size, segSize)
+		return nil, &Error{Op: "attach", Path: fmt.Sprintf("fd %d", ticket), Err: fmt.Errorf("segment holds %d bytes, fewer than the %d claimed", st.Size, segSize)}
 	}
 	return attached.attach(st.ID, covered, segSize, off, size, gen, func() (*Allocation, error) {
 		raw, err := reopen(ticket)
@@ -87,9 +87,6 @@ func AttachMappedNamedBlock(name string, covered func(ID) bool, segSize, off, si
 	return attached.attachLocked(id, covered(id), segSize, off, size, gen, nil)
 }
 
-// ErrNotMapped: AttachMappedBlock found no mapping of the segment.
-var ErrNotMapped = errors.New("segment is not mapped by this process")
-
 // AttachNamedBlock is AttachBlock for a block of a named (file_system)
 // segment in Dir, which this process opens by name; ticket is the
 // descriptor the message carried, and must be of the same file. The name
@@ -106,7 +103,7 @@ func AttachNamedBlock(name string, ticket int, st FileStat, covered bool, segSiz
 		}
 		if a.ID() != id {
 			_ = a.Release()
-			return nil, fmt.Errorf("mmapalloc: segment %s is not the file the message's descriptor names", name)
+			return nil, &Error{Op: "attach", Path: name, Err: errors.New("not the file the message's descriptor names")}
 		}
 		return a, nil
 	})
@@ -132,11 +129,6 @@ func AdoptTicket(ticket int, id ID) {
 		transfers.schedule(seg)
 	}
 }
-
-// ErrUnsealed: a descriptor received for a file_descriptor segment whose
-// size is not sealed, so that any holder could make the others' mappings
-// fault, or for a spilled message that its sender could still change.
-var ErrUnsealed = errors.New("segment is not sealed")
 
 // attach finds or maps the segment id and holds the block at off in it.
 // Without open, a segment not mapped yet is ErrNotMapped.
@@ -193,24 +185,25 @@ func (t *segmentTable) attachLocked(id ID, covered bool, segSize, off, size int6
 // the segment. The table is then made read-only in this process: no
 // stray write of ours can change it.
 func readSlab(a *Allocation) (*segment, error) {
+	bad := func(err error) (*segment, error) { return nil, &Error{Op: "attach", Path: a.String(), Err: err} }
 	if len(a.mapping) < slabHdrSize {
-		return nil, fmt.Errorf("mmapalloc: %v: too small for a slot table", a)
+		return bad(errors.New("too small for a slot table"))
 	}
 	var h slabHdr
 	if err := Guard(func() { h = *(*slabHdr)(ptrAt(a.mapping, 0)) }); err != nil { // one read: peers may write it
-		return nil, fmt.Errorf("mmapalloc: %v: %w", a, err)
+		return bad(err)
 	}
 	total := int64(len(a.mapping))
 	external := h.dataOff == 0 // the data lies in an extent (see NewExtentPool)
 	switch {
 	case h.magic != slabMagic || h.version != slabVersion:
-		return nil, fmt.Errorf("mmapalloc: %v: no tensormp slot table", a)
+		return bad(errors.New("no tensormp slot table"))
 	case h.cap <= 0 || h.nslots <= 0 || h.nslots > total/8 || !external && h.dataOff != slabLayout(h.nslots):
-		return nil, fmt.Errorf("mmapalloc: %v: malformed slot table (%d slots of %d bytes at %d)", a, h.nslots, h.cap, h.dataOff)
+		return bad(fmt.Errorf("malformed slot table (%d slots of %d bytes at %d)", h.nslots, h.cap, h.dataOff))
 	case external && (slabLayout(h.nslots) > total || h.cap > maxExtent/h.nslots):
-		return nil, fmt.Errorf("mmapalloc: %v: %d slots of %d bytes in an extent do not fit", a, h.nslots, h.cap)
+		return bad(fmt.Errorf("%d slots of %d bytes in an extent do not fit", h.nslots, h.cap))
 	case !external && (h.nslots > total/smallMin || h.cap > (total-h.dataOff)/h.nslots):
-		return nil, fmt.Errorf("mmapalloc: %v: %d slots of %d bytes do not fit", a, h.nslots, h.cap)
+		return bad(fmt.Errorf("%d slots of %d bytes do not fit", h.nslots, h.cap))
 	}
 	if err := unix.Mprotect(a.mapping[:slabLayout(h.nslots)], unix.PROT_READ); err != nil {
 		return nil, &Error{Op: "protect", Path: a.String(), Err: err}
@@ -242,9 +235,12 @@ const transferDelay = 10 * time.Millisecond
 // which bumps the generation only while nobody holds the slot, cannot
 // recycle it under us. The caller holds attached.mu.
 func (seg *segment) holdLocked(off, size int64, gen uint64, covered bool) (*Block, error) {
+	bad := func(err error) (*Block, error) {
+		return nil, &Error{Op: "attach", Path: fmt.Sprintf("block %d+%d of %v", off, size, seg.alloc), Err: err}
+	}
 	rel := off - seg.dataOff
 	if rel < 0 || rel%seg.cap != 0 || rel/seg.cap >= int64(seg.nslots) || size <= 0 || size > seg.cap {
-		return nil, fmt.Errorf("mmapalloc: block %d+%d is not a slot of %v", off, size, seg.alloc)
+		return bad(errors.New("not a slot"))
 	}
 	slot := int(rel / seg.cap)
 	if seg.holds[slot] == 0 {
@@ -255,7 +251,7 @@ func (seg *segment) holdLocked(off, size int64, gen uint64, covered bool) (*Bloc
 				return nil, err
 			}
 			if !ok {
-				return nil, fmt.Errorf("mmapalloc: block at offset %d: %w", off, ErrStaleBlock)
+				return bad(ErrStaleBlock)
 			}
 			seg.onFD[slot] = true
 		}
@@ -264,13 +260,13 @@ func (seg *segment) holdLocked(off, size int64, gen uint64, covered bool) (*Bloc
 				_ = unlock(seg.alloc.fd(), slotByte(slot), 1)
 				delete(seg.onFD, slot)
 			}
-			return nil, fmt.Errorf("mmapalloc: block at offset %d: %w", off, ErrStaleBlock)
+			return bad(ErrStaleBlock)
 		}
 		if locked || covered {
 			seg.dirty = true // to lock (covered) or to keep (locked, was let go of)
 		}
 	} else if !seg.genIs(slot, gen) {
-		return nil, fmt.Errorf("mmapalloc: block at offset %d: %w", off, ErrStaleBlock)
+		return bad(ErrStaleBlock)
 	}
 	seg.holds[slot]++
 	seg.users++

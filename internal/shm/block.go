@@ -1,7 +1,6 @@
 package shm
 
 import (
-	"errors"
 	"fmt"
 	"math/bits"
 	"sync/atomic"
@@ -106,11 +105,6 @@ func slabLayout(nslots int64) int64 {
 const lockBase = 1 << 40
 
 func slotByte(slot int) int64 { return lockBase + 1 + int64(slot) }
-
-// ErrStaleBlock is returned for a block whose generation differs from the
-// message's: it was recycled, which a correct sender never lets happen
-// while a message refers to it.
-var ErrStaleBlock = errors.New("block recycled since the message was sent")
 
 // segment is one mapping of a pooled segment in this process, shared by
 // the blocks that live in it. The mapping and the descriptor it keeps

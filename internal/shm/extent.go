@@ -1,8 +1,6 @@
 package shm
 
-import (
-	"errors"
-)
+import ()
 
 // Extents: pooled slots whose data lies elsewhere.
 //
@@ -38,10 +36,6 @@ func NewExtentPool(limit int64, make ExtentMaker) *Pool {
 	extentPools.add(p)
 	return p
 }
-
-// ErrNoExtent: a block of a segment whose slots hold their data
-// themselves, where one of an extent pool's was due, or the reverse.
-var ErrNoExtent = errors.New("mmapalloc: not a block of an extent pool")
 
 // InExtent reports whether the block's data lies in an extent (see
 // NewExtentPool) rather than in its segment.

@@ -1,16 +1,9 @@
 package shm
 
 import (
-	"errors"
 	"fmt"
 	"runtime/debug"
 )
-
-// ErrFault: shared memory could not be read or written, because the file
-// behind it was cut short under the mapping. A peer that can open a named
-// (file_system) segment can do that; file_descriptor segments are sealed
-// against it.
-var ErrFault = errors.New("shared memory faulted: its segment was truncated under the mapping")
 
 // Guard runs f, which reads or writes shared memory, on the calling
 // goroutine with faults of memory access turned into an error wrapping

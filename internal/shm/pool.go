@@ -2,6 +2,7 @@ package shm
 
 import (
 	"cmp"
+	"errors"
 	"fmt"
 	"math/bits"
 	"slices"
@@ -95,7 +96,7 @@ func classCap(size int64) int64 {
 // recycled block holds its last user's bytes, which callers overwrite.
 func (p *Pool) Alloc(size int64) (*Block, error) {
 	if size <= 0 {
-		return nil, fmt.Errorf("mmapalloc: block of %d bytes: must be positive", size)
+		return nil, &Error{Op: "alloc", Err: fmt.Errorf("block of %d bytes: size must be positive", size)}
 	}
 	capacity := classCap(size)
 	p.mu.Lock()
@@ -382,7 +383,10 @@ func (p *Pool) newSegmentWith(c *sizeClass, nslots, segSize, dataOff int64) (*se
 	if ok, err := lockRead(a.fd(), lockBase, 1); !ok || err != nil {
 		_ = a.Remove()
 		_ = a.Release()
-		return nil, fmt.Errorf("mmapalloc: taking ownership of a new segment: %w", err)
+		if err == nil {
+			err = &Error{Op: "lock", Path: a.where(), Err: errors.New("a new segment's pool byte is held elsewhere")}
+		}
+		return nil, err
 	}
 	seg := &segment{alloc: a, cap: c.cap, nslots: int(nslots), dataOff: dataOff, named: p.named, pool: p, class: c,
 		reserved: make([]uint64, (segSize+64*reserveChunk-1)/(64*reserveChunk))}
@@ -402,7 +406,7 @@ func (p *Pool) newSegmentWith(c *sizeClass, nslots, segSize, dataOff int64) (*se
 	if err != nil {
 		_ = a.Remove()
 		_ = a.Release()
-		return nil, fmt.Errorf("mmapalloc: writing the slot table of %v: %w", a, err)
+		return nil, &Error{Op: "write", Path: a.where(), Err: fmt.Errorf("slot table: %w", err)}
 	}
 	return seg, nil
 }

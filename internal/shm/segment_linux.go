@@ -10,11 +10,6 @@ import (
 	"github.com/tensormp/tensormp/internal/fd"
 )
 
-var (
-	errNoSpaceErrno = unix.ENOSPC
-	errTooManyFiles = unix.EMFILE
-)
-
 const (
 	createFlags = KeepFD | Unlink | RefCount | SharedMem | Exclusive | Sparse
 	openFDFlags = KeepFD | FromFD | SharedMem
@@ -29,20 +24,20 @@ const (
 func Create(size int64, flags Flags) (*Allocation, error) {
 	flags |= SharedMem | Exclusive
 	if flags&^createFlags != 0 {
-		return nil, fmt.Errorf("mmapalloc: create: flags %v not allowed (use OpenFD or OpenName)", flags&^createFlags)
+		return nil, &Error{Op: "create", Err: fmt.Errorf("flags %v not allowed (use OpenFD or OpenName)", flags&^createFlags)}
 	}
 	if flags&Unlink != 0 && flags&KeepFD == 0 {
-		return nil, errors.New("mmapalloc: create: Unlink without KeepFD would leave the segment unreachable")
+		return nil, &Error{Op: "create", Err: errors.New("Unlink without KeepFD would leave the segment unreachable")}
 	}
 	if flags&Unlink != 0 && flags&RefCount != 0 {
-		return nil, errors.New("mmapalloc: create: RefCount segments are shared by name and cannot be unlinked at once")
+		return nil, &Error{Op: "create", Err: errors.New("RefCount segments are shared by name and cannot be unlinked at once")}
 	}
 	if flags&Sparse != 0 && (flags&KeepFD == 0 || flags&RefCount != 0) {
-		return nil, errors.New("mmapalloc: create: a Sparse segment needs KeepFD, to reserve its ranges, and no RefCount header")
+		return nil, &Error{Op: "create", Err: errors.New("a Sparse segment needs KeepFD, to reserve its ranges, and no RefCount header")}
 	}
 	total, err := totalSize(size, flags)
 	if err != nil {
-		return nil, err
+		return nil, &Error{Op: "create", Err: err}
 	}
 
 	if flags&Unlink != 0 {
@@ -107,12 +102,12 @@ func OpenFD(fd int, size int64, flags Flags) (*Allocation, error) {
 	flags |= FromFD | SharedMem
 	if flags&^openFDFlags != 0 {
 		_ = unix.Close(fd)
-		return nil, fmt.Errorf("mmapalloc: open fd %d: flags %v not allowed", fd, flags&^openFDFlags)
+		return nil, &Error{Op: "open", Path: fmt.Sprintf("fd %d", fd), Err: fmt.Errorf("flags %v not allowed", flags&^openFDFlags)}
 	}
 	total, err := totalSize(size, flags)
 	if err != nil {
 		_ = unix.Close(fd)
-		return nil, err
+		return nil, &Error{Op: "open", Path: fmt.Sprintf("fd %d", fd), Err: err}
 	}
 	return setUp(fd, "", total, flags, false)
 }
@@ -125,14 +120,14 @@ func OpenFD(fd int, size int64, flags Flags) (*Allocation, error) {
 func OpenName(name string, size int64, flags Flags) (*Allocation, error) {
 	flags |= NoCreate | SharedMem
 	if flags&^openFlags != 0 {
-		return nil, fmt.Errorf("mmapalloc: open %q: flags %v not allowed", name, flags&^openFlags)
+		return nil, &Error{Op: "open", Path: fmt.Sprintf("%q", name), Err: fmt.Errorf("flags %v not allowed", flags&^openFlags)}
 	}
 	if !ValidName(name) {
 		return nil, &Error{Op: "open", Path: fmt.Sprintf("%q", name), Err: ErrBadName}
 	}
 	total, err := totalSize(size, flags)
 	if err != nil {
-		return nil, err
+		return nil, &Error{Op: "open", Path: name, Err: err}
 	}
 	path := filepath.Join(Dir(), name)
 	fd, err := unix.Open(path, unix.O_RDWR|unix.O_NOFOLLOW|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
@@ -154,14 +149,14 @@ func OpenName(name string, size int64, flags Flags) (*Allocation, error) {
 
 func totalSize(size int64, flags Flags) (int64, error) {
 	if size <= 0 {
-		return 0, fmt.Errorf("mmapalloc: segment size %d: must be positive", size)
+		return 0, fmt.Errorf("size %d: must be positive", size)
 	}
 	total := size
 	if flags&RefCount != 0 {
 		total += HeaderSize
 	}
 	if total < size || total > maxSegment {
-		return 0, fmt.Errorf("mmapalloc: segment size %d exceeds the limit of %d bytes", size, int64(maxSegment))
+		return 0, fmt.Errorf("size %d exceeds the limit of %d bytes", size, int64(maxSegment))
 	}
 	return total, nil
 }
@@ -242,7 +237,7 @@ func reserve(fd int, size int64) error { return reserveRange(fd, 0, size) }
 // within the segment: a sealed one cannot grow.
 func (a *Allocation) Reserve(off, n int64) error {
 	if off < 0 || n <= 0 || off > int64(len(a.mapping))-n {
-		return fmt.Errorf("mmapalloc: reserve %d bytes at %d of %v: out of range", n, off, a)
+		return &Error{Op: "reserve", Path: a.where(), Err: fmt.Errorf("%d bytes at %d: out of range", n, off)}
 	}
 	raw, err := a.LendFD()
 	if err != nil {

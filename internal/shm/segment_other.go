@@ -4,11 +4,6 @@ package shm
 
 import "syscall"
 
-var (
-	errNoSpaceErrno error = syscall.ENOSPC
-	errTooManyFiles error = syscall.EMFILE
-)
-
 // Create is not supported on this system.
 func Create(size int64, flags Flags) (*Allocation, error) { return nil, ErrUnsupported }
 

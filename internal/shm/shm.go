@@ -3,7 +3,6 @@ package shm
 import (
 	"crypto/rand"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"os"
 	"strings"
@@ -74,48 +73,6 @@ type header struct {
 }
 
 var _ [HeaderSize - unsafe.Sizeof(header{})]byte // header fills HeaderSize exactly
-
-// Sentinel errors. Errors returned by this package wrap them where they
-// apply, so callers test with errors.Is.
-var (
-	// ErrNoSpace: the shared-memory directory cannot hold the segment.
-	// The error also wraps the ENOSPC the system returned.
-	ErrNoSpace = errors.New("no space left in the shared-memory directory")
-	// ErrBadName: a segment name that tensormp did not make.
-	ErrBadName = errors.New("not a tensormp segment name")
-	// ErrReleased: a RefCount segment whose last holder already released
-	// it.
-	ErrReleased = errors.New("segment already released by its last holder")
-	// ErrUnsupported: shared segments are not implemented on this system.
-	ErrUnsupported = errors.New("shared-memory segments are not supported on this system")
-	// ErrClosed: the Allocation was closed.
-	ErrClosed = errors.New("allocation closed")
-)
-
-// FDLimitHint tells a user out of file descriptors what to do.
-const FDLimitHint = "raise the limit with `ulimit -n` or RLIMIT_NOFILE"
-
-// Error records a failed operation on a segment.
-type Error struct {
-	Op   string // "create", "open", "map", ...
-	Path string // the segment's path, or "fd N"
-	Err  error
-}
-
-func (e *Error) Error() string {
-	msg := "mmapalloc: " + e.Op + " " + e.Path + ": " + e.Err.Error()
-	if errors.Is(e.Err, errTooManyFiles) {
-		msg += " (the process is out of file descriptors: " + FDLimitHint + ")"
-	}
-	return msg
-}
-
-func (e *Error) Unwrap() error { return e.Err }
-
-// Is makes a no-space error match ErrNoSpace as well as ENOSPC.
-func (e *Error) Is(target error) bool {
-	return target == ErrNoSpace && errors.Is(e.Err, errNoSpaceErrno)
-}
 
 // EnvDir names the environment variable that overrides the directory
 // segments live in.
@@ -334,9 +291,13 @@ func (a *Allocation) hdr() *header {
 }
 
 func (a *Allocation) String() string {
-	where := a.path
-	if where == "" {
-		where = fmt.Sprintf("fd %d", a.fd())
+	return fmt.Sprintf("segment %s (%d bytes, %v)", a.where(), len(a.data), a.flags)
+}
+
+// where names the segment for an error: its path, or its descriptor.
+func (a *Allocation) where() string {
+	if a.path == "" {
+		return fmt.Sprintf("fd %d", a.fd())
 	}
-	return fmt.Sprintf("segment %s (%d bytes, %v)", where, len(a.data), a.flags)
+	return a.path
 }

@@ -134,7 +134,7 @@ func Pair() ([2]*fd.FD, error) {
 // that limit, else nothing.
 func FDHint(err error) string {
 	if fd.OutOfDescriptors(err) {
-		return " (out of file descriptors: " + shm.FDLimitHint + ")"
+		return " (out of file descriptors: " + fd.LimitHint + ")"
 	}
 	return ""
 }
@@ -520,7 +520,7 @@ func (c *Conn) recvLocked(ctx context.Context, block bool) (data []byte, fds []i
 		return nil, fds, nil, err
 	case flags&unix.MSG_CTRUNC != 0:
 		_ = shm.DropIdle() // make room for the next message's
-		return nil, fds, nil, errors.New("mp: receive: descriptors were dropped by the kernel (MSG_CTRUNC): the process is probably out of file descriptors; " + shm.FDLimitHint)
+		return nil, fds, nil, errors.New("mp: receive: descriptors were dropped by the kernel (MSG_CTRUNC): the process is probably out of file descriptors; " + fd.LimitHint)
 	case flags&unix.MSG_TRUNC != 0:
 		return nil, fds, nil, fmt.Errorf("mp: receive: message larger than %d bytes was truncated (MSG_TRUNC)", len(c.buf))
 	case n < headerLen:

@@ -234,7 +234,7 @@ func recvCarried(carrier, want int) (fds []int, err error) {
 			return fds, fmt.Errorf("mp: receive: carried descriptors: %w%s", err, FDHint(err))
 		}
 		if flags&unix.MSG_CTRUNC != 0 {
-			return fds, errors.New("mp: receive: carried descriptors were dropped by the kernel (MSG_CTRUNC): " + shm.FDLimitHint)
+			return fds, errors.New("mp: receive: carried descriptors were dropped by the kernel (MSG_CTRUNC): " + fd.LimitHint)
 		}
 		if oobn == 0 {
 			return fds, fmt.Errorf("mp: receive: carrier ended after %d of %d descriptors", len(fds), want)
