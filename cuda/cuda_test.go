@@ -162,7 +162,7 @@ func TestUnsentExportAndOOMCollectLimbo(t *testing.T) {
 func received(t *testing.T, h gpushare.Handle) gpushare.Handle {
 	t.Helper()
 	seg := h.Token.Segment()
-	tok, err := shm.AttachBlock(h.Ticket.FD(), statOf(t, h.Ticket.FD()), false, seg.Size(), h.Token.Offset(), 8, h.Token.Gen())
+	tok, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, h.Ticket.FD()).ID, Size: seg.Size()}, Offset: h.Token.Offset(), Size: 8, Gen: h.Token.Gen(), Ticket: h.Ticket.FD()})
 	require.NoError(t, err)
 	h.Ticket.Done()
 	h.Token, h.Ticket = tok, nil
@@ -194,10 +194,10 @@ func TestBadRanges(t *testing.T) {
 	assert.ErrorContains(t, err, "does not exist")
 }
 
-// statOf is shm.StatFile for a descriptor the test knows is good.
-func statOf(t *testing.T, fd int) shm.FileStat {
+// statOf is shm.Stat for a descriptor the test knows is good.
+func statOf(t *testing.T, fd int) shm.SegmentRef {
 	t.Helper()
-	st, err := shm.StatFile(fd)
+	st, err := shm.Stat(fd)
 	require.NoError(t, err)
 	return st
 }

@@ -82,10 +82,10 @@ func share(t *testing.T, b *cuda.Buffer) (sh gpushare.Slab, ticket, memFD int) {
 // receive attaches the block a message named, as a receiver does.
 func receive(t *testing.T, sh gpushare.Slab, ticket int) *shm.Block {
 	t.Helper()
-	st, err := shm.StatFile(ticket)
+	st, err := shm.Stat(ticket)
 	require.NoError(t, err)
 	b := sh.Block
-	blk, err := shm.AttachBlock(ticket, st, false, b.Segment().Size(), b.Offset(), b.Size(), b.Gen())
+	blk, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: st.ID, Size: b.Segment().Size()}, Offset: b.Offset(), Size: b.Size(), Gen: b.Gen(), Ticket: ticket})
 	require.NoError(t, err)
 	return blk
 }
@@ -200,9 +200,9 @@ func TestImportBlockRefusesWhatIsNoSlab(t *testing.T) {
 	tk, err := cpu.Ticket()
 	require.NoError(t, err)
 	defer tk.Done()
-	st, err := shm.StatFile(tk.FD())
+	st, err := shm.Stat(tk.FD())
 	require.NoError(t, err)
-	blk, err := shm.AttachBlock(tk.FD(), st, false, cpu.Segment().Size(), cpu.Offset(), 64, cpu.Gen())
+	blk, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: st.ID, Size: cpu.Segment().Size()}, Offset: cpu.Offset(), Size: 64, Gen: cpu.Gen(), Ticket: tk.FD()})
 	require.NoError(t, err)
 	defer blk.Release()
 	_, err = recv.ImportBlock(0, blk, 64, smallFD)

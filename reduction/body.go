@@ -163,8 +163,8 @@ var errNoDescriptors = errors.New("descriptor metadata in a message that carries
 
 func (r *bodyReader) fd(int) (int, error)   { return -1, errNoDescriptors }
 func (r *bodyReader) take(int) (int, error) { return -1, errNoDescriptors }
-func (r *bodyReader) stat(int) (shm.FileStat, error) {
-	return shm.FileStat{}, errNoDescriptors
+func (r *bodyReader) stat(int) (shm.SegmentRef, error) {
+	return shm.SegmentRef{}, errNoDescriptors
 }
 func (r *bodyReader) ticket(int, shm.ID) (int, bool)         { return -1, false }
 func (r *fdReader) body(int, int64) (*tensor.Storage, error) { return nil, errNoBodies }

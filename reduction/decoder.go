@@ -128,7 +128,7 @@ type fdReader struct {
 	// ticket, until the message is decoded and shm adopts it; the
 	// zero ID (which no segment has) if none.
 	tickets  []shm.ID
-	stats    []shm.FileStat // stats[i]: descriptor i's, once statted[i]
+	stats    []shm.SegmentRef // stats[i]: descriptor i's, once statted[i]
 	statted  []bool
 	storages []*tensor.Storage
 	// others: what decoders of other types made of descriptors they
@@ -162,13 +162,13 @@ func (r *fdReader) fd(i int) (int, error) {
 	return r.fds[i], nil
 }
 
-func (r *fdReader) stat(i int) (shm.FileStat, error) {
+func (r *fdReader) stat(i int) (shm.SegmentRef, error) {
 	fd, err := r.fd(i)
 	if err != nil {
-		return shm.FileStat{}, err
+		return shm.SegmentRef{}, err
 	}
 	if !r.statted[i] {
-		st, err := shm.StatFile(fd)
+		st, err := shm.Stat(fd)
 		if err != nil {
 			return st, err
 		}

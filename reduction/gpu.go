@@ -123,7 +123,7 @@ func openGPU(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*te
 	if err != nil {
 		return nil, err
 	}
-	token, err := shm.AttachBlock(fd, st, false, m.Segment, m.Block, tokenSize, m.Gen)
+	token, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: st.ID, Size: m.Segment}, Offset: m.Block, Size: tokenSize, Gen: m.Gen, Ticket: fd})
 	if err != nil {
 		return nil, err
 	}

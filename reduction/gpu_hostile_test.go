@@ -91,8 +91,8 @@ func TestHostileSlabMessages(t *testing.T) {
 		{"a memfd for the slab", func(m *Meta, fds *[2]int) { swap(t, &fds[1], memfd) }, "importing a slab"},
 		{"a CPU segment for the slab", func(m *Meta, fds *[2]int) { swap(t, &fds[1], cpu.FD()) }, "importing a slab"},
 		{"another device's slab", func(m *Meta, fds *[2]int) { swap(t, &fds[1], otherFDs[1]) }, "not of gpu:0"},
-		{"the slab for the ticket", func(m *Meta, fds *[2]int) { swap(t, &fds[0], fds[1]) }, "descriptor 0 is of segment"},
-		{"a CPU segment for the ticket", func(m *Meta, fds *[2]int) { swap(t, &fds[0], cpu.FD()) }, "descriptor 0 is of segment"},
+		{"the slab for the ticket", func(m *Meta, fds *[2]int) { swap(t, &fds[0], fds[1]) }, "descriptor is of segment"},
+		{"a CPU segment for the ticket", func(m *Meta, fds *[2]int) { swap(t, &fds[0], cpu.FD()) }, "descriptor is of segment"},
 		{"a slab of another size", func(m *Meta, fds *[2]int) {
 			// The block of a slab of its own, over 16 MiB, with the
 			// small slab's descriptor.

@@ -105,7 +105,7 @@ func TestHostileInput(t *testing.T) {
 		{"block with descriptor of another segment", with(func(m *Meta) {
 			m.Dev, m.Ino = other.ID().Dev, other.ID().Ino
 			m.Segment, m.Block, m.Gen = 1<<20, 4096, 1
-		}), segFD, "that the metadata names"},
+		}), segFD, "is of segment"},
 		{"identity in fs metadata", withID(func(m *Meta) {
 			m.Strategy = "file_system"
 			m.FD = -1

@@ -206,10 +206,10 @@ type fdSource interface {
 	take(i int) (int, error)
 	// stat returns the identity and size of the file behind descriptor
 	// i, marking it referenced: one fstat per descriptor per message.
-	stat(i int) (shm.FileStat, error)
+	stat(i int) (shm.SegmentRef, error)
 	// ticket returns descriptor i, a pooled block's ticket of segment id,
-	// for shm.AttachBlock, and whether it covers the block until
-	// the message is decoded (see shm.AdoptTicket).
+	// and whether it covers the block (see shm.BlockRef) until the
+	// message is decoded (see shm.AdoptTicket).
 	ticket(i int, id shm.ID) (fd int, covered bool)
 	// body returns the storage body i was received into, which must hold
 	// size bytes, for a message that carries its tensors by value.
@@ -227,12 +227,12 @@ func (b borrowed) fd(i int) (int, error) {
 	return b[i], nil
 }
 
-func (b borrowed) stat(i int) (shm.FileStat, error) {
+func (b borrowed) stat(i int) (shm.SegmentRef, error) {
 	fd, err := b.fd(i)
 	if err != nil {
-		return shm.FileStat{}, err
+		return shm.SegmentRef{}, err
 	}
-	return shm.StatFile(fd)
+	return shm.Stat(fd)
 }
 
 func (b borrowed) take(i int) (int, error) {
@@ -394,8 +394,8 @@ func openFD(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, err
 // block's ticket: it holds the block until this process holds it too, and
 // the decoder closes it afterwards. A block of a segment this process maps
 // already is attached by the segment's identity, with the ticket taken
-// for what m says it is (see shm.AttachMappedBlock); only a segment
-// not mapped yet costs an fstat.
+// for what m says it is (see shm.Attach); only a segment not mapped yet
+// costs an fstat.
 func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
 	if _, err := fds.fd(m.FD); err != nil { // referenced even when the storage is cached
 		return nil, err
@@ -409,17 +409,18 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 // identity if this process maps it already, else from the message's
 // ticket.
 func attachBlock(m Meta, fds fdSource) (*shm.Block, error) {
-	id := m.segmentID()
-	fd, covered := fds.ticket(m.FD, id)
-	b, err := shm.AttachMappedBlock(id, covered, m.Segment, m.Block, m.Size, m.Gen)
-	if !errors.Is(err, shm.ErrNotMapped) {
-		return b, err
-	}
-	st, err := checkedStat(m, fds)
+	return attachIn(shm.SegmentRef{ID: m.segmentID(), Size: m.Segment}, m, fds)
+}
+
+// attachIn attaches the block m names in seg, held by the message's
+// ticket, which covers it as fds says.
+func attachIn(seg shm.SegmentRef, m Meta, fds fdSource) (*shm.Block, error) {
+	ticket, err := fds.fd(m.FD)
 	if err != nil {
 		return nil, err
 	}
-	return shm.AttachBlock(fd, st, covered, m.Segment, m.Block, m.Size, m.Gen)
+	return shm.Attach(shm.BlockRef{Seg: seg, Offset: m.Block, Size: m.Size, Gen: m.Gen, Ticket: ticket,
+		Covers: func(id shm.ID) bool { _, ok := fds.ticket(m.FD, id); return ok }})
 }
 
 // segmentID is the identity of the file_descriptor segment m names.
@@ -429,7 +430,7 @@ func (m *Meta) setSegmentID(id shm.ID) { m.Dev, m.Ino = id.Dev, id.Ino }
 
 // checkedStat returns the status of the message's descriptor for m,
 // which must be of the segment m names.
-func checkedStat(m Meta, fds fdSource) (shm.FileStat, error) {
+func checkedStat(m Meta, fds fdSource) (shm.SegmentRef, error) {
 	st, err := fds.stat(m.FD)
 	if err != nil {
 		return st, err
@@ -450,17 +451,7 @@ func openNamedBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Stor
 		return nil, err
 	}
 	return adoptBlock(shm.FindNamedUser(m.Name, m.Block, m.Gen), m, made, func() (*shm.Block, error) {
-		ticketCovers := func(id shm.ID) bool { _, ok := fds.ticket(m.FD, id); return ok }
-		b, err := shm.AttachMappedNamedBlock(m.Name, ticketCovers, m.Segment, m.Block, m.Size, m.Gen)
-		if !errors.Is(err, shm.ErrNotMapped) {
-			return b, err
-		}
-		st, err := fds.stat(m.FD)
-		if err != nil {
-			return nil, err
-		}
-		fd, covered := fds.ticket(m.FD, st.ID)
-		return shm.AttachNamedBlock(m.Name, fd, st, covered, m.Segment, m.Block, m.Size, m.Gen)
+		return attachIn(shm.SegmentRef{Name: m.Name, Size: m.Segment}, m, fds)
 	})
 }
 

@@ -31,77 +31,107 @@ type segmentTable struct {
 	idleBytes int64
 }
 
-// AttachBlock returns the block at data offset off, with size data bytes
-// and generation gen, of the segment behind ticket, a descriptor a
-// message carried (see Block.Ticket), whose identity and size are st, as
-// Stat gave them; the segment holds segSize bytes. The
-// segment is mapped once per process, through a description of its own,
-// whatever the number of blocks attached from it; the block holds its slot
-// until Release. ticket stays the caller's.
+// SegmentRef names a pooled segment as a message does: a
+// file_descriptor segment by its file's identity, a file_system one by
+// its name.
+type SegmentRef struct {
+	ID   ID     // the segment's file; unknown (zero) for a named segment
+	Name string // a file_system segment's name in Dir, else ""
+	Size int64  // the bytes the segment holds, at least
+}
+
+// BlockRef names a block of a pooled segment as a message does, with the
+// descriptor the message carried for it.
+type BlockRef struct {
+	Seg    SegmentRef
+	Offset int64  // the block's data offset in its segment
+	Size   int64  // its data bytes
+	Gen    uint64 // its generation
+	// Ticket is the descriptor the message carried (see Block.Ticket), of
+	// the segment. It stays the caller's.
+	Ticket int
+	// Covers reports whether the caller lends Ticket, a descriptor of
+	// segment id, to hold the block for this process until it hands
+	// Ticket to AdoptTicket. Nil is never.
+	Covers func(id ID) bool
+}
+
+func (r *BlockRef) covers(id ID) bool { return r.Covers != nil && r.Covers(id) }
+
+// Attach returns the block ref names, held for this process until its
+// Release. A segment is mapped once per process, through a description of
+// its own, whatever the number of blocks attached from it. One this
+// process maps already is found by its identity or its name, with no look
+// at the ticket; another is opened from the ticket (file_descriptor) or by
+// its name (file_system, a name tensormp made), once the ticket is found
+// to be of it.
 //
-// Without covered, the slot is locked through this process's own
-// description at once. With covered, no call is made: the ticket holds the
-// slot, so the caller keeps it open until it hands it to AdoptTicket, which
-// keeps it until this process's holds are moved to its own description in
-// a batch, within milliseconds. Receiving a stream of blocks costs no lock
-// call that way, and one close call per batch of descriptors.
-func AttachBlock(ticket int, st FileStat, covered bool, segSize, off, size int64, gen uint64) (*Block, error) {
-	if st.Size < segSize {
-		return nil, &Error{Op: "attach", Path: fmt.Sprintf("fd %d", ticket), Err: fmt.Errorf("segment holds %d bytes, fewer than the %d claimed", st.Size, segSize)}
+// Unless the ticket covers the block, its slot is locked through this
+// process's own description at once. If it does, no call is made: the
+// ticket holds the slot, so the caller keeps it open until it hands it to
+// AdoptTicket, which keeps it until this process's holds are moved to its
+// own description in a batch, within milliseconds. Receiving a stream of
+// blocks costs no lock call that way, and one close call per batch of
+// descriptors. A caller that says so vouches that the ticket is a
+// descriptor of the segment, as a message's ticket is: a ticket of
+// another file would hold nothing, and the block could be recycled under
+// this process until its hold moves to this process's own description.
+// Only a peer that could write the segment anyway can send such a
+// ticket.
+func Attach(ref BlockRef) (*Block, error) {
+	if ref.Seg.Name != "" {
+		return attachNamed(ref)
 	}
-	return attached.attach(st.ID, covered, segSize, off, size, gen, func() (*Allocation, error) {
-		raw, err := reopen(ticket)
+	id := ref.Seg.ID
+	covered := ref.covers(id)
+	b, err := attached.attach(id, covered, ref, nil)
+	if !errors.Is(err, errNotMapped) {
+		return b, err
+	}
+	st, err := Stat(ref.Ticket)
+	switch {
+	case err != nil:
+		return nil, err
+	case st.ID != id:
+		return nil, &Error{Op: "attach", Path: fmt.Sprintf("fd %d", ref.Ticket), Err: fmt.Errorf("descriptor is of segment %v, not of %v that the message names", st.ID, id)}
+	case st.Size < ref.Seg.Size:
+		return nil, &Error{Op: "attach", Path: fmt.Sprintf("fd %d", ref.Ticket), Err: fmt.Errorf("segment holds %d bytes, fewer than the %d claimed", st.Size, ref.Seg.Size)}
+	}
+	return attached.attach(id, covered, ref, func() (*Allocation, error) {
+		raw, err := reopen(ref.Ticket)
 		if err != nil {
 			return nil, err
 		}
-		return OpenFD(raw, segSize, KeepFD) // checks the seals
+		return OpenFD(raw, ref.Seg.Size, KeepFD) // checks the seals
 	})
 }
 
-// AttachMappedBlock is AttachBlock for a block of segment id that this
-// process maps already, found by its identity alone: no look at ticket.
-// It returns ErrNotMapped, having done nothing, if the process maps no
-// such segment of segSize bytes or more; then the caller stats ticket and
-// calls AttachBlock.
-//
-// With covered, the caller vouches that ticket is a descriptor of segment
-// id, as a message's ticket is: a ticket of another file would hold
-// nothing, and the block could be recycled under this process until its
-// hold moves to this process's own description. Only a peer that could
-// write the segment anyway can send such a ticket. Without covered, the
-// slot is locked at once, as by AttachBlock.
-func AttachMappedBlock(id ID, covered bool, segSize, off, size int64, gen uint64) (*Block, error) {
-	return attached.attach(id, covered, segSize, off, size, gen, nil)
-}
-
-// AttachMappedNamedBlock is AttachMappedBlock for a block of the named
-// segment called name, found by its name. covered is asked, with the
-// segment's identity, whether the message's ticket covers the block.
-func AttachMappedNamedBlock(name string, covered func(ID) bool, segSize, off, size int64, gen uint64) (*Block, error) {
-	attached.mu.Lock()
-	defer attached.mu.Unlock()
-	id, ok := attached.names[name]
-	if !ok {
-		return nil, ErrNotMapped
-	}
-	return attached.attachLocked(id, covered(id), segSize, off, size, gen, nil)
-}
-
-// AttachNamedBlock is AttachBlock for a block of a named (file_system)
-// segment in Dir, which this process opens by name; ticket is the
-// descriptor the message carried, and must be of the same file. The name
-// must be one tensormp made.
-func AttachNamedBlock(name string, ticket int, st FileStat, covered bool, segSize, off, size int64, gen uint64) (*Block, error) {
+// attachNamed is Attach for a block of a named segment.
+func attachNamed(ref BlockRef) (*Block, error) {
+	name := ref.Seg.Name
 	if !ValidName(name) {
-		return nil, &Error{Op: "open", Path: fmt.Sprintf("%q", name), Err: ErrBadName}
+		return nil, &Error{Op: "attach", Path: fmt.Sprintf("%q", name), Err: ErrBadName}
 	}
-	id := st.ID
-	return attached.attach(id, covered, segSize, off, size, gen, func() (*Allocation, error) {
-		a, err := OpenName(name, segSize, KeepFD)
+	attached.mu.Lock()
+	var b *Block
+	err := errNotMapped
+	if id, ok := attached.names[name]; ok {
+		b, err = attached.attachLocked(id, ref.covers(id), ref, nil)
+	}
+	attached.mu.Unlock()
+	if !errors.Is(err, errNotMapped) {
+		return b, err
+	}
+	st, err := Stat(ref.Ticket)
+	if err != nil {
+		return nil, err
+	}
+	return attached.attach(st.ID, ref.covers(st.ID), ref, func() (*Allocation, error) {
+		a, err := OpenName(name, ref.Seg.Size, KeepFD)
 		if err != nil {
 			return nil, err
 		}
-		if a.ID() != id {
+		if a.ID() != st.ID {
 			_ = a.Release()
 			return nil, &Error{Op: "attach", Path: name, Err: errors.New("not the file the message's descriptor names")}
 		}
@@ -110,7 +140,7 @@ func AttachNamedBlock(name string, ticket int, st FileStat, covered bool, segSiz
 }
 
 // AdoptTicket takes over ticket, a descriptor of segment id that covered
-// blocks attached with AttachBlock: it is kept while it holds them for
+// blocks attached with Attach: it is kept while it holds them for
 // this process, and closed once their holds have moved to this process's
 // own description, within transferDelay. The caller must not use ticket
 // afterwards.
@@ -130,19 +160,23 @@ func AdoptTicket(ticket int, id ID) {
 	}
 }
 
-// attach finds or maps the segment id and holds the block at off in it.
-// Without open, a segment not mapped yet is ErrNotMapped.
-func (t *segmentTable) attach(id ID, covered bool, segSize, off, size int64, gen uint64, open func() (*Allocation, error)) (*Block, error) {
+// errNotMapped: the segment is not mapped by this process, or too small
+// a part of it, and attach was given no way to open it.
+var errNotMapped = errors.New("segment is not mapped by this process")
+
+// attach finds or maps the segment id and holds the block ref names in
+// it. Without open, a segment not mapped yet is errNotMapped.
+func (t *segmentTable) attach(id ID, covered bool, ref BlockRef, open func() (*Allocation, error)) (*Block, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	return t.attachLocked(id, covered, segSize, off, size, gen, open)
+	return t.attachLocked(id, covered, ref, open)
 }
 
-func (t *segmentTable) attachLocked(id ID, covered bool, segSize, off, size int64, gen uint64, open func() (*Allocation, error)) (*Block, error) {
+func (t *segmentTable) attachLocked(id ID, covered bool, ref BlockRef, open func() (*Allocation, error)) (*Block, error) {
 	seg, ok := t.m[id]
-	if !ok || seg.alloc.Size() < segSize {
+	if !ok || seg.alloc.Size() < ref.Seg.Size {
 		if open == nil {
-			return nil, ErrNotMapped
+			return nil, errNotMapped
 		}
 		a, err := open()
 		if fd.OutOfDescriptors(err) {
@@ -173,7 +207,7 @@ func (t *segmentTable) attachLocked(id ID, covered bool, segSize, off, size int6
 	} else if seg.users == 0 {
 		t.unidleLocked(seg)
 	}
-	b, err := seg.holdLocked(off, size, gen, covered)
+	b, err := seg.holdLocked(ref.Offset, ref.Size, ref.Gen, covered)
 	if err != nil {
 		_ = t.settleLocked(seg)
 		return nil, err

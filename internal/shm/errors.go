@@ -40,8 +40,6 @@ var (
 	// ErrNoExtent: a block of a segment whose slots hold their data
 	// themselves, where one of an extent pool's was due, or the reverse.
 	ErrNoExtent = errors.New("not a block of an extent pool")
-	// ErrNotMapped: AttachMappedBlock found no mapping of the segment.
-	ErrNotMapped = errors.New("segment is not mapped by this process")
 )
 
 // Error records a failed operation on shared memory: what was done to

@@ -55,3 +55,21 @@ func HoldSlots(b *Block, slots ...int) (func() error, error) {
 	}
 	return func() error { return unix.Close(fd) }, nil
 }
+
+// ErrNotMapped is what AttachMapped returns for a segment not mapped yet.
+var ErrNotMapped = errNotMapped
+
+// AttachMapped is Attach for a segment this process maps already, found
+// by its identity or its name: ErrNotMapped for another.
+func AttachMapped(ref BlockRef) (*Block, error) {
+	attached.mu.Lock()
+	defer attached.mu.Unlock()
+	id := ref.Seg.ID
+	if ref.Seg.Name != "" {
+		var ok bool
+		if id, ok = attached.names[ref.Seg.Name]; !ok {
+			return nil, errNotMapped
+		}
+	}
+	return attached.attachLocked(id, ref.covers(id), ref, nil)
+}

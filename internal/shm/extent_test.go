@@ -76,7 +76,7 @@ func TestExtentPool(t *testing.T) {
 
 	// A receiver: the extent is its own to attach, once.
 	msg := send(t, blocks[1])
-	r, err := shm.AttachBlock(msg, statOf(t, msg), false, seg.Size(), blocks[1].Offset(), 4<<10, blocks[1].Gen())
+	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: blocks[1].Offset(), Size: 4 << 10, Gen: blocks[1].Gen(), Ticket: msg})
 	require.NoError(t, err)
 	require.NoError(t, unix.Close(msg)) // the message is taken: the receiver holds the block itself
 	assert.True(t, r.InExtent())
@@ -111,7 +111,7 @@ func TestExtentPool(t *testing.T) {
 	assert.False(t, b.InExtent())
 	m := send(t, b)
 	defer unix.Close(m)
-	rb, err := shm.AttachBlock(m, statOf(t, m), false, b.Segment().Size(), b.Offset(), 4<<10, b.Gen())
+	rb, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, m).ID, Size: b.Segment().Size()}, Offset: b.Offset(), Size: 4 << 10, Gen: b.Gen(), Ticket: m})
 	require.NoError(t, err)
 	defer rb.Release()
 	_, err = rb.SetExtent(other)

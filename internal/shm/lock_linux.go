@@ -113,7 +113,7 @@ func removeIfAbandoned(path string, id ID) bool {
 		return err != unix.EINTR && !fd.OutOfDescriptors(err)
 	}
 	defer unix.Close(raw)
-	if st, err := StatFile(raw); err != nil || st.ID != id {
+	if st, err := Stat(raw); err != nil || st.ID != id {
 		return true
 	}
 	// Only a pool's segment is held through locks; any other (a RefCount

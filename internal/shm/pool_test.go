@@ -130,7 +130,7 @@ func TestPoolRecyclesOnlyWhenNobodyHolds(t *testing.T) {
 	assert.True(t, a.Busy(), "the message holds it")
 
 	// The receiver takes its own hold, closes the message, and releases.
-	r, err := shm.AttachBlock(msg, statOf(t, msg), false, seg.Size(), off, large, gen)
+	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: off, Size: large, Gen: gen, Ticket: msg})
 	require.NoError(t, err)
 	require.NoError(t, unix.Close(msg))
 	require.NoError(t, r.Release())
@@ -139,7 +139,7 @@ func TestPoolRecyclesOnlyWhenNobodyHolds(t *testing.T) {
 	assert.True(t, c.Segment() == seg && c.Offset() == off, "once nobody holds it, the block is reused")
 	assert.Greater(t, c.Gen(), gen, "with a new generation")
 	stale := send(t, c)
-	_, err = shm.AttachBlock(stale, statOf(t, stale), false, seg.Size(), off, large, gen)
+	_, err = shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, stale).ID, Size: seg.Size()}, Offset: off, Size: large, Gen: gen, Ticket: stale})
 	assert.ErrorIs(t, err, shm.ErrStaleBlock)
 	require.NoError(t, unix.Close(stale))
 	require.NoError(t, b.Release())
@@ -253,12 +253,10 @@ func TestTwiceDeliveredKeepsItsHold(t *testing.T) {
 	var got []*shm.Block
 	for _, covered := range []bool{true, false} {
 		msg := send(t, a)
-		r, err := shm.AttachBlock(msg, statOf(t, msg), covered, seg.Size(), off, large, gen)
+		r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: off, Size: large, Gen: gen, Ticket: msg, Covers: coveredIf(covered)})
 		require.NoError(t, err)
 		if covered {
-			id, _, err := shm.Stat(msg)
-			require.NoError(t, err)
-			shm.AdoptTicket(msg, id)
+			shm.AdoptTicket(msg, statOf(t, msg).ID)
 		} else {
 			require.NoError(t, unix.Close(msg))
 		}
@@ -282,15 +280,14 @@ func TestAdoptedTicketsCloseInBatches(t *testing.T) {
 	p := testPool(t)
 	a := mustAlloc(t, p, 4<<10)
 	seg, off, gen := a.Segment(), a.Offset(), a.Gen()
-	id, _, err := shm.Stat(seg.FD())
-	require.NoError(t, err)
+	id := statOf(t, seg.FD()).ID
 	open := func(fd int) bool { // still the segment's: not closed, nor reused
-		got, _, err := shm.Stat(fd)
-		return err == nil && got == id
+		got, err := shm.Stat(fd)
+		return err == nil && got.ID == id
 	}
 	receive := func() int {
 		msg := send(t, a)
-		r, err := shm.AttachBlock(msg, statOf(t, msg), true, seg.Size(), off, 4<<10, gen)
+		r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: off, Size: 4 << 10, Gen: gen, Ticket: msg, Covers: covering})
 		require.NoError(t, err)
 		shm.AdoptTicket(msg, id)
 		require.NoError(t, r.Release())
@@ -328,9 +325,9 @@ func TestAttachBlock(t *testing.T) {
 
 	before, err := leakcheck.Mappings()
 	require.NoError(t, err)
-	ra, err := shm.AttachBlock(ma, statOf(t, ma), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	ra, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, ma).ID, Size: seg.Size()}, Offset: a.Offset(), Size: 4 << 10, Gen: a.Gen(), Ticket: ma})
 	require.NoError(t, err)
-	rb, err := shm.AttachBlock(mb, statOf(t, mb), false, seg.Size(), b.Offset(), 4<<10, b.Gen())
+	rb, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, mb).ID, Size: seg.Size()}, Offset: b.Offset(), Size: 4 << 10, Gen: b.Gen(), Ticket: mb})
 	require.NoError(t, err)
 	after, err := leakcheck.Mappings()
 	require.NoError(t, err)
@@ -342,27 +339,27 @@ func TestAttachBlock(t *testing.T) {
 
 	for name, f := range map[string]func() error{
 		"offset past the segment": func() error {
-			_, err := shm.AttachBlock(ma, statOf(t, ma), false, seg.Size(), seg.Size(), 1, a.Gen())
+			_, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, ma).ID, Size: seg.Size()}, Offset: seg.Size(), Size: 1, Gen: a.Gen(), Ticket: ma})
 			return err
 		},
 		"offset in the slot table": func() error {
-			_, err := shm.AttachBlock(ma, statOf(t, ma), false, seg.Size(), 0, 16, a.Gen())
+			_, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, ma).ID, Size: seg.Size()}, Offset: 0, Size: 16, Gen: a.Gen(), Ticket: ma})
 			return err
 		},
 		"size past the segment": func() error {
-			_, err := shm.AttachBlock(ma, statOf(t, ma), false, seg.Size(), a.Offset(), seg.Size(), a.Gen())
+			_, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, ma).ID, Size: seg.Size()}, Offset: a.Offset(), Size: seg.Size(), Gen: a.Gen(), Ticket: ma})
 			return err
 		},
 		"not a slot": func() error {
-			_, err := shm.AttachBlock(ma, statOf(t, ma), false, seg.Size(), a.Offset()+64, 16, a.Gen())
+			_, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, ma).ID, Size: seg.Size()}, Offset: a.Offset() + 64, Size: 16, Gen: a.Gen(), Ticket: ma})
 			return err
 		},
 		"larger than the slot": func() error {
-			_, err := shm.AttachBlock(ma, statOf(t, ma), false, seg.Size(), a.Offset(), 8<<10, a.Gen())
+			_, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, ma).ID, Size: seg.Size()}, Offset: a.Offset(), Size: 8 << 10, Gen: a.Gen(), Ticket: ma})
 			return err
 		},
 		"segment larger than the file": func() error {
-			_, err := shm.AttachBlock(ma, statOf(t, ma), false, seg.Size()*2, a.Offset(), 16, a.Gen())
+			_, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, ma).ID, Size: seg.Size() * 2}, Offset: a.Offset(), Size: 16, Gen: a.Gen(), Ticket: ma})
 			return err
 		},
 	} {
@@ -384,15 +381,15 @@ func TestAttachMappedBlock(t *testing.T) {
 	seg := a.Segment()
 	require.Equal(t, seg.ID(), b.Segment().ID(), "one segment")
 
-	_, err := shm.AttachMappedBlock(seg.ID(), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	_, err := shm.AttachMapped(shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: a.Offset(), Size: 4 << 10, Gen: a.Gen(), Ticket: -1})
 	require.ErrorIs(t, err, shm.ErrNotMapped, "its producer's pool is not a mapping received")
 
 	ma := send(t, a)
-	ra, err := shm.AttachBlock(ma, statOf(t, ma), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	ra, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, ma).ID, Size: seg.Size()}, Offset: a.Offset(), Size: 4 << 10, Gen: a.Gen(), Ticket: ma})
 	require.NoError(t, err)
 	before, err := leakcheck.Mappings()
 	require.NoError(t, err)
-	rb, err := shm.AttachMappedBlock(seg.ID(), false, seg.Size(), b.Offset(), 4<<10, b.Gen())
+	rb, err := shm.AttachMapped(shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: b.Offset(), Size: 4 << 10, Gen: b.Gen(), Ticket: -1})
 	require.NoError(t, err)
 	after, err := leakcheck.Mappings()
 	require.NoError(t, err)
@@ -400,9 +397,9 @@ func TestAttachMappedBlock(t *testing.T) {
 	rb.Bytes()[0] = 'B'
 	assert.Equal(t, byte('B'), b.Bytes()[0])
 
-	_, err = shm.AttachMappedBlock(seg.ID(), false, seg.Size()*2, b.Offset(), 4<<10, b.Gen())
+	_, err = shm.AttachMapped(shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size() * 2}, Offset: b.Offset(), Size: 4 << 10, Gen: b.Gen(), Ticket: -1})
 	assert.ErrorIs(t, err, shm.ErrNotMapped, "a mapping too small for the segment claimed")
-	_, err = shm.AttachMappedBlock(seg.ID(), false, seg.Size(), b.Offset(), 4<<10, b.Gen()+1)
+	_, err = shm.AttachMapped(shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: b.Offset(), Size: 4 << 10, Gen: b.Gen() + 1, Ticket: -1})
 	assert.ErrorIs(t, err, shm.ErrStaleBlock)
 
 	require.NoError(t, unix.Close(ma)) // no message holds anything now
@@ -426,7 +423,7 @@ func TestOverrunCannotChangeOwnership(t *testing.T) {
 	require.Equal(t, writer.Offset()+4<<10, victim.Offset(), "neighbours")
 	seg, off := victim.Segment(), victim.Offset()
 	msg := send(t, victim)
-	held, err := shm.AttachBlock(msg, statOf(t, msg), false, seg.Size(), off, 4<<10, victim.Gen())
+	held, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: off, Size: 4 << 10, Gen: victim.Gen(), Ticket: msg})
 	require.NoError(t, err)
 	require.NoError(t, unix.Close(msg))
 	require.NoError(t, victim.Release()) // only the receiver holds it now
@@ -578,16 +575,16 @@ func TestNamedPool(t *testing.T) {
 	copy(a.Bytes(), "named")
 	msg := send(t, a)
 
-	r, err := shm.AttachNamedBlock(seg.Name(), msg, statOf(t, msg), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
-	require.NoError(t, err)
-	assert.Equal(t, "named", string(r.Bytes()[:5]))
-	_, err = shm.AttachNamedBlock("../"+seg.Name(), msg, statOf(t, msg), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
-	assert.ErrorIs(t, err, shm.ErrBadName)
 	other, err := shm.Create(4096, shm.KeepFD|shm.Unlink)
 	require.NoError(t, err)
 	defer other.Release()
-	_, err = shm.AttachNamedBlock(seg.Name(), other.FD(), statOf(t, other.FD()), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	_, err = shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{Name: seg.Name(), Size: seg.Size()}, Offset: a.Offset(), Size: 4 << 10, Gen: a.Gen(), Ticket: other.FD()})
 	assert.ErrorContains(t, err, "not the file", "the message's descriptor must be of the named segment")
+	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{Name: seg.Name(), Size: seg.Size()}, Offset: a.Offset(), Size: 4 << 10, Gen: a.Gen(), Ticket: msg})
+	require.NoError(t, err)
+	assert.Equal(t, "named", string(r.Bytes()[:5]))
+	_, err = shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{Name: "../" + seg.Name(), Size: seg.Size()}, Offset: a.Offset(), Size: 4 << 10, Gen: a.Gen(), Ticket: msg})
+	assert.ErrorIs(t, err, shm.ErrBadName)
 
 	// Another block of the segment is found by its name, with no
 	// descriptor and no new mapping.
@@ -595,11 +592,11 @@ func TestNamedPool(t *testing.T) {
 	require.Equal(t, seg.ID(), b.Segment().ID(), "one segment")
 	var asked []shm.ID
 	uncovered := func(id shm.ID) bool { asked = append(asked, id); return false }
-	rb, err := shm.AttachMappedNamedBlock(seg.Name(), uncovered, seg.Size(), b.Offset(), 4<<10, b.Gen())
+	rb, err := shm.AttachMapped(shm.BlockRef{Seg: shm.SegmentRef{Name: seg.Name(), Size: seg.Size()}, Offset: b.Offset(), Size: 4 << 10, Gen: b.Gen(), Ticket: -1, Covers: uncovered})
 	require.NoError(t, err, "the receiver maps the segment")
 	assert.Equal(t, []shm.ID{seg.ID()}, asked, "the segment's identity")
 	assert.Same(t, r.Segment(), rb.Segment(), "one mapping")
-	_, err = shm.AttachMappedNamedBlock(seg.Name()+"0", uncovered, seg.Size(), b.Offset(), 4<<10, b.Gen())
+	_, err = shm.AttachMapped(shm.BlockRef{Seg: shm.SegmentRef{Name: seg.Name() + "0", Size: seg.Size()}, Offset: b.Offset(), Size: 4 << 10, Gen: b.Gen(), Ticket: -1, Covers: uncovered})
 	assert.ErrorIs(t, err, shm.ErrNotMapped, "no segment of that name is mapped")
 	require.NoError(t, rb.Release())
 	require.NoError(t, b.Release())
@@ -610,16 +607,25 @@ func TestNamedPool(t *testing.T) {
 
 	shm.Trim()
 	assert.False(t, inDir(seg.Name()), "trimming a named segment removes its name")
-	_, err = shm.AttachMappedNamedBlock(seg.Name(), uncovered, seg.Size(), b.Offset(), 4<<10, b.Gen())
+	_, err = shm.AttachMapped(shm.BlockRef{Seg: shm.SegmentRef{Name: seg.Name(), Size: seg.Size()}, Offset: b.Offset(), Size: 4 << 10, Gen: b.Gen(), Ticket: -1, Covers: uncovered})
 	assert.ErrorIs(t, err, shm.ErrNotMapped, "and its mapping")
 }
 
-// statOf is shm.StatFile for a descriptor the test knows is good.
-func statOf(t *testing.T, fd int) shm.FileStat {
+// statOf is shm.Stat for a descriptor the test knows is good.
+func statOf(t *testing.T, fd int) shm.SegmentRef {
 	t.Helper()
-	st, err := shm.StatFile(fd)
+	st, err := shm.Stat(fd)
 	require.NoError(t, err)
 	return st
+}
+
+// covering says that a message's ticket covers the block it names.
+func covering(shm.ID) bool { return true }
+
+// coveredIf says that a message's ticket covers the block it names if
+// covered.
+func coveredIf(covered bool) func(shm.ID) bool {
+	return func(shm.ID) bool { return covered }
 }
 
 // A Block's registered user is found from the segment's identity (or
@@ -641,11 +647,11 @@ func TestSlotUsers(t *testing.T) {
 	assert.Nil(t, shm.FindUser(shm.ID{Ino: 1}, a.Offset(), a.Gen()), "another segment")
 
 	msg := send(t, a)
-	r, err := shm.AttachBlock(msg, statOf(t, msg), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: a.Offset(), Size: 4 << 10, Gen: a.Gen(), Ticket: msg})
 	require.NoError(t, err)
 	require.NoError(t, unix.Close(msg))
 	assert.Equal(t, "first", r.SetUser("first", alive))
-	r2, err := shm.AttachMappedBlock(seg.ID(), false, seg.Size(), a.Offset(), 4<<10, a.Gen())
+	r2, err := shm.AttachMapped(shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: a.Offset(), Size: 4 << 10, Gen: a.Gen(), Ticket: -1})
 	require.NoError(t, err)
 	assert.Equal(t, "first", r2.SetUser("second", alive), "the live user stays")
 	assert.Equal(t, "first", shm.FindUser(seg.ID(), a.Offset(), a.Gen()), "the receiver's mapping is asked first")

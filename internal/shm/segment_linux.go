@@ -374,21 +374,14 @@ func (a *Allocation) closeMapping() error {
 	return errors.Join(errs...)
 }
 
-// Stat returns the ID and size of the file behind fd, checking that it is
-// a regular file. It lets a receiver find out whether it already maps a
-// segment before mapping it again.
-func Stat(fd int) (ID, int64, error) {
-	st, err := StatFile(fd)
-	return st.ID, st.Size, err
-}
-
-// StatFile is Stat as one value.
-func StatFile(fd int) (FileStat, error) {
+// Stat returns the segment behind fd, a descriptor a message carried:
+// its file's identity and size, checking that it is a regular file.
+func Stat(fd int) (SegmentRef, error) {
 	st, err := statFile(fd, "")
 	if err != nil {
-		return FileStat{}, err
+		return SegmentRef{}, err
 	}
-	return FileStat{ID: idOf(&st), Size: st.Size}, nil
+	return SegmentRef{ID: idOf(&st), Size: st.Size}, nil
 }
 
 // idOf is the identity of the file st describes.

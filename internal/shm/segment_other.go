@@ -22,10 +22,7 @@ func OpenName(name string, size int64, flags Flags) (*Allocation, error) {
 func (a *Allocation) Reserve(off, n int64) error { return ErrUnsupported }
 
 // Stat is not supported on this system.
-func Stat(fd int) (ID, int64, error) { return ID{}, 0, ErrUnsupported }
-
-// StatFile is not supported on this system.
-func StatFile(fd int) (FileStat, error) { return FileStat{}, ErrUnsupported }
+func Stat(fd int) (SegmentRef, error) { return SegmentRef{}, ErrUnsupported }
 
 // Release marks the Allocation released; none can be made on this system.
 func (a *Allocation) Release() error {

@@ -188,12 +188,6 @@ type ID struct {
 	Dev, Ino uint64
 }
 
-// FileStat is what StatFile tells of a segment's file.
-type FileStat struct {
-	ID   ID
-	Size int64
-}
-
 // Allocation is one mapping of a shared segment. It owns the mapping, the
 // descriptor when KeepFD is set, and, for RefCount segments, one reference;
 // Release gives all three back exactly once. An Allocation may be used from

@@ -230,9 +230,9 @@ func TestOpenFDNotAFile(t *testing.T) {
 	assert.ErrorContains(t, err, "not a regular file")
 	assert.ErrorIs(t, unix.Close(p[0]), unix.EBADF)
 
-	_, _, err = shm.Stat(p[1])
+	_, err = shm.Stat(p[1])
 	assert.ErrorContains(t, err, "not a regular file")
-	_, _, err = shm.Stat(-1)
+	_, err = shm.Stat(-1)
 	assert.Error(t, err)
 }
 
@@ -374,7 +374,7 @@ func TestOrphanedNamedSegmentIsRemoved(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, unix.Sendmsg(unread[0], []byte("m"), unix.UnixRights(ticket), nil, 0))
 
-	r, err := shm.AttachNamedBlock(name, ticket, statOf(t, ticket), false, segSize, off, 4<<10, gen)
+	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{Name: name, Size: segSize}, Offset: off, Size: 4 << 10, Gen: gen, Ticket: ticket})
 	require.NoError(t, err)
 	require.NoError(t, unix.Close(ticket))
 	assert.Equal(t, "orphan", string(r.Bytes()[:6]))
