@@ -110,18 +110,18 @@ func (c *storageCache) len() int {
 }
 
 // Pooled blocks are not in the cache: each Storage on a block is
-// registered as the user of the block's slot (see
-// shm.Block.SetUser) by its reference, where finding it again
-// costs no hashing.
+// registered as the user of the block's slot (see shm.Users) by its
+// reference, where finding it again costs no hashing.
+var blockUsers shm.Users[tensor.StorageRef]
 
 // registerBlock registers s as the storage of its block in this process,
 // unless a live storage is registered already: then it returns that one.
 func registerBlock(s *tensor.Storage, b *shm.Block) *tensor.Storage {
 	r := s.Ref()
-	alive := func(u any) bool { return liveUser(u, s.Size()) != nil }
+	alive := func(u *tensor.StorageRef) bool { return liveUser(u, s.Size()) != nil }
 	for {
-		u := b.SetUser(r, alive)
-		if u == any(r) {
+		u := blockUsers.Set(b, r, alive)
+		if u == r {
 			return s
 		}
 		if won := liveUser(u, s.Size()); won != nil {
@@ -131,12 +131,17 @@ func registerBlock(s *tensor.Storage, b *shm.Block) *tensor.Storage {
 	}
 }
 
+// userOf returns the registered user of the block m names in seg, or
+// nil.
+func userOf(seg shm.SegmentRef, m Meta) *tensor.StorageRef {
+	return blockUsers.Find(shm.BlockRef{Seg: seg, Offset: m.Block, Gen: m.Gen})
+}
+
 // liveUser returns the storage u, a block's registered user, stands for,
 // if it is live and of size bytes; else nil. A registered storage stays
 // on its block until it is released.
-func liveUser(u any, size int64) *tensor.Storage {
-	r, ok := u.(*tensor.StorageRef)
-	if !ok {
+func liveUser(r *tensor.StorageRef, size int64) *tensor.Storage {
+	if r == nil {
 		return nil
 	}
 	if s := r.Value(); s != nil && !s.Released() && s.Size() == size {

@@ -173,7 +173,7 @@ func openSlabBlock(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage
 	if err != nil {
 		return nil, err
 	}
-	if s := liveUser(shm.FindUser(m.segmentID(), m.Block, m.Gen), m.Size); s != nil {
+	if s := liveUser(userOf(shm.SegmentRef{ID: m.segmentID()}, m), m.Size); s != nil {
 		// On p, or refused by rebuildTensor; and the message's slab
 		// descriptor must be the slab's, as for a block not held yet.
 		if buf, ok := s.Backing().(tensor.Buffer); ok {

@@ -400,7 +400,7 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 	if _, err := fds.fd(m.FD); err != nil { // referenced even when the storage is cached
 		return nil, err
 	}
-	return adoptBlock(shm.FindUser(m.segmentID(), m.Block, m.Gen), m, made, func() (*shm.Block, error) {
+	return adoptBlock(userOf(shm.SegmentRef{ID: m.segmentID()}, m), m, made, func() (*shm.Block, error) {
 		return attachBlock(m, fds)
 	})
 }
@@ -450,7 +450,7 @@ func openNamedBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Stor
 	if _, err := fds.fd(m.FD); err != nil { // referenced even when the storage is cached
 		return nil, err
 	}
-	return adoptBlock(shm.FindNamedUser(m.Name, m.Block, m.Gen), m, made, func() (*shm.Block, error) {
+	return adoptBlock(userOf(shm.SegmentRef{Name: m.Name}, m), m, made, func() (*shm.Block, error) {
 		return attachIn(shm.SegmentRef{Name: m.Name, Size: m.Segment}, m, fds)
 	})
 }
@@ -469,9 +469,9 @@ func checkName(name string) error {
 }
 
 // adoptBlock returns the storage this process has for the block whose
-// registered user (see shm.FindUser) is found, or attaches the
+// registered user (see shm.Users) is found, or attaches the
 // block, which then holds it for a new storage.
-func adoptBlock(found any, m Meta, made *[]*tensor.Storage, attach func() (*shm.Block, error)) (*tensor.Storage, error) {
+func adoptBlock(found *tensor.StorageRef, m Meta, made *[]*tensor.Storage, attach func() (*shm.Block, error)) (*tensor.Storage, error) {
 	if s := liveUser(found, m.Size); s != nil {
 		return s, nil
 	}

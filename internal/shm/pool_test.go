@@ -636,31 +636,36 @@ func TestSlotUsers(t *testing.T) {
 	p := testPool(t)
 	a := mustAlloc(t, p, 4<<10)
 	seg := a.Segment()
-	dead := map[any]bool{}
-	alive := func(u any) bool { return !dead[u] }
-	assert.Nil(t, shm.FindUser(seg.ID(), a.Offset(), a.Gen()))
+	var users shm.Users[string]
+	find := func(id shm.ID, off int64, gen uint64) *string {
+		return users.Find(shm.BlockRef{Seg: shm.SegmentRef{ID: id}, Offset: off, Gen: gen})
+	}
+	producer, first, second := new(string), new(string), new(string)
+	dead := map[*string]bool{}
+	alive := func(u *string) bool { return !dead[u] }
+	assert.Nil(t, find(seg.ID(), a.Offset(), a.Gen()))
 
-	assert.Equal(t, "producer's", a.SetUser("producer's", alive))
-	assert.Equal(t, "producer's", shm.FindUser(seg.ID(), a.Offset(), a.Gen()))
-	assert.Nil(t, shm.FindUser(seg.ID(), a.Offset(), a.Gen()+1), "another generation")
-	assert.Nil(t, shm.FindUser(seg.ID(), a.Offset()+1, a.Gen()), "not a slot")
-	assert.Nil(t, shm.FindUser(shm.ID{Ino: 1}, a.Offset(), a.Gen()), "another segment")
+	assert.Same(t, producer, users.Set(a, producer, alive))
+	assert.Same(t, producer, find(seg.ID(), a.Offset(), a.Gen()))
+	assert.Nil(t, find(seg.ID(), a.Offset(), a.Gen()+1), "another generation")
+	assert.Nil(t, find(seg.ID(), a.Offset()+1, a.Gen()), "not a slot")
+	assert.Nil(t, find(shm.ID{Ino: 1}, a.Offset(), a.Gen()), "another segment")
 
 	msg := send(t, a)
 	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: a.Offset(), Size: 4 << 10, Gen: a.Gen(), Ticket: msg})
 	require.NoError(t, err)
 	require.NoError(t, unix.Close(msg))
-	assert.Equal(t, "first", r.SetUser("first", alive))
+	assert.Same(t, first, users.Set(r, first, alive))
 	r2, err := shm.AttachMapped(shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: a.Offset(), Size: 4 << 10, Gen: a.Gen(), Ticket: -1})
 	require.NoError(t, err)
-	assert.Equal(t, "first", r2.SetUser("second", alive), "the live user stays")
-	assert.Equal(t, "first", shm.FindUser(seg.ID(), a.Offset(), a.Gen()), "the receiver's mapping is asked first")
-	dead["first"] = true
-	assert.Equal(t, "second", r2.SetUser("second", alive), "a dead user is replaced")
+	assert.Same(t, first, users.Set(r2, second, alive), "the live user stays")
+	assert.Same(t, first, find(seg.ID(), a.Offset(), a.Gen()), "the receiver's mapping is asked first")
+	dead[first] = true
+	assert.Same(t, second, users.Set(r2, second, alive), "a dead user is replaced")
 	require.NoError(t, r.Release())
-	assert.Equal(t, "second", shm.FindUser(seg.ID(), a.Offset(), a.Gen()), "another Block's release leaves it")
+	assert.Same(t, second, find(seg.ID(), a.Offset(), a.Gen()), "another Block's release leaves it")
 	require.NoError(t, r2.Release())
-	assert.Equal(t, "producer's", shm.FindUser(seg.ID(), a.Offset(), a.Gen()), "then the producer's is found")
+	assert.Same(t, producer, find(seg.ID(), a.Offset(), a.Gen()), "then the producer's is found")
 	require.NoError(t, a.Release())
-	assert.Nil(t, shm.FindUser(seg.ID(), a.Offset(), a.Gen()))
+	assert.Nil(t, find(seg.ID(), a.Offset(), a.Gen()))
 }

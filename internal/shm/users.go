@@ -5,10 +5,10 @@ import "sync"
 // A process finds what it has already of a block a message names through
 // its slots' users: the package above registers what it keeps on each
 // Block it uses (a reference to package tensor's Storage that does not
-// keep it alive), and a receiver sent the same block again, or a producer
-// sent its own block back, gets that user instead of making a second one.
-// A registration costs a store in the segment's table; it ends when its
-// Block is released.
+// keep it alive) in its Users, and a receiver sent the same block again,
+// or a producer sent its own block back, gets that user instead of making
+// a second one. A registration costs a store in the segment's table; it
+// ends when its Block is released.
 
 // slotUser is a slot's registered user, with the Block that registered it
 // and the block's generation.
@@ -25,13 +25,18 @@ type slotUsers struct {
 	slots []slotUser
 }
 
-// SetUser registers u as the user of b's slot in this process, unless the
+// Users is the registry of the users of T that a package keeps on the
+// blocks it uses, one per block in this process. Users of another T are
+// not seen through it; a process has one registry, the package above's.
+type Users[T any] struct{}
+
+// Set registers u as the user of b's slot in this process, unless the
 // user registered already, through b or another Block of the slot's
 // generation, is one that alive accepts: then it returns that one and
 // registers nothing. Otherwise it returns u. alive is called with no lock
 // of this package's held but the table's, and must not call back into it.
 // The registration ends when b is released.
-func (b *Block) SetUser(u any, alive func(any) bool) any {
+func (Users[T]) Set(b *Block, u *T, alive func(*T) bool) *T {
 	t := &b.seg.slotUsers
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -39,10 +44,21 @@ func (b *Block) SetUser(u any, alive func(any) bool) any {
 		t.slots = make([]slotUser, b.seg.nslots)
 	}
 	cur := &t.slots[b.slot]
-	if cur.b != nil && cur.gen == b.gen && alive(cur.u) {
-		return cur.u
+	if cur.b != nil && cur.gen == b.gen {
+		if u, ok := cur.u.(*T); ok && alive(u) {
+			return u
+		}
 	}
 	*cur = slotUser{b: b, gen: b.gen, u: u}
+	return u
+}
+
+// Find returns the user registered (see Set) for the block ref names,
+// of a segment this process holds as its producer or as a receiver, or
+// nil. Only the segment's identity or name, the offset and the
+// generation of ref are asked.
+func (Users[T]) Find(ref BlockRef) *T {
+	u, _ := findUser(ref).(*T)
 	return u
 }
 
@@ -75,25 +91,22 @@ func (seg *segment) user(off int64, gen uint64) any {
 	return nil
 }
 
-// FindUser returns the user registered (see Block.SetUser) for the block
-// at data offset off with generation gen of segment id, which this process
-// holds as its producer or as a receiver, or nil.
-func FindUser(id ID, off int64, gen uint64) any {
+// findUser returns the user registered for the block ref names, or nil.
+func findUser(ref BlockRef) any {
+	name, id := ref.Seg.Name, ref.Seg.ID
 	attached.mu.Lock()
+	if name != "" {
+		id = attached.names[name]
+	}
 	seg := attached.m[id]
 	attached.mu.Unlock()
-	return userIn(seg, func() *segment { return produced.byID(id) }, off, gen)
-}
-
-// FindNamedUser is FindUser for a block of the named segment called name.
-func FindNamedUser(name string, off int64, gen uint64) any {
-	attached.mu.Lock()
-	var seg *segment
-	if id, ok := attached.names[name]; ok {
-		seg = attached.m[id]
+	own := func() *segment {
+		if name != "" {
+			return produced.byName(name)
+		}
+		return produced.byID(id)
 	}
-	attached.mu.Unlock()
-	return userIn(seg, func() *segment { return produced.byName(name) }, off, gen)
+	return userIn(seg, own, ref.Offset, ref.Gen)
 }
 
 // userIn returns the user registered in received, this process's mapping
