@@ -3,6 +3,7 @@ package cuda
 import (
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"strconv"
 	"strings"
@@ -76,7 +77,7 @@ var deviceCache = func() int64 {
 
 // slab is one device allocation in this process: a pool's, which it made
 // and exported, or a received one, imported and mapped. It is the
-// extent of its slab's segment (shm.Extent).
+// extent of its slab's segment (see shm.NewExtentPool).
 type slab struct {
 	rt   *Runtime
 	exec *executor // its device's, pinned for the slab's life
@@ -204,7 +205,7 @@ func (r *Runtime) mapSlab(e *executor, h memHandle, fd int, size, g int64) (*sla
 
 // newSlab makes a slab of at least n bytes on device dev: the extent of a
 // new segment of dev's pool.
-func (r *Runtime) newSlab(dev int, n int64) (shm.Extent, error) {
+func (r *Runtime) newSlab(dev int, n int64) (io.Closer, error) {
 	e, g, err := r.slabDevice(dev)
 	if err != nil {
 		return nil, err
@@ -255,7 +256,7 @@ func (r *Runtime) pool(dev int) (*shm.Pool, error) {
 	}
 	var p *shm.Pool
 	if ok {
-		p = shm.NewExtentPool(deviceCache, func(n int64) (shm.Extent, error) { return r.newSlab(dev, n) })
+		p = shm.NewExtentPool(deviceCache, func(n int64) (io.Closer, error) { return r.newSlab(dev, n) })
 	}
 	r.pools[dev] = p
 	return p, nil
@@ -332,7 +333,7 @@ func (r *Runtime) importBlock(dev int, blk *shm.Block, size int64, fd int) (*Buf
 			_ = s.Close()
 			return nil, err
 		}
-		if x != shm.Extent(s) {
+		if x != io.Closer(s) {
 			_ = s.Close() // another goroutine mapped it first
 		}
 		s, _ = x.(*slab)

@@ -69,7 +69,10 @@ func SessionPrefix() string { return shm.SessionPrefix() }
 
 // ValidName reports whether name is the name of a segment tensormp made.
 // OpenName refuses any other before it reaches the file system.
-func ValidName(name string) bool { return shm.ValidName(name) }
+func ValidName(name string) bool {
+	n, ok := shm.ParseName(name)
+	return ok && !n.Lock
+}
 
 // Guard runs f, which reads or writes shared memory, on the calling
 // goroutine with faults of memory access turned into an error wrapping

@@ -11,7 +11,6 @@ import (
 
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/leakcheck"
-	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/internal/testmain"
 	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/strategy"
@@ -19,29 +18,6 @@ import (
 )
 
 func TestMain(m *testing.M) { testmain.Run(m) }
-
-// The public names are the implementation's: a segment made through
-// either is named, found and flagged alike.
-func TestPublicNamesAreTheImplementations(t *testing.T) {
-	assert.Equal(t, shm.DefaultDir, mmapalloc.DefaultDir)
-	assert.Equal(t, shm.EnvDir, mmapalloc.EnvDir)
-	assert.Equal(t, shm.EnvSession, mmapalloc.EnvSession)
-	assert.Equal(t, shm.EnvCache, mmapalloc.EnvCache)
-	assert.Equal(t, shm.NamePrefix, mmapalloc.NamePrefix)
-	for pub, impl := range map[mmapalloc.Flags]shm.Flags{
-		mmapalloc.SharedMem: shm.SharedMem,
-		mmapalloc.Exclusive: shm.Exclusive,
-		mmapalloc.NoCreate:  shm.NoCreate,
-		mmapalloc.KeepFD:    shm.KeepFD,
-		mmapalloc.FromFD:    shm.FromFD,
-		mmapalloc.Unlink:    shm.Unlink,
-		mmapalloc.RefCount:  shm.RefCount,
-		mmapalloc.Memfd:     shm.Memfd,
-	} {
-		assert.Equal(t, uint32(impl), uint32(pub), "%v", impl)
-		assert.Equal(t, impl.String(), pub.String())
-	}
-}
 
 func TestNamedSegmentIsSharedByName(t *testing.T) {
 	leakcheck.Check(t)

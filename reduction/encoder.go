@@ -109,7 +109,7 @@ func Marshal(v any) (data []byte, fds []int, err error) {
 	defer e.Done()
 	fds = make([]int, 0, len(lent))
 	for _, raw := range lent {
-		d, err := shm.Dup(raw)
+		d, err := fd.Dup(raw)
 		if err != nil {
 			fd.CloseAll(fds)
 			return nil, nil, err

@@ -3,7 +3,6 @@ package reduction
 import (
 	"errors"
 	"fmt"
-	"strings"
 
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/fd"
@@ -91,7 +90,7 @@ func Reduce(t *tensor.Tensor) (Meta, []int, error) {
 		if raw < 0 {
 			continue
 		}
-		own, err := shm.Dup(raw)
+		own, err := fd.Dup(raw)
 		if err != nil {
 			fd.CloseAll(fds)
 			return Meta{}, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
@@ -236,11 +235,11 @@ func (b borrowed) stat(i int) (shm.SegmentRef, error) {
 }
 
 func (b borrowed) take(i int) (int, error) {
-	fd, err := b.fd(i)
+	raw, err := b.fd(i)
 	if err != nil {
 		return -1, err
 	}
-	return shm.Dup(fd)
+	return fd.Dup(raw)
 }
 
 // rebuild builds a tensor from m. Storages it maps afresh are appended to
@@ -459,10 +458,11 @@ func openNamedBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Stor
 // another session: a message cannot make this process map, and hold,
 // what its own session does not own.
 func checkName(name string) error {
-	if !shm.ValidName(name) {
+	n, ok := shm.ParseName(name)
+	if !ok || n.Lock {
 		return fmt.Errorf("segment name %q: %w", name, shm.ErrBadName)
 	}
-	if !strings.HasPrefix(name, shm.SessionPrefix()) {
+	if n.Session != shm.Session() {
 		return fmt.Errorf("segment %s belongs to another session than %s", name, shm.Session())
 	}
 	return nil

@@ -18,6 +18,7 @@ import (
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/reexec"
 	"github.com/tensormp/tensormp/internal/shm"
+	"github.com/tensormp/tensormp/mmapalloc"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
@@ -287,7 +288,7 @@ func workerSend(ctx context.Context, w *mp.Worker) error {
 func segmentsOfSession() (names []string, bytes int64) {
 	entries, _ := os.ReadDir(shm.Dir())
 	for _, e := range entries {
-		if !strings.HasPrefix(e.Name(), shm.SessionPrefix()) || !shm.ValidName(e.Name()) {
+		if !strings.HasPrefix(e.Name(), shm.SessionPrefix()) || !mmapalloc.ValidName(e.Name()) {
 			continue
 		}
 		names = append(names, e.Name())

@@ -11,6 +11,7 @@ package fd
 
 import (
 	"errors"
+	"fmt"
 	"runtime"
 	"strconv"
 	"sync"
@@ -134,11 +135,20 @@ func (f *FD) Dup() (*FD, error) {
 		return nil, err
 	}
 	defer f.Return()
-	d, err := unix.FcntlInt(uintptr(raw), unix.F_DUPFD_CLOEXEC, 0)
+	d, err := Dup(raw)
 	if err != nil {
 		return nil, err
 	}
 	return New(d), nil
+}
+
+// Dup returns a close-on-exec duplicate of raw, which the caller owns.
+func Dup(raw int) (int, error) {
+	d, err := unix.FcntlInt(uintptr(raw), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("fd: dup %d: %w", raw, err)
+	}
+	return d, nil
 }
 
 func (f *FD) String() string {

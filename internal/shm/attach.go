@@ -109,7 +109,7 @@ func Attach(ref BlockRef) (*Block, error) {
 // attachNamed is Attach for a block of a named segment.
 func attachNamed(ref BlockRef) (*Block, error) {
 	name := ref.Seg.Name
-	if !ValidName(name) {
+	if !validName(name) {
 		return nil, &Error{Op: "attach", Path: fmt.Sprintf("%q", name), Err: ErrBadName}
 	}
 	attached.mu.Lock()

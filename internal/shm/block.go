@@ -2,6 +2,7 @@ package shm
 
 import (
 	"fmt"
+	"io"
 	"math/bits"
 	"sync/atomic"
 	"unsafe"
@@ -119,7 +120,7 @@ type segment struct {
 	// external: the slots' data lies in ext, not in the segment (see
 	// NewExtentPool); dataOff is then 0.
 	external bool
-	ext      Extent // the producer's, or this process's attachment to it
+	ext      io.Closer // the producer's, or this process's attachment to it
 
 	tickets   tickets
 	slotUsers slotUsers // who uses each slot in this process (see Block.SetUser)

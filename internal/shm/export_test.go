@@ -73,3 +73,18 @@ func AttachMapped(ref BlockRef) (*Block, error) {
 	}
 	return attached.attachLocked(id, ref.covers(id), ref, nil)
 }
+
+// The flags callers never pass, the names mmapalloc exports, and
+// newPool, for tests.
+const (
+	SharedMem  = sharedMem
+	Exclusive  = exclusive
+	NoCreate   = noCreate
+	FromFD     = fromFD
+	Memfd      = memfd
+	EnvDir     = envDir
+	EnvCache   = envCache
+	DefaultDir = defaultDir
+)
+
+var NewPool = newPool

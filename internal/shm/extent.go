@@ -1,12 +1,14 @@
 package shm
 
-import ()
+import "io"
 
 // Extents: pooled slots whose data lies elsewhere.
 //
 // A pool made with NewExtentPool keeps its slabs' data out of shared
-// memory: each slab's data is an Extent that the pool's ExtentMaker makes,
-// device memory, say, and the slab's segment holds its slot table alone.
+// memory: each slab's data is an extent, device memory, say, that the
+// pool's maker makes, and the slab's segment holds its slot table alone.
+// An extent is the data of one slab, or a receiver's attachment to it,
+// and is only ever closed: it is an io.Closer.
 // Who holds each slot is counted as for any pooled block, by the kernel,
 // as locks on the segment's file, and a block's Offset is where its data
 // starts in its slab's extent. The segment's identity names the slab: a
@@ -18,20 +20,11 @@ import ()
 // which closes it when the mapping goes: once no block of the process
 // uses the segment and it has left the idle list.
 
-// An Extent is the data of one slab of an extent pool, or a receiver's
-// attachment to it.
-type Extent interface {
-	Close() error
-}
-
-// ExtentMaker makes the extent of a new slab of n bytes.
-type ExtentMaker func(n int64) (Extent, error)
-
 // NewExtentPool returns a pool whose slabs keep their data in extents
 // that make makes, keeping at most limit bytes of unused slabs for reuse.
 // Its segments are file_descriptor segments, whatever the strategy.
-func NewExtentPool(limit int64, make ExtentMaker) *Pool {
-	p := NewPool(limit)
+func NewExtentPool(limit int64, make func(n int64) (io.Closer, error)) *Pool {
+	p := newPool(limit)
 	p.extent = make
 	extentPools.add(p)
 	return p
@@ -44,7 +37,7 @@ func (b *Block) InExtent() bool { return b.seg.external }
 // Extent returns the extent the block's data lies in: its pool's, or the
 // one this process attached to the segment it received the block from;
 // nil if there is none yet.
-func (b *Block) Extent() Extent {
+func (b *Block) Extent() io.Closer {
 	if b.seg.pool != nil {
 		return b.seg.ext
 	}
@@ -58,7 +51,7 @@ func (b *Block) Extent() Extent {
 // and returns the one attached: x, which the segment's mapping then owns,
 // or the earlier one, and then x stays the caller's. It is ErrNoExtent for
 // a block whose data lies in its segment.
-func (b *Block) SetExtent(x Extent) (Extent, error) {
+func (b *Block) SetExtent(x io.Closer) (io.Closer, error) {
 	if !b.seg.external || b.seg.pool != nil {
 		return nil, ErrNoExtent
 	}
@@ -87,7 +80,7 @@ func (s *segment) bytes() int64 {
 // it. Trim waits for the closes handed over before it returns, and so
 // does a pool that is out of room before it tries again.
 //
-// An Extent's Close must take no lock of this package: Trim, DropIdle and
+// An extent's Close must take no lock of this package: Trim, DropIdle and
 // a pool out of room wait for it.
 func (s *segment) closeExtent() {
 	if s.ext != nil {
@@ -97,7 +90,7 @@ func (s *segment) closeExtent() {
 }
 
 // closeLater closes x on a goroutine of its own (see closeExtent).
-func closeLater(x Extent) {
+func closeLater(x io.Closer) {
 	extentClosing.add()
 	go func() {
 		defer extentClosing.done()

@@ -1,6 +1,7 @@
 package shm_test
 
 import (
+	"io"
 	"sync"
 	"testing"
 	"time"
@@ -34,7 +35,7 @@ func (x *extent) Close() error {
 	return nil
 }
 
-func (e *extents) make(n int64) (shm.Extent, error) {
+func (e *extents) make(n int64) (io.Closer, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	e.sizes = append(e.sizes, n)
@@ -127,7 +128,7 @@ func TestExtentMadeOutsideTheLock(t *testing.T) {
 	entered := make(chan struct{}, 1)
 	first := true
 	var mu sync.Mutex
-	p := shm.NewExtentPool(1<<30, func(n int64) (shm.Extent, error) {
+	p := shm.NewExtentPool(1<<30, func(n int64) (io.Closer, error) {
 		mu.Lock()
 		wait := !first
 		first = false
@@ -173,7 +174,7 @@ func TestExtentMadeOutsideTheLock(t *testing.T) {
 // not one each: a slab's extent is made with the pool's lock let go.
 func TestConcurrentGrowMakesOneSlab(t *testing.T) {
 	var made extents
-	p := shm.NewExtentPool(1<<30, func(n int64) (shm.Extent, error) {
+	p := shm.NewExtentPool(1<<30, func(n int64) (io.Closer, error) {
 		time.Sleep(20 * time.Millisecond) // a device allocation
 		return made.make(n)
 	})

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
+	"io"
 	"math/bits"
 	"slices"
 	"sync"
@@ -32,11 +33,11 @@ type Pool struct {
 	mu      sync.Mutex
 	classes map[int64]*sizeClass
 	segs    map[*segment]struct{}
-	cached  int64       // bytes of segments the pool holds
-	limit   int64       // bytes of unused segments kept for reuse
-	stuck   time.Time   // last trim over the limit that could close nothing
-	extent  ExtentMaker // makes the slabs' data, for an extent pool; else nil
-	grown   *sync.Cond  // on mu: a class's growth is over
+	cached  int64                            // bytes of segments the pool holds
+	limit   int64                            // bytes of unused segments kept for reuse
+	stuck   time.Time                        // last trim over the limit that could close nothing
+	extent  func(n int64) (io.Closer, error) // makes the slabs' data, for an extent pool; else nil
+	grown   *sync.Cond                       // on mu: a class's growth is over
 }
 
 // overLimitTrim is the least time between a trim of a pool over its limit
@@ -45,9 +46,9 @@ type Pool struct {
 // system calls.
 const overLimitTrim = 5 * time.Millisecond
 
-// EnvCache names the environment variable that bounds, in bytes, the free
+// envCache names the environment variable that bounds, in bytes, the free
 // shared memory a process keeps for reuse. The default is 1 GiB.
-const EnvCache = "TENSORMP_SHM_CACHE"
+const envCache = "TENSORMP_SHM_CACHE"
 
 // DefaultPool returns the process's pool of file_descriptor segments
 // (sealed memfds), the one shared tensors use under that strategy.
@@ -68,9 +69,9 @@ func NamedPool() *Pool {
 	return namedPool()
 }
 
-// NewPool returns a pool of file_descriptor segments that keeps at most
+// newPool returns a pool of file_descriptor segments that keeps at most
 // limit bytes of unused segments for reuse.
-func NewPool(limit int64) *Pool {
+func newPool(limit int64) *Pool {
 	p := &Pool{classes: map[int64]*sizeClass{}, segs: map[*segment]struct{}{}, limit: limit}
 	p.grown = sync.NewCond(&p.mu)
 	return p
@@ -343,12 +344,12 @@ func (p *Pool) growLocked(c *sizeClass) error {
 func (p *Pool) newSegment(c *sizeClass, nslots int64) (*segment, error) {
 	dataOff := slabLayout(nslots)
 	segSize := dataOff + nslots*c.cap
-	var ext Extent
+	var ext io.Closer
 	if p.extent != nil {
 		// The table alone; the data in an extent of its own, made with
 		// the lock let go (and taken back, the maker panicking or not).
 		var err error
-		ext, err = func() (Extent, error) {
+		ext, err = func() (io.Closer, error) {
 			p.mu.Unlock()
 			defer p.mu.Lock()
 			return p.extent(nslots * c.cap)
@@ -372,9 +373,9 @@ func (p *Pool) newSegment(c *sizeClass, nslots int64) (*segment, error) {
 // newSegmentWith is newSegment's segment: segSize bytes, of which the
 // slots' data starts at dataOff (0: in an extent).
 func (p *Pool) newSegmentWith(c *sizeClass, nslots, segSize, dataOff int64) (*segment, error) {
-	flags := KeepFD | Unlink | Sparse
+	flags := KeepFD | Unlink | sparse
 	if p.named {
-		flags = KeepFD | Sparse
+		flags = KeepFD | sparse
 	}
 	a, err := Create(segSize, flags)
 	if err != nil {

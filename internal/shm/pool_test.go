@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/shm"
 )
@@ -113,9 +114,9 @@ func send(t *testing.T, b *shm.Block) int {
 	tk, err := b.Ticket()
 	require.NoError(t, err)
 	defer tk.Done()
-	fd, err := shm.Dup(tk.FD())
+	raw, err := fd.Dup(tk.FD())
 	require.NoError(t, err)
-	return fd
+	return raw
 }
 
 func TestPoolRecyclesOnlyWhenNobodyHolds(t *testing.T) {
@@ -204,13 +205,13 @@ func TestTicketCoversItsSegment(t *testing.T) {
 	assert.False(t, (*shm.Ticket)(nil).Covers(a))
 
 	// A message that carries tk for b holds b as a ticket of b's own would.
-	fd, err := shm.Dup(tk.FD())
+	msg, err := fd.Dup(tk.FD())
 	require.NoError(t, err)
 	tk.Done()
 	require.NoError(t, b.Release())
 	p.Trim(1 << 30) // retires this process's copy of the ticket description
 	assert.True(t, b.Busy(), "the message holds b")
-	require.NoError(t, unix.Close(fd))
+	require.NoError(t, unix.Close(msg))
 	assert.False(t, b.Busy(), "nobody holds b once the message is gone")
 	require.NoError(t, a.Release())
 	require.NoError(t, other.Release())

@@ -11,9 +11,9 @@ import (
 )
 
 const (
-	createFlags = KeepFD | Unlink | RefCount | SharedMem | Exclusive | Sparse
-	openFDFlags = KeepFD | FromFD | SharedMem
-	openFlags   = KeepFD | Unlink | RefCount | NoCreate | SharedMem
+	createFlags = KeepFD | Unlink | RefCount | sharedMem | exclusive | sparse
+	openFDFlags = KeepFD | fromFD | sharedMem
+	openFlags   = KeepFD | Unlink | RefCount | noCreate | sharedMem
 )
 
 // Create makes a new segment of size data bytes in Dir under a fresh,
@@ -22,7 +22,7 @@ const (
 // the segment gives an error matching ErrNoSpace, and nothing is left
 // behind on any error.
 func Create(size int64, flags Flags) (*Allocation, error) {
-	flags |= SharedMem | Exclusive
+	flags |= sharedMem | exclusive
 	if flags&^createFlags != 0 {
 		return nil, &Error{Op: "create", Err: fmt.Errorf("flags %v not allowed (use OpenFD or OpenName)", flags&^createFlags)}
 	}
@@ -32,8 +32,8 @@ func Create(size int64, flags Flags) (*Allocation, error) {
 	if flags&Unlink != 0 && flags&RefCount != 0 {
 		return nil, &Error{Op: "create", Err: errors.New("RefCount segments are shared by name and cannot be unlinked at once")}
 	}
-	if flags&Sparse != 0 && (flags&KeepFD == 0 || flags&RefCount != 0) {
-		return nil, &Error{Op: "create", Err: errors.New("a Sparse segment needs KeepFD, to reserve its ranges, and no RefCount header")}
+	if flags&sparse != 0 && (flags&KeepFD == 0 || flags&RefCount != 0) {
+		return nil, &Error{Op: "create", Err: errors.New("a sparse segment needs KeepFD, to reserve its ranges, and no RefCount header")}
 	}
 	total, err := totalSize(size, flags)
 	if err != nil {
@@ -82,7 +82,7 @@ func createMemfd(total int64, flags Flags) (*Allocation, error) {
 		_ = unix.Close(fd)
 		return nil, &Error{Op: "chmod", Path: name, Err: err}
 	}
-	a, err := setUp(fd, "", total, flags|Memfd, true)
+	a, err := setUp(fd, "", total, flags|memfd, true)
 	if err != nil {
 		return nil, err
 	}
@@ -99,7 +99,7 @@ func createMemfd(total int64, flags Flags) (*Allocation, error) {
 // OpenFD takes ownership of fd in every case: it keeps it when flags has
 // KeepFD and the call succeeds, and closes it otherwise.
 func OpenFD(fd int, size int64, flags Flags) (*Allocation, error) {
-	flags |= FromFD | SharedMem
+	flags |= fromFD | sharedMem
 	if flags&^openFDFlags != 0 {
 		_ = unix.Close(fd)
 		return nil, &Error{Op: "open", Path: fmt.Sprintf("fd %d", fd), Err: fmt.Errorf("flags %v not allowed", flags&^openFDFlags)}
@@ -113,16 +113,16 @@ func OpenFD(fd int, size int64, flags Flags) (*Allocation, error) {
 }
 
 // OpenName maps the existing segment name in Dir, which must hold at least
-// size data bytes. name must be one tensormp made (ValidName); a path, a
+// size data bytes. name must be one tensormp made (ParseName); a path, a
 // link or another program's file is refused. With RefCount it takes a
 // reference that Release gives back, and fails with ErrReleased when the
 // segment's last holder already let it go.
 func OpenName(name string, size int64, flags Flags) (*Allocation, error) {
-	flags |= NoCreate | SharedMem
+	flags |= noCreate | sharedMem
 	if flags&^openFlags != 0 {
 		return nil, &Error{Op: "open", Path: fmt.Sprintf("%q", name), Err: fmt.Errorf("flags %v not allowed", flags&^openFlags)}
 	}
-	if !ValidName(name) {
+	if !validName(name) {
 		return nil, &Error{Op: "open", Path: fmt.Sprintf("%q", name), Err: ErrBadName}
 	}
 	total, err := totalSize(size, flags)
@@ -153,7 +153,7 @@ func totalSize(size int64, flags Flags) (int64, error) {
 	}
 	total := size
 	if flags&RefCount != 0 {
-		total += HeaderSize
+		total += headerSize
 	}
 	if total < size || total > maxSegment {
 		return 0, fmt.Errorf("size %d exceeds the limit of %d bytes", size, int64(maxSegment))
@@ -180,7 +180,7 @@ func setUp(raw int, path string, total int64, flags Flags, create bool) (a *Allo
 
 	if create {
 		size := reserve
-		if flags&Sparse != 0 {
+		if flags&sparse != 0 {
 			size = unix.Ftruncate
 		}
 		if err := size(raw, total); err != nil {
@@ -194,7 +194,7 @@ func setUp(raw int, path string, total int64, flags Flags, create bool) (a *Allo
 	if st.Size < total {
 		return nil, &Error{Op: "open", Path: where, Err: fmt.Errorf("file holds %d bytes, fewer than the %d claimed", st.Size, total)}
 	}
-	if flags&FromFD != 0 {
+	if flags&fromFD != 0 {
 		if err := checkSealed(raw); err != nil {
 			return nil, err
 		}
@@ -212,8 +212,8 @@ func setUp(raw int, path string, total int64, flags Flags, create bool) (a *Allo
 		id:      idOf(&st),
 	}
 	if flags&RefCount != 0 {
-		a.data = mapping[HeaderSize:]
-		if err := a.takeRef(create, total-HeaderSize); err != nil {
+		a.data = mapping[headerSize:]
+		if err := a.takeRef(create, total-headerSize); err != nil {
 			_ = unix.Munmap(mapping)
 			return nil, &Error{Op: "open", Path: where, Err: err}
 		}
@@ -231,7 +231,7 @@ func setUp(raw int, path string, total int64, flags Flags, create bool) (a *Allo
 // with ENOSPC instead of raising SIGBUS at the first write.
 func reserve(fd int, size int64) error { return reserveRange(fd, 0, size) }
 
-// Reserve gives the n bytes at off of a Sparse segment their pages, so
+// Reserve gives the n bytes at off of a sparse segment their pages, so
 // that a full directory (or memory) is an error matching ErrNoSpace here
 // rather than SIGBUS at the first write of them. The range must lie
 // within the segment: a sealed one cannot grow.
@@ -403,15 +403,6 @@ func statFile(fd int, where string) (unix.Stat_t, error) {
 		return st, &Error{Op: "stat", Path: where, Err: err}
 	}
 	return st, nil
-}
-
-// Dup returns a close-on-exec duplicate of fd, which the caller owns.
-func Dup(fd int) (int, error) {
-	d, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
-	if err != nil {
-		return -1, &Error{Op: "dup", Path: fmt.Sprintf("fd %d", fd), Err: err}
-	}
-	return d, nil
 }
 
 // SealedCopy returns a new memfd holding a copy of data, sealed against

@@ -32,9 +32,6 @@ func (a *Allocation) Release() error {
 
 func (a *Allocation) dropRef() error { return nil }
 
-// Dup is not supported on this system.
-func Dup(fd int) (int, error) { return -1, ErrUnsupported }
-
 // Remove does nothing on this system.
 func (a *Allocation) Remove() error { return nil }
 

@@ -13,24 +13,25 @@ import (
 )
 
 // Flags are mmapalloc.Flags, whose documentation says what each does;
-// mmapalloc's tests check that the values are the same. Sparse is the
-// pools' own.
+// this package's tests check that the values are the same. Callers pass
+// KeepFD, Unlink and RefCount; this package sets the others itself, and
+// sparse is the pools' own.
 type Flags uint32
 
 const (
-	SharedMem Flags = 1 << iota
-	Exclusive
-	NoCreate
+	sharedMem Flags = 1 << iota
+	exclusive
+	noCreate
 	KeepFD
-	FromFD
+	fromFD
 	Unlink
 	RefCount
-	Memfd
-	// Sparse: Create sizes the file without reserving its pages (with
+	memfd
+	// sparse: Create sizes the file without reserving its pages (with
 	// KeepFD, not RefCount); its owner reserves each range with
 	// Allocation.Reserve before anyone writes it. A pool's slabs are made
 	// so: their memory is taken as their slots are first used.
-	Sparse
+	sparse
 )
 
 var flagNames = []string{"SharedMem", "Exclusive", "NoCreate", "KeepFD", "FromFD", "Unlink", "RefCount", "Memfd", "Sparse"}
@@ -51,16 +52,16 @@ func (f Flags) String() string {
 	return strings.Join(parts, "|")
 }
 
-// HeaderSize is the size of the reference-count header that RefCount
+// headerSize is the size of the reference-count header that RefCount
 // segments carry in front of their data.
-const HeaderSize = 64
+const headerSize = 64
 
 const (
 	headerMagic   = 0x53504d54 // "TMPS" little-endian
 	headerVersion = 1
 )
 
-// header is the layout of the first HeaderSize bytes of a RefCount
+// header is the layout of the first headerSize bytes of a RefCount
 // segment. refs is only touched with atomic operations: every process that
 // maps the segment shares it.
 type header struct {
@@ -69,32 +70,33 @@ type header struct {
 	refs    atomic.Int32
 	_       int32
 	size    int64
-	_       [HeaderSize - 24]byte
+	_       [headerSize - 24]byte
 }
 
-var _ [HeaderSize - unsafe.Sizeof(header{})]byte // header fills HeaderSize exactly
+var _ [headerSize - unsafe.Sizeof(header{})]byte // header fills headerSize exactly
 
-// EnvDir names the environment variable that overrides the directory
-// segments live in.
-const EnvDir = "TENSORMP_SHM_DIR"
-
-// EnvSession names the environment variable that carries the session id
-// from a parent to the processes it starts.
-const EnvSession = "TENSORMP_SESSION"
-
-// DefaultDir is where segments live unless TENSORMP_SHM_DIR says otherwise;
-// it is where glibc's shm_open puts them.
-const DefaultDir = "/dev/shm"
-
-// NamePrefix starts every segment name tensormp makes.
-const NamePrefix = "tensormp_"
+// Names in the environment and in the shared-memory directory; package
+// mmapalloc exports them all.
+const (
+	// EnvSession names the environment variable that carries the
+	// session id from a parent to the processes it starts.
+	EnvSession = "TENSORMP_SESSION"
+	// NamePrefix starts every segment name tensormp makes.
+	NamePrefix = "tensormp_"
+	// envDir names the environment variable that overrides the
+	// directory segments live in.
+	envDir = "TENSORMP_SHM_DIR"
+	// defaultDir is where segments live unless TENSORMP_SHM_DIR says
+	// otherwise; it is where glibc's shm_open puts them.
+	defaultDir = "/dev/shm"
+)
 
 // Dir returns the directory segments are created in and opened from.
 func Dir() string {
-	if d := os.Getenv(EnvDir); d != "" {
+	if d := os.Getenv(envDir); d != "" {
 		return d
 	}
-	return DefaultDir
+	return defaultDir
 }
 
 // Session returns this process's session id: inherited from
@@ -171,10 +173,10 @@ func ParseName(name string) (n Name, ok bool) {
 	return n, true
 }
 
-// ValidName reports whether name is a segment name tensormp made (see
+// validName reports whether name is a segment name tensormp made (see
 // ParseName). Anything else is refused before it reaches the file
 // system.
-func ValidName(name string) bool {
+func validName(name string) bool {
 	n, ok := ParseName(name)
 	return ok && !n.Lock
 }
@@ -264,7 +266,7 @@ func (a *Allocation) Flags() Flags { return a.flags }
 // Sealed reports whether no holder of the segment can resize it under the
 // others' mappings: a memfd, sealed when it was made or checked when it
 // was received (OpenFD), is; a named segment is not.
-func (a *Allocation) Sealed() bool { return a.flags&(Memfd|FromFD) != 0 }
+func (a *Allocation) Sealed() bool { return a.flags&(memfd|fromFD) != 0 }
 
 // ID returns the device and inode of the segment's file.
 func (a *Allocation) ID() ID { return a.id }

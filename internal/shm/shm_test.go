@@ -21,6 +21,7 @@ import (
 	"github.com/tensormp/tensormp/internal/reexec"
 	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/internal/testmain"
+	"github.com/tensormp/tensormp/mmapalloc"
 )
 
 func TestMain(m *testing.M) {
@@ -144,7 +145,7 @@ func TestHostileNames(t *testing.T) {
 	leakcheck.Check(t)
 	dir := shm.Dir()
 	good := shm.SessionPrefix() + "1_0123456789abcdef"
-	require.True(t, shm.ValidName(good))
+	require.True(t, mmapalloc.ValidName(good))
 
 	// Valid names that point at things other than a segment.
 	link := shm.SessionPrefix() + "2_0123456789abcdef"
@@ -598,4 +599,27 @@ func FuzzParseName(f *testing.F) {
 		require.True(t, strings.HasPrefix(name, want) && len(name) == len(want)+16, "%q parsed as %+v", name, n)
 		require.NotContains(t, name, "/")
 	})
+}
+
+// The public names are the implementation's: a segment made through
+// either is named, found and flagged alike.
+func TestPublicNamesAreTheImplementations(t *testing.T) {
+	assert.Equal(t, shm.DefaultDir, mmapalloc.DefaultDir)
+	assert.Equal(t, shm.EnvDir, mmapalloc.EnvDir)
+	assert.Equal(t, shm.EnvSession, mmapalloc.EnvSession)
+	assert.Equal(t, shm.EnvCache, mmapalloc.EnvCache)
+	assert.Equal(t, shm.NamePrefix, mmapalloc.NamePrefix)
+	for pub, impl := range map[mmapalloc.Flags]shm.Flags{
+		mmapalloc.SharedMem: shm.SharedMem,
+		mmapalloc.Exclusive: shm.Exclusive,
+		mmapalloc.NoCreate:  shm.NoCreate,
+		mmapalloc.KeepFD:    shm.KeepFD,
+		mmapalloc.FromFD:    shm.FromFD,
+		mmapalloc.Unlink:    shm.Unlink,
+		mmapalloc.RefCount:  shm.RefCount,
+		mmapalloc.Memfd:     shm.Memfd,
+	} {
+		assert.Equal(t, uint32(impl), uint32(pub), "%v", impl)
+		assert.Equal(t, impl.String(), pub.String())
+	}
 }

@@ -38,15 +38,15 @@ var (
 	// defaultPool is the pool of file_descriptor segments (pool.go).
 	defaultPool = sync.OnceValue(func() *Pool {
 		limit := int64(1 << 30)
-		if v, err := strconv.ParseInt(os.Getenv(EnvCache), 10, 64); err == nil && v >= 0 {
+		if v, err := strconv.ParseInt(os.Getenv(envCache), 10, 64); err == nil && v >= 0 {
 			limit = v
 		}
-		return NewPool(limit)
+		return newPool(limit)
 	})
 	// namedPool is the pool of file_system segments, used once
 	// namedEnabled (pool.go).
 	namedPool = sync.OnceValue(func() *Pool {
-		p := NewPool(defaultPool().limit)
+		p := newPool(defaultPool().limit)
 		p.named = true
 		return p
 	})
