@@ -123,7 +123,7 @@ type segment struct {
 	ext      io.Closer // the producer's, or this process's attachment to it
 
 	tickets   tickets
-	slotUsers slotUsers // who uses each slot in this process (see Block.SetUser)
+	slotUsers slotUsers // who uses each slot in this process (see Users)
 
 	// producer side, guarded by pool.mu
 	pool     *Pool
