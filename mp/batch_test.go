@@ -15,44 +15,46 @@ import (
 	"github.com/tensormp/tensormp/tensor"
 )
 
+func init() {
+	mp.Register("batch-echo", workerBatchEcho)
+}
+
 type batchArgs struct {
 	In, Out *mp.Queue
 	Batches int
 }
 
-// registerBatchWorkers registers "batch-echo": it takes batches with
-// GetMany into one reused slice, adds the batch's index to every element
-// in place, and sends each batch back with PutMany.
-func registerBatchWorkers() {
-	mp.Register("batch-echo", func(ctx context.Context, w *mp.Worker) error {
-		var a batchArgs
-		if err := w.Args(&a); err != nil {
+// workerBatchEcho takes batches with GetMany into one reused slice, adds
+// the batch's index to every element in place, and sends each batch back
+// with PutMany: TestBatchAcrossProcesses.
+func workerBatchEcho(ctx context.Context, w *mp.Worker) error {
+	var a batchArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	var b []*tensor.Tensor
+	for i := range a.Batches {
+		var err error
+		if b, err = mp.GetMany(ctx, a.In, b[:0]); err != nil {
 			return err
 		}
-		var b []*tensor.Tensor
-		for i := range a.Batches {
-			var err error
-			if b, err = mp.GetMany(ctx, a.In, b[:0]); err != nil {
+		for _, x := range b {
+			d, err := tensor.Data[int32](x)
+			if err != nil {
 				return err
 			}
-			for _, x := range b {
-				d, err := tensor.Data[int32](x)
-				if err != nil {
-					return err
-				}
-				for k := range d {
-					d[k] += int32(i)
-				}
-			}
-			if err := mp.PutMany(ctx, a.Out, b); err != nil {
-				return err
-			}
-			for _, x := range b {
-				_ = x.Release()
+			for k := range d {
+				d[k] += int32(i)
 			}
 		}
-		return nil
-	})
+		if err := mp.PutMany(ctx, a.Out, b); err != nil {
+			return err
+		}
+		for _, x := range b {
+			_ = x.Release()
+		}
+	}
+	return nil
 }
 
 func TestBatchAcrossProcesses(t *testing.T) {

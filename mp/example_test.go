@@ -14,24 +14,34 @@ import (
 // Workers are registered before mp.Init runs (here in init; TestMain calls
 // Init), in every process of the program.
 func init() {
-	mp.Register("example.fill", func(ctx context.Context, w *mp.Worker) error {
-		var x *tensor.Tensor
-		if err := w.Args(&x); err != nil {
-			return err
-		}
-		// Each rank writes its own element, in the parent's memory.
-		return tensor.Set[float32](x, float32(10*(w.Rank()+1)), w.Rank())
-	})
-	mp.Register("example.shard", func(ctx context.Context, w *mp.Worker) error {
-		var a shard
-		if err := w.Args(&a); err != nil {
-			return err
-		}
-		return a.Out.Put(ctx, fmt.Sprintf("rank %d reads %s", w.Rank(), strings.Join(a.Files, ", ")))
-	})
-	mp.Register("example.fail", func(ctx context.Context, w *mp.Worker) error {
-		return errors.New("out of data")
-	})
+	mp.Register("example.fill", exampleFill)
+	mp.Register("example.shard", exampleShard)
+	mp.Register("example.fail", exampleFail)
+}
+
+// exampleFill writes 10*(rank+1) into its own element of the parent's
+// tensor: ExampleSpawn.
+func exampleFill(ctx context.Context, w *mp.Worker) error {
+	var x *tensor.Tensor
+	if err := w.Args(&x); err != nil {
+		return err
+	}
+	// Each rank writes its own element, in the parent's memory.
+	return tensor.Set[float32](x, float32(10*(w.Rank()+1)), w.Rank())
+}
+
+// exampleShard says which files its shard names: ExampleWithRankArgs.
+func exampleShard(ctx context.Context, w *mp.Worker) error {
+	var a shard
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	return a.Out.Put(ctx, fmt.Sprintf("rank %d reads %s", w.Rank(), strings.Join(a.Files, ", ")))
+}
+
+// exampleFail fails at once: ExampleGroup_Context.
+func exampleFail(ctx context.Context, w *mp.Worker) error {
+	return errors.New("out of data")
 }
 
 type shard struct {

@@ -3,6 +3,7 @@ package mp_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/signal"
 	"syscall"
@@ -15,6 +16,81 @@ import (
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/mp"
 )
+
+func init() {
+	mp.Register("deaf", workerDeaf)
+	mp.Register("stubborn", workerStubborn)
+	mp.Register("graceful", workerGraceful)
+	mp.Register("own-sigterm", ownSIGTERM)
+	mp.Register("rank-args", workerRankArgs)
+}
+
+// workerDeaf says "ready" on its queue, and when its context is cancelled
+// says so and why, but does not return: it dies of SIGTERM after the
+// grace period. For TestStopEndsDeafWorkersAfterGrace and
+// TestOutsideSIGTERM.
+func workerDeaf(ctx context.Context, w *mp.Worker) error {
+	var q *mp.Queue
+	if err := w.Args(&q); err != nil {
+		return err
+	}
+	go func() {
+		<-ctx.Done()
+		_ = q.Put(context.Background(), "cancelled: "+context.Cause(ctx).Error())
+	}()
+	if err := q.Put(ctx, "ready"); err != nil {
+		return err
+	}
+	time.Sleep(time.Hour)
+	return nil
+}
+
+// workerStubborn ignores SIGTERM altogether and says "ready" on its queue:
+// only SIGKILL ends it. For TestStopEndsDeafWorkersAfterGrace.
+func workerStubborn(ctx context.Context, w *mp.Worker) error {
+	var q *mp.Queue
+	if err := w.Args(&q); err != nil {
+		return err
+	}
+	signal.Ignore(syscall.SIGTERM)
+	if err := q.Put(ctx, "ready"); err != nil {
+		return err
+	}
+	time.Sleep(time.Hour)
+	return nil
+}
+
+// workerGraceful says "ready <rank>" on its queue, waits for its context
+// to be cancelled, and cleans up by saying "stopped <rank>" before it
+// returns. For TestStopIsGraceful and TestOutsideSIGTERMIsGraceful.
+func workerGraceful(ctx context.Context, w *mp.Worker) error {
+	var q *mp.Queue
+	if err := w.Args(&q); err != nil {
+		return err
+	}
+	if err := q.Put(ctx, fmt.Sprintf("ready %d", w.Rank())); err != nil {
+		return err
+	}
+	<-ctx.Done()
+	// Cleaning up after the stop: the queue still works.
+	return q.Put(context.Background(), fmt.Sprintf("stopped %d", w.Rank()))
+}
+
+// rankArgs are rank-args' arguments, a value of its own for each rank.
+type rankArgs struct {
+	Out   *mp.Queue
+	Shard string
+}
+
+// workerRankArgs puts "<rank>:<shard>" on Out, the shard its own
+// arguments name: TestRankArgs.
+func workerRankArgs(ctx context.Context, w *mp.Worker) error {
+	var a rankArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	return a.Out.Put(ctx, fmt.Sprintf("%d:%s", w.Rank(), a.Shard))
+}
 
 // TestGroupContextEndsAtTheFirstFailure: a Get waiting, under the group's
 // context, for a worker that dies returns at once, and the context's cause
@@ -224,12 +300,10 @@ func TestOutsideSIGTERM(t *testing.T) {
 	}
 }
 
-func init() { mp.Register("own-sigterm", ownSIGTERM) }
-
 // ownSIGTERM is a worker that asks to be notified of SIGTERM itself, as a
 // program with its own shutdown does, and once its context is cancelled
 // asks again, from its shutdown path. It says what its own channel got,
-// and stays deaf to its context.
+// and stays deaf to its context. For TestWorkerOwnSIGTERMHandler.
 func ownSIGTERM(ctx context.Context, w *mp.Worker) error {
 	var q *mp.Queue
 	if err := w.Args(&q); err != nil {

@@ -22,75 +22,97 @@ import (
 // Functions the pool tests run in workers. Package-level, so that every
 // process of the test binary registers them before mp.Init.
 var (
-	square = mp.RegisterFunc("test.square", func(ctx context.Context, x int) (int, error) {
-		if x < 0 {
-			return 0, fmt.Errorf("negative item %d", x)
-		}
-		if x == 1000 {
-			panic("a thousand")
-		}
-		return x * x, nil
-	})
+	square    = mp.RegisterFunc("test.square", squareItem)
+	scale     = mp.RegisterFunc("test.scale", scaleInPlace)
+	pidOf     = mp.RegisterFunc("test.pid", pidAfter)
+	dieOnWord = mp.RegisterFunc("test.die-on-word", killOnWord)
+	setup     = mp.RegisterFunc("test.setup", keepSetup)
+	setupOf   = mp.RegisterFunc("test.setup-of", keptSetup)
+)
 
-	// scale doubles a tensor in place and returns a new tensor, born
-	// shared, holding its sum.
-	scale = mp.RegisterFunc("test.scale", func(ctx context.Context, x *tensor.Tensor) (*tensor.Tensor, error) {
-		vals, err := tensor.Data[float32](x)
-		if err != nil {
-			return nil, err
-		}
-		var sum float32
-		for i := range vals {
-			vals[i] *= 2
-			sum += vals[i]
-		}
-		return tensor.FromSlice([]float32{sum}, 1)
-	})
+// squareItem squares x; it fails for a negative x and panics for 1000.
+// The item function of most pool tests: TestPoolMapKeepsOrder,
+// TestPoolItemErrorsNameTheItem, TestPoolImap and
+// TestPoolBrokenByAFailingInitializer.
+func squareItem(ctx context.Context, x int) (int, error) {
+	if x < 0 {
+		return 0, fmt.Errorf("negative item %d", x)
+	}
+	if x == 1000 {
+		panic("a thousand")
+	}
+	return x * x, nil
+}
 
-	// pidOf returns its worker's pid and sleeps ms milliseconds first;
-	// it kills its own process for ms == -9, and after -ms milliseconds
-	// for ms <= -100.
-	pidOf = mp.RegisterFunc("test.pid", func(ctx context.Context, ms int) (int, error) {
-		if ms == -9 || ms <= -100 {
-			time.Sleep(time.Duration(max(-ms, 0)) * time.Millisecond)
-			_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
-			select {}
-		}
-		select {
-		case <-time.After(time.Duration(ms) * time.Millisecond):
-		case <-ctx.Done():
-			return 0, ctx.Err()
-		}
-		return os.Getpid(), nil
-	})
+// scaleInPlace doubles a tensor in place and returns a new tensor, born
+// shared, holding its sum: TestPoolTensorsTravelWithoutCopying.
+func scaleInPlace(ctx context.Context, x *tensor.Tensor) (*tensor.Tensor, error) {
+	vals, err := tensor.Data[float32](x)
+	if err != nil {
+		return nil, err
+	}
+	var sum float32
+	for i := range vals {
+		vals[i] *= 2
+		sum += vals[i]
+	}
+	return tensor.FromSlice([]float32{sum}, 1)
+}
 
-	// dieOnWord says on Started that it runs, and kills its worker once
-	// a word comes on Word.
-	dieOnWord = mp.RegisterFunc("test.die-on-word", func(ctx context.Context, a wordArgs) (int, error) {
-		if err := a.Started.Put(ctx, os.Getpid()); err != nil {
-			return 0, err
-		}
-		var word string
-		if err := a.Word.Get(ctx, &word); err != nil {
-			return 0, err
-		}
+// pidAfter returns its worker's pid and sleeps ms milliseconds first;
+// it kills its own process for ms == -9, and after -ms milliseconds
+// for ms <= -100. For the tests that watch which worker runs an item or
+// kill one under it: TestPoolReplacesAKilledWorker,
+// TestPoolGivesBackWhatADeadWorkerNeverTook, TestPoolInitializerAndMaxTasks
+// and TestPoolTerminateAndCancel.
+func pidAfter(ctx context.Context, ms int) (int, error) {
+	if ms == -9 || ms <= -100 {
+		time.Sleep(time.Duration(max(-ms, 0)) * time.Millisecond)
 		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
 		select {}
-	})
+	}
+	select {
+	case <-time.After(time.Duration(ms) * time.Millisecond):
+	case <-ctx.Done():
+		return 0, ctx.Err()
+	}
+	return os.Getpid(), nil
+}
 
-	initialized atomic.Value // the initializer's argument, in a worker
-	setup       = mp.RegisterFunc("test.setup", func(ctx context.Context, s string) (struct{}, error) {
-		if s == "fail" {
-			return struct{}{}, errors.New("setup refused")
-		}
-		initialized.Store(s)
-		return struct{}{}, nil
-	})
-	setupOf = mp.RegisterFunc("test.setup-of", func(ctx context.Context, _ int) (string, error) {
-		s, _ := initialized.Load().(string)
-		return s, nil
-	})
-)
+// killOnWord says on Started that it runs, and kills its worker once
+// a word comes on Word: TestPoolGivesBackWhatADeadWorkerNeverTook.
+func killOnWord(ctx context.Context, a wordArgs) (int, error) {
+	if err := a.Started.Put(ctx, os.Getpid()); err != nil {
+		return 0, err
+	}
+	var word string
+	if err := a.Word.Get(ctx, &word); err != nil {
+		return 0, err
+	}
+	_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+	select {}
+}
+
+// initialized is the initializer's argument, in a worker.
+var initialized atomic.Value
+
+// keepSetup is the pools' initializer: it keeps s in initialized, and
+// refuses "fail". For TestPoolInitializerAndMaxTasks and
+// TestPoolBrokenByAFailingInitializer.
+func keepSetup(ctx context.Context, s string) (struct{}, error) {
+	if s == "fail" {
+		return struct{}{}, errors.New("setup refused")
+	}
+	initialized.Store(s)
+	return struct{}{}, nil
+}
+
+// keptSetup returns what the initializer kept in its worker:
+// TestPoolInitializerAndMaxTasks.
+func keptSetup(ctx context.Context, _ int) (string, error) {
+	s, _ := initialized.Load().(string)
+	return s, nil
+}
 
 type wordArgs struct{ Started, Word *mp.Queue }
 

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"runtime"
 	"sync"
 	"testing"
@@ -21,8 +22,80 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	registerWorkers()
 	testmain.Run(m, testmain.WithSession())
+}
+
+func init() {
+	mp.Register("fill", workerFill)
+	mp.Register("bare-storage", workerBareStorage)
+}
+
+type fillArgs struct {
+	Q, Progress *mp.Queue
+	N           int
+}
+
+// fillStep is what the fill worker reports on Progress: Put I waits
+// for room, or is done.
+type fillStep struct {
+	I       int
+	Waiting bool
+}
+
+// workerFill puts 0 to N-1 on Q, and says on Progress when a Put waits for
+// room and when it is done: TestQueueCapacityAcrossProcesses.
+func workerFill(ctx context.Context, w *mp.Worker) error {
+	var a fillArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	for i := range a.N {
+		put := make(chan error, 1)
+		go func() { put <- a.Q.Put(ctx, i) }()
+		tick := time.NewTicker(100 * time.Microsecond)
+		said := false
+		var err error
+	waiting:
+		for {
+			select {
+			case err = <-put:
+				break waiting
+			case <-tick.C:
+				if _, puts := mp.Waiting(a.Q); puts > 0 && !said {
+					said = true
+					if err := a.Progress.Put(ctx, fillStep{I: i, Waiting: true}); err != nil {
+						return err
+					}
+				}
+			}
+		}
+		tick.Stop()
+		if err != nil {
+			return err
+		}
+		if err := a.Progress.Put(ctx, fillStep{I: i}); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// workerBareStorage checks that it got a shared storage of 100 bytes and
+// writes 42 into its last byte, for the parent to see:
+// TestBareStorageAcrossProcesses.
+func workerBareStorage(ctx context.Context, w *mp.Worker) error {
+	var s *tensor.Storage
+	if err := w.Args(&s); err != nil {
+		return err
+	}
+	if s == nil || s.Size() != 100 || !s.IsShared() {
+		return fmt.Errorf("received storage %v", s)
+	}
+	t, err := tensor.FromStorage(s, tensor.Uint8, 0, []int{100}, []int{1})
+	if err != nil {
+		return err
+	}
+	return tensor.Set[uint8](t, 42, 99) // the parent sees it
 }
 
 type message struct {

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/signal"
 	"strings"
 	"sync"
 	"syscall"
@@ -24,6 +23,18 @@ import (
 	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
 )
+
+func init() {
+	mp.Register("report", workerReport)
+	mp.Register("fail", workerFail)
+	mp.Register("exit", workerExit)
+	mp.Register("signal", workerSignal)
+	mp.Register("panic", workerPanic)
+	mp.Register("sleep", workerSleep)
+	mp.Register("put-and-exit", workerPutAndExit)
+	mp.Register("send-many", workerSendMany)
+	mp.Register("low-fd-limit", workerLowFDLimit)
+}
 
 type spawnArgs struct {
 	Results *mp.Queue
@@ -52,239 +63,151 @@ func sleep(ctx context.Context, d time.Duration) error {
 	}
 }
 
-type fillArgs struct {
-	Q, Progress *mp.Queue
-	N           int
-}
-
-// fillStep is what the fill worker reports on Progress: Put I waits
-// for room, or is done.
-type fillStep struct {
-	I       int
-	Waiting bool
-}
-
-type rankArgs struct {
-	Out   *mp.Queue
-	Shard string
-}
-
-func registerWorkers() {
-	registerBatchWorkers()
-	mp.Register("report", func(ctx context.Context, w *mp.Worker) error {
-		var a spawnArgs
-		if err := w.Args(&a); err != nil {
-			return err
-		}
-		rest, err := a.Weights.Narrow(0, 3, 5) // ranks write into [0, 3)
-		if err != nil {
-			return err
-		}
-		vals, err := tensor.Values[float32](rest)
-		if err != nil {
-			return err
-		}
-		var sum float64
-		for _, v := range vals {
-			sum += float64(v)
-		}
-		if err := tensor.Set[float32](a.Weights, float32(100+w.Rank()), w.Rank()); err != nil {
-			return err
-		}
-		if a.Pipe != nil && w.Rank() == 0 {
-			var hello string
-			if err := a.Pipe.Recv(ctx, &hello); err != nil {
-				return err
-			}
-			if err := a.Pipe.Send(ctx, hello+" back"); err != nil {
-				return err
-			}
-		}
-		w.Logger().Info("reporting", "sum", sum)
-		err = a.Results.Put(ctx, report{
-			Rank: w.Rank(), World: w.WorldSize(), Place: device.Default().String(),
-			Strategy: strategy.Get().String(), Label: a.Label, Sum: sum,
-		})
-		// A worker's own device state is its own: changing it affects
-		// neither the parent nor the other workers.
-		_ = device.SetDefault(device.GPU(99))
-		_ = strategy.Set(strategy.FileSystem)
+// workerReport sums the shared weights past the ranks' elements, writes
+// 100+rank into its own element, answers the parent's word on Pipe (rank
+// 0, when there is a Pipe), logs a line and puts a report of its rank,
+// place and strategy on Results; then changes its own default place and
+// strategy, which the parent must not see. For
+// TestSpawnSuccessArgsAndPlaces and TestSpawnInheritsDefaultPlace.
+func workerReport(ctx context.Context, w *mp.Worker) error {
+	var a spawnArgs
+	if err := w.Args(&a); err != nil {
 		return err
-	})
-	mp.Register("fail", func(ctx context.Context, w *mp.Worker) error {
-		if w.Rank() == 1 {
-			return errors.New("rank one gives up")
-		}
-		return sleep(ctx, time.Minute) // stopped by the group
-	})
-	mp.Register("exit", func(ctx context.Context, w *mp.Worker) error {
-		if w.Rank() == 0 {
-			os.Exit(7)
-		}
-		return sleep(ctx, time.Minute)
-	})
-	mp.Register("signal", func(ctx context.Context, w *mp.Worker) error {
-		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
-		time.Sleep(time.Minute)
-		return nil
-	})
-	mp.Register("panic", func(ctx context.Context, w *mp.Worker) error {
-		panic("worker panicked")
-	})
-	mp.Register("sleep", func(ctx context.Context, w *mp.Worker) error {
-		return sleep(ctx, time.Minute)
-	})
-	// deaf says when its context is cancelled, and why, but does not
-	// return: it dies of SIGTERM after the grace period.
-	mp.Register("deaf", func(ctx context.Context, w *mp.Worker) error {
-		var q *mp.Queue
-		if err := w.Args(&q); err != nil {
-			return err
-		}
-		go func() {
-			<-ctx.Done()
-			_ = q.Put(context.Background(), "cancelled: "+context.Cause(ctx).Error())
-		}()
-		if err := q.Put(ctx, "ready"); err != nil {
-			return err
-		}
-		time.Sleep(time.Hour)
-		return nil
-	})
-	// stubborn ignores SIGTERM altogether: only SIGKILL ends it.
-	mp.Register("stubborn", func(ctx context.Context, w *mp.Worker) error {
-		var q *mp.Queue
-		if err := w.Args(&q); err != nil {
-			return err
-		}
-		signal.Ignore(syscall.SIGTERM)
-		if err := q.Put(ctx, "ready"); err != nil {
-			return err
-		}
-		time.Sleep(time.Hour)
-		return nil
-	})
-	mp.Register("graceful", func(ctx context.Context, w *mp.Worker) error {
-		var q *mp.Queue
-		if err := w.Args(&q); err != nil {
-			return err
-		}
-		if err := q.Put(ctx, fmt.Sprintf("ready %d", w.Rank())); err != nil {
-			return err
-		}
-		<-ctx.Done()
-		// Cleaning up after the stop: the queue still works.
-		return q.Put(context.Background(), fmt.Sprintf("stopped %d", w.Rank()))
-	})
-	// fill puts 0 to N-1 on Q, and says on Progress when a Put waits for
-	// room and when it is done.
-	mp.Register("fill", func(ctx context.Context, w *mp.Worker) error {
-		var a fillArgs
-		if err := w.Args(&a); err != nil {
-			return err
-		}
-		for i := range a.N {
-			put := make(chan error, 1)
-			go func() { put <- a.Q.Put(ctx, i) }()
-			tick := time.NewTicker(100 * time.Microsecond)
-			said := false
-			var err error
-		waiting:
-			for {
-				select {
-				case err = <-put:
-					break waiting
-				case <-tick.C:
-					if _, puts := mp.Waiting(a.Q); puts > 0 && !said {
-						said = true
-						if err := a.Progress.Put(ctx, fillStep{I: i, Waiting: true}); err != nil {
-							return err
-						}
-					}
-				}
-			}
-			tick.Stop()
-			if err != nil {
-				return err
-			}
-			if err := a.Progress.Put(ctx, fillStep{I: i}); err != nil {
-				return err
-			}
-		}
-		return nil
-	})
-	mp.Register("bare-storage", func(ctx context.Context, w *mp.Worker) error {
-		var s *tensor.Storage
-		if err := w.Args(&s); err != nil {
-			return err
-		}
-		if s == nil || s.Size() != 100 || !s.IsShared() {
-			return fmt.Errorf("received storage %v", s)
-		}
-		t, err := tensor.FromStorage(s, tensor.Uint8, 0, []int{100}, []int{1})
-		if err != nil {
-			return err
-		}
-		return tensor.Set[uint8](t, 42, 99) // the parent sees it
-	})
-	mp.Register("rank-args", func(ctx context.Context, w *mp.Worker) error {
-		var a rankArgs
-		if err := w.Args(&a); err != nil {
-			return err
-		}
-		return a.Out.Put(ctx, fmt.Sprintf("%d:%s", w.Rank(), a.Shard))
-	})
-	mp.Register("put-and-exit", func(ctx context.Context, w *mp.Worker) error {
-		var q *mp.Queue
-		if err := w.Args(&q); err != nil {
-			return err
-		}
-		x, err := tensor.Full(tensor.Float32, float64(w.Rank()+1), 1024)
-		if err != nil {
-			return err
-		}
-		return q.Put(ctx, x) // and exit at once: the descriptor is in flight
-	})
-	mp.Register("send-many", func(ctx context.Context, w *mp.Worker) error {
-		var q *mp.Queue
-		if err := w.Args(&q); err != nil {
-			return err
-		}
-		var ts []*tensor.Tensor
-		for range 100 {
-			// A segment of its own each, so a descriptor each.
-			a, err := shm.Create(4<<10, shm.KeepFD|shm.Unlink)
-			if err != nil {
-				return err
-			}
-			s, err := tensor.NewStorage(device.CPU(), a)
-			if err != nil {
-				return errors.Join(err, a.Release())
-			}
-			x, err := tensor.FromStorage(s, tensor.Uint8, 0, []int{4 << 10}, []int{1})
-			if err != nil {
-				return err
-			}
-			ts = append(ts, x)
-		}
-		return q.Put(ctx, ts)
-	})
-	mp.Register("low-fd-limit", func(ctx context.Context, w *mp.Worker) error {
-		var q *mp.Queue
-		if err := w.Args(&q); err != nil {
-			return err
-		}
-		lim := unix.Rlimit{Cur: uint64(leakcheck.Count() + 20), Max: uint64(leakcheck.Count() + 20)}
-		if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
-			return err
-		}
-		var got []*tensor.Tensor
-		err := q.Get(ctx, &got)
-		if err == nil {
-			return errors.New("receiving 100 descriptors under a limit of 20 succeeded")
-		}
+	}
+	rest, err := a.Weights.Narrow(0, 3, 5) // ranks write into [0, 3)
+	if err != nil {
 		return err
+	}
+	vals, err := tensor.Values[float32](rest)
+	if err != nil {
+		return err
+	}
+	var sum float64
+	for _, v := range vals {
+		sum += float64(v)
+	}
+	if err := tensor.Set[float32](a.Weights, float32(100+w.Rank()), w.Rank()); err != nil {
+		return err
+	}
+	if a.Pipe != nil && w.Rank() == 0 {
+		var hello string
+		if err := a.Pipe.Recv(ctx, &hello); err != nil {
+			return err
+		}
+		if err := a.Pipe.Send(ctx, hello+" back"); err != nil {
+			return err
+		}
+	}
+	w.Logger().Info("reporting", "sum", sum)
+	err = a.Results.Put(ctx, report{
+		Rank: w.Rank(), World: w.WorldSize(), Place: device.Default().String(),
+		Strategy: strategy.Get().String(), Label: a.Label, Sum: sum,
 	})
+	// A worker's own device state is its own: changing it affects
+	// neither the parent nor the other workers.
+	_ = device.SetDefault(device.GPU(99))
+	_ = strategy.Set(strategy.FileSystem)
+	return err
+}
+
+// workerFail fails on rank 1 and sleeps elsewhere until the group stops
+// it: TestWorkerErrorStopsOthers.
+func workerFail(ctx context.Context, w *mp.Worker) error {
+	if w.Rank() == 1 {
+		return errors.New("rank one gives up")
+	}
+	return sleep(ctx, time.Minute) // stopped by the group
+}
+
+// workerExit exits with status 7 on rank 0 and sleeps elsewhere until the
+// group stops it: TestExitCodeAndSignal's exit code.
+func workerExit(ctx context.Context, w *mp.Worker) error {
+	if w.Rank() == 0 {
+		os.Exit(7)
+	}
+	return sleep(ctx, time.Minute)
+}
+
+// workerSignal kills itself with SIGKILL: TestExitCodeAndSignal's signal.
+func workerSignal(ctx context.Context, w *mp.Worker) error {
+	_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+	time.Sleep(time.Minute)
+	return nil
+}
+
+// workerPanic panics: TestExitCodeAndSignal's panic, which reaches the
+// parent as a WorkerError.
+func workerPanic(ctx context.Context, w *mp.Worker) error {
+	panic("worker panicked")
+}
+
+// workerSleep sleeps until its context is cancelled: the workers that
+// TestCancelStopsWorkers cancels and that TestGroupContextEndsAtTheFirstFailure
+// kills.
+func workerSleep(ctx context.Context, w *mp.Worker) error {
+	return sleep(ctx, time.Minute)
+}
+
+// workerPutAndExit puts a tensor of its own on the queue and exits at once,
+// with the tensor's descriptor still in flight: TestSenderMayExitAfterPut.
+func workerPutAndExit(ctx context.Context, w *mp.Worker) error {
+	var q *mp.Queue
+	if err := w.Args(&q); err != nil {
+		return err
+	}
+	x, err := tensor.Full(tensor.Float32, float64(w.Rank()+1), 1024)
+	if err != nil {
+		return err
+	}
+	return q.Put(ctx, x) // and exit at once: the descriptor is in flight
+}
+
+// workerSendMany puts 100 tensors, each on a segment of its own and so
+// with a descriptor of its own, on the queue in one message: the sender of
+// TestDescriptorLimitIsAnError.
+func workerSendMany(ctx context.Context, w *mp.Worker) error {
+	var q *mp.Queue
+	if err := w.Args(&q); err != nil {
+		return err
+	}
+	var ts []*tensor.Tensor
+	for range 100 {
+		// A segment of its own each, so a descriptor each.
+		a, err := shm.Create(4<<10, shm.KeepFD|shm.Unlink)
+		if err != nil {
+			return err
+		}
+		s, err := tensor.NewStorage(device.CPU(), a)
+		if err != nil {
+			return errors.Join(err, a.Release())
+		}
+		x, err := tensor.FromStorage(s, tensor.Uint8, 0, []int{4 << 10}, []int{1})
+		if err != nil {
+			return err
+		}
+		ts = append(ts, x)
+	}
+	return q.Put(ctx, ts)
+}
+
+// workerLowFDLimit lowers its descriptor limit to 20 above what it has
+// open and gets workerSendMany's message, which must fail, and returns
+// that error: the receiver of TestDescriptorLimitIsAnError.
+func workerLowFDLimit(ctx context.Context, w *mp.Worker) error {
+	var q *mp.Queue
+	if err := w.Args(&q); err != nil {
+		return err
+	}
+	lim := unix.Rlimit{Cur: uint64(leakcheck.Count() + 20), Max: uint64(leakcheck.Count() + 20)}
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		return err
+	}
+	var got []*tensor.Tensor
+	err := q.Get(ctx, &got)
+	if err == nil {
+		return errors.New("receiving 100 descriptors under a limit of 20 succeeded")
+	}
+	return err
 }
 
 func TestSpawnSuccessArgsAndPlaces(t *testing.T) {
