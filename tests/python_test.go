@@ -687,12 +687,12 @@ func TestPythonMalformedInput(t *testing.T) {
 		"recv-timeout":          "Timeout: ",
 		"peer-closed":           "Closed: ",
 		"invalid-value-is":      "InvalidValue,Error,TypeError,ValueError",
-		"decode-not-json":       "Error: tensormp: malformed value from the library: JSONDecodeError",
-		"decode-no-handle":      "Error: tensormp: malformed value from the library: KeyError: 'h'",
-		"decode-bool-handle":    "Error: tensormp: malformed value from the library: TypeError: queue object's handle True is not a number",
-		"decode-bad-bytes":      "Error: tensormp: bytes object: ",
-		"decode-bad-float":      "Error: tensormp: float object with value 'big'",
-		"decode-unknown-kind":   "Error: tensormp: unknown object kind 'bomb'",
+		"decode-not-json":       "InvalidValue: tensormp: malformed value from the library: JSONDecodeError",
+		"decode-no-handle":      "InvalidValue: tensormp: malformed value from the library: KeyError: 'h'",
+		"decode-bool-handle":    "InvalidValue: tensormp: malformed value from the library: TypeError: queue object's handle True is not a number",
+		"decode-bad-bytes":      "InvalidValue: tensormp: bytes object: ",
+		"decode-bad-float":      "InvalidValue: tensormp: float object with value 'big'",
+		"decode-unknown-kind":   "InvalidValue: tensormp: unknown object kind 'bomb'",
 		"decode-gives-back":     "Error: no object has handle",
 	})
 }

@@ -7,9 +7,10 @@ package main
 
 enum {
 	TENSORMP_OK = 0,
-	TENSORMP_ERROR = 1,   // see *err
-	TENSORMP_TIMEOUT = 2, // the timeout passed first; nothing was sent or taken
-	TENSORMP_CLOSED = 3,  // the endpoint, or its peer, is closed
+	TENSORMP_ERROR = 1,     // see *err
+	TENSORMP_TIMEOUT = 2,   // the timeout passed first; nothing was sent or taken
+	TENSORMP_CLOSED = 3,    // the endpoint, or its peer, is closed
+	TENSORMP_MALFORMED = 4, // the peer's message was not well formed; it was dropped, the endpoint goes on
 };
 */
 import "C"
@@ -42,6 +43,8 @@ func status(err error, errOut **C.char) C.int {
 		return C.TENSORMP_TIMEOUT
 	case errors.Is(err, mp.ErrClosed):
 		return C.TENSORMP_CLOSED
+	case errors.Is(err, mp.ErrMalformed):
+		return C.TENSORMP_MALFORMED
 	}
 	return C.TENSORMP_ERROR
 }
@@ -63,16 +66,17 @@ func setHandle(out *C.int64_t, h int64) {
 
 // statuses names the status codes, for tensormp_statuses.
 var statuses = map[string]C.int{
-	"ok":      C.TENSORMP_OK,
-	"error":   C.TENSORMP_ERROR,
-	"timeout": C.TENSORMP_TIMEOUT,
-	"closed":  C.TENSORMP_CLOSED,
+	"ok":        C.TENSORMP_OK,
+	"error":     C.TENSORMP_ERROR,
+	"timeout":   C.TENSORMP_TIMEOUT,
+	"closed":    C.TENSORMP_CLOSED,
+	"malformed": C.TENSORMP_MALFORMED,
 }
 
 // tensormp_statuses sets *out to a JSON object from the name of each
-// status code ("ok", "error", "timeout", "closed") to its value, which the
-// caller frees with tensormp_free: a foreign binding reads the codes
-// instead of restating them.
+// status code ("ok", "error", "timeout", "closed", "malformed") to its
+// value, which the caller frees with tensormp_free: a foreign binding
+// reads the codes instead of restating them.
 //
 //export tensormp_statuses
 func tensormp_statuses(out **C.char, errOut **C.char) C.int {

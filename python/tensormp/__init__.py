@@ -42,7 +42,9 @@ contexts back, so that the CUDA driver removes the files it keeps in
 
 Every failure is a ``tensormp.Error``: ``Timeout`` and ``Closed`` for a
 wait that ran out and a closed end, ``InvalidValue`` (also a TypeError and
-a ValueError) for a value tensormp cannot send or view.
+a ValueError) for a value tensormp cannot send or view, and for a message
+from the peer that is not well formed (it is dropped, and the pipe or
+queue goes on).
 
 Do not fork a process after it has loaded the library (the child of a
 fork has none of the Go runtime's threads): start workers with the

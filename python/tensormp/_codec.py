@@ -52,13 +52,13 @@ def _encode(v, wire, temps, depth):
 def loads(text, make):
     """Returns the value of JSON text; make(kind, obj) returns the object
     for one of tensormp's ("tensor", "queue", "pipe"). Whatever is wrong
-    with text is an Error."""
+    with text is an InvalidValue."""
     try:
         return _decode(json.loads(text), make)
     except Error:
         raise
     except (ValueError, KeyError, TypeError) as e:
-        raise Error(f"tensormp: malformed value from the library: {type(e).__name__}: {e}") from None
+        raise InvalidValue(f"tensormp: malformed value from the library: {type(e).__name__}: {e}") from None
 
 
 def _decode(v, make):
@@ -73,11 +73,11 @@ def _decode(v, make):
         try:
             return base64.b64decode(v["b64"], validate=True)
         except binascii.Error as e:
-            raise Error(f"tensormp: bytes object: {e}") from None
+            raise InvalidValue(f"tensormp: bytes object: {e}") from None
     if kind == "float":
         if v["v"] not in ("nan", "inf", "-inf"):
-            raise Error(f"tensormp: float object with value {v['v']!r}")
+            raise InvalidValue(f"tensormp: float object with value {v['v']!r}")
         return float(v["v"])
     if kind in ("tensor", "queue", "pipe"):
         return make(kind, v)
-    raise Error(f"tensormp: unknown object kind {kind!r}")
+    raise InvalidValue(f"tensormp: unknown object kind {kind!r}")

@@ -15,4 +15,9 @@ class Closed(Error, EOFError):
 
 class InvalidValue(Error, TypeError, ValueError):
     """A value tensormp cannot send or view: a type it does not carry, a
-    dict key that is not a string, a tensor with no view of that kind."""
+    dict key that is not a string, a tensor with no view of that kind.
+
+    It also stands for a value received that is not well formed: a
+    message from the peer that the library refused (it is dropped, what
+    it brought is closed, and the pipe or queue goes on), or a value from
+    the library that this package cannot decode."""

@@ -8,7 +8,7 @@ import json
 import os
 import time
 
-from ._errors import Closed, Error, Timeout
+from ._errors import Closed, Error, InvalidValue, Timeout
 
 _SLICE = 0.2  # seconds a call waits before Python looks at its signals
 
@@ -86,7 +86,8 @@ def _read_statuses():
 
 _codes = _read_statuses()
 OK = _codes["ok"]
-_FAILURES = {_codes["timeout"]: Timeout, _codes["closed"]: Closed}
+_FAILURES = {_codes["timeout"]: Timeout, _codes["closed"]: Closed,
+             _codes["malformed"]: InvalidValue}
 
 
 def check(code, err):
