@@ -3,6 +3,7 @@ package tests
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
@@ -18,6 +19,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/device"
@@ -25,7 +27,9 @@ import (
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/pytorch"
 	"github.com/tensormp/tensormp/internal/shm"
+	"github.com/tensormp/tensormp/internal/sock"
 	"github.com/tensormp/tensormp/mp"
+	"github.com/tensormp/tensormp/reduction"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -184,11 +188,16 @@ func (p *pythonPeer) check(t *testing.T, err error, format string, args ...any) 
 	}
 }
 
+// pythonAddr returns a fresh abstract name for t's peer to dial.
+func pythonAddr(t *testing.T) string {
+	return "@tensormp-python-" + strconv.Itoa(os.Getpid()) + "-" + strings.ReplaceAll(t.Name(), "/", "-")
+}
+
 // acceptPython listens on a fresh abstract name, starts the peer in role
-// and returns the listener and the peer's pipe.
+// and returns the peer and its pipe.
 func acceptPython(t *testing.T, ctx context.Context, role string) (*pythonPeer, *mp.Pipe) {
 	t.Helper()
-	addr := "@tensormp-python-" + strconv.Itoa(os.Getpid()) + "-" + strings.ReplaceAll(t.Name(), "/", "-")
+	addr := pythonAddr(t)
 	l, err := mp.Listen(addr)
 	require.NoError(t, err)
 	defer l.Close()
@@ -756,4 +765,172 @@ func TestPythonRawSocketIsRefused(t *testing.T) {
 	}
 	require.NoError(t, p.Close())
 	peer.wait(t)
+}
+
+// A Python process that receives, from a hostile Go peer, messages that
+// are not well formed (frames that lie, payloads that are not values,
+// tensor metadata that names descriptors the message does not carry)
+// raises InvalidValue for each, and its library goes on working.
+func TestPythonHostilePeer(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	peer, c := acceptPythonConn(t, ctx, "hostile")
+	devNull, err := os.Open(os.DevNull)
+	require.NoError(t, err)
+	defer devNull.Close()
+	null := int(devNull.Fd())
+	x := must(tensor.On(device.CPU()).Shared().Full(tensor.Int32, 41, 8))
+
+	cases := []struct {
+		name   string
+		send   func() error
+		raises string // the exception's class
+		says   string // in its message
+	}{
+		{"frame-more-descriptors", func() error {
+			return sendUnframed(c, append(frameHeader(0, 0, 0, 0), 1), null)
+		}, "InvalidValue", "malformed message: frame says 0+0 descriptors, 1 arrived"},
+		{"frame-fewer-descriptors", func() error {
+			return sendUnframed(c, append(frameHeader(0, 2, 0, 0), 1), null)
+		}, "InvalidValue", "malformed message: frame says 0+2 descriptors, 1 arrived"},
+		{"frame-unknown-flag", func() error {
+			return sendUnframed(c, append(frameHeader(0x80, 0, 0, 0), 1))
+		}, "InvalidValue", "malformed message: frame says 0+0 descriptors"},
+		{"frame-small-spill", func() error {
+			return sendUnframed(c, frameHeader(1, 0, 0, 100), null)
+		}, "InvalidValue", "malformed message: a spill of 100 bytes"},
+		{"frame-short", func() error {
+			return sendUnframed(c, []byte{1, 2, 3})
+		}, "InvalidValue", "malformed message: 3 bytes, shorter than a header"},
+		{"frame-empty", func() error {
+			return sendUnframed(c, nil)
+		}, "InvalidValue", "malformed message: an empty message"},
+		// The rest are framed well, and what is inside the frame is not:
+		// reduction's errors for it wrap no sentinel yet, and arrive as
+		// Error, not InvalidValue.
+		{"payload-garbage", func() error {
+			return c.Send(ctx, []byte{0xc1}, nil)
+		}, "Error", "mp: decoding into *interface {}: reduction: malformed message: invalid code 0xc1"},
+		{"payload-truncated", func() error {
+			return c.Send(ctx, []byte{0x92, 0x01}, nil)
+		}, "Error", "a container of 2 items runs past the message"},
+		{"payload-after-value", func() error {
+			return c.Send(ctx, []byte{0x01, 0x02}, nil)
+		}, "Error", "1 bytes after the value"},
+		{"queue-without-descriptors", func() error {
+			return c.Send(ctx, []byte("\xc7\x03\x51abc"), nil)
+		}, "Error", "mp: a queue of 3 bytes"},
+		{"tensor-descriptor-out-of-range", func() error {
+			return sendMisdescribed(ctx, c, x)
+		}, "Error", "descriptor index 0 out of range: the message has 0"},
+		{"tensor-descriptor-not-its-segment", func() error {
+			return sendMisdescribed(ctx, c, x, null)
+		}, "Error", "not a regular file"},
+		{"descriptor-unused", func() error {
+			return sendMisdescribed(ctx, c, "no tensor", null)
+		}, "Error", "the message carried 1 descriptors, 1 of them not used by any tensor"},
+	}
+	var names []string
+	for _, tc := range cases {
+		names = append(names, tc.name)
+	}
+	peer.check(t, sendValue(ctx, c, names), "send the names")
+	for _, tc := range cases {
+		peer.check(t, tc.send(), "send %s", tc.name)
+	}
+	var report map[string]string
+	peer.check(t, recvValue(ctx, c, &report), "recv the report")
+	for _, tc := range cases {
+		assert.True(t, strings.HasPrefix(report[tc.name], tc.raises+": "), "%s raised %s, not %s", tc.name, report[tc.name], tc.raises)
+		assert.Contains(t, report[tc.name], tc.says, tc.name)
+	}
+	require.NoError(t, sendValue(ctx, c, x))
+	var done string
+	peer.check(t, recvValue(ctx, c, &done), "recv")
+	assert.Equal(t, "incremented", done)
+	assert.Equal(t, slices.Repeat([]complex128{42}, 8), hostElements(t, x), "the library still works after hostile messages")
+	require.NoError(t, x.Release())
+	require.NoError(t, c.Close())
+	peer.wait(t)
+}
+
+// acceptPythonConn is acceptPython for a test that speaks the transport
+// itself: it returns the peer and the connection, on which the test
+// frames, or does not frame, what it sends.
+func acceptPythonConn(t *testing.T, ctx context.Context, role string) (*pythonPeer, *sock.Conn) {
+	t.Helper()
+	addr := pythonAddr(t)
+	l, err := sock.Listen(addr, 0o600)
+	require.NoError(t, err)
+	defer l.Close()
+	peer := startPython(t, role, addr)
+	s, cred, err := l.Accept(ctx)
+	peer.check(t, err, "accept")
+	assert.Equal(t, peer.cmd.Process.Pid, cred.PID)
+	c, err := sock.New(s, "endpoint")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = c.Close() })
+	return peer, c
+}
+
+// sendValue sends v on c as a Pipe sends it.
+func sendValue(ctx context.Context, c *sock.Conn, v any) error {
+	enc := reduction.NewEncoder()
+	data, fds, err := enc.Encode(v)
+	if err != nil {
+		return err
+	}
+	if err := c.Send(ctx, data, fds); err != nil {
+		enc.Discard()
+		return err
+	}
+	enc.Done()
+	return nil
+}
+
+// recvValue receives a value on c into v as a Pipe receives it.
+func recvValue(ctx context.Context, c *sock.Conn, v any) error {
+	m, err := c.Recv(ctx)
+	if err != nil {
+		return err
+	}
+	defer m.Done()
+	return reduction.Unmarshal(m.Data, m.FDs, v)
+}
+
+// sendMisdescribed sends v's encoding on c with fds, which stay the
+// caller's, in place of the descriptors the encoding made for it.
+func sendMisdescribed(ctx context.Context, c *sock.Conn, v any, fds ...int) error {
+	enc := reduction.NewEncoder()
+	data, _, err := enc.Encode(v)
+	if err != nil {
+		return err
+	}
+	defer enc.Discard()
+	return c.Send(ctx, data, fds)
+}
+
+// frameHeader returns the header of a frame of internal/sock (frame.go):
+// flags, direct descriptors, carried descriptors and spilled bytes,
+// little-endian, saying whatever the caller wants it to.
+func frameHeader(flags byte, direct, carried uint32, spilled uint64) []byte {
+	b := binary.LittleEndian.AppendUint32([]byte{flags}, direct)
+	b = binary.LittleEndian.AppendUint32(b, carried)
+	return binary.LittleEndian.AppendUint64(b, spilled)
+}
+
+// sendUnframed sends msg and fds, which stay the caller's, on c's socket
+// as one message that c does not frame.
+func sendUnframed(c *sock.Conn, msg []byte, fds ...int) error {
+	s, err := c.Dup()
+	if err != nil {
+		return err
+	}
+	defer s.Close()
+	var rights []byte
+	if len(fds) > 0 {
+		rights = unix.UnixRights(fds...)
+	}
+	return unix.Sendmsg(s.Num(), msg, rights, nil, unix.MSG_NOSIGNAL)
 }

@@ -215,6 +215,18 @@ def malformed(pipe):
     increment(pipe)
 
 
+def hostile(pipe):
+    """Receives what a hostile peer sends: the names of the messages to
+    come, then those messages, none of them well formed; reports the
+    error each raised, then shows the library still works."""
+    report = {}
+    attempt = recorder(report)
+    for name in pipe.recv(timeout=60):
+        attempt(name, lambda: pipe.recv(timeout=60))
+    pipe.send(report, timeout=60)
+    increment(pipe)
+
+
 def peer_closed():
     """Receives on a pipe whose other end is closed."""
     address = "@tensormp-peer-closed-%d" % os.getpid()
@@ -301,7 +313,7 @@ def main():
     with tensormp.dial(address, timeout=30) as pipe:
         {"consumer": consumer, "producer": producer, "hold": hold,
          "malformed": malformed, "malformed-gpu": malformed_gpu,
-         "side-stream": side_stream}[role](pipe)
+         "hostile": hostile, "side-stream": side_stream}[role](pipe)
 
 
 if __name__ == "__main__":
