@@ -2,6 +2,7 @@ package dist
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"io"
 	"runtime"
@@ -13,6 +14,7 @@ import (
 	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/status"
 
+	"github.com/tensormp/tensormp/reduction"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -115,13 +117,24 @@ func FuzzReader(f *testing.F) {
 		r := newReader(closingPipe{in}, 1<<20)
 		fr, err := r.next()
 		if err != nil {
+			checkStreamError(t, err)
 			return
 		}
 		var v any
 		if err := r.value(fr, &v); err == nil {
 			releaseAny(v)
+		} else {
+			checkStreamError(t, err)
 		}
 	})
+}
+
+// checkStreamError fails t unless err, a reader's for a hostile stream,
+// wraps reduction.ErrMalformed or says that the stream ended.
+func checkStreamError(t *testing.T, err error) {
+	if !errors.Is(err, reduction.ErrMalformed) && !errors.Is(err, io.EOF) && !errors.Is(err, io.ErrUnexpectedEOF) {
+		t.Errorf("an error for a hostile stream that does not wrap ErrMalformed: %v", err)
+	}
 }
 
 // closingPipe ends with io.EOF once its messages are read.

@@ -169,6 +169,7 @@ func TestForeignDescriptorsAreNoQueueOrPipe(t *testing.T) {
 					err := decode(data, fds, v)
 					require.Error(t, err, "%d descriptors decoded as %T", len(fds), v)
 					assert.Contains(t, err.Error(), msg.want)
+					assert.ErrorIs(t, err, ErrMalformed)
 					assert.Equal(t, base, leakcheck.Count(), "descriptors open after the failed decode")
 				})
 			}
@@ -257,6 +258,7 @@ func TestForeignQueueOverAConnection(t *testing.T) {
 		var q *Queue
 		err := b.Recv(ctx, &q)
 		require.ErrorContains(t, err, "is not a queue's or pipe's socket")
+		require.ErrorIs(t, err, ErrMalformed)
 		assert.Nil(t, q)
 	}
 	assert.Equal(t, base, leakcheck.Count(), "descriptors open after five foreign queues")

@@ -36,8 +36,9 @@ var (
 var ErrClosed = sock.ErrClosed
 
 // ErrMalformed is wrapped by the errors for a message that tensormp did
-// not frame: whatever it brought is closed, and the queue goes on.
-var ErrMalformed = sock.ErrMalformed
+// not frame, or whose value cannot be decoded (reduction.ErrMalformed, the
+// same error): whatever it brought is closed, and the queue goes on.
+var ErrMalformed = reduction.ErrMalformed
 
 // put encodes v and sends it on c, waiting for room unless not block.
 func put(ctx context.Context, c *sock.Conn, v any, block bool) error {

@@ -199,16 +199,17 @@ type tensorReader interface {
 }
 
 // finishDecode ends a decode from r whose error is err, or whose msgpack
-// panicked with p, and returns its error.
+// panicked with p, and returns its error, which wraps ErrMalformed
+// unless the machine failed (see malformed).
 func finishDecode(r tensorReader, p any, err error) error {
 	if p != nil {
-		err = fmt.Errorf("reduction: malformed message: %v", p)
+		err = fmt.Errorf("reduction: decoding panicked: %v", p)
 	}
 	if err == nil {
 		err = r.checkUsed()
 	}
 	r.end(err != nil)
-	return err
+	return malformed(err)
 }
 
 func decodeTensor(dec *msgpack.Decoder, v reflect.Value, extLen int) error {

@@ -181,22 +181,22 @@ func (w *fdWriter) AddFD(f *fd.FD) (int, error) {
 // message's. The bytes are valid until the next tensor.
 func (w *fdWriter) tensor(t *tensor.Tensor) ([]byte, error) {
 	w.dims = slices.Grow(w.dims[:0], 2*t.Dim()) // room for reduce to fill
-	m, raw, memFD, l, err := reduce(t, w.dims, w.ticket)
+	r, err := reduce(t, w.dims, w.ticket)
 	if err != nil {
 		return nil, err
 	}
-	if memFD >= 0 {
-		m.MemFD = w.addFD(memFD) // the slab's own: open while its block is held
+	if r.memFD >= 0 {
+		r.MemFD = w.addFD(r.memFD) // the slab's own: open while its block is held
 	}
-	if l != nil {
-		w.leases = append(w.leases, l)
-		if tk, ok := l.(*shm.Ticket); ok {
+	if r.lease != nil {
+		w.leases = append(w.leases, r.lease)
+		if tk, ok := r.lease.(*shm.Ticket); ok {
 			w.ticket = tk
 		}
 	}
-	if raw >= 0 {
-		m.FD = w.addFD(raw) // kept open by its lease until the message is sent
+	if r.ticket >= 0 {
+		r.FD = w.addFD(r.ticket) // kept open by its lease until the message is sent
 	}
-	w.meta = appendMeta(w.meta[:0], &m)
+	w.meta = appendMeta(w.meta[:0], &r.Meta)
 	return w.meta, nil // written out before the next tensor reuses it
 }

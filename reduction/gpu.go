@@ -20,59 +20,61 @@ const tokenSize = 8
 // reduceGPU describes a GPU tensor: a block of a device slab by its
 // ticket and the slab's descriptor (cuda_fd), else by CUDA IPC
 // (cuda_ipc), whose export takes a ticket on the allocation's token for
-// the message. memFD is the slab's descriptor, or -1; pinned is as for
-// reduce.
-func reduceGPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (m Meta, fd, memFD int, l shm.Lease, err error) {
+// the message, as reduce does.
+func reduceGPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (reduced, error) {
+	r := reduced{ticket: -1, memFD: -1}
 	s := t.Storage()
 	if s.Released() {
-		return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
+		return r, tensor.ErrReleased
 	}
 	buf, ok := s.Backing().(tensor.Buffer)
 	if !ok {
-		return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
+		return r, tensor.ErrReleased
 	}
 	gs, err := gpushare.Get()
 	if err != nil {
-		return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
+		return r, err
 	}
-	m = viewMeta(t, room)
+	r.Meta = viewMeta(t, room)
 	uuid, err := gs.UUID(t.Place().Index())
 	if err != nil {
-		return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
+		return r, err
 	}
-	m.DevUUID = uuid[:]
+	r.DevUUID = uuid[:]
 	if t.Numel() == 0 {
-		return m, -1, -1, nil, nil
+		return r, nil
 	}
 	sh, inSlab, err := gs.Share(buf)
 	if errors.Is(err, gpushare.ErrForeign) {
 		err = ErrDeviceTensor
 	}
 	if err != nil {
-		return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
+		return r, err
 	}
 	if inSlab {
 		h, err := sh.Block.Share(pinned)
 		if err != nil {
-			return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
+			return r, err
 		}
-		m.Strategy = StrategyCUDAFD
-		m.Size, m.Segment, m.Block, m.Gen = s.Size(), h.Segment, h.Offset, h.Gen
-		m.setSegmentID(h.ID)
+		r.Strategy = StrategyCUDAFD
+		r.Size, r.Segment, r.Block, r.Gen = s.Size(), h.Segment, h.Offset, h.Gen
+		r.setSegmentID(h.ID)
 		remember(s, h)
-		return m, h.FD, sh.MemFD, h.Lease, nil
+		r.ticket, r.memFD, r.lease = h.FD, sh.MemFD, h.Lease
+		return r, nil
 	}
 	h, err := gs.Export(buf)
 	if err != nil {
-		return Meta{}, -1, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
+		return r, err
 	}
 	seg := h.Token.Segment()
-	m.Strategy = StrategyCUDAIPC
-	m.Size, m.DevOffset = h.Size, h.Offset
-	m.IPC, m.IPCEvent = h.Mem[:], h.Event[:]
-	m.Segment, m.Block, m.Gen = seg.Size(), h.Token.Offset(), h.Token.Gen()
+	r.Strategy = StrategyCUDAIPC
+	r.Size, r.DevOffset = h.Size, h.Offset
+	r.IPC, r.IPCEvent = h.Mem[:], h.Event[:]
+	r.Segment, r.Block, r.Gen = seg.Size(), h.Token.Offset(), h.Token.Gen()
 	storages.put(gpuKey(h.Mem, h.Offset), s)
-	return m, h.Ticket.FD(), -1, h.Ticket, nil
+	r.ticket, r.lease = h.Ticket.FD(), h.Ticket
+	return r, nil
 }
 
 // localGPU returns this process's place of the device a GPU tensor's

@@ -1,6 +1,7 @@
 package reduction
 
 import (
+	"errors"
 	"flag"
 	"sync/atomic"
 	"testing"
@@ -118,6 +119,7 @@ func TestHostileSlabMessages(t *testing.T) {
 			err := NewDecoder().Decode(extMessage(t, m), fds[:], &x)
 			require.Error(t, err)
 			assert.ErrorContains(t, err, c.want)
+			assert.ErrorIs(t, err, ErrMalformed)
 			// The producer's slab, held by nothing now, goes with the
 			// trim, and so does what the receiver keeps for reuse.
 			var fdsNow, handlesNow, mappedNow int
@@ -191,6 +193,8 @@ func FuzzUnmarshalGPU(f *testing.F) {
 				rebuilt.Add(1)
 			}
 			leakcheck.Free(v)
+		} else if !errors.Is(err, ErrMalformed) {
+			t.Errorf("an error for a message that does not wrap ErrMalformed: %v", err)
 		}
 		// What the producer's pool and the receiver keep for reuse goes
 		// with the trim, once the receiver's holds are settled.
@@ -241,6 +245,7 @@ func TestMetaNamingALiveSlabBlockElsewhere(t *testing.T) {
 			var y *tensor.Tensor
 			err = NewDecoder().Decode(extMessage(t, m), fds, &y)
 			assert.ErrorContains(t, err, "a storage on gpu:0 named for a tensor on "+c.place)
+			assert.ErrorIs(t, err, ErrMalformed)
 			assert.Nil(t, y)
 		})
 	}
@@ -267,5 +272,6 @@ func TestSlabDescriptorOfAnotherAllocation(t *testing.T) {
 	var y *tensor.Tensor
 	err = NewDecoder().Decode(extMessage(t, m), fds, &y)
 	assert.ErrorContains(t, err, "not of the allocation this process maps for its segment")
+	assert.ErrorIs(t, err, ErrMalformed)
 	assert.Nil(t, y)
 }

@@ -53,10 +53,11 @@ func TestGPUTensorOpenedByAReceiver(t *testing.T) {
 	live := cudastub.Allocs()
 	x, err := tensor.On(legacyGPU).Full(tensor.Int32, 7, 8)
 	require.NoError(t, err)
-	meta, fd, memFD, tok, err := reduce(x, nil, nil)
+	r, err := reduce(x, nil, nil)
 	require.NoError(t, err)
+	meta, fd, tok := r.Meta, r.ticket, r.lease
 	require.NotNil(t, tok)
-	assert.Equal(t, -1, memFD)
+	assert.Equal(t, -1, r.memFD)
 	assert.Equal(t, StrategyCUDAIPC, meta.Strategy)
 	assert.Equal(t, tok.(*shm.Ticket).FD(), fd, "the message carries the token's ticket")
 

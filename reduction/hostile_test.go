@@ -2,6 +2,7 @@ package reduction
 
 import (
 	"bytes"
+	"errors"
 	"math"
 	"testing"
 
@@ -174,6 +175,7 @@ func TestHostileInput(t *testing.T) {
 			var x *tensor.Tensor
 			err := Unmarshal(c.data, fds, &x)
 			require.Error(t, err)
+			assert.ErrorIs(t, err, ErrMalformed)
 			if c.msg != "" {
 				assert.ErrorContains(t, err, c.msg)
 			}
@@ -231,8 +233,11 @@ func FuzzUnmarshal(f *testing.F) {
 			fds[i] = dupFD(t, seg.FD())
 		}
 		var v any
-		if err := Unmarshal(data, fds, &v); err == nil {
+		err := Unmarshal(data, fds, &v)
+		if err == nil {
 			leakcheck.Free(v)
+		} else if !errors.Is(err, ErrMalformed) {
+			t.Errorf("an error for a message that does not wrap ErrMalformed: %v", err)
 		}
 		if n := leakcheck.Count(); n != base {
 			t.Fatalf("descriptors: %d before, %d after", base, n)

@@ -80,13 +80,13 @@ const StrategyCUDAFD = "cuda_fd"
 // closing it unsent is how metadata that will never be rebuilt is
 // discarded.
 func Reduce(t *tensor.Tensor) (Meta, []int, error) {
-	m, ticket, memFD, l, err := reduce(t, nil, nil)
-	if err != nil || ticket < 0 {
-		return m, nil, err
+	r, err := reduce(t, nil, nil)
+	if err != nil || r.ticket < 0 {
+		return r.Meta, nil, err
 	}
-	defer l.Done()
+	defer r.lease.Done()
 	var fds []int
-	for _, raw := range []int{ticket, memFD} {
+	for _, raw := range []int{r.ticket, r.memFD} {
 		if raw < 0 {
 			continue
 		}
@@ -97,61 +97,79 @@ func Reduce(t *tensor.Tensor) (Meta, []int, error) {
 		}
 		fds = append(fds, own)
 	}
-	m.FD = 0
-	if memFD >= 0 {
-		m.MemFD = 1
+	r.FD = 0
+	if r.memFD >= 0 {
+		r.MemFD = 1
 	}
-	return m, fds, nil
+	return r.Meta, fds, nil
 }
 
-// reduce is Reduce returning the descriptor itself, or -1, and the lease
-// that keeps it open, and its block held, until the message is sent: a
-// pooled block's ticket, or a segment's lent descriptor. The Meta's shape
-// and strides are appended to room (see viewMeta). pinned is a ticket the
-// message holds already, or nil: a block it covers is sent with it, and
-// reduce returns no lease of its own.
-func reduce(t *tensor.Tensor, room []int, pinned *shm.Ticket) (Meta, int, int, shm.Lease, error) {
+// reduced is what reduce makes of a tensor: its Meta, whose descriptor
+// indexes are the caller's to fill, and the descriptors the message must
+// carry, each -1 if none: the ticket (a pooled block's, or a segment's
+// lent descriptor) and a device slab's descriptor. lease keeps them open,
+// and the block held, until the message is sent; it is nil where the
+// message's pinned ticket covers the block or nothing is carried.
+type reduced struct {
+	Meta
+	ticket, memFD int
+	lease         shm.Lease
+}
+
+// reduce is Reduce returning the descriptors themselves (see reduced).
+// The Meta's shape and strides are appended to room (see viewMeta).
+// pinned is a ticket the message holds already, or nil: a block it
+// covers is sent with it, and reduce returns no lease of its own.
+func reduce(t *tensor.Tensor, room []int, pinned *shm.Ticket) (reduced, error) {
+	var r reduced
+	var err error
 	if t.Place().IsGPU() {
-		return reduceGPU(t, room, pinned)
+		r, err = reduceGPU(t, room, pinned)
+	} else {
+		r, err = reduceCPU(t, room, pinned)
 	}
-	m, fd, l, err := reduceCPU(t, room, pinned)
-	return m, fd, -1, l, err
+	if err != nil {
+		return reduced{}, fmt.Errorf("reduction: reduce %v: %w", t, err)
+	}
+	return r, nil
 }
 
 // reduceCPU is reduce for a tensor in CPU memory, whose message carries
 // one descriptor at most.
-func reduceCPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (Meta, int, shm.Lease, error) {
+func reduceCPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (reduced, error) {
+	r := reduced{ticket: -1, memFD: -1}
 	if !t.Place().IsCPU() {
-		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, ErrDeviceTensor)
+		return r, ErrDeviceTensor
 	}
 	s := t.Storage()
-	m := viewMeta(t, room)
+	r.Meta = viewMeta(t, room)
 	if s.Released() {
-		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
+		return r, tensor.ErrReleased
 	}
 	if t.Numel() == 0 {
-		return m, -1, nil, nil
+		return r, nil
 	}
 	if err := s.ShareMemory(strategy.Get()); err != nil {
-		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
+		return r, err
 	}
 	sh, ok := s.Backing().(shm.Shared)
 	if !ok { // released since ShareMemory, which leaves shared memory of shm's
-		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, tensor.ErrReleased)
+		return r, tensor.ErrReleased
 	}
 	h, err := sh.Share(pinned)
 	if err != nil {
-		return Meta{}, -1, nil, fmt.Errorf("reduction: reduce %v: %w", t, err)
+		return r, err
 	}
-	m.Size, m.Segment, m.Block, m.Gen = h.Size, h.Segment, h.Offset, h.Gen
+	r.Size, r.Segment, r.Block, r.Gen = h.Size, h.Segment, h.Offset, h.Gen
 	if h.Name != "" {
-		m.Strategy, m.Name = string(strategy.FileSystem), h.Name
+		r.Strategy, r.Name = string(strategy.FileSystem), h.Name
 	} else {
-		m.Strategy = string(strategy.FileDescriptor)
-		m.setSegmentID(h.ID)
+		r.Strategy = string(strategy.FileDescriptor)
+		r.setSegmentID(h.ID)
 	}
 	remember(s, h)
-	return m, h.FD, h.Lease, nil
+	r.ticket, r.lease = h.FD, h.Lease
+	return r, nil
 }
 
 // viewMeta returns the Meta of t's view of its storage, naming no
@@ -193,8 +211,11 @@ func viewMeta(t *tensor.Tensor, room []int) Meta {
 // descriptor, whose identity must then be the one m names.
 //
 // The descriptors stay the caller's: Rebuild duplicates the one it keeps.
+// An error for metadata or descriptors that are not what they should be
+// wraps ErrMalformed.
 func Rebuild(m Meta, fds []int) (*tensor.Tensor, error) {
-	return rebuild(m, borrowed(fds), nil)
+	t, err := rebuild(m, borrowed(fds), nil)
+	return t, malformed(err)
 }
 
 // fdSource gives rebuild access to a message's descriptors.

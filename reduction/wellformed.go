@@ -23,14 +23,15 @@ func checkWellFormed(b []byte) error { return CheckWellFormed(b) }
 // any decoder sees it (see checkWellFormed): every length fits in the
 // bytes that remain, nesting is bounded, and the message is one value.
 // Decoders of package msgpack allocate a declared slice length at once,
-// so a message that fails this check must not be decoded.
+// so a message that fails this check must not be decoded. Its errors wrap
+// ErrMalformed.
 func CheckWellFormed(b []byte) error {
 	n, err := skipValue(b, 0)
 	if err != nil {
-		return fmt.Errorf("reduction: malformed message: %w", err)
+		return fmt.Errorf("reduction: %w: %w", ErrMalformed, err)
 	}
 	if n != len(b) {
-		return fmt.Errorf("reduction: %d bytes after the value", len(b)-n)
+		return fmt.Errorf("reduction: %w: %d bytes after the value", ErrMalformed, len(b)-n)
 	}
 	return nil
 }

@@ -807,29 +807,28 @@ func TestPythonHostilePeer(t *testing.T) {
 			return sendUnframed(c, nil)
 		}, "InvalidValue", "malformed message: an empty message"},
 		// The rest are framed well, and what is inside the frame is not:
-		// reduction's errors for it wrap no sentinel yet, and arrive as
-		// Error, not InvalidValue.
+		// reduction's errors for it wrap ErrMalformed too.
 		{"payload-garbage", func() error {
 			return c.Send(ctx, []byte{0xc1}, nil)
-		}, "Error", "mp: decoding into *interface {}: reduction: malformed message: invalid code 0xc1"},
+		}, "InvalidValue", "invalid code 0xc1"},
 		{"payload-truncated", func() error {
 			return c.Send(ctx, []byte{0x92, 0x01}, nil)
-		}, "Error", "a container of 2 items runs past the message"},
+		}, "InvalidValue", "a container of 2 items runs past the message"},
 		{"payload-after-value", func() error {
 			return c.Send(ctx, []byte{0x01, 0x02}, nil)
-		}, "Error", "1 bytes after the value"},
+		}, "InvalidValue", "1 bytes after the value"},
 		{"queue-without-descriptors", func() error {
 			return c.Send(ctx, []byte("\xc7\x03\x51abc"), nil)
-		}, "Error", "mp: a queue of 3 bytes"},
+		}, "InvalidValue", "mp: a queue of 3 bytes"},
 		{"tensor-descriptor-out-of-range", func() error {
 			return sendMisdescribed(ctx, c, x)
-		}, "Error", "descriptor index 0 out of range: the message has 0"},
+		}, "InvalidValue", "descriptor index 0 out of range: the message has 0"},
 		{"tensor-descriptor-not-its-segment", func() error {
 			return sendMisdescribed(ctx, c, x, null)
-		}, "Error", "not a regular file"},
+		}, "InvalidValue", "not a regular file"},
 		{"descriptor-unused", func() error {
 			return sendMisdescribed(ctx, c, "no tensor", null)
-		}, "Error", "the message carried 1 descriptors, 1 of them not used by any tensor"},
+		}, "InvalidValue", "the message carried 1 descriptors, 1 of them not used by any tensor"},
 	}
 	var names []string
 	for _, tc := range cases {

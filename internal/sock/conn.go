@@ -13,6 +13,7 @@ import (
 
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/shm"
+	"github.com/tensormp/tensormp/reduction"
 )
 
 // ErrClosed is returned by calls on a closed Conn, and to callers blocked
@@ -22,8 +23,9 @@ var ErrClosed = errors.New("mp: closed")
 
 // ErrMalformed is wrapped by the errors for a message that tensormp did
 // not frame: whatever it brought is closed, and the Conn goes on. It is
-// mp.ErrMalformed.
-var ErrMalformed = errors.New("mp: malformed message")
+// reduction.ErrMalformed, which a message whose value cannot be decoded
+// also wraps, and mp.ErrMalformed.
+var ErrMalformed = reduction.ErrMalformed
 
 // ErrWouldBlock is what the Try calls return instead of waiting.
 var ErrWouldBlock = errors.New("mp: would block")
