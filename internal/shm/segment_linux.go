@@ -27,10 +27,10 @@ func Create(size int64, flags Flags) (*Allocation, error) {
 		return nil, &Error{Op: "create", Err: fmt.Errorf("flags %v not allowed (use OpenFD or OpenName)", flags&^createFlags)}
 	}
 	if flags&Unlink != 0 && flags&KeepFD == 0 {
-		return nil, &Error{Op: "create", Err: errors.New("Unlink without KeepFD would leave the segment unreachable")}
+		return nil, &Error{Op: "create", Err: errors.New("flag Unlink without KeepFD would leave the segment unreachable")}
 	}
 	if flags&Unlink != 0 && flags&RefCount != 0 {
-		return nil, &Error{Op: "create", Err: errors.New("RefCount segments are shared by name and cannot be unlinked at once")}
+		return nil, &Error{Op: "create", Err: errors.New("flag RefCount with Unlink: a RefCount segment is shared by name and cannot be unlinked at once")}
 	}
 	if flags&sparse != 0 && (flags&KeepFD == 0 || flags&RefCount != 0) {
 		return nil, &Error{Op: "create", Err: errors.New("a sparse segment needs KeepFD, to reserve its ranges, and no RefCount header")}
