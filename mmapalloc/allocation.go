@@ -3,6 +3,7 @@ package mmapalloc
 import (
 	"fmt"
 
+	ifd "github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/shm"
 )
 
@@ -85,7 +86,7 @@ func Create(size int64, flags Flags) (*Allocation, error) {
 // otherwise). OpenFD takes ownership of fd in every case: it keeps it when
 // flags has KeepFD and the call succeeds, and closes it otherwise.
 func OpenFD(fd int, size int64, flags Flags) (*Allocation, error) {
-	return wrap(shm.OpenFD(fd, size, shm.Flags(flags)))
+	return wrap(shm.OpenFD(ifd.New(fd), size, shm.Flags(flags)))
 }
 
 // OpenName maps the existing segment name in Dir, which must hold at least

@@ -13,6 +13,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 	"golang.org/x/sys/unix"
 
+	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/sock"
 )
@@ -166,7 +167,7 @@ func TestForeignDescriptorsAreNoQueueOrPipe(t *testing.T) {
 					if target.new != nil {
 						v = target.new()
 					}
-					err := decode(data, fds, v)
+					err := decode(data, fd.NewSet(fds), v)
 					require.Error(t, err, "%d descriptors decoded as %T", len(fds), v)
 					assert.Contains(t, err.Error(), msg.want)
 					assert.ErrorIs(t, err, ErrMalformed)
@@ -219,7 +220,7 @@ func TestFailedDecodeClosesTheQueuesItMade(t *testing.T) {
 				data = append(data, 0xa1, 'N')
 			}
 			data = append(data, tail...)
-			require.Error(t, decode(data, fds, c.v()))
+			require.Error(t, decode(data, fd.NewSet(fds), c.v()))
 			assert.Equal(t, base, leakcheck.Count(), "descriptors open after the failed decode")
 		})
 	}
@@ -233,7 +234,7 @@ func TestQueueDecodedIntoAny(t *testing.T) {
 	s := seqpacket(t)
 	r := placesEnds(t)
 	var v any
-	require.NoError(t, decode(extMsg(t, queueExt, binary.LittleEndian.AppendUint32(nil, 1), 0, 1, 2, 3), []int{s[0], s[1], r[0], r[1]}, &v))
+	require.NoError(t, decode(extMsg(t, queueExt, binary.LittleEndian.AppendUint32(nil, 1), 0, 1, 2, 3), fd.NewSet([]int{s[0], s[1], r[0], r[1]}), &v))
 	q, ok := v.(*Queue)
 	require.True(t, ok, "decoded as %T", v)
 	assert.Equal(t, 1, q.Cap())
@@ -310,7 +311,7 @@ func FuzzDecodeQueueAndPipe(f *testing.F) {
 		}
 		_, _ = unix.Close(places[0]), unix.Close(places[1])
 		var v any
-		if err := decode(data, fds, &v); err == nil {
+		if err := decode(data, fd.NewSet(fds), &v); err == nil {
 			leakcheck.Free(v)
 		}
 		if n := leakcheck.Count(); n != base {

@@ -111,7 +111,7 @@ type poolCall struct {
 	// deliver decodes a reply to one of the call's chunks and hands it
 	// to the caller; fail hands the caller a chunk's error. Neither
 	// blocks: the caller's channel has room for every chunk in flight.
-	deliver func(c *chunk, data []byte, fds []int)
+	deliver func(c *chunk, data []byte, fds *fd.Set)
 	fail    func(c *chunk, err error)
 	ended   bool // the caller has gone: replies are dropped
 }
@@ -285,8 +285,7 @@ func (p *Pool) replies() {
 		}
 		call, start, rank, gen, err := peekReply(m.Data)
 		if err != nil || call == stopCall || rank < 0 || rank >= p.n {
-			fd.CloseAll(m.FDs)
-			m.Done()
+			m.Done() // closes what the reply held
 			if err != nil {
 				Logger().Error("pool: dropping a reply", "error", err)
 			} else if call == stopCall && rank >= 0 && rank < p.n {
@@ -310,10 +309,8 @@ func (p *Pool) replies() {
 		p.mu.Unlock()
 		if deliver {
 			c.call.deliver(c, m.Data, m.FDs)
-		} else {
-			fd.CloseAll(m.FDs) // what the reply held goes back
 		}
-		m.Done()
+		m.Done() // what the reply held and deliver did not take goes back
 		p.send(ws)
 	}
 }
@@ -344,8 +341,7 @@ func (p *Pool) exited(rank, gen int) {
 			break
 		}
 		call, start, _, err := peekTask(m.Data)
-		fd.CloseAll(m.FDs)
-		m.Done()
+		m.Done() // closes what the task held
 		if err == nil {
 			untaken[key{call, start}] = true
 		}

@@ -7,6 +7,8 @@ import (
 	"iter"
 	"slices"
 	"sync"
+
+	"github.com/tensormp/tensormp/internal/fd"
 )
 
 // Func is a function registered with RegisterFunc that a Pool's workers
@@ -24,7 +26,7 @@ func (f *Func[A, R]) Name() string { return f.name }
 // and returns the reply to send, from the worker of rank and gen, and the
 // failing item's error if one failed.
 type poolFunc struct {
-	run func(ctx context.Context, rank, gen int, data []byte, fds []int) (any, error)
+	run func(ctx context.Context, rank, gen int, data []byte, fds *fd.Set) (any, error)
 }
 
 var poolFuncs sync.Map // name -> *poolFunc
@@ -37,7 +39,7 @@ var poolFuncs sync.Map // name -> *poolFunc
 // fn runs in a worker process, under the worker's context, once per item;
 // a panic in it is the item's error, and the worker goes on.
 func RegisterFunc[A, R any](name string, fn func(ctx context.Context, arg A) (R, error)) *Func[A, R] {
-	pf := &poolFunc{run: func(ctx context.Context, rank, gen int, data []byte, fds []int) (any, error) {
+	pf := &poolFunc{run: func(ctx context.Context, rank, gen int, data []byte, fds *fd.Set) (any, error) {
 		var t task[A]
 		if err := decode(data, fds, &t); err != nil {
 			return &reply[R]{Call: t.Call, Start: t.Start, Rank: rank, Gen: gen, Failed: true, At: t.Start, Err: err.Error()}, err
@@ -100,7 +102,7 @@ func runCall[A, R any](ctx context.Context, p *Pool, f *Func[A, R], items iter.S
 	window := 2 * p.n
 	out := make(chan chunkResult[R], window)
 	pc := &poolCall{
-		deliver: func(c *chunk, data []byte, fds []int) {
+		deliver: func(c *chunk, data []byte, fds *fd.Set) {
 			var r reply[R]
 			switch err := decode(data, fds, &r); {
 			case err != nil:

@@ -6,8 +6,6 @@ import (
 	"fmt"
 
 	"github.com/vmihailenco/msgpack/v5"
-
-	"github.com/tensormp/tensormp/internal/fd"
 )
 
 // The calls a task's Call field names besides a Pool call's number, which
@@ -111,13 +109,11 @@ func poolWorker(ctx context.Context, w *Worker) error {
 		}
 		call, start, name, err := peekTask(m.Data)
 		if err != nil {
-			fd.CloseAll(m.FDs)
-			m.Done()
+			m.Done() // closes what the task held
 			w.Logger().Error("dropping a task", "error", err)
 			continue
 		}
 		if call == stopCall {
-			fd.CloseAll(m.FDs)
 			m.Done()
 			return nil
 		}
@@ -125,7 +121,6 @@ func poolWorker(ctx context.Context, w *Worker) error {
 		if f, ok := poolFuncs.Load(name); ok {
 			rep, err = f.(*poolFunc).run(ctx, a.Rank, a.Gen, m.Data, m.FDs)
 		} else {
-			fd.CloseAll(m.FDs)
 			err = fmt.Errorf("no function is registered as %q in the worker (RegisterFunc before Init)", name)
 			rep = &reply[struct{}]{Call: call, Start: start, Rank: a.Rank, Gen: a.Gen, Failed: true, At: start, Err: err.Error()}
 		}

@@ -26,10 +26,7 @@ func init() {
 	carry.Register(pipeExt, (*Pipe).encode, decodePipe)
 }
 
-var (
-	encoders = sync.Pool{New: func() any { return reduction.NewEncoder() }}
-	decoders = sync.Pool{New: func() any { return reduction.NewDecoder() }}
-)
+var encoders = sync.Pool{New: func() any { return reduction.NewEncoder() }}
 
 // ErrClosed is returned by operations on a closed Queue, Pipe or
 // connection, and to callers blocked in one when it is closed.
@@ -80,11 +77,10 @@ func recv(ctx context.Context, c *sock.Conn, block bool) (sock.Msg, error) {
 	return c.TryRecv(ctx)
 }
 
-// decode decodes a received message into v. It owns fds.
-func decode(data []byte, fds []int, v any) error {
-	dec := decoders.Get().(*reduction.Decoder)
-	defer decoders.Put(dec)
-	if err := dec.Decode(data, fds, v); err != nil {
+// decode decodes a received message into v, taking from fds the
+// descriptors the value keeps (see carry.Decode).
+func decode(data []byte, fds *fd.Set, v any) error {
+	if err := carry.Decode(data, fds, v); err != nil {
 		return fmt.Errorf("mp: decoding into %T: %w", v, err)
 	}
 	return nil

@@ -21,7 +21,6 @@ import (
 	"github.com/tensormp/tensormp/internal/session"
 	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/internal/sock"
-	"github.com/tensormp/tensormp/reduction"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -72,7 +71,7 @@ type Worker struct {
 
 	argsOnce sync.Once
 	argsData []byte
-	argsFDs  []int
+	argsFDs  *fd.Set
 	argsErr  error
 }
 
@@ -93,8 +92,9 @@ func (w *Worker) Args(v any) error {
 	w.argsOnce.Do(func() {
 		err = w.argsErr
 		if err == nil {
-			err = reduction.Unmarshal(w.argsData, w.argsFDs, v)
+			err = decode(w.argsData, w.argsFDs, v)
 		}
+		w.argsFDs.Close() // empty unless the decode never ran
 		w.argsData, w.argsFDs = nil, nil
 	})
 	return err
@@ -147,7 +147,7 @@ func runWorker(name string, fn WorkerFunc) int {
 	if err != nil {
 		return fail(fmt.Errorf("receiving arguments: %w", err))
 	}
-	w.argsData, w.argsFDs = append([]byte(nil), m.Data...), m.FDs
+	w.argsData, w.argsFDs = append([]byte(nil), m.Data...), m.FDs.Move()
 	m.Done()
 
 	// The backstop to Pdeathsig: the parent closing the control socket,

@@ -8,6 +8,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -161,12 +162,12 @@ func (r *bodyReader) checkUsed() error { return checkUsed(r.used, "bodies") }
 
 var errNoDescriptors = errors.New("descriptor metadata in a message that carries bodies")
 
-func (r *bodyReader) fd(int) (int, error)   { return -1, errNoDescriptors }
-func (r *bodyReader) take(int) (int, error) { return -1, errNoDescriptors }
+func (r *bodyReader) fd(int) (int, error)      { return -1, errNoDescriptors }
+func (r *bodyReader) take(int) (*fd.FD, error) { return nil, errNoDescriptors }
 func (r *bodyReader) stat(int) (shm.SegmentRef, error) {
 	return shm.SegmentRef{}, errNoDescriptors
 }
-func (r *bodyReader) ticket(int, shm.ID) (int, bool)         { return -1, false }
+func (r *bodyReader) covers(int, shm.ID) bool                { return false }
 func (r *fdReader) body(int, int64) (*tensor.Storage, error) { return nil, errNoBodies }
 func (b borrowed) body(int, int64) (*tensor.Storage, error)  { return nil, errNoBodies }
 

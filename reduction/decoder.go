@@ -4,9 +4,9 @@ import (
 	"fmt"
 	"io"
 	"slices"
+	"sync"
 
 	"github.com/vmihailenco/msgpack/v5"
-	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/carry"
 	"github.com/tensormp/tensormp/internal/fd"
@@ -38,6 +38,13 @@ func NewDecoder() *Decoder {
 // released, what it handed to CloseIfFailed is closed, and v may hold
 // partial results that must not be used.
 func (d *Decoder) Decode(data []byte, fds []int, v any) (err error) {
+	d.r.own.Reset(fds)
+	return d.decode(data, &d.r.own, v)
+}
+
+// decode is Decode with the message's descriptors in fds, which it takes
+// from or closes: fds is empty when it returns.
+func (d *Decoder) decode(data []byte, fds *fd.Set, v any) (err error) {
 	d.r.reset(data, fds)
 	d.dec.ResetReader(&d.r)
 	defer func() { err = finishDecode(&d.r, recover(), err) }()
@@ -115,15 +122,25 @@ func Unmarshal(data []byte, fds []int, v any) error {
 	return NewDecoder().Decode(data, fds, v)
 }
 
+// decoders are the Decoders of carry.Decode, which mp's receives call.
+var decoders = sync.Pool{New: func() any { return NewDecoder() }}
+
+func init() {
+	carry.RegisterDecode(func(data []byte, fds *fd.Set, v any) error {
+		d := decoders.Get().(*Decoder)
+		defer decoders.Put(d)
+		return d.decode(data, fds, v)
+	})
+}
+
 // fdReader is the Decoder's reader and the per-call state of one Decode:
-// the message's bytes and descriptors, which descriptors were used and
-// taken, and the storages made. decodeTensor reaches it through
-// msgpack's Decoder.Buffered.
+// the message's bytes, the Set that owns its descriptors until each is
+// taken, and the storages made. decodeTensor reaches it through msgpack's
+// Decoder.Buffered.
 type fdReader struct {
 	msgReader
-	fds  []int
-	used []bool // referenced by some tensor
-	kept []bool // owned by a storage now
+	fds *fd.Set
+	own fd.Set // fds for Decode, whose caller hands numbers over
 	// tickets[i]: the segment whose blocks descriptor i covers, as their
 	// ticket, until the message is decoded and shm adopts it; the
 	// zero ID (which no segment has) if none.
@@ -136,16 +153,13 @@ type fdReader struct {
 	others []io.Closer
 }
 
-func (r *fdReader) reset(data []byte, fds []int) {
+func (r *fdReader) reset(data []byte, fds *fd.Set) {
 	r.msgReader = msgReader{data: data}
 	r.fds = fds
-	r.used = slices.Grow(r.used[:0], len(fds))[:len(fds)]
-	r.kept = slices.Grow(r.kept[:0], len(fds))[:len(fds)]
-	r.stats = slices.Grow(r.stats[:0], len(fds))[:len(fds)]
-	r.statted = slices.Grow(r.statted[:0], len(fds))[:len(fds)]
-	r.tickets = slices.Grow(r.tickets[:0], len(fds))[:len(fds)]
-	clear(r.used)
-	clear(r.kept)
+	n := fds.Len()
+	r.stats = slices.Grow(r.stats[:0], n)[:n]
+	r.statted = slices.Grow(r.statted[:0], n)[:n]
+	r.tickets = slices.Grow(r.tickets[:0], n)[:n]
 	clear(r.statted)
 	clear(r.tickets)
 	clear(r.storages)
@@ -154,13 +168,7 @@ func (r *fdReader) reset(data []byte, fds []int) {
 	r.others = r.others[:0]
 }
 
-func (r *fdReader) fd(i int) (int, error) {
-	if i < 0 || i >= len(r.fds) {
-		return -1, fmt.Errorf("descriptor index %d out of range: the message has %d", i, len(r.fds))
-	}
-	r.used[i] = true
-	return r.fds[i], nil
-}
+func (r *fdReader) fd(i int) (int, error) { return r.fds.Borrow(i) }
 
 func (r *fdReader) stat(i int) (shm.SegmentRef, error) {
 	fd, err := r.fd(i)
@@ -177,54 +185,42 @@ func (r *fdReader) stat(i int) (shm.SegmentRef, error) {
 	return r.stats[i], nil
 }
 
-func (r *fdReader) take(i int) (int, error) {
-	fd, err := r.fd(i)
-	if err != nil {
-		return -1, err
-	}
-	if r.kept[i] {
-		// Already owned by a storage: map from a duplicate.
-		return borrowed(r.fds).take(i)
-	}
-	r.kept[i] = true
-	return fd, nil
-}
+// take hands descriptor i to the storage being rebuilt; one taken
+// already is duplicated (see fd.Set.Take).
+func (r *fdReader) take(i int) (*fd.FD, error) { return r.fds.Take(i) }
 
-// ticket lends descriptor i to cover blocks of segment id until the
-// message is decoded, when adoptTickets hands it to shm. A
-// descriptor that covers another segment, or that a storage owns, only
-// lends itself to a lock taken at once.
-func (r *fdReader) ticket(i int, id shm.ID) (int, bool) {
-	fd := r.fds[i]
+// covers lends descriptor i, which fd checked, to cover blocks of
+// segment id until the message is decoded, when adoptTickets hands it to
+// shm. A descriptor that covers another segment, or that a storage owns,
+// only lends itself to a lock taken at once.
+func (r *fdReader) covers(i int, id shm.ID) bool {
 	if got := r.tickets[i]; got != (shm.ID{}) {
-		return fd, got == id
+		return got == id
 	}
-	if r.kept[i] || id == (shm.ID{}) {
-		return fd, false
+	if r.fds.Taken(i) || id == (shm.ID{}) {
+		return false
 	}
 	r.tickets[i] = id
-	return fd, true
+	return true
 }
 
 // adoptTickets hands the descriptors that covered blocks to internal/shm,
 // once every block of the message is held.
 func (r *fdReader) adoptTickets() {
 	for i, id := range r.tickets {
-		if id != (shm.ID{}) && !r.kept[i] {
-			r.kept[i] = true
-			shm.AdoptTicket(r.fds[i], id)
+		if id != (shm.ID{}) && !r.fds.Taken(i) {
+			if raw, err := r.fds.Disown(i); err == nil {
+				shm.AdoptTicket(raw, id)
+			}
 		}
 	}
 }
 
-func (r *fdReader) checkUsed() error { return checkUsed(r.used, "descriptors") }
-
-func (r *fdReader) closeRest() {
-	for i, fd := range r.fds {
-		if !r.kept[i] {
-			_ = unix.Close(fd)
-		}
+func (r *fdReader) checkUsed() error {
+	if unused := r.fds.Unused(); unused > 0 {
+		return fmt.Errorf("reduction: the message carried %d descriptors, %d of them not used by any tensor", r.fds.Len(), unused)
 	}
+	return nil
 }
 
 func (r *fdReader) message() *msgReader      { return &r.msgReader }
@@ -233,7 +229,7 @@ func (r *fdReader) made() *[]*tensor.Storage { return &r.storages }
 // end finishes a Decode. On failure the storages it mapped are released
 // before the descriptors that covered them close, and what it handed to
 // CloseIfFailed is closed; on success the tickets it took over are
-// adopted. The descriptors no storage kept are closed either way.
+// adopted. The descriptors no storage took are closed either way.
 func (r *fdReader) end(failed bool) {
 	if failed {
 		for _, s := range r.storages {
@@ -245,8 +241,8 @@ func (r *fdReader) end(failed bool) {
 	} else {
 		r.adoptTickets()
 	}
-	r.closeRest()
-	r.reset(nil, nil)
+	r.fds.Close()
+	r.reset(nil, &r.own)
 }
 
 // The decoders of mp's Queue and Pipe take a message's descriptors
@@ -254,13 +250,7 @@ func (r *fdReader) end(failed bool) {
 var _ carry.Reader = (*fdReader)(nil)
 
 // TakeFD hands descriptor i to the caller (carry.Reader).
-func (r *fdReader) TakeFD(i int) (*fd.FD, error) {
-	raw, err := r.take(i)
-	if err != nil {
-		return nil, err
-	}
-	return fd.New(raw), nil
-}
+func (r *fdReader) TakeFD(i int) (*fd.FD, error) { return r.take(i) }
 
 // CloseIfFailed closes c with the message's descriptors should the decode
 // fail (carry.Reader).

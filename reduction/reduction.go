@@ -222,15 +222,15 @@ func Rebuild(m Meta, fds []int) (*tensor.Tensor, error) {
 type fdSource interface {
 	// fd returns descriptor i for inspection, marking it referenced.
 	fd(i int) (int, error)
-	// take returns descriptor i for the rebuilt storage to own.
-	take(i int) (int, error)
+	// take hands descriptor i to the rebuilt storage, which owns it.
+	take(i int) (*fd.FD, error)
 	// stat returns the identity and size of the file behind descriptor
 	// i, marking it referenced: one fstat per descriptor per message.
 	stat(i int) (shm.SegmentRef, error)
-	// ticket returns descriptor i, a pooled block's ticket of segment id,
-	// and whether it covers the block (see shm.BlockRef) until the
-	// message is decoded (see shm.AdoptTicket).
-	ticket(i int, id shm.ID) (fd int, covered bool)
+	// covers reports whether descriptor i, a pooled block's ticket of
+	// segment id, covers the block (see shm.BlockRef) until the message
+	// is decoded (see shm.AdoptTicket).
+	covers(i int, id shm.ID) bool
 	// body returns the storage body i was received into, which must hold
 	// size bytes, for a message that carries its tensors by value.
 	body(i int, size int64) (*tensor.Storage, error)
@@ -238,7 +238,7 @@ type fdSource interface {
 
 type borrowed []int
 
-func (b borrowed) ticket(i int, _ shm.ID) (int, bool) { return b[i], false }
+func (b borrowed) covers(int, shm.ID) bool { return false }
 
 func (b borrowed) fd(i int) (int, error) {
 	if i < 0 || i >= len(b) {
@@ -255,12 +255,16 @@ func (b borrowed) stat(i int) (shm.SegmentRef, error) {
 	return shm.Stat(fd)
 }
 
-func (b borrowed) take(i int) (int, error) {
+func (b borrowed) take(i int) (*fd.FD, error) {
 	raw, err := b.fd(i)
 	if err != nil {
-		return -1, err
+		return nil, err
 	}
-	return fd.Dup(raw)
+	own, err := fd.Dup(raw)
+	if err != nil {
+		return nil, err
+	}
+	return fd.New(own), nil
 }
 
 // rebuild builds a tensor from m. Storages it maps afresh are appended to
@@ -440,7 +444,7 @@ func attachIn(seg shm.SegmentRef, m Meta, fds fdSource) (*shm.Block, error) {
 		return nil, err
 	}
 	return shm.Attach(shm.BlockRef{Seg: seg, Offset: m.Block, Size: m.Size, Gen: m.Gen, Ticket: ticket,
-		Covers: func(id shm.ID) bool { _, ok := fds.ticket(m.FD, id); return ok }})
+		Covers: func(id shm.ID) bool { return fds.covers(m.FD, id) }})
 }
 
 // segmentID is the identity of the file_descriptor segment m names.

@@ -23,6 +23,7 @@ import (
 
 	"github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/carry"
 	"github.com/tensormp/tensormp/internal/cudashm"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/pytorch"
@@ -895,7 +896,7 @@ func recvValue(ctx context.Context, c *sock.Conn, v any) error {
 		return err
 	}
 	defer m.Done()
-	return reduction.Unmarshal(m.Data, m.FDs, v)
+	return carry.Decode(m.Data, m.FDs, v)
 }
 
 // sendMisdescribed sends v's encoding on c with fds, which stay the

@@ -10,6 +10,7 @@ import (
 	"io"
 	"reflect"
 	"sync"
+	"sync/atomic"
 
 	"github.com/vmihailenco/msgpack/v5"
 
@@ -122,4 +123,26 @@ func Register[T io.Closer](ext int8, encode func(T, *msgpack.Encoder) ([]byte, e
 		v.Set(reflect.ValueOf(x))
 		return nil
 	})
+}
+
+// DecodeFunc decodes data, a received message, into v, with the
+// descriptors fds owns: what the value keeps of them becomes its own, and
+// the rest stay fds's, for its owner to close.
+type DecodeFunc func(data []byte, fds *fd.Set, v any) error
+
+var decoder atomic.Pointer[DecodeFunc]
+
+// RegisterDecode makes f the process's Decode. Package reduction
+// registers its Decoder's when it is initialised, so that a transport
+// (package mp) hands it a received message's descriptors as the Set
+// they are, not as numbers.
+func RegisterDecode(f DecodeFunc) { decoder.Store(&f) }
+
+// Decode decodes a received message with the registered DecodeFunc.
+func Decode(data []byte, fds *fd.Set, v any) error {
+	f := decoder.Load()
+	if f == nil {
+		return errors.New("no decoder registered: import package reduction")
+	}
+	return (*f)(data, fds, v)
 }

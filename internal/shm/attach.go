@@ -102,7 +102,7 @@ func Attach(ref BlockRef) (*Block, error) {
 		if err != nil {
 			return nil, err
 		}
-		return OpenFD(raw, ref.Seg.Size, KeepFD) // checks the seals
+		return openFD(raw, ref.Seg.Size, KeepFD) // checks the seals
 	})
 }
 

@@ -472,7 +472,7 @@ func TestSegmentsAreSealed(t *testing.T) {
 	raw, err := unix.MemfdCreate("unsealed", unix.MFD_CLOEXEC)
 	require.NoError(t, err)
 	require.NoError(t, unix.Ftruncate(raw, 1<<20))
-	_, err = shm.OpenFD(raw, 1<<20, 0)
+	_, err = shm.OpenFD(fd.New(raw), 1<<20, 0)
 	assert.ErrorIs(t, err, shm.ErrUnsealed)
 }
 

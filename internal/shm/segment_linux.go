@@ -93,12 +93,21 @@ func createMemfd(total int64, flags Flags) (*Allocation, error) {
 	return a, nil
 }
 
-// OpenFD maps the segment behind fd, which must be a regular file holding
+// OpenFD maps the segment behind f, which must be a regular file holding
 // at least size bytes, sealed against shrinking and growing (ErrUnsealed
 // otherwise: any holder of an unsealed one could make this mapping fault).
-// OpenFD takes ownership of fd in every case: it keeps it when flags has
-// KeepFD and the call succeeds, and closes it otherwise.
-func OpenFD(fd int, size int64, flags Flags) (*Allocation, error) {
+// OpenFD takes f over in every case: the Allocation keeps its descriptor
+// when flags has KeepFD and the call succeeds, and it is closed otherwise.
+func OpenFD(f *fd.FD, size int64, flags Flags) (*Allocation, error) {
+	raw, err := f.Disown()
+	if err != nil {
+		return nil, &Error{Op: "open", Path: f.String(), Err: err}
+	}
+	return openFD(raw, size, flags)
+}
+
+// openFD is OpenFD for a descriptor this package holds by its number.
+func openFD(fd int, size int64, flags Flags) (*Allocation, error) {
 	flags |= fromFD | sharedMem
 	if flags&^openFDFlags != 0 {
 		_ = unix.Close(fd)

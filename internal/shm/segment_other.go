@@ -2,13 +2,22 @@
 
 package shm
 
-import "syscall"
+import (
+	"syscall"
+
+	"github.com/tensormp/tensormp/internal/fd"
+)
 
 // Create is not supported on this system.
 func Create(size int64, flags Flags) (*Allocation, error) { return nil, ErrUnsupported }
 
-// OpenFD is not supported on this system; it closes fd, which it owns.
-func OpenFD(fd int, size int64, flags Flags) (*Allocation, error) {
+// OpenFD is not supported on this system; it closes f, which it owns.
+func OpenFD(f *fd.FD, size int64, flags Flags) (*Allocation, error) {
+	_ = f.Close()
+	return nil, ErrUnsupported
+}
+
+func openFD(fd int, size int64, flags Flags) (*Allocation, error) {
 	_ = syscall.Close(fd)
 	return nil, ErrUnsupported
 }

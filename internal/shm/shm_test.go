@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/reexec"
 	"github.com/tensormp/tensormp/internal/shm"
@@ -60,7 +61,7 @@ func TestCreateFileDescriptor(t *testing.T) {
 	copy(a.Bytes(), "hello")
 	dup, err := unix.FcntlInt(uintptr(a.FD()), unix.F_DUPFD_CLOEXEC, 0)
 	require.NoError(t, err)
-	b, err := shm.OpenFD(dup, 4096, 0)
+	b, err := shm.OpenFD(fd.New(dup), 4096, 0)
 	require.NoError(t, err)
 	assert.Equal(t, -1, b.FD(), "without KeepFD the descriptor is closed after mapping")
 	assert.Equal(t, "hello", string(b.Bytes()[:5]))
@@ -216,7 +217,7 @@ func TestSizeChecks(t *testing.T) {
 	for _, size := range []int64{4097, 0, -5} {
 		dup, err := unix.FcntlInt(uintptr(b.FD()), unix.F_DUPFD_CLOEXEC, 0)
 		require.NoError(t, err)
-		_, err = shm.OpenFD(dup, size, 0)
+		_, err = shm.OpenFD(fd.New(dup), size, 0)
 		assert.Error(t, err, "size %d", size)
 		assert.ErrorIs(t, unix.Close(dup), unix.EBADF, "OpenFD closed the descriptor it owned")
 	}
@@ -227,7 +228,7 @@ func TestOpenFDNotAFile(t *testing.T) {
 	var p [2]int
 	require.NoError(t, unix.Pipe2(p[:], unix.O_CLOEXEC))
 	defer unix.Close(p[1])
-	_, err := shm.OpenFD(p[0], 4096, shm.KeepFD)
+	_, err := shm.OpenFD(fd.New(p[0]), 4096, shm.KeepFD)
 	assert.ErrorContains(t, err, "not a regular file")
 	assert.ErrorIs(t, unix.Close(p[0]), unix.EBADF)
 
@@ -457,7 +458,7 @@ func helperTmpfsFull() int {
 	if err != nil {
 		return fail("dup: %v", err)
 	}
-	r, err := shm.OpenFD(dup, 2<<20, 0)
+	r, err := shm.OpenFD(fd.New(dup), 2<<20, 0)
 	if err != nil || r.Bytes()[2<<20-1] != 1 {
 		return fail("a receiver cannot map the memfd segment: %v", err)
 	}

@@ -82,7 +82,8 @@ type Conn struct {
 	// that receive into them, made on first use, and what the last call
 	// got. Reused, so that a receive allocates no more than its result.
 	buf, oob          []byte
-	rfds              []int // the message's descriptors, in a slice reused
+	rfds              []int  // the message's descriptors, in a slice reused
+	rset              fd.Set // owns them from the receive until Done
 	tryRecv, waitRecv func(s int) error
 	got               received
 	spill             []byte // the mapping the message lies in, if spilled
@@ -432,19 +433,20 @@ func (c *Conn) send(ctx context.Context, data []byte, fds []int, block bool) err
 	}, nil)
 }
 
-// A Msg is a message Recv received. The caller owns its descriptors.
-// Data and the slice FDs stay valid, and the Conn reserved to the
+// A Msg is a message Recv received. Its descriptors are FDs's, a Set the
+// caller takes them from (a decode does) until Done, which closes what
+// FDs still owns. Data and FDs stay valid, and the Conn reserved to the
 // receiver, until Done: a message's bytes and descriptor numbers are in
 // the Conn's buffers, or its bytes, if spilled, in a mapping of the
 // sender's sealed copy.
 type Msg struct {
 	Data []byte
-	FDs  []int
+	FDs  *fd.Set
 	c    *Conn
 }
 
-// Done ends the receive of m: its Data and FDs slices are the Conn's
-// again, and the next receive may begin. It is called once.
+// Done ends the receive of m: what FDs still owns is closed, and Data and
+// FDs are the Conn's again for the next receive. It is called once.
 func (m Msg) Done() { m.c.recvDone() }
 
 // Recv receives one message, waiting for one until ctx ends or c is
@@ -472,11 +474,13 @@ func (c *Conn) recv(ctx context.Context, block bool) (Msg, error) {
 		return Msg{}, err
 	}
 	c.spill = spill
-	return Msg{Data: data, FDs: fds, c: c}, nil
+	c.rset.Reset(fds)
+	return Msg{Data: data, FDs: &c.rset, c: c}, nil
 }
 
 // recvDone ends the receive that recv began.
 func (c *Conn) recvDone() {
+	c.rset.Close()
 	if c.spill != nil {
 		_ = shm.Unmap(c.spill)
 		c.spill = nil
