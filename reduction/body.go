@@ -94,7 +94,7 @@ func (w *bodyWriter) tensor(t *tensor.Tensor) ([]byte, error) {
 			w.bodies = append(w.bodies, s)
 			w.index[s] = i
 		}
-		m.Strategy, m.FD, m.Size = StrategyBody, i, s.Size()
+		m.Strategy, m.FDIndex, m.Size = StrategyBody, i, s.Size()
 	}
 	w.meta = appendMeta(w.meta[:0], &m)
 	return w.meta, nil

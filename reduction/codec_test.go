@@ -386,7 +386,7 @@ func BenchmarkRebuildFresh(b *testing.B) {
 			require.NoError(b, err)
 			defer a.Release()
 			m := reduction.Meta{
-				Version: reduction.Version, Strategy: "file_descriptor", FD: 0, MemFD: -1, Size: size, Block: -1,
+				Version: reduction.Version, Strategy: "file_descriptor", FDIndex: 0, MemFDIndex: -1, Size: size, BlockOffset: -1,
 				Dev: a.ID().Dev, Ino: a.ID().Ino,
 				DType: tensor.Float32, Shape: []int{int(size / 4)}, Strides: []int{1}, Place: "cpu",
 			}

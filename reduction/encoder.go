@@ -186,7 +186,7 @@ func (w *fdWriter) tensor(t *tensor.Tensor) ([]byte, error) {
 		return nil, err
 	}
 	if r.memFD >= 0 {
-		r.MemFD = w.addFD(r.memFD) // the slab's own: open while its block is held
+		r.MemFDIndex = w.addFD(r.memFD) // the slab's own: open while its block is held
 	}
 	if r.lease != nil {
 		w.leases = append(w.leases, r.lease)
@@ -195,7 +195,7 @@ func (w *fdWriter) tensor(t *tensor.Tensor) ([]byte, error) {
 		}
 	}
 	if r.ticket >= 0 {
-		r.FD = w.addFD(r.ticket) // kept open by its lease until the message is sent
+		r.FDIndex = w.addFD(r.ticket) // kept open by its lease until the message is sent
 	}
 	w.meta = appendMeta(w.meta[:0], &r.Meta)
 	return w.meta, nil // written out before the next tensor reuses it

@@ -17,7 +17,9 @@ import (
 // A peer that errs, or lies, gets this error and takes nothing from the
 // receiver; mp.ErrMalformed is the same error. A failure of the
 // receiving machine (out of descriptors, of memory, of shared-memory
-// space) does not wrap it.
+// space) does not wrap it: the sizes a message names are checked
+// against the memory it sends before anything is mapped or allocated,
+// so such a failure is the receiver's own.
 var ErrMalformed = errors.New("malformed message")
 
 // malformed returns err, a decode's failure, marked as the message's

@@ -57,7 +57,7 @@ func reduceGPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (reduced, error
 			return r, err
 		}
 		r.Strategy = StrategyCUDAFD
-		r.Size, r.Segment, r.Block, r.Gen = s.Size(), h.Segment, h.Offset, h.Gen
+		r.Size, r.SegmentSize, r.BlockOffset, r.Gen = s.Size(), h.Segment, h.Offset, h.Gen
 		r.setSegmentID(h.ID)
 		remember(s, h)
 		r.ticket, r.memFD, r.lease = h.FD, sh.MemFD, h.Lease
@@ -71,7 +71,7 @@ func reduceGPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (reduced, error
 	r.Strategy = StrategyCUDAIPC
 	r.Size, r.DevOffset = h.Size, h.Offset
 	r.IPC, r.IPCEvent = h.Mem[:], h.Event[:]
-	r.Segment, r.Block, r.Gen = seg.Size(), h.Token.Offset(), h.Token.Gen()
+	r.SegmentSize, r.BlockOffset, r.Gen = seg.Size(), h.Token.Offset(), h.Token.Gen()
 	storages.put(gpuKey(h.Mem, h.Offset), s)
 	r.ticket, r.lease = h.Ticket.FD(), h.Ticket
 	return r, nil
@@ -108,24 +108,24 @@ func openGPU(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*te
 	if len(m.IPC) != len(h.Mem) || len(m.IPCEvent) != len(h.Event) {
 		return nil, fmt.Errorf("cuda_ipc metadata with %d- and %d-byte handles, want %d", len(m.IPC), len(m.IPCEvent), len(h.Mem))
 	}
-	if m.Block < 0 || m.Size <= 0 || m.DevOffset < 0 {
+	if m.BlockOffset < 0 || m.Size <= 0 || m.DevOffset < 0 {
 		return nil, errors.New("cuda_ipc metadata without a token block or size")
 	}
 	copy(h.Mem[:], m.IPC)
 	copy(h.Event[:], m.IPCEvent)
 	h.Device, h.Offset, h.Size = p.Index(), m.DevOffset, m.Size
-	fd, err := fds.fd(m.FD)
+	fd, err := fds.fd(m.FDIndex)
 	if err != nil {
 		return nil, err
 	}
 	// This process's own hold on the token keeps the producer's memory
 	// alive; it is given back at once if this process holds the memory
 	// already.
-	st, err := fds.stat(m.FD)
+	st, err := fds.stat(m.FDIndex)
 	if err != nil {
 		return nil, err
 	}
-	token, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: st.ID, Size: m.Segment}, Offset: m.Block, Size: tokenSize, Gen: m.Gen, Ticket: fd})
+	token, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: st.ID, Size: m.SegmentSize}, Offset: m.BlockOffset, Size: tokenSize, Gen: m.Gen, Ticket: fd})
 	if err != nil {
 		return nil, err
 	}
@@ -158,16 +158,16 @@ func openGPU(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*te
 // unless this process maps it already.
 func openSlabBlock(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
 	switch {
-	case m.Ino == 0 || m.Block < 0 || m.Size <= 0:
+	case m.Ino == 0 || m.BlockOffset < 0 || m.Size <= 0:
 		return nil, errors.New("cuda_fd metadata names no slab block")
 	case m.Name != "" || m.IPC != nil || m.IPCEvent != nil || m.DevOffset != 0:
 		return nil, errors.New("cuda_fd metadata carries a name or IPC handles")
 	}
 	// Both referenced, even when the storage is found without them.
-	if _, err := fds.fd(m.FD); err != nil {
+	if _, err := fds.fd(m.FDIndex); err != nil {
 		return nil, err
 	}
-	memFD, err := fds.fd(m.MemFD)
+	memFD, err := fds.fd(m.MemFDIndex)
 	if err != nil {
 		return nil, fmt.Errorf("the slab's descriptor: %w", err)
 	}

@@ -104,9 +104,9 @@ func TestHostileSlabMessages(t *testing.T) {
 			swap(t, &fds[0], lfds[0])
 			fd.CloseAll(lfds[:])
 		}, "mapping a slab"},
-		{"a block outside the slab", func(m *Meta, fds *[2]int) { m.Block = 1 << 40 }, "not a slot"},
+		{"a block outside the slab", func(m *Meta, fds *[2]int) { m.BlockOffset = 1 << 40 }, "not a slot"},
 		{"a size beyond the block", func(m *Meta, fds *[2]int) { m.Size, m.Shape = 1<<20, []int{1 << 18} }, "not a slot"},
-		{"no slab descriptor", func(m *Meta, fds *[2]int) { m.MemFD = 2 }, "slab's descriptor"},
+		{"no slab descriptor", func(m *Meta, fds *[2]int) { m.MemFDIndex = 2 }, "slab's descriptor"},
 		{"a slab descriptor on a CPU tensor", func(m *Meta, fds *[2]int) { m.Place = "cpu" }, `strategy "cuda_fd" for a tensor on cpu`},
 		{"a slab descriptor for cuda_ipc", func(m *Meta, fds *[2]int) { m.Strategy = StrategyCUDAIPC }, "carries a device slab's descriptor"},
 	} {
@@ -158,7 +158,7 @@ func FuzzUnmarshalGPU(f *testing.F) {
 	f.Add(msg, []byte{0, 3})
 	f.Add(msg, []byte{0})
 	legacy := m
-	legacy.Strategy, legacy.MemFD, legacy.Dev, legacy.Ino = StrategyCUDAIPC, -1, 0, 0
+	legacy.Strategy, legacy.MemFDIndex, legacy.Dev, legacy.Ino = StrategyCUDAIPC, -1, 0, 0
 	f.Add(extMessage(f, legacy), []byte{0})
 	var pipe [2]int
 	require.NoError(f, unix.Pipe2(pipe[:], unix.O_CLOEXEC))
@@ -232,7 +232,7 @@ func TestMetaNamingALiveSlabBlockElsewhere(t *testing.T) {
 			require.Len(t, fds, 2)
 			if !c.keepMemFD {
 				require.NoError(t, unix.Close(fds[1]))
-				fds, m.MemFD = fds[:1], -1
+				fds, m.MemFDIndex = fds[:1], -1
 			}
 			m.Strategy, m.Place, m.DevUUID = c.strategy, c.place, nil
 			if p := device.MustParse(c.place); p.IsGPU() {

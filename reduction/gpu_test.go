@@ -66,7 +66,7 @@ func TestGPUTensorOpenedByAReceiver(t *testing.T) {
 	storages.mu.Lock()
 	delete(storages.m, gpuKey([64]byte(meta.IPC), meta.DevOffset))
 	storages.mu.Unlock()
-	meta.FD = 0
+	meta.FDIndex = 0
 	y, err := Rebuild(meta, []int{fd})
 	require.NoError(t, err)
 	tok.Done() // delivered: the receiver holds the token itself

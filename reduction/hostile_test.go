@@ -40,7 +40,7 @@ func dupFD(t testing.TB, fd int) int {
 // id, whose descriptor is the message's first.
 func validMeta(id shm.ID) Meta {
 	return Meta{
-		Version: Version, Strategy: "file_descriptor", FD: 0, MemFD: -1, Dev: id.Dev, Ino: id.Ino, Size: 4096, Block: -1,
+		Version: Version, Strategy: "file_descriptor", FDIndex: 0, MemFDIndex: -1, Dev: id.Dev, Ino: id.Ino, Size: 4096, BlockOffset: -1,
 		DType: tensor.Float32, Shape: []int{32, 32}, Strides: []int{32, 1}, Place: "cpu",
 	}
 }
@@ -95,8 +95,8 @@ func TestHostileInput(t *testing.T) {
 		{"misaligned offset", with(func(m *Meta) { m.Offset = 2; m.Shape = []int{4}; m.Strides = []int{1} }), segFD, "not a multiple"},
 		{"size beyond segment", with(func(m *Meta) { m.Size = 8192 }), segFD, "fewer than"},
 		{"negative size", with(func(m *Meta) { m.Size = -1 }), segFD, "negative segment size"},
-		{"fd index out of range", with(func(m *Meta) { m.FD = 3 }), segFD, "out of range"},
-		{"fd index negative", with(func(m *Meta) { m.FD = -1 }), segFD, "out of range"},
+		{"fd index out of range", with(func(m *Meta) { m.FDIndex = 3 }), segFD, "out of range"},
+		{"fd index negative", with(func(m *Meta) { m.FDIndex = -1 }), segFD, "out of range"},
 		{"no fds", validMetaMsg(t, seg.ID()), func() []int { return nil }, "out of range"},
 		{"extra fds", validMetaMsg(t, seg.ID()), func() []int { return []int{dupFD(t, seg.FD()), dupFD(t, seg.FD())} }, "not used"},
 		{"fd not a file", validMetaMsg(t, seg.ID()), func() []int { return []int{dupFD(t, pipe[0])} }, "not a regular file"},
@@ -105,40 +105,40 @@ func TestHostileInput(t *testing.T) {
 		{"descriptor of another segment", with(func(m *Meta) { m.Dev, m.Ino = other.ID().Dev, other.ID().Ino }), segFD, "that the metadata names"},
 		{"block with descriptor of another segment", with(func(m *Meta) {
 			m.Dev, m.Ino = other.ID().Dev, other.ID().Ino
-			m.Segment, m.Block, m.Gen = 1<<20, 4096, 1
+			m.SegmentSize, m.BlockOffset, m.Gen = 1<<20, 4096, 1
 		}), segFD, "is of segment"},
 		{"identity in fs metadata", withID(func(m *Meta) {
 			m.Strategy = "file_system"
-			m.FD = -1
+			m.FDIndex = -1
 			m.Name = shm.SessionPrefix() + "1_0123456789abcdef"
 		}), nil, "carries a file_descriptor segment's identity"},
-		{"identity in empty metadata", withID(func(m *Meta) { m.Strategy = ""; m.FD = -1; m.Size = 0; m.Shape = []int{0}; m.Strides = []int{1} }), nil, "carries a file_descriptor segment's identity"},
-		{"name traversal", with(func(m *Meta) { m.Strategy = "file_system"; m.FD = -1; m.Name = "../../etc/passwd" }), nil, "not a tensormp segment name"},
+		{"identity in empty metadata", withID(func(m *Meta) { m.Strategy = ""; m.FDIndex = -1; m.Size = 0; m.Shape = []int{0}; m.Strides = []int{1} }), nil, "carries a file_descriptor segment's identity"},
+		{"name traversal", with(func(m *Meta) { m.Strategy = "file_system"; m.FDIndex = -1; m.Name = "../../etc/passwd" }), nil, "not a tensormp segment name"},
 		{"absolute name", with(func(m *Meta) {
 			m.Strategy = "file_system"
-			m.FD = -1
+			m.FDIndex = -1
 			m.Name = "/dev/shm/" + shm.SessionPrefix() + "1_0123456789abcdef"
 		}), nil, "not a tensormp segment name"},
 		{"missing segment", with(func(m *Meta) {
 			m.Strategy = "file_system"
-			m.FD = -1
+			m.FDIndex = -1
 			m.Name = shm.SessionPrefix() + "1_0123456789abcdef"
 		}), nil, "no such file"},
 		{"fs with fd", with(func(m *Meta) { m.Strategy = "file_system"; m.Name = seg.Name() }), segFD, "refers to a descriptor"},
 		{"another session's segment", with(func(m *Meta) {
 			m.Strategy = "file_system"
-			m.FD = -1
+			m.FDIndex = -1
 			m.Name = shm.NamePrefix + "0ther5e55_1_0123456789abcdef"
 		}), nil, "belongs to another session"},
 		{"another session's block", with(func(m *Meta) {
 			m.Strategy = "file_system"
 			m.Name = shm.NamePrefix + "0ther5e55_1_0123456789abcdef"
-			m.Segment, m.Block, m.Gen = 1<<20, 4096, 1
+			m.SegmentSize, m.BlockOffset, m.Gen = 1<<20, 4096, 1
 		}), segFD, "belongs to another session"},
 		{"unknown strategy", with(func(m *Meta) { m.Strategy = "shared_pointer" }), segFD, "unknown strategy"},
 		{"empty with elements", with(func(m *Meta) {
 			m.Strategy = ""
-			m.FD = -1
+			m.FDIndex = -1
 			m.Size = 0
 			m.Shape = []int{0}
 			m.Strides = []int{1}
@@ -216,13 +216,13 @@ func FuzzUnmarshal(f *testing.F) {
 
 	f.Add(validMetaMsg(f, seg.ID()), uint8(1))
 	empty := validMeta(shm.ID{})
-	empty.Strategy, empty.FD, empty.Size, empty.Shape, empty.Strides = "", -1, 0, []int{0, 3}, []int{0, 0}
+	empty.Strategy, empty.FDIndex, empty.Size, empty.Shape, empty.Strides = "", -1, 0, []int{0, 3}, []int{0, 0}
 	f.Add(extMessage(f, empty), uint8(0))
 	view := validMeta(seg.ID())
 	view.Offset, view.Shape, view.Strides = 128, []int{8, 4}, []int{1, 32}
 	f.Add(extMessage(f, view), uint8(1))
 	fs := validMeta(shm.ID{})
-	fs.Strategy, fs.FD, fs.Name = "file_system", -1, shm.SessionPrefix()+"1_0123456789abcdef"
+	fs.Strategy, fs.FDIndex, fs.Name = "file_system", -1, shm.SessionPrefix()+"1_0123456789abcdef"
 	f.Add(extMessage(f, fs), uint8(0))
 	f.Add([]byte{0x92, 0x01, 0xc0}, uint8(2))
 	base := leakcheck.Count()
@@ -291,7 +291,7 @@ func TestCacheKeepsLiveStoragesAndDropsDeadOnes(t *testing.T) {
 
 func FuzzBodyDecode(f *testing.F) {
 	body := validMeta(shm.ID{})
-	body.Strategy, body.FD, body.Block, body.Segment, body.Gen = StrategyBody, 0, -1, 0, 0
+	body.Strategy, body.FDIndex, body.BlockOffset, body.SegmentSize, body.Gen = StrategyBody, 0, -1, 0, 0
 	f.Add(extMessage(f, body), uint16(4096), uint8(1))
 	view := body
 	view.Offset, view.Shape, view.Strides = 128, []int{8, 4}, []int{1, 32}

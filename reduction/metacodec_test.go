@@ -16,16 +16,16 @@ import (
 func TestMetaCodecRoundTrip(t *testing.T) {
 	cases := []Meta{
 		validMeta(shm.ID{Dev: 1 << 40, Ino: math.MaxUint64}),
-		{Version: Version, Strategy: "file_system", FD: -1, Name: "tensormp_abc_1_0123456789abcdef", Size: math.MaxInt64,
-			Segment: 1 << 40, Block: -1, Gen: math.MaxUint64, Offset: -300000, DType: tensor.Complex128,
+		{Version: Version, Strategy: "file_system", FDIndex: -1, Name: "tensormp_abc_1_0123456789abcdef", Size: math.MaxInt64,
+			SegmentSize: 1 << 40, BlockOffset: -1, Gen: math.MaxUint64, Offset: -300000, DType: tensor.Complex128,
 			Shape: []int{0, 70000, 3}, Strides: []int{math.MinInt32, 1, math.MaxInt64}, LoD: [][]int{{0, 2, 5}, {}}, Place: "gpu:3",
 			IPC: make([]byte, 64), IPCEvent: []byte{1, 2, 3}, DevOffset: 1 << 33},
-		{Version: Version, FD: -1, Block: -1, Shape: []int{}, Strides: []int{}, Place: "cpu"},
+		{Version: Version, FDIndex: -1, BlockOffset: -1, Shape: []int{}, Strides: []int{}, Place: "cpu"},
 		// Shape and strides are read into one array sized by the shape:
 		// more strides than dims, more than 15 dims, none at all.
-		{Version: Version, FD: -1, Block: -1, Shape: []int{2, 3}, Strides: []int{3, 1, 7, 9}, Place: "cpu"},
-		{Version: Version, FD: -1, Block: -1, Shape: make([]int, 16), Strides: make([]int, 16), Place: "cpu"},
-		{Version: Version, FD: -1, Block: -1, Shape: []int{4}, Strides: []int{}, Place: "cpu"},
+		{Version: Version, FDIndex: -1, BlockOffset: -1, Shape: []int{2, 3}, Strides: []int{3, 1, 7, 9}, Place: "cpu"},
+		{Version: Version, FDIndex: -1, BlockOffset: -1, Shape: make([]int, 16), Strides: make([]int, 16), Place: "cpu"},
+		{Version: Version, FDIndex: -1, BlockOffset: -1, Shape: []int{4}, Strides: []int{}, Place: "cpu"},
 	}
 	for _, m := range cases {
 		b := appendMeta(nil, &m)
@@ -59,7 +59,7 @@ func TestMetaCodecRoundTrip(t *testing.T) {
 }
 
 func TestMetaCodecRejects(t *testing.T) {
-	good := appendMeta(nil, &Meta{Version: Version, FD: -1, MemFD: -1, Block: -1, Shape: []int{2}, Strides: []int{1}, Place: "cpu"})
+	good := appendMeta(nil, &Meta{Version: Version, FDIndex: -1, MemFDIndex: -1, BlockOffset: -1, Shape: []int{2}, Strides: []int{1}, Place: "cpu"})
 	for name, b := range map[string][]byte{
 		"empty":          nil,
 		"not an array":   {0xc0},

@@ -24,34 +24,35 @@ type Meta struct {
 	//lint:ignore U1000 the tag tells msgpack to use the array form
 	_msgpack struct{} `msgpack:",as_array"`
 
-	Version  uint8
-	Strategy string // "file_descriptor", "file_system", or "" for an empty tensor
-	FD       int    // index in the message of the segment's descriptor (a pooled block's ticket); else -1
-	Dev, Ino uint64 // file_descriptor: the segment's identity (see Rebuild)
-	Name     string // file_system: the segment's name in the shared-memory directory
-	Size     int64  // the storage's bytes
-	Segment  int64  // pooled block: the segment's size
-	Block    int64  // pooled block: its data's offset in the segment; else -1
-	Gen      uint64 // pooled block: its generation
-	Offset   int64  // byte offset of the first element in the storage
-	DType    tensor.DType
-	Shape    []int
-	Strides  []int // in elements
-	LoD      [][]int
-	Place    string
+	Version     uint8
+	Strategy    string // "file_descriptor", "file_system", or "" for an empty tensor
+	FDIndex     int    // index in the message of the segment's descriptor (a pooled block's ticket); else -1
+	Dev, Ino    uint64 // file_descriptor: the segment's identity (see Rebuild)
+	Name        string // file_system: the segment's name in the shared-memory directory
+	Size        int64  // the storage's bytes
+	SegmentSize int64  // pooled block: the segment's size
+	BlockOffset int64  // pooled block: its data's offset in the segment; else -1
+	Gen         uint64 // pooled block: its generation
+	Offset      int64  // byte offset of the first element in the storage
+	DType       tensor.DType
+	Shape       []int
+	Strides     []int // in elements
+	LoD         [][]int
+	Place       string
 
 	// cuda_ipc: the device allocation's IPC handle and event handle (64
-	// bytes each) and where the storage starts in the allocation. FD,
-	// Segment, Block and Gen then name the token block whose reference
-	// count keeps the producer's memory alive.
+	// bytes each) and where the storage starts in the allocation.
+	// FDIndex, SegmentSize, BlockOffset and Gen then name the token block
+	// whose reference count keeps the producer's memory alive.
 	IPC       []byte
 	IPCEvent  []byte
 	DevOffset int64
 
-	// cuda_fd: index in the message of the device slab's descriptor. FD,
-	// Dev, Ino, Segment, Block and Gen name the block as for a pooled CPU
-	// block; the slab's segment holds its slot table. Else -1.
-	MemFD int
+	// cuda_fd: index in the message of the device slab's descriptor.
+	// FDIndex, Dev, Ino, SegmentSize, BlockOffset and Gen name the block
+	// as for a pooled CPU block; the slab's segment holds its slot table.
+	// Else -1.
+	MemFDIndex int
 
 	// A GPU tensor's device UUID (16 bytes), nil for a CPU one: Place
 	// names the device by the sender's ordinal, and ordinals are per
@@ -97,9 +98,9 @@ func Reduce(t *tensor.Tensor) (Meta, []int, error) {
 		}
 		fds = append(fds, own)
 	}
-	r.FD = 0
+	r.FDIndex = 0
 	if r.memFD >= 0 {
-		r.MemFD = 1
+		r.MemFDIndex = 1
 	}
 	return r.Meta, fds, nil
 }
@@ -160,7 +161,7 @@ func reduceCPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (reduced, error
 	if err != nil {
 		return r, err
 	}
-	r.Size, r.Segment, r.Block, r.Gen = h.Size, h.Segment, h.Offset, h.Gen
+	r.Size, r.SegmentSize, r.BlockOffset, r.Gen = h.Size, h.Segment, h.Offset, h.Gen
 	if h.Name != "" {
 		r.Strategy, r.Name = string(strategy.FileSystem), h.Name
 	} else {
@@ -179,14 +180,14 @@ func reduceCPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (reduced, error
 // makes them new.
 func viewMeta(t *tensor.Tensor, room []int) Meta {
 	m := Meta{
-		Version: Version,
-		FD:      -1,
-		MemFD:   -1,
-		Block:   -1,
-		Offset:  t.Offset(),
-		DType:   t.DType(),
-		LoD:     t.LoD(),
-		Place:   t.Place().String(),
+		Version:     Version,
+		FDIndex:     -1,
+		MemFDIndex:  -1,
+		BlockOffset: -1,
+		Offset:      t.Offset(),
+		DType:       t.DType(),
+		LoD:         t.LoD(),
+		Place:       t.Place().String(),
 	}
 	d, n := t.AppendDims(room[:0]), t.Dim()
 	m.Shape, m.Strides = d[:n:n], d[n:]
@@ -278,86 +279,15 @@ func rebuild(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tensor, err
 }
 
 func rebuildTensor(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tensor, error) {
-	if m.Version != Version {
-		return nil, fmt.Errorf("metadata version %d, want %d", m.Version, Version)
-	}
-	p, err := device.Parse(m.Place)
+	p, err := checkMeta(m)
 	if err != nil {
 		return nil, err
 	}
-	if !p.IsCPU() && !p.IsGPU() {
-		return nil, fmt.Errorf("place %s: %w", p, ErrDeviceTensor)
-	}
-	if p.IsGPU() != (m.Strategy == StrategyCUDAIPC || m.Strategy == StrategyCUDAFD) && m.Strategy != "" {
-		return nil, fmt.Errorf("strategy %q for a tensor on %s", m.Strategy, p)
-	}
-	if p.IsGPU() {
-		if p, err = localGPU(m.DevUUID); err != nil {
-			return nil, err
-		}
-	} else if m.DevUUID != nil {
-		return nil, errors.New("metadata of a CPU tensor names a device UUID")
-	}
-	if m.MemFD != -1 && m.Strategy != StrategyCUDAFD {
-		return nil, fmt.Errorf("metadata of strategy %q carries a device slab's descriptor", m.Strategy)
-	}
-	if m.Size < 0 {
-		return nil, fmt.Errorf("negative segment size %d", m.Size)
-	}
-	if err := tensor.CheckView(m.DType, m.Offset, m.Shape, m.Strides, m.Size); err != nil {
-		return nil, err
-	}
-
-	if (m.Dev != 0 || m.Ino != 0) && m.Strategy != string(strategy.FileDescriptor) && m.Strategy != StrategyCUDAFD {
-		return nil, fmt.Errorf("metadata of strategy %q carries a file_descriptor segment's identity", m.Strategy)
-	}
-	var s *tensor.Storage
-	switch strategy.Strategy(m.Strategy) {
-	case "":
-		if m.Size != 0 || m.FD != -1 || m.Name != "" || m.Block != -1 || m.IPC != nil {
-			return nil, errors.New("an empty tensor carries no segment")
-		}
-		if len(m.Shape) == 0 || productNonZero(m.Shape) {
-			return nil, fmt.Errorf("no segment for a tensor of shape %v that has elements", m.Shape)
-		}
-		if p.IsGPU() {
-			return tensor.On(p).Zeros(m.DType, m.Shape...)
-		}
-		if s, err = tensor.AllocSharedStorage(0); err != nil {
-			return nil, err
-		}
-	case StrategyCUDAIPC:
-		s, err = openGPU(m, p, fds, made)
-	case StrategyCUDAFD:
-		s, err = openSlabBlock(m, p, fds, made)
-	case StrategyBody:
-		if m.Name != "" || m.Block != -1 || m.IPC != nil || m.IPCEvent != nil {
-			return nil, errors.New("body metadata names a segment")
-		}
-		s, err = fds.body(m.FD, m.Size)
-	case strategy.FileDescriptor:
-		if m.Name != "" {
-			return nil, errors.New("file_descriptor metadata carries a name")
-		}
-		if m.Ino == 0 {
-			return nil, errors.New("file_descriptor metadata names no segment")
-		}
-		if m.Block >= 0 {
-			s, err = openBlock(m, fds, made)
-		} else {
-			s, err = openFD(m, fds, made)
-		}
-	case strategy.FileSystem:
-		if m.Block >= 0 {
-			s, err = openNamedBlock(m, fds, made)
-		} else if m.FD != -1 {
-			return nil, errors.New("file_system metadata refers to a descriptor")
-		} else {
-			s, err = openName(m, made)
-		}
-	default:
+	open, ok := openers[m.Strategy]
+	if !ok {
 		return nil, fmt.Errorf("unknown strategy %q", m.Strategy)
 	}
+	s, err := open(m, p, fds, made)
 	if err != nil {
 		return nil, err
 	}
@@ -376,6 +306,114 @@ func rebuildTensor(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tenso
 	return t, nil
 }
 
+// checkMeta checks what m says of itself, before anything is opened:
+// its version, its place (this process's ordinal of its GPU, which
+// checkMeta returns) against its strategy, its view of the storage, and
+// that it carries only the fields of its strategy.
+func checkMeta(m Meta) (device.Place, error) {
+	if m.Version != Version {
+		return device.Place{}, fmt.Errorf("metadata version %d, want %d", m.Version, Version)
+	}
+	p, err := device.Parse(m.Place)
+	if err != nil {
+		return p, err
+	}
+	if !p.IsCPU() && !p.IsGPU() {
+		return p, fmt.Errorf("place %s: %w", p, ErrDeviceTensor)
+	}
+	gpu := m.Strategy == StrategyCUDAIPC || m.Strategy == StrategyCUDAFD
+	if p.IsGPU() != gpu && m.Strategy != "" {
+		return p, fmt.Errorf("strategy %q for a tensor on %s", m.Strategy, p)
+	}
+	if p.IsGPU() {
+		if p, err = localGPU(m.DevUUID); err != nil {
+			return p, err
+		}
+	} else if m.DevUUID != nil {
+		return p, errors.New("metadata of a CPU tensor names a device UUID")
+	}
+	if m.MemFDIndex != -1 && m.Strategy != StrategyCUDAFD {
+		return p, fmt.Errorf("metadata of strategy %q carries a device slab's descriptor", m.Strategy)
+	}
+	if m.Size < 0 {
+		return p, fmt.Errorf("negative segment size %d", m.Size)
+	}
+	if err := tensor.CheckView(m.DType, m.Offset, m.Shape, m.Strides, m.Size); err != nil {
+		return p, err
+	}
+	if (m.Dev != 0 || m.Ino != 0) && m.Strategy != string(strategy.FileDescriptor) && m.Strategy != StrategyCUDAFD {
+		return p, fmt.Errorf("metadata of strategy %q carries a file_descriptor segment's identity", m.Strategy)
+	}
+	return p, nil
+}
+
+// An opener finds or maps the storage that m, checked by checkMeta,
+// names on p, with the message's descriptors fds; a storage it maps
+// afresh is appended to *made (see rebuild).
+type opener func(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error)
+
+// openers are the openers of the strategies, by Meta.Strategy.
+var openers = map[string]opener{
+	"":                              openEmpty,
+	string(strategy.FileDescriptor): openFDStrategy,
+	string(strategy.FileSystem):     openFSStrategy,
+	StrategyBody:                    openBody,
+	StrategyCUDAIPC:                 openGPU,
+	StrategyCUDAFD:                  openSlabBlock,
+}
+
+// openEmpty is the opener of an empty tensor, which carries no memory.
+func openEmpty(m Meta, p device.Place, _ fdSource, _ *[]*tensor.Storage) (*tensor.Storage, error) {
+	if m.Size != 0 || m.FDIndex != -1 || m.Name != "" || m.BlockOffset != -1 || m.IPC != nil {
+		return nil, errors.New("an empty tensor carries no segment")
+	}
+	if len(m.Shape) == 0 || productNonZero(m.Shape) {
+		return nil, fmt.Errorf("no segment for a tensor of shape %v that has elements", m.Shape)
+	}
+	if p.IsGPU() {
+		z, err := tensor.On(p).Zeros(m.DType, 0)
+		if err != nil {
+			return nil, err
+		}
+		return z.Storage(), nil
+	}
+	return tensor.AllocSharedStorage(0)
+}
+
+// openBody is the opener of a tensor whose bytes the message carries.
+func openBody(m Meta, _ device.Place, fds fdSource, _ *[]*tensor.Storage) (*tensor.Storage, error) {
+	if m.Name != "" || m.BlockOffset != -1 || m.IPC != nil || m.IPCEvent != nil {
+		return nil, errors.New("body metadata names a segment")
+	}
+	return fds.body(m.FDIndex, m.Size)
+}
+
+// openFDStrategy is the opener of file_descriptor: a pooled block, or a
+// whole segment, named by the message's descriptor and its identity.
+func openFDStrategy(m Meta, _ device.Place, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
+	switch {
+	case m.Name != "":
+		return nil, errors.New("file_descriptor metadata carries a name")
+	case m.Ino == 0:
+		return nil, errors.New("file_descriptor metadata names no segment")
+	case m.BlockOffset >= 0:
+		return openBlock(m, fds, made)
+	}
+	return openFD(m, fds, made)
+}
+
+// openFSStrategy is the opener of file_system: a pooled block of a named
+// segment, held by the message's ticket, or a whole segment by its name.
+func openFSStrategy(m Meta, _ device.Place, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
+	switch {
+	case m.BlockOffset >= 0:
+		return openNamedBlock(m, fds, made)
+	case m.FDIndex != -1:
+		return nil, errors.New("file_system metadata refers to a descriptor")
+	}
+	return openName(m, made)
+}
+
 func productNonZero(shape []int) bool {
 	for _, n := range shape {
 		if n == 0 {
@@ -388,7 +426,7 @@ func productNonZero(shape []int) bool {
 // openFD maps the segment m describes, or finds the storage this process
 // has for it already.
 func openFD(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
-	if _, err := fds.fd(m.FD); err != nil { // referenced even when the storage is cached
+	if _, err := fds.fd(m.FDIndex); err != nil { // referenced even when the storage is cached
 		return nil, err
 	}
 	key := idKey(m.segmentID())
@@ -402,7 +440,7 @@ func openFD(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, err
 	if st.Size < m.Size {
 		return nil, fmt.Errorf("segment holds %d bytes, fewer than the %d claimed", st.Size, m.Size)
 	}
-	own, err := fds.take(m.FD)
+	own, err := fds.take(m.FDIndex)
 	if err != nil {
 		return nil, err
 	}
@@ -421,7 +459,7 @@ func openFD(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, err
 // for what m says it is (see shm.Attach); only a segment not mapped yet
 // costs an fstat.
 func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
-	if _, err := fds.fd(m.FD); err != nil { // referenced even when the storage is cached
+	if _, err := fds.fd(m.FDIndex); err != nil { // referenced even when the storage is cached
 		return nil, err
 	}
 	return adoptBlock(userOf(shm.SegmentRef{ID: m.segmentID()}, m), m, made, func() (*shm.Block, error) {
@@ -433,18 +471,18 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 // identity if this process maps it already, else from the message's
 // ticket.
 func attachBlock(m Meta, fds fdSource) (*shm.Block, error) {
-	return attachIn(shm.SegmentRef{ID: m.segmentID(), Size: m.Segment}, m, fds)
+	return attachIn(shm.SegmentRef{ID: m.segmentID(), Size: m.SegmentSize}, m, fds)
 }
 
 // attachIn attaches the block m names in seg, held by the message's
 // ticket, which covers it as fds says.
 func attachIn(seg shm.SegmentRef, m Meta, fds fdSource) (*shm.Block, error) {
-	ticket, err := fds.fd(m.FD)
+	ticket, err := fds.fd(m.FDIndex)
 	if err != nil {
 		return nil, err
 	}
-	return shm.Attach(shm.BlockRef{Seg: seg, Offset: m.Block, Size: m.Size, Gen: m.Gen, Ticket: ticket,
-		Covers: func(id shm.ID) bool { return fds.covers(m.FD, id) }})
+	return shm.Attach(shm.BlockRef{Seg: seg, Offset: m.BlockOffset, Size: m.Size, Gen: m.Gen, Ticket: ticket,
+		Covers: func(id shm.ID) bool { return fds.covers(m.FDIndex, id) }})
 }
 
 // segmentID is the identity of the file_descriptor segment m names.
@@ -455,12 +493,12 @@ func (m *Meta) setSegmentID(id shm.ID) { m.Dev, m.Ino = id.Dev, id.Ino }
 // checkedStat returns the status of the message's descriptor for m,
 // which must be of the segment m names.
 func checkedStat(m Meta, fds fdSource) (shm.SegmentRef, error) {
-	st, err := fds.stat(m.FD)
+	st, err := fds.stat(m.FDIndex)
 	if err != nil {
 		return st, err
 	}
 	if st.ID != m.segmentID() {
-		return st, fmt.Errorf("descriptor %d is of segment %v, not of %v that the metadata names", m.FD, st.ID, m.segmentID())
+		return st, fmt.Errorf("descriptor %d is of segment %v, not of %v that the metadata names", m.FDIndex, st.ID, m.segmentID())
 	}
 	return st, nil
 }
@@ -471,11 +509,11 @@ func openNamedBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Stor
 	if err := checkName(m.Name); err != nil {
 		return nil, err
 	}
-	if _, err := fds.fd(m.FD); err != nil { // referenced even when the storage is cached
+	if _, err := fds.fd(m.FDIndex); err != nil { // referenced even when the storage is cached
 		return nil, err
 	}
 	return adoptBlock(userOf(shm.SegmentRef{Name: m.Name}, m), m, made, func() (*shm.Block, error) {
-		return attachIn(shm.SegmentRef{Name: m.Name, Size: m.Segment}, m, fds)
+		return attachIn(shm.SegmentRef{Name: m.Name, Size: m.SegmentSize}, m, fds)
 	})
 }
 

@@ -87,16 +87,16 @@ func TestReduceSharesInPlaceAndCopiesOnce(t *testing.T) {
 			st, err := shm.Stat(fds[0])
 			require.NoError(t, err)
 			assert.Equal(t, b.Segment().ID(), st.ID, "the descriptor is the block's segment's")
-			assert.Equal(t, 0, m.FD)
+			assert.Equal(t, 0, m.FDIndex)
 			assert.Empty(t, m.Name)
-			assert.Equal(t, b.Offset(), m.Block)
+			assert.Equal(t, b.Offset(), m.BlockOffset)
 			assert.Equal(t, b.Gen(), m.Gen)
 			assert.True(t, b.Busy(), "the message holds the block")
 		} else {
 			a := segmentOf(t, x)
 			mem = a.Bytes()
 			assert.Empty(t, fds)
-			assert.Equal(t, -1, m.FD)
+			assert.Equal(t, -1, m.FDIndex)
 			assert.Equal(t, a.Name(), m.Name)
 		}
 
@@ -209,7 +209,7 @@ func receivedSegment(t *testing.T, n int) (*shm.Allocation, reduction.Meta) {
 	require.NoError(t, err)
 	t.Cleanup(func() { a.Release() })
 	return a, reduction.Meta{
-		Version: reduction.Version, Strategy: "file_descriptor", FD: 0, MemFD: -1, Dev: a.ID().Dev, Ino: a.ID().Ino, Size: int64(n) * 4, Block: -1,
+		Version: reduction.Version, Strategy: "file_descriptor", FDIndex: 0, MemFDIndex: -1, Dev: a.ID().Dev, Ino: a.ID().Ino, Size: int64(n) * 4, BlockOffset: -1,
 		DType: tensor.Float32, Shape: []int{n}, Strides: []int{1}, Place: "cpu",
 	}
 }
