@@ -20,6 +20,7 @@ import (
 
 	"github.com/tensormp/tensormp/internal/cudastub"
 	"github.com/tensormp/tensormp/internal/cudastub/internal/drv"
+	"github.com/tensormp/tensormp/internal/leakcheck"
 )
 
 // childVar names the function a re-executed test binary runs (children).
@@ -76,7 +77,21 @@ func TestMain(m *testing.M) {
 		fmt.Fprintf(os.Stderr, "cudastub: cuInit: %d\n", rc)
 		os.Exit(1)
 	}
-	os.Exit(m.Run())
+	// The safety net of testmain.Run, which this binary cannot use: its
+	// children run before the stand-in is entered, not through mp.Init.
+	before, err := leakcheck.Take()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "cudastub:", err)
+		os.Exit(2)
+	}
+	code := m.Run()
+	if code == 0 {
+		for _, leak := range before.Leaks(3 * time.Second) {
+			fmt.Fprintln(os.Stderr, "cudastub: after the tests:", leak)
+			code = 1
+		}
+	}
+	os.Exit(code)
 }
 
 // begin starts a test: it keeps the test on one OS thread (never

@@ -1,7 +1,10 @@
 // Package leakcheck finds what a test leaves behind: descriptors the
-// process did not hold before, and this session's segments still present
-// in the shared-memory directory. Tests that share memory call Check
-// first; it fails the test at its end if anything leaked.
+// process did not hold before (named with where they were taken, when
+// fd.Trace is on), mappings of segments, this session's segments still
+// present in the shared-memory directory, and goroutines still running.
+// A Snapshot (Take) is what the process held at one moment, and its
+// Leaks what it holds more once things settle: testmain.Run takes one
+// around every test binary's tests, and Check around one test.
 package leakcheck
 
 import (

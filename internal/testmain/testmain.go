@@ -129,9 +129,10 @@ func check(before leakcheck.Snapshot) int {
 // started to end (helpers exiting, safety nets running).
 const settle = 5 * time.Second
 
-// everyTestRan reports whether the tests ran unfiltered.
+// everyTestRan reports whether the tests ran unfiltered (-list runs
+// none).
 func everyTestRan() bool {
-	for _, name := range []string{"test.run", "test.skip"} {
+	for _, name := range []string{"test.run", "test.skip", "test.list"} {
 		if f := flag.Lookup(name); f != nil && f.Value.String() != "" {
 			return false
 		}
