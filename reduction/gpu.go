@@ -103,7 +103,7 @@ func gpuKey(h [64]byte, off int64) cacheKey {
 // openGPU returns the storage of a GPU tensor described by m: this
 // process's own when it has one for that memory (the producer's own, or
 // one received before), else the producer's allocation opened by IPC.
-func openGPU(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
+func openGPU(m *Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
 	var h gpushare.Handle
 	if len(m.IPC) != len(h.Mem) || len(m.IPCEvent) != len(h.Event) {
 		return nil, fmt.Errorf("cuda_ipc metadata with %d- and %d-byte handles, want %d", len(m.IPC), len(m.IPCEvent), len(h.Mem))
@@ -156,7 +156,7 @@ func openGPU(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*te
 // own, or one received before), else the block attached from the
 // message's ticket, in the slab imported from the message's descriptor
 // unless this process maps it already.
-func openSlabBlock(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
+func openSlabBlock(m *Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
 	switch {
 	case m.Ino == 0 || m.BlockOffset < 0 || m.Size <= 0:
 		return nil, errors.New("cuda_fd metadata names no slab block")
@@ -175,7 +175,7 @@ func openSlabBlock(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage
 	if err != nil {
 		return nil, err
 	}
-	if s := liveUser(userOf(shm.SegmentRef{ID: m.segmentID()}, m), m.Size); s != nil {
+	if s := liveUser(userOf(shm.SegmentRef{ID: m.segmentID()}, *m), m.Size); s != nil {
 		// On p, or refused by rebuildTensor; and the message's slab
 		// descriptor must be the slab's, as for a block not held yet.
 		if buf, ok := s.Backing().(tensor.Buffer); ok {
@@ -185,7 +185,7 @@ func openSlabBlock(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage
 		}
 		return s, nil
 	}
-	b, err := attachBlock(m, fds)
+	b, err := attachBlock(*m, fds)
 	if err != nil {
 		return nil, err
 	}

@@ -279,15 +279,11 @@ func rebuild(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tensor, err
 }
 
 func rebuildTensor(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tensor, error) {
-	p, err := checkMeta(m)
+	p, err := checkMeta(&m)
 	if err != nil {
 		return nil, err
 	}
-	open, ok := openers[m.Strategy]
-	if !ok {
-		return nil, fmt.Errorf("unknown strategy %q", m.Strategy)
-	}
-	s, err := open(m, p, fds, made)
+	s, err := open(&m, p, fds, made)
 	if err != nil {
 		return nil, err
 	}
@@ -310,7 +306,7 @@ func rebuildTensor(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tenso
 // its version, its place (this process's ordinal of its GPU, which
 // checkMeta returns) against its strategy, its view of the storage, and
 // that it carries only the fields of its strategy.
-func checkMeta(m Meta) (device.Place, error) {
+func checkMeta(m *Meta) (device.Place, error) {
 	if m.Version != Version {
 		return device.Place{}, fmt.Errorf("metadata version %d, want %d", m.Version, Version)
 	}
@@ -347,23 +343,31 @@ func checkMeta(m Meta) (device.Place, error) {
 	return p, nil
 }
 
-// An opener finds or maps the storage that m, checked by checkMeta,
-// names on p, with the message's descriptors fds; a storage it maps
-// afresh is appended to *made (see rebuild).
-type opener func(m Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error)
-
-// openers are the openers of the strategies, by Meta.Strategy.
-var openers = map[string]opener{
-	"":                              openEmpty,
-	string(strategy.FileDescriptor): openFDStrategy,
-	string(strategy.FileSystem):     openFSStrategy,
-	StrategyBody:                    openBody,
-	StrategyCUDAIPC:                 openGPU,
-	StrategyCUDAFD:                  openSlabBlock,
+// open finds or maps the storage that m, checked by checkMeta, names on
+// p, with the message's descriptors fds, by the opener of m's strategy;
+// a storage it maps afresh is appended to *made (see rebuild). The
+// switch is the table of openers: calls through it, unlike through a
+// map of functions, keep m on the caller's stack.
+func open(m *Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
+	switch m.Strategy {
+	case "":
+		return openEmpty(m, p)
+	case string(strategy.FileDescriptor):
+		return openFDStrategy(m, fds, made)
+	case string(strategy.FileSystem):
+		return openFSStrategy(m, fds, made)
+	case StrategyBody:
+		return openBody(m, fds)
+	case StrategyCUDAIPC:
+		return openGPU(m, p, fds, made)
+	case StrategyCUDAFD:
+		return openSlabBlock(m, p, fds, made)
+	}
+	return nil, fmt.Errorf("unknown strategy %q", m.Strategy)
 }
 
 // openEmpty is the opener of an empty tensor, which carries no memory.
-func openEmpty(m Meta, p device.Place, _ fdSource, _ *[]*tensor.Storage) (*tensor.Storage, error) {
+func openEmpty(m *Meta, p device.Place) (*tensor.Storage, error) {
 	if m.Size != 0 || m.FDIndex != -1 || m.Name != "" || m.BlockOffset != -1 || m.IPC != nil {
 		return nil, errors.New("an empty tensor carries no segment")
 	}
@@ -381,7 +385,7 @@ func openEmpty(m Meta, p device.Place, _ fdSource, _ *[]*tensor.Storage) (*tenso
 }
 
 // openBody is the opener of a tensor whose bytes the message carries.
-func openBody(m Meta, _ device.Place, fds fdSource, _ *[]*tensor.Storage) (*tensor.Storage, error) {
+func openBody(m *Meta, fds fdSource) (*tensor.Storage, error) {
 	if m.Name != "" || m.BlockOffset != -1 || m.IPC != nil || m.IPCEvent != nil {
 		return nil, errors.New("body metadata names a segment")
 	}
@@ -390,28 +394,28 @@ func openBody(m Meta, _ device.Place, fds fdSource, _ *[]*tensor.Storage) (*tens
 
 // openFDStrategy is the opener of file_descriptor: a pooled block, or a
 // whole segment, named by the message's descriptor and its identity.
-func openFDStrategy(m Meta, _ device.Place, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
+func openFDStrategy(m *Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
 	switch {
 	case m.Name != "":
 		return nil, errors.New("file_descriptor metadata carries a name")
 	case m.Ino == 0:
 		return nil, errors.New("file_descriptor metadata names no segment")
 	case m.BlockOffset >= 0:
-		return openBlock(m, fds, made)
+		return openBlock(*m, fds, made)
 	}
-	return openFD(m, fds, made)
+	return openFD(*m, fds, made)
 }
 
 // openFSStrategy is the opener of file_system: a pooled block of a named
 // segment, held by the message's ticket, or a whole segment by its name.
-func openFSStrategy(m Meta, _ device.Place, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
+func openFSStrategy(m *Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
 	switch {
 	case m.BlockOffset >= 0:
-		return openNamedBlock(m, fds, made)
+		return openNamedBlock(*m, fds, made)
 	case m.FDIndex != -1:
 		return nil, errors.New("file_system metadata refers to a descriptor")
 	}
-	return openName(m, made)
+	return openName(*m, made)
 }
 
 func productNonZero(shape []int) bool {
@@ -481,8 +485,9 @@ func attachIn(seg shm.SegmentRef, m Meta, fds fdSource) (*shm.Block, error) {
 	if err != nil {
 		return nil, err
 	}
+	i := m.FDIndex // not m, which the closure would move to the heap
 	return shm.Attach(shm.BlockRef{Seg: seg, Offset: m.BlockOffset, Size: m.Size, Gen: m.Gen, Ticket: ticket,
-		Covers: func(id shm.ID) bool { return fds.covers(m.FDIndex, id) }})
+		Covers: func(id shm.ID) bool { return fds.covers(i, id) }})
 }
 
 // segmentID is the identity of the file_descriptor segment m names.
