@@ -3,6 +3,7 @@ package mp_test
 import (
 	"context"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -59,7 +60,9 @@ func workerBatchEcho(ctx context.Context, w *mp.Worker) error {
 
 func TestBatchAcrossProcesses(t *testing.T) {
 	leakcheck.Check(t)
-	ctx := context.Background()
+	// A worker that cannot take its arguments fails the test, not hangs it.
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
 	in, err := mp.NewQueue(mp.WithCapacity(2))
 	require.NoError(t, err)
 	defer in.Close()

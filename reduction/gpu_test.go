@@ -112,3 +112,31 @@ func TestGPUSlabTensorThroughTheCodec(t *testing.T) {
 	assert.Equal(t, int64(16), got["v"].Offset())
 	assert.True(t, tensor.Equal(view, got["v"]))
 }
+
+// An empty tensor crosses as metadata alone, on any place: it arrives
+// with its shape, its LoD and its place, contiguous, and viewable.
+func TestEmptyTensorArrives(t *testing.T) {
+	leakcheck.Check(t)
+	for _, p := range []device.Place{device.CPU(), slabGPU, legacyGPU} {
+		t.Run(p.String(), func(t *testing.T) {
+			x, err := tensor.On(p).Zeros(tensor.Float32, 0, 4)
+			require.NoError(t, err)
+			x, err = x.WithLoD([][]int{{0}})
+			require.NoError(t, err)
+			data, fds, err := Marshal(x)
+			require.NoError(t, err)
+			assert.Empty(t, fds, "no memory travels")
+			var y *tensor.Tensor
+			require.NoError(t, Unmarshal(data, fds, &y))
+			assert.Equal(t, []int{0, 4}, y.Shape())
+			assert.Equal(t, p, y.Place())
+			assert.Equal(t, [][]int{{0}}, y.LoD())
+			assert.True(t, y.IsContiguous())
+			v, err := y.Reshape(4, 0)
+			require.NoError(t, err)
+			assert.Equal(t, []int{4, 0}, v.Shape())
+			require.NoError(t, y.Release())
+			require.NoError(t, x.Release())
+		})
+	}
+}

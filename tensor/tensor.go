@@ -397,16 +397,20 @@ func cloneLoD(lod [][]int) [][]int {
 }
 
 // IsContiguous reports whether the elements are laid out densely in
-// row-major order.
+// row-major order. A tensor without elements is contiguous, whatever
+// its strides.
 func (t *Tensor) IsContiguous() bool {
-	acc := 1
+	acc, contiguous := 1, true
 	for i := len(t.shape) - 1; i >= 0; i-- {
+		if t.shape[i] == 0 {
+			return true // no element lies anywhere, as torch has it
+		}
 		if t.shape[i] != 1 && t.strides[i] != acc {
-			return false
+			contiguous = false
 		}
 		acc *= t.shape[i]
 	}
-	return true
+	return contiguous
 }
 
 // IsShared reports whether the tensor's storage is in memory another

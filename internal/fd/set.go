@@ -71,7 +71,10 @@ func (s *Set) Taken(i int) bool { return i >= 0 && i < len(s.raws) && s.state[i]
 
 // Take hands descriptor i to a new FD, which the caller owns. A
 // descriptor taken already is duplicated instead: the message named it
-// twice.
+// twice. The duplicate is of the number, which its first owner must not
+// have closed meanwhile; an owner that may (a storage that lost a race
+// for its cache slot) makes a second Take fail or duplicate another
+// file, which a caller that checks what it took (fstat) refuses.
 func (s *Set) Take(i int) (*FD, error) {
 	raw, err := s.Disown(i)
 	if err != nil {

@@ -100,7 +100,8 @@ func createMemfd(total int64, flags Flags) (*Allocation, error) {
 // when flags has KeepFD and the call succeeds, and it is closed otherwise.
 func OpenFD(f *fd.FD, size int64, flags Flags) (*Allocation, error) {
 	raw, err := f.Disown()
-	if err != nil {
+	if err != nil { // lent: closed once the loan is returned
+		_ = f.Close()
 		return nil, &Error{Op: "open", Path: f.String(), Err: err}
 	}
 	return openFD(raw, size, flags)
