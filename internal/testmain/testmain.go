@@ -76,7 +76,10 @@ func Run(m *testing.M, opts ...Option) {
 	}
 	reexec.SkipRaceExitSleep()
 	mp.Init()
-	fd.Trace()
+	flag.Parse()
+	if f := flag.Lookup("test.bench"); f == nil || f.Value.String() == "" {
+		fd.Trace() // not under benchmarks: a stack walk per descriptor
+	}
 	if o.session {
 		if err := mp.StartSession(); err != nil {
 			fmt.Fprintln(os.Stderr, "testmain: starting the session:", err)
