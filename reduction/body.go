@@ -158,7 +158,19 @@ func (r *bodyReader) body(i int, size int64) (*tensor.Storage, error) {
 	return s, nil
 }
 
-func (r *bodyReader) checkUsed() error { return checkUsed(r.used, "bodies") }
+func (r *bodyReader) checkUsed() error {
+	return checkUsed(len(r.used), len(r.used)-countTrue(r.used), "bodies")
+}
+
+func countTrue(bs []bool) int {
+	n := 0
+	for _, b := range bs {
+		if b {
+			n++
+		}
+	}
+	return n
+}
 
 var errNoDescriptors = errors.New("descriptor metadata in a message that carries bodies")
 

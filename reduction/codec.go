@@ -159,17 +159,11 @@ func (r *msgReader) next(n int) ([]byte, error) {
 	return b, nil
 }
 
-// checkUsed is the error of a message that carried things (descriptors,
-// bodies) some of which no tensor used.
-func checkUsed(used []bool, what string) error {
-	unused := 0
-	for _, u := range used {
-		if !u {
-			unused++
-		}
-	}
+// checkUsed is the error of a message that carried n things (descriptors,
+// bodies), unused of which no tensor used.
+func checkUsed(n, unused int, what string) error {
 	if unused > 0 {
-		return fmt.Errorf("reduction: the message carried %d %s, %d of them not used by any tensor", len(used), what, unused)
+		return fmt.Errorf("reduction: the message carried %d %s, %d of them not used by any tensor", n, what, unused)
 	}
 	return nil
 }

@@ -1,7 +1,6 @@
 package reduction
 
 import (
-	"fmt"
 	"io"
 	"slices"
 	"sync"
@@ -217,10 +216,7 @@ func (r *fdReader) adoptTickets() {
 }
 
 func (r *fdReader) checkUsed() error {
-	if unused := r.fds.Unused(); unused > 0 {
-		return fmt.Errorf("reduction: the message carried %d descriptors, %d of them not used by any tensor", r.fds.Len(), unused)
-	}
-	return nil
+	return checkUsed(r.fds.Len(), r.fds.Unused(), "descriptors")
 }
 
 func (r *fdReader) message() *msgReader      { return &r.msgReader }
