@@ -3,6 +3,8 @@ package dist
 import (
 	"errors"
 	"fmt"
+
+	"github.com/tensormp/tensormp/reduction"
 )
 
 // ErrPeerLost is what a *PeerError wraps: the peer died, left or could
@@ -47,3 +49,10 @@ type RankError struct {
 func (e *RankError) Error() string { return fmt.Sprintf("dist: rank %d failed: %v", e.Rank, e.Err) }
 
 func (e *RankError) Unwrap() error { return e.Err }
+
+// malformedf is the error for what a peer sent that is not well formed:
+// "dist: malformed message: " and what format says, wrapping
+// reduction.ErrMalformed.
+func malformedf(format string, args ...any) error {
+	return fmt.Errorf("dist: %w: "+format, append([]any{reduction.ErrMalformed}, args...)...)
+}

@@ -63,10 +63,10 @@ func (f *frame) marshal() []byte {
 func parseFrame(b []byte) (frame, error) {
 	var f frame
 	if len(b) == 0 {
-		return f, fmt.Errorf("dist: %w: a message without a frame", reduction.ErrMalformed)
+		return f, malformedf("a message without a frame")
 	}
 	if err := unmarshal(b, &f); err != nil {
-		return f, fmt.Errorf("dist: %w: a frame: %w", reduction.ErrMalformed, err)
+		return f, malformedf("a frame: %w", err)
 	}
 	return f, nil
 }
@@ -305,22 +305,22 @@ func (r *reader) raw(f frame) ([]*tensor.Storage, error) {
 // shared-memory storages of those sizes, which the caller owns.
 func (r *reader) alloc(f frame) ([]*tensor.Storage, error) {
 	if f.Kind != kindValue {
-		return nil, fmt.Errorf("dist: %w: a frame of kind %d where a value was due", reduction.ErrMalformed, f.Kind)
+		return nil, malformedf("a frame of kind %d where a value was due", f.Kind)
 	}
 	if len(f.Sizes) > maxBodies {
-		return nil, fmt.Errorf("dist: %w: a value with %d bodies", reduction.ErrMalformed, len(f.Sizes))
+		return nil, malformedf("a value with %d bodies", len(f.Sizes))
 	}
 	var total int64
 	for i, n := range f.Sizes {
 		if n < 0 || n > math.MaxInt64-total {
-			return nil, fmt.Errorf("dist: %w: a value whose body %d has %d bytes", reduction.ErrMalformed, i, n)
+			return nil, malformedf("a value whose body %d has %d bytes", i, n)
 		}
 		total += n
 	}
 	// Memory is taken before the bytes arrive: a peer may not make this
 	// host allocate more than it allows, or than it has, by announcing it.
 	if r.max > 0 && total > r.max {
-		return nil, fmt.Errorf("dist: %w: a value of %d bytes announced, more than the %d allowed", reduction.ErrMalformed, total, r.max)
+		return nil, malformedf("a value of %d bytes announced, more than the %d allowed", total, r.max)
 	}
 	if free, err := shmFree(); err == nil && uint64(total) > free {
 		return nil, fmt.Errorf("dist: a value of %d bytes announced, and %s has %d bytes free", total, mmapalloc.Dir(), free)
@@ -380,10 +380,10 @@ func (r *reader) body(i int, s *tensor.Storage, st stripe, chunk int, chunks *in
 				return nil, err
 			}
 			if f.Kind != kindChunk || f.Body != i || f.Off != off {
-				return nil, fmt.Errorf("dist: %w: chunk (kind %d, body %d, offset %d) where body %d at offset %d was due", reduction.ErrMalformed, f.Kind, f.Body, f.Off, i, off)
+				return nil, malformedf("chunk (kind %d, body %d, offset %d) where body %d at offset %d was due", f.Kind, f.Body, f.Off, i, off)
 			}
 			if f.Len <= 0 || f.Len > want || st.parts > 1 && f.Len != want || int64(n) < f.Len || int64(n)-f.Len >= 64 {
-				return nil, fmt.Errorf("dist: %w: chunk of %d bytes (%d with padding) at offset %d of body %d of %d bytes", reduction.ErrMalformed, f.Len, n, off, i, len(b))
+				return nil, malformedf("chunk of %d bytes (%d with padding) at offset %d of body %d of %d bytes", f.Len, n, off, i, len(b))
 			}
 			return b[off : off+f.Len], nil
 		}
@@ -394,7 +394,7 @@ func (r *reader) body(i int, s *tensor.Storage, st stripe, chunk int, chunks *in
 			return err
 		}
 		if r.in.body == nil {
-			return fmt.Errorf("dist: %w: a message without a chunk inside body %d", reduction.ErrMalformed, i)
+			return malformedf("a message without a chunk inside body %d", i)
 		}
 		off += int64(len(r.in.body))
 	}

@@ -17,7 +17,6 @@ import (
 	"google.golang.org/protobuf/encoding/protowire"
 
 	"github.com/tensormp/tensormp/mmapalloc"
-	"github.com/tensormp/tensormp/reduction"
 )
 
 // FlightData's fields on the wire (Flight.proto).
@@ -180,16 +179,16 @@ func (d *inData) unmarshal(data mem.BufferSlice) error {
 	for r.Remaining() > 0 {
 		key, err := binary.ReadUvarint(r)
 		if err != nil {
-			return fmt.Errorf("dist: %w: FlightData field key: %w", reduction.ErrMalformed, err)
+			return malformedf("FlightData field key: %w", err)
 		}
 		num, typ := protowire.DecodeTag(key)
 		if num <= 0 {
-			return fmt.Errorf("dist: %w: FlightData field number %d", reduction.ErrMalformed, num)
+			return malformedf("FlightData field number %d", num)
 		}
 		switch typ {
 		case protowire.VarintType:
 			if _, err := binary.ReadUvarint(r); err != nil {
-				return fmt.Errorf("dist: %w: FlightData field %d: %w", reduction.ErrMalformed, num, err)
+				return malformedf("FlightData field %d: %w", num, err)
 			}
 			continue
 		case protowire.Fixed64Type, protowire.Fixed32Type:
@@ -198,19 +197,19 @@ func (d *inData) unmarshal(data mem.BufferSlice) error {
 				n = 4
 			}
 			if _, err := r.Discard(n); err != nil {
-				return fmt.Errorf("dist: %w: FlightData field %d: %w", reduction.ErrMalformed, num, err)
+				return malformedf("FlightData field %d: %w", num, err)
 			}
 			continue
 		case protowire.BytesType:
 		default:
-			return fmt.Errorf("dist: %w: FlightData field %d of wire type %d", reduction.ErrMalformed, num, typ)
+			return malformedf("FlightData field %d of wire type %d", num, typ)
 		}
 		ln, err := binary.ReadUvarint(r)
 		if err != nil {
-			return fmt.Errorf("dist: %w: FlightData field %d length: %w", reduction.ErrMalformed, num, err)
+			return malformedf("FlightData field %d length: %w", num, err)
 		}
 		if ln > uint64(r.Remaining()) {
-			return fmt.Errorf("dist: %w: FlightData field %d of %d bytes in a message with %d left", reduction.ErrMalformed, num, ln, r.Remaining())
+			return malformedf("FlightData field %d of %d bytes in a message with %d left", num, ln, r.Remaining())
 		}
 		n := int(ln)
 		if num == fieldBody {
@@ -220,7 +219,7 @@ func (d *inData) unmarshal(data mem.BufferSlice) error {
 			continue
 		}
 		if n > maxField {
-			return fmt.Errorf("dist: %w: FlightData field %d of %d bytes", reduction.ErrMalformed, num, n)
+			return malformedf("FlightData field %d of %d bytes", num, n)
 		}
 		var dst *[]byte
 		switch num {
@@ -238,7 +237,7 @@ func (d *inData) unmarshal(data mem.BufferSlice) error {
 		}
 		*dst = make([]byte, n)
 		if _, err := io.ReadFull(r, *dst); err != nil {
-			return fmt.Errorf("dist: %w: FlightData field %d: %w", reduction.ErrMalformed, num, err)
+			return malformedf("FlightData field %d: %w", num, err)
 		}
 	}
 	return nil
