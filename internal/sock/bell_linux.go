@@ -1,0 +1,199 @@
+package sock
+
+import (
+	"context"
+	"fmt"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// A Bell wakes a process that waits for a word in memory that both map:
+// the doorbell of a shared-memory lane. The ringer bumps the word; the
+// waiter spins on it for as long as messages have lately taken to come
+// (never on one CPU), then sleeps on it (FUTEX_WAIT), and is woken only if
+// it sleeps: a ringer whose waiter is awake makes no system call.
+//
+// The Bell's memory is bellSize bytes of a MAP_SHARED mapping, aligned to
+// 64 bytes, which the caller owns and keeps mapped while the Bell is used;
+// every process maps the same bytes. Its layout:
+//
+//	0   uint32  the word, bumped by each Ring
+//	8   int64   when the last Ring was, CLOCK_MONOTONIC nanoseconds
+//	64  uint32  how many waiters are asleep, or about to be
+//
+// A peer that writes the memory at will can wake the waiter for nothing or
+// make it spin up to spinCap in vain; it cannot make it miss a Ring or
+// sleep past its context and its peer's end, and a Ring whose wake it
+// suppresses is seen at most a sleepSlice late.
+type Bell struct {
+	word     *uint32
+	rang     *int64
+	sleepers *uint32
+
+	// The waiter's spin budget, process-local: how long messages have
+	// lately taken to come after a wait began (an average), and how many
+	// CPUs this process may run on, read again now and then.
+	gap   atomic.Int64 // ns
+	cpus  atomic.Int32
+	waits atomic.Uint32
+}
+
+// bellSize is the bytes a Bell takes.
+const bellSize = 128
+
+// The futex operations, shared between processes (not FUTEX_PRIVATE_FLAG,
+// which keys a futex by the address space).
+const (
+	futexWait = 0
+	futexWake = 1
+)
+
+const (
+	// spinCap is the longest a waiter spins: about what a futex wake
+	// across two CPUs costs (40–50 µs measured on a 2-CPU VM), the most
+	// spinning can save.
+	spinCap = 50 * time.Microsecond
+	// sleepSlice is the longest a waiter sleeps before it looks at its
+	// context and its peer again: how late a cancellation or a dead peer
+	// may be seen.
+	sleepSlice = 10 * time.Millisecond
+	// cpusEvery is how many waits go by between two reads of the CPUs
+	// this process may run on (its affinity can change under it).
+	cpusEvery = 256
+)
+
+// NewBell returns the Bell whose memory is mem, which must be bellSize
+// bytes, 64-byte aligned, in a shared mapping the caller keeps.
+func NewBell(mem []byte) (*Bell, error) {
+	if len(mem) < bellSize || uintptr(unsafe.Pointer(unsafe.SliceData(mem)))%64 != 0 {
+		return nil, fmt.Errorf("mp: a bell needs %d bytes aligned to 64, got %d at %p", bellSize, len(mem), unsafe.SliceData(mem))
+	}
+	p := unsafe.Pointer(unsafe.SliceData(mem))
+	b := &Bell{
+		word:     (*uint32)(p),
+		rang:     (*int64)(unsafe.Add(p, 8)),
+		sleepers: (*uint32)(unsafe.Add(p, 64)),
+	}
+	b.cpus.Store(int32(allowedCPUs()))
+	return b, nil
+}
+
+// Load returns the word.
+func (b *Bell) Load() uint32 { return atomic.LoadUint32(b.word) }
+
+// Ring bumps the word, waking the waiters that sleep on it.
+func (b *Bell) Ring() error {
+	atomic.StoreInt64(b.rang, monotonic())
+	atomic.AddUint32(b.word, 1)
+	// Dekker's pattern with the waiter, both sides sequentially
+	// consistent: either the waiter's count is seen here, or the waiter
+	// sees the new word before it sleeps.
+	if atomic.LoadUint32(b.sleepers) == 0 {
+		return nil
+	}
+	if _, _, errno := unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(b.word)), futexWake, 1<<30, 0, 0, 0); errno != 0 {
+		return fmt.Errorf("mp: waking a lane's reader: %w", errno)
+	}
+	return nil
+}
+
+// Wait waits until the word is no longer last and returns it. It ends
+// early with ctx's error, or with alive's: alive is asked whether the peer
+// that rings is still there each time a sleep ends without a ring, at least
+// every sleepSlice, and its error is returned as it is.
+func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint32, error) {
+	if w := atomic.LoadUint32(b.word); w != last {
+		return w, nil
+	}
+	start := monotonic()
+	if w, ok := b.spin(last, start); ok {
+		return w, nil
+	}
+	atomic.AddUint32(b.sleepers, 1)
+	defer atomic.AddUint32(b.sleepers, ^uint32(0))
+	for {
+		if w := atomic.LoadUint32(b.word); w != last {
+			b.learn(start)
+			return w, nil
+		}
+		if err := ctx.Err(); err != nil {
+			return last, err
+		}
+		slice := sleepSlice
+		if d, ok := ctx.Deadline(); ok {
+			slice = max(0, min(slice, time.Until(d)))
+		}
+		ts := unix.NsecToTimespec(int64(slice))
+		_, _, errno := unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(b.word)), futexWait, uintptr(last), uintptr(unsafe.Pointer(&ts)), 0, 0)
+		switch errno {
+		case 0, unix.EAGAIN, unix.EINTR:
+			// Woken, or the word moved before the sleep, or a signal:
+			// the loop looks.
+		case unix.ETIMEDOUT:
+			if err := alive(); err != nil {
+				return last, err
+			}
+		default:
+			return last, fmt.Errorf("mp: waiting for a lane: %w", errno)
+		}
+	}
+}
+
+// spin spins on the word for as long as the last messages took to come,
+// at most spinCap, and reports what it found. It never spins when the
+// process may run on one CPU only, where a spinning waiter delays the
+// very ringer it waits for.
+func (b *Bell) spin(last uint32, start int64) (uint32, bool) {
+	if b.waits.Add(1)%cpusEvery == 0 {
+		b.cpus.Store(int32(allowedCPUs()))
+	}
+	if b.cpus.Load() < 2 {
+		return last, false
+	}
+	budget := min(2*b.gap.Load(), int64(spinCap))
+	if budget <= 0 {
+		// No history yet, or messages came at once: a short spin
+		// learns how long they take.
+		budget = int64(spinCap) / 8
+	}
+	for i := 1; ; i++ {
+		if w := atomic.LoadUint32(b.word); w != last {
+			b.learn(start)
+			return w, true
+		}
+		if i%64 == 0 && monotonic()-start > budget {
+			return last, false
+		}
+	}
+}
+
+// learn folds how long the message took to come after a wait began at
+// start into the spin budget. The ringer's clock says when it rang, so a
+// waiter that slept learns the gap, not the gap plus its own wake-up; a
+// ringer that lies about it moves the budget within [0, spinCap] only.
+func (b *Bell) learn(start int64) {
+	gap := atomic.LoadInt64(b.rang) - start
+	gap = max(0, min(gap, 2*int64(spinCap)))
+	old := b.gap.Load()
+	b.gap.Store(old + (gap-old)/4)
+}
+
+// monotonic returns CLOCK_MONOTONIC in nanoseconds: one clock for every
+// process of the machine.
+func monotonic() int64 {
+	var ts unix.Timespec
+	_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts)
+	return ts.Nano()
+}
+
+// allowedCPUs returns how many CPUs this process may run on now.
+func allowedCPUs() int {
+	var set unix.CPUSet
+	if err := unix.SchedGetaffinity(0, &set); err != nil {
+		return 1
+	}
+	return set.Count()
+}

@@ -1,0 +1,28 @@
+//go:build !linux
+
+package sock
+
+import (
+	"context"
+	"errors"
+	"fmt"
+)
+
+// A Bell wakes a process that waits for a word in shared memory to
+// change; only Linux has one (see bell_linux.go).
+type Bell struct{}
+
+const bellSize = 128
+
+// NewBell returns an error wrapping errors.ErrUnsupported.
+func NewBell(mem []byte) (*Bell, error) {
+	return nil, fmt.Errorf("mp: a lane's bell: %w", errors.ErrUnsupported)
+}
+
+func (b *Bell) Load() uint32 { return 0 }
+
+func (b *Bell) Ring() error { return errors.ErrUnsupported }
+
+func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint32, error) {
+	return last, errors.ErrUnsupported
+}
