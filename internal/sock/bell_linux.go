@@ -88,6 +88,21 @@ func (b *Bell) Load() uint32 { return atomic.LoadUint32(b.word) }
 func (b *Bell) Ring() error {
 	atomic.StoreInt64(b.rang, monotonic())
 	atomic.AddUint32(b.word, 1)
+	return b.wake()
+}
+
+// Advance moves the word from old to old+1, waking the waiters that sleep
+// on it, and reports whether it did: false if the word was not old.
+func (b *Bell) Advance(old uint32) (bool, error) {
+	atomic.StoreInt64(b.rang, monotonic())
+	if !atomic.CompareAndSwapUint32(b.word, old, old+1) {
+		return false, nil
+	}
+	return true, b.wake()
+}
+
+// wake wakes the waiters asleep on the word, if any, once it has moved.
+func (b *Bell) wake() error {
 	// Dekker's pattern with the waiter, both sides sequentially
 	// consistent: either the waiter's count is seen here, or the waiter
 	// sees the new word before it sleeps.
@@ -95,7 +110,7 @@ func (b *Bell) Ring() error {
 		return nil
 	}
 	if _, _, errno := unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(b.word)), futexWake, 1<<30, 0, 0, 0); errno != 0 {
-		return fmt.Errorf("mp: waking a lane's reader: %w", errno)
+		return fmt.Errorf("mp: waking a lane's waiter: %w", errno)
 	}
 	return nil
 }

@@ -1,0 +1,35 @@
+//go:build !linux
+
+package sock
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/tensormp/tensormp/internal/fd"
+)
+
+// A Lane is a ring of messages in shared memory; only Linux has one (see
+// lane_linux.go).
+type Lane struct{}
+
+// ErrTooLarge is returned by Send for a message larger than the lane's
+// entries hold.
+var ErrTooLarge = errors.New("mp: message too large for the lane")
+
+var errNoLane = fmt.Errorf("mp: a lane: %w", errors.ErrUnsupported)
+
+// CreateLane returns an error wrapping errors.ErrUnsupported.
+func CreateLane(n, size int) (*fd.FD, error) { return nil, errNoLane }
+
+// OpenLane returns an error wrapping errors.ErrUnsupported.
+func OpenLane(f *fd.FD) (*Lane, error) { return nil, errNoLane }
+
+func (l *Lane) Close() error { return nil }
+
+func (l *Lane) Send(ctx context.Context, data []byte, alive func() error) error { return errNoLane }
+
+func (l *Lane) Recv(ctx context.Context, buf []byte, alive func() error) ([]byte, error) {
+	return buf[:0], errNoLane
+}

@@ -1,0 +1,341 @@
+//go:build linux
+
+package sock_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/fd"
+	"github.com/tensormp/tensormp/internal/reexec"
+	"github.com/tensormp/tensormp/internal/sock"
+)
+
+func init() {
+	reexec.Register("sock.lane-writer", laneWriter)
+	reexec.Register("sock.lane-reader", laneReader)
+}
+
+// Lane tests use a small ring, so that writers wait for room and readers
+// for messages, both asleep and spinning.
+const (
+	laneEntries = 8
+	laneEntry   = 256
+	laneMsgs    = 20000
+)
+
+// laneMsg returns message i: its index, then i%200 bytes that depend on it.
+func laneMsg(i int) []byte {
+	b := binary.LittleEndian.AppendUint32(nil, uint32(i))
+	for j := range i % 200 {
+		b = append(b, byte(i+j))
+	}
+	return b
+}
+
+// openLaneFD opens the lane whose memory is descriptor 3, a helper's.
+func openLaneFD() (*sock.Lane, error) { return sock.OpenLane(fd.New(3)) }
+
+// laneWriter sends laneMsgs messages on the lane at fd 3, pausing now and
+// then so that its readers sleep.
+func laneWriter() int {
+	l, err := openLaneFD()
+	if err != nil {
+		return fail(err)
+	}
+	defer l.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	for i := range laneMsgs {
+		if i%500 == 0 {
+			time.Sleep(time.Millisecond)
+		}
+		if err := l.Send(ctx, laneMsg(i), func() error { return nil }); err != nil {
+			return fail(err)
+		}
+	}
+	return 0
+}
+
+// laneReader takes messages from the lane at fd 3 until one says stop,
+// checks each, and prints the index of each on stdout.
+func laneReader() int {
+	l, err := openLaneFD()
+	if err != nil {
+		return fail(err)
+	}
+	defer l.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var buf []byte
+	for {
+		if buf, err = l.Recv(ctx, buf, func() error { return nil }); err != nil {
+			return fail(err)
+		}
+		if string(buf) == "stop" {
+			return 0
+		}
+		i := int(binary.LittleEndian.Uint32(buf))
+		if !bytes.Equal(buf, laneMsg(i)) {
+			return fail(fmt.Errorf("message %d is not what was sent", i))
+		}
+		fmt.Println(i)
+	}
+}
+
+// newLane makes a lane's memory and maps it here.
+func newLane(t *testing.T) (*fd.FD, *sock.Lane) {
+	t.Helper()
+	f, err := sock.CreateLane(laneEntries, laneEntry)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = f.Close() })
+	l, err := sock.OpenLane(f)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	return f, l
+}
+
+// laneFile returns f as an *os.File for a helper's ExtraFiles, closed at
+// the test's end.
+func laneFile(t *testing.T, f *fd.FD) *os.File {
+	t.Helper()
+	dup, err := f.Dup()
+	require.NoError(t, err)
+	raw, err := dup.Disown()
+	require.NoError(t, err)
+	file := os.NewFile(uintptr(raw), "lane")
+	t.Cleanup(func() { _ = file.Close() })
+	return file
+}
+
+// Messages from a writer process arrive whole and in order, every one,
+// through a ring much smaller than the stream.
+func TestLaneCarriesAStream(t *testing.T) {
+	f, l := newLane(t)
+	cmd, err := reexec.Command(context.Background(), "sock.lane-writer")
+	require.NoError(t, err)
+	cmd.ExtraFiles = []*os.File{laneFile(t, f)}
+	require.NoError(t, cmd.Start())
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var buf []byte
+	for i := range laneMsgs {
+		buf, err = l.Recv(ctx, buf, func() error { return nil })
+		require.NoError(t, err, "message %d", i)
+		require.Equal(t, laneMsg(i), buf, "message %d", i)
+	}
+	require.NoError(t, cmd.Wait())
+}
+
+// Readers in two processes take each message once: together, every one.
+func TestLaneReadersTakeEachOnce(t *testing.T) {
+	f, l := newLane(t)
+	file := laneFile(t, f)
+	var outs [2]strings.Builder
+	var cmds []*os.Process
+	waits := make(chan error, 2)
+	for i := range outs {
+		cmd, err := reexec.Command(context.Background(), "sock.lane-reader")
+		require.NoError(t, err)
+		cmd.ExtraFiles = []*os.File{file}
+		cmd.Stdout = &outs[i]
+		require.NoError(t, cmd.Start())
+		cmds = append(cmds, cmd.Process)
+		go func() { waits <- cmd.Wait() }()
+	}
+	t.Cleanup(func() {
+		for _, p := range cmds {
+			_ = p.Kill()
+		}
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	alive := func() error { return nil }
+	for i := range laneMsgs {
+		require.NoError(t, l.Send(ctx, laneMsg(i), alive), "message %d", i)
+	}
+	for range outs {
+		require.NoError(t, l.Send(ctx, []byte("stop"), alive))
+	}
+	for range outs {
+		require.NoError(t, <-waits)
+	}
+	var got []int
+	for i := range outs {
+		for _, line := range strings.Fields(outs[i].String()) {
+			n, err := strconv.Atoi(line)
+			require.NoError(t, err)
+			got = append(got, n)
+		}
+	}
+	slices.Sort(got)
+	require.Len(t, got, laneMsgs, "messages taken, counting twice-taken ones twice")
+	for i, n := range got {
+		require.Equal(t, i, n, "message %d taken twice or never", i)
+	}
+}
+
+// A message larger than an entry is refused, whole; a lane's waits end
+// with their context and with alive's error.
+func TestLaneLimits(t *testing.T) {
+	_, l := newLane(t)
+	ctx := context.Background()
+	alive := func() error { return nil }
+	assert.ErrorIs(t, l.Send(ctx, make([]byte, laneEntry), alive), sock.ErrTooLarge)
+
+	short, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
+	defer cancel()
+	_, err := l.Recv(short, nil, alive)
+	assert.ErrorIs(t, err, context.DeadlineExceeded)
+
+	for range laneEntries {
+		require.NoError(t, l.Send(ctx, []byte("x"), alive))
+	}
+	_, err = l.Recv(ctx, nil, func() error { return nil })
+	require.NoError(t, err)
+	require.NoError(t, l.Send(ctx, []byte("x"), alive))
+	gone := fmt.Errorf("readers gone")
+	err = l.Send(ctx, []byte("full"), func() error { return gone })
+	assert.ErrorIs(t, err, gone, "a full ring whose readers are gone")
+}
+
+// OpenLane maps only what a lane made: sealed, big enough for what its
+// header says.
+func TestOpenLaneRefuses(t *testing.T) {
+	memfd := func(sealed bool, size int64, header []uint32) *fd.FD {
+		flags := unix.MFD_CLOEXEC
+		if sealed {
+			flags |= unix.MFD_ALLOW_SEALING
+		}
+		raw, err := unix.MemfdCreate("lane-test", flags)
+		require.NoError(t, err)
+		f := fd.New(raw)
+		t.Cleanup(func() { _ = f.Close() })
+		require.NoError(t, unix.Ftruncate(raw, size))
+		var b []byte
+		for _, w := range header {
+			b = binary.LittleEndian.AppendUint32(b, w)
+		}
+		_, err = unix.Pwrite(raw, b, 0)
+		require.NoError(t, err)
+		if sealed {
+			_, err = unix.FcntlInt(uintptr(raw), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW)
+			require.NoError(t, err)
+		}
+		return f
+	}
+	const magic, version = 0x454e4c54, 1
+	for _, c := range []struct {
+		name string
+		f    *fd.FD
+	}{
+		{"unsealed", memfd(false, 4096+8*256, []uint32{magic, version, 8, 256})},
+		{"shorter than a header", memfd(true, 100, nil)},
+		{"not a lane", memfd(true, 4096+8*256, []uint32{0xdead, version, 8, 256})},
+		{"another version", memfd(true, 4096+8*256, []uint32{magic, 99, 8, 256})},
+		{"entries past its end", memfd(true, 4096+8*256, []uint32{magic, version, 16, 256})},
+		{"entries not a power of two", memfd(true, 4096+8*256, []uint32{magic, version, 6, 256})},
+		{"entries too small", memfd(true, 4096+8*256, []uint32{magic, version, 8, 8})},
+		{"entries unaligned", memfd(true, 4096+8*256, []uint32{magic, version, 8, 200})},
+	} {
+		_, err := sock.OpenLane(c.f)
+		assert.ErrorIs(t, err, sock.ErrMalformed, c.name)
+	}
+}
+
+// laneMemory maps f's memory a second time, for a test to write as a
+// hostile writer would.
+func laneMemory(t testing.TB, f *fd.FD) []byte {
+	t.Helper()
+	mem, err := unix.Mmap(f.Num(), 0, 4096+laneEntries*laneEntry, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = unix.Munmap(mem) })
+	return mem
+}
+
+// A replayed or corrupt entry is an error wrapping ErrMalformed, and the
+// reader goes on to the next message.
+func TestLaneRefusesABadEntry(t *testing.T) {
+	f, l := newLane(t)
+	mem := laneMemory(t, f)
+	ctx := context.Background()
+	alive := func() error { return nil }
+	for i, c := range []struct {
+		name    string
+		corrupt func(e []byte, pos uint32)
+	}{
+		// What the entry held the lap before.
+		{"replayed", func(e []byte, pos uint32) { binary.LittleEndian.PutUint32(e, pos-laneEntries) }},
+		{"from the future", func(e []byte, pos uint32) { binary.LittleEndian.PutUint32(e, pos+1) }},
+		{"longer than an entry", func(e []byte, _ uint32) { binary.LittleEndian.PutUint32(e[4:], laneEntry) }},
+	} {
+		// Each case starts at position 2i: "bad", then "good".
+		pos := uint32(2 * i)
+		require.NoError(t, l.Send(ctx, []byte("bad"), alive))
+		require.NoError(t, l.Send(ctx, []byte("good"), alive))
+		c.corrupt(mem[4096+int(pos%laneEntries)*laneEntry:], pos)
+		_, err := l.Recv(ctx, nil, alive)
+		assert.ErrorIs(t, err, sock.ErrMalformed, c.name)
+		got, err := l.Recv(ctx, nil, alive)
+		require.NoError(t, err, c.name)
+		assert.Equal(t, "good", string(got), c.name)
+	}
+}
+
+// Whatever a hostile writer puts in the lane's memory, a receive returns a
+// message, an error wrapping ErrMalformed, or its context's end: never a
+// crash, a hang, or bytes from outside the entry.
+func FuzzLane(f *testing.F) {
+	f.Add([]byte{})
+	f.Add([]byte{128, 0, 5, 0, 0, 0})                          // sent word ahead by 5
+	f.Add([]byte{128, 0, 0xff, 0xff, 0xff, 0xff})              // sent word behind
+	f.Add([]byte{0, 1, 0xff, 0xff, 0, 0, 128, 0, 1, 0, 0, 0})  // taken word moved, sent ahead
+	f.Add([]byte{4, 16, 0xff, 0xff, 0, 0, 128, 0, 1, 0, 0, 0}) // entry 0's length
+	f.Fuzz(func(t *testing.T, pokes []byte) {
+		fd, l := newLane(t)
+		mem := laneMemory(t, fd)
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Millisecond)
+		defer cancel()
+		require.NoError(t, l.Send(ctx, []byte("honest"), func() error { return nil }))
+		for i := 0; i+6 <= len(pokes) && i < 16*6; i += 6 {
+			off := int(binary.LittleEndian.Uint16(pokes[i:])) % len(mem) &^ 3
+			copy(mem[off:], pokes[i+2:i+6])
+		}
+		for range 3 {
+			got, err := l.Recv(ctx, nil, func() error { return nil })
+			switch {
+			case err == nil:
+				assert.LessOrEqual(t, len(got), laneEntry-8)
+			case errors.Is(err, sock.ErrMalformed), errors.Is(err, context.DeadlineExceeded):
+			default:
+				t.Fatalf("an error that is not ErrMalformed: %v", err)
+			}
+		}
+	})
+}
+
+// A reader that says it took more than was sent is an error wrapping
+// ErrMalformed for the writer, not a wait for room that never comes.
+func TestLaneRefusesAReaderAhead(t *testing.T) {
+	f, l := newLane(t)
+	mem := laneMemory(t, f)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	alive := func() error { return nil }
+	require.NoError(t, l.Send(ctx, []byte("one"), alive))
+	binary.LittleEndian.PutUint32(mem[256:], 1+laneEntries+5) // the taken word
+	assert.ErrorIs(t, l.Send(ctx, []byte("two"), alive), sock.ErrMalformed)
+}
