@@ -70,8 +70,8 @@ const (
 	// maxBehind is how many times in a row a reader may find the taken
 	// count ahead of the sent one it read before, as other readers and
 	// the writer move on, before it calls the counts malformed.
-	maxBehind = 1 << 16
-	maxEntrySize   = 64 << 10
+	maxBehind    = 1 << 16
+	maxEntrySize = 64 << 10
 )
 
 // CreateLane makes the memory of a lane of n entries (a power of two) of
