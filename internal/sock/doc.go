@@ -22,10 +22,20 @@
 // process). Close and a context's end interrupt a receive call with
 // SIGURG to its thread.
 //
+// A Lane is the beginning of a shared-memory path beside the sockets: a
+// ring of messages in a sealed memfd, published and taken with atomic
+// operations on words both processes map, and a Bell on which a side that
+// has nothing to do spins briefly, then sleeps on a futex, woken by the
+// other side only when it sleeps. A Lane carries bytes only, and no queue
+// uses one yet: the holds a tensor's message needs while it is in flight
+// are counted by the kernel through the descriptors it carries on a
+// socket, and a message in a Lane carries none.
+//
 // Ownership: a Conn owns its descriptor until Close, which waits for the
 // calls using it; a received message's descriptors are the receiver's; a
 // sent message's stay the sender's. The wait slots' eventfds and the
 // poller's epoll descriptor belong to the package for the life of the
-// process. Errors speak as package mp's, whose they are: ErrClosed and
+// process. A Lane's memory descriptor is its creator's; each Lane owns
+// its mapping until Close. Errors speak as package mp's, whose they are: ErrClosed and
 // ErrMalformed are mp.ErrClosed and mp.ErrMalformed.
 package sock
