@@ -45,14 +45,17 @@ const rounds = 5
 // startFloor starts the floor beside the worker, where it can be measured.
 // The returned stop ends it.
 func (b *bencher) startFloor() (stop func(), err error) {
-	f, peer, err := newFloor()
+	f, peer, page, err := newFloor()
 	switch {
 	case errors.Is(err, errors.ErrUnsupported):
 		return func() {}, nil
 	case err != nil:
 		return nil, err
 	}
-	if err := b.in.Put(b.ctx, benchMsg{Op: "floor", Floor: floorSocket{peer}}); err != nil {
+	if err := b.in.Put(b.ctx, benchMsg{Op: "floor", Floor: floorSocket{peer}, Page: floorSocket{page}}); err != nil {
+		// The message closes what it took; Close closes the rest.
+		_ = peer.Close()
+		_ = page.Close()
 		f.close()
 		return nil, err
 	}

@@ -18,7 +18,8 @@ type benchMsg struct {
 	Op    string // "echo", "count", "hold", "release", "floor", "stop"
 	N     int
 	Batch int         // tensors per message for "count"
-	Floor floorSocket // for "floor"
+	Floor floorSocket // the floor socket's worker end, for "floor"
+	Page  floorSocket // the floor page's memfd, for "floor"
 }
 
 type benchArgs struct {
@@ -26,7 +27,9 @@ type benchArgs struct {
 	Profile string // where the worker writes its CPU profile, if anywhere
 }
 
-// floorSocket carries the worker's end of the floor's socket pair.
+// floorSocket carries one descriptor in a message: the worker's end of
+// the floor's socket pair, the floor page's memfd, or a loader pipe's
+// writing end.
 type floorSocket struct{ f *fd.FD }
 
 func (s floorSocket) encode(enc *msgpack.Encoder) ([]byte, error) {
@@ -65,7 +68,8 @@ func init() {
 }
 
 // benchWorker echoes tensors, counts streamed ones, or holds them and
-// reports its descriptor count; it serves the floor's socket beside.
+// reports its descriptor count; it serves the floor's socket and page
+// beside.
 func benchWorker(ctx context.Context, w *mp.Worker) error {
 	var a benchArgs
 	if err := w.Args(&a); err != nil {
@@ -143,6 +147,10 @@ func benchWorker(ctx context.Context, w *mp.Worker) error {
 		case "floor":
 			// Served until the parent closes its end; a failure closes
 			// this end, which the parent's next floor call reports.
+			// serveFutex borrows the socket from serveFloor.
+			if m.Page.f != nil {
+				go func() { _ = serveFutex(m.Floor.f, m.Page.f) }()
+			}
 			go func() { _ = serveFloor(m.Floor.f) }()
 		case "stop":
 			return nil

@@ -30,33 +30,46 @@ const (
 	floorEnd   = 'e' // reply with the records counted since the last end
 )
 
-// floor is the parent's end of a floor socket. It owns s and memfd, and
-// uses their numbers directly: nothing else can close them while it runs.
+// floor is the parent's end of a floor socket and its mapping of the
+// floor page. It owns s, memfd and page, and uses the numbers directly:
+// nothing else can close them while it runs.
 type floor struct {
 	s, memfd int
 	rights   []byte // the control message that carries memfd
 	buf      []byte
 	oob      []byte
+	page     *floorPage
+	calls    uint32 // calls made on page
 }
 
-// newFloor makes a floor socket pair and a memfd to send; the peer end is
-// for the bench worker, which serves it with serveFloor.
-func newFloor() (*floor, *fd.FD, error) {
+// newFloor makes a floor socket pair, a memfd to send and a floor page.
+// The peer end and the page's memfd are for the bench worker, which
+// serves the one with serveFloor and both with serveFutex.
+func newFloor() (f *floor, peer, page *fd.FD, err error) {
 	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
-		return nil, nil, fmt.Errorf("floor socket pair: %w", err)
+		return nil, nil, nil, fmt.Errorf("floor socket pair: %w", err)
 	}
 	m, err := unix.MemfdCreate("tensormp-floor", unix.MFD_CLOEXEC)
 	if err != nil {
 		_ = unix.Close(pair[0])
 		_ = unix.Close(pair[1])
-		return nil, nil, fmt.Errorf("floor memfd: %w", err)
+		return nil, nil, nil, fmt.Errorf("floor memfd: %w", err)
 	}
-	f := &floor{s: pair[0], memfd: m, rights: unix.UnixRights(m), buf: make([]byte, 64<<10), oob: make([]byte, unix.CmsgSpace(4*4))}
-	return f, fd.New(pair[1]), nil
+	p, pageFD, err := newFloorPage()
+	if err != nil {
+		closeRaw([]int{pair[0], pair[1], m})
+		return nil, nil, nil, err
+	}
+	f = &floor{s: pair[0], memfd: m, rights: unix.UnixRights(m), buf: make([]byte, 64<<10), oob: make([]byte, unix.CmsgSpace(4*4)), page: p}
+	return f, fd.New(pair[1]), fd.New(pageFD), nil
 }
 
+// close stops the worker's serveFutex and closes the socket, which ends
+// its serveFloor.
 func (f *floor) close() {
+	f.stopPage()
+	_ = f.page.unmap()
 	_ = unix.Close(f.s)
 	_ = unix.Close(f.memfd)
 }

@@ -9,11 +9,14 @@ import (
 	"github.com/tensormp/tensormp/internal/fd"
 )
 
-// The floor is measured on Linux only, where tensormp shares memory.
+// The floors are measured on Linux only, where tensormp shares memory.
 type floor struct{}
 
-func newFloor() (*floor, *fd.FD, error)                   { return nil, nil, errors.ErrUnsupported }
+func newFloor() (f *floor, peer, page *fd.FD, err error)  { return nil, nil, nil, errors.ErrUnsupported }
 func (*floor) close()                                     {}
 func (*floor) roundTrip() (time.Duration, error)          { return 0, errors.ErrUnsupported }
+func (*floor) futexRoundTrip() (time.Duration, error)     { return 0, errors.ErrUnsupported }
+func (*floor) spinRoundTrip() (time.Duration, error)      { return 0, errors.ErrUnsupported }
 func (*floor) stream(n, batch int) (time.Duration, error) { return 0, errors.ErrUnsupported }
 func serveFloor(sock *fd.FD) error                        { _ = sock.Close(); return errors.ErrUnsupported }
+func serveFutex(sock, page *fd.FD) error                  { _ = page.Close(); return errors.ErrUnsupported }
