@@ -307,6 +307,9 @@ func formatBytes(n int64) string {
 }
 
 func formatDuration(d time.Duration) string {
+	if d < time.Microsecond {
+		return fmt.Sprintf("%d ns", d.Nanoseconds())
+	}
 	if d < time.Millisecond {
 		return fmt.Sprintf("%d µs", d.Microseconds())
 	}
