@@ -38,13 +38,45 @@ encoding, no mapping), measured in turns with the case it bounds.
                       received tensors alive: -hold and 10 x -hold of 4 KiB,
                       -hold of 80 KiB
 The table's last column divides each case by its floor. Prints a table,
-or with -json one JSON object per line.`
+or with -json one JSON object per line.
+
+-cpus 1 pins the parent and the worker to one CPU, the first this process
+may run on, where each hand-off waits for the other process to be
+scheduled; -cpus 2 pins them to one CPU each, the first two; 0, the
+default, pins nothing. A pinned process runs with GOMAXPROCS 1. It pins
+the CPU cases only: not with -loader, -python or -device.`
 
 // benchOpts are spawn bench's flags.
 type benchOpts struct {
 	trips, stream, batch, hold int
 	maxSize                    int64
 	profile                    string
+	place                      placement
+}
+
+// placement is where -cpus puts the parent and the bench worker.
+type placement struct {
+	cpus           int   // -cpus
+	parent, worker []int // the CPUs each is pinned to; none, unpinned
+}
+
+// placeBench returns the placement of -cpus n: 0, unpinned; 1, both on
+// the first CPU this process may run on; 2, one each on the first two.
+func placeBench(n int) (placement, error) {
+	if n < 0 || n > 2 {
+		return placement{}, fmt.Errorf("-cpus %d: want 0 (no pinning), 1 (one CPU for both processes) or 2 (one each)", n)
+	}
+	if n == 0 {
+		return placement{}, nil
+	}
+	allowed, err := allowedCPUs()
+	if err != nil {
+		return placement{}, fmt.Errorf("-cpus %d: %w", n, err)
+	}
+	if len(allowed) < n {
+		return placement{}, fmt.Errorf("-cpus %d: this process may run on %d CPU (%v)", n, len(allowed), allowed)
+	}
+	return placement{cpus: n, parent: allowed[:1], worker: allowed[n-1 : n]}, nil
 }
 
 // benchFlags defines bench's flags on fs and returns what runs it once
@@ -60,6 +92,7 @@ func benchFlags(fs *flag.FlagSet) func(stdout, stderr io.Writer) int {
 	fs.IntVar(&o.hold, "hold", 10000, "tensors held in the fds cases (and ten times as many 4 KiB ones)")
 	fs.Int64Var(&o.maxSize, "max", 256<<20, "largest tensor size to measure, in bytes")
 	fs.StringVar(&o.profile, "cpuprofile", "", "write CPU profiles of the parent and the worker to `prefix`.parent and prefix.worker")
+	cpus := fs.Int("cpus", 0, "pin the parent and the worker to one CPU (1) or to one each (2); 0 pins neither")
 	loaderMode := fs.Bool("loader", false, "measure package loader instead (see below)")
 	batches := fs.Int("batches", 200, "batches read in each -loader case, after a warm-up")
 	pythonMode := fs.Bool("python", false, "measure Go <-> PyTorch instead (see below)")
@@ -79,6 +112,15 @@ func benchFlags(fs *flag.FlagSet) func(stdout, stderr io.Writer) int {
 			progress = func(s string) { fmt.Fprintf(stderr, "\r\033[K%s", s) }
 			defer fmt.Fprint(stderr, "\r\033[K")
 		}
+		if *cpus != 0 && (*loaderMode || *pythonMode || *onDevice != "cpu") {
+			fmt.Fprintln(stderr, "spawn bench: -cpus pins the CPU cases' two processes: not with -loader, -python or -device")
+			return 2
+		}
+		var err error
+		if o.place, err = placeBench(*cpus); err != nil {
+			fmt.Fprintf(stderr, "spawn bench: %v\n", err)
+			return 2
+		}
 		if *loaderMode {
 			if *batches < 1 {
 				fmt.Fprintln(stderr, "spawn bench: -batches must be positive")
@@ -97,18 +139,38 @@ func benchFlags(fs *flag.FlagSet) func(stdout, stderr io.Writer) int {
 			po.trips, po.stream = o.trips, o.stream
 			return runDeviceBench(place, o, po, *asJSON, stdout, stderr, progress)
 		}
-		results := &resultLog{json: *asJSON, w: stdout}
-		for _, st := range sts {
-			if err := benchStrategy(st, o, progress, results.emit); err != nil {
-				fmt.Fprintf(stderr, "spawn bench: %s: %v\n", st, err)
-				return 1
-			}
+		results := &resultLog{json: *asJSON, w: stdout, cpus: o.place.cpus}
+		if err := benchStrategies(sts, o, progress, results.emit); err != nil {
+			fmt.Fprintf(stderr, "spawn bench: %v\n", err)
+			return 1
 		}
 		if !*asJSON {
 			printBenchTable(stdout, results.rs)
 		}
 		return 0
 	}
+}
+
+// benchStrategies measures each strategy of sts in turn, the parent
+// pinned meanwhile as o.place says.
+func benchStrategies(sts []strategy.Strategy, o benchOpts, progress func(string), emit func(benchResult)) (err error) {
+	if len(o.place.parent) > 0 {
+		restore, perr := pinProcess(o.place.parent)
+		if perr != nil {
+			return fmt.Errorf("-cpus %d: %w", o.place.cpus, perr)
+		}
+		defer func() {
+			if rerr := restore(); rerr != nil {
+				err = errors.Join(err, fmt.Errorf("-cpus %d: restoring the CPUs: %w", o.place.cpus, rerr))
+			}
+		}()
+	}
+	for _, st := range sts {
+		if err := benchStrategy(st, o, progress, emit); err != nil {
+			return fmt.Errorf("%s: %w", st, err)
+		}
+	}
+	return nil
 }
 
 func benchStrategy(st strategy.Strategy, o benchOpts, progress func(string), emit func(benchResult)) error {
@@ -142,7 +204,7 @@ func withBenchWorker(st strategy.Strategy, o benchOpts, progress func(string), e
 		}
 		defer stop()
 	}
-	g, err := mp.Spawn(ctx, "bench", 1, mp.WithArgs(benchArgs{In: in, Out: out, Profile: profile}))
+	g, err := mp.Spawn(ctx, "bench", 1, mp.WithArgs(benchArgs{In: in, Out: out, Profile: profile, Pin: o.place.worker}))
 	if err != nil {
 		return err
 	}

@@ -13,9 +13,11 @@ type resultLog struct {
 	rs   []benchResult
 	json bool
 	w    io.Writer
+	cpus int // -cpus, given to each result
 }
 
 func (l *resultLog) emit(r benchResult) {
+	r.CPUs = l.cpus
 	l.rs = append(l.rs, r)
 	if l.json {
 		b, _ := json.Marshal(r)
@@ -35,6 +37,7 @@ type benchResult struct {
 	Held     int     `json:"held,omitempty"`  // tensors the receiver holds
 	FDs      int     `json:"fds,omitempty"`
 	Device   string  `json:"device,omitempty"` // where -python's tensors are, when not the CPU
+	CPUs     int     `json:"cpus,omitempty"`   // -cpus: 1, both processes pinned to one CPU; 2, to one each
 }
 
 // floorOf names the floor case that bounds a case.

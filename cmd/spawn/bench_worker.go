@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"runtime/pprof"
 
@@ -25,6 +26,7 @@ type benchMsg struct {
 type benchArgs struct {
 	In, Out *mp.Queue
 	Profile string // where the worker writes its CPU profile, if anywhere
+	Pin     []int  // the CPUs the worker pins itself to; none, unpinned
 }
 
 // floorSocket carries one descriptor in a message: the worker's end of
@@ -74,6 +76,12 @@ func benchWorker(ctx context.Context, w *mp.Worker) error {
 	var a benchArgs
 	if err := w.Args(&a); err != nil {
 		return err
+	}
+	if len(a.Pin) > 0 {
+		// For its life: nothing to restore.
+		if _, err := pinProcess(a.Pin); err != nil {
+			return fmt.Errorf("bench worker: %w", err)
+		}
 	}
 	if a.Profile != "" {
 		stop, err := startProfile(a.Profile)

@@ -260,6 +260,22 @@ func TestBenchJSON(t *testing.T) {
 	}, cases)
 }
 
+// runBench runs spawn bench with args, and fails t if it is still running
+// after two minutes.
+func runBench(t *testing.T, args ...string) (code int, stdout, stderr string) {
+	t.Helper()
+	var out, errOut bytes.Buffer
+	done := make(chan int, 1)
+	go func() { done <- run(append([]string{"bench"}, args...), &out, &errOut) }()
+	select {
+	case code = <-done:
+		return code, out.String(), errOut.String()
+	case <-time.After(2 * time.Minute):
+		t.Fatalf("spawn bench %q still running after 2 minutes", args)
+		return 0, "", ""
+	}
+}
+
 func TestBenchPythonJSON(t *testing.T) {
 	python, err := pytorch.Find(pytorch.Candidates(os.Getenv(pytorch.EnvVar))...)
 	if err != nil {
