@@ -17,10 +17,17 @@ import (
 )
 
 const benchHelp = `Measures tensor hand-off between processes, for each sharing strategy,
-beside the floor: the same socket type between the same two processes
-with nothing but the kernel's work (one descriptor in each message, no
-encoding, no mapping), measured in turns with the case it bounds.
+beside floors between the same two processes, measured in turns with the
+cases they bound: the same socket type with nothing but the kernel's work
+(one descriptor in each message, no encoding, no mapping), and, with no
+message at all, a word stored in a page both map, there and back.
   floor_roundtrip     a message and a descriptor there and back (p50, p99)
+  floor_futex_roundtrip
+                      a word there and back, each side asleep in
+                      FUTEX_WAIT until the other's FUTEX_WAKE
+  floor_spin_roundtrip
+                      a word there and back, each side spinning on it;
+                      not with -cpus 1, nor on one CPU
   roundtrip           parent -> worker -> parent over two queues, a tensor
                       already shared
   first_share         the same round trip for a tensor not yet in shared
@@ -37,8 +44,9 @@ encoding, no mapping), measured in turns with the case it bounds.
   fds                 descriptors a receiver holds while it keeps "held"
                       received tensors alive: -hold and 10 x -hold of 4 KiB,
                       -hold of 80 KiB
-The table's last column divides each case by its floor. Prints a table,
-or with -json one JSON object per line.
+The table's last columns divide each case by its floors: the round trips
+by the three round trip floors (x socket, x futex, x spin), the streams
+by the socket's. Prints a table, or with -json one JSON object per line.
 
 -cpus 1 pins the parent and the worker to one CPU, the first this process
 may run on, where each hand-off waits for the other process to be
@@ -58,6 +66,7 @@ type benchOpts struct {
 type placement struct {
 	cpus           int   // -cpus
 	parent, worker []int // the CPUs each is pinned to; none, unpinned
+	apart          bool  // whether the two can run at once, on CPUs of their own
 }
 
 // placeBench returns the placement of -cpus n: 0, unpinned; 1, both on
@@ -66,17 +75,19 @@ func placeBench(n int) (placement, error) {
 	if n < 0 || n > 2 {
 		return placement{}, fmt.Errorf("-cpus %d: want 0 (no pinning), 1 (one CPU for both processes) or 2 (one each)", n)
 	}
-	if n == 0 {
-		return placement{}, nil
-	}
 	allowed, err := allowedCPUs()
+	if n == 0 {
+		// Without the CPUs' list, measure the spin floor where it has a
+		// floor page at all: on Linux.
+		return placement{apart: err != nil || len(allowed) > 1}, nil
+	}
 	if err != nil {
 		return placement{}, fmt.Errorf("-cpus %d: %w", n, err)
 	}
 	if len(allowed) < n {
 		return placement{}, fmt.Errorf("-cpus %d: this process may run on %d CPU (%v)", n, len(allowed), allowed)
 	}
-	return placement{cpus: n, parent: allowed[:1], worker: allowed[n-1 : n]}, nil
+	return placement{cpus: n, parent: allowed[:1], worker: allowed[n-1 : n], apart: n == 2}, nil
 }
 
 // benchFlags defines bench's flags on fs and returns what runs it once

@@ -126,7 +126,7 @@ func (b *bencher) release() error {
 }
 
 // roundTrips measures round trips of a shared tensor of size bytes, taking
-// turns with the floor's.
+// turns with the floors'.
 func (b *bencher) roundTrips(size int64) error {
 	b.progress(fmt.Sprintf("%s: round trip of %s on %s", b.st, formatBytes(size), b.place))
 	x, err := tensor.On(b.place).Shared().Zeros(tensor.Uint8, int(size))
@@ -135,7 +135,7 @@ func (b *bencher) roundTrips(size int64) error {
 	}
 	defer x.Release()
 	runtime.GC() // start each measurement without the last one's garbage
-	var ds, fs []time.Duration
+	var ds, fs, futex, spin []time.Duration
 	per := max(1, b.o.trips/rounds)
 	for r := range rounds {
 		warm := 0
@@ -154,12 +154,33 @@ func (b *bencher) roundTrips(size int64) error {
 		if fs, err = sample(fs, per, warm, b.floor.roundTrip); err != nil {
 			return err
 		}
+		if futex, err = sample(futex, per, warm, b.floor.futexRoundTrip); err != nil {
+			return err
+		}
+		if !b.o.place.apart {
+			continue
+		}
+		if spin, err = sample(spin, per, warm, b.floor.spinRoundTrip); err != nil {
+			return err
+		}
+		// One more, that leaves the worker asleep: spinning, it would
+		// take a CPU from the next case.
+		if _, err := b.floor.futexRoundTrip(); err != nil {
+			return err
+		}
 	}
 	if err := b.release(); err != nil {
 		return err
 	}
 	if b.floor != nil {
-		b.emit(benchResult{Strategy: b.st.String(), Case: "floor_roundtrip", Bytes: size, P50us: pct(fs, 50), P99us: pct(fs, 99)})
+		for _, f := range []struct {
+			name string
+			ds   []time.Duration
+		}{{"floor_roundtrip", fs}, {"floor_futex_roundtrip", futex}, {"floor_spin_roundtrip", spin}} {
+			if len(f.ds) > 0 {
+				b.emit(benchResult{Strategy: b.st.String(), Case: f.name, Bytes: size, P50us: pct(f.ds, 50), P99us: pct(f.ds, 99)})
+			}
+		}
 	}
 	b.emit(b.result(benchResult{Case: "roundtrip", Bytes: size, P50us: pct(ds, 50), P99us: pct(ds, 99)}))
 	return nil

@@ -16,18 +16,21 @@ import (
 	"github.com/tensormp/tensormp/internal/leakcheck"
 )
 
-// TestBenchCPUs: spawn bench runs pinned as -cpus says, and the parent
-// as before once it is over; -cpus asks for no more CPUs than there are.
+// TestBenchCPUs: spawn bench measures the futex floor whatever -cpus, and
+// the spin floor where the two processes may run on different CPUs,
+// pinned as -cpus says while it runs and the parent as before once it is
+// over; -cpus asks for no more CPUs than there are.
 func TestBenchCPUs(t *testing.T) {
 	allowed, err := allowedCPUs()
 	require.NoError(t, err)
 	for _, c := range []struct {
 		cpus           int
 		parent, worker string // the CPUs each runs on while pinned
+		spin           bool
 	}{
-		{cpus: 0},
+		{cpus: 0, spin: len(allowed) > 1},
 		{cpus: 1, parent: strconv.Itoa(allowed[0]), worker: strconv.Itoa(allowed[0])},
-		{cpus: 2, parent: strconv.Itoa(allowed[0]), worker: strconv.Itoa(allowed[min(1, len(allowed)-1)])},
+		{cpus: 2, parent: strconv.Itoa(allowed[0]), worker: strconv.Itoa(allowed[min(1, len(allowed)-1)]), spin: true},
 	} {
 		t.Run(fmt.Sprintf("cpus=%d", c.cpus), func(t *testing.T) {
 			leakcheck.Check(t)
@@ -69,8 +72,19 @@ func TestBenchCPUs(t *testing.T) {
 				require.NoError(t, json.Unmarshal([]byte(line), &r), line)
 				rows[r.Case]++
 				assert.Equal(t, c.cpus, r.CPUs, line)
+				if strings.HasSuffix(r.Case, "roundtrip") {
+					assert.Positive(t, r.P50us, line)
+					// Not woken, a waiter sees the word at its FUTEX_WAIT
+					// timeout.
+					assert.Less(t, r.P50us, float64(futexTimeout/2/time.Microsecond), line)
+				}
 			}
-			assert.Equal(t, 1, rows["floor_roundtrip"])
+			assert.Equal(t, 1, rows["floor_futex_roundtrip"])
+			if c.spin {
+				assert.Equal(t, 1, rows["floor_spin_roundtrip"])
+			} else {
+				assert.Zero(t, rows["floor_spin_roundtrip"])
+			}
 			if c.cpus > 0 {
 				assert.True(t, pinned.Load(), "the parent seen on CPU %s and the worker on CPU %s", c.parent, c.worker)
 			}

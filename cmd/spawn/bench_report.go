@@ -40,18 +40,28 @@ type benchResult struct {
 	CPUs     int     `json:"cpus,omitempty"`   // -cpus: 1, both processes pinned to one CPU; 2, to one each
 }
 
-// floorOf names the floor case that bounds a case.
-var floorOf = map[string]string{
-	"roundtrip":    "floor_roundtrip",
-	"first_share":  "floor_roundtrip",
-	"stream":       "floor_stream",
-	"stream_batch": "floor_stream_batch",
+// floorKinds are the floors the table divides cases by, a column each.
+var floorKinds = []string{"socket", "futex", "spin"}
+
+// roundTripFloors name the round trip floors, by kind.
+var roundTripFloors = map[string]string{
+	"socket": "floor_roundtrip",
+	"futex":  "floor_futex_roundtrip",
+	"spin":   "floor_spin_roundtrip",
 }
 
-// vsFloor returns how many times its floor r costs: a time over the
-// floor's, or the floor's rate over r's. It is 0 without a floor.
-func vsFloor(r benchResult, rs []benchResult) float64 {
-	name, ok := floorOf[r.Case]
+// floorOf names the floor cases that bound a case, by kind.
+var floorOf = map[string]map[string]string{
+	"roundtrip":    roundTripFloors,
+	"first_share":  roundTripFloors,
+	"stream":       {"socket": "floor_stream"},
+	"stream_batch": {"socket": "floor_stream_batch"},
+}
+
+// vsFloor returns r over its floor of kind: its time over the floor's, or
+// the floor's rate over its rate. It is 0 without that floor.
+func vsFloor(r benchResult, kind string, rs []benchResult) float64 {
+	name, ok := floorOf[r.Case][kind]
 	if !ok {
 		return 0
 	}
@@ -70,7 +80,11 @@ func vsFloor(r benchResult, rs []benchResult) float64 {
 }
 
 func printBenchTable(w io.Writer, rs []benchResult) {
-	t := newTable(w, "strategy", "case", "device", "bytes", "p50", "p99", "per second", "held", "fds", "x floor")
+	header := []string{"strategy", "case", "device", "bytes", "p50", "p99", "per second", "held", "fds"}
+	for _, k := range floorKinds {
+		header = append(header, "x "+k)
+	}
+	t := newTable(w, header...)
 	defer t.flush()
 	for _, r := range rs {
 		col := func(v float64, f func(float64) string) string {
@@ -85,7 +99,11 @@ func printBenchTable(w io.Writer, rs []benchResult) {
 		if r.Case == "fds" {
 			fds = fmt.Sprint(r.FDs)
 		}
-		t.row(r.Strategy, r.Case, deviceOf(r), formatBytes(r.Bytes), col(r.P50us, us), col(r.P99us, us),
-			col(r.PerS, n), col(float64(r.Held), n), fds, col(vsFloor(r, rs), func(v float64) string { return fmt.Sprintf("%.2f", v) }))
+		row := []string{r.Strategy, r.Case, deviceOf(r), formatBytes(r.Bytes), col(r.P50us, us), col(r.P99us, us),
+			col(r.PerS, n), col(float64(r.Held), n), fds}
+		for _, k := range floorKinds {
+			row = append(row, col(vsFloor(r, k, rs), func(v float64) string { return fmt.Sprintf("%.2f", v) }))
+		}
+		t.row(row...)
 	}
 }

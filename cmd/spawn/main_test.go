@@ -225,17 +225,16 @@ func TestBenchLoaderJSON(t *testing.T) {
 
 func TestBenchJSON(t *testing.T) {
 	leakcheck.Check(t)
-	var out, errOut bytes.Buffer
-	code := run([]string{"bench", "-json", "-trips", "20", "-stream", "200", "-hold", "100", "-max", "1048576"}, &out, &errOut)
-	require.Equal(t, 0, code, errOut.String())
+	code, out, errOut := runBench(t, "-json", "-trips", "20", "-stream", "200", "-hold", "100", "-max", "1048576")
+	require.Equal(t, 0, code, errOut)
 	cases := map[string]int{}
-	for _, line := range strings.Split(strings.TrimSpace(out.String()), "\n") {
+	for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
 		var r benchResult
 		require.NoError(t, json.Unmarshal([]byte(line), &r), line)
 		assert.Contains(t, []string{"file_descriptor", "file_system"}, r.Strategy)
 		cases[r.Case]++
 		switch r.Case {
-		case "roundtrip", "first_share", "floor_roundtrip":
+		case "roundtrip", "first_share", "floor_roundtrip", "floor_futex_roundtrip", "floor_spin_roundtrip":
 			assert.Positive(t, r.P50us)
 			assert.GreaterOrEqual(t, r.P99us, r.P50us)
 			assert.Contains(t, []int64{4 << 10, 1 << 20}, r.Bytes)
@@ -253,11 +252,23 @@ func TestBenchJSON(t *testing.T) {
 			t.Errorf("unknown case %q", r.Case)
 		}
 	}
-	assert.Equal(t, map[string]int{
-		"floor_roundtrip": 4, "roundtrip": 4, "first_share": 4,
+	want := map[string]int{
+		"floor_roundtrip": 4, "floor_futex_roundtrip": 4, "roundtrip": 4, "first_share": 4,
 		"floor_stream": 2, "stream": 2, "floor_stream_batch": 2, "stream_batch": 2,
 		"fds": 6,
-	}, cases)
+	}
+	if manyCPUs(t) {
+		want["floor_spin_roundtrip"] = 4
+	}
+	assert.Equal(t, want, cases)
+}
+
+// manyCPUs reports whether this process may run on more than one CPU,
+// where bench measures the spin floor unless told -cpus 1.
+func manyCPUs(t *testing.T) bool {
+	allowed, err := allowedCPUs()
+	require.NoError(t, err)
+	return len(allowed) > 1
 }
 
 // runBench runs spawn bench with args, and fails t if it is still running
@@ -343,7 +354,7 @@ func TestBenchDeviceJSON(t *testing.T) {
 		assert.Equal(t, int64(4<<10), r.Bytes, line)
 		rows[r.Case+"@"+r.Device]++
 		switch r.Case {
-		case "roundtrip", "floor_roundtrip":
+		case "roundtrip", "floor_roundtrip", "floor_futex_roundtrip", "floor_spin_roundtrip":
 			assert.Positive(t, r.P50us, line)
 		case "stream", "stream_batch", "floor_stream", "floor_stream_batch":
 			assert.Positive(t, r.PerS, line)
@@ -353,11 +364,15 @@ func TestBenchDeviceJSON(t *testing.T) {
 			assert.Less(t, r.FDs, 64, "descriptors for 1000 received GPU tensors")
 		}
 	}
-	assert.Equal(t, map[string]int{
-		"floor_roundtrip@": 2, "roundtrip@": 1, "roundtrip@gpu:0": 1,
+	want := map[string]int{
+		"floor_roundtrip@": 2, "floor_futex_roundtrip@": 2, "roundtrip@": 1, "roundtrip@gpu:0": 1,
 		"floor_stream@": 1, "stream@gpu:0": 1, "floor_stream_batch@": 1, "stream_batch@gpu:0": 1,
 		"fds@gpu:0": 1,
-	}, rows)
+	}
+	if manyCPUs(t) {
+		want["floor_spin_roundtrip@"] = 2
+	}
+	assert.Equal(t, want, rows)
 }
 
 // BenchmarkDeviceOnStandIn runs spawn bench -device gpu:0 on the stand-in
