@@ -41,12 +41,18 @@ message at all, a word stored in a page both map, there and back.
                       descriptor, per second
   stream_batch        4 KiB tensors sent one way, -batch to a message
                       (mp.PutMany), per second
+  lane_roundtrip      the floor's record there and back through two
+                      shared-memory lanes (package mp's internal Lane;
+                      no queue uses one yet), each side spinning, then
+                      asleep on a futex
+  lane_stream, lane_stream_batch
+                      the floor streams' records through a lane
   fds                 descriptors a receiver holds while it keeps "held"
                       received tensors alive: -hold and 10 x -hold of 4 KiB,
                       -hold of 80 KiB
 The table's last columns divide each case by its floors: the round trips
 by the three round trip floors (x socket, x futex, x spin), the streams
-by the socket's. Prints a table, or with -json one JSON object per line.
+by the socket's (a rate over a floor's: below 1 is faster). Prints a table, or with -json one JSON object per line.
 
 -cpus 1 pins the parent and the worker to one CPU, the first this process
 may run on, where each hand-off waits for the other process to be

@@ -52,10 +52,16 @@ func (b *bencher) startFloor() (stop func(), err error) {
 	case err != nil:
 		return nil, err
 	}
-	if err := b.in.Put(b.ctx, benchMsg{Op: "floor", Floor: floorSocket{peer}, Page: floorSocket{page}}); err != nil {
+	to, from, err := f.startLanes()
+	if err != nil {
+		_, _ = peer.Close(), page.Close()
+		f.close()
+		return nil, err
+	}
+	m := benchMsg{Op: "floor", Floor: floorSocket{peer}, Page: floorSocket{page}, LaneTo: floorSocket{to}, LaneFrom: floorSocket{from}}
+	if err := b.in.Put(b.ctx, m); err != nil {
 		// The message closes what it took; Close closes the rest.
-		_ = peer.Close()
-		_ = page.Close()
+		_, _, _, _ = peer.Close(), page.Close(), to.Close(), from.Close()
 		f.close()
 		return nil, err
 	}
@@ -135,7 +141,7 @@ func (b *bencher) roundTrips(size int64) error {
 	}
 	defer x.Release()
 	runtime.GC() // start each measurement without the last one's garbage
-	var ds, fs, futex, spin []time.Duration
+	var ds, fs, futex, spin, lane []time.Duration
 	per := max(1, b.o.trips/rounds)
 	for r := range rounds {
 		warm := 0
@@ -157,6 +163,11 @@ func (b *bencher) roundTrips(size int64) error {
 		if futex, err = sample(futex, per, warm, b.floor.futexRoundTrip); err != nil {
 			return err
 		}
+		if size == benchSizes[0] {
+			if lane, err = sample(lane, per, warm, b.floor.laneRoundTrip); err != nil {
+				return err
+			}
+		}
 		if !b.o.place.apart {
 			continue
 		}
@@ -176,7 +187,7 @@ func (b *bencher) roundTrips(size int64) error {
 		for _, f := range []struct {
 			name string
 			ds   []time.Duration
-		}{{"floor_roundtrip", fs}, {"floor_futex_roundtrip", futex}, {"floor_spin_roundtrip", spin}} {
+		}{{"floor_roundtrip", fs}, {"floor_futex_roundtrip", futex}, {"floor_spin_roundtrip", spin}, {"lane_roundtrip", lane}} {
 			if len(f.ds) > 0 {
 				b.emit(benchResult{Strategy: b.st.String(), Case: f.name, Bytes: size, P50us: pct(f.ds, 50), P99us: pct(f.ds, 99)})
 			}
@@ -236,7 +247,7 @@ func (b *bencher) firstShares(size int64) error {
 func (b *bencher) streams() error {
 	const size = 4 << 10
 	n := max(b.o.batch, b.o.stream/rounds/b.o.batch*b.o.batch)
-	var one, many, floorOne, floorMany time.Duration
+	var one, many, floorOne, floorMany, laneOne, laneMany time.Duration
 	for range rounds {
 		b.progress(fmt.Sprintf("%s: stream of 4 KiB tensors", b.st))
 		d, err := b.stream(n, 1)
@@ -259,6 +270,14 @@ func (b *bencher) streams() error {
 			return err
 		}
 		floorMany += d
+		if d, err = b.floor.laneStream(n, 1); err != nil {
+			return err
+		}
+		laneOne += d
+		if d, err = b.floor.laneStream(n, b.o.batch); err != nil {
+			return err
+		}
+		laneMany += d
 	}
 	rate := func(d time.Duration) float64 { return float64(n*rounds) / d.Seconds() }
 	st := b.st.String()
@@ -270,6 +289,10 @@ func (b *bencher) streams() error {
 		b.emit(benchResult{Strategy: st, Case: "floor_stream_batch", Bytes: size, Batch: b.o.batch, PerS: rate(floorMany)})
 	}
 	b.emit(b.result(benchResult{Case: "stream_batch", Bytes: size, Batch: b.o.batch, PerS: rate(many)}))
+	if b.floor != nil {
+		b.emit(benchResult{Strategy: st, Case: "lane_stream", Bytes: size, PerS: rate(laneOne)})
+		b.emit(benchResult{Strategy: st, Case: "lane_stream_batch", Bytes: size, Batch: b.o.batch, PerS: rate(laneMany)})
+	}
 	return nil
 }
 

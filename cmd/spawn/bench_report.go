@@ -56,6 +56,10 @@ var floorOf = map[string]map[string]string{
 	"first_share":  roundTripFloors,
 	"stream":       {"socket": "floor_stream"},
 	"stream_batch": {"socket": "floor_stream_batch"},
+	// The lane carries the floors' messages: bounded by the same floors.
+	"lane_roundtrip":    roundTripFloors,
+	"lane_stream":       {"socket": "floor_stream"},
+	"lane_stream_batch": {"socket": "floor_stream_batch"},
 }
 
 // vsFloor returns r over its floor of kind: its time over the floor's, or

@@ -21,6 +21,8 @@ type benchMsg struct {
 	Batch int         // tensors per message for "count"
 	Floor floorSocket // the floor socket's worker end, for "floor"
 	Page  floorSocket // the floor page's memfd, for "floor"
+	// The lanes' memory, to the worker and from it, for "floor".
+	LaneTo, LaneFrom floorSocket
 }
 
 type benchArgs struct {
@@ -158,6 +160,9 @@ func benchWorker(ctx context.Context, w *mp.Worker) error {
 			// serveFutex borrows the socket from serveFloor.
 			if m.Page.f != nil {
 				go func() { _ = serveFutex(m.Floor.f, m.Page.f) }()
+			}
+			if m.LaneTo.f != nil && m.LaneFrom.f != nil {
+				go func() { _ = serveLanes(m.Floor.f, m.LaneTo.f, m.LaneFrom.f) }()
 			}
 			go func() { _ = serveFloor(m.Floor.f) }()
 		case "stop":

@@ -39,7 +39,8 @@ type floor struct {
 	buf      []byte
 	oob      []byte
 	page     *floorPage
-	calls    uint32 // calls made on page
+	calls    uint32      // calls made on page
+	lanes    *benchLanes // the lane cases' rings, once started
 }
 
 // newFloor makes a floor socket pair, a memfd to send and a floor page.
@@ -68,6 +69,9 @@ func newFloor() (f *floor, peer, page *fd.FD, err error) {
 // close stops the worker's serveFutex and closes the socket, which ends
 // its serveFloor.
 func (f *floor) close() {
+	if f.lanes != nil {
+		f.lanes.close()
+	}
 	f.stopPage()
 	_ = f.page.unmap()
 	_ = unix.Close(f.s)
