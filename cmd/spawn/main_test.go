@@ -369,7 +369,7 @@ func TestBenchDeviceJSON(t *testing.T) {
 	want := map[string]int{
 		"floor_roundtrip@": 2, "floor_futex_roundtrip@": 2, "roundtrip@": 1, "roundtrip@gpu:0": 1,
 		"floor_stream@": 1, "stream@gpu:0": 1, "floor_stream_batch@": 1, "stream_batch@gpu:0": 1,
-		"fds@gpu:0": 1,
+		"fds@gpu:0":       1,
 		"lane_roundtrip@": 2, "lane_stream@": 1, "lane_stream_batch@": 1,
 	}
 	if manyCPUs(t) {
