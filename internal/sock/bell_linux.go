@@ -13,7 +13,7 @@ import (
 // A Bell wakes a process that waits for a word in memory that both map:
 // the doorbell of a shared-memory lane. The ringer bumps the word; the
 // waiter spins on it for as long as messages have lately taken to come
-// (never on one CPU), then sleeps on it (FUTEX_WAIT), and is woken only if
+// (not while its spins keep missing), then sleeps on it (FUTEX_WAIT), and is woken only if
 // it sleeps: a ringer whose waiter is awake makes no system call.
 //
 // The Bell's memory is bellSize bytes of a MAP_SHARED mapping, aligned to
@@ -33,12 +33,13 @@ type Bell struct {
 	rang     *int64
 	sleepers *uint32
 
-	// The waiter's spin budget, process-local: how long messages have
-	// lately taken to come after a wait began (an average), and how many
-	// CPUs this process may run on, read again now and then.
-	gap   atomic.Int64 // ns
-	cpus  atomic.Int32
-	waits atomic.Uint32
+	// The waiter's spin budget, process-local: how long rings have lately
+	// taken to come after a wait began (an average), and how many spins
+	// in a row have ended without one.
+	gap    atomic.Int64 // ns
+	misses atomic.Int32
+	waits  atomic.Uint32
+	spun   atomic.Uint64 // waits that spun, for tests and benchmarks
 }
 
 // bellSize is the bytes a Bell takes.
@@ -60,9 +61,15 @@ const (
 	// context and its peer again: how late a cancellation or a dead peer
 	// may be seen.
 	sleepSlice = 10 * time.Millisecond
-	// cpusEvery is how many waits go by between two reads of the CPUs
-	// this process may run on (its affinity can change under it).
-	cpusEvery = 256
+	// spinMin is the shortest spin: what a ring from a ringer already
+	// running on another CPU takes to be seen, with room to spare.
+	spinMin = 2 * time.Microsecond
+	// maxMisses is how many spins in a row may end without a ring before
+	// the waiter stops spinning: a ringer that cannot run while its
+	// waiter spins (the two share one CPU) never rings in time. After
+	// that, one wait in probeEvery spins, to see whether that changed.
+	maxMisses  = 4
+	probeEvery = 64
 )
 
 // NewBell returns the Bell whose memory is mem, which must be bellSize
@@ -77,7 +84,6 @@ func NewBell(mem []byte) (*Bell, error) {
 		rang:     (*int64)(unsafe.Add(p, 8)),
 		sleepers: (*uint32)(unsafe.Add(p, 64)),
 	}
-	b.cpus.Store(int32(allowedCPUs()))
 	return b, nil
 }
 
@@ -157,29 +163,29 @@ func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint3
 	}
 }
 
-// spin spins on the word for as long as the last messages took to come,
-// at most spinCap, and reports what it found. It never spins when the
-// process may run on one CPU only, where a spinning waiter delays the
-// very ringer it waits for.
+// spin spins on the word for about twice as long as rings have lately
+// taken to come, between spinMin and spinCap, and reports what it found.
+// A spin is worth it only when the ringer runs on another CPU meanwhile;
+// the waiter cannot see where it runs, so it learns from its spins: after
+// maxMisses in a row end without a ring, it spins only to probe, one wait
+// in probeEvery.
 func (b *Bell) spin(last uint32, start int64) (uint32, bool) {
-	if b.waits.Add(1)%cpusEvery == 0 {
-		b.cpus.Store(int32(allowedCPUs()))
-	}
-	if b.cpus.Load() < 2 {
+	waits := b.waits.Add(1)
+	if b.misses.Load() >= maxMisses && waits%probeEvery != 0 {
 		return last, false
 	}
-	budget := min(2*b.gap.Load(), int64(spinCap))
-	if budget <= 0 {
-		// No history yet, or messages came at once: a short spin
-		// learns how long they take.
-		budget = int64(spinCap) / 8
-	}
+	b.spun.Add(1)
+	budget := min(max(2*b.gap.Load(), int64(spinMin)), int64(spinCap))
 	for i := 1; ; i++ {
 		if w := atomic.LoadUint32(b.word); w != last {
+			b.misses.Store(0)
 			b.learn(start)
 			return w, true
 		}
 		if i%64 == 0 && monotonic()-start > budget {
+			if b.misses.Load() < maxMisses {
+				b.misses.Add(1)
+			}
 			return last, false
 		}
 	}
@@ -202,13 +208,4 @@ func monotonic() int64 {
 	var ts unix.Timespec
 	_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts)
 	return ts.Nano()
-}
-
-// allowedCPUs returns how many CPUs this process may run on now.
-func allowedCPUs() int {
-	var set unix.CPUSet
-	if err := unix.SchedGetaffinity(0, &set); err != nil {
-		return 1
-	}
-	return set.Count()
 }
