@@ -30,7 +30,7 @@ func TestBellStopsSpinningWhenSpinsMiss(t *testing.T) {
 	assert.InDelta(t, 2, probes, 1, "waits that spun after %d misses in a row, of %d", maxMisses, 2*probeEvery)
 
 	// A probe that finds the ring: spinning again.
-	require.NoError(t, b.Ring())
+	b.Ring()
 	for b.waits.Load()%probeEvery != probeEvery-1 {
 		b.spin(last, monotonic())
 	}

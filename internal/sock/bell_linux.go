@@ -91,40 +91,46 @@ func NewBell(mem []byte) (*Bell, error) {
 func (b *Bell) Load() uint32 { return atomic.LoadUint32(b.word) }
 
 // Ring bumps the word, waking the waiters that sleep on it.
-func (b *Bell) Ring() error {
+func (b *Bell) Ring() {
 	atomic.StoreInt64(b.rang, monotonic())
 	atomic.AddUint32(b.word, 1)
-	return b.wake()
+	b.wake()
 }
 
 // Advance moves the word from old to old+1, waking the waiters that sleep
 // on it, and reports whether it did: false if the word was not old.
-func (b *Bell) Advance(old uint32) (bool, error) {
+func (b *Bell) Advance(old uint32) bool {
 	atomic.StoreInt64(b.rang, monotonic())
 	if !atomic.CompareAndSwapUint32(b.word, old, old+1) {
-		return false, nil
+		return false
 	}
-	return true, b.wake()
+	b.wake()
+	return true
 }
 
 // wake wakes the waiters asleep on the word, if any, once it has moved.
-func (b *Bell) wake() error {
+// FUTEX_WAKE fails only for an address that is not mapped or not aligned,
+// which a Bell's never are; a wake that failed all the same would be seen
+// by its waiter a sleepSlice late, so it is not an error of the ring.
+func (b *Bell) wake() {
 	// Dekker's pattern with the waiter, both sides sequentially
 	// consistent: either the waiter's count is seen here, or the waiter
 	// sees the new word before it sleeps.
 	if atomic.LoadUint32(b.sleepers) == 0 {
-		return nil
+		return
 	}
-	if _, _, errno := unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(b.word)), futexWake, 1<<30, 0, 0, 0); errno != 0 {
-		return fmt.Errorf("mp: waking a lane's waiter: %w", errno)
-	}
-	return nil
+	_, _, _ = unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(b.word)), futexWake, 1<<30, 0, 0, 0)
 }
 
 // Wait waits until the word is no longer last and returns it. It ends
 // early with ctx's error, or with alive's: alive is asked whether the peer
-// that rings is still there each time a sleep ends without a ring, at least
-// every sleepSlice, and its error is returned as it is.
+// that rings is still there each time sleepSlice has gone by without a
+// ring, whatever woke the waiter meanwhile (a signal, a ring for nothing),
+// and its error is returned as it is.
+//
+// A waiter counts itself among the sleepers while it sleeps; one killed
+// asleep stays counted, which costs each later Ring a system call, not
+// a wake-up.
 func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint32, error) {
 	if w := atomic.LoadUint32(b.word); w != last {
 		return w, nil
@@ -135,6 +141,8 @@ func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint3
 	}
 	atomic.AddUint32(b.sleepers, 1)
 	defer atomic.AddUint32(b.sleepers, ^uint32(0))
+	deadline, hasDeadline := ctx.Deadline()
+	sliceEnd := monotonic() + int64(sleepSlice)
 	for {
 		if w := atomic.LoadUint32(b.word); w != last {
 			b.learn(start)
@@ -143,20 +151,23 @@ func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint3
 		if err := ctx.Err(); err != nil {
 			return last, err
 		}
-		slice := sleepSlice
-		if d, ok := ctx.Deadline(); ok {
-			slice = max(0, min(slice, time.Until(d)))
-		}
-		ts := unix.NsecToTimespec(int64(slice))
-		_, _, errno := unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(b.word)), futexWait, uintptr(last), uintptr(unsafe.Pointer(&ts)), 0, 0)
-		switch errno {
-		case 0, unix.EAGAIN, unix.EINTR:
-			// Woken, or the word moved before the sleep, or a signal:
-			// the loop looks.
-		case unix.ETIMEDOUT:
+		now := monotonic()
+		if now >= sliceEnd {
 			if err := alive(); err != nil {
 				return last, err
 			}
+			sliceEnd = now + int64(sleepSlice)
+		}
+		sleep := time.Duration(sliceEnd - now)
+		if hasDeadline {
+			sleep = max(0, min(sleep, time.Until(deadline)))
+		}
+		ts := unix.NsecToTimespec(int64(sleep))
+		_, _, errno := unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(b.word)), futexWait, uintptr(last), uintptr(unsafe.Pointer(&ts)), 0, 0)
+		switch errno {
+		case 0, unix.EAGAIN, unix.EINTR, unix.ETIMEDOUT:
+			// Woken, or the word moved before the sleep, or a signal,
+			// or the sleep's end: the loop looks.
 		default:
 			return last, fmt.Errorf("mp: waiting for a lane: %w", errno)
 		}
@@ -174,8 +185,12 @@ func (b *Bell) spin(last uint32, start int64) (uint32, bool) {
 	if b.misses.Load() >= maxMisses && waits%probeEvery != 0 {
 		return last, false
 	}
+	gap := b.gap.Load()
+	if gap >= int64(spinCap) && waits%probeEvery != 0 {
+		return last, false // rings come slower than a sleep and a wake-up
+	}
 	b.spun.Add(1)
-	budget := min(max(2*b.gap.Load(), int64(spinMin)), int64(spinCap))
+	budget := min(max(2*gap, int64(spinMin)), int64(spinCap))
 	for i := 1; ; i++ {
 		if w := atomic.LoadUint32(b.word); w != last {
 			b.misses.Store(0)

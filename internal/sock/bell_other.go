@@ -19,10 +19,16 @@ func NewBell(mem []byte) (*Bell, error) {
 	return nil, fmt.Errorf("mp: a lane's bell: %w", errors.ErrUnsupported)
 }
 
+// Load returns 0.
 func (b *Bell) Load() uint32 { return 0 }
 
-func (b *Bell) Ring() error { return errors.ErrUnsupported }
+// Ring does nothing.
+func (b *Bell) Ring() {}
 
+// Advance reports false.
+func (b *Bell) Advance(old uint32) bool { return false }
+
+// Wait returns an error wrapping errors.ErrUnsupported.
 func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint32, error) {
-	return last, errors.ErrUnsupported
+	return last, fmt.Errorf("mp: a lane's bell: %w", errors.ErrUnsupported)
 }

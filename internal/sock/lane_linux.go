@@ -13,7 +13,9 @@ import (
 )
 
 // A Lane is a ring of messages in memory that two processes map: one
-// writing process, whose goroutines Send in turn, and readers that take
+// writing process, whose goroutines Send in turn through one Lane (two
+// Lanes of one memory each keep their own count of what they sent: only
+// one may Send), and readers that take
 // each message once, in order, with no system call while the other side is
 // awake (see Bell). It carries bytes only: what a message's bytes refer to
 // is the caller's to keep alive, and a message larger than an entry takes
@@ -67,50 +69,66 @@ const (
 	// maxLaneEntries and maxEntrySize bound a lane, and what an opener
 	// accepts.
 	maxLaneEntries = 1 << 16
+	maxLaneBytes   = 256 << 20
 	// maxBehind is how many times in a row a reader may find the taken
 	// count ahead of the sent one it read before, as other readers and
 	// the writer move on, before it calls the counts malformed.
-	maxBehind    = 1 << 16
+	maxBehind = 1 << 16
+	// passEvery is how many passes a loop of Send or Recv that does not
+	// wait makes between two looks at its context.
+	passEvery    = 1024
 	maxEntrySize = 64 << 10
 )
 
 // CreateLane makes the memory of a lane of n entries (a power of two) of
-// size bytes each (the header included; a multiple of 64), sealed against changes of
-// size, owned by the caller.
+// size bytes each (the header included; a multiple of 64), sealed against
+// changes of size, owned by the caller.
 func CreateLane(n, size int) (*fd.FD, error) {
-	if n < 1 || n > maxLaneEntries || n&(n-1) != 0 || size <= entryHeader || size > maxEntrySize || size%64 != 0 {
-		return nil, fmt.Errorf("mp: a lane of %d entries of %d bytes", n, size)
+	if err := checkLaneShape(int64(n), int64(size)); err != nil {
+		return nil, fmt.Errorf("mp: making a lane: %w", err)
 	}
 	raw, err := unix.MemfdCreate("tensormp-lane", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {
 		return nil, fmt.Errorf("mp: making a lane: %w%s", err, FDHint(err))
 	}
 	f := fd.New(raw)
-	total := int64(laneHeader) + int64(n)*int64(size)
-	err = unix.Ftruncate(raw, total)
+	hdr := make([]byte, 16)
+	binary.LittleEndian.PutUint32(hdr[0:], laneMagic)
+	binary.LittleEndian.PutUint32(hdr[4:], laneVersion)
+	binary.LittleEndian.PutUint32(hdr[8:], uint32(n))
+	binary.LittleEndian.PutUint32(hdr[12:], uint32(size))
+	err = unix.Ftruncate(raw, laneHeader+int64(n)*int64(size))
 	if err == nil {
-		var mem []byte
-		if mem, err = unix.Mmap(raw, 0, laneHeader, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED); err == nil {
-			binary.LittleEndian.PutUint32(mem[0:], laneMagic)
-			binary.LittleEndian.PutUint32(mem[4:], laneVersion)
-			binary.LittleEndian.PutUint32(mem[8:], uint32(n))
-			binary.LittleEndian.PutUint32(mem[12:], uint32(size))
-			err = unix.Munmap(mem)
-		}
+		_, err = unix.Pwrite(raw, hdr, 0)
 	}
 	if err == nil {
 		_, err = unix.FcntlInt(uintptr(raw), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL)
 	}
 	if err != nil {
 		_ = f.Close()
-		return nil, fmt.Errorf("mp: making a lane: %w", err)
+		return nil, fmt.Errorf("mp: making a lane of %d entries of %d bytes: %w", n, size, err)
 	}
 	return f, nil
 }
 
+// checkLaneShape says what is wrong with a lane of n entries of size
+// bytes, if anything.
+func checkLaneShape(n, size int64) error {
+	switch {
+	case n < 1 || n > maxLaneEntries || n&(n-1) != 0:
+		return fmt.Errorf("%d entries: want a power of two from 1 to %d", n, maxLaneEntries)
+	case size <= entryHeader || size > maxEntrySize || size%64 != 0:
+		return fmt.Errorf("entries of %d bytes: want a multiple of 64 from 64 to %d", size, maxEntrySize)
+	case laneHeader+n*size > maxLaneBytes:
+		return fmt.Errorf("%d entries of %d bytes: more than %d in all", n, size, maxLaneBytes)
+	}
+	return nil
+}
+
 // OpenLane maps the lane whose memory f is, which stays the caller's,
 // after checking that it is one: sealed against shrinking, with a header
-// whose sizes fit the file.
+// whose sizes are a lane's and fit the file. It maps what the header
+// says, no more.
 func OpenLane(f *fd.FD) (*Lane, error) {
 	raw, err := f.Lend()
 	if err != nil {
@@ -121,37 +139,44 @@ func OpenLane(f *fd.FD) (*Lane, error) {
 		return fmt.Errorf("mp: opening a lane: %w: "+format, append([]any{ErrMalformed}, a...)...)
 	}
 	seals, err := unix.FcntlInt(uintptr(raw), unix.F_GET_SEALS, 0)
-	if err != nil || seals&unix.F_SEAL_SHRINK == 0 {
-		return nil, malformed("its memory can shrink")
+	switch {
+	case err != nil:
+		return nil, malformed("its seals: %v (not a memfd?)", err)
+	case seals&unix.F_SEAL_SHRINK == 0:
+		return nil, malformed("its memory can shrink (seals %#x)", seals)
 	}
 	var st unix.Stat_t
 	if err := unix.Fstat(raw, &st); err != nil {
 		return nil, fmt.Errorf("mp: opening a lane: %w", err)
 	}
+	hdr := make([]byte, 16)
 	if st.Size < laneHeader {
-		return nil, malformed("%d bytes", st.Size)
+		return nil, malformed("%d bytes, less than a header", st.Size)
 	}
-	mem, err := unix.Mmap(raw, 0, int(st.Size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if _, err := unix.Pread(raw, hdr, 0); err != nil {
+		return nil, fmt.Errorf("mp: reading a lane's header: %w", err)
+	}
+	magic := binary.LittleEndian.Uint32(hdr[0:])
+	version := binary.LittleEndian.Uint32(hdr[4:])
+	n := int64(binary.LittleEndian.Uint32(hdr[8:]))
+	size := int64(binary.LittleEndian.Uint32(hdr[12:]))
+	if magic != laneMagic || version != laneVersion {
+		return nil, malformed("magic %#x, version %d", magic, version)
+	}
+	if err := checkLaneShape(n, size); err != nil {
+		return nil, malformed("%v", err)
+	}
+	total := laneHeader + n*size
+	if total > st.Size {
+		return nil, malformed("%d entries of %d bytes in a file of %d", n, size, st.Size)
+	}
+	mem, err := unix.Mmap(raw, 0, int(total), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
-		return nil, fmt.Errorf("mp: mapping a lane: %w", err)
-	}
-	magic := binary.LittleEndian.Uint32(mem[0:])
-	version := binary.LittleEndian.Uint32(mem[4:])
-	n := int64(binary.LittleEndian.Uint32(mem[8:]))
-	size := int64(binary.LittleEndian.Uint32(mem[12:]))
-	switch {
-	case magic != laneMagic || version != laneVersion:
-		err = malformed("magic %#x, version %d", magic, version)
-	case n < 1 || n > maxLaneEntries || n&(n-1) != 0 || size <= entryHeader || size > maxEntrySize || size%64 != 0:
-		err = malformed("%d entries of %d bytes", n, size)
-	case laneHeader+n*size > st.Size:
-		err = malformed("%d entries of %d bytes in %d", n, size, st.Size)
+		return nil, fmt.Errorf("mp: mapping a lane of %d bytes: %w", total, err)
 	}
 	l := &Lane{mem: mem, entries: uint32(n), size: int(size)}
-	if err == nil {
-		if l.sent, err = NewBell(mem[sentBell : sentBell+bellSize]); err == nil {
-			l.taken, err = NewBell(mem[takenBell : takenBell+bellSize])
-		}
+	if l.sent, err = NewBell(mem[sentBell : sentBell+bellSize]); err == nil {
+		l.taken, err = NewBell(mem[takenBell : takenBell+bellSize])
 	}
 	if err != nil {
 		_ = unix.Munmap(mem)
@@ -184,17 +209,18 @@ func (l *Lane) entry(pos uint32) []byte {
 }
 
 // Send publishes data as the next message, waiting while the ring is full
-// until ctx ends or alive reports the readers gone.
+// until ctx ends or alive reports the readers gone. Once it returns nil
+// the message is the readers'.
 func (l *Lane) Send(ctx context.Context, data []byte, alive func() error) error {
 	if len(data) > l.size-entryHeader {
-		return ErrTooLarge
+		return fmt.Errorf("%w: %d bytes, where an entry holds %d", ErrTooLarge, len(data), l.size-entryHeader)
 	}
 	l.wmu.Lock()
 	defer l.wmu.Unlock()
 	if l.mem == nil {
 		return errLaneClosed
 	}
-	for {
+	for pass := 1; ; pass++ {
 		taken := l.taken.Load()
 		used := l.tail - taken
 		if used > l.entries {
@@ -206,33 +232,54 @@ func (l *Lane) Send(ctx context.Context, data []byte, alive func() error) error 
 		if _, err := l.taken.Wait(ctx, taken, alive); err != nil {
 			return err
 		}
+		if err := checkEvery(ctx, pass); err != nil {
+			return err
+		}
 	}
 	e := l.entry(l.tail)
 	binary.LittleEndian.PutUint32(e[0:], l.tail)
 	binary.LittleEndian.PutUint32(e[4:], uint32(len(data)))
 	copy(e[entryHeader:], data)
 	l.tail++
-	return l.sent.Ring() // the word's atomic add publishes the entry
+	l.sent.Ring() // the word's atomic add publishes the entry
+	return nil
+}
+
+// checkEvery returns ctx's error every passEvery passes of a loop that
+// goes round without waiting: while another side keeps moving the
+// counts, which only a peer that writes them at will does for long.
+func checkEvery(ctx context.Context, pass int) error {
+	if pass%passEvery != 0 {
+		return nil
+	}
+	return ctx.Err()
 }
 
 // Recv takes the next message, copying it into buf's room (growing it as
 // needed) and returning it, waiting for one until ctx ends or alive
 // reports the writer gone. An entry that is not what the writer should
 // have written is taken and returned as an error wrapping ErrMalformed.
+//
+// Positions are 32-bit: a reader stalled between its copy and its take for
+// exactly 2^32 messages of other readers would take a stale copy.
 func (l *Lane) Recv(ctx context.Context, buf []byte, alive func() error) ([]byte, error) {
 	l.rmu.Lock()
 	defer l.rmu.Unlock()
 	if l.mem == nil {
 		return buf[:0], errLaneClosed
 	}
-	for behind := 0; ; {
+	for pass, behind := 1, 0; ; pass++ {
+		if err := checkEvery(ctx, pass); err != nil {
+			return buf[:0], err
+		}
 		// sent first: taken, read second, is then at least sent less
 		// the entries, from an honest writer. Another reader may have
 		// taken what was sent since: then taken is ahead, and both are
-		// read again, a bounded number of times.
+		// read again, up to maxBehind times in a row.
 		sent := l.sent.Load()
 		taken := l.taken.Load()
 		if sent == taken {
+			behind = 0
 			if _, err := l.sent.Wait(ctx, taken, alive); err != nil {
 				return buf[:0], err
 			}
@@ -242,6 +289,7 @@ func (l *Lane) Recv(ctx context.Context, buf []byte, alive func() error) ([]byte
 			behind++
 			continue
 		}
+		behind = 0
 		if sent-taken > l.entries {
 			return buf[:0], fmt.Errorf("mp: receiving on a lane: %w: %d sent, %d taken, in %d entries", ErrMalformed, sent, taken, l.entries)
 		}
@@ -251,17 +299,13 @@ func (l *Lane) Recv(ctx context.Context, buf []byte, alive func() error) ([]byte
 		pos := binary.LittleEndian.Uint32(e[0:])
 		n := binary.LittleEndian.Uint32(e[4:])
 		var err error
-		if pos != taken || int(n) > l.size-entryHeader {
+		if pos != taken || int64(n) > int64(l.size-entryHeader) {
 			err = fmt.Errorf("mp: receiving on a lane: %w: an entry at %d says position %d, %d bytes", ErrMalformed, taken, pos, n)
 		} else {
 			buf = append(buf[:0], e[entryHeader:entryHeader+int(n)]...)
 		}
-		took, werr := l.taken.Advance(taken)
-		if !took {
+		if !l.taken.Advance(taken) {
 			continue // another reader took it
-		}
-		if werr != nil && err == nil {
-			err = werr
 		}
 		if err != nil {
 			return buf[:0], err

@@ -26,10 +26,13 @@ func CreateLane(n, size int) (*fd.FD, error) { return nil, errNoLane }
 // OpenLane returns an error wrapping errors.ErrUnsupported.
 func OpenLane(f *fd.FD) (*Lane, error) { return nil, errNoLane }
 
+// Close does nothing.
 func (l *Lane) Close() error { return nil }
 
+// Send returns an error wrapping errors.ErrUnsupported.
 func (l *Lane) Send(ctx context.Context, data []byte, alive func() error) error { return errNoLane }
 
+// Recv returns an error wrapping errors.ErrUnsupported.
 func (l *Lane) Recv(ctx context.Context, buf []byte, alive func() error) ([]byte, error) {
 	return buf[:0], errNoLane
 }

@@ -125,19 +125,18 @@ func laneFile(t *testing.T, f *fd.FD) *os.File {
 // through a ring much smaller than the stream.
 func TestLaneCarriesAStream(t *testing.T) {
 	f, l := newLane(t)
-	cmd, err := reexec.Command(context.Background(), "sock.lane-writer")
-	require.NoError(t, err)
-	cmd.ExtraFiles = []*os.File{laneFile(t, f)}
-	require.NoError(t, cmd.Start())
+	wait, _, hangup := startPeer(t, "sock.lane-writer", []*os.File{laneFile(t, f)})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
+	alive := hungUp(hangup)
 	var buf []byte
+	var err error
 	for i := range laneMsgs {
-		buf, err = l.Recv(ctx, buf, func() error { return nil })
+		buf, err = l.Recv(ctx, buf, alive)
 		require.NoError(t, err, "message %d", i)
 		require.Equal(t, laneMsg(i), buf, "message %d", i)
 	}
-	require.NoError(t, cmd.Wait())
+	require.NoError(t, wait())
 }
 
 // Readers in two processes take each message once: together, every one.
@@ -145,33 +144,44 @@ func TestLaneReadersTakeEachOnce(t *testing.T) {
 	f, l := newLane(t)
 	file := laneFile(t, f)
 	var outs [2]strings.Builder
-	var cmds []*os.Process
-	waits := make(chan error, 2)
+	var waits []func() error
+	var hangups []func() error
 	for i := range outs {
 		cmd, err := reexec.Command(context.Background(), "sock.lane-reader")
 		require.NoError(t, err)
-		cmd.ExtraFiles = []*os.File{file}
+		r, w, err := os.Pipe()
+		require.NoError(t, err)
+		cmd.ExtraFiles = []*os.File{file, w}
 		cmd.Stdout = &outs[i]
-		require.NoError(t, cmd.Start())
-		cmds = append(cmds, cmd.Process)
-		go func() { waits <- cmd.Wait() }()
+		err = cmd.Start()
+		_ = w.Close()
+		require.NoError(t, err)
+		t.Cleanup(func() {
+			_ = cmd.Process.Kill()
+			_ = r.Close()
+		})
+		waits = append(waits, cmd.Wait)
+		hangups = append(hangups, hungUp(r))
 	}
-	t.Cleanup(func() {
-		for _, p := range cmds {
-			_ = p.Kill()
+	// The readers are gone once both have hung up.
+	alive := func() error {
+		for _, h := range hangups {
+			if h() == nil {
+				return nil
+			}
 		}
-	})
+		return errGone
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	alive := func() error { return nil }
 	for i := range laneMsgs {
 		require.NoError(t, l.Send(ctx, laneMsg(i), alive), "message %d", i)
 	}
 	for range outs {
 		require.NoError(t, l.Send(ctx, []byte("stop"), alive))
 	}
-	for range outs {
-		require.NoError(t, <-waits)
+	for _, wait := range waits {
+		require.NoError(t, wait())
 	}
 	var got []int
 	for i := range outs {
@@ -194,11 +204,14 @@ func TestLaneLimits(t *testing.T) {
 	_, l := newLane(t)
 	ctx := context.Background()
 	alive := func() error { return nil }
-	assert.ErrorIs(t, l.Send(ctx, make([]byte, laneEntry), alive), sock.ErrTooLarge)
+	assert.ErrorIs(t, l.Send(ctx, make([]byte, laneEntry-7), alive), sock.ErrTooLarge)
+	require.NoError(t, l.Send(ctx, make([]byte, laneEntry-8), alive), "a message that fills an entry")
+	_, err := l.Recv(ctx, nil, alive)
+	require.NoError(t, err)
 
 	short, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
 	defer cancel()
-	_, err := l.Recv(short, nil, alive)
+	_, err = l.Recv(short, nil, alive)
 	assert.ErrorIs(t, err, context.DeadlineExceeded)
 
 	for range laneEntries {
@@ -250,6 +263,9 @@ func TestOpenLaneRefuses(t *testing.T) {
 		{"entries not a power of two", memfd(true, 4096+8*256, []uint32{magic, version, 6, 256})},
 		{"entries too small", memfd(true, 4096+8*256, []uint32{magic, version, 8, 8})},
 		{"entries unaligned", memfd(true, 4096+8*256, []uint32{magic, version, 8, 200})},
+		// Sparse, as a hostile creator's may be: the header's sizes fit
+		// the file, but no lane is that large.
+		{"larger than a lane may be", memfd(true, 4096+1<<32, []uint32{magic, version, 1 << 16, 1 << 16})},
 	} {
 		_, err := sock.OpenLane(c.f)
 		assert.ErrorIs(t, err, sock.ErrMalformed, c.name)
