@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"runtime"
 	"slices"
 	"strconv"
 	"testing"
@@ -235,4 +236,37 @@ func TestNewBellRefusesBadMemory(t *testing.T) {
 	assert.Error(t, err, "too short")
 	_, err = sock.NewBell(mem[1:200])
 	assert.Error(t, err, "not aligned")
+}
+
+// Signals that keep interrupting a waiter's sleep do not hide a dead peer
+// from it: alive is asked once a sleep slice has gone by, however often
+// the sleep was cut short.
+func TestBellSignalsDoNotHideADeadPeer(t *testing.T) {
+	f, _, pong := bellMemory(t)
+	wait, kill, hangup := startBellPeer(t, f, "mute")
+	kill()
+	_ = wait()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	tid := make(chan int, 1)
+	done := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		tid <- unix.Gettid()
+		_, err := pong.Wait(ctx, pong.Load(), hungUp(hangup))
+		done <- err
+	}()
+	waiter := <-tid
+	tick := time.NewTicker(2 * time.Millisecond) // more often than a sleep slice
+	defer tick.Stop()
+	for {
+		select {
+		case err := <-done:
+			assert.ErrorIs(t, err, errGone)
+			return
+		case <-tick.C:
+			_ = unix.Tgkill(os.Getpid(), waiter, unix.SIGURG) // Go's own preemption signal
+		}
+	}
 }
