@@ -29,7 +29,9 @@ func allowedCPUs() ([]int, error) {
 // pinProcess runs every thread of this process on cpus alone, and so the
 // threads they start later, and lowers GOMAXPROCS to as many, which the
 // runtime would do itself within a second. restore gives every thread
-// back the CPUs the calling thread had, and GOMAXPROCS its value.
+// back the CPUs the calling thread had, and GOMAXPROCS its value: the
+// runtime's default, which the runtime keeps up to date again, unless the
+// environment set it.
 func pinProcess(cpus []int) (restore func() error, err error) {
 	if len(cpus) == 0 {
 		return nil, errors.New("pinning to no CPU")
@@ -45,12 +47,22 @@ func pinProcess(cpus []int) (restore func() error, err error) {
 		return nil, errors.Join(fmt.Errorf("pinning to CPUs %v: %w", cpus, err), setProcessAffinity(&was))
 	}
 	procs := runtime.GOMAXPROCS(0)
-	if procs > len(cpus) {
+	lowered := procs > len(cpus)
+	if lowered {
 		runtime.GOMAXPROCS(len(cpus))
 	}
 	return func() error {
-		runtime.GOMAXPROCS(procs)
-		return setProcessAffinity(&was)
+		err := setProcessAffinity(&was)
+		switch {
+		case !lowered:
+		case os.Getenv("GOMAXPROCS") == "":
+			// The runtime's own, from the CPUs just given back, and
+			// updated by it again from now on, as before the pinning.
+			runtime.SetDefaultGOMAXPROCS()
+		default:
+			runtime.GOMAXPROCS(procs)
+		}
+		return err
 	}, nil
 }
 

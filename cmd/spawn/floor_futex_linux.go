@@ -189,8 +189,8 @@ func serveFutex(sock, pageFD *fd.FD) (err error) {
 
 // await returns w's value once it is not last. With spin it spins first,
 // for up to spinFor; then it sleeps in FUTEX_WAIT with asleep set, which
-// tells the other side to wake it. Every spinCheck spins, and every
-// futexTimeout asleep, it looks whether the other end of sock is gone,
+// tells the other side to wake it. Every spinCheck spins, and once
+// futexTimeout asleep has gone by, it looks whether the other end of sock is gone,
 // and returns errFloorClosed if so.
 func await(w *atomic.Uint32, last uint32, asleep *atomic.Uint32, spin bool, sock int) (uint32, error) {
 	if spin {
@@ -213,6 +213,7 @@ func await(w *atomic.Uint32, last uint32, asleep *atomic.Uint32, spin bool, sock
 		}
 	}
 	timeout := unix.NsecToTimespec(int64(futexTimeout))
+	looked := time.Now()
 	for {
 		// Set before the kernel's look at w, so that a call stored after
 		// that look finds it set, and wakes.
@@ -223,11 +224,17 @@ func await(w *atomic.Uint32, last uint32, asleep *atomic.Uint32, spin bool, sock
 			return v, nil
 		}
 		switch errno {
-		case 0, unix.EAGAIN, unix.EINTR: // woken for nothing
-		case unix.ETIMEDOUT:
+		case 0, unix.EAGAIN, unix.EINTR, unix.ETIMEDOUT:
+			// Woken for nothing, or the sleep's end. Signals may cut
+			// every sleep short: the look at the other end goes by
+			// the clock.
+			if time.Since(looked) < futexTimeout {
+				continue
+			}
 			if peerGone(sock) {
 				return 0, errFloorClosed
 			}
+			looked = time.Now()
 		default:
 			return 0, fmt.Errorf("floor FUTEX_WAIT: %w", errno)
 		}
