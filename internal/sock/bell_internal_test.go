@@ -4,6 +4,7 @@ package sock
 
 import (
 	"testing"
+	"time"
 	"unsafe"
 
 	"github.com/stretchr/testify/assert"
@@ -19,12 +20,12 @@ func TestBellStopsSpinningWhenSpinsMiss(t *testing.T) {
 	require.NoError(t, err)
 	last := b.Load()
 	for i := range maxMisses {
-		_, found := b.spin(last, monotonic())
+		_, found := b.spin(last, time.Now())
 		require.False(t, found)
 		require.EqualValues(t, i+1, b.spun.Load(), "spin %d spun", i)
 	}
 	for range 2 * probeEvery {
-		b.spin(last, monotonic())
+		b.spin(last, time.Now())
 	}
 	probes := b.spun.Load() - maxMisses
 	assert.InDelta(t, 2, probes, 1, "waits that spun after %d misses in a row, of %d", maxMisses, 2*probeEvery)
@@ -32,12 +33,12 @@ func TestBellStopsSpinningWhenSpinsMiss(t *testing.T) {
 	// A probe that finds the ring: spinning again.
 	b.Ring()
 	for b.waits.Load()%probeEvery != probeEvery-1 {
-		b.spin(last, monotonic())
+		b.spin(last, time.Now())
 	}
-	_, found := b.spin(last, monotonic())
+	_, found := b.spin(last, time.Now())
 	require.True(t, found, "the probe finds the ring")
 	spun := b.spun.Load()
-	b.spin(last, monotonic())
+	b.spin(last, time.Now())
 	assert.Equal(t, spun+1, b.spun.Load(), "a wait after a found ring spins")
 }
 

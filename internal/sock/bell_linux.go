@@ -21,7 +21,7 @@ import (
 // every process maps the same bytes. Its layout:
 //
 //	0   uint32  the word, bumped by each Ring
-//	8   int64   when the last Ring was, CLOCK_MONOTONIC nanoseconds
+//	8   int64   when the last Ring was, Unix nanoseconds
 //	64  uint32  how many waiters are asleep, or about to be
 //
 // A peer that writes the memory at will can wake the waiter for nothing or
@@ -92,7 +92,7 @@ func (b *Bell) Load() uint32 { return atomic.LoadUint32(b.word) }
 
 // Ring bumps the word, waking the waiters that sleep on it.
 func (b *Bell) Ring() {
-	atomic.StoreInt64(b.rang, monotonic())
+	atomic.StoreInt64(b.rang, stamp())
 	atomic.AddUint32(b.word, 1)
 	b.wake()
 }
@@ -100,7 +100,7 @@ func (b *Bell) Ring() {
 // Advance moves the word from old to old+1, waking the waiters that sleep
 // on it, and reports whether it did: false if the word was not old.
 func (b *Bell) Advance(old uint32) bool {
-	atomic.StoreInt64(b.rang, monotonic())
+	atomic.StoreInt64(b.rang, stamp())
 	if !atomic.CompareAndSwapUint32(b.word, old, old+1) {
 		return false
 	}
@@ -135,14 +135,14 @@ func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint3
 	if w := atomic.LoadUint32(b.word); w != last {
 		return w, nil
 	}
-	start := monotonic()
+	start := time.Now()
 	if w, ok := b.spin(last, start); ok {
 		return w, nil
 	}
 	atomic.AddUint32(b.sleepers, 1)
 	defer atomic.AddUint32(b.sleepers, ^uint32(0))
 	deadline, hasDeadline := ctx.Deadline()
-	sliceEnd := monotonic() + int64(sleepSlice)
+	sliceEnd := time.Now().Add(sleepSlice)
 	for {
 		if w := atomic.LoadUint32(b.word); w != last {
 			b.learn(start)
@@ -151,16 +151,16 @@ func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint3
 		if err := ctx.Err(); err != nil {
 			return last, err
 		}
-		now := monotonic()
-		if now >= sliceEnd {
+		now := time.Now()
+		if !now.Before(sliceEnd) {
 			if err := alive(); err != nil {
 				return last, err
 			}
-			sliceEnd = now + int64(sleepSlice)
+			sliceEnd = now.Add(sleepSlice)
 		}
-		sleep := time.Duration(sliceEnd - now)
+		sleep := sliceEnd.Sub(now)
 		if hasDeadline {
-			sleep = max(0, min(sleep, time.Until(deadline)))
+			sleep = max(0, min(sleep, deadline.Sub(now)))
 		}
 		ts := unix.NsecToTimespec(int64(sleep))
 		_, _, errno := unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(b.word)), futexWait, uintptr(last), uintptr(unsafe.Pointer(&ts)), 0, 0)
@@ -180,7 +180,7 @@ func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint3
 // the waiter cannot see where it runs, so it learns from its spins: after
 // maxMisses in a row end without a ring, it spins only to probe, one wait
 // in probeEvery.
-func (b *Bell) spin(last uint32, start int64) (uint32, bool) {
+func (b *Bell) spin(last uint32, start time.Time) (uint32, bool) {
 	waits := b.waits.Add(1)
 	if b.misses.Load() >= maxMisses && waits%probeEvery != 0 {
 		return last, false
@@ -197,7 +197,7 @@ func (b *Bell) spin(last uint32, start int64) (uint32, bool) {
 			b.learn(start)
 			return w, true
 		}
-		if i%64 == 0 && monotonic()-start > budget {
+		if i%64 == 0 && int64(time.Since(start)) > budget {
 			if b.misses.Load() < maxMisses {
 				b.misses.Add(1)
 			}
@@ -206,21 +206,20 @@ func (b *Bell) spin(last uint32, start int64) (uint32, bool) {
 	}
 }
 
-// learn folds how long the message took to come after a wait began at
-// start into the spin budget. The ringer's clock says when it rang, so a
-// waiter that slept learns the gap, not the gap plus its own wake-up; a
-// ringer that lies about it moves the budget within [0, spinCap] only.
-func (b *Bell) learn(start int64) {
-	gap := atomic.LoadInt64(b.rang) - start
+// learn folds how long the ring took to come after a wait began at start
+// into the spin budget. The ringer's stamp says when it rang, so a waiter
+// that slept learns the gap, not the gap plus its own wake-up; a ringer
+// that lies about it, or a jump of the clock, moves the budget within
+// [0, spinCap] only.
+func (b *Bell) learn(start time.Time) {
+	gap := atomic.LoadInt64(b.rang) - start.UnixNano()
 	gap = max(0, min(gap, 2*int64(spinCap)))
 	old := b.gap.Load()
 	b.gap.Store(old + (gap-old)/4)
 }
 
-// monotonic returns CLOCK_MONOTONIC in nanoseconds: one clock for every
-// process of the machine.
-func monotonic() int64 {
-	var ts unix.Timespec
-	_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts)
-	return ts.Nano()
-}
+// stamp returns the time of a ring for the waiters of every process to
+// read: the wall clock, which they all read alike, in nanoseconds. It
+// costs no system call (unlike clock_gettime through package unix), so
+// that a ring whose waiter is awake makes none.
+func stamp() int64 { return time.Now().UnixNano() }

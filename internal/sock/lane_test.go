@@ -97,7 +97,7 @@ func laneReader() int {
 }
 
 // newLane makes a lane's memory and maps it here.
-func newLane(t *testing.T) (*fd.FD, *sock.Lane) {
+func newLane(t testing.TB) (*fd.FD, *sock.Lane) {
 	t.Helper()
 	f, err := sock.CreateLane(laneEntries, laneEntry)
 	require.NoError(t, err)
