@@ -13,8 +13,9 @@ import (
 // A Bell wakes a process that waits for a word in memory that both map:
 // the doorbell of a shared-memory lane. The ringer bumps the word; the
 // waiter spins on it for as long as messages have lately taken to come
-// (not while its spins keep missing), then sleeps on it (FUTEX_WAIT), and is woken only if
-// it sleeps: a ringer whose waiter is awake makes no system call.
+// (not while its spins keep missing), then sleeps on it (FUTEX_WAIT), and
+// is woken only if it sleeps: a ringer whose waiter is awake makes no
+// system call, nor do the rings that follow one that woke it.
 //
 // The Bell's memory is bellSize bytes of a MAP_SHARED mapping, aligned to
 // 64 bytes, which the caller owns and keeps mapped while the Bell is used;
@@ -22,16 +23,16 @@ import (
 //
 //	0   uint32  the word, bumped by each Ring
 //	8   int64   when the last Ring was, Unix nanoseconds
-//	64  uint32  how many waiters are asleep, or about to be
+//	64  uint32  1 once a waiter is about to sleep, until a ringer wakes it
 //
 // A peer that writes the memory at will can wake the waiter for nothing or
 // make it spin up to spinCap in vain; it cannot make it miss a Ring or
 // sleep past its context and its peer's end, and a Ring whose wake it
 // suppresses is seen at most a sleepSlice late.
 type Bell struct {
-	word     *uint32
-	rang     *int64
-	sleepers *uint32
+	word   *uint32
+	rang   *int64
+	asleep *uint32
 
 	// The waiter's spin budget, process-local: how long rings have lately
 	// taken to come after a wait began (an average), and how many spins
@@ -80,9 +81,9 @@ func NewBell(mem []byte) (*Bell, error) {
 	}
 	p := unsafe.Pointer(unsafe.SliceData(mem))
 	b := &Bell{
-		word:     (*uint32)(p),
-		rang:     (*int64)(unsafe.Add(p, 8)),
-		sleepers: (*uint32)(unsafe.Add(p, 64)),
+		word:   (*uint32)(p),
+		rang:   (*int64)(unsafe.Add(p, 8)),
+		asleep: (*uint32)(unsafe.Add(p, 64)),
 	}
 	return b, nil
 }
@@ -109,14 +110,18 @@ func (b *Bell) Advance(old uint32) bool {
 }
 
 // wake wakes the waiters asleep on the word, if any, once it has moved.
-// FUTEX_WAKE fails only for an address that is not mapped or not aligned,
-// which a Bell's never are; a wake that failed all the same would be seen
-// by its waiter a sleepSlice late, so it is not an error of the ring.
+// The ringer that finds the asleep flag set clears it and wakes every
+// waiter: a waiter woken but not yet run costs the rings after that one
+// nothing, and one that wakes to nothing sets the flag again before it
+// sleeps again. FUTEX_WAKE fails only for an address that is not mapped or
+// not aligned, which a Bell's never are; a wake that failed all the same
+// would be seen by its waiter a sleepSlice late, so it is not an error of
+// the ring.
 func (b *Bell) wake() {
 	// Dekker's pattern with the waiter, both sides sequentially
-	// consistent: either the waiter's count is seen here, or the waiter
+	// consistent: either the waiter's flag is seen here, or the waiter
 	// sees the new word before it sleeps.
-	if atomic.LoadUint32(b.sleepers) == 0 {
+	if atomic.LoadUint32(b.asleep) == 0 || atomic.SwapUint32(b.asleep, 0) == 0 {
 		return
 	}
 	_, _, _ = unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(b.word)), futexWake, 1<<30, 0, 0, 0)
@@ -128,9 +133,9 @@ func (b *Bell) wake() {
 // ring, whatever woke the waiter meanwhile (a signal, a ring for nothing),
 // and its error is returned as it is.
 //
-// A waiter counts itself among the sleepers while it sleeps; one killed
-// asleep stays counted, which costs each later Ring a system call, not
-// a wake-up.
+// A waiter that leaves its wait (its ring came, or its context ended)
+// while its flag is set, or is killed asleep, costs the next Ring one
+// FUTEX_WAKE for nobody.
 func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint32, error) {
 	if w := atomic.LoadUint32(b.word); w != last {
 		return w, nil
@@ -139,11 +144,11 @@ func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint3
 	if w, ok := b.spin(last, start); ok {
 		return w, nil
 	}
-	atomic.AddUint32(b.sleepers, 1)
-	defer atomic.AddUint32(b.sleepers, ^uint32(0))
 	deadline, hasDeadline := ctx.Deadline()
 	sliceEnd := time.Now().Add(sleepSlice)
 	for {
+		// The flag before the look: a ring after the look sees it.
+		atomic.StoreUint32(b.asleep, 1)
 		if w := atomic.LoadUint32(b.word); w != last {
 			b.learn(start)
 			return w, nil
