@@ -29,9 +29,8 @@ func allowedCPUs() ([]int, error) {
 // pinProcess runs every thread of this process on cpus alone, and so the
 // threads they start later, and lowers GOMAXPROCS to as many, which the
 // runtime would do itself within a second. restore gives every thread
-// back the CPUs the calling thread had, and GOMAXPROCS its value: the
-// runtime's default, which the runtime keeps up to date again, unless the
-// environment set it.
+// back the CPUs the calling thread had, and GOMAXPROCS its value: to the
+// runtime's keeping again if it was the runtime's default, else as set.
 func pinProcess(cpus []int) (restore func() error, err error) {
 	if len(cpus) == 0 {
 		return nil, errors.New("pinning to no CPU")
@@ -55,9 +54,10 @@ func pinProcess(cpus []int) (restore func() error, err error) {
 		err := setProcessAffinity(&was)
 		switch {
 		case !lowered:
-		case os.Getenv("GOMAXPROCS") == "":
-			// The runtime's own, from the CPUs just given back, and
-			// updated by it again from now on, as before the pinning.
+		case os.Getenv("GOMAXPROCS") == "" && procs == was.Count():
+			// It was the runtime's own (as far as the CPUs tell: a
+			// cgroup's quota may lower it): the runtime's again,
+			// which it keeps up to date from now on.
 			runtime.SetDefaultGOMAXPROCS()
 		default:
 			runtime.GOMAXPROCS(procs)

@@ -99,3 +99,16 @@ func TestPinProcess(t *testing.T) {
 	assert.Equal(t, allowed, got)
 	assert.Equal(t, procs, runtime.GOMAXPROCS(0), "GOMAXPROCS after restore")
 }
+
+// A GOMAXPROCS a program set itself, not the runtime's default, comes back
+// as it was set.
+func TestPinProcessKeepsASetGOMAXPROCS(t *testing.T) {
+	allowed, err := allowedCPUs()
+	require.NoError(t, err)
+	was := runtime.GOMAXPROCS(len(allowed) + 3)
+	defer runtime.GOMAXPROCS(was)
+	restore, err := pinProcess(allowed[:1])
+	require.NoError(t, err)
+	require.NoError(t, restore())
+	assert.Equal(t, len(allowed)+3, runtime.GOMAXPROCS(0))
+}

@@ -3,6 +3,9 @@
 package sock
 
 import (
+	"context"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 	"unsafe"
@@ -43,3 +46,33 @@ func TestBellStopsSpinningWhenSpinsMiss(t *testing.T) {
 }
 
 func unsafeAddr(b []byte) unsafe.Pointer { return unsafe.Pointer(unsafe.SliceData(b)) }
+
+// A ringer late to wake, whose ring the waiter has seen already, clears
+// the flag the waiter set for its next sleep, just before that sleep; the
+// ring after it still wakes the waiter, not a sleep slice later.
+func TestBellLateWakeLosesNoRing(t *testing.T) {
+	mem := make([]byte, 4096)
+	off := (64 - int(uintptr(unsafeAddr(mem))%64)) % 64
+	b, err := NewBell(mem[off : off+bellSize])
+	require.NoError(t, err)
+	b.misses.Store(maxMisses)   // no spinning: straight to sleep
+	atomic.AddUint32(b.word, 1) // a ring whose wake comes late
+	var once sync.Once
+	var flagged atomic.Bool
+	late := func() {
+		once.Do(func() {
+			b.wake() // the late wake, in the gap before the sleep
+			time.AfterFunc(2*time.Millisecond, func() {
+				// The waiter is asleep by now: its flag must say so,
+				// or this ring wakes nobody.
+				flagged.Store(atomic.LoadUint32(b.asleep) == 1)
+				b.Ring()
+			})
+		})
+	}
+	beforeSleep.Store(&late)
+	defer beforeSleep.Store(nil)
+	_, err = b.Wait(context.Background(), b.Load(), func() error { return nil })
+	require.NoError(t, err)
+	assert.True(t, flagged.Load(), "the waiter slept unflagged: the ring woke nobody")
+}

@@ -13,9 +13,10 @@ import (
 // A Bell wakes a process that waits for a word in memory that both map:
 // the doorbell of a shared-memory lane. The ringer bumps the word; the
 // waiter spins on it for as long as messages have lately taken to come
-// (not while its spins keep missing), then sleeps on it (FUTEX_WAIT), and
-// is woken only if it sleeps: a ringer whose waiter is awake makes no
-// system call, nor do the rings that follow one that woke it.
+// (not while its spins keep missing), then sleeps (FUTEX_WAIT on a flag
+// beside it), and is woken only if it sleeps: a ringer whose waiter is
+// awake makes no system call, nor do the rings that follow one that woke
+// it.
 //
 // The Bell's memory is bellSize bytes of a MAP_SHARED mapping, aligned to
 // 64 bytes, which the caller owns and keeps mapped while the Bell is used;
@@ -23,7 +24,8 @@ import (
 //
 //	0   uint32  the word, bumped by each Ring
 //	8   int64   when the last Ring was, Unix nanoseconds
-//	64  uint32  1 once a waiter is about to sleep, until a ringer wakes it
+//	64  uint32  1 once a waiter is about to sleep, until a ringer wakes it:
+//	            the futex the waiters sleep on
 //
 // A peer that writes the memory at will can wake the waiter for nothing or
 // make it spin up to spinCap in vain; it cannot make it miss a Ring or
@@ -42,6 +44,10 @@ type Bell struct {
 	waits  atomic.Uint32
 	spun   atomic.Uint64 // waits that spun, for tests and benchmarks
 }
+
+// beforeSleep, if set, runs in a waiter between its last look at the word
+// and its sleep: for tests, to put another side's move in that gap.
+var beforeSleep atomic.Pointer[func()]
 
 // bellSize is the bytes a Bell takes.
 const bellSize = 128
@@ -124,7 +130,7 @@ func (b *Bell) wake() {
 	if atomic.LoadUint32(b.asleep) == 0 || atomic.SwapUint32(b.asleep, 0) == 0 {
 		return
 	}
-	_, _, _ = unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(b.word)), futexWake, 1<<30, 0, 0, 0)
+	_, _, _ = unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(b.asleep)), futexWake, 1<<30, 0, 0, 0)
 }
 
 // Wait waits until the word is no longer last and returns it. It ends
@@ -147,7 +153,10 @@ func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint3
 	deadline, hasDeadline := ctx.Deadline()
 	sliceEnd := time.Now().Add(sleepSlice)
 	for {
-		// The flag before the look: a ring after the look sees it.
+		// The flag before the look: a ring after the look sees it. The
+		// sleep is on the flag, not the word: a ringer that clears it
+		// (even one whose ring this waiter has seen already, late to
+		// wake) ends the sleep at once, and the loop sets it again.
 		atomic.StoreUint32(b.asleep, 1)
 		if w := atomic.LoadUint32(b.word); w != last {
 			b.learn(start)
@@ -165,14 +174,21 @@ func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint3
 		}
 		sleep := sliceEnd.Sub(now)
 		if hasDeadline {
-			sleep = max(0, min(sleep, deadline.Sub(now)))
+			if !now.Before(deadline) {
+				// Past it, before the context's own timer says so.
+				return last, context.DeadlineExceeded
+			}
+			sleep = min(sleep, deadline.Sub(now))
 		}
 		ts := unix.NsecToTimespec(int64(sleep))
-		_, _, errno := unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(b.word)), futexWait, uintptr(last), uintptr(unsafe.Pointer(&ts)), 0, 0)
+		if hook := beforeSleep.Load(); hook != nil {
+			(*hook)()
+		}
+		_, _, errno := unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(b.asleep)), futexWait, 1, uintptr(unsafe.Pointer(&ts)), 0, 0)
 		switch errno {
 		case 0, unix.EAGAIN, unix.EINTR, unix.ETIMEDOUT:
-			// Woken, or the word moved before the sleep, or a signal,
-			// or the sleep's end: the loop looks.
+			// Woken, or the flag cleared before the sleep, or a
+			// signal, or the sleep's end: the loop looks.
 		default:
 			return last, fmt.Errorf("mp: waiting for a lane: %w", errno)
 		}

@@ -168,7 +168,9 @@ func startPeer(t *testing.T, name string, files []*os.File, args ...string) (wai
 func hungUp(r *os.File) func() error {
 	return func() error {
 		p := []unix.PollFd{{Fd: int32(r.Fd()), Events: unix.POLLIN}}
-		if _, err := unix.Poll(p, 0); err != nil {
+		if _, err := unix.Poll(p, 0); err == unix.EINTR {
+			return nil // a signal (the helper's SIGCHLD, say): ask again later
+		} else if err != nil {
 			return err
 		}
 		if p[0].Revents&unix.POLLHUP != 0 {

@@ -556,8 +556,15 @@ func (c *Conn) peerGone() bool {
 		return true
 	}
 	p := []unix.PollFd{{Fd: int32(c.sock.Num()), Events: pollPeerGone}}
-	if _, err := unix.Poll(p, 0); err != nil {
-		return true
+	for {
+		_, err := unix.Poll(p, 0)
+		if err == unix.EINTR {
+			continue // a signal came: that says nothing of the peer
+		}
+		if err != nil {
+			return true
+		}
+		break
 	}
 	return p[0].Revents&(pollPeerGone|unix.POLLHUP) != 0
 }
