@@ -17,10 +17,8 @@ import (
 // A waiter whose spins keep missing stops spinning, but for a probe now
 // and then, and spins again once a probe finds its ring.
 func TestBellStopsSpinningWhenSpinsMiss(t *testing.T) {
-	mem := make([]byte, 4096)
-	off := 64 - int(uintptr(unsafeAddr(mem))%64)
-	b, err := NewBell(mem[off%64 : off%64+bellSize])
-	require.NoError(t, err)
+	b := testBell(t)
+	b.misses.Store(0)
 	last := b.Load()
 	for i := range maxMisses {
 		_, found := b.spin(last, time.Now())
@@ -47,32 +45,118 @@ func TestBellStopsSpinningWhenSpinsMiss(t *testing.T) {
 
 func unsafeAddr(b []byte) unsafe.Pointer { return unsafe.Pointer(unsafe.SliceData(b)) }
 
-// A ringer late to wake, whose ring the waiter has seen already, clears
-// the flag the waiter set for its next sleep, just before that sleep; the
-// ring after it still wakes the waiter, not a sleep slice later.
-func TestBellLateWakeLosesNoRing(t *testing.T) {
+// testBell returns a Bell in process memory whose waiters go straight to
+// sleep, without spinning.
+func testBell(t *testing.T) *Bell {
+	t.Helper()
 	mem := make([]byte, 4096)
 	off := (64 - int(uintptr(unsafeAddr(mem))%64)) % 64
 	b, err := NewBell(mem[off : off+bellSize])
 	require.NoError(t, err)
-	b.misses.Store(maxMisses)   // no spinning: straight to sleep
-	atomic.AddUint32(b.word, 1) // a ring whose wake comes late
+	b.misses.Store(maxMisses)
+	return b
+}
+
+// onceBeforeSleep has the first waiter that is about to sleep run f, in
+// the gap between its last look at the word and its sleep, until the
+// test's end.
+func onceBeforeSleep(t *testing.T, f func()) {
 	var once sync.Once
-	var flagged atomic.Bool
-	late := func() {
-		once.Do(func() {
-			b.wake() // the late wake, in the gap before the sleep
-			time.AfterFunc(2*time.Millisecond, func() {
-				// The waiter is asleep by now: its flag must say so,
-				// or this ring wakes nobody.
-				flagged.Store(atomic.LoadUint32(b.asleep) == 1)
-				b.Ring()
-			})
-		})
+	hook := func() { once.Do(f) }
+	beforeSleep.Store(&hook)
+	t.Cleanup(func() { beforeSleep.Store(nil) })
+}
+
+// armedWithin reports whether b's asleep flag is armed, or becomes armed
+// within half a sleep slice: a waiter about to sleep has said so.
+func armedWithin(b *Bell) bool {
+	for end := time.Now().Add(sleepSlice / 2); time.Now().Before(end); time.Sleep(50 * time.Microsecond) {
+		if atomic.LoadUint32(b.asleep)&1 == 1 {
+			return true
+		}
 	}
-	beforeSleep.Store(&late)
-	defer beforeSleep.Store(nil)
-	_, err = b.Wait(context.Background(), b.Load(), func() error { return nil })
+	return false
+}
+
+// A ringer late to wake, whose ring the waiter has seen already, clears
+// the flag the waiter armed for its next sleep, just before that sleep;
+// the ring after it still wakes the waiter: no sleep ends by its time.
+func TestBellLateWakeLosesNoRing(t *testing.T) {
+	b := testBell(t)
+	atomic.AddUint32(b.word, 1) // a ring whose wake comes late
+	var armed atomic.Bool
+	onceBeforeSleep(t, func() {
+		b.wake() // the late wake, in the gap before the sleep
+		go func() {
+			armed.Store(armedWithin(b)) // the waiter is asleep, and says so
+			b.Ring()
+		}()
+	})
+	_, err := b.Wait(context.Background(), b.Load(), func() error { return nil })
 	require.NoError(t, err)
-	assert.True(t, flagged.Load(), "the waiter slept unflagged: the ring woke nobody")
+	assert.True(t, armed.Load(), "the waiter slept unarmed: the ring woke nobody")
+	assert.Zero(t, b.timeouts.Load(), "sleeps ended by their time: a ring was missed")
+}
+
+// Two waiters on one word, as a lane's readers are: the ring that wakes
+// the one asleep, which then arms the flag again on its way out, still
+// reaches the other, which looked before the ring and is about to sleep.
+func TestBellSecondWaiterLosesNoRing(t *testing.T) {
+	b := testBell(t)
+	last := b.Load()
+	never := func() error { return nil }
+	first := make(chan struct{})
+	done := make(chan error, 1)
+	var hooks atomic.Int32
+	hook := func() {
+		switch hooks.Add(1) {
+		case 1: // the first waiter, about to sleep
+			close(first)
+		case 2: // the second, between its look and its sleep: the ring,
+			// and the first waiter woken by it and gone, arming the
+			// flag on its way out
+			b.Ring()
+			select {
+			case err := <-done:
+				done <- err
+			case <-time.After(time.Second):
+			}
+		}
+	}
+	beforeSleep.Store(&hook)
+	defer beforeSleep.Store(nil)
+	go func() {
+		_, err := b.Wait(context.Background(), last, never)
+		done <- err
+	}()
+	<-first
+	_, err := b.Wait(context.Background(), last, never)
+	require.NoError(t, err)
+	require.NoError(t, <-done)
+	assert.Zero(t, b.timeouts.Load(), "sleeps ended by their time: a ring was missed")
+}
+
+// A waiter that has seen a ring already, waiting for the next, arms the
+// flag that the ring just cleared: a waiter that looked before that ring
+// does not sleep through it on that arming.
+func TestBellNewerWaiterLosesNoRing(t *testing.T) {
+	b := testBell(t)
+	last := b.Load()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	never := func() error { return nil }
+	newer := make(chan struct{})
+	onceBeforeSleep(t, func() {
+		b.Ring()
+		go func() {
+			_, _ = b.Wait(ctx, last+1, never) // sleeps until cancel
+			close(newer)
+		}()
+		armedWithin(b)
+	})
+	_, err := b.Wait(ctx, last, never)
+	require.NoError(t, err)
+	assert.Zero(t, b.timeouts.Load(), "sleeps ended by their time: a ring was missed")
+	cancel()
+	<-newer
 }

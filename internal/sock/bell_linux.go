@@ -24,8 +24,8 @@ import (
 //
 //	0   uint32  the word, bumped by each Ring
 //	8   int64   when the last Ring was, Unix nanoseconds
-//	64  uint32  1 once a waiter is about to sleep, until a ringer wakes it:
-//	            the futex the waiters sleep on
+//	64  uint32  odd once a waiter is about to sleep, made even by the ringer
+//	            that wakes it: the futex the waiters sleep on
 //
 // A peer that writes the memory at will can wake the waiter for nothing or
 // make it spin up to spinCap in vain; it cannot make it miss a Ring or
@@ -43,6 +43,9 @@ type Bell struct {
 	misses atomic.Int32
 	waits  atomic.Uint32
 	spun   atomic.Uint64 // waits that spun, for tests and benchmarks
+	// timeouts counts sleeps ended by their time rather than a wake or a
+	// cleared flag, for tests: with a live ringer, a missed ring.
+	timeouts atomic.Uint64
 }
 
 // beforeSleep, if set, runs in a waiter between its last look at the word
@@ -71,6 +74,10 @@ const (
 	// spinMin is the shortest spin: what a ring from a ringer already
 	// running on another CPU takes to be seen, with room to spare.
 	spinMin = 2 * time.Microsecond
+	// maxClears is how many times a ringer tries to clear the asleep
+	// flag before it wakes the waiters all the same: only a peer that
+	// keeps writing the flag makes it fail more than once or twice.
+	maxClears = 64
 	// maxMisses is how many spins in a row may end without a ring before
 	// the waiter stops spinning: a ringer that cannot run while its
 	// waiter spins (the two share one CPU) never rings in time. After
@@ -116,19 +123,29 @@ func (b *Bell) Advance(old uint32) bool {
 }
 
 // wake wakes the waiters asleep on the word, if any, once it has moved.
-// The ringer that finds the asleep flag set clears it and wakes every
-// waiter: a waiter woken but not yet run costs the rings after that one
-// nothing, and one that wakes to nothing sets the flag again before it
-// sleeps again. FUTEX_WAKE fails only for an address that is not mapped or
-// not aligned, which a Bell's never are; a wake that failed all the same
-// would be seen by its waiter a sleepSlice late, so it is not an error of
-// the ring.
+// The asleep flag is a count, odd while a waiter is about to sleep or
+// asleep: the ringer that finds it odd makes it even and wakes every
+// waiter. A count, not a 0 or 1, so that each clearing changes it: a
+// waiter sleeps only while the flag still holds the value it armed, and
+// another waiter arming it again does not bring that value back. A waiter
+// woken but not yet run costs the rings after that one nothing; one that
+// wakes to nothing arms the flag again before it sleeps again.
+//
+// FUTEX_WAKE fails only for an address that is not mapped or not aligned,
+// which a Bell's never are; a wake that failed all the same would be seen
+// by its waiter a sleepSlice late, so it is not an error of the ring.
 func (b *Bell) wake() {
 	// Dekker's pattern with the waiter, both sides sequentially
-	// consistent: either the waiter's flag is seen here, or the waiter
+	// consistent: either the waiter's arming is seen here, or the waiter
 	// sees the new word before it sleeps.
-	if atomic.LoadUint32(b.asleep) == 0 || atomic.SwapUint32(b.asleep, 0) == 0 {
-		return
+	for i := 0; ; i++ {
+		v := atomic.LoadUint32(b.asleep)
+		if v&1 == 0 {
+			return
+		}
+		if atomic.CompareAndSwapUint32(b.asleep, v, v+1) || i == maxClears {
+			break // cleared, or a peer keeps writing it: wake anyway
+		}
 	}
 	_, _, _ = unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(b.asleep)), futexWake, 1<<30, 0, 0, 0)
 }
@@ -153,11 +170,15 @@ func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint3
 	deadline, hasDeadline := ctx.Deadline()
 	sliceEnd := time.Now().Add(sleepSlice)
 	for {
-		// The flag before the look: a ring after the look sees it. The
-		// sleep is on the flag, not the word: a ringer that clears it
-		// (even one whose ring this waiter has seen already, late to
-		// wake) ends the sleep at once, and the loop sets it again.
-		atomic.StoreUint32(b.asleep, 1)
+		// Arm the flag before the look: a ring after the look sees it.
+		// The sleep is on the flag's armed value, not on the word: any
+		// clearing since (even by a ringer late to wake, whose ring
+		// this waiter has seen already) ends the sleep at once, and the
+		// loop arms it again.
+		armed := atomic.LoadUint32(b.asleep)
+		if armed&1 == 0 && atomic.CompareAndSwapUint32(b.asleep, armed, armed+1) {
+			armed++ // else it moved meanwhile: the sleep fails at once
+		}
 		if w := atomic.LoadUint32(b.word); w != last {
 			b.learn(start)
 			return w, nil
@@ -184,11 +205,13 @@ func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint3
 		if hook := beforeSleep.Load(); hook != nil {
 			(*hook)()
 		}
-		_, _, errno := unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(b.asleep)), futexWait, 1, uintptr(unsafe.Pointer(&ts)), 0, 0)
+		_, _, errno := unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(b.asleep)), futexWait, uintptr(armed), uintptr(unsafe.Pointer(&ts)), 0, 0)
 		switch errno {
-		case 0, unix.EAGAIN, unix.EINTR, unix.ETIMEDOUT:
+		case unix.ETIMEDOUT:
+			b.timeouts.Add(1)
+		case 0, unix.EAGAIN, unix.EINTR:
 			// Woken, or the flag cleared before the sleep, or a
-			// signal, or the sleep's end: the loop looks.
+			// signal: the loop looks.
 		default:
 			return last, fmt.Errorf("mp: waiting for a lane: %w", errno)
 		}

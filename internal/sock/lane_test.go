@@ -250,7 +250,7 @@ func TestOpenLaneRefuses(t *testing.T) {
 		}
 		return f
 	}
-	const magic, version = 0x454e4c54, 1
+	const magic, version = 0x454e4c54, 2
 	for _, c := range []struct {
 		name string
 		f    *fd.FD
