@@ -59,7 +59,7 @@ var errLaneClosed = fmt.Errorf("%w (the lane)", ErrClosed)
 
 const (
 	laneMagic   = 0x454e4c54 // "TLNE" little-endian
-	laneVersion = 2 // 2: the bells sleep on a count, odd while armed
+	laneVersion = 2          // 2: the bells sleep on a count, odd while armed
 	laneHeader  = 4096
 	entryHeader = 8 // position, length
 
