@@ -95,7 +95,7 @@ func TestBellLateWakeLosesNoRing(t *testing.T) {
 	_, err := b.Wait(context.Background(), b.Load(), func() error { return nil })
 	require.NoError(t, err)
 	assert.True(t, armed.Load(), "the waiter slept unarmed: the ring woke nobody")
-	assert.Zero(t, b.timeouts.Load(), "sleeps ended by their time: a ring was missed")
+	assert.Zero(t, b.timeouts.Load(), "sleeps that slept through a ring")
 }
 
 // Two waiters on one word, as a lane's readers are: the ring that wakes
@@ -133,7 +133,7 @@ func TestBellSecondWaiterLosesNoRing(t *testing.T) {
 	_, err := b.Wait(context.Background(), last, never)
 	require.NoError(t, err)
 	require.NoError(t, <-done)
-	assert.Zero(t, b.timeouts.Load(), "sleeps ended by their time: a ring was missed")
+	assert.Zero(t, b.timeouts.Load(), "sleeps that slept through a ring")
 }
 
 // A waiter that has seen a ring already, waiting for the next, arms the
@@ -156,7 +156,7 @@ func TestBellNewerWaiterLosesNoRing(t *testing.T) {
 	})
 	_, err := b.Wait(ctx, last, never)
 	require.NoError(t, err)
-	assert.Zero(t, b.timeouts.Load(), "sleeps ended by their time: a ring was missed")
+	assert.Zero(t, b.timeouts.Load(), "sleeps that slept through a ring")
 	cancel()
 	<-newer
 }
