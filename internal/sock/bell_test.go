@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"os"
 	"runtime"
@@ -127,14 +128,15 @@ func fail(err error) int {
 // startBellPeer starts bellPeer with arg on f's bells.
 func startBellPeer(t *testing.T, f *os.File, arg string) (wait func() error, kill func(), hangup *os.File) {
 	t.Helper()
-	return startPeer(t, "sock.bell-peer", []*os.File{f}, arg)
+	return startPeer(t, "sock.bell-peer", nil, []*os.File{f}, arg)
 }
 
 // startPeer starts the helper name with files as its descriptors from 3 on,
 // and the write end of a pipe after them, whose read end, returned, hangs
 // up when the helper dies: the kernel's word that it is gone, as a queue's
-// socket is a lane's. The helper is killed at the test's end.
-func startPeer(t *testing.T, name string, files []*os.File, args ...string) (wait func() error, kill func(), hangup *os.File) {
+// socket is a lane's. Its standard output goes to stdout, if not nil, which
+// is whole once wait has returned. The helper is killed at the test's end.
+func startPeer(t *testing.T, name string, stdout io.Writer, files []*os.File, args ...string) (wait func() error, kill func(), hangup *os.File) {
 	t.Helper()
 	r, w, err := os.Pipe()
 	require.NoError(t, err)
@@ -142,6 +144,7 @@ func startPeer(t *testing.T, name string, files []*os.File, args ...string) (wai
 	cmd, err := reexec.Command(context.Background(), name, args...)
 	require.NoError(t, err)
 	cmd.ExtraFiles = append(slices.Clip(files), w)
+	cmd.Stdout = stdout
 	err = cmd.Start()
 	_ = w.Close()
 	require.NoError(t, err)

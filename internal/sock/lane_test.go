@@ -49,9 +49,9 @@ func laneMsg(i int) []byte {
 // openLaneFD opens the lane whose memory is descriptor 3, a helper's.
 func openLaneFD() (*sock.Lane, error) { return sock.OpenLane(fd.New(3)) }
 
-// laneWriter sends laneMsgs messages on the lane at fd 3, pausing now and
-// then so that its readers sleep.
-func laneWriter() int {
+// laneHelper runs a helper's part on the lane at fd 3, with a minute to do
+// it, and returns its exit status.
+func laneHelper(part func(ctx context.Context, l *sock.Lane) error) int {
 	l, err := openLaneFD()
 	if err != nil {
 		return fail(err)
@@ -59,41 +59,48 @@ func laneWriter() int {
 	defer l.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	for i := range laneMsgs {
-		if i%500 == 0 {
-			time.Sleep(time.Millisecond)
-		}
-		if err := l.Send(ctx, laneMsg(i), func() error { return nil }); err != nil {
-			return fail(err)
-		}
+	if err := part(ctx, l); err != nil {
+		return fail(err)
 	}
 	return 0
+}
+
+// laneWriter sends laneMsgs messages on the lane at fd 3, pausing now and
+// then so that its readers sleep.
+func laneWriter() int {
+	return laneHelper(func(ctx context.Context, l *sock.Lane) error {
+		for i := range laneMsgs {
+			if i%500 == 0 {
+				time.Sleep(time.Millisecond)
+			}
+			if err := l.Send(ctx, laneMsg(i), func() error { return nil }); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
 }
 
 // laneReader takes messages from the lane at fd 3 until one says stop,
 // checks each, and prints the index of each on stdout.
 func laneReader() int {
-	l, err := openLaneFD()
-	if err != nil {
-		return fail(err)
-	}
-	defer l.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	var buf []byte
-	for {
-		if buf, err = l.Recv(ctx, buf, func() error { return nil }); err != nil {
-			return fail(err)
+	return laneHelper(func(ctx context.Context, l *sock.Lane) error {
+		var buf []byte
+		var err error
+		for {
+			if buf, err = l.Recv(ctx, buf, func() error { return nil }); err != nil {
+				return err
+			}
+			if string(buf) == "stop" {
+				return nil
+			}
+			i := int(binary.LittleEndian.Uint32(buf))
+			if !bytes.Equal(buf, laneMsg(i)) {
+				return fmt.Errorf("message %d is not what was sent", i)
+			}
+			fmt.Println(i)
 		}
-		if string(buf) == "stop" {
-			return 0
-		}
-		i := int(binary.LittleEndian.Uint32(buf))
-		if !bytes.Equal(buf, laneMsg(i)) {
-			return fail(fmt.Errorf("message %d is not what was sent", i))
-		}
-		fmt.Println(i)
-	}
+	})
 }
 
 // newLane makes a lane's memory and maps it here.
@@ -125,7 +132,7 @@ func laneFile(t *testing.T, f *fd.FD) *os.File {
 // through a ring much smaller than the stream.
 func TestLaneCarriesAStream(t *testing.T) {
 	f, l := newLane(t)
-	wait, _, hangup := startPeer(t, "sock.lane-writer", []*os.File{laneFile(t, f)})
+	wait, _, hangup := startPeer(t, "sock.lane-writer", nil, []*os.File{laneFile(t, f)})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	alive := hungUp(hangup)
@@ -147,21 +154,9 @@ func TestLaneReadersTakeEachOnce(t *testing.T) {
 	var waits []func() error
 	var hangups []func() error
 	for i := range outs {
-		cmd, err := reexec.Command(context.Background(), "sock.lane-reader")
-		require.NoError(t, err)
-		r, w, err := os.Pipe()
-		require.NoError(t, err)
-		cmd.ExtraFiles = []*os.File{file, w}
-		cmd.Stdout = &outs[i]
-		err = cmd.Start()
-		_ = w.Close()
-		require.NoError(t, err)
-		t.Cleanup(func() {
-			_ = cmd.Process.Kill()
-			_ = r.Close()
-		})
-		waits = append(waits, cmd.Wait)
-		hangups = append(hangups, hungUp(r))
+		wait, _, hangup := startPeer(t, "sock.lane-reader", &outs[i], []*os.File{file})
+		waits = append(waits, wait)
+		hangups = append(hangups, hungUp(hangup))
 	}
 	// The readers are gone once both have hung up.
 	alive := func() error {
