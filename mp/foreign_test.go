@@ -251,6 +251,11 @@ func TestForeignQueueOverAConnection(t *testing.T) {
 	defer a.Close()
 	defer b.Close()
 	ctx := context.Background()
+	// Each end takes its lane's role at its first use, through a
+	// descriptor of its own, kept until Close.
+	require.NoError(t, a.Send(ctx, "warm"))
+	var warm string
+	require.NoError(t, b.Recv(ctx, &warm))
 	base := leakcheck.Count()
 	for range 5 {
 		m1, m2 := foreignKinds[0].make(t), foreignKinds[0].make(t)

@@ -115,7 +115,9 @@ func (l *Listener) Accept(ctx context.Context) (*Pipe, Cred, error) {
 	if err != nil {
 		return nil, cred, err
 	}
-	return &Pipe{c: c, unwatch: watchPeer(cred.PID)}, cred, nil
+	p := newPipe(c, nil, nil)
+	p.unwatch = watchPeer(cred.PID)
+	return p, cred, nil
 }
 
 // Close stops listening and removes the socket file Listen made.
@@ -143,5 +145,7 @@ func Dial(ctx context.Context, addr string, opts ...EndpointOption) (*Pipe, erro
 	if err != nil {
 		return nil, err
 	}
-	return &Pipe{c: c, unwatch: watchPeer(cred.PID)}, nil
+	p := newPipe(c, nil, nil)
+	p.unwatch = watchPeer(cred.PID)
+	return p, nil
 }

@@ -123,6 +123,10 @@ func (b *Bell) Advance(old uint32) bool {
 	return true
 }
 
+// Nudge wakes the waiters asleep on the word, if any, without moving it:
+// each asks its alive at once, and sleeps again unless that ends its wait.
+func (b *Bell) Nudge() { b.wake() }
+
 // wake wakes the waiters asleep on the word, if any, once it has moved.
 // The asleep flag is a count, odd while a waiter is about to sleep or
 // asleep: the ringer that finds it odd makes it even and wakes every
@@ -160,7 +164,8 @@ func (b *Bell) wake() {
 // early with ctx's error, or with alive's: alive is asked whether the peer
 // that rings is still there each time sleepSlice has gone by without a
 // ring, whatever woke the waiter meanwhile (a signal, a ring for nothing),
-// and its error is returned as it is.
+// and after a wake that did not move the word (Nudge), and its error is
+// returned as it is.
 //
 // A waiter that leaves its wait (its ring came, or its context ended)
 // while its flag is set, or is killed asleep, costs the next Ring one
@@ -175,6 +180,7 @@ func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint3
 	}
 	deadline, hasDeadline := ctx.Deadline()
 	sliceEnd := time.Now().Add(sleepSlice)
+	nudged := false
 	for {
 		// Arm the flag before the look: a ring after the look sees it.
 		// The sleep is on the flag's armed value, not on the word: any
@@ -193,11 +199,12 @@ func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint3
 			return last, err
 		}
 		now := time.Now()
-		if !now.Before(sliceEnd) {
+		if nudged || !now.Before(sliceEnd) {
 			if err := alive(); err != nil {
 				return last, err
 			}
 			sliceEnd = now.Add(sleepSlice)
+			nudged = false
 		}
 		sleep := sliceEnd.Sub(now)
 		if hasDeadline {
@@ -217,9 +224,13 @@ func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint3
 			if atomic.LoadUint32(b.word) != last {
 				b.timeouts.Add(1) // it slept through a ring
 			}
-		case 0, unix.EAGAIN, unix.EINTR:
-			// Woken, or the flag cleared before the sleep, or a
-			// signal: the loop looks.
+		case 0:
+			// Woken: by a ring, which the loop sees, or by a Nudge
+			// (or a ringer late to wake), for which alive is asked.
+			nudged = true
+		case unix.EAGAIN, unix.EINTR:
+			// The flag cleared before the sleep, or a signal: the
+			// loop looks.
 		default:
 			return last, fmt.Errorf("mp: waiting for a lane: %w", errno)
 		}

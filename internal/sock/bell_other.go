@@ -32,3 +32,6 @@ func (b *Bell) Advance(old uint32) bool { return false }
 func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint32, error) {
 	return last, fmt.Errorf("mp: a lane's bell: %w", errors.ErrUnsupported)
 }
+
+// Nudge does nothing.
+func (b *Bell) Nudge() {}

@@ -2,6 +2,7 @@ package sock
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -391,18 +392,19 @@ func connErr(err error) error {
 // caller's, waiting while the socket is full until ctx ends or c is
 // closed.
 func (c *Conn) Send(ctx context.Context, data []byte, fds []int) error {
-	return c.send(ctx, data, fds, true)
+	return c.send(ctx, data, fds, -1, true)
 }
 
 // TrySend is Send that returns ErrWouldBlock instead of waiting, for a
 // full socket or a send of this process already waiting on c.
 func (c *Conn) TrySend(ctx context.Context, data []byte, fds []int) error {
-	return c.send(ctx, data, fds, false)
+	return c.send(ctx, data, fds, -1, false)
 }
 
 // send sends one message: data and the descriptors fds, which stay the
-// caller's. Unless block, a full socket is ErrWouldBlock.
-func (c *Conn) send(ctx context.Context, data []byte, fds []int, block bool) error {
+// caller's, tagged with tag unless it is -1 (see frame). Unless block, a
+// full socket is ErrWouldBlock.
+func (c *Conn) send(ctx context.Context, data []byte, fds []int, tag int64, block bool) error {
 	if err := c.lock(ctx, c.wmu, block); err != nil {
 		return err
 	}
@@ -416,6 +418,10 @@ func (c *Conn) send(ctx context.Context, data []byte, fds []int, block bool) err
 	c.wfds = rights
 
 	msg := append(c.wbuf[:0], make([]byte, headerLen)...)
+	if tag >= 0 {
+		h.flags |= flagTag
+		msg = binary.LittleEndian.AppendUint32(msg, uint32(tag))
+	}
 	h.put(msg)
 	msg = append(msg, payload...)
 	c.wbuf = msg
@@ -442,12 +448,23 @@ func (c *Conn) send(ctx context.Context, data []byte, fds []int, block bool) err
 type Msg struct {
 	Data []byte
 	FDs  *fd.Set
-	c    *Conn
+	c    *Conn // the socket it came by, nil for a lane's message
+	w    *Way  // the Way it came by, if it did
+	// tag is the message's tag (see frame), or -1.
+	tag int64
 }
 
 // Done ends the receive of m: what FDs still owns is closed, and Data and
-// FDs are the Conn's again for the next receive. It is called once.
-func (m Msg) Done() { m.c.recvDone() }
+// FDs are the Conn's (or Way's) again for the next receive. It is called
+// once.
+func (m Msg) Done() {
+	if m.c != nil {
+		m.c.recvDone()
+	}
+	if m.w != nil {
+		m.w.recvDone()
+	}
+}
 
 // Recv receives one message, waiting for one until ctx ends or c is
 // closed. Once the other end is closed in every process that held it,
@@ -468,14 +485,14 @@ func (c *Conn) recv(ctx context.Context, block bool) (Msg, error) {
 	if err := c.lock(ctx, c.rmu, block); err != nil {
 		return Msg{}, err
 	}
-	data, fds, spill, err := c.recvLocked(ctx, block)
+	data, fds, spill, tag, err := c.recvLocked(ctx, block)
 	if err != nil {
 		<-c.rmu
 		return Msg{}, err
 	}
 	c.spill = spill
 	c.rset.Reset(fds)
-	return Msg{Data: data, FDs: &c.rset, c: c}, nil
+	return Msg{Data: data, FDs: &c.rset, c: c, tag: tag}, nil
 }
 
 // recvDone ends the receive that recv began.
@@ -489,8 +506,8 @@ func (c *Conn) recvDone() {
 }
 
 // recvLocked is recv with the read lock held; spill is the mapping data
-// lies in, if the message was spilled.
-func (c *Conn) recvLocked(ctx context.Context, block bool) (data []byte, fds []int, spill []byte, err error) {
+// lies in, if the message was spilled, and tag its tag (see unframe).
+func (c *Conn) recvLocked(ctx context.Context, block bool) (data []byte, fds []int, spill []byte, tag int64, err error) {
 	if c.buf == nil {
 		c.buf = make([]byte, headerLen+maxInline)
 		c.oob = make([]byte, unix.CmsgSpace(maxFDs*4))
@@ -523,14 +540,14 @@ func (c *Conn) recvLocked(ctx context.Context, block bool) (data []byte, fds []i
 	}()
 	switch {
 	case err != nil:
-		return nil, fds, nil, err
+		return nil, fds, nil, -1, err
 	case flags&unix.MSG_CTRUNC != 0:
 		_ = shm.DropIdle() // make room for the next message's
-		return nil, fds, nil, errors.New("mp: receive: descriptors were dropped by the kernel (MSG_CTRUNC): the process is probably out of file descriptors; " + fd.LimitHint)
+		return nil, fds, nil, -1, errors.New("mp: receive: descriptors were dropped by the kernel (MSG_CTRUNC): the process is probably out of file descriptors; " + fd.LimitHint)
 	case flags&unix.MSG_TRUNC != 0:
-		return nil, fds, nil, fmt.Errorf("mp: receive: message larger than %d bytes was truncated (MSG_TRUNC)", len(c.buf))
+		return nil, fds, nil, -1, fmt.Errorf("mp: receive: message larger than %d bytes was truncated (MSG_TRUNC)", len(c.buf))
 	case n < headerLen:
-		return nil, fds, nil, fmt.Errorf("mp: receive: %w: %d bytes, shorter than a header", ErrMalformed, n)
+		return nil, fds, nil, -1, fmt.Errorf("mp: receive: %w: %d bytes, shorter than a header", ErrMalformed, n)
 	}
 	return unframe(c.buf[:n], fds)
 }
@@ -567,4 +584,25 @@ func (c *Conn) peerGone() bool {
 		break
 	}
 	return p[0].Revents&(pollPeerGone|unix.POLLHUP) != 0
+}
+
+// poll returns what the socket is ready for now: POLLIN, and the other
+// end's close (pollPeerGone, POLLHUP). A closed Conn is POLLNVAL.
+func (c *Conn) poll() int16 {
+	c.use.RLock()
+	defer c.use.RUnlock()
+	if c.closed.Load() {
+		return unix.POLLNVAL
+	}
+	p := []unix.PollFd{{Fd: int32(c.sock.Num()), Events: unix.POLLIN | pollPeerGone}}
+	for {
+		_, err := unix.Poll(p, 0)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return unix.POLLERR
+		}
+		return p[0].Revents
+	}
 }

@@ -17,7 +17,12 @@ import (
 // control message:
 //
 //	header: flags(1) | direct fds(4) | carried fds(4) | spilled bytes(8)
+//	[tag(4)]
 //	rights: [spill segment] [carrier socket] direct fds...
+//
+// A tag (flagTag) is a lane position that the message follows: a sender
+// that also writes a lane says so of the messages it sends on the socket
+// (see Way).
 //
 // A payload over maxInline is copied into a sealed segment (flagSpill),
 // whose descriptor travels instead of it; the descriptors beyond what one
@@ -45,6 +50,8 @@ const (
 const (
 	flagSpill   = 1 << 0 // the payload is in a segment; its descriptor comes first
 	flagCarrier = 1 << 1 // more descriptors wait in a carrier socket, sent next
+	flagTag     = 1 << 2 // a tag follows the header
+	tagLen      = 4
 )
 
 // header is a frame's header.
@@ -170,24 +177,31 @@ func sendCarried(fds []int) (int, error) {
 // bytes, whose descriptors are rights. It owns rights: the returned
 // descriptors are the caller's, the others are closed (by the caller's
 // deferred close, on error). spill is the mapping a spilled payload lies
-// in.
-func unframe(msg []byte, rights []int) (payload []byte, fds []int, spill []byte, err error) {
+// in; tag is the message's tag, or -1 if it has none.
+func unframe(msg []byte, rights []int) (payload []byte, fds []int, spill []byte, tag int64, err error) {
 	h := parseHeader(msg)
 	payload = msg[headerLen:]
+	tag = -1
+	if h.flags&flagTag != 0 {
+		if len(payload) < tagLen {
+			return nil, rights, nil, 0, fmt.Errorf("mp: receive: %w: a tag cut short", ErrMalformed)
+		}
+		tag, payload = int64(binary.LittleEndian.Uint32(payload)), payload[tagLen:]
+	}
 	special := h.special()
-	if h.flags&^(flagSpill|flagCarrier) != 0 || uint64(len(rights)) != uint64(special)+uint64(h.direct) || h.flags&flagCarrier == 0 && h.carried != 0 {
-		return nil, rights, nil, fmt.Errorf("mp: receive: %w: frame says %d+%d descriptors, %d arrived", ErrMalformed, special, h.direct, len(rights))
+	if h.flags&^(flagSpill|flagCarrier|flagTag) != 0 || uint64(len(rights)) != uint64(special)+uint64(h.direct) || h.flags&flagCarrier == 0 && h.carried != 0 {
+		return nil, rights, nil, 0, fmt.Errorf("mp: receive: %w: frame says %d+%d descriptors, %d arrived", ErrMalformed, special, h.direct, len(rights))
 	}
 	next := 0
 	if h.flags&flagSpill != 0 {
 		if len(payload) != 0 || h.spilled > maxSpill || h.spilled <= maxInline {
-			return nil, rights, nil, fmt.Errorf("mp: receive: %w: a spill of %d bytes", ErrMalformed, h.spilled)
+			return nil, rights, nil, 0, fmt.Errorf("mp: receive: %w: a spill of %d bytes", ErrMalformed, h.spilled)
 		}
 		spill, err = shm.MapSealed(rights[0], int64(h.spilled))
 		_ = unix.Close(rights[0]) // the mapping keeps the file
 		rights[0] = -1
 		if err != nil {
-			return nil, rights, nil, fmt.Errorf("mp: receive: spilled message: %w", err)
+			return nil, rights, nil, 0, fmt.Errorf("mp: receive: spilled message: %w", err)
 		}
 		payload = spill
 		next++
@@ -200,11 +214,11 @@ func unframe(msg []byte, rights []int) (payload []byte, fds []int, spill []byte,
 			if spill != nil {
 				_ = shm.Unmap(spill)
 			}
-			return nil, fds, nil, err
+			return nil, fds, nil, 0, err
 		}
 		fds = append(fds, more...)
 	}
-	return payload, fds, spill, nil
+	return payload, fds, spill, tag, nil
 }
 
 // recvCarried reads want descriptors from the carrier socket and closes it.

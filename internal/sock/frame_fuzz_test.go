@@ -173,7 +173,7 @@ func FuzzUnframe(f *testing.F) {
 		}
 		before := openFDs(t)
 		rights := fuzzFDs(t, kinds)
-		payload, fds, spill, err := unframe(msg, rights)
+		payload, fds, spill, _, err := unframe(msg, rights)
 		if err != nil {
 			fd.CloseAll(fds) // as a receive does
 			if l := leaked(t, before, nil); len(l) > 0 {
@@ -210,7 +210,7 @@ func FuzzUnframe(f *testing.F) {
 			}
 		}
 		fd.CloseAll(made)
-		back, fds2, spill2, err := unframe(msg2, sent)
+		back, fds2, spill2, _, err := unframe(msg2, sent)
 		if err != nil {
 			fd.CloseAll(fds2)
 			t.Fatalf("a message framed anew is refused: %v", err)

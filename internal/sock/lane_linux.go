@@ -212,6 +212,44 @@ func (l *Lane) entry(pos uint32) []byte {
 // until ctx ends or alive reports the readers gone. Once it returns nil
 // the message is the readers'.
 func (l *Lane) Send(ctx context.Context, data []byte, alive func() error) error {
+	return l.send(ctx, data, alive, true)
+}
+
+// TrySend is Send that returns ErrWouldBlock instead of waiting for room.
+func (l *Lane) TrySend(data []byte) error {
+	return l.send(context.Background(), data, nil, false)
+}
+
+// Room returns the most bytes one message may have.
+func (l *Lane) Room() int { return l.size - entryHeader }
+
+// Tail returns the position the next message sent will have: every
+// message this Lane sent has a position before it.
+func (l *Lane) Tail() uint32 {
+	l.wmu.Lock()
+	defer l.wmu.Unlock()
+	return l.tail
+}
+
+// Sent returns the count of messages published, and Taken the count of
+// those taken, as the lane's memory says now.
+func (l *Lane) Sent() uint32  { return l.sent.Load() }
+func (l *Lane) Taken() uint32 { return l.taken.Load() }
+
+// WaitSent waits until the count of messages published is no longer
+// last, as Bell.Wait does, and returns it.
+func (l *Lane) WaitSent(ctx context.Context, last uint32, alive func() error) (uint32, error) {
+	return l.sent.Wait(ctx, last, alive)
+}
+
+// Nudge wakes the readers and the writer asleep on the lane, if any,
+// without a message: they look at their context and at alive at once.
+func (l *Lane) Nudge() {
+	l.sent.Nudge()
+	l.taken.Nudge()
+}
+
+func (l *Lane) send(ctx context.Context, data []byte, alive func() error, block bool) error {
 	if len(data) > l.size-entryHeader {
 		return fmt.Errorf("%w: %d bytes, where an entry holds %d", ErrTooLarge, len(data), l.size-entryHeader)
 	}
@@ -228,6 +266,9 @@ func (l *Lane) Send(ctx context.Context, data []byte, alive func() error) error 
 		}
 		if used < l.entries {
 			break
+		}
+		if !block {
+			return ErrWouldBlock
 		}
 		if _, err := l.taken.Wait(ctx, taken, alive); err != nil {
 			return err
@@ -263,14 +304,25 @@ func checkEvery(ctx context.Context, pass int) error {
 // Positions are 32-bit: a reader stalled between its copy and its take for
 // exactly 2^32 messages of other readers would take a stale copy.
 func (l *Lane) Recv(ctx context.Context, buf []byte, alive func() error) ([]byte, error) {
+	buf, _, err := l.recv(ctx, buf, alive, true)
+	return buf, err
+}
+
+// TryRecv is Recv that returns ErrWouldBlock instead of waiting for a
+// message. It returns the message's position too.
+func (l *Lane) TryRecv(buf []byte) ([]byte, uint32, error) {
+	return l.recv(context.Background(), buf, nil, false)
+}
+
+func (l *Lane) recv(ctx context.Context, buf []byte, alive func() error, block bool) ([]byte, uint32, error) {
 	l.rmu.Lock()
 	defer l.rmu.Unlock()
 	if l.mem == nil {
-		return buf[:0], errLaneClosed
+		return buf[:0], 0, errLaneClosed
 	}
 	for pass, behind := 1, 0; ; pass++ {
 		if err := checkEvery(ctx, pass); err != nil {
-			return buf[:0], err
+			return buf[:0], 0, err
 		}
 		// sent first: taken, read second, is then at least sent less
 		// the entries, from an honest writer. Another reader may have
@@ -280,8 +332,11 @@ func (l *Lane) Recv(ctx context.Context, buf []byte, alive func() error) ([]byte
 		taken := l.taken.Load()
 		if sent == taken {
 			behind = 0
+			if !block {
+				return buf[:0], 0, ErrWouldBlock
+			}
 			if _, err := l.sent.Wait(ctx, taken, alive); err != nil {
-				return buf[:0], err
+				return buf[:0], 0, err
 			}
 			continue
 		}
@@ -291,7 +346,7 @@ func (l *Lane) Recv(ctx context.Context, buf []byte, alive func() error) ([]byte
 		}
 		behind = 0
 		if sent-taken > l.entries {
-			return buf[:0], fmt.Errorf("mp: receiving on a lane: %w: %d sent, %d taken, in %d entries", ErrMalformed, sent, taken, l.entries)
+			return buf[:0], 0, fmt.Errorf("mp: receiving on a lane: %w: %d sent, %d taken, in %d entries", ErrMalformed, sent, taken, l.entries)
 		}
 		// Copy first, check second, take third: an entry the writer
 		// reuses once another reader has taken it fails the swap.
@@ -308,8 +363,8 @@ func (l *Lane) Recv(ctx context.Context, buf []byte, alive func() error) ([]byte
 			continue // another reader took it
 		}
 		if err != nil {
-			return buf[:0], err
+			return buf[:0], taken, err
 		}
-		return buf, nil
+		return buf, taken, nil
 	}
 }

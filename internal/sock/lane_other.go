@@ -36,3 +36,25 @@ func (l *Lane) Send(ctx context.Context, data []byte, alive func() error) error 
 func (l *Lane) Recv(ctx context.Context, buf []byte, alive func() error) ([]byte, error) {
 	return buf[:0], errNoLane
 }
+
+// TrySend returns an error wrapping errors.ErrUnsupported.
+func (l *Lane) TrySend(data []byte) error { return errNoLane }
+
+// TryRecv returns an error wrapping errors.ErrUnsupported.
+func (l *Lane) TryRecv(buf []byte) ([]byte, uint32, error) { return buf[:0], 0, errNoLane }
+
+// Room returns 0.
+func (l *Lane) Room() int { return 0 }
+
+// Tail, Sent and Taken return 0.
+func (l *Lane) Tail() uint32  { return 0 }
+func (l *Lane) Sent() uint32  { return 0 }
+func (l *Lane) Taken() uint32 { return 0 }
+
+// Nudge does nothing.
+func (l *Lane) Nudge() {}
+
+// WaitSent returns an error wrapping errors.ErrUnsupported.
+func (l *Lane) WaitSent(ctx context.Context, last uint32, alive func() error) (uint32, error) {
+	return last, errNoLane
+}

@@ -1,0 +1,463 @@
+package sock
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/fd"
+)
+
+// A Way is one direction of a pipe, as one process that holds an end of
+// it sees it: the pipe's socket, and beside it a lane in shared memory
+// (see Lane) that the direction's writer and reader take, each one
+// process, so that a message whose value carries no descriptor goes by
+// memory, with no system call while both sides are awake.
+//
+// Roles. The lane has one writing process and one reading process at a
+// time. Each holds its role by an OFD lock on the lane's file (byte 0 the
+// writer's, byte 1 the reader's), taken at its first Send or Recv through
+// a description of the file that is its own: the kernel drops it when the
+// process closes the Way or dies, and another process that holds the same
+// end takes the role over at its next call. A process without the role
+// sends and receives on the socket, as it would without a lane, and a
+// reader without it tries for it again each roleRetry.
+//
+// Order. The writer sends on the socket what the lane cannot carry
+// (descriptors, or more bytes than an entry holds), each such message
+// tagged with the lane position it follows (see frame), and then a marker
+// in the lane. The reader takes the lane's entries in order. At a marker
+// it receives from the socket until the socket is empty or it gets a
+// message tagged with a position it has not reached, which it keeps until
+// the entries before it are taken. So the writer's messages arrive in the
+// order it sent them, whichever way each went. A marker that finds the
+// lane full is written before the writer's next message instead; until
+// then, and for messages of processes without the role, the reader looks
+// at the socket each sleepSlice while it waits on the lane.
+//
+// Ends. A reader whose writers are all gone (the socket's other end is
+// closed in every process) gets what the lane and the socket still hold,
+// then ErrClosed. A writer whose readers are all gone gets ErrClosed once
+// the lane is full, or at its first Send a millisecond after they went
+// (the socket says so at once): a message sent meanwhile is lost, as one
+// sent on the socket just before the readers went is.
+//
+// Ownership. A Way owns the lane's memory descriptor, its mapping and its
+// role's description until Close; the socket stays its caller's. One Send
+// and one Recv run at a time; a received Msg holds the Way's receive until
+// its Done.
+type Way struct {
+	shared *Conn  // the pipe end's socket: the caller's
+	mem    *fd.FD // the lane's memory, or nil for a pipe without one
+	writes bool   // this process writes the lane (else it reads it)
+
+	sem    chan struct{} // held by the one call, and a received Msg until Done
+	closed atomic.Bool
+
+	// The role, under sem: lane is mapped and role holds its lock, or
+	// both are nil and tried says when a try last failed. lane stays set
+	// once mapped, for Close to nudge.
+	lane  atomic.Pointer[Lane]
+	role  *fd.FD
+	held  bool
+	tried time.Time
+	// broken: the lane cannot be used here (it could not be mapped).
+	broken bool
+
+	alive func() error // the Way's check of its peer, made once
+
+	// The writer's, under sem.
+	owed    bool      // a marker is owed: a socket message went without one
+	onSock  bool      // this process sent on the socket without the role
+	checked time.Time // the last look at whether the readers are gone
+	wbuf    []byte
+
+	// The reader's, under sem.
+	rbuf     []byte
+	none     fd.Set // a lane message's descriptors: none
+	draining bool   // at a marker: the socket first
+	stash    Msg    // a socket message that follows entries not yet taken
+	stashed  bool
+}
+
+// Lane entries of a Way begin with their kind.
+const (
+	kindValue  = 0 // the message's bytes follow
+	kindMarker = 1 // a message went by the socket
+)
+
+// A Way's lane: WayEntries entries of WayEntry bytes (128 KiB).
+const (
+	WayEntries = 256
+	WayEntry   = 512
+	// roleRetry is how often a process without the lane's role tries for
+	// it again while it waits on the socket.
+	roleRetry = 10 * time.Millisecond
+	// peerCheck is how often a writer with room in the lane looks at
+	// whether its readers are gone.
+	peerCheck = time.Millisecond
+)
+
+var (
+	marker = []byte{kindMarker}
+
+	// errSocketReady and errWritersGone end a reader's wait on the lane
+	// (see Way.readerAlive).
+	errSocketReady = errors.New("mp: the socket has a message")
+	errWritersGone = errors.New("mp: the writers are gone")
+	errWayClosed   = fmt.Errorf("%w (the pipe)", ErrClosed)
+)
+
+// NewWay returns the Way of shared, a pipe end's socket, whose lane's
+// memory is mem (made by CreateLane), which the Way takes over; writes
+// says whether this end writes the lane or reads it. A nil mem makes a
+// Way that only uses the socket.
+func NewWay(shared *Conn, mem *fd.FD, writes bool) *Way {
+	w := &Way{shared: shared, mem: mem, writes: writes, sem: make(chan struct{}, 1), broken: mem == nil}
+	if writes {
+		w.alive = w.writerAlive
+	} else {
+		w.alive = w.readerAlive
+	}
+	return w
+}
+
+// CreateWayLane makes the memory of a Way's lane, owned by the caller.
+func CreateWayLane() (*fd.FD, error) { return CreateLane(WayEntries, WayEntry) }
+
+// Dup returns a duplicate of the lane's memory descriptor, owned by the
+// caller, or nil for a Way without a lane.
+func (w *Way) Dup() (*fd.FD, error) {
+	if w.mem == nil {
+		return nil, nil
+	}
+	dup, err := w.mem.Dup()
+	if err != nil {
+		return nil, fmt.Errorf("mp: duplicating a lane: %w%s", err, FDHint(err))
+	}
+	return dup, nil
+}
+
+// lock takes the Way's one call, waiting until ctx ends.
+func (w *Way) lock(ctx context.Context) error {
+	select {
+	case w.sem <- struct{}{}:
+	default:
+		select {
+		case w.sem <- struct{}{}:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	if w.closed.Load() {
+		<-w.sem
+		return errWayClosed
+	}
+	return nil
+}
+
+func (w *Way) recvDone() { <-w.sem }
+
+// taken returns the lane if this process holds its role, trying for it
+// if it has not tried within roleRetry. The caller holds sem.
+func (w *Way) taken() *Lane {
+	if w.held {
+		return w.lane.Load()
+	}
+	if w.broken || !w.tried.IsZero() && time.Since(w.tried) < roleRetry {
+		return nil
+	}
+	l := w.lane.Load()
+	if l == nil {
+		var err error
+		if l, err = OpenLane(w.mem); err != nil {
+			// Not a lane (the socket serves for good), or no room to
+			// map it now.
+			w.broken = errors.Is(err, ErrMalformed) || errors.Is(err, errors.ErrUnsupported)
+			w.tried = time.Now()
+			return nil
+		}
+		w.lane.Store(l)
+	}
+	var b int64 // the writer's byte
+	if !w.writes {
+		b = 1
+	}
+	role, err := takeRole(w.mem, b)
+	if err != nil || role == nil {
+		w.tried = time.Now()
+		return nil
+	}
+	w.role, w.held = role, true
+	w.owed = w.onSock // what it sent on the socket comes first
+	return l
+}
+
+// Send sends data and the descriptors fds, which stay the caller's: by
+// the lane if this process holds the writer's role and the message fits
+// an entry without descriptors, else by the socket (see Way). It waits
+// while the lane is full, until ctx ends or the readers are gone.
+func (w *Way) Send(ctx context.Context, data []byte, fds []int) error {
+	if err := w.lock(ctx); err != nil {
+		return err
+	}
+	defer func() { <-w.sem }()
+	l := w.taken()
+	if l == nil {
+		w.onSock = true
+		if err := w.shared.Send(ctx, data, fds); err != nil {
+			return err
+		}
+		if l := w.lane.Load(); l != nil {
+			l.Nudge() // a reader asleep on the lane looks at the socket
+		}
+		return nil
+	}
+	if w.owed {
+		w.owed = l.TrySend(marker) != nil
+	}
+	if len(fds) == 0 && 1+len(data) <= l.Room() && !w.owed {
+		if err := w.readersGone(); err != nil {
+			return err
+		}
+		w.wbuf = append(append(w.wbuf[:0], kindValue), data...)
+		return l.Send(ctx, w.wbuf, w.alive)
+	}
+	if err := w.shared.send(ctx, data, fds, int64(l.Tail()), true); err != nil {
+		return err
+	}
+	// The message is sent: whatever becomes of its marker, it is the
+	// readers'. One that finds no room is owed.
+	w.owed = l.TrySend(marker) != nil
+	return nil
+}
+
+// readersGone returns ErrClosed if the readers are gone, looking at most
+// once each peerCheck.
+func (w *Way) readersGone() error {
+	now := time.Now()
+	if now.Sub(w.checked) < peerCheck {
+		return nil
+	}
+	w.checked = now
+	if w.shared.peerGone() {
+		return fmt.Errorf("%w (the readers are gone)", ErrClosed)
+	}
+	return nil
+}
+
+// writerAlive is a writer's alive while it waits for room.
+func (w *Way) writerAlive() error {
+	if w.closed.Load() {
+		return errWayClosed
+	}
+	if w.shared.peerGone() {
+		return fmt.Errorf("%w (the readers are gone)", ErrClosed)
+	}
+	return nil
+}
+
+// readerAlive is a reader's alive while it waits on the lane: it ends
+// the wait for a message on the socket, or for the writers' end.
+func (w *Way) readerAlive() error {
+	if w.closed.Load() {
+		return errWayClosed
+	}
+	switch ev := w.shared.poll(); {
+	case ev&(pollPeerGone|unix.POLLHUP|unix.POLLERR|unix.POLLNVAL) != 0:
+		return errWritersGone // what they left is received before ErrClosed
+	case ev&unix.POLLIN != 0:
+		return errSocketReady
+	}
+	return nil
+}
+
+// Recv receives the next message, waiting for one until ctx ends, the
+// Way is closed, or the writers are gone and nothing they sent is left
+// (ErrClosed). The caller ends it with its Done.
+func (w *Way) Recv(ctx context.Context) (Msg, error) {
+	if err := w.lock(ctx); err != nil {
+		return Msg{}, err
+	}
+	m, err := w.recv(ctx)
+	if err != nil {
+		<-w.sem
+		return Msg{}, err
+	}
+	m.w = w
+	return m, nil
+}
+
+func (w *Way) recv(ctx context.Context) (Msg, error) {
+	for {
+		l := w.taken()
+		if l == nil {
+			m, err := w.recvShared(ctx)
+			if errors.Is(err, errRetry) {
+				continue
+			}
+			return m, err
+		}
+		if w.stashed {
+			if int32(uint32(w.stash.tag)-l.Taken()) <= 0 {
+				w.stashed = false
+				return w.stash, nil
+			}
+			// Entries before it first; their markers' messages came
+			// before it, so they are received already.
+			m, ok, err := w.fromLane(l)
+			if err != nil || ok {
+				return m, err
+			}
+			if l.Sent() == l.Taken() {
+				// Nothing is left before it (a peer that moved the
+				// counts took it): it is next.
+				w.stashed = false
+				return w.stash, nil
+			}
+			continue
+		}
+		if w.draining {
+			m, ok, err := w.fromSocket(ctx, l)
+			if err != nil || ok {
+				return m, err
+			}
+			w.draining = false
+			continue
+		}
+		m, ok, err := w.fromLane(l)
+		if err != nil || ok {
+			return m, err
+		}
+		if w.draining {
+			continue
+		}
+		last := l.Sent()
+		if last != l.Taken() {
+			continue // sent since: take it
+		}
+		_, err = l.WaitSent(ctx, last, w.alive)
+		switch {
+		case errors.Is(err, errSocketReady):
+			m, ok, err := w.fromSocket(ctx, l)
+			if err != nil || ok {
+				return m, err
+			}
+		case errors.Is(err, errWritersGone):
+			if l.Sent() != l.Taken() {
+				continue
+			}
+			m, ok, err := w.fromSocket(ctx, l)
+			if err != nil || ok {
+				return m, err
+			}
+			return Msg{}, fmt.Errorf("%w (the writers are gone)", ErrClosed)
+		case err != nil:
+			return Msg{}, err
+		}
+	}
+}
+
+// fromLane takes the lane's next entry, if any: a message (ok), or a
+// marker, which sets draining unless a socket message is kept already.
+func (w *Way) fromLane(l *Lane) (Msg, bool, error) {
+	buf, _, err := l.TryRecv(w.rbuf[:0])
+	w.rbuf = buf
+	switch {
+	case errors.Is(err, ErrWouldBlock):
+		return Msg{}, false, nil
+	case err != nil:
+		return Msg{}, false, err
+	case len(buf) == 0:
+		return Msg{}, false, fmt.Errorf("mp: receiving on a lane: %w: an empty entry", ErrMalformed)
+	}
+	switch buf[0] {
+	case kindValue:
+		w.none.Reset(nil)
+		return Msg{Data: buf[1:], FDs: &w.none, tag: -1}, true, nil
+	case kindMarker:
+		w.draining = !w.stashed
+		return Msg{}, false, nil
+	}
+	return Msg{}, false, fmt.Errorf("mp: receiving on a lane: %w: an entry of kind %d", ErrMalformed, buf[0])
+}
+
+// fromSocket receives the socket's next message, if it has one now: a
+// message for the caller (ok), unless it follows lane entries not taken
+// yet, which keeps it in the stash. An empty socket, or one whose writers
+// are gone, is no message.
+func (w *Way) fromSocket(ctx context.Context, l *Lane) (Msg, bool, error) {
+	m, err := w.shared.TryRecv(ctx)
+	switch {
+	case errors.Is(err, ErrWouldBlock) || errors.Is(err, ErrClosed) && !errors.Is(err, errConnClosed):
+		return Msg{}, false, nil
+	case err != nil:
+		return Msg{}, false, err
+	case m.tag < 0:
+		return m, true, nil
+	}
+	tag := uint32(m.tag)
+	if int32(tag-l.Sent()) > 0 {
+		m.Done()
+		return Msg{}, false, fmt.Errorf("mp: receive: %w: a message that follows lane position %d, where %d were sent", ErrMalformed, tag, l.Sent())
+	}
+	if int32(tag-l.Taken()) <= 0 {
+		return m, true, nil
+	}
+	w.stash, w.stashed, w.draining = m, true, false
+	return Msg{}, false, nil
+}
+
+// errRetry: a receive without the role waited roleRetry; the role may be
+// free now.
+var errRetry = errors.New("mp: try for the role again")
+
+// recvShared receives on the socket, for a process without the reader's
+// role, waiting until ctx ends or, while the lane may still be taken,
+// roleRetry (errRetry).
+func (w *Way) recvShared(ctx context.Context) (Msg, error) {
+	if w.broken {
+		return w.shared.Recv(ctx)
+	}
+	wait, cancel := context.WithTimeout(ctx, roleRetry)
+	m, err := w.shared.Recv(wait)
+	cancel()
+	if err != nil && ctx.Err() == nil && wait.Err() != nil {
+		return Msg{}, errRetry
+	}
+	return m, err
+}
+
+// Close releases the Way's lane, its role and its memory descriptor, once
+// its call has returned: one that waits on the lane is woken, and
+// returns ErrClosed. Close the socket first, which ends a receive that
+// waits on it.
+func (w *Way) Close() error {
+	if w.closed.Swap(true) {
+		return nil
+	}
+	if l := w.lane.Load(); l != nil {
+		l.Nudge()
+	}
+	w.sem <- struct{}{}
+	defer func() { <-w.sem }()
+	var errs []error
+	if w.stashed {
+		w.stash.Done() // its socket's receive; the Way's is Close's
+		w.stashed = false
+	}
+	if l := w.lane.Load(); l != nil {
+		errs = append(errs, l.Close())
+	}
+	if w.role != nil {
+		errs = append(errs, w.role.Close())
+	}
+	if w.mem != nil {
+		errs = append(errs, w.mem.Close())
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,246 @@
+//go:build linux
+
+package sock
+
+import (
+	"context"
+	"encoding/binary"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/fd"
+	"github.com/tensormp/tensormp/internal/leakcheck"
+)
+
+// wayPair returns the two ends of one direction of a pipe in this
+// process: w writes the lane, r reads it, each through its own socket end
+// and lane descriptor. mem is another descriptor of the lane's memory,
+// for tests that write it. The test's end closes them all.
+func wayPair(t *testing.T) (w, r *Way, mem *fd.FD) {
+	t.Helper()
+	pair, err := Pair()
+	require.NoError(t, err)
+	a, err := New(pair[0], "pipe")
+	require.NoError(t, err)
+	b, err := New(pair[1], "pipe")
+	require.NoError(t, err)
+	lane, err := CreateWayLane()
+	require.NoError(t, err)
+	dup, err := lane.Dup()
+	require.NoError(t, err)
+	mem, err = lane.Dup()
+	require.NoError(t, err)
+	w, r = NewWay(a, lane, true), NewWay(b, dup, false)
+	t.Cleanup(func() {
+		_, _ = a.Close(), b.Close()
+		_, _, _ = w.Close(), r.Close(), mem.Close()
+	})
+	return w, r, mem
+}
+
+// wayMsg is message i: its index, then n bytes.
+func wayMsg(i, n int) []byte {
+	b := binary.LittleEndian.AppendUint32(nil, uint32(i))
+	for j := range n {
+		b = append(b, byte(i+j))
+	}
+	return b
+}
+
+// recvIndex receives the next message on r and returns its index and its
+// descriptors' count, checking its bytes.
+func recvIndex(t *testing.T, ctx context.Context, r *Way) (int, int) {
+	t.Helper()
+	m, err := r.Recv(ctx)
+	require.NoError(t, err)
+	defer m.Done()
+	require.GreaterOrEqual(t, len(m.Data), 4)
+	i := int(binary.LittleEndian.Uint32(m.Data))
+	require.Equal(t, wayMsg(i, len(m.Data)-4), m.Data, "message %d's bytes", i)
+	return i, m.FDs.Len()
+}
+
+// A writer's messages arrive in the order it sent them, whichever way
+// each went: small ones by the lane, those with a descriptor or too large
+// for an entry by the socket. The reader both keeps up and falls behind,
+// and nothing is left open.
+func TestWayKeepsOrder(t *testing.T) {
+	leakcheck.Check(t)
+	w, r, _ := wayPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var p [2]int
+	require.NoError(t, unix.Pipe2(p[:], unix.O_CLOEXEC))
+	defer func() { _, _ = unix.Close(p[0]), unix.Close(p[1]) }()
+	const n = 5000
+	withFD := func(i int) bool { return i%5 == 0 }
+	size := func(i int) int {
+		if i%7 == 0 {
+			return 2 * WayEntry // too large for the lane
+		}
+		return i % 100
+	}
+	done := make(chan error, 1)
+	go func() {
+		for i := range n {
+			var fds []int
+			if withFD(i) {
+				fds = []int{p[0]}
+			}
+			if i%300 == 0 {
+				time.Sleep(time.Millisecond) // the reader sleeps
+			}
+			if err := w.Send(ctx, wayMsg(i, size(i)), fds); err != nil {
+				done <- err
+				return
+			}
+		}
+		done <- nil
+	}()
+	for i := range n {
+		if i%1000 == 0 {
+			time.Sleep(5 * time.Millisecond) // the lane fills
+		}
+		got, fds := recvIndex(t, ctx, r)
+		require.Equal(t, i, got)
+		assert.Equal(t, withFD(i), fds == 1, "message %d's descriptors", i)
+	}
+	require.NoError(t, <-done)
+	assert.True(t, w.held && r.held, "the two ends did not take the lane")
+}
+
+// A socket message whose marker found the lane full comes after the
+// lane's entries, and before the writer's next message: its marker is
+// written first.
+func TestWayOwesAMarkerWhenFull(t *testing.T) {
+	w, r, _ := wayPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	for i := range WayEntries {
+		require.NoError(t, w.Send(ctx, wayMsg(i, 8), nil))
+	}
+	big := WayEntries
+	require.NoError(t, w.Send(ctx, wayMsg(big, 2*WayEntry), nil))
+	assert.True(t, w.owed, "a marker is owed")
+	for i := range WayEntries {
+		got, _ := recvIndex(t, ctx, r)
+		require.Equal(t, i, got)
+	}
+	got, _ := recvIndex(t, ctx, r)
+	require.Equal(t, big, got)
+	require.NoError(t, w.Send(ctx, wayMsg(big+1, 8), nil))
+	assert.False(t, w.owed, "the marker went first")
+	got, _ = recvIndex(t, ctx, r)
+	require.Equal(t, big+1, got)
+}
+
+// A socket message that follows lane entries the reader has not taken is
+// kept until it has taken them, even when it comes first (the reader
+// woken by the socket, between the writer's entry and its marker).
+func TestWayKeepsAnEarlySocketMessage(t *testing.T) {
+	w, r, _ := wayPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
+	l := w.lane.Load()
+	require.NotNil(t, l)
+	// Message 1 by the socket, tagged as following entry 0, and no
+	// marker yet.
+	require.NoError(t, w.shared.send(ctx, wayMsg(1, 8), nil, int64(l.Tail()), true))
+	r.sem <- struct{}{}
+	rl := r.taken()
+	<-r.sem
+	require.NotNil(t, rl)
+	r.sem <- struct{}{} // as Recv holds it
+	_, ok, err := r.fromSocket(ctx, rl)
+	<-r.sem
+	require.NoError(t, err)
+	require.False(t, ok, "the socket's message came before entry 0")
+	require.True(t, r.stashed)
+	got, _ := recvIndex(t, ctx, r)
+	assert.Equal(t, 0, got)
+	got, _ = recvIndex(t, ctx, r)
+	assert.Equal(t, 1, got)
+}
+
+// What a peer writes into the lane or the socket that the Way did not is
+// an error wrapping ErrMalformed for that receive alone: an entry of an
+// unknown kind, an empty one, a socket message that says it follows
+// entries never sent. What it brought is closed.
+func TestWayRefusesWhatItDidNotWrite(t *testing.T) {
+	leakcheck.Check(t)
+	w, r, mem := wayPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
+	got, _ := recvIndex(t, ctx, r)
+	require.Equal(t, 0, got)
+	base := leakcheck.Count()
+
+	rogue, err := OpenLane(mem)
+	require.NoError(t, err)
+	defer rogue.Close()
+	for _, bad := range [][]byte{{7, 1, 2}, {}} {
+		require.NoError(t, rogue.Send(ctx, bad, nil))
+		_, err := r.Recv(ctx)
+		require.ErrorIs(t, err, ErrMalformed, "entry %v", bad)
+	}
+	var p [2]int
+	require.NoError(t, unix.Pipe2(p[:], unix.O_CLOEXEC))
+	require.NoError(t, w.shared.send(ctx, wayMsg(1, 8), []int{p[0]}, int64(rogue.Tail()+100), true))
+	_, _ = unix.Close(p[0]), unix.Close(p[1])
+	require.NoError(t, rogue.Send(ctx, marker, nil))
+	_, err = r.Recv(ctx)
+	require.ErrorIs(t, err, ErrMalformed, "a tag ahead of the lane")
+	assert.Equal(t, base, leakcheck.Count(), "descriptors left open")
+
+	// The reader goes on: the next whole entry is a message.
+	require.NoError(t, rogue.Send(ctx, append([]byte{kindValue}, wayMsg(2, 8)...), nil))
+	got, _ = recvIndex(t, ctx, r)
+	assert.Equal(t, 2, got)
+}
+
+// A process without the lane's role sends by the socket, nudging the
+// reader asleep on the lane; each writer's messages arrive in its order.
+func TestWayWriterWithoutTheRole(t *testing.T) {
+	w, r, mem := wayPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	other, err := mem.Dup()
+	require.NoError(t, err)
+	w2 := NewWay(w.shared, other, true)
+	defer w2.Close()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // w takes the role
+	const n = 200
+	done := make(chan error, 1)
+	go func() {
+		for i := 1; i <= n; i++ {
+			if err := w2.Send(ctx, wayMsg(1000+i, 8), nil); err != nil {
+				done <- err
+				return
+			}
+			if err := w.Send(ctx, wayMsg(i, 8), nil); err != nil {
+				done <- err
+				return
+			}
+			time.Sleep(100 * time.Microsecond)
+		}
+		done <- nil
+	}()
+	next := [2]int{0, 1001}
+	for range 2*n + 1 {
+		got, _ := recvIndex(t, ctx, r)
+		k := 0
+		if got >= 1000 {
+			k = 1
+		}
+		require.Equal(t, next[k], got)
+		next[k]++
+	}
+	require.NoError(t, <-done)
+	assert.False(t, w2.held, "a second writer took the role")
+}
