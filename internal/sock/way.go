@@ -300,7 +300,22 @@ func (w *Way) recv(ctx context.Context) (Msg, error) {
 			if errors.Is(err, errRetry) {
 				continue
 			}
-			return m, err
+			if err != nil || m.tag < 0 {
+				return m, err
+			}
+			// The role's writer sent it: if the role's reader is gone,
+			// this process takes the role now, so that the message
+			// keeps its place after the lane's entries; else it is
+			// this process's, out of the order of those the role's
+			// reader takes.
+			w.tried = time.Time{}
+			if l = w.taken(); l == nil {
+				return m, nil
+			}
+			if m, ok, err := w.place(m, l); err != nil || ok {
+				return m, err
+			}
+			continue
 		}
 		if w.stashed {
 			if int32(uint32(w.stash.tag)-l.Taken()) <= 0 {
@@ -397,7 +412,14 @@ func (w *Way) fromSocket(ctx context.Context, l *Lane) (Msg, bool, error) {
 		return Msg{}, false, nil
 	case err != nil:
 		return Msg{}, false, err
-	case m.tag < 0:
+	}
+	return w.place(m, l)
+}
+
+// place returns m, a socket message, for the caller (ok) if it follows no
+// lane entry the reader has not taken; else it keeps it in the stash.
+func (w *Way) place(m Msg, l *Lane) (Msg, bool, error) {
+	if m.tag < 0 {
 		return m, true, nil
 	}
 	tag := uint32(m.tag)
