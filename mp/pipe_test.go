@@ -1,0 +1,220 @@
+package mp_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/mp"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+func init() {
+	mp.Register("pipe-echo", workerPipeEcho)
+}
+
+type pipeEchoArgs struct {
+	Pipe    *mp.Pipe
+	In, Out *mp.Queue // nil, or a second echo by queue, for the benchmark
+	Ints    bool      // the pipe carries ints, not pipeMsgs
+}
+
+// pipeMsg is what the pipe tests send: one of its fields set.
+type pipeMsg struct {
+	N int
+	S string
+	T *tensor.Tensor
+	Q *mp.Queue
+}
+
+// workerPipeEcho sends back every value it receives on its pipe (and on
+// its queue), until the other end is closed: TestPipeAcrossProcesses and
+// BenchmarkRoundTrip.
+func workerPipeEcho(ctx context.Context, w *mp.Worker) error {
+	var a pipeEchoArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	defer a.Pipe.Close()
+	done := make(chan error, 1)
+	if a.In != nil {
+		go func() {
+			for {
+				var n int
+				if err := a.In.Get(ctx, &n); err != nil {
+					done <- nil // the test is over
+					return
+				}
+				if err := a.Out.Put(ctx, n); err != nil {
+					done <- err
+					return
+				}
+			}
+		}()
+	} else {
+		done <- nil
+	}
+	for a.Ints {
+		var n int
+		err := a.Pipe.Recv(ctx, &n)
+		if errors.Is(err, mp.ErrClosed) {
+			_ = a.In.Close() // ends the queue's echo
+			return <-done
+		}
+		if err != nil {
+			return err
+		}
+		if err := a.Pipe.Send(ctx, n); err != nil {
+			return err
+		}
+	}
+	for {
+		var m pipeMsg
+		err := a.Pipe.Recv(ctx, &m)
+		if errors.Is(err, mp.ErrClosed) {
+			if a.In != nil {
+				_ = a.In.Close() // ends the queue's echo
+			}
+			return <-done
+		}
+		if err != nil {
+			return err
+		}
+		err = a.Pipe.Send(ctx, m)
+		if m.T != nil {
+			_ = m.T.Release()
+		}
+		if m.Q != nil {
+			_ = m.Q.Close()
+		}
+		if err != nil {
+			return err
+		}
+	}
+}
+
+// startPipeEcho starts a pipe-echo worker on one end of a new pipe and
+// returns the other.
+func startPipeEcho(t testing.TB, in, out *mp.Queue) (*mp.Pipe, *mp.Group) {
+	t.Helper()
+	mine, theirs, err := mp.NewPipe()
+	require.NoError(t, err)
+	g, err := mp.Spawn(context.Background(), "pipe-echo", 1, mp.WithArgs(pipeEchoArgs{Pipe: theirs, In: in, Out: out, Ints: in != nil}))
+	require.NoError(t, err)
+	require.NoError(t, theirs.Close())
+	return mine, g
+}
+
+// A pipe between two processes carries every kind of value there and
+// back in order, whichever way each goes: small ones by the lane, tensors
+// and queues (descriptors) and long strings by the socket. Once this end
+// is closed, the worker's receive ends with ErrClosed and it exits; nothing
+// is left behind.
+func TestPipeAcrossProcesses(t *testing.T) {
+	leakcheck.Check(t)
+	p, g := startPipeEcho(t, nil, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	q, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer q.Close()
+	msg := func(i int) pipeMsg {
+		switch i % 6 {
+		case 1:
+			x, err := tensor.On(device.CPU()).Shared().Full(tensor.Int64, float64(i), 512)
+			require.NoError(t, err)
+			return pipeMsg{T: x}
+		case 2:
+			return pipeMsg{S: strings.Repeat("x", i%1500)}
+		case 3:
+			return pipeMsg{Q: q}
+		}
+		return pipeMsg{N: i}
+	}
+	const n = 3000
+	sent := make(chan error, 1)
+	go func() {
+		for i := range n {
+			m := msg(i)
+			err := p.Send(ctx, m)
+			if m.T != nil {
+				_ = m.T.Release()
+			}
+			if err != nil {
+				sent <- err
+				return
+			}
+		}
+		sent <- nil
+	}()
+	for i := range n {
+		var got pipeMsg
+		require.NoError(t, p.Recv(ctx, &got), "message %d", i)
+		switch i % 6 {
+		case 1:
+			require.NotNil(t, got.T, "message %d", i)
+			v, err := tensor.Values[int64](got.T)
+			require.NoError(t, err)
+			assert.Equal(t, int64(i), v[0], "message %d", i)
+			_ = got.T.Release()
+		case 2:
+			assert.Equal(t, strings.Repeat("x", i%1500), got.S, "message %d", i)
+		case 3:
+			require.NotNil(t, got.Q, "message %d", i)
+			require.NoError(t, got.Q.Close())
+		default:
+			assert.Equal(t, i, got.N, "message %d", i)
+		}
+	}
+	require.NoError(t, <-sent)
+	require.NoError(t, p.Close())
+	require.NoError(t, g.Join())
+}
+
+// BenchmarkRoundTrip is the round trip of an int between two processes:
+// by a Pipe (its lane) and by a pair of Queues (sockets).
+func BenchmarkRoundTrip(b *testing.B) {
+	in, err := mp.NewQueue()
+	require.NoError(b, err)
+	out, err := mp.NewQueue()
+	require.NoError(b, err)
+	p, g := startPipeEcho(b, in, out)
+	defer func() {
+		_ = p.Close()
+		_ = in.Close()
+		_ = g.Join()
+		_ = out.Close()
+	}()
+	ctx := context.Background()
+	b.Run("pipe", func(b *testing.B) {
+		b.ReportAllocs()
+		for i := 0; b.Loop(); i++ {
+			if err := p.Send(ctx, i); err != nil {
+				b.Fatal(err)
+			}
+			var n int
+			if err := p.Recv(ctx, &n); err != nil || n != i {
+				b.Fatal(n, err)
+			}
+		}
+	})
+	b.Run("queues", func(b *testing.B) {
+		b.ReportAllocs()
+		for i := 0; b.Loop(); i++ {
+			if err := in.Put(ctx, i); err != nil {
+				b.Fatal(err)
+			}
+			var n int
+			if err := out.Get(ctx, &n); err != nil || n != i {
+				b.Fatal(n, err)
+			}
+		}
+	})
+}
