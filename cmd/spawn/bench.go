@@ -42,11 +42,13 @@ message at all, a word stored in a page both map, there and back.
   stream_batch        4 KiB tensors sent one way, -batch to a message
                       (mp.PutMany), per second
   lane_roundtrip      the floor's record there and back through two
-                      shared-memory lanes (package mp's internal Lane;
-                      no queue uses one yet), each side spinning, then
+                      shared-memory lanes (package mp's internal Lane,
+                      as a Pipe's lanes are), each side spinning, then
                       asleep on a futex
   lane_stream, lane_stream_batch
                       the floor streams' records through a lane
+  pipe_roundtrip      an int there and back through an mp.Pipe, whose
+                      lanes carry it (encoded and decoded as any value)
   fds                 descriptors a receiver holds while it keeps "held"
                       received tensors alive: -hold and 10 x -hold of 4 KiB,
                       -hold of 80 KiB
@@ -221,11 +223,17 @@ func withBenchWorker(st strategy.Strategy, o benchOpts, progress func(string), e
 		}
 		defer stop()
 	}
-	g, err := mp.Spawn(ctx, "bench", 1, mp.WithArgs(benchArgs{In: in, Out: out, Profile: profile, Pin: o.place.worker}))
+	pipe, theirs, err := mp.NewPipe()
 	if err != nil {
 		return err
 	}
-	b := &bencher{ctx: g.Context(), st: st, in: in, out: out, o: o, progress: progress, emit: emit, place: device.CPU()}
+	defer pipe.Close()
+	g, err := mp.Spawn(ctx, "bench", 1, mp.WithArgs(benchArgs{In: in, Out: out, Pipe: theirs, Profile: profile, Pin: o.place.worker}))
+	_ = theirs.Close() // the worker's now
+	if err != nil {
+		return err
+	}
+	b := &bencher{ctx: g.Context(), st: st, in: in, out: out, pipe: pipe, o: o, progress: progress, emit: emit, place: device.CPU()}
 	runErr := cases(b)
 	_ = in.Put(b.ctx, benchMsg{Op: "stop"}) // a dead worker ends the wait for its reply
 	// Either failure may explain the other: a worker that died ends the

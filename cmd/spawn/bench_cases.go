@@ -21,6 +21,7 @@ type bencher struct {
 	ctx      context.Context
 	st       strategy.Strategy
 	in, out  *mp.Queue
+	pipe     *mp.Pipe // to the worker, for pipe_roundtrip
 	o        benchOpts
 	progress func(string)
 	emit     func(benchResult)
@@ -122,6 +123,30 @@ func (b *bencher) roundTrip(x *tensor.Tensor) (time.Duration, error) {
 	return d, nil
 }
 
+// pipeTrips has the worker send back the next n ints it gets on its
+// pipe.
+func (b *bencher) pipeTrips(n int) error {
+	return b.in.Put(b.ctx, benchMsg{Op: "pipe", N: n})
+}
+
+// pipeRoundTrip sends an int to the worker on the pipe, which pipeTrips
+// has made send it back.
+func (b *bencher) pipeRoundTrip() (time.Duration, error) {
+	start := time.Now()
+	if err := b.pipe.Send(b.ctx, 7); err != nil {
+		return 0, err
+	}
+	var back int
+	if err := b.pipe.Recv(b.ctx, &back); err != nil {
+		return 0, err
+	}
+	d := time.Since(start)
+	if back != 7 {
+		return 0, fmt.Errorf("the pipe gave back %d for 7", back)
+	}
+	return d, nil
+}
+
 // release has the worker let go of the last tensor it echoed.
 func (b *bencher) release() error {
 	if err := b.in.Put(b.ctx, benchMsg{Op: "release"}); err != nil {
@@ -141,7 +166,7 @@ func (b *bencher) roundTrips(size int64) error {
 	}
 	defer x.Release()
 	runtime.GC() // start each measurement without the last one's garbage
-	var ds, fs, futex, spin, lane []time.Duration
+	var ds, fs, futex, spin, lane, pipe []time.Duration
 	per := max(1, b.o.trips/rounds)
 	for r := range rounds {
 		warm := 0
@@ -167,6 +192,12 @@ func (b *bencher) roundTrips(size int64) error {
 			if lane, err = sample(lane, per, warm, b.floor.laneRoundTrip); err != nil {
 				return err
 			}
+			if err := b.pipeTrips(warm + per); err != nil {
+				return err
+			}
+			if pipe, err = sample(pipe, per, warm, b.pipeRoundTrip); err != nil {
+				return err
+			}
 		}
 		if !b.o.place.apart {
 			continue
@@ -187,7 +218,7 @@ func (b *bencher) roundTrips(size int64) error {
 		for _, f := range []struct {
 			name string
 			ds   []time.Duration
-		}{{"floor_roundtrip", fs}, {"floor_futex_roundtrip", futex}, {"floor_spin_roundtrip", spin}, {"lane_roundtrip", lane}} {
+		}{{"floor_roundtrip", fs}, {"floor_futex_roundtrip", futex}, {"floor_spin_roundtrip", spin}, {"lane_roundtrip", lane}, {"pipe_roundtrip", pipe}} {
 			if len(f.ds) > 0 {
 				b.emit(benchResult{Strategy: b.st.String(), Case: f.name, Bytes: size, P50us: pct(f.ds, 50), P99us: pct(f.ds, 99)})
 			}

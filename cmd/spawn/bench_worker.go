@@ -16,7 +16,7 @@ import (
 
 // benchMsg is what the bench worker receives: a command and a tensor.
 type benchMsg struct {
-	Op    string // "echo", "count", "hold", "release", "floor", "stop"
+	Op    string // "echo", "pipe", "count", "hold", "release", "floor", "stop"
 	N     int
 	Batch int         // tensors per message for "count"
 	Floor floorSocket // the floor socket's worker end, for "floor"
@@ -27,8 +27,9 @@ type benchMsg struct {
 
 type benchArgs struct {
 	In, Out *mp.Queue
-	Profile string // where the worker writes its CPU profile, if anywhere
-	Pin     []int  // the CPUs the worker pins itself to; none, unpinned
+	Pipe    *mp.Pipe // the worker's end of pipe_roundtrip's pipe
+	Profile string   // where the worker writes its CPU profile, if anywhere
+	Pin     []int    // the CPUs the worker pins itself to; none, unpinned
 }
 
 // floorSocket carries one descriptor in a message: the worker's end of
@@ -111,6 +112,16 @@ func benchWorker(ctx context.Context, w *mp.Worker) error {
 				}
 				last = x
 				if err := a.Out.Put(ctx, x); err != nil {
+					return err
+				}
+			}
+		case "pipe":
+			for range m.N {
+				var n int
+				if err := a.Pipe.Recv(ctx, &n); err != nil {
+					return err
+				}
+				if err := a.Pipe.Send(ctx, n); err != nil {
 					return err
 				}
 			}
