@@ -21,6 +21,15 @@
 // tensormp did not frame is an error wrapping ErrMalformed, and the queue
 // goes on.
 //
+// Each direction of a Pipe made by NewPipe also has a lane: a ring in a
+// sealed memfd beside the socket, with a futex doorbell. The first process
+// to send on an end and the first to receive on the other take its two
+// roles (OFD locks, dropped by the kernel when a holder dies), and a value
+// with no tensor, queue or pipe in it that fits an entry goes through
+// memory, with no system call while both sides are awake. The rest goes
+// by the socket in order with it (see internal/sock.Way). Tensors still
+// travel with their descriptors, by the socket.
+//
 // A call that must wait first waits in the kernel, where readiness wakes
 // its thread directly; a receive waits in the receive call itself, for up
 // to a millisecond, and then polls. At most four callers of a process wait
@@ -37,8 +46,9 @@
 // on Spawn and Queue.
 //
 // Ownership: a Queue or Pipe owns its socket descriptors in each process
-// that holds it, until Close; one sent in a message travels as a duplicate
-// the message owns. Every process of a program belongs to one session; its
+// that holds it, until Close, and a Pipe its lanes' memory descriptors,
+// their mappings and, once taken, its roles' descriptions; one sent in a
+// message travels as a duplicate the message owns. Every process of a program belongs to one session; its
 // two keepers, either of which suffices, remove the session's file_system
 // segments, and the CUDA driver's files of its members, once every member
 // has exited, however it died; a killed keeper is replaced by the process
