@@ -5,6 +5,7 @@ package sock
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"testing"
 	"time"
 
@@ -243,4 +244,87 @@ func TestWayWriterWithoutTheRole(t *testing.T) {
 	}
 	require.NoError(t, <-done)
 	assert.False(t, w2.held, "a second writer took the role")
+}
+
+// Whatever a hostile writer puts in the lane's memory and sends on the
+// socket (entries of any kind and length, tags ahead, behind or none,
+// markers with nothing behind them, counts moved at will), a reader's
+// receives return messages, errors wrapping ErrMalformed, or their
+// context's end: never a crash, a hang, or a descriptor left open.
+func FuzzWay(f *testing.F) {
+	f.Add([]byte{0, 3, 1, 2, 3, 1, 0, 1, 2, 5, 2, 0, 3})
+	f.Add([]byte{1, 0x7f, 1, 1, 0x80, 0, 3, 3, 0, 0, 7})
+	f.Add([]byte{4, 0, 1, 9, 0, 0, 0, 3, 1, 1, 3})     // the sent count moved
+	f.Add([]byte{4, 1, 1, 0, 0, 0, 1, 1, 2, 1, 3, 3}) // the taken count moved
+	var pipe [2]int
+	require.NoError(f, unix.Pipe2(pipe[:], unix.O_CLOEXEC))
+	f.Cleanup(func() { _, _ = unix.Close(pipe[0]), unix.Close(pipe[1]) })
+	f.Fuzz(func(t *testing.T, ops []byte) {
+		base := leakcheck.Count()
+		func() {
+			w, r, mem := wayPair(t)
+			defer func() {
+				_, _ = w.shared.Close(), r.shared.Close()
+				_, _, _ = w.Close(), r.Close(), mem.Close()
+			}()
+			rogue, err := OpenLane(mem)
+			require.NoError(t, err)
+			defer rogue.Close()
+			raw := rogue.mem
+			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+			defer cancel()
+			next := func() byte {
+				if len(ops) == 0 {
+					return 0
+				}
+				b := ops[0]
+				ops = ops[1:]
+				return b
+			}
+			for n := 0; len(ops) > 0 && n < 64; n++ {
+				switch next() % 5 {
+				case 0: // an entry: a length, then its bytes
+					k := int(next() % 24)
+					e := make([]byte, 0, k)
+					for range k {
+						e = append(e, next())
+					}
+					_ = rogue.TrySend(e)
+				case 1: // a tagged socket message, around the lane's position
+					tag := int64(uint32(int32(rogue.Tail()) + int32(int8(next()))))
+					var fds []int
+					if next()%2 == 0 {
+						fds = pipe[:1]
+					}
+					_ = w.shared.send(ctx, wayMsg(n, 4), fds, tag, false)
+				case 2: // an untagged one
+					_ = w.shared.send(ctx, wayMsg(n, 4), nil, -1, false)
+				case 3:
+					_ = rogue.TrySend(marker)
+				case 4: // a count moved: the sent (0) or taken (1) one
+					off := sentBell
+					if next()%2 == 1 {
+						off = takenBell
+					}
+					binary.LittleEndian.PutUint32(raw[off:], binary.LittleEndian.Uint32(raw[off:])+uint32(int8(next())))
+				}
+			}
+			// Receive until the reader waits: each receive returns
+			// within its 20 ms.
+			for range 600 {
+				rctx, rcancel := context.WithTimeout(ctx, 20*time.Millisecond)
+				m, err := r.Recv(rctx)
+				rcancel()
+				if err == nil {
+					m.Done()
+					continue
+				}
+				if errors.Is(err, context.DeadlineExceeded) {
+					return
+				}
+				require.ErrorIs(t, err, ErrMalformed)
+			}
+		}()
+		assert.Equal(t, base, leakcheck.Count(), "descriptors left open")
+	})
 }
