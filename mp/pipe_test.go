@@ -18,6 +18,32 @@ import (
 
 func init() {
 	mp.Register("pipe-echo", workerPipeEcho)
+	mp.Register("pipe-sum", workerPipeSum)
+}
+
+type pipeSumArgs struct {
+	Pipe *mp.Pipe
+	Out  *mp.Queue
+	N    int
+}
+
+// workerPipeSum receives N ints on its pipe and puts their sum:
+// TestPipeEndHandedOn.
+func workerPipeSum(ctx context.Context, w *mp.Worker) error {
+	var a pipeSumArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	defer a.Pipe.Close()
+	sum := 0
+	for range a.N {
+		var n int
+		if err := a.Pipe.Recv(ctx, &n); err != nil {
+			return err
+		}
+		sum += n
+	}
+	return a.Out.Put(ctx, sum)
 }
 
 type pipeEchoArgs struct {
@@ -175,6 +201,37 @@ func TestPipeAcrossProcesses(t *testing.T) {
 	}
 	require.NoError(t, <-sent)
 	require.NoError(t, p.Close())
+	require.NoError(t, g.Join())
+}
+
+// A process that received on an end and hands it on, keeping its own
+// copy, leaves the lane to the process it gave it to: that one receives
+// what comes next.
+func TestPipeEndHandedOn(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	a, b, err := mp.NewPipe()
+	require.NoError(t, err)
+	defer a.Close()
+	defer b.Close() // kept open while the worker uses its copy
+	out, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer out.Close()
+	require.NoError(t, a.Send(ctx, "hello"))
+	var hello string
+	require.NoError(t, b.Recv(ctx, &hello)) // this process reads b's lane
+	const n = 500
+	g, err := mp.Spawn(ctx, "pipe-sum", 1, mp.WithArgs(pipeSumArgs{Pipe: b, Out: out, N: n}))
+	require.NoError(t, err)
+	want := 0
+	for i := range n {
+		require.NoError(t, a.Send(ctx, i))
+		want += i
+	}
+	var sum int
+	require.NoError(t, out.Get(ctx, &sum))
+	assert.Equal(t, want, sum)
 	require.NoError(t, g.Join())
 }
 

@@ -410,6 +410,7 @@ func (p *Pipe) Close() error {
 // pipe with lanes, the memories of the lane it writes and the lane it
 // reads.
 func (p *Pipe) encode(enc *msgpack.Encoder) ([]byte, error) {
+	p.in.LetGo() // the process it goes to may take the lane
 	payload, err := encodeConns(enc, p.c)
 	if err != nil {
 		return nil, err

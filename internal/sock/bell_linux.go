@@ -125,6 +125,9 @@ func (b *Bell) Advance(old uint32) bool {
 
 // Nudge wakes the waiters asleep on the word, if any, without moving it:
 // each asks its alive at once, and sleeps again unless that ends its wait.
+// A waiter that arms its flag after the Nudge looked at it is not woken,
+// and asks alive at its slice's end: a caller that must reach the waiter
+// nudges until it has.
 func (b *Bell) Nudge() { b.wake() }
 
 // wake wakes the waiters asleep on the word, if any, once it has moved.
@@ -224,13 +227,13 @@ func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint3
 			if atomic.LoadUint32(b.word) != last {
 				b.timeouts.Add(1) // it slept through a ring
 			}
-		case 0:
-			// Woken: by a ring, which the loop sees, or by a Nudge
-			// (or a ringer late to wake), for which alive is asked.
+		case 0, unix.EAGAIN:
+			// Woken, or the flag cleared before the sleep: by a ring,
+			// which the loop sees, or by a Nudge (or a ringer late to
+			// wake), for which alive is asked.
 			nudged = true
-		case unix.EAGAIN, unix.EINTR:
-			// The flag cleared before the sleep, or a signal: the
-			// loop looks.
+		case unix.EINTR:
+			// A signal: the loop looks.
 		default:
 			return last, fmt.Errorf("mp: waiting for a lane: %w", errno)
 		}

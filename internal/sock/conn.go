@@ -509,7 +509,7 @@ func (c *Conn) recvDone() {
 // lies in, if the message was spilled, and tag its tag (see unframe).
 func (c *Conn) recvLocked(ctx context.Context, block bool) (data []byte, fds []int, spill []byte, tag int64, err error) {
 	if c.buf == nil {
-		c.buf = make([]byte, headerLen+maxInline)
+		c.buf = make([]byte, headerLen+tagLen+maxInline)
 		c.oob = make([]byte, unix.CmsgSpace(maxFDs*4))
 		c.tryRecv = func(s int) error { return c.recvmsg(s, unix.MSG_DONTWAIT) }
 		c.waitRecv = func(s int) error { return c.recvmsg(s, 0) }
@@ -605,4 +605,25 @@ func (c *Conn) poll() int16 {
 		}
 		return p[0].Revents
 	}
+}
+
+// peekTag looks at the socket's next message without receiving it, if
+// there is one now (ok), and returns its tag, or -1 if it has none or is
+// not a frame (its receive says what is wrong with it). A socket whose
+// other end is gone has none.
+func (c *Conn) peekTag() (tag int64, ok bool) {
+	c.use.RLock()
+	defer c.use.RUnlock()
+	if c.closed.Load() {
+		return -1, false
+	}
+	var b [headerLen + tagLen]byte
+	n, err := peek(c.sock.Num(), b[:])
+	switch {
+	case err != nil || n == 0:
+		return -1, false
+	case n < headerLen+tagLen || parseHeader(b[:n]).flags&flagTag == 0:
+		return -1, true
+	}
+	return int64(binary.LittleEndian.Uint32(b[headerLen:])), true
 }

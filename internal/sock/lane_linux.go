@@ -57,6 +57,10 @@ var ErrTooLarge = errors.New("mp: message too large for the lane")
 
 var errLaneClosed = fmt.Errorf("%w (the lane)", ErrClosed)
 
+// errCounts wraps ErrMalformed for a lane whose counts no honest peer
+// writes: the lane is of no use any more.
+var errCounts = fmt.Errorf("%w: the lane's counts", ErrMalformed)
+
 const (
 	laneMagic   = 0x454e4c54 // "TLNE" little-endian
 	laneVersion = 2          // 2: the bells sleep on a count, odd while armed
@@ -220,6 +224,17 @@ func (l *Lane) TrySend(data []byte) error {
 	return l.send(context.Background(), data, nil, false)
 }
 
+// Resume makes the next message this Lane sends follow the last one the
+// lane's memory says was published: for a writer that takes over from
+// another Lane of the same memory (another process's, gone).
+func (l *Lane) Resume() {
+	l.wmu.Lock()
+	defer l.wmu.Unlock()
+	if l.mem != nil {
+		l.tail = l.sent.Load()
+	}
+}
+
 // Room returns the most bytes one message may have.
 func (l *Lane) Room() int { return l.size - entryHeader }
 
@@ -262,7 +277,7 @@ func (l *Lane) send(ctx context.Context, data []byte, alive func() error, block 
 		taken := l.taken.Load()
 		used := l.tail - taken
 		if used > l.entries {
-			return fmt.Errorf("mp: sending on a lane: %w: %d taken of %d sent", ErrMalformed, taken, l.tail)
+			return fmt.Errorf("mp: sending on a lane: %w: %d taken of %d sent", errCounts, taken, l.tail)
 		}
 		if used < l.entries {
 			break
@@ -346,7 +361,7 @@ func (l *Lane) recv(ctx context.Context, buf []byte, alive func() error, block b
 		}
 		behind = 0
 		if sent-taken > l.entries {
-			return buf[:0], 0, fmt.Errorf("mp: receiving on a lane: %w: %d sent, %d taken, in %d entries", ErrMalformed, sent, taken, l.entries)
+			return buf[:0], 0, fmt.Errorf("mp: receiving on a lane: %w: %d sent, %d taken, in %d entries", errCounts, sent, taken, l.entries)
 		}
 		// Copy first, check second, take third: an entry the writer
 		// reuses once another reader has taken it fails the swap.

@@ -20,6 +20,8 @@ var ErrTooLarge = errors.New("mp: message too large for the lane")
 
 var errNoLane = fmt.Errorf("mp: a lane: %w", errors.ErrUnsupported)
 
+var errCounts = errors.New("mp: the lane's counts")
+
 // CreateLane returns an error wrapping errors.ErrUnsupported.
 func CreateLane(n, size int) (*fd.FD, error) { return nil, errNoLane }
 
@@ -42,6 +44,9 @@ func (l *Lane) TrySend(data []byte) error { return errNoLane }
 
 // TryRecv returns an error wrapping errors.ErrUnsupported.
 func (l *Lane) TryRecv(buf []byte) ([]byte, uint32, error) { return buf[:0], 0, errNoLane }
+
+// Resume does nothing.
+func (l *Lane) Resume() {}
 
 // Room returns 0.
 func (l *Lane) Room() int { return 0 }

@@ -66,6 +66,22 @@ func recvmsg(s int, p, oob []byte, flags int) (n, oobn, recvflags int, err error
 	return int(r), int(msg.Controllen), int(msg.Flags), nil
 }
 
+// peek reads the start of the socket's next message into p without
+// receiving it, or its descriptors, and without waiting.
+func peek(s int, p []byte) (int, error) {
+	for {
+		r, _, errno := unix.Syscall6(unix.SYS_RECVFROM, uintptr(s), uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)),
+			unix.MSG_PEEK|unix.MSG_DONTWAIT|unix.MSG_TRUNC, 0, 0)
+		if errno == unix.EINTR {
+			continue
+		}
+		if errno != 0 {
+			return 0, errno
+		}
+		return min(int(r), len(p)), nil
+	}
+}
+
 // socketKind is what a received queue's or pipe's socket descriptor is,
 // for its check (CheckSocket).
 func socketKind(s int) (domain, typ int, err error) {

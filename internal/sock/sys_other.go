@@ -56,6 +56,13 @@ func recvmsg(s int, p, oob []byte, flags int) (n, oobn, recvflags int, err error
 	return n, oobn, recvflags, err
 }
 
+// peek reads the start of the socket's next message into p without
+// receiving it, and without waiting.
+func peek(s int, p []byte) (int, error) {
+	n, _, err := unix.Recvfrom(s, p, unix.MSG_PEEK|unix.MSG_DONTWAIT)
+	return n, err
+}
+
 // socketKind is what a received queue's or pipe's socket descriptor is,
 // for its check (CheckSocket). Without SO_DOMAIN, a socket that is not a
 // Unix one cannot be told here: its type is checked alone.

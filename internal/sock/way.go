@@ -23,28 +23,41 @@ import (
 // writer's, byte 1 the reader's), taken at its first Send or Recv through
 // a description of the file that is its own: the kernel drops it when the
 // process closes the Way or dies, and another process that holds the same
-// end takes the role over at its next call. A process without the role
-// sends and receives on the socket, as it would without a lane, and a
-// reader without it tries for it again each roleRetry.
+// end takes the role over at its next call (a writer's Lane resumes after
+// what the lane holds). A process without the role sends and receives on
+// the socket, as it would without a lane, and a reader without it tries
+// for it again each roleRetry, or at once when it receives a message of
+// the role's writer. A reader lets go of its role when its end is sent to
+// another process (LetGo), unless it is receiving: a process that hands an
+// end on and keeps its copy does not keep the lane from the one it gave
+// it to.
 //
 // Order. The writer sends on the socket what the lane cannot carry
 // (descriptors, or more bytes than an entry holds), each such message
 // tagged with the lane position it follows (see frame), and then a marker
-// in the lane. The reader takes the lane's entries in order. At a marker
-// it receives from the socket until the socket is empty or it gets a
-// message tagged with a position it has not reached, which it keeps until
-// the entries before it are taken. So the writer's messages arrive in the
-// order it sent them, whichever way each went. A marker that finds the
-// lane full is written before the writer's next message instead; until
-// then, and for messages of processes without the role, the reader looks
-// at the socket each sleepSlice while it waits on the lane.
+// in the lane. The reader takes the lane's entries in order. At a marker,
+// and when it takes the role, it receives from the socket until the
+// socket is empty or its next message (looked at without receiving it)
+// follows an entry it has not taken. So the writer's messages arrive in
+// the order it sent them, whichever way each went. A marker that finds
+// the lane full is written before the writer's next message instead;
+// until then, and for messages of processes without the role (which
+// nudge the reader), the reader looks at the socket each sleepSlice while
+// it waits on the lane. A message received ahead of its place (by a
+// process that had no role yet) is kept until its place comes; a reader
+// that closes its end drops it.
 //
 // Ends. A reader whose writers are all gone (the socket's other end is
 // closed in every process) gets what the lane and the socket still hold,
 // then ErrClosed. A writer whose readers are all gone gets ErrClosed once
 // the lane is full, or at its first Send a millisecond after they went
 // (the socket says so at once): a message sent meanwhile is lost, as one
-// sent on the socket just before the readers went is.
+// sent on the socket just before the readers went is. So may be one a
+// writer publishes while its end closes.
+//
+// A hostile peer. An entry the Way did not write is an error wrapping
+// ErrMalformed for that receive; counts that no honest peer writes end the
+// lane for this process, which uses the socket alone from then on.
 //
 // Ownership. A Way owns the lane's memory descriptor, its mapping and its
 // role's description until Close; the socket stays its caller's. One Send
@@ -193,8 +206,41 @@ func (w *Way) taken() *Lane {
 		return nil
 	}
 	w.role, w.held = role, true
-	w.owed = w.onSock // what it sent on the socket comes first
+	if w.writes {
+		l.Resume()        // after what earlier writers published
+		w.owed = w.onSock // what it sent on the socket comes first
+	} else {
+		w.draining = true // what earlier readers left on the socket first
+	}
 	return l
+}
+
+// letGo gives up the role, for good if the lane is broken (its counts
+// are not an honest peer's): the socket serves alone. The caller holds
+// sem.
+func (w *Way) letGo(broken bool) {
+	if w.role != nil {
+		_ = w.role.Close()
+		w.role = nil
+	}
+	w.held, w.tried = false, time.Time{}
+	w.broken = w.broken || broken
+}
+
+// LetGo gives up this process's reader's role of the Way, unless a
+// receive is under way or one is kept ahead, so that another process
+// that holds the end (the one it is sent to) may take it. This process
+// takes it again at its next receive if it is free.
+func (w *Way) LetGo() {
+	select {
+	case w.sem <- struct{}{}:
+	default:
+		return
+	}
+	defer func() { <-w.sem }()
+	if !w.writes && w.held && !w.stashed {
+		w.letGo(false)
+	}
 }
 
 // Send sends data and the descriptors fds, which stay the caller's: by
@@ -225,7 +271,13 @@ func (w *Way) Send(ctx context.Context, data []byte, fds []int) error {
 			return err
 		}
 		w.wbuf = append(append(w.wbuf[:0], kindValue), data...)
-		return l.Send(ctx, w.wbuf, w.alive)
+		err := l.Send(ctx, w.wbuf, w.alive)
+		if !errors.Is(err, errCounts) {
+			return err
+		}
+		w.letGo(true) // a peer wrote the counts: the socket serves
+		w.onSock = true
+		return w.shared.Send(ctx, data, fds)
 	}
 	if err := w.shared.send(ctx, data, fds, int64(l.Tail()), true); err != nil {
 		return err
@@ -358,16 +410,14 @@ func (w *Way) recv(ctx context.Context) (Msg, error) {
 		_, err = l.WaitSent(ctx, last, w.alive)
 		switch {
 		case errors.Is(err, errSocketReady):
-			m, ok, err := w.fromSocket(ctx, l)
-			if err != nil || ok {
-				return m, err
-			}
+			w.draining = true // the socket until it is empty
 		case errors.Is(err, errWritersGone):
 			if l.Sent() != l.Taken() {
 				continue
 			}
 			m, ok, err := w.fromSocket(ctx, l)
 			if err != nil || ok {
+				w.draining = err == nil
 				return m, err
 			}
 			return Msg{}, fmt.Errorf("%w (the writers are gone)", ErrClosed)
@@ -385,6 +435,9 @@ func (w *Way) fromLane(l *Lane) (Msg, bool, error) {
 	switch {
 	case errors.Is(err, ErrWouldBlock):
 		return Msg{}, false, nil
+	case errors.Is(err, errCounts):
+		w.letGo(true) // a peer wrote the counts: the socket serves
+		return Msg{}, false, err
 	case err != nil:
 		return Msg{}, false, err
 	case len(buf) == 0:
@@ -401,11 +454,20 @@ func (w *Way) fromLane(l *Lane) (Msg, bool, error) {
 	return Msg{}, false, fmt.Errorf("mp: receiving on a lane: %w: an entry of kind %d", ErrMalformed, buf[0])
 }
 
-// fromSocket receives the socket's next message, if it has one now: a
-// message for the caller (ok), unless it follows lane entries not taken
-// yet, which keeps it in the stash. An empty socket, or one whose writers
-// are gone, is no message.
+// fromSocket receives the socket's next message, if it has one now and
+// it follows no lane entry not taken yet: a message for the caller (ok).
+// One that does is left on the socket, and draining ends: the entries
+// come first, and the message's marker after them. An empty socket, or
+// one whose writers are gone, is no message.
 func (w *Way) fromSocket(ctx context.Context, l *Lane) (Msg, bool, error) {
+	tag, ok := w.shared.peekTag()
+	if !ok {
+		return Msg{}, false, nil
+	}
+	if tag >= 0 && int32(uint32(tag)-l.Taken()) > 0 && int32(uint32(tag)-l.Sent()) <= 0 {
+		w.draining = false
+		return Msg{}, false, nil
+	}
 	m, err := w.shared.TryRecv(ctx)
 	switch {
 	case errors.Is(err, ErrWouldBlock) || errors.Is(err, ErrClosed) && !errors.Is(err, errConnClosed):
@@ -417,7 +479,9 @@ func (w *Way) fromSocket(ctx context.Context, l *Lane) (Msg, bool, error) {
 }
 
 // place returns m, a socket message, for the caller (ok) if it follows no
-// lane entry the reader has not taken; else it keeps it in the stash.
+// lane entry the reader has not taken; else it keeps it in the stash
+// (received by a process without the role, or after another reader took
+// the one fromSocket looked at).
 func (w *Way) place(m Msg, l *Lane) (Msg, bool, error) {
 	if m.tag < 0 {
 		return m, true, nil
@@ -462,10 +526,18 @@ func (w *Way) Close() error {
 	if w.closed.Swap(true) {
 		return nil
 	}
-	if l := w.lane.Load(); l != nil {
-		l.Nudge()
+	// A call asleep on the lane wakes to a nudge, unless it armed its
+	// sleep after the nudge looked: nudge until the call has returned.
+	for taken := false; !taken; {
+		if l := w.lane.Load(); l != nil {
+			l.Nudge()
+		}
+		select {
+		case w.sem <- struct{}{}:
+			taken = true
+		case <-time.After(time.Millisecond):
+		}
 	}
-	w.sem <- struct{}{}
 	defer func() { <-w.sem }()
 	var errs []error
 	if w.stashed {

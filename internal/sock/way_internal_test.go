@@ -140,9 +140,10 @@ func TestWayOwesAMarkerWhenFull(t *testing.T) {
 }
 
 // A socket message that follows lane entries the reader has not taken is
-// kept until it has taken them, even when it comes first (the reader
-// woken by the socket, between the writer's entry and its marker).
-func TestWayKeepsAnEarlySocketMessage(t *testing.T) {
+// left on the socket until it has taken them, even when the reader looks
+// at the socket first (woken by it, between the writer's entry and its
+// marker).
+func TestWayLeavesAnEarlySocketMessage(t *testing.T) {
 	w, r, _ := wayPair(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -152,20 +153,148 @@ func TestWayKeepsAnEarlySocketMessage(t *testing.T) {
 	// Message 1 by the socket, tagged as following entry 0, and no
 	// marker yet.
 	require.NoError(t, w.shared.send(ctx, wayMsg(1, 8), nil, int64(l.Tail()), true))
-	r.sem <- struct{}{}
-	rl := r.taken()
-	<-r.sem
-	require.NotNil(t, rl)
 	r.sem <- struct{}{} // as Recv holds it
+	rl := r.taken()
+	require.NotNil(t, rl)
+	r.draining = true
 	_, ok, err := r.fromSocket(ctx, rl)
 	<-r.sem
 	require.NoError(t, err)
 	require.False(t, ok, "the socket's message came before entry 0")
-	require.True(t, r.stashed)
+	assert.False(t, r.stashed || r.draining, "the message was received, or the drain goes on")
 	got, _ := recvIndex(t, ctx, r)
 	assert.Equal(t, 0, got)
 	got, _ = recvIndex(t, ctx, r)
 	assert.Equal(t, 1, got)
+}
+
+// A message that fills the socket's inline room, tag and all, arrives
+// whole: the tag does not push it past the receive's buffer.
+func TestWayTaggedMessageAtTheInlineLimit(t *testing.T) {
+	w, r, _ := wayPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // w takes the lane
+	for i, n := range []int{maxInline - 4, maxInline - 3, maxInline - 4 + tagLen, maxInline + 1} {
+		require.NoError(t, w.Send(ctx, wayMsg(i+1, n-4), nil))
+	}
+	for i := range 5 {
+		got, _ := recvIndex(t, ctx, r)
+		require.Equal(t, i, got)
+	}
+}
+
+// A writer that takes the role after another let go of it sends after
+// what the lane holds, and what it sent by the socket before comes first:
+// nothing is overwritten, and each writer's order is kept.
+func TestWayWriterTakesOver(t *testing.T) {
+	w, r, mem := wayPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	other, err := mem.Dup()
+	require.NoError(t, err)
+	w2 := NewWay(w.shared, other, true)
+	defer w2.Close()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // w takes the role
+	got, _ := recvIndex(t, ctx, r)                     // and r
+	require.Equal(t, 0, got)
+	require.NoError(t, w2.Send(ctx, wayMsg(100, 8), nil)) // w2 by the socket
+	for i := 1; i <= 3; i++ {
+		require.NoError(t, w.Send(ctx, wayMsg(i, 8), nil))
+	}
+	require.NoError(t, w.Close())
+	time.Sleep(2 * roleRetry) // past w2's next try
+	for i := 101; i <= 103; i++ {
+		require.NoError(t, w2.Send(ctx, wayMsg(i, 8), nil))
+	}
+	require.True(t, w2.held, "the second writer took the role")
+	next := [2]int{1, 100}
+	for range 7 {
+		got, _ := recvIndex(t, ctx, r)
+		k := got / 100
+		require.Equal(t, next[k], got)
+		next[k]++
+	}
+	assert.Equal(t, [2]int{4, 104}, next)
+}
+
+// A reader that takes the role over from one that closed mid-drain
+// receives what is left on the socket before the lane's later entries.
+func TestWayReaderTakesOverMidDrain(t *testing.T) {
+	w, r, mem := wayPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	for i := range WayEntries {
+		require.NoError(t, w.Send(ctx, wayMsg(i, 8), nil))
+	}
+	// Two by the socket under one owed marker, then one by the lane.
+	require.NoError(t, w.Send(ctx, wayMsg(WayEntries, 2*WayEntry), nil))
+	require.NoError(t, w.Send(ctx, wayMsg(WayEntries+1, 2*WayEntry), nil))
+	for i := range WayEntries {
+		got, _ := recvIndex(t, ctx, r)
+		require.Equal(t, i, got)
+	}
+	// The owed marker goes in first, then this one.
+	require.NoError(t, w.Send(ctx, wayMsg(WayEntries+2, 8), nil))
+	got, _ := recvIndex(t, ctx, r) // at the marker: the first of the two
+	require.Equal(t, WayEntries, got)
+	require.True(t, r.draining)
+	require.NoError(t, r.Close())
+	other, err := mem.Dup()
+	require.NoError(t, err)
+	r2 := NewWay(r.shared, other, false)
+	defer r2.Close()
+	for i := WayEntries + 1; i <= WayEntries+2; i++ {
+		got, _ := recvIndex(t, ctx, r2)
+		require.Equal(t, i, got)
+	}
+}
+
+// A reader that lets go of its role (its end sent on) leaves the lane to
+// another process of the end, and takes it again if it is free.
+func TestWayReaderLetsGo(t *testing.T) {
+	w, r, mem := wayPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
+	got, _ := recvIndex(t, ctx, r)
+	require.Equal(t, 0, got)
+	r.LetGo()
+	other, err := mem.Dup()
+	require.NoError(t, err)
+	r2 := NewWay(r.shared, other, false)
+	for i := 1; i <= 3; i++ {
+		require.NoError(t, w.Send(ctx, wayMsg(i, 8), nil))
+		got, _ := recvIndex(t, ctx, r2)
+		require.Equal(t, i, got)
+	}
+	require.True(t, r2.held)
+	require.NoError(t, r2.Close())
+	require.NoError(t, w.Send(ctx, wayMsg(4, 8), nil))
+	got, _ = recvIndex(t, ctx, r)
+	assert.Equal(t, 4, got)
+	assert.True(t, r.held, "the first reader took the role again")
+}
+
+// Counts that no honest peer writes end the lane for the reader, which
+// goes on with the socket: a writer without the role is still heard.
+func TestWayBrokenCountsLeaveTheSocket(t *testing.T) {
+	w, r, mem := wayPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
+	got, _ := recvIndex(t, ctx, r)
+	require.Equal(t, 0, got)
+	rogue, err := OpenLane(mem)
+	require.NoError(t, err)
+	defer rogue.Close()
+	binary.LittleEndian.PutUint32(rogue.mem[sentBell:], rogue.Sent()+WayEntries+5)
+	_, err = r.Recv(ctx)
+	require.ErrorIs(t, err, ErrMalformed)
+	require.NoError(t, w.shared.Send(ctx, wayMsg(1, 8), nil))
+	got, _ = recvIndex(t, ctx, r)
+	assert.Equal(t, 1, got)
+	assert.True(t, r.broken)
 }
 
 // What a peer writes into the lane or the socket that the Way did not is
