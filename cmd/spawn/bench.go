@@ -49,6 +49,7 @@ message at all, a word stored in a page both map, there and back.
                       the floor streams' records through a lane
   pipe_roundtrip      an int there and back through an mp.Pipe, whose
                       lanes carry it (encoded and decoded as any value)
+  pipe_stream         ints sent one way through an mp.Pipe, per second
   fds                 descriptors a receiver holds while it keeps "held"
                       received tensors alive: -hold and 10 x -hold of 4 KiB,
                       -hold of 80 KiB

@@ -147,6 +147,29 @@ func (b *bencher) pipeRoundTrip() (time.Duration, error) {
 	return d, nil
 }
 
+// pipeStream sends n ints one way through the pipe, and returns how long
+// it took until the worker said it had them all.
+func (b *bencher) pipeStream(n int) (time.Duration, error) {
+	if err := b.in.Put(b.ctx, benchMsg{Op: "pipecount", N: n}); err != nil {
+		return 0, err
+	}
+	start := time.Now()
+	for i := range n {
+		if err := b.pipe.Send(b.ctx, i); err != nil {
+			return 0, err
+		}
+	}
+	var got int
+	if err := b.pipe.Recv(b.ctx, &got); err != nil {
+		return 0, err
+	}
+	d := time.Since(start)
+	if got != n {
+		return 0, fmt.Errorf("the worker counted %d ints of %d", got, n)
+	}
+	return d, nil
+}
+
 // release has the worker let go of the last tensor it echoed.
 func (b *bencher) release() error {
 	if err := b.in.Put(b.ctx, benchMsg{Op: "release"}); err != nil {
@@ -278,7 +301,7 @@ func (b *bencher) firstShares(size int64) error {
 func (b *bencher) streams() error {
 	const size = 4 << 10
 	n := max(b.o.batch, b.o.stream/rounds/b.o.batch*b.o.batch)
-	var one, many, floorOne, floorMany, laneOne, laneMany time.Duration
+	var one, many, floorOne, floorMany, laneOne, laneMany, pipeOne time.Duration
 	for range rounds {
 		b.progress(fmt.Sprintf("%s: stream of 4 KiB tensors", b.st))
 		d, err := b.stream(n, 1)
@@ -309,6 +332,10 @@ func (b *bencher) streams() error {
 			return err
 		}
 		laneMany += d
+		if d, err = b.pipeStream(n); err != nil {
+			return err
+		}
+		pipeOne += d
 	}
 	rate := func(d time.Duration) float64 { return float64(n*rounds) / d.Seconds() }
 	st := b.st.String()
@@ -323,6 +350,7 @@ func (b *bencher) streams() error {
 	if b.floor != nil {
 		b.emit(benchResult{Strategy: st, Case: "lane_stream", Bytes: size, PerS: rate(laneOne)})
 		b.emit(benchResult{Strategy: st, Case: "lane_stream_batch", Bytes: size, Batch: b.o.batch, PerS: rate(laneMany)})
+		b.emit(benchResult{Strategy: st, Case: "pipe_stream", Bytes: size, PerS: rate(pipeOne)})
 	}
 	return nil
 }

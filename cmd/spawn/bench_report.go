@@ -59,6 +59,7 @@ var floorOf = map[string]map[string]string{
 	// The lane carries the floors' messages: bounded by the same floors.
 	"lane_roundtrip":    roundTripFloors,
 	"pipe_roundtrip":    roundTripFloors,
+	"pipe_stream":       {"socket": "floor_stream"},
 	"lane_stream":       {"socket": "floor_stream"},
 	"lane_stream_batch": {"socket": "floor_stream_batch"},
 }

@@ -16,7 +16,7 @@ import (
 
 // benchMsg is what the bench worker receives: a command and a tensor.
 type benchMsg struct {
-	Op    string // "echo", "pipe", "count", "hold", "release", "floor", "stop"
+	Op    string // "echo", "pipe", "pipecount", "count", "hold", "release", "floor", "stop"
 	N     int
 	Batch int         // tensors per message for "count"
 	Floor floorSocket // the floor socket's worker end, for "floor"
@@ -124,6 +124,16 @@ func benchWorker(ctx context.Context, w *mp.Worker) error {
 				if err := a.Pipe.Send(ctx, n); err != nil {
 					return err
 				}
+			}
+		case "pipecount":
+			for range m.N {
+				var n int
+				if err := a.Pipe.Recv(ctx, &n); err != nil {
+					return err
+				}
+			}
+			if err := a.Pipe.Send(ctx, m.N); err != nil {
+				return err
 			}
 		case "count":
 			for got := 0; got < m.N; {

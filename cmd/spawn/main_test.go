@@ -238,7 +238,7 @@ func TestBenchJSON(t *testing.T) {
 			assert.Positive(t, r.P50us)
 			assert.GreaterOrEqual(t, r.P99us, r.P50us)
 			assert.Contains(t, []int64{4 << 10, 1 << 20}, r.Bytes)
-		case "stream", "floor_stream", "lane_stream":
+		case "stream", "floor_stream", "lane_stream", "pipe_stream":
 			assert.Positive(t, r.PerS)
 			assert.Zero(t, r.Batch)
 		case "stream_batch", "floor_stream_batch", "lane_stream_batch":
@@ -257,7 +257,7 @@ func TestBenchJSON(t *testing.T) {
 		"floor_stream": 2, "stream": 2, "floor_stream_batch": 2, "stream_batch": 2,
 		"fds": 6,
 		// The lane's round trip is measured at the first size only.
-		"lane_roundtrip": 2, "lane_stream": 2, "lane_stream_batch": 2, "pipe_roundtrip": 2,
+		"lane_roundtrip": 2, "lane_stream": 2, "lane_stream_batch": 2, "pipe_roundtrip": 2, "pipe_stream": 2,
 	}
 	if manyCPUs(t) {
 		want["floor_spin_roundtrip"] = 4
@@ -358,7 +358,7 @@ func TestBenchDeviceJSON(t *testing.T) {
 		switch r.Case {
 		case "roundtrip", "floor_roundtrip", "floor_futex_roundtrip", "floor_spin_roundtrip", "lane_roundtrip", "pipe_roundtrip":
 			assert.Positive(t, r.P50us, line)
-		case "stream", "stream_batch", "floor_stream", "floor_stream_batch", "lane_stream", "lane_stream_batch":
+		case "stream", "stream_batch", "floor_stream", "floor_stream_batch", "lane_stream", "lane_stream_batch", "pipe_stream":
 			assert.Positive(t, r.PerS, line)
 		case "fds":
 			assert.Equal(t, 1000, r.Held)
@@ -370,7 +370,7 @@ func TestBenchDeviceJSON(t *testing.T) {
 		"floor_roundtrip@": 2, "floor_futex_roundtrip@": 2, "roundtrip@": 1, "roundtrip@gpu:0": 1,
 		"floor_stream@": 1, "stream@gpu:0": 1, "floor_stream_batch@": 1, "stream_batch@gpu:0": 1,
 		"fds@gpu:0":       1,
-		"lane_roundtrip@": 2, "lane_stream@": 1, "lane_stream_batch@": 1, "pipe_roundtrip@": 2,
+		"lane_roundtrip@": 2, "lane_stream@": 1, "lane_stream_batch@": 1, "pipe_roundtrip@": 2, "pipe_stream@": 1,
 	}
 	if manyCPUs(t) {
 		want["floor_spin_roundtrip@"] = 2
