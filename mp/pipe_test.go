@@ -235,6 +235,64 @@ func TestPipeEndHandedOn(t *testing.T) {
 	require.NoError(t, g.Join())
 }
 
+// A process that receives once on an end it has handed on, and then
+// stops, lets go of the lane within a fraction of a second: the process it
+// gave the end to receives the rest, and the sender does not block.
+func TestPipeEndReceivedOnceMore(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	a, b, err := mp.NewPipe()
+	require.NoError(t, err)
+	defer a.Close()
+	defer b.Close()
+	out, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer out.Close()
+	const n = 500
+	g, err := mp.Spawn(ctx, "pipe-sum", 1, mp.WithArgs(pipeSumArgs{Pipe: b, Out: out, N: n}))
+	require.NoError(t, err)
+	require.NoError(t, a.Send(ctx, -1))
+	var first int
+	require.NoError(t, b.Recv(ctx, &first)) // this process takes the lane back
+	require.Equal(t, -1, first)
+	want := 0
+	for i := range n {
+		require.NoError(t, a.Send(ctx, i), "send %d", i)
+		want += i
+	}
+	var sum int
+	require.NoError(t, out.Get(ctx, &sum))
+	assert.Equal(t, want, sum)
+	require.NoError(t, g.Join())
+}
+
+// An end that closes with a value sent to it unread makes its peer's
+// socket report the reset once: what it sent before closing still comes
+// in order.
+func TestPipePeerClosedWithUnread(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	a, b, err := mp.NewPipe()
+	require.NoError(t, err)
+	defer a.Close()
+	require.NoError(t, b.Send(ctx, 0))
+	var n int
+	require.NoError(t, a.Recv(ctx, &n))
+	require.NoError(t, a.Send(ctx, strings.Repeat("x", 1000))) // b never reads it
+	big := strings.Repeat("y", 1000)
+	require.NoError(t, b.Send(ctx, big)) // by the socket
+	require.NoError(t, b.Send(ctx, 2))   // by the lane
+	require.NoError(t, b.Close())
+	var s string
+	require.NoError(t, a.Recv(ctx, &s))
+	assert.Equal(t, big, s)
+	require.NoError(t, a.Recv(ctx, &n))
+	assert.Equal(t, 2, n)
+	assert.ErrorIs(t, a.Recv(ctx, &n), mp.ErrClosed)
+}
+
 // BenchmarkRoundTrip is the round trip of an int between two processes:
 // by a Pipe (its lane) and by a pair of Queues (sockets).
 func BenchmarkRoundTrip(b *testing.B) {

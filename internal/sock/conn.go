@@ -619,10 +619,17 @@ func (c *Conn) peekTag() (tag int64, ok bool) {
 	}
 	var b [headerLen + tagLen]byte
 	n, err := peek(c.sock.Num(), b[:])
+	if err == unix.ECONNRESET {
+		// The other end closed with messages of ours unread: the
+		// first receive says so, once, before what it left.
+		n, err = peek(c.sock.Num(), b[:])
+	}
 	switch {
-	case err != nil || n == 0:
+	case err != nil:
 		return -1, false
 	case n < headerLen+tagLen || parseHeader(b[:n]).flags&flagTag == 0:
+		// Not tagged, or not a frame, or the other end's close: the
+		// receive says which.
 		return -1, true
 	}
 	return int64(binary.LittleEndian.Uint32(b[headerLen:])), true

@@ -28,9 +28,10 @@ import (
 // the socket, as it would without a lane, and a reader without it tries
 // for it again each roleRetry, or at once when it receives a message of
 // the role's writer. A reader lets go of its role when its end is sent to
-// another process (LetGo), unless it is receiving: a process that hands an
-// end on and keeps its copy does not keep the lane from the one it gave
-// it to.
+// another process (LetGo), unless it is receiving, and when it has not
+// received for idleRole (100 to 200 ms): a process that hands an end on
+// and keeps its copy, or stops receiving, does not keep the lane's
+// messages from one that receives.
 //
 // Order. The writer sends on the socket what the lane cannot carry
 // (descriptors, or more bytes than an entry holds), each such message
@@ -82,6 +83,11 @@ type Way struct {
 	broken bool
 
 	alive func() error // the Way's check of its peer, made once
+
+	// The reader's role's idle timer (see letGoIdle), and the count of
+	// receives ended, now and when it last looked; under sem.
+	idle        *time.Timer
+	recvs, seen uint64
 
 	// The writer's, under sem.
 	owed    bool      // a marker is owed: a socket message went without one
@@ -135,6 +141,8 @@ func NewWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 		w.alive = w.writerAlive
 	} else {
 		w.alive = w.readerAlive
+		w.idle = time.AfterFunc(time.Hour, w.letGoIdle)
+		w.idle.Stop() // until the role is taken
 	}
 	return w
 }
@@ -173,7 +181,38 @@ func (w *Way) lock(ctx context.Context) error {
 	return nil
 }
 
-func (w *Way) recvDone() { <-w.sem }
+func (w *Way) recvDone() {
+	w.recvs++
+	<-w.sem
+}
+
+// idleRole is how often a reader that holds its role looks at whether it
+// has received since it last looked; if it has not, and is not receiving
+// now, it lets go (see letGoIdle).
+const idleRole = 100 * time.Millisecond
+
+// letGoIdle lets go of the reader's role if no receive has ended or been
+// under way since it last ran, idleRole ago, so that a process that holds
+// the end and stopped receiving (it handed the end on, or is done with
+// it) does not keep the lane's messages from one that receives. It takes
+// the role again at its next receive, if it is free.
+func (w *Way) letGoIdle() {
+	select {
+	case w.sem <- struct{}{}:
+	default:
+		w.idle.Reset(idleRole) // receiving
+		return
+	}
+	defer func() { <-w.sem }()
+	switch {
+	case !w.held || w.closed.Load():
+	case w.recvs != w.seen || w.stashed:
+		w.seen = w.recvs
+		w.idle.Reset(idleRole)
+	default:
+		w.letGo(false)
+	}
+}
 
 // taken returns the lane if this process holds its role, trying for it
 // if it has not tried within roleRetry. The caller holds sem.
@@ -211,6 +250,7 @@ func (w *Way) taken() *Lane {
 		w.owed = w.onSock // what it sent on the socket comes first
 	} else {
 		w.draining = true // what earlier readers left on the socket first
+		w.idle.Reset(idleRole)
 	}
 	return l
 }
@@ -224,7 +264,9 @@ func (w *Way) letGo(broken bool) {
 		w.role = nil
 	}
 	w.held, w.tried = false, time.Time{}
-	w.broken = w.broken || broken
+	if broken {
+		w.broken = true
+	}
 }
 
 // LetGo gives up this process's reader's role of the Way, unless a
@@ -337,7 +379,7 @@ func (w *Way) Recv(ctx context.Context) (Msg, error) {
 	}
 	m, err := w.recv(ctx)
 	if err != nil {
-		<-w.sem
+		w.recvDone()
 		return Msg{}, err
 	}
 	m.w = w
@@ -345,8 +387,16 @@ func (w *Way) Recv(ctx context.Context) (Msg, error) {
 }
 
 func (w *Way) recv(ctx context.Context) (Msg, error) {
-	for {
+	for pass := 1; ; pass++ {
+		if err := checkEvery(ctx, pass); err != nil {
+			return Msg{}, err // a peer that keeps writing markers
+		}
 		l := w.taken()
+		if l == nil && w.stashed {
+			// The lane is broken since: the kept message is next.
+			w.stashed = false
+			return w.stash, nil
+		}
 		if l == nil {
 			m, err := w.recvShared(ctx)
 			if errors.Is(err, errRetry) {
@@ -519,9 +569,9 @@ func (w *Way) recvShared(ctx context.Context) (Msg, error) {
 }
 
 // Close releases the Way's lane, its role and its memory descriptor, once
-// its call has returned: one that waits on the lane is woken, and
-// returns ErrClosed. Close the socket first, which ends a receive that
-// waits on it.
+// its call has returned (and a received Msg is Done): one that waits on
+// the lane is woken, and returns ErrClosed. Close the socket first, which
+// ends a receive that waits on it.
 func (w *Way) Close() error {
 	if w.closed.Swap(true) {
 		return nil
@@ -539,6 +589,9 @@ func (w *Way) Close() error {
 		}
 	}
 	defer func() { <-w.sem }()
+	if w.idle != nil {
+		w.idle.Stop()
+	}
 	var errs []error
 	if w.stashed {
 		w.stash.Done() // its socket's receive; the Way's is Close's

@@ -43,6 +43,13 @@ func wayPair(t *testing.T) (w, r *Way, mem *fd.FD) {
 	return w, r, mem
 }
 
+// holds reports whether w holds its role, as its calls see it.
+func holds(w *Way) bool {
+	w.sem <- struct{}{}
+	defer func() { <-w.sem }()
+	return w.held
+}
+
 // wayMsg is message i: its index, then n bytes.
 func wayMsg(i, n int) []byte {
 	b := binary.LittleEndian.AppendUint32(nil, uint32(i))
@@ -111,7 +118,7 @@ func TestWayKeepsOrder(t *testing.T) {
 		assert.Equal(t, withFD(i), fds == 1, "message %d's descriptors", i)
 	}
 	require.NoError(t, <-done)
-	assert.True(t, w.held && r.held, "the two ends did not take the lane")
+	assert.True(t, holds(w) && holds(r), "the two ends did not take the lane")
 }
 
 // A socket message whose marker found the lane full comes after the
@@ -207,7 +214,7 @@ func TestWayWriterTakesOver(t *testing.T) {
 	for i := 101; i <= 103; i++ {
 		require.NoError(t, w2.Send(ctx, wayMsg(i, 8), nil))
 	}
-	require.True(t, w2.held, "the second writer took the role")
+	require.True(t, holds(w2), "the second writer took the role")
 	next := [2]int{1, 100}
 	for range 7 {
 		got, _ := recvIndex(t, ctx, r)
@@ -268,12 +275,12 @@ func TestWayReaderLetsGo(t *testing.T) {
 		got, _ := recvIndex(t, ctx, r2)
 		require.Equal(t, i, got)
 	}
-	require.True(t, r2.held)
+	require.True(t, holds(r2))
 	require.NoError(t, r2.Close())
 	require.NoError(t, w.Send(ctx, wayMsg(4, 8), nil))
 	got, _ = recvIndex(t, ctx, r)
 	assert.Equal(t, 4, got)
-	assert.True(t, r.held, "the first reader took the role again")
+	assert.True(t, holds(r), "the first reader took the role again")
 }
 
 // Counts that no honest peer writes end the lane for the reader, which
@@ -294,7 +301,9 @@ func TestWayBrokenCountsLeaveTheSocket(t *testing.T) {
 	require.NoError(t, w.shared.Send(ctx, wayMsg(1, 8), nil))
 	got, _ = recvIndex(t, ctx, r)
 	assert.Equal(t, 1, got)
+	r.sem <- struct{}{}
 	assert.True(t, r.broken)
+	<-r.sem
 }
 
 // What a peer writes into the lane or the socket that the Way did not is
@@ -372,7 +381,7 @@ func TestWayWriterWithoutTheRole(t *testing.T) {
 		next[k]++
 	}
 	require.NoError(t, <-done)
-	assert.False(t, w2.held, "a second writer took the role")
+	assert.False(t, holds(w2), "a second writer took the role")
 }
 
 // Whatever a hostile writer puts in the lane's memory and sends on the
@@ -456,4 +465,145 @@ func FuzzWay(f *testing.F) {
 		}()
 		assert.Equal(t, base, leakcheck.Count(), "descriptors left open")
 	})
+}
+
+// A writer whose end closes with a message of the reader's unread leaves
+// the reader's socket saying so (ECONNRESET) once, before what the writer
+// sent: the reader's look at the socket asks again, so nothing is
+// reordered or lost.
+func TestWayWriterClosedWithUnread(t *testing.T) {
+	for _, lane := range []bool{true, false} {
+		w, r, _ := wayPair(t)
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
+		got, _ := recvIndex(t, ctx, r)
+		require.Equal(t, 0, got)
+		require.NoError(t, r.shared.Send(ctx, []byte("never read"), nil))
+		if lane {
+			require.NoError(t, w.Send(ctx, wayMsg(1, 2*WayEntry), nil)) // socket, then marker
+			require.NoError(t, w.Send(ctx, wayMsg(2, 8), nil))          // lane
+		} else {
+			// As a writer without the role: no marker, heard by the
+			// reader's look at the socket once the writers are gone.
+			require.NoError(t, w.shared.Send(ctx, wayMsg(1, 8), nil))
+		}
+		require.NoError(t, w.shared.Close())
+		got, _ = recvIndex(t, ctx, r)
+		assert.Equal(t, 1, got, "lane %v", lane)
+		if lane {
+			got, _ = recvIndex(t, ctx, r)
+			assert.Equal(t, 2, got)
+		}
+		_, err := r.Recv(ctx)
+		assert.ErrorIs(t, err, ErrClosed)
+		cancel()
+	}
+}
+
+// An empty message at the socket's head, which no Conn sends, is refused
+// (ErrMalformed), and what follows it comes next.
+func TestWayRefusesAnEmptyMessage(t *testing.T) {
+	w, r, _ := wayPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
+	got, _ := recvIndex(t, ctx, r)
+	require.Equal(t, 0, got)
+	_, err := unix.Write(w.shared.sock.Num(), nil)
+	require.NoError(t, err)
+	require.NoError(t, w.Send(ctx, wayMsg(1, 2*WayEntry), nil)) // socket, then marker
+	_, err = r.Recv(ctx)
+	require.ErrorIs(t, err, ErrMalformed)
+	got, _ = recvIndex(t, ctx, r)
+	assert.Equal(t, 1, got)
+}
+
+// A message kept ahead of its place is the next one received once the
+// lane's counts break: the receive does not wait on the socket behind it.
+func TestWayBrokenLaneGivesTheKeptMessage(t *testing.T) {
+	w, r, mem := wayPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
+	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
+	l := w.lane.Load()
+	require.NoError(t, w.shared.send(ctx, wayMsg(2, 8), nil, int64(l.Tail()), true))
+	// r receives without the role, as a process whose last try was
+	// just now: message 2, of the role's writer, makes it take the role
+	// and keep the message until entries 0 and 1 are taken.
+	r.tried = time.Now()
+	got, _ := recvIndex(t, ctx, r)
+	require.Equal(t, 0, got)
+	r.sem <- struct{}{}
+	require.True(t, r.held && r.stashed)
+	<-r.sem
+	rogue, err := OpenLane(mem)
+	require.NoError(t, err)
+	defer rogue.Close()
+	binary.LittleEndian.PutUint32(rogue.mem[sentBell:], rogue.Sent()+WayEntries+5)
+	_, err = r.Recv(ctx)
+	require.ErrorIs(t, err, ErrMalformed)
+	got, _ = recvIndex(t, ctx, r) // entry 1 is lost with the lane
+	assert.Equal(t, 2, got)
+	require.NoError(t, w.shared.Send(ctx, wayMsg(3, 8), nil))
+	got, _ = recvIndex(t, ctx, r)
+	assert.Equal(t, 3, got)
+}
+
+// A reader that holds the role and stops receiving, its end still open,
+// lets go of it within idleRole or two: another reader of the end then
+// takes the lane, and the writer does not block on a full lane.
+func TestWayIdleReaderLetsGo(t *testing.T) {
+	w, r, mem := wayPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
+	got, _ := recvIndex(t, ctx, r) // r takes the role, then idles
+	require.Equal(t, 0, got)
+	other, err := mem.Dup()
+	require.NoError(t, err)
+	r2 := NewWay(r.shared, other, false)
+	defer r2.Close()
+	done := make(chan error, 1)
+	go func() {
+		for i := 1; i <= 2*WayEntries; i++ {
+			if err := w.Send(ctx, wayMsg(i, 8), nil); err != nil {
+				done <- err
+				return
+			}
+		}
+		done <- nil
+	}()
+	for i := 1; i <= 2*WayEntries; i++ {
+		got, _ := recvIndex(t, ctx, r2)
+		require.Equal(t, i, got)
+	}
+	require.NoError(t, <-done)
+	assert.False(t, holds(r), "the idle reader kept the role")
+}
+
+// A reader without the role that receives a message of the role's writer
+// takes the role at once, however recently it last tried: the message
+// keeps its place after the lane's entry.
+func TestWayReaderTakesTheRoleAtOnce(t *testing.T) {
+	w, r, mem := wayPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // w takes the role
+	other, err := mem.Dup()
+	require.NoError(t, err)
+	r2 := NewWay(r.shared, other, false)
+	defer r2.Close()
+	r.sem <- struct{}{}
+	require.NotNil(t, r.taken()) // r holds the reader's role
+	<-r.sem
+	require.NoError(t, w.Send(ctx, wayMsg(1, 2*WayEntry), nil)) // socket, then marker
+	r2.sem <- struct{}{}
+	require.Nil(t, r2.taken()) // r2's try fails, just now
+	<-r2.sem
+	require.NoError(t, r.Close()) // the role is free
+	got, _ := recvIndex(t, ctx, r2)
+	assert.Equal(t, 0, got)
+	got, _ = recvIndex(t, ctx, r2)
+	assert.Equal(t, 1, got)
 }
