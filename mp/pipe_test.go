@@ -204,67 +204,51 @@ func TestPipeAcrossProcesses(t *testing.T) {
 	require.NoError(t, g.Join())
 }
 
-// A process that received on an end and hands it on, keeping its own
-// copy, leaves the lane to the process it gave it to: that one receives
-// what comes next.
+// A process that receives on an end and hands it on, keeping its own
+// copy, leaves the lane to the process it gave it to: at once when it
+// received before (sending the end lets go of the lane), and within a
+// fraction of a second when it receives once more after (a reader that
+// stops receiving lets go). That process receives what comes next, and
+// the sender does not block on a full lane.
 func TestPipeEndHandedOn(t *testing.T) {
-	leakcheck.Check(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	a, b, err := mp.NewPipe()
-	require.NoError(t, err)
-	defer a.Close()
-	defer b.Close() // kept open while the worker uses its copy
-	out, err := mp.NewQueue()
-	require.NoError(t, err)
-	defer out.Close()
-	require.NoError(t, a.Send(ctx, "hello"))
-	var hello string
-	require.NoError(t, b.Recv(ctx, &hello)) // this process reads b's lane
-	const n = 500
-	g, err := mp.Spawn(ctx, "pipe-sum", 1, mp.WithArgs(pipeSumArgs{Pipe: b, Out: out, N: n}))
-	require.NoError(t, err)
-	want := 0
-	for i := range n {
-		require.NoError(t, a.Send(ctx, i))
-		want += i
+	for _, after := range []bool{false, true} {
+		t.Run(map[bool]string{false: "received before", true: "received after"}[after], func(t *testing.T) {
+			leakcheck.Check(t)
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			a, b, err := mp.NewPipe()
+			require.NoError(t, err)
+			defer a.Close()
+			defer b.Close() // kept open while the worker uses its copy
+			out, err := mp.NewQueue()
+			require.NoError(t, err)
+			defer out.Close()
+			receive := func() {
+				require.NoError(t, a.Send(ctx, -1))
+				var first int
+				require.NoError(t, b.Recv(ctx, &first)) // this process reads b's lane
+				require.Equal(t, -1, first)
+			}
+			if !after {
+				receive()
+			}
+			const n = 500
+			g, err := mp.Spawn(ctx, "pipe-sum", 1, mp.WithArgs(pipeSumArgs{Pipe: b, Out: out, N: n}))
+			require.NoError(t, err)
+			if after {
+				receive()
+			}
+			want := 0
+			for i := range n {
+				require.NoError(t, a.Send(ctx, i), "send %d", i)
+				want += i
+			}
+			var sum int
+			require.NoError(t, out.Get(ctx, &sum))
+			assert.Equal(t, want, sum)
+			require.NoError(t, g.Join())
+		})
 	}
-	var sum int
-	require.NoError(t, out.Get(ctx, &sum))
-	assert.Equal(t, want, sum)
-	require.NoError(t, g.Join())
-}
-
-// A process that receives once on an end it has handed on, and then
-// stops, lets go of the lane within a fraction of a second: the process it
-// gave the end to receives the rest, and the sender does not block.
-func TestPipeEndReceivedOnceMore(t *testing.T) {
-	leakcheck.Check(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	a, b, err := mp.NewPipe()
-	require.NoError(t, err)
-	defer a.Close()
-	defer b.Close()
-	out, err := mp.NewQueue()
-	require.NoError(t, err)
-	defer out.Close()
-	const n = 500
-	g, err := mp.Spawn(ctx, "pipe-sum", 1, mp.WithArgs(pipeSumArgs{Pipe: b, Out: out, N: n}))
-	require.NoError(t, err)
-	require.NoError(t, a.Send(ctx, -1))
-	var first int
-	require.NoError(t, b.Recv(ctx, &first)) // this process takes the lane back
-	require.Equal(t, -1, first)
-	want := 0
-	for i := range n {
-		require.NoError(t, a.Send(ctx, i), "send %d", i)
-		want += i
-	}
-	var sum int
-	require.NoError(t, out.Get(ctx, &sum))
-	assert.Equal(t, want, sum)
-	require.NoError(t, g.Join())
 }
 
 // An end that closes with a value sent to it unread makes its peer's
@@ -308,28 +292,25 @@ func BenchmarkRoundTrip(b *testing.B) {
 		_ = out.Close()
 	}()
 	ctx := context.Background()
-	b.Run("pipe", func(b *testing.B) {
-		b.ReportAllocs()
-		for i := 0; b.Loop(); i++ {
-			if err := p.Send(ctx, i); err != nil {
-				b.Fatal(err)
+	for _, c := range []struct {
+		name string
+		send func(int) error
+		recv func(*int) error
+	}{
+		{"pipe", func(n int) error { return p.Send(ctx, n) }, func(n *int) error { return p.Recv(ctx, n) }},
+		{"queues", func(n int) error { return in.Put(ctx, n) }, func(n *int) error { return out.Get(ctx, n) }},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			b.ReportAllocs()
+			for i := 0; b.Loop(); i++ {
+				var n int
+				if err := c.send(i); err != nil {
+					b.Fatal(err)
+				}
+				if err := c.recv(&n); err != nil || n != i {
+					b.Fatal(n, err)
+				}
 			}
-			var n int
-			if err := p.Recv(ctx, &n); err != nil || n != i {
-				b.Fatal(n, err)
-			}
-		}
-	})
-	b.Run("queues", func(b *testing.B) {
-		b.ReportAllocs()
-		for i := 0; b.Loop(); i++ {
-			if err := in.Put(ctx, i); err != nil {
-				b.Fatal(err)
-			}
-			var n int
-			if err := out.Get(ctx, &n); err != nil || n != i {
-				b.Fatal(n, err)
-			}
-		}
-	})
+		})
+	}
 }

@@ -15,7 +15,8 @@ import (
 // worker: the messages the floors send, through two rings in shared
 // memory instead of the socket, each side spinning and sleeping on its
 // Bell. A lane carries bytes only, so these cases bound what a tensor
-// hand-off over a lane could cost; no queue uses one yet.
+// hand-off over a lane could cost; an mp.Pipe uses lanes for values
+// without descriptors (pipe_roundtrip, pipe_stream), tensors not yet.
 
 // laneEntries and laneEntry size the bench's lanes: a batch of records
 // fits an entry.

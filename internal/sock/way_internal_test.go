@@ -43,6 +43,18 @@ func wayPair(t *testing.T) (w, r *Way, mem *fd.FD) {
 	return w, r, mem
 }
 
+// another returns a second Way of the end of w (its socket), with a
+// descriptor of its own of the lane's memory mem: another process's, as
+// far as roles go. The test's end closes it.
+func another(t *testing.T, w *Way, mem *fd.FD, writes bool) *Way {
+	t.Helper()
+	dup, err := mem.Dup()
+	require.NoError(t, err)
+	w2 := NewWay(w.shared, dup, writes)
+	t.Cleanup(func() { _ = w2.Close() })
+	return w2
+}
+
 // holds reports whether w holds its role, as its calls see it.
 func holds(w *Way) bool {
 	w.sem <- struct{}{}
@@ -198,10 +210,7 @@ func TestWayWriterTakesOver(t *testing.T) {
 	w, r, mem := wayPair(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	other, err := mem.Dup()
-	require.NoError(t, err)
-	w2 := NewWay(w.shared, other, true)
-	defer w2.Close()
+	w2 := another(t, w, mem, true)
 	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // w takes the role
 	got, _ := recvIndex(t, ctx, r)                     // and r
 	require.Equal(t, 0, got)
@@ -247,10 +256,7 @@ func TestWayReaderTakesOverMidDrain(t *testing.T) {
 	require.Equal(t, WayEntries, got)
 	require.True(t, r.draining)
 	require.NoError(t, r.Close())
-	other, err := mem.Dup()
-	require.NoError(t, err)
-	r2 := NewWay(r.shared, other, false)
-	defer r2.Close()
+	r2 := another(t, r, mem, false)
 	for i := WayEntries + 1; i <= WayEntries+2; i++ {
 		got, _ := recvIndex(t, ctx, r2)
 		require.Equal(t, i, got)
@@ -267,9 +273,7 @@ func TestWayReaderLetsGo(t *testing.T) {
 	got, _ := recvIndex(t, ctx, r)
 	require.Equal(t, 0, got)
 	r.LetGo()
-	other, err := mem.Dup()
-	require.NoError(t, err)
-	r2 := NewWay(r.shared, other, false)
+	r2 := another(t, r, mem, false)
 	for i := 1; i <= 3; i++ {
 		require.NoError(t, w.Send(ctx, wayMsg(i, 8), nil))
 		got, _ := recvIndex(t, ctx, r2)
@@ -349,10 +353,7 @@ func TestWayWriterWithoutTheRole(t *testing.T) {
 	w, r, mem := wayPair(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	other, err := mem.Dup()
-	require.NoError(t, err)
-	w2 := NewWay(w.shared, other, true)
-	defer w2.Close()
+	w2 := another(t, w, mem, true)
 	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // w takes the role
 	const n = 200
 	done := make(chan error, 1)
@@ -560,10 +561,7 @@ func TestWayIdleReaderLetsGo(t *testing.T) {
 	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
 	got, _ := recvIndex(t, ctx, r) // r takes the role, then idles
 	require.Equal(t, 0, got)
-	other, err := mem.Dup()
-	require.NoError(t, err)
-	r2 := NewWay(r.shared, other, false)
-	defer r2.Close()
+	r2 := another(t, r, mem, false)
 	done := make(chan error, 1)
 	go func() {
 		for i := 1; i <= 2*WayEntries; i++ {
@@ -590,10 +588,7 @@ func TestWayReaderTakesTheRoleAtOnce(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // w takes the role
-	other, err := mem.Dup()
-	require.NoError(t, err)
-	r2 := NewWay(r.shared, other, false)
-	defer r2.Close()
+	r2 := another(t, r, mem, false)
 	r.sem <- struct{}{}
 	require.NotNil(t, r.taken()) // r holds the reader's role
 	<-r.sem
