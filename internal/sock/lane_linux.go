@@ -77,10 +77,7 @@ const (
 	// maxBehind is how many times in a row a reader may find the taken
 	// count ahead of the sent one it read before, as other readers and
 	// the writer move on, before it calls the counts malformed.
-	maxBehind = 1 << 16
-	// passEvery is how many passes a loop of Send or Recv that does not
-	// wait makes between two looks at its context.
-	passEvery    = 1024
+	maxBehind    = 1 << 16
 	maxEntrySize = 64 << 10
 )
 
@@ -299,16 +296,6 @@ func (l *Lane) send(ctx context.Context, data []byte, alive func() error, block 
 	l.tail++
 	l.sent.Ring() // the word's atomic add publishes the entry
 	return nil
-}
-
-// checkEvery returns ctx's error every passEvery passes of a loop that
-// goes round without waiting: while another side keeps moving the
-// counts, which only a peer that writes them at will does for long.
-func checkEvery(ctx context.Context, pass int) error {
-	if pass%passEvery != 0 {
-		return nil
-	}
-	return ctx.Err()
 }
 
 // Recv takes the next message, copying it into buf's room (growing it as

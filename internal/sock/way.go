@@ -548,6 +548,21 @@ func (w *Way) place(m Msg, l *Lane) (Msg, bool, error) {
 	return Msg{}, false, nil
 }
 
+// passEvery is how many passes a loop of a lane's or a Way's calls that
+// does not wait makes between two looks at its context.
+const passEvery = 1024
+
+// checkEvery returns ctx's error every passEvery passes of a loop that
+// goes round without waiting: while another side keeps moving the counts
+// or writing markers, which only a peer that writes them at will does for
+// long.
+func checkEvery(ctx context.Context, pass int) error {
+	if pass%passEvery != 0 {
+		return nil
+	}
+	return ctx.Err()
+}
+
 // errRetry: a receive without the role waited roleRetry; the role may be
 // free now.
 var errRetry = errors.New("mp: try for the role again")
