@@ -197,6 +197,9 @@ const idleRole = 100 * time.Millisecond
 // it) does not keep the lane's messages from one that receives. It takes
 // the role again at its next receive, if it is free.
 func (w *Way) letGoIdle() {
+	if w.closed.Load() {
+		return
+	}
 	select {
 	case w.sem <- struct{}{}:
 	default:
