@@ -45,8 +45,9 @@ import (
 // until then, and for messages of processes without the role (which
 // nudge the reader), the reader looks at the socket each sleepSlice while
 // it waits on the lane. A message received ahead of its place (by a
-// process that had no role yet) is kept until its place comes; a reader
-// that closes its end drops it.
+// process that had no role yet) is kept until its place comes, or, if
+// the reader lets go of its role meanwhile, until its next receive; a
+// reader that closes its end drops it.
 //
 // Ends. A reader whose writers are all gone (the socket's other end is
 // closed in every process) gets what the lane and the socket still hold,
@@ -79,7 +80,8 @@ type Way struct {
 	role  *fd.FD
 	held  bool
 	tried time.Time
-	// broken: the lane cannot be used here (it could not be mapped).
+	// broken: the lane cannot be used here (it is not a lane, or its
+	// counts are not an honest peer's): the socket serves alone.
 	broken bool
 
 	alive func() error // the Way's check of its peer, made once
@@ -181,6 +183,7 @@ func (w *Way) lock(ctx context.Context) error {
 	return nil
 }
 
+// recvDone ends a receive, counting it for letGoIdle.
 func (w *Way) recvDone() {
 	w.recvs++
 	<-w.sem
@@ -209,7 +212,7 @@ func (w *Way) letGoIdle() {
 	defer func() { <-w.sem }()
 	switch {
 	case !w.held || w.closed.Load():
-	case w.recvs != w.seen || w.stashed:
+	case w.recvs != w.seen:
 		w.seen = w.recvs
 		w.idle.Reset(idleRole)
 	default:
@@ -273,9 +276,9 @@ func (w *Way) letGo(broken bool) {
 }
 
 // LetGo gives up this process's reader's role of the Way, unless a
-// receive is under way or one is kept ahead, so that another process
-// that holds the end (the one it is sent to) may take it. This process
-// takes it again at its next receive if it is free.
+// receive is under way (then the idle timer does, later), so that another
+// process that holds the end (the one it is sent to) may take it. This
+// process takes it again at its next receive if it is free.
 func (w *Way) LetGo() {
 	select {
 	case w.sem <- struct{}{}:
@@ -283,7 +286,7 @@ func (w *Way) LetGo() {
 		return
 	}
 	defer func() { <-w.sem }()
-	if !w.writes && w.held && !w.stashed {
+	if !w.writes && w.held {
 		w.letGo(false)
 	}
 }

@@ -602,3 +602,30 @@ func TestWayReaderTakesTheRoleAtOnce(t *testing.T) {
 	got, _ = recvIndex(t, ctx, r2)
 	assert.Equal(t, 1, got)
 }
+
+// A reader that keeps a message ahead of its place and stops receiving
+// lets go of the role all the same: another reader takes the entries
+// before it and what follows, and the kept message is the first reader's
+// next.
+func TestWayKeptMessageDoesNotKeepTheRole(t *testing.T) {
+	w, r, mem := wayPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
+	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
+	l := w.lane.Load()
+	require.NoError(t, w.shared.send(ctx, wayMsg(2, 8), nil, int64(l.Tail()), true))
+	r.tried = time.Now() // as in TestWayBrokenLaneGivesTheKeptMessage
+	got, _ := recvIndex(t, ctx, r)
+	require.Equal(t, 0, got)
+	r.LetGo()
+	require.False(t, holds(r), "a reader with a kept message kept the role")
+	r2 := another(t, r, mem, false)
+	got, _ = recvIndex(t, ctx, r2)
+	assert.Equal(t, 1, got)
+	require.NoError(t, w.Send(ctx, wayMsg(3, 8), nil))
+	got, _ = recvIndex(t, ctx, r2)
+	assert.Equal(t, 3, got)
+	got, _ = recvIndex(t, ctx, r)
+	assert.Equal(t, 2, got)
+}
