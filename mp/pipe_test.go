@@ -314,3 +314,29 @@ func BenchmarkRoundTrip(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkPipeTensorRoundTrip is the round trip of a shared 4 KiB tensor
+// between two processes by a Pipe: its descriptor goes by the socket,
+// with a marker in the lane.
+func BenchmarkPipeTensorRoundTrip(b *testing.B) {
+	p, g := startPipeEcho(b, nil, nil)
+	defer func() {
+		_ = p.Close()
+		_ = g.Join()
+	}()
+	x, err := tensor.On(device.CPU()).Shared().Zeros(tensor.Uint8, 4<<10)
+	require.NoError(b, err)
+	defer x.Release()
+	ctx := context.Background()
+	b.ReportAllocs()
+	for b.Loop() {
+		if err := p.Send(ctx, pipeMsg{T: x}); err != nil {
+			b.Fatal(err)
+		}
+		var m pipeMsg
+		if err := p.Recv(ctx, &m); err != nil || m.T == nil || m.T.Storage() != x.Storage() {
+			b.Fatal("the tensor did not come back on its storage: ", err)
+		}
+	}
+}
+

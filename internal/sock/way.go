@@ -101,6 +101,7 @@ type Way struct {
 	rbuf     []byte
 	none     fd.Set // a lane message's descriptors: none
 	draining bool   // at a marker: the socket first
+	atMarker bool   // and no message received from it since the marker
 	stash    Msg    // a socket message that follows entries not yet taken
 	stashed  bool
 }
@@ -505,6 +506,7 @@ func (w *Way) fromLane(l *Lane) (Msg, bool, error) {
 		return Msg{Data: buf[1:], FDs: &w.none, tag: -1}, true, nil
 	case kindMarker:
 		w.draining = !w.stashed
+		w.atMarker = w.draining
 		return Msg{}, false, nil
 	}
 	return Msg{}, false, fmt.Errorf("mp: receiving on a lane: %w: an entry of kind %d", ErrMalformed, buf[0])
@@ -516,14 +518,20 @@ func (w *Way) fromLane(l *Lane) (Msg, bool, error) {
 // come first, and the message's marker after them. An empty socket, or
 // one whose writers are gone, is no message.
 func (w *Way) fromSocket(ctx context.Context, l *Lane) (Msg, bool, error) {
-	tag, ok := w.shared.peekTag()
-	if !ok {
-		return Msg{}, false, nil
+	// Right after a marker the socket's next message is the marker's
+	// own, sent before it, unless another reader took that one: no look
+	// first (a system call per message). What comes later is looked at.
+	if !w.atMarker {
+		tag, ok := w.shared.peekTag()
+		if !ok {
+			return Msg{}, false, nil
+		}
+		if tag >= 0 && int32(uint32(tag)-l.Taken()) > 0 && int32(uint32(tag)-l.Sent()) <= 0 {
+			w.draining = false
+			return Msg{}, false, nil
+		}
 	}
-	if tag >= 0 && int32(uint32(tag)-l.Taken()) > 0 && int32(uint32(tag)-l.Sent()) <= 0 {
-		w.draining = false
-		return Msg{}, false, nil
-	}
+	w.atMarker = false
 	m, err := w.shared.TryRecv(ctx)
 	switch {
 	case errors.Is(err, ErrWouldBlock) || errors.Is(err, ErrClosed) && !errors.Is(err, errConnClosed):
