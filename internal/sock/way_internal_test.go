@@ -519,32 +519,38 @@ func TestWayRefusesAnEmptyMessage(t *testing.T) {
 	assert.Equal(t, 1, got)
 }
 
+// keepAhead has r keep message 2 ahead of its place: w sends 0 and 1 by
+// the lane and 2 by the socket; r, receiving without the role as a
+// process whose last try was just now, gets 2 first, which makes it take
+// the role and keep 2 until entries 0 and 1 are taken; it receives 0.
+func keepAhead(t *testing.T, ctx context.Context, w, r *Way) {
+	t.Helper()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
+	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
+	l := w.lane.Load()
+	require.NoError(t, w.shared.send(ctx, wayMsg(2, 8), nil, int64(l.Tail()), true))
+	r.tried = time.Now()
+	got, _ := recvIndex(t, ctx, r)
+	require.Equal(t, 0, got)
+	r.sem <- struct{}{}
+	defer func() { <-r.sem }()
+	require.True(t, r.held && r.stashed, "message 2 is kept")
+}
+
 // A message kept ahead of its place is the next one received once the
 // lane's counts break: the receive does not wait on the socket behind it.
 func TestWayBrokenLaneGivesTheKeptMessage(t *testing.T) {
 	w, r, mem := wayPair(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
-	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
-	l := w.lane.Load()
-	require.NoError(t, w.shared.send(ctx, wayMsg(2, 8), nil, int64(l.Tail()), true))
-	// r receives without the role, as a process whose last try was
-	// just now: message 2, of the role's writer, makes it take the role
-	// and keep the message until entries 0 and 1 are taken.
-	r.tried = time.Now()
-	got, _ := recvIndex(t, ctx, r)
-	require.Equal(t, 0, got)
-	r.sem <- struct{}{}
-	require.True(t, r.held && r.stashed)
-	<-r.sem
+	keepAhead(t, ctx, w, r)
 	rogue, err := OpenLane(mem)
 	require.NoError(t, err)
 	defer rogue.Close()
 	binary.LittleEndian.PutUint32(rogue.mem[sentBell:], rogue.Sent()+WayEntries+5)
 	_, err = r.Recv(ctx)
 	require.ErrorIs(t, err, ErrMalformed)
-	got, _ = recvIndex(t, ctx, r) // entry 1 is lost with the lane
+	got, _ := recvIndex(t, ctx, r) // entry 1 is lost with the lane
 	assert.Equal(t, 2, got)
 	require.NoError(t, w.shared.Send(ctx, wayMsg(3, 8), nil))
 	got, _ = recvIndex(t, ctx, r)
@@ -611,17 +617,11 @@ func TestWayKeptMessageDoesNotKeepTheRole(t *testing.T) {
 	w, r, mem := wayPair(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
-	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
-	l := w.lane.Load()
-	require.NoError(t, w.shared.send(ctx, wayMsg(2, 8), nil, int64(l.Tail()), true))
-	r.tried = time.Now() // as in TestWayBrokenLaneGivesTheKeptMessage
-	got, _ := recvIndex(t, ctx, r)
-	require.Equal(t, 0, got)
+	keepAhead(t, ctx, w, r)
 	r.LetGo()
 	require.False(t, holds(r), "a reader with a kept message kept the role")
 	r2 := another(t, r, mem, false)
-	got, _ = recvIndex(t, ctx, r2)
+	got, _ := recvIndex(t, ctx, r2)
 	assert.Equal(t, 1, got)
 	require.NoError(t, w.Send(ctx, wayMsg(3, 8), nil))
 	got, _ = recvIndex(t, ctx, r2)
