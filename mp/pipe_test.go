@@ -339,4 +339,3 @@ func BenchmarkPipeTensorRoundTrip(b *testing.B) {
 		}
 	}
 }
-
