@@ -21,7 +21,7 @@ import (
 // process: w writes the lane, r reads it, each through its own socket end
 // and lane descriptor. mem is another descriptor of the lane's memory,
 // for tests that write it. The test's end closes them all.
-func wayPair(t *testing.T) (w, r *Way, mem *fd.FD) {
+func wayPair(t testing.TB) (w, r *Way, mem *fd.FD) {
 	t.Helper()
 	pair, err := Pair()
 	require.NoError(t, err)
@@ -398,74 +398,83 @@ func FuzzWay(f *testing.F) {
 	var pipe [2]int
 	require.NoError(f, unix.Pipe2(pipe[:], unix.O_CLOEXEC))
 	f.Cleanup(func() { _, _ = unix.Close(pipe[0]), unix.Close(pipe[1]) })
+	// The package's waiting (its kernel wait slots and its poller) starts
+	// at the first receive that waits, for the life of the process: one
+	// run before the counts.
+	fuzzWay(f, pipe[0], []byte{4, 1, 1, 0, 0, 0, 1, 1, 2, 1, 3, 3})
 	f.Fuzz(func(t *testing.T, ops []byte) {
 		base := leakcheck.Count()
-		func() {
-			w, r, mem := wayPair(t)
-			defer func() {
-				_, _ = w.shared.Close(), r.shared.Close()
-				_, _, _ = w.Close(), r.Close(), mem.Close()
-			}()
-			rogue, err := OpenLane(mem)
-			require.NoError(t, err)
-			defer rogue.Close()
-			raw := rogue.mem
-			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-			defer cancel()
-			next := func() byte {
-				if len(ops) == 0 {
-					return 0
-				}
-				b := ops[0]
-				ops = ops[1:]
-				return b
-			}
-			for n := 0; len(ops) > 0 && n < 64; n++ {
-				switch next() % 5 {
-				case 0: // an entry: a length, then its bytes
-					k := int(next() % 24)
-					e := make([]byte, 0, k)
-					for range k {
-						e = append(e, next())
-					}
-					_ = rogue.TrySend(e)
-				case 1: // a tagged socket message, around the lane's position
-					tag := int64(uint32(int32(rogue.Tail()) + int32(int8(next()))))
-					var fds []int
-					if next()%2 == 0 {
-						fds = pipe[:1]
-					}
-					_ = w.shared.send(ctx, wayMsg(n, 4), fds, tag, false)
-				case 2: // an untagged one
-					_ = w.shared.send(ctx, wayMsg(n, 4), nil, -1, false)
-				case 3:
-					_ = rogue.TrySend(marker)
-				case 4: // a count moved: the sent (0) or taken (1) one
-					off := sentBell
-					if next()%2 == 1 {
-						off = takenBell
-					}
-					binary.LittleEndian.PutUint32(raw[off:], binary.LittleEndian.Uint32(raw[off:])+uint32(int8(next())))
-				}
-			}
-			// Receive until the reader waits: each receive returns
-			// within its 20 ms.
-			for range 600 {
-				rctx, rcancel := context.WithTimeout(ctx, 20*time.Millisecond)
-				m, err := r.Recv(rctx)
-				rcancel()
-				if err == nil {
-					m.Done()
-					continue
-				}
-				if errors.Is(err, context.DeadlineExceeded) {
-					return
-				}
-				require.ErrorIs(t, err, ErrMalformed)
-			}
-		}()
+		fuzzWay(t, pipe[0], ops)
 		assert.Equal(t, base, leakcheck.Count(), "descriptors left open")
 	})
+}
+
+// fuzzWay is one run of FuzzWay: a pair of Ways, what ops says a hostile
+// writer does to them (sending fd with the socket's messages), then
+// receives until the reader waits. It closes all it made.
+func fuzzWay(t testing.TB, fd int, ops []byte) {
+	w, r, mem := wayPair(t)
+	defer func() {
+		_, _ = w.shared.Close(), r.shared.Close()
+		_, _, _ = w.Close(), r.Close(), mem.Close()
+	}()
+	rogue, err := OpenLane(mem)
+	require.NoError(t, err)
+	defer rogue.Close()
+	raw := rogue.mem
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	next := func() byte {
+		if len(ops) == 0 {
+			return 0
+		}
+		b := ops[0]
+		ops = ops[1:]
+		return b
+	}
+	for n := 0; len(ops) > 0 && n < 64; n++ {
+		switch next() % 5 {
+		case 0: // an entry: a length, then its bytes
+			k := int(next() % 24)
+			e := make([]byte, 0, k)
+			for range k {
+				e = append(e, next())
+			}
+			_ = rogue.TrySend(e)
+		case 1: // a tagged socket message, around the lane's position
+			tag := int64(uint32(int32(rogue.Tail()) + int32(int8(next()))))
+			var fds []int
+			if next()%2 == 0 {
+				fds = []int{fd}
+			}
+			_ = w.shared.send(ctx, wayMsg(n, 4), fds, tag, false)
+		case 2: // an untagged one
+			_ = w.shared.send(ctx, wayMsg(n, 4), nil, -1, false)
+		case 3:
+			_ = rogue.TrySend(marker)
+		case 4: // a count moved: the sent (0) or taken (1) one
+			off := sentBell
+			if next()%2 == 1 {
+				off = takenBell
+			}
+			binary.LittleEndian.PutUint32(raw[off:], binary.LittleEndian.Uint32(raw[off:])+uint32(int8(next())))
+		}
+	}
+	// Receive until the reader waits: each receive returns
+	// within its 20 ms.
+	for range 600 {
+		rctx, rcancel := context.WithTimeout(ctx, 20*time.Millisecond)
+		m, err := r.Recv(rctx)
+		rcancel()
+		if err == nil {
+			m.Done()
+			continue
+		}
+		if errors.Is(err, context.DeadlineExceeded) {
+			return
+		}
+		require.ErrorIs(t, err, ErrMalformed)
+	}
 }
 
 // A writer whose end closes with a message of the reader's unread leaves
