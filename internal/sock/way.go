@@ -10,6 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/fd"
+	"github.com/tensormp/tensormp/internal/shm"
 )
 
 // A Way is one direction of a pipe, as one process that holds an end of
@@ -21,17 +22,17 @@ import (
 // Roles. The lane has one writing process and one reading process at a
 // time. Each holds its role by an OFD lock on the lane's file (byte 0 the
 // writer's, byte 1 the reader's), taken at its first Send or Recv through
-// a description of the file that is its own: the kernel drops it when the
-// process closes the Way or dies, and another process that holds the same
-// end takes the role over at its next call (a writer's Lane resumes after
-// what the lane holds). A process without the role sends and receives on
-// the socket, as it would without a lane, and a reader without it tries
-// for it again each roleRetry, or at once when it receives a message of
-// the role's writer. A reader lets go of its role when its end is sent to
-// another process (LetGo), unless it is receiving, and when it has not
-// received for idleRole (100 to 200 ms): a process that hands an end on
-// and keeps its copy, or stops receiving, does not keep the lane's
-// messages from one that receives.
+// a description of the file that is its own (shm.HoldByte): the kernel
+// drops it when the process closes the Way or dies, and another process
+// that holds the same end takes the role over at its next call (a
+// writer's Lane resumes after what the lane holds). A process without the
+// role sends and receives on the socket, as it would without a lane, and
+// a reader without it tries for it again each roleRetry, or at once when
+// it receives a message of the role's writer. A reader lets go of its
+// role when its end is sent to another process (LetGo), unless it is
+// receiving, and when it has not received for idleRole (100 to 200 ms): a
+// process that hands an end on and keeps its copy, or stops receiving,
+// does not keep the lane's messages from one that receives.
 //
 // Order. The writer sends on the socket what the lane cannot carry
 // (descriptors, or more bytes than an entry holds), each such message
@@ -246,7 +247,7 @@ func (w *Way) taken() *Lane {
 	if !w.writes {
 		b = 1
 	}
-	role, err := takeRole(w.mem, b)
+	role, err := shm.HoldByte(w.mem, b)
 	if err != nil || role == nil {
 		w.tried = time.Now()
 		return nil
