@@ -566,25 +566,11 @@ func (c *Conn) recvmsg(s, how int) error {
 
 // peerGone reports whether the other end of the socket is closed in
 // every process: a read of zero bytes is that, or an empty message.
-func (c *Conn) peerGone() bool {
-	c.use.RLock()
-	defer c.use.RUnlock()
-	if c.closed.Load() {
-		return true
-	}
-	p := []unix.PollFd{{Fd: int32(c.sock.Num()), Events: pollPeerGone}}
-	for {
-		_, err := unix.Poll(p, 0)
-		if err == unix.EINTR {
-			continue // a signal came: that says nothing of the peer
-		}
-		if err != nil {
-			return true
-		}
-		break
-	}
-	return p[0].Revents&(pollPeerGone|unix.POLLHUP) != 0
-}
+func (c *Conn) peerGone() bool { return c.poll()&pollGone != 0 }
+
+// pollGone are the events of poll that say the other end is closed in
+// every process: a closed Conn's, and a failed look, count too.
+const pollGone = pollPeerGone | unix.POLLHUP | unix.POLLERR | unix.POLLNVAL
 
 // poll returns what the socket is ready for now: POLLIN, and the other
 // end's close (pollPeerGone, POLLHUP). A closed Conn is POLLNVAL.
@@ -598,7 +584,7 @@ func (c *Conn) poll() int16 {
 	for {
 		_, err := unix.Poll(p, 0)
 		if err == unix.EINTR {
-			continue
+			continue // a signal came: that says nothing of the peer
 		}
 		if err != nil {
 			return unix.POLLERR

@@ -370,7 +370,7 @@ func (w *Way) readerAlive() error {
 		return errWayClosed
 	}
 	switch ev := w.shared.poll(); {
-	case ev&(pollPeerGone|unix.POLLHUP|unix.POLLERR|unix.POLLNVAL) != 0:
+	case ev&pollGone != 0:
 		return errWritersGone // what they left is received before ErrClosed
 	case ev&unix.POLLIN != 0:
 		return errSocketReady
