@@ -46,81 +46,76 @@ func wayMsg(i int) []byte {
 // wayFDs says whether message i carries a descriptor: every fifth does.
 func wayFDs(i int) bool { return i%5 == 0 }
 
-// wayEnd returns the Way of a helper's end: its socket at fd 3, the
-// lane's memory at fd 4.
-func wayEnd(writes bool) (*sock.Conn, *sock.Way, error) {
+// wayHelper runs a helper's part on the Way of its end (its socket at fd
+// 3, the lane's memory at fd 4; writes says which way it goes), with its
+// first argument as a number and a minute to do it, and returns its exit
+// status.
+func wayHelper(writes bool, part func(ctx context.Context, w *sock.Way, arg int) error) int {
 	c, err := sock.New(fd.New(3), "pipe")
 	if err != nil {
-		return nil, nil, err
+		return fail(err)
 	}
-	return c, sock.NewWay(c, fd.New(4), writes), nil
+	defer c.Close()
+	w := sock.NewWay(c, fd.New(4), writes)
+	defer w.Close()
+	arg, err := strconv.Atoi(os.Args[1])
+	if err != nil {
+		return fail(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := part(ctx, w, arg); err != nil {
+		return fail(err)
+	}
+	return 0
 }
 
 // wayWriter sends the messages from its first argument's index on, as
 // many as its second says (or until killed, for "forever"), pausing now
 // and then so that its reader sleeps.
 func wayWriter() int {
-	c, w, err := wayEnd(true)
-	if err != nil {
-		return fail(err)
-	}
-	defer c.Close()
-	defer w.Close()
-	from, err := strconv.Atoi(os.Args[1])
-	if err != nil {
-		return fail(err)
-	}
-	n := 1 << 30
-	if os.Args[2] != "forever" {
-		if n, err = strconv.Atoi(os.Args[2]); err != nil {
-			return fail(err)
+	return wayHelper(true, func(ctx context.Context, w *sock.Way, from int) error {
+		n := 1 << 30
+		if os.Args[2] != "forever" {
+			var err error
+			if n, err = strconv.Atoi(os.Args[2]); err != nil {
+				return err
+			}
 		}
-	}
-	var p [2]int
-	if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
-		return fail(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	for i := from; i < from+n; i++ {
-		var fds []int
-		if wayFDs(i) {
-			fds = p[:1]
+		var p [2]int
+		if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
+			return err
 		}
-		if i%500 == 0 {
-			time.Sleep(time.Millisecond)
+		for i := from; i < from+n; i++ {
+			var fds []int
+			if wayFDs(i) {
+				fds = p[:1]
+			}
+			if i%500 == 0 {
+				time.Sleep(time.Millisecond)
+			}
+			if err := w.Send(ctx, wayMsg(i), fds); err != nil {
+				return fmt.Errorf("message %d: %w", i, err)
+			}
 		}
-		if err := w.Send(ctx, wayMsg(i), fds); err != nil {
-			return fail(fmt.Errorf("message %d: %w", i, err))
-		}
-	}
-	return 0
+		return nil
+	})
 }
 
 // wayReader receives messages, checking each, and prints the count it
 // has received each time it reaches a multiple of its first argument;
 // then it waits to be killed.
 func wayReader() int {
-	c, r, err := wayEnd(false)
-	if err != nil {
-		return fail(err)
-	}
-	defer c.Close()
-	defer r.Close()
-	every, err := strconv.Atoi(os.Args[1])
-	if err != nil {
-		return fail(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	for k := 1; ; k++ {
-		if _, _, err := recvWayMsg(ctx, r); err != nil {
-			return fail(err)
+	return wayHelper(false, func(ctx context.Context, r *sock.Way, every int) error {
+		for k := 1; ; k++ {
+			if _, _, err := recvWayMsg(ctx, r); err != nil {
+				return err
+			}
+			if k%every == 0 {
+				fmt.Println(k)
+			}
 		}
-		if k%every == 0 {
-			fmt.Println(k)
-		}
-	}
+	})
 }
 
 // recvWayMsg receives a message on r and returns its index, checking its
