@@ -48,7 +48,9 @@ type BlockRef struct {
 	Size   int64  // its data bytes
 	Gen    uint64 // its generation
 	// Ticket is the descriptor the message carried (see Block.Ticket), of
-	// the segment. It stays the caller's.
+	// the segment. It stays the caller's. A message that came by a lane
+	// carries none (-1): the block is found by the segment's identity in
+	// what this process maps, or not at all (ErrNotMapped).
 	Ticket int
 	// Covers reports whether the caller lends Ticket, a descriptor of
 	// segment id, to hold the block for this process until it hands
@@ -87,6 +89,9 @@ func Attach(ref BlockRef) (*Block, error) {
 	b, err := attached.attach(id, covered, ref, nil)
 	if !errors.Is(err, errNotMapped) {
 		return b, err
+	}
+	if ref.Ticket < 0 {
+		return nil, &Error{Op: "attach", Path: fmt.Sprintf("segment %v", id), Err: ErrNotMapped}
 	}
 	st, err := Stat(ref.Ticket)
 	switch {
@@ -162,7 +167,35 @@ func AdoptTicket(ticket int, id ID) {
 
 // errNotMapped: the segment is not mapped by this process, or too small
 // a part of it, and attach was given no way to open it.
-var errNotMapped = errors.New("segment is not mapped by this process")
+var errNotMapped = ErrNotMapped
+
+// Pin keeps segment id, which this process maps for blocks it received,
+// mapped until the returned unpin is called, whether or not a block of it
+// is in use: a peer may then name its blocks by the segment's identity
+// alone, with no descriptor (package sock's lanes). A pinned segment is
+// never idle, so never dropped; its producer's death does not unmap it.
+// Pin reports false for a segment this process does not map.
+func Pin(id ID) (unpin func(), ok bool) {
+	attached.mu.Lock()
+	defer attached.mu.Unlock()
+	seg, ok := attached.m[id]
+	if !ok {
+		return nil, false
+	}
+	if seg.users == 0 {
+		attached.unidleLocked(seg)
+	}
+	seg.users++ // a user with no slot: settleLocked leaves it be
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			attached.mu.Lock()
+			defer attached.mu.Unlock()
+			seg.users--
+			_ = attached.settleLocked(seg)
+		})
+	}, true
+}
 
 // attach finds or maps the segment id and holds the block ref names in
 // it. Without open, a segment not mapped yet is errNotMapped.

@@ -1,6 +1,7 @@
 package shm
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"math/bits"
@@ -195,6 +196,11 @@ type Block struct {
 	pool     *Pool // the producer's pool; nil in a receiver
 	released atomic.Bool
 	held     bool // the pool's last reclaim found the slot held; guarded by pool.mu
+	// lent counts the producer's loans of the block to messages that name
+	// it without a ticket (see Lend); parked: it was released while lent,
+	// and goes to its pool at the last Return. Guarded by pool.mu.
+	lent   int
+	parked bool
 }
 
 // Bytes returns the block's data. It aliases memory shared with other
@@ -277,6 +283,47 @@ func (b *Block) Release() error {
 		return nil
 	}
 	return attached.detach(b)
+}
+
+// Produced reports whether b is a block of this process's own pool, as
+// opposed to one received from another process.
+func (b *Block) Produced() bool { return b.pool != nil }
+
+// Lend keeps the slot of b, a block of this process's pool, from being
+// reused for a message that names it by its segment's identity alone, with
+// no ticket to hold it in flight (package sock's lanes): until Return, a
+// Release of the block parks it instead of handing it back to its pool.
+// The receiver, which keeps the segment mapped (see Pin), takes its own
+// hold before the lender returns the loan; if this process dies first,
+// nothing reuses the slot at all. Lend fails for a released block, or one
+// this process did not produce.
+func (b *Block) Lend() error {
+	if b.pool == nil {
+		return &Error{Op: "lend", Path: b.String(), Err: errors.New("not a block of this process's pool")}
+	}
+	b.pool.mu.Lock()
+	defer b.pool.mu.Unlock()
+	if b.released.Load() {
+		return ErrReleased
+	}
+	b.lent++
+	return nil
+}
+
+// Return ends one loan taken with Lend. The last one hands a block
+// released meanwhile back to its pool.
+func (b *Block) Return() {
+	p := b.pool
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if b.lent == 0 {
+		return
+	}
+	b.lent--
+	if b.lent == 0 && b.parked {
+		b.parked = false
+		p.putLocked(b)
+	}
 }
 
 func (b *Block) String() string {

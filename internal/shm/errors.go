@@ -37,6 +37,11 @@ var (
 	// message's: it was recycled, which a correct sender never lets
 	// happen while a message refers to it.
 	ErrStaleBlock = errors.New("block recycled since the message was sent")
+	// ErrNotMapped: a message named a block by its segment's identity
+	// alone, as a lane's messages do, and this process does not map the
+	// segment: the reader that kept it mapped for the lane handed the
+	// lane on before it took the message.
+	ErrNotMapped = errors.New("segment is not mapped by this process")
 	// ErrNoExtent: a block of a segment whose slots hold their data
 	// themselves, where one of an extent pool's was due, or the reverse.
 	ErrNoExtent = errors.New("not a block of an extent pool")

@@ -56,9 +56,6 @@ func HoldSlots(b *Block, slots ...int) (func() error, error) {
 	return func() error { return unix.Close(fd) }, nil
 }
 
-// ErrNotMapped is what AttachMapped returns for a segment not mapped yet.
-var ErrNotMapped = errNotMapped
-
 // AttachMapped is Attach for a segment this process maps already, found
 // by its identity or its name: ErrNotMapped for another.
 func AttachMapped(ref BlockRef) (*Block, error) {

@@ -416,6 +416,15 @@ func (p *Pool) newSegmentWith(c *sizeClass, nslots, segSize, dataOff int64) (*se
 func (p *Pool) put(b *Block) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if b.lent > 0 {
+		b.parked = true // lent to a message: its last Return puts it
+		return
+	}
+	p.putLocked(b)
+}
+
+// putLocked puts b on its class's pending list. The caller holds p.mu.
+func (p *Pool) putLocked(b *Block) {
 	c := b.seg.class
 	c.pending = append(c.pending, b)
 	if p.cached > p.limit && time.Since(p.stuck) >= overLimitTrim {

@@ -1,6 +1,7 @@
 package shm_test
 
 import (
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
@@ -669,4 +670,95 @@ func TestSlotUsers(t *testing.T) {
 	assert.Same(t, producer, find(seg.ID(), a.Offset(), a.Gen()), "then the producer's is found")
 	require.NoError(t, a.Release())
 	assert.Nil(t, find(seg.ID(), a.Offset(), a.Gen()))
+}
+
+// A block lent to a message that names it without a ticket (a lane's) is
+// not reused while the loan lasts, though its producer released it; the
+// last Return hands it back. Only a live block of this process's own
+// pool can be lent.
+func TestLentBlockIsKeptUntilReturned(t *testing.T) {
+	p := testPool(t)
+	a := mustAlloc(t, p, large)
+	seg, off := a.Segment(), a.Offset()
+	require.NoError(t, a.Lend())
+	require.NoError(t, a.Lend()) // two messages name it
+	require.NoError(t, a.Release())
+	assert.Equal(t, 1, p.InUse(), "the loans keep it")
+	b := mustAlloc(t, p, large)
+	assert.False(t, b.Segment() == seg && b.Offset() == off, "a lent block is not reused")
+	a.Return()
+	assert.Equal(t, 2, p.InUse(), "one loan is left")
+	a.Return()
+	a.Return() // more returns than loans do nothing
+	assert.Equal(t, 1, p.InUse(), "the last return gives it back")
+	c := mustAlloc(t, p, large)
+	assert.True(t, c.Segment() == seg && c.Offset() == off, "and it is reused")
+
+	// A block lent and returned before its release goes back at once.
+	require.NoError(t, c.Lend())
+	c.Return()
+	require.NoError(t, c.Release())
+	assert.ErrorIs(t, c.Lend(), shm.ErrReleased, "a released block cannot be lent")
+	d := mustAlloc(t, p, large)
+	assert.True(t, d.Segment() == seg && d.Offset() == off)
+
+	// A received block is not this process's to lend.
+	msg := send(t, b)
+	defer unix.Close(msg)
+	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: b.Segment().Size()}, Offset: b.Offset(), Size: large, Gen: b.Gen(), Ticket: msg})
+	require.NoError(t, err)
+	assert.False(t, r.Produced())
+	assert.True(t, b.Produced())
+	assert.Error(t, r.Lend())
+	require.NoError(t, r.Release())
+	require.NoError(t, b.Release())
+	require.NoError(t, d.Release())
+}
+
+// A pinned segment stays mapped, and its blocks found by identity alone,
+// after every block of it is released and its producer has let go of it;
+// once unpinned, it goes like any unused segment.
+func TestPinnedSegmentStaysMapped(t *testing.T) {
+	p := testPool(t)
+	a := mustAlloc(t, p, 4<<10)
+	b := mustAlloc(t, p, 4<<10)
+	seg := a.Segment()
+	copy(b.Bytes(), "kept")
+	ref := func(x *shm.Block) shm.BlockRef {
+		return shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: x.Offset(), Size: 4 << 10, Gen: x.Gen(), Ticket: -1}
+	}
+	_, ok := shm.Pin(seg.ID())
+	assert.False(t, ok, "a segment not received cannot be pinned")
+	_, err := shm.Attach(ref(a))
+	require.ErrorIs(t, err, shm.ErrNotMapped, "nor found by identity")
+
+	msg := send(t, a)
+	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: a.Offset(), Size: 4 << 10, Gen: a.Gen(), Ticket: msg})
+	require.NoError(t, err)
+	require.NoError(t, unix.Close(msg))
+	unpin, ok := shm.Pin(seg.ID())
+	require.True(t, ok)
+	require.NoError(t, r.Release())
+	require.NoError(t, a.Release())
+	require.NoError(t, b.Release())
+	require.Eventually(t, func() bool {
+		p.Trim(0)
+		segs, _, _ := p.Stats()
+		return segs == 0
+	}, 5*time.Second, 10*time.Millisecond, "the producer lets go of the segment")
+	time.Sleep(100 * time.Millisecond) // past the idle checks of an unused segment
+	rb, err := shm.Attach(ref(b))
+	require.NoError(t, err, "the pinned segment is found by identity")
+	assert.Equal(t, "kept", string(rb.Bytes()[:4]))
+	require.NoError(t, rb.Release())
+
+	unpin()
+	unpin() // once only
+	assert.Eventually(t, func() bool {
+		x, err := shm.Attach(ref(b))
+		if err == nil {
+			_ = x.Release()
+		}
+		return errors.Is(err, shm.ErrNotMapped)
+	}, 5*time.Second, 10*time.Millisecond, "unpinned, the abandoned segment goes")
 }
