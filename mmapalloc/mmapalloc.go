@@ -48,6 +48,11 @@ var (
 	// ErrStaleBlock: a message named a block of shared memory that its
 	// producer recycled before the message was received.
 	ErrStaleBlock = shm.ErrStaleBlock
+	// ErrNotMapped: a message that came by a pipe's lane named a block
+	// by its segment's identity alone, and this process does not map the
+	// segment: the process that did handed the pipe's end on, or closed
+	// it, before it took the message.
+	ErrNotMapped = shm.ErrNotMapped
 	// ErrUnsupported: shared segments are not implemented on this
 	// system.
 	ErrUnsupported = shm.ErrUnsupported

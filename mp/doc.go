@@ -26,9 +26,18 @@
 // to send on an end and the first to receive on the other take its two
 // roles (OFD locks, dropped by the kernel when a holder dies), and a value
 // with no tensor, queue or pipe in it that fits an entry goes through
-// memory, with no system call while both sides are awake. The rest goes
-// by the socket in order with it (see internal/sock.Way). Tensors still
-// travel with their descriptors, by the socket.
+// memory, with no system call while both sides are awake. So does a
+// tensor of a block of the sending process's pool whose segment the
+// receiving process maps already: the receiver pins each segment it is
+// sent a block of by descriptor, and lists it in the lane; the sender names
+// the next blocks of it by identity alone, and lends each block to its
+// message (its pool does not reuse the slot, even once released) until
+// the receiver has taken its own hold, or is gone. A sender killed with
+// tensors in the lane costs nothing, since only it reuses its slots and
+// the receiver's mapping keeps the memory; a receiver killed with tensors
+// untaken gives them back within milliseconds. The rest goes by the
+// socket in order with it (see internal/sock.Way, and way_pins.go there
+// for the invariants).
 //
 // A call that must wait first waits in the kernel, where readiness wakes
 // its thread directly; a receive waits in the receive call itself, for up
@@ -47,7 +56,8 @@
 //
 // Ownership: a Queue or Pipe owns its socket descriptors in each process
 // that holds it, until Close, and a Pipe its lanes' memory descriptors,
-// their mappings and, once taken, its roles' descriptions; one sent in a
+// their mappings and, once taken, its roles' descriptions and the
+// segments its receiving side pins (until Close); one sent in a
 // message travels as a duplicate the message owns. Every process of a program belongs to one session; its
 // two keepers, either of which suffices, remove the session's file_system
 // segments, and the CUDA driver's files of its members, once every member

@@ -339,3 +339,71 @@ func BenchmarkPipeTensorRoundTrip(b *testing.B) {
 		}
 	}
 }
+
+func init() { mp.Register("pipe-first", workerPipeFirst) }
+
+// workerPipeFirst answers each tensor it receives on its pipe with the
+// tensor's first value, until the other end is closed:
+// TestPipeNewTensors and BenchmarkPipeNewTensor.
+func workerPipeFirst(ctx context.Context, w *mp.Worker) error {
+	var p *mp.Pipe
+	if err := w.Args(&p); err != nil {
+		return err
+	}
+	defer p.Close()
+	for {
+		var x *tensor.Tensor
+		err := p.Recv(ctx, &x)
+		if errors.Is(err, mp.ErrClosed) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		v, err := tensor.Values[int64](x)
+		_ = x.Release()
+		if err != nil {
+			return err
+		}
+		if err := p.Send(ctx, v[0]); err != nil {
+			return err
+		}
+	}
+}
+
+func startPipeFirst(t testing.TB) (*mp.Pipe, *mp.Group) {
+	t.Helper()
+	mine, theirs, err := mp.NewPipe()
+	require.NoError(t, err)
+	g, err := mp.Spawn(context.Background(), "pipe-first", 1, mp.WithArgs(theirs))
+	require.NoError(t, err)
+	require.NoError(t, theirs.Close())
+	return mine, g
+}
+
+// BenchmarkPipeNewTensor is the round trip of a new shared 4 KiB tensor,
+// released once sent, to a worker that answers with its first value.
+func BenchmarkPipeNewTensor(b *testing.B) {
+	p, g := startPipeFirst(b)
+	defer func() {
+		_ = p.Close()
+		_ = g.Join()
+	}()
+	ctx := context.Background()
+	b.ReportAllocs()
+	for i := 0; b.Loop(); i++ {
+		x, err := tensor.On(device.CPU()).Shared().Full(tensor.Int64, float64(i), 512)
+		if err != nil {
+			b.Fatal(err)
+		}
+		err = p.Send(ctx, x)
+		_ = x.Release()
+		if err != nil {
+			b.Fatal(err)
+		}
+		var n int64
+		if err := p.Recv(ctx, &n); err != nil || n != int64(i) {
+			b.Fatal(n, err)
+		}
+	}
+}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/tensormp/tensormp/internal/carry"
 	"github.com/tensormp/tensormp/internal/fd"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/internal/sock"
 	"github.com/tensormp/tensormp/reduction"
 )
@@ -322,13 +323,22 @@ func decodeQueue(dec *msgpack.Decoder, n int) (*Queue, error) {
 // one to another process through Spawn's arguments or a Queue.
 //
 // Each direction of a pipe made by NewPipe has a lane in shared memory
-// beside its socket (see sock.Way): a value that holds no tensor, queue or
-// pipe, and fits a lane entry (about 500 bytes encoded), goes from the
-// sending process to the receiving one through memory, with no system
-// call while both are awake; the rest goes by the socket, in order with
-// it. The lane serves one sending process and one receiving process at a
-// time, the first of each to use the end: another process that holds the
-// same end uses the socket alone, and is heard within 10 ms.
+// beside its socket (see sock.Way): a value that holds no queue or pipe,
+// and no tensor but those of blocks of the sending process's own pool
+// whose segments the receiving process maps already (it was sent a block
+// of each before), and fits a lane entry (about 500 bytes encoded, six
+// tensors or so), goes from the sending process to the receiving one
+// through memory, with no system call while both are awake; the rest goes
+// by the socket, in order with it. The lane serves one sending process
+// and one receiving process at a time, the first of each to use the end:
+// another process that holds the same end uses the socket alone, and is
+// heard within 10 ms. Tensors the lane carried to a receiving process
+// that handed its end on, or closed it, before taking them, come to the
+// next receiving process as errors wrapping mmapalloc.ErrNotMapped unless it
+// maps their segments too.
+//
+// The receiving side of an end keeps the segments it pins mapped until
+// Close, at most 64 of them and 1 GiB in all.
 //
 // A Pipe owns, in each process that holds it, its socket's descriptor
 // and, made by NewPipe, each lane's memory descriptor; Close releases
@@ -384,7 +394,17 @@ func NewPipe() (*Pipe, *Pipe, error) {
 }
 
 // Send sends v to the other end.
-func (p *Pipe) Send(ctx context.Context, v any) error { return send(ctx, v, p.out.Send) }
+func (p *Pipe) Send(ctx context.Context, v any) error {
+	var sendErr error
+	err := carry.EncodeLane(v, p.out, func(data []byte, fds []int, lent []*shm.Block) error {
+		sendErr = p.out.SendLent(ctx, data, fds, lent)
+		return sendErr
+	})
+	if err != nil && err != sendErr {
+		return fmt.Errorf("mp: encoding %T: %w", v, err)
+	}
+	return err
+}
 
 // Recv receives the next value from the other end into v. When the other
 // end is closed in every process that held it, Recv returns ErrClosed.
@@ -394,7 +414,10 @@ func (p *Pipe) Recv(ctx context.Context, v any) error {
 		return err
 	}
 	defer m.Done()
-	return decode(m.Data, m.FDs, v)
+	if err := carry.DecodeFrom(m.Data, m.FDs, v, p.in, m.ByLane()); err != nil {
+		return fmt.Errorf("mp: decoding into %T: %w", v, err)
+	}
+	return nil
 }
 
 // Close releases this process's end and wakes blocked calls on it.

@@ -8,6 +8,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/carry"
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/tensor"
@@ -180,6 +181,7 @@ func (r *bodyReader) stat(int) (shm.SegmentRef, error) {
 	return shm.SegmentRef{}, errNoDescriptors
 }
 func (r *bodyReader) covers(int, shm.ID) bool                { return false }
+func (r *bodyReader) lane() (carry.Lane, bool)               { return nil, false }
 func (r *fdReader) body(int, int64) (*tensor.Storage, error) { return nil, errNoBodies }
 func (b borrowed) body(int, int64) (*tensor.Storage, error)  { return nil, errNoBodies }
 

@@ -38,13 +38,16 @@ func NewDecoder() *Decoder {
 // partial results that must not be used.
 func (d *Decoder) Decode(data []byte, fds []int, v any) (err error) {
 	d.r.own.Reset(fds)
-	return d.decode(data, &d.r.own, v)
+	return d.decode(data, &d.r.own, v, nil, false)
 }
 
 // decode is Decode with the message's descriptors in fds, which it takes
-// from or closes: fds is empty when it returns.
-func (d *Decoder) decode(data []byte, fds *fd.Set, v any) (err error) {
+// from or closes: fds is empty when it returns. lane and byLane say what
+// lane the message came on, and whether by the lane itself (see
+// carry.DecodeFunc).
+func (d *Decoder) decode(data []byte, fds *fd.Set, v any, lane carry.Lane, byLane bool) (err error) {
 	d.r.reset(data, fds)
+	d.r.from, d.r.byLane = lane, byLane
 	d.dec.ResetReader(&d.r)
 	defer func() { err = finishDecode(&d.r, recover(), err) }()
 	switch p := v.(type) {
@@ -125,10 +128,10 @@ func Unmarshal(data []byte, fds []int, v any) error {
 var decoders = sync.Pool{New: func() any { return NewDecoder() }}
 
 func init() {
-	carry.RegisterDecode(func(data []byte, fds *fd.Set, v any) error {
+	carry.RegisterDecode(func(data []byte, fds *fd.Set, v any, lane carry.Lane, byLane bool) error {
 		d := decoders.Get().(*Decoder)
 		defer decoders.Put(d)
-		return d.decode(data, fds, v)
+		return d.decode(data, fds, v, lane, byLane)
 	})
 }
 
@@ -150,6 +153,10 @@ type fdReader struct {
 	// others: what decoders of other types made of descriptors they
 	// took (CloseIfFailed), closed if the decode fails.
 	others []io.Closer
+	// from: the lane of the pipe direction the message came on, or nil;
+	// byLane: it came by the lane itself.
+	from   carry.Lane
+	byLane bool
 }
 
 func (r *fdReader) reset(data []byte, fds *fd.Set) {
@@ -165,7 +172,10 @@ func (r *fdReader) reset(data []byte, fds *fd.Set) {
 	r.storages = r.storages[:0]
 	clear(r.others)
 	r.others = r.others[:0]
+	r.from, r.byLane = nil, false
 }
+
+func (r *fdReader) lane() (carry.Lane, bool) { return r.from, r.byLane }
 
 func (r *fdReader) fd(i int) (int, error) { return r.fds.Borrow(i) }
 

@@ -1,7 +1,9 @@
 package reduction
 
 import (
+	"errors"
 	"slices"
+	"sync"
 
 	"github.com/vmihailenco/msgpack/v5"
 
@@ -36,8 +38,13 @@ func NewEncoder() *Encoder {
 // blocks from tickets that hold the blocks for the message, see Reduce):
 // send the message, then call Done, or Discard if it will not be sent.
 // The next Encode does Done for a message left without either.
-func (e *Encoder) Encode(v any) (data []byte, fds []int, err error) {
+func (e *Encoder) Encode(v any) (data []byte, fds []int, err error) { return e.encode(v, nil) }
+
+// encode is Encode for a message that may take lane (see carry.Lane), or
+// nil: the blocks it names by identity alone are lent to it, in e.w.lent.
+func (e *Encoder) encode(v any, lane carry.Lane) (data []byte, fds []int, err error) {
 	e.w.reset()
+	e.w.lane = lane
 	e.enc.Reset(&e.w)
 	if t, ok := v.(*tensor.Tensor); ok && t != nil {
 		err = e.encodeBare(t)
@@ -86,6 +93,49 @@ func (e *Encoder) encodeBatch(ts []*tensor.Tensor) error {
 // it lent are no longer needed.
 func (e *Encoder) Done() { e.w.settle(shm.Lease.Done) }
 
+// encoders are the Encoders of carry.EncodeLane, which mp's pipes call.
+var encoders = sync.Pool{New: func() any { return NewEncoder() }}
+
+func init() { carry.RegisterEncode(encodeLane) }
+
+// encodeLane encodes v for lane and sends it with send (carry.EncodeFunc):
+// by identity alone if every block it names may go so, and nothing else
+// needs a descriptor; else with descriptors, as Encode would.
+func encodeLane(v any, lane carry.Lane, send carry.SendFunc) error {
+	e := encoders.Get().(*Encoder)
+	defer encoders.Put(e)
+	data, fds, err := e.encode(v, lane)
+	if err != nil {
+		return err
+	}
+	if len(e.w.lent) > 0 {
+		if len(fds) == 0 {
+			err := send(data, nil, e.w.lent)
+			switch {
+			case err == nil:
+				clear(e.w.lent) // the lane's now
+				e.w.lent = e.w.lent[:0]
+				e.Done()
+				return nil
+			case !errors.Is(err, carry.ErrNoLane):
+				e.Discard() // the loans too
+				return err
+			}
+		}
+		// Some of it needs descriptors, or the lane cannot take it now:
+		// all of it goes with descriptors.
+		if data, fds, err = e.encode(v, nil); err != nil {
+			return err
+		}
+	}
+	if err := send(data, fds, nil); err != nil {
+		e.Discard()
+		return err
+	}
+	e.Done()
+	return nil
+}
+
 // Discard gives up the holds the last Encode took on pooled blocks for its
 // receiver (see Reduce), for a message that will not be sent after all.
 func (e *Encoder) Discard() { e.w.settle(shm.Lease.Discard) }
@@ -127,13 +177,17 @@ type fdWriter struct {
 	fds   []int
 	index map[int]int // descriptor -> its position in fds
 
-	leases []shm.Lease // on the message's descriptors, until it is sent
-	ticket *shm.Ticket // the last ticket among them, for tensors of its segment
-	meta   []byte      // scratch for one tensor's metadata
-	dims   []int       // scratch for its shape and strides
+	leases []shm.Lease  // on the message's descriptors, until it is sent
+	ticket *shm.Ticket  // the last ticket among them, for tensors of its segment
+	lane   carry.Lane   // the lane the message may take, or nil
+	lent   []*shm.Block // blocks it names by identity alone, lent to it
+	meta   []byte       // scratch for one tensor's metadata
+	dims   []int        // scratch for its shape and strides
 }
 
-// settle ends every lease the same way.
+// settle ends every lease the same way, and returns the loans of blocks
+// the message named by identity (a message sent by a lane hands them to
+// the lane first).
 func (w *fdWriter) settle(end func(shm.Lease)) {
 	for _, l := range w.leases {
 		end(l)
@@ -141,6 +195,11 @@ func (w *fdWriter) settle(end func(shm.Lease)) {
 	clear(w.leases)
 	w.leases = w.leases[:0]
 	w.ticket = nil
+	for _, b := range w.lent {
+		b.Return()
+	}
+	clear(w.lent)
+	w.lent = w.lent[:0]
 }
 
 func (w *fdWriter) reset() {
@@ -181,9 +240,12 @@ func (w *fdWriter) AddFD(f *fd.FD) (int, error) {
 // message's. The bytes are valid until the next tensor.
 func (w *fdWriter) tensor(t *tensor.Tensor) ([]byte, error) {
 	w.dims = slices.Grow(w.dims[:0], 2*t.Dim()) // room for reduce to fill
-	r, err := reduce(t, w.dims, w.ticket)
+	r, err := reduce(t, w.dims, w.ticket, w.lane)
 	if err != nil {
 		return nil, err
+	}
+	if r.lent != nil {
+		w.lent = append(w.lent, r.lent)
 	}
 	if r.memFD >= 0 {
 		r.MemFDIndex = w.addFD(r.memFD) // the slab's own: open while its block is held

@@ -53,7 +53,7 @@ func TestGPUTensorOpenedByAReceiver(t *testing.T) {
 	live := cudastub.Allocs()
 	x, err := tensor.On(legacyGPU).Full(tensor.Int32, 7, 8)
 	require.NoError(t, err)
-	r, err := reduce(x, nil, nil)
+	r, err := reduce(x, nil, nil, nil)
 	require.NoError(t, err)
 	meta, fd, tok := r.Meta, r.ticket, r.lease
 	require.NotNil(t, tok)

@@ -12,6 +12,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/cuda"
+	"github.com/tensormp/tensormp/internal/carry"
+	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/tensor"
@@ -107,6 +109,10 @@ func TestHostileInput(t *testing.T) {
 			m.Dev, m.Ino = other.ID().Dev, other.ID().Ino
 			m.SegmentSize, m.BlockOffset, m.Gen = 1<<20, 4096, 1
 		}), segFD, "is of segment"},
+		{"block by identity outside a lane", with(func(m *Meta) {
+			m.FDIndex = -1
+			m.SegmentSize, m.BlockOffset, m.Gen = 1<<20, 4096, 1
+		}), nil, "outside a lane"},
 		{"identity in fs metadata", withID(func(m *Meta) {
 			m.Strategy = "file_system"
 			m.FDIndex = -1
@@ -332,4 +338,22 @@ func gpuUUID(dev int) []byte {
 		panic(err)
 	}
 	return u[:]
+}
+
+// A message that came by a lane names blocks by identity alone, and only
+// blocks of segments this process maps already are found so: another is
+// ErrNotMapped, whatever the message says.
+func TestLaneMessageFindsOnlyMappedSegments(t *testing.T) {
+	leakcheck.Check(t)
+	seg, err := shm.Create(1<<20, shm.KeepFD|shm.Unlink)
+	require.NoError(t, err)
+	defer seg.Release()
+	m := validMeta(seg.ID())
+	m.FDIndex = -1
+	m.SegmentSize, m.BlockOffset, m.Gen = 1<<20, 4096, 1
+	var fds fd.Set
+	var x *tensor.Tensor
+	err = carry.DecodeFrom(extMessage(t, m), &fds, &x, nil, true)
+	assert.ErrorIs(t, err, shm.ErrNotMapped)
+	assert.Nil(t, x)
 }

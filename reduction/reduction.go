@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/carry"
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/strategy"
@@ -81,7 +82,7 @@ const StrategyCUDAFD = "cuda_fd"
 // closing it unsent is how metadata that will never be rebuilt is
 // discarded.
 func Reduce(t *tensor.Tensor) (Meta, []int, error) {
-	r, err := reduce(t, nil, nil)
+	r, err := reduce(t, nil, nil, nil)
 	if err != nil || r.ticket < 0 {
 		return r.Meta, nil, err
 	}
@@ -110,24 +111,29 @@ func Reduce(t *tensor.Tensor) (Meta, []int, error) {
 // carry, each -1 if none: the ticket (a pooled block's, or a segment's
 // lent descriptor) and a device slab's descriptor. lease keeps them open,
 // and the block held, until the message is sent; it is nil where the
-// message's pinned ticket covers the block or nothing is carried.
+// message's pinned ticket covers the block or nothing is carried. lent
+// is the block the message names by identity alone, lent to it (see
+// carry.Lane), or nil.
 type reduced struct {
 	Meta
 	ticket, memFD int
 	lease         shm.Lease
+	lent          *shm.Block
 }
 
 // reduce is Reduce returning the descriptors themselves (see reduced).
 // The Meta's shape and strides are appended to room (see viewMeta).
 // pinned is a ticket the message holds already, or nil: a block it
-// covers is sent with it, and reduce returns no lease of its own.
-func reduce(t *tensor.Tensor, room []int, pinned *shm.Ticket) (reduced, error) {
+// covers is sent with it, and reduce returns no lease of its own. lane
+// is the lane the message may take, or nil: a block of this process's
+// pool whose segment the lane's reader maps is named by identity alone.
+func reduce(t *tensor.Tensor, room []int, pinned *shm.Ticket, lane carry.Lane) (reduced, error) {
 	var r reduced
 	var err error
 	if t.Place().IsGPU() {
 		r, err = reduceGPU(t, room, pinned)
 	} else {
-		r, err = reduceCPU(t, room, pinned)
+		r, err = reduceCPU(t, room, pinned, lane)
 	}
 	if err != nil {
 		return reduced{}, fmt.Errorf("reduction: reduce %v: %w", t, err)
@@ -137,7 +143,7 @@ func reduce(t *tensor.Tensor, room []int, pinned *shm.Ticket) (reduced, error) {
 
 // reduceCPU is reduce for a tensor in CPU memory, whose message carries
 // one descriptor at most.
-func reduceCPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (reduced, error) {
+func reduceCPU(t *tensor.Tensor, room []int, pinned *shm.Ticket, lane carry.Lane) (reduced, error) {
 	r := reduced{ticket: -1, memFD: -1}
 	if !t.Place().IsCPU() {
 		return r, ErrDeviceTensor
@@ -156,6 +162,15 @@ func reduceCPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (reduced, error
 	sh, ok := s.Backing().(shm.Shared)
 	if !ok { // released since ShareMemory, which leaves shared memory of shm's
 		return r, tensor.ErrReleased
+	}
+	if b, ok := sh.(*shm.Block); ok && lane != nil && lane.Maps(b) && b.Lend() == nil {
+		seg := b.Segment()
+		r.Strategy = string(strategy.FileDescriptor)
+		r.Size, r.SegmentSize, r.BlockOffset, r.Gen = b.Size(), seg.Size(), b.Offset(), b.Gen()
+		r.setSegmentID(seg.ID())
+		registerBlock(s, b)
+		r.lent = b
+		return r, nil
 	}
 	h, err := sh.Share(pinned)
 	if err != nil {
@@ -235,11 +250,15 @@ type fdSource interface {
 	// body returns the storage body i was received into, which must hold
 	// size bytes, for a message that carries its tensors by value.
 	body(i int, size int64) (*tensor.Storage, error)
+	// lane returns the lane of the pipe direction the message came on,
+	// or nil, and whether it came by the lane itself (see carry.Lane).
+	lane() (carry.Lane, bool)
 }
 
 type borrowed []int
 
-func (b borrowed) covers(int, shm.ID) bool { return false }
+func (b borrowed) covers(int, shm.ID) bool  { return false }
+func (b borrowed) lane() (carry.Lane, bool) { return nil, false }
 
 func (b borrowed) fd(i int) (int, error) {
 	if i < 0 || i >= len(b) {
@@ -462,13 +481,34 @@ func openFD(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, err
 // already is attached by the segment's identity, with the ticket taken
 // for what m says it is (see shm.Attach); only a segment not mapped yet
 // costs an fstat.
+//
+// A message that came by a lane names blocks by identity alone, with no
+// descriptor: this process keeps their segments mapped for the lane (see
+// carry.Lane), and its lock on the slot is the only hold it takes. A block
+// received by descriptor on a pipe that has a lane has its segment
+// pinned for the lane's next messages.
 func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
+	lane, byLane := fds.lane()
+	found := userOf(shm.SegmentRef{ID: m.segmentID()}, m)
+	if m.FDIndex == -1 {
+		if !byLane {
+			return nil, errors.New("a pooled block named without its descriptor, outside a lane")
+		}
+		return adoptBlock(found, m, made, func() (*shm.Block, error) {
+			return shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: m.segmentID(), Size: m.SegmentSize},
+				Offset: m.BlockOffset, Size: m.Size, Gen: m.Gen, Ticket: -1})
+		})
+	}
 	if _, err := fds.fd(m.FDIndex); err != nil { // referenced even when the storage is cached
 		return nil, err
 	}
-	return adoptBlock(userOf(shm.SegmentRef{ID: m.segmentID()}, m), m, made, func() (*shm.Block, error) {
+	s, err := adoptBlock(found, m, made, func() (*shm.Block, error) {
 		return attachBlock(m, fds)
 	})
+	if err == nil && lane != nil {
+		lane.Pin(m.segmentID(), m.SegmentSize)
+	}
+	return s, err
 }
 
 // attachBlock attaches the pooled block m names, by the segment's

@@ -15,6 +15,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/tensormp/tensormp/internal/fd"
+	"github.com/tensormp/tensormp/internal/shm"
 )
 
 // A Writer is the writer of an encoder whose messages carry descriptors.
@@ -127,8 +128,59 @@ func Register[T io.Closer](ext int8, encode func(T, *msgpack.Encoder) ([]byte, e
 
 // DecodeFunc decodes data, a received message, into v, with the
 // descriptors fds owns: what the value keeps of them becomes its own, and
-// the rest stay fds's, for its owner to close.
-type DecodeFunc func(data []byte, fds *fd.Set, v any) error
+// the rest stay fds's, for its owner to close. lane is the lane of the
+// pipe direction the message came on, or nil (see Lane); byLane says
+// whether it came by the lane itself, which alone may name blocks by
+// their segments' identity.
+type DecodeFunc func(data []byte, fds *fd.Set, v any, lane Lane, byLane bool) error
+
+// A Lane is the shared-memory lane of one direction of a pipe (package
+// sock's Way), as the encoders and decoders of its messages meet it: a
+// block of a segment that the reading process keeps mapped for the lane
+// travels by the segment's identity alone, with no descriptor, and the
+// writer lends the block to the message until the reader holds it (see
+// shm.Block.Lend and shm.Pin).
+type Lane interface {
+	// Maps reports whether a message may name b, a block of this
+	// process's pool, by its segment's identity alone: the lane's reader
+	// keeps the segment mapped. The writer's side.
+	Maps(b *shm.Block) bool
+	// Pin asks the lane's reader, this process, to keep segment id, of
+	// size bytes, mapped for the lane's next messages: a block of it was
+	// just received by descriptor. The reader's side.
+	Pin(id shm.ID, size int64)
+}
+
+// ErrNoLane is returned by a SendFunc given lent blocks when the message
+// cannot go by the lane now: it must be encoded with descriptors.
+var ErrNoLane = errors.New("the message cannot go by the lane now")
+
+// A SendFunc sends an encoded message: its bytes, the descriptors it
+// carries (borrowed until it returns), and the blocks it names by
+// identity, lent to it. Given lent blocks, it sends by the lane, which
+// takes the loans over, or returns an error, the loans still the
+// caller's (ErrNoLane: the message must go otherwise).
+type SendFunc func(data []byte, fds []int, lent []*shm.Block) error
+
+// EncodeFunc encodes v for lane and sends it with send: by identity
+// where the lane allows it, else with descriptors.
+type EncodeFunc func(v any, lane Lane, send SendFunc) error
+
+var laneEncoder atomic.Pointer[EncodeFunc]
+
+// RegisterEncode makes f the process's EncodeLane. Package reduction
+// registers its Encoder's when it is initialised.
+func RegisterEncode(f EncodeFunc) { laneEncoder.Store(&f) }
+
+// EncodeLane encodes v for lane with the registered EncodeFunc and sends
+// it with send.
+func EncodeLane(v any, lane Lane, send SendFunc) error {
+	f := laneEncoder.Load()
+	if f == nil {
+		return errors.New("no encoder registered: import package reduction")
+	}
+	return (*f)(v, lane, send)
+}
 
 var decoder atomic.Pointer[DecodeFunc]
 
@@ -139,10 +191,14 @@ var decoder atomic.Pointer[DecodeFunc]
 func RegisterDecode(f DecodeFunc) { decoder.Store(&f) }
 
 // Decode decodes a received message with the registered DecodeFunc.
-func Decode(data []byte, fds *fd.Set, v any) error {
+func Decode(data []byte, fds *fd.Set, v any) error { return DecodeFrom(data, fds, v, nil, false) }
+
+// DecodeFrom is Decode for a message that came on lane's pipe direction,
+// by the lane itself if byLane.
+func DecodeFrom(data []byte, fds *fd.Set, v any, lane Lane, byLane bool) error {
 	f := decoder.Load()
 	if f == nil {
 		return errors.New("no decoder registered: import package reduction")
 	}
-	return (*f)(data, fds, v)
+	return (*f)(data, fds, v, lane, byLane)
 }

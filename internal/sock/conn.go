@@ -454,6 +454,10 @@ type Msg struct {
 	tag int64
 }
 
+// ByLane reports whether m came by a Way's lane, not by its socket: it
+// carries no descriptor, and may name blocks by identity (see Way.Maps).
+func (m Msg) ByLane() bool { return m.c == nil && m.w != nil }
+
 // Done ends the receive of m: what FDs still owns is closed, and Data and
 // FDs are the Conn's (or Way's) again for the next receive. It is called
 // once.

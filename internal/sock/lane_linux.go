@@ -6,10 +6,13 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/fd"
+	"github.com/tensormp/tensormp/internal/shm"
 )
 
 // A Lane is a ring of messages in memory that two processes map: one
@@ -28,6 +31,7 @@ import (
 //	0      header: magic, version, entries, entry size
 //	       +128  the writer's bell: its word counts messages published
 //	       +256  the readers' bell: its word counts messages taken
+//	       +1024 a Way's reader's page (see way_pins.go)
 //	4096   entries, each: uint32 its position, uint32 length, the bytes
 //
 // A writer publishes an entry by filling it and then ringing; a reader
@@ -370,3 +374,30 @@ func (l *Lane) recv(ctx context.Context, buf []byte, alive func() error, block b
 		return buf, taken, nil
 	}
 }
+
+// readerWord returns the word at off in the lane's reader's page (see
+// Way), or nil for a closed lane. The caller keeps the lane open.
+func (l *Lane) readerWord(off int) *atomic.Uint32 {
+	if l.mem == nil {
+		return nil
+	}
+	return (*atomic.Uint32)(unsafe.Pointer(&l.mem[readerPage+off]))
+}
+
+// readerID returns the segment identity at off in the reader's page.
+func (l *Lane) readerID(off int) shm.ID {
+	p := unsafe.Pointer(&l.mem[readerPage+off])
+	return shm.ID{Dev: (*atomic.Uint64)(p).Load(), Ino: (*atomic.Uint64)(unsafe.Add(p, 8)).Load()}
+}
+
+// setReaderID writes id at off in the reader's page.
+func (l *Lane) setReaderID(off int, id shm.ID) {
+	p := unsafe.Pointer(&l.mem[readerPage+off])
+	(*atomic.Uint64)(p).Store(id.Dev)
+	(*atomic.Uint64)(unsafe.Add(p, 8)).Store(id.Ino)
+}
+
+// The reader's page lies in the lane's header, after the bells.
+const readerPage = 1024
+
+var _ [laneHeader - readerPage - pinTable - 16*maxPins]byte // it fits

@@ -6,8 +6,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync/atomic"
 
 	"github.com/tensormp/tensormp/internal/fd"
+	"github.com/tensormp/tensormp/internal/shm"
 )
 
 // A Lane is a ring of messages in shared memory; only Linux has one (see
@@ -63,3 +65,9 @@ func (l *Lane) Nudge() {}
 func (l *Lane) WaitSent(ctx context.Context, last uint32, alive func() error) (uint32, error) {
 	return last, errNoLane
 }
+
+// readerWord returns nil: there is no lane.
+func (l *Lane) readerWord(off int) *atomic.Uint32 { return nil }
+
+func (l *Lane) readerID(off int) shm.ID        { return shm.ID{} }
+func (l *Lane) setReaderID(off int, id shm.ID) {}

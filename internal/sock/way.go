@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/tensormp/tensormp/internal/carry"
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/shm"
 )
@@ -98,7 +100,16 @@ type Way struct {
 	checked time.Time // the last look at whether the readers are gone
 	wbuf    []byte
 
+	// The writer's loans (see way_pins.go), under sem, the timer that
+	// settles them while no Send does, and its copy of the reader's list,
+	// under viewMu, which Close takes before it unmaps the lane.
+	ledger  ledger
+	settler *time.Timer
+	viewMu  sync.Mutex
+	view    pinView
+
 	// The reader's, under sem.
+	pins     pins
 	rbuf     []byte
 	none     fd.Set // a lane message's descriptors: none
 	draining bool   // at a marker: the socket first
@@ -185,9 +196,13 @@ func (w *Way) lock(ctx context.Context) error {
 	return nil
 }
 
-// recvDone ends a receive, counting it for letGoIdle.
+// recvDone ends a receive, counting it for letGoIdle, and tells the
+// writer what the reader has done with (see ack).
 func (w *Way) recvDone() {
 	w.recvs++
+	if w.held {
+		ack(w.lane.Load())
+	}
 	<-w.sem
 }
 
@@ -258,6 +273,7 @@ func (w *Way) taken() *Lane {
 		w.owed = w.onSock // what it sent on the socket comes first
 	} else {
 		w.draining = true // what earlier readers left on the socket first
+		w.listPins(l)
 		w.idle.Reset(idleRole)
 	}
 	return l
@@ -313,6 +329,7 @@ func (w *Way) Send(ctx context.Context, data []byte, fds []int) error {
 		}
 		return nil
 	}
+	w.ledger.settle(l, w.mem, false)
 	if w.owed {
 		w.owed = l.TrySend(marker) != nil
 	}
@@ -336,6 +353,79 @@ func (w *Way) Send(ctx context.Context, data []byte, fds []int) error {
 	// readers'. One that finds no room is owed.
 	w.owed = l.TrySend(marker) != nil
 	return nil
+}
+
+// SendLent sends data, a message that names the blocks lent by their
+// segments' identity alone (see Maps), by the lane, which takes the loans
+// over: they are returned once the reader holds the blocks, or is gone.
+// A message that cannot go by the lane now (this process does not hold
+// the writer's role, a marker is owed, or it does not fit an entry) is
+// carry.ErrNoLane, the loans still the caller's; so is any error. With
+// nothing lent it is Send. It is a carry.SendFunc.
+func (w *Way) SendLent(ctx context.Context, data []byte, fds []int, lent []*shm.Block) error {
+	if len(lent) == 0 {
+		return w.Send(ctx, data, fds)
+	}
+	if len(fds) > 0 {
+		return carry.ErrNoLane // never made so
+	}
+	if err := w.lock(ctx); err != nil {
+		return err
+	}
+	defer func() { <-w.sem }()
+	l := w.taken()
+	if l == nil || 1+len(data) > l.Room() {
+		return carry.ErrNoLane
+	}
+	w.ledger.settle(l, w.mem, false)
+	if w.owed {
+		if w.owed = l.TrySend(marker) != nil; w.owed {
+			return carry.ErrNoLane
+		}
+	}
+	if err := w.readersGone(); err != nil {
+		return err
+	}
+	pos := l.Tail()
+	w.wbuf = append(append(w.wbuf[:0], kindValue), data...)
+	err := l.Send(ctx, w.wbuf, w.alive)
+	if errors.Is(err, errCounts) {
+		w.letGo(true) // a peer wrote the counts: the socket serves
+		w.onSock = true
+		return carry.ErrNoLane
+	}
+	if err != nil {
+		return err
+	}
+	w.ledger.lend(pos, lent)
+	if w.settler == nil {
+		w.settler = time.AfterFunc(settleEvery, w.settleIdle)
+	} else {
+		w.settler.Reset(settleEvery)
+	}
+	lentSent.Add(1)
+	return nil
+}
+
+// settleIdle settles the writer's loans while it does not send, each
+// settleEvery until none is left: a reader killed with messages untaken
+// gives their blocks back though the writer never sends again.
+func (w *Way) settleIdle() {
+	select {
+	case w.sem <- struct{}{}:
+	default:
+		w.settler.Reset(settleEvery) // sending: it settles
+		return
+	}
+	defer func() { <-w.sem }()
+	l := w.lane.Load()
+	if w.closed.Load() || l == nil {
+		return // Close settles
+	}
+	w.ledger.settle(l, w.mem, false)
+	if len(w.ledger.loans) > 0 {
+		w.settler.Reset(settleEvery)
+	}
 }
 
 // readersGone returns ErrClosed if the readers are gone, looking at most
@@ -622,16 +712,31 @@ func (w *Way) Close() error {
 	if w.idle != nil {
 		w.idle.Stop()
 	}
+	if w.settler != nil {
+		w.settler.Stop()
+	}
 	var errs []error
 	if w.stashed {
 		w.stash.Done() // its socket's receive; the Way's is Close's
 		w.stashed = false
 	}
-	if l := w.lane.Load(); l != nil {
-		errs = append(errs, l.Close())
+	w.viewMu.Lock() // a Maps under way has returned; later ones see closed
+	w.viewMu.Unlock()
+	l := w.lane.Load()
+	if l != nil && !w.writes {
+		w.unlistPins(l)
 	}
+	errs = append(errs, w.pins.unpinAll())
 	if w.role != nil {
 		errs = append(errs, w.role.Close())
+	}
+	if l != nil {
+		w.ledger.settle(l, w.mem, true)
+		if len(w.ledger.loans) > 0 {
+			w.ledger.keepSettling(l, w.mem) // it closes both
+			return errors.Join(errs...)
+		}
+		errs = append(errs, l.Close())
 	}
 	if w.mem != nil {
 		errs = append(errs, w.mem.Close())

@@ -1,0 +1,325 @@
+package sock
+
+import (
+	"crypto/rand"
+	"encoding/binary"
+	"sync/atomic"
+	"time"
+
+	"github.com/tensormp/tensormp/internal/fd"
+	"github.com/tensormp/tensormp/internal/shm"
+)
+
+// Tensors by the lane.
+//
+// A block of a pooled segment travels on the socket with a ticket, a
+// descriptor whose lock holds the block in flight (see shm.Block.Ticket).
+// A Way's lane carries no descriptor, so a block goes by it only where no
+// descriptor is needed: its writer produced it (a block of the writing
+// process's own pool), and its reader keeps the block's segment mapped.
+//
+//   - Pins. A reader that receives a block by descriptor on the Way pins
+//     its segment (shm.Pin): the segment stays mapped in the reading
+//     process until its Way closes, however long no block of it is in use
+//     and whether or not its producer lives. While it holds the reader's
+//     role it lists the segments it pins in the lane's reader's page, and
+//     it holds a read lock on the lane's byte pinnerByte for as long as it
+//     pins anything.
+//   - Loans. The writer names a block of a segment the list holds by the
+//     segment's identity alone (see carry.Lane), and lends the block to
+//     the message (shm.Block.Lend): its pool does not reuse the slot, even
+//     once the writer's tensor is released, until the loan is returned.
+//   - Acks. The reader attaches the block by identity, taking its own lock
+//     on the slot and then checking the slot's generation, as for a block
+//     that came with a descriptor; when the receive is done it writes the
+//     count of entries it has taken to the page (acked). The writer
+//     returns the loans of entries below it at its next Send or Close, and
+//     all its loans once no process holds pinnerByte (the readers that
+//     pinned are gone or closed). A writer that closes with loans out
+//     keeps the lane mapped in a goroutine that returns them so, each
+//     settleEvery.
+//
+// So a message in the lane is held by the writer's loan while the writer
+// lives, and needs no hold once it is dead, since only a producer reuses
+// its slots; the reader's mapping keeps the memory. A reader killed with
+// messages untaken lets go of pinnerByte, and the writer's loans come
+// back. Nothing of a block is owned by the lane's memory, so a lane
+// whose processes are all gone leaves nothing.
+//
+// A message named by identity is the reader's that pins its segments. A
+// reader that takes the role over from another, which handed the end on
+// or closed with messages untaken, gets ErrNotMapped (shm) for a block
+// of a segment it does not map; it rewrites the list with its own pins
+// when it takes the role, and the writer names by identity only what the
+// list holds.
+//
+// The reader's page, in the lane's header (see Lane), is written by the
+// reader's role holder only; the writer reads it as a hint, whose worst
+// is a message its reader cannot rebuild:
+//
+//	+0   seq: odd while the holder rewrites the list
+//	+4   owner: the mark of the Way whose list it is
+//	+8   count: segments listed
+//	+12  acked: the reader has done with every entry before this position
+//	+16  the list: count identities (device, inode), 16 bytes each
+const (
+	pinSeq   = 0
+	pinOwner = 4
+	pinCount = 8
+	pinAcked = 12
+	pinTable = 16
+
+	// maxPins and maxPinBytes bound the segments a reader pins for a
+	// Way: pinned segments keep their memory until the Way closes, even
+	// when their producer has let go of them.
+	maxPins     = 64
+	maxPinBytes = 1 << 30
+	// pinnerByte is the lane file's byte whose read locks are the pinning
+	// readers'.
+	pinnerByte = 2
+	// settleEvery is how often a closed writer's loans are looked at.
+	settleEvery = 10 * time.Millisecond
+)
+
+// lentSent counts the messages this process sent by a lane with blocks
+// lent to them (see LentSent).
+var lentSent atomic.Uint64
+
+// LentSent returns how many messages this process has sent by a lane
+// naming blocks by identity: what tests and benchmarks look at to see
+// that tensors took the lane.
+func LentSent() uint64 { return lentSent.Load() }
+
+// pins is a reader's pinned segments.
+type pins struct {
+	unpin  map[shm.ID]func()
+	order  []shm.ID // as listed
+	bytes  int64
+	lock   *fd.FD // the read lock on pinnerByte, once pinning
+	owner  uint32 // this Way's mark in the list
+	shared *fd.FD // the lane's memory, for the lock
+}
+
+// loan is a block lent to the lane's entry at pos.
+type loan struct {
+	pos uint32
+	b   *shm.Block
+}
+
+// ledger is a writer's loans, in the order of their entries.
+type ledger struct {
+	loans   []loan
+	checked time.Time // the last look at whether a pinner is left
+}
+
+// Maps reports whether a message of this Way's writer may name b by its
+// segment's identity alone (carry.Lane): b is a block of this process's
+// pool, in a sealed segment of its own (not a named one, or one whose data
+// lies elsewhere), and the lane's reader lists the segment as pinned.
+func (w *Way) Maps(b *shm.Block) bool {
+	if !w.writes || !b.Produced() || b.Named() || b.InExtent() {
+		return false
+	}
+	w.viewMu.Lock()
+	defer w.viewMu.Unlock()
+	l := w.lane.Load()
+	if l == nil || w.closed.Load() {
+		return false
+	}
+	seq := l.readerWord(pinSeq)
+	if seq == nil {
+		return false
+	}
+	s := seq.Load()
+	if s&1 != 0 {
+		return false // being rewritten
+	}
+	v := &w.view
+	if s != v.seq || v.listed == nil {
+		v.seq, v.n = s, 0
+		if v.listed == nil {
+			v.listed = map[shm.ID]bool{}
+		}
+		clear(v.listed)
+	}
+	n := min(l.readerWord(pinCount).Load(), maxPins)
+	for ; v.n < n; v.n++ {
+		v.listed[l.readerID(pinTable+16*int(v.n))] = true
+	}
+	if seq.Load() != s {
+		v.listed = nil // rewritten while read: read it anew next time
+		return false
+	}
+	return v.listed[b.Segment().ID()]
+}
+
+// pinView is a writer's copy of the reader's list, as of seq.
+type pinView struct {
+	seq    uint32
+	n      uint32
+	listed map[shm.ID]bool
+}
+
+// Pin pins segment id, of size bytes, a block of which this process just
+// received by descriptor on the Way, and lists it for the writer
+// (carry.Lane). It does nothing unless this process holds the reader's
+// role, and beyond maxPins or maxPinBytes. The caller holds the receive.
+func (w *Way) Pin(id shm.ID, size int64) {
+	p := &w.pins
+	if w.writes || !w.held || w.broken || p.unpin[id] != nil {
+		return
+	}
+	if len(p.order) >= maxPins || p.bytes+size > maxPinBytes {
+		return
+	}
+	l := w.lane.Load()
+	if l.readerWord(pinSeq) == nil {
+		return
+	}
+	if p.lock == nil {
+		lock, err := shm.ShareByte(w.mem, pinnerByte)
+		if err != nil || lock == nil {
+			return
+		}
+		p.lock = lock
+	}
+	unpin, ok := shm.Pin(id)
+	if !ok {
+		return
+	}
+	if p.unpin == nil {
+		p.unpin = map[shm.ID]func(){}
+	}
+	p.unpin[id] = unpin
+	p.order = append(p.order, id)
+	p.bytes += size
+	// The list is this process's since it took the role (listPins).
+	l.setReaderID(pinTable+16*(len(p.order)-1), id)
+	l.readerWord(pinCount).Store(uint32(len(p.order)))
+}
+
+// listPins makes the reader's list this process's pins, as it takes the
+// reader's role.
+func (w *Way) listPins(l *Lane) {
+	seq := l.readerWord(pinSeq)
+	if seq == nil {
+		return
+	}
+	p := &w.pins
+	if p.owner == 0 {
+		var b [4]byte
+		_, _ = rand.Read(b[:])
+		p.owner = binary.LittleEndian.Uint32(b[:]) | 1
+	}
+	s := (seq.Load() + 1) | 1
+	seq.Store(s) // odd: a writer reading it now reads it again
+	l.readerWord(pinOwner).Store(p.owner)
+	for i, id := range p.order {
+		l.setReaderID(pinTable+16*i, id)
+	}
+	l.readerWord(pinCount).Store(uint32(len(p.order)))
+	seq.Store(s + 1)
+}
+
+// unlistPins empties the reader's list if it is this process's, taking
+// the reader's role for it if need be, as the reader closes: the writer
+// names nothing by identity for a process that will not map it.
+func (w *Way) unlistPins(l *Lane) {
+	p := &w.pins
+	seq := l.readerWord(pinSeq)
+	if seq == nil || p.owner == 0 {
+		return
+	}
+	if !w.held {
+		role, err := shm.HoldByte(w.mem, 1)
+		if err != nil || role == nil {
+			return // another reader holds it, and has rewritten the list
+		}
+		defer role.Close()
+	}
+	if l.readerWord(pinOwner).Load() != p.owner {
+		return
+	}
+	s := (seq.Load() + 1) | 1
+	seq.Store(s)
+	l.readerWord(pinOwner).Store(0)
+	l.readerWord(pinCount).Store(0)
+	seq.Store(s + 1)
+}
+
+// unpinAll gives up the reader's pins and its lock on pinnerByte.
+func (p *pins) unpinAll() error {
+	for _, id := range p.order {
+		p.unpin[id]()
+	}
+	clear(p.unpin)
+	p.order, p.bytes = nil, 0
+	if p.lock == nil {
+		return nil
+	}
+	err := p.lock.Close()
+	p.lock = nil
+	return err
+}
+
+// ack tells the writer that the reader has done with what it took of
+// the lane, as a receive ends. The caller holds the reader's role.
+func ack(l *Lane) {
+	if a := l.readerWord(pinAcked); a != nil {
+		a.Store(l.Taken())
+	}
+}
+
+// lend records blocks lent to the entry at pos.
+func (g *ledger) lend(pos uint32, lent []*shm.Block) {
+	for _, b := range lent {
+		g.loans = append(g.loans, loan{pos, b})
+	}
+}
+
+// settle returns the loans of the entries the reader has done with, and
+// all of them if no reader pins (mem is the lane's memory). A look at the
+// pinners is taken at most each peerCheck, unless now.
+func (g *ledger) settle(l *Lane, mem *fd.FD, now bool) {
+	if len(g.loans) == 0 {
+		return
+	}
+	if a := l.readerWord(pinAcked); a != nil {
+		acked := a.Load()
+		i := 0
+		for i < len(g.loans) && int32(acked-g.loans[i].pos) > 0 {
+			g.loans[i].b.Return()
+			i++
+		}
+		g.loans = g.loans[:copy(g.loans, g.loans[i:])]
+	}
+	if len(g.loans) == 0 || !now && time.Since(g.checked) < peerCheck {
+		return
+	}
+	g.checked = time.Now()
+	if held, err := shm.ByteHeld(mem, pinnerByte); err == nil && !held {
+		g.returnAll()
+	}
+}
+
+// returnAll returns every loan.
+func (g *ledger) returnAll() {
+	for _, n := range g.loans {
+		n.b.Return()
+	}
+	clear(g.loans)
+	g.loans = g.loans[:0]
+}
+
+// keepSettling returns a closed writer's loans in a goroutine of their
+// own, which owns the lane and its memory until the last is returned.
+func (g *ledger) keepSettling(l *Lane, mem *fd.FD) {
+	go func() {
+		for len(g.loans) > 0 {
+			time.Sleep(settleEvery)
+			g.settle(l, mem, true)
+		}
+		_ = l.Close()
+		_ = mem.Close()
+	}()
+}

@@ -1,0 +1,224 @@
+//go:build linux
+
+package sock
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/fd"
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/internal/shm"
+)
+
+// receivedCopy returns a block of b's segment as a receiver holds it: mapped
+// afresh from a ticket, as a message's would be.
+func receivedCopy(t *testing.T, b *shm.Block) *shm.Block {
+	t.Helper()
+	tk, err := b.Ticket()
+	require.NoError(t, err)
+	defer tk.Done()
+	st, err := shm.Stat(tk.FD())
+	require.NoError(t, err)
+	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: st.ID, Size: b.Segment().Size()}, Offset: b.Offset(), Size: b.Size(), Gen: b.Gen(), Ticket: tk.FD()})
+	require.NoError(t, err)
+	return r
+}
+
+// takeRoles has w send a message that r receives: both hold their roles.
+// r's receive is left open for the caller's f, which runs as a decode of
+// the message would.
+func takeRoles(t *testing.T, ctx context.Context, w, r *Way, f func()) {
+	t.Helper()
+	require.NoError(t, w.Send(ctx, []byte{1}, nil))
+	m, err := r.Recv(ctx)
+	require.NoError(t, err)
+	if f != nil {
+		f()
+	}
+	m.Done()
+	require.True(t, holds(w) && holds(r))
+}
+
+// A reader lists the segments it pins, while it holds its role; the
+// writer names by identity only blocks of its own pool in them. Another
+// reader that takes the role lists its own (none), and a reader that
+// closes unlists its.
+func TestWayListsPinnedSegments(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	w, r, mem := wayPair(t)
+	pool := shm.DefaultPool()
+	a, err := pool.Alloc(4 << 10)
+	require.NoError(t, err)
+	defer a.Release()
+	other, err := pool.Alloc(32 << 20) // a segment of its own
+	require.NoError(t, err)
+	defer other.Release()
+	got := receivedCopy(t, a)
+	defer got.Release()
+	assert.False(t, w.Maps(a), "nothing is pinned yet")
+
+	takeRoles(t, ctx, w, r, func() { r.Pin(a.Segment().ID(), a.Segment().Size()) })
+	assert.True(t, w.Maps(a), "a block of a pinned segment")
+	assert.False(t, w.Maps(other), "a block of another segment")
+	assert.False(t, w.Maps(got), "a block this process received, not produced")
+	assert.False(t, r.Maps(a), "a reader's Way writes nothing")
+
+	// Another reader of the end takes the role over: the list is its.
+	r2 := another(t, r, mem, false)
+	r.LetGo()
+	require.NoError(t, w.Send(ctx, []byte{2}, nil))
+	m, err := r2.Recv(ctx)
+	require.NoError(t, err)
+	m.Done()
+	assert.False(t, w.Maps(a), "the new reader pins nothing")
+	require.NoError(t, r2.Close())
+
+	// The first takes it back, its pins listed again; closing, it
+	// unlists them.
+	require.NoError(t, w.Send(ctx, []byte{3}, nil))
+	m, err = r.Recv(ctx)
+	require.NoError(t, err)
+	m.Done()
+	assert.True(t, w.Maps(a), "the pins are the reader's, listed again with its role")
+	r.LetGo()
+	require.NoError(t, r.Close())
+	assert.False(t, w.Maps(a), "a closed reader's pins are unlisted")
+}
+
+// The writer returns a block's loan once the reader has done with the
+// entry that named it, not before, and every loan once no reader pins.
+func TestWayLoansFollowAcks(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	w, r, mem := wayPair(t)
+	pool := shm.DefaultPool()
+	takeRoles(t, ctx, w, r, nil)
+	pinner, err := shm.ShareByte(mem, pinnerByte) // stands for r's pins
+	require.NoError(t, err)
+	require.NotNil(t, pinner)
+	defer pinner.Close()
+
+	lend := func() {
+		b, err := pool.Alloc(4 << 10)
+		require.NoError(t, err)
+		require.NoError(t, b.Lend())
+		require.NoError(t, w.SendLent(ctx, []byte{9}, nil, []*shm.Block{b}))
+		require.NoError(t, b.Release()) // parked: lent
+	}
+	lend()
+	lend()
+	assert.Equal(t, 2, pool.InUse(), "lent")
+	m, err := r.Recv(ctx)
+	require.NoError(t, err)
+	require.NoError(t, w.Send(ctx, []byte{1}, nil)) // settles
+	assert.Equal(t, 2, pool.InUse(), "the reader has not done with the first entry")
+	m.Done()
+	require.NoError(t, w.Send(ctx, []byte{1}, nil))
+	assert.Equal(t, 1, pool.InUse(), "the reader has done with the first entry, not the second")
+
+	require.NoError(t, pinner.Close())
+	time.Sleep(2 * peerCheck)
+	require.NoError(t, w.Send(ctx, []byte{1}, nil))
+	assert.Equal(t, 0, pool.InUse(), "no reader pins: every loan is returned")
+}
+
+// A writer's loans are settled without a Send, and by a closed writer.
+func TestWayLoansSettleIdleAndClosed(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	pool := shm.DefaultPool()
+	for _, closed := range []bool{false, true} {
+		w, r, mem := wayPair(t)
+		takeRoles(t, ctx, w, r, nil)
+		pinner, err := shm.ShareByte(mem, pinnerByte)
+		require.NoError(t, err)
+		b, err := pool.Alloc(4 << 10)
+		require.NoError(t, err)
+		require.NoError(t, b.Lend())
+		require.NoError(t, w.SendLent(ctx, []byte{9}, nil, []*shm.Block{b}))
+		require.NoError(t, b.Release())
+		if closed {
+			require.NoError(t, w.Close())
+			time.Sleep(3 * settleEvery)
+			assert.Equal(t, 1, pool.InUse(), "a closed writer keeps its loans until the reader is done")
+		}
+		m, err := r.Recv(ctx)
+		require.NoError(t, err)
+		m.Done()
+		require.Eventually(t, func() bool { return pool.InUse() == 0 }, 5*time.Second, time.Millisecond,
+			"acked, the loan is returned (closed: %v)", closed)
+		require.NoError(t, pinner.Close())
+	}
+}
+
+// The reader's page is the reader's to write, and the writer reads it as
+// a hint: a list rewritten for ever, counts beyond the table, identities
+// of other files, make Maps false or name a segment this process does not
+// pin; an ack written ahead returns loans early, which only the reader's
+// own messages pay for. Nothing faults, hangs or leaks.
+func TestWayHostileReadersPage(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	w, r, mem := wayPair(t)
+	pool := shm.DefaultPool()
+	a, err := pool.Alloc(4 << 10)
+	require.NoError(t, err)
+	defer a.Release()
+	takeRoles(t, ctx, w, r, nil)
+	l, err := OpenLane(mem)
+	require.NoError(t, err)
+	defer l.Close()
+
+	l.setReaderID(pinTable, a.Segment().ID())
+	l.readerWord(pinCount).Store(1)
+	l.readerWord(pinSeq).Store(7) // odd: being rewritten, for ever
+	assert.False(t, w.Maps(a), "a list being rewritten names nothing")
+	l.readerWord(pinSeq).Store(8)
+	assert.True(t, w.Maps(a), "once rewritten")
+	l.readerWord(pinSeq).Store(9)
+	l.readerWord(pinCount).Store(^uint32(0))
+	for i := range maxPins {
+		l.setReaderID(pinTable+16*i, shm.ID{Dev: uint64(i), Ino: ^uint64(0)})
+	}
+	assert.False(t, w.Maps(a), "a count beyond the table reads the table")
+	l.setReaderID(pinTable, a.Segment().ID())
+	l.readerWord(pinSeq).Store(10)
+	assert.True(t, w.Maps(a), "a listed segment, which the reader may not map: its loss")
+
+	require.NoError(t, a.Lend())
+	require.NoError(t, w.SendLent(ctx, []byte{9}, nil, []*shm.Block{a}))
+	l.readerWord(pinAcked).Store(l.Sent() + 1000) // ahead of the lane
+	pinner, err := shm.ShareByte(mem, pinnerByte)
+	require.NoError(t, err)
+	defer pinner.Close()
+	require.NoError(t, w.Send(ctx, []byte{1}, nil))
+	assert.Empty(t, w.ledger.loans, "acked ahead: returned")
+	m, err := r.Recv(ctx)
+	require.NoError(t, err)
+	m.Done()
+}
+
+// The page's words sit in the lane's header, out of the way of the
+// bells and of the entries.
+func TestWayReadersPageLayout(t *testing.T) {
+	assert.GreaterOrEqual(t, readerPage, takenBell+bellSize)
+	assert.LessOrEqual(t, readerPage+pinTable+16*maxPins, laneHeader)
+	var p [2]int
+	require.NoError(t, unix.Pipe2(p[:], unix.O_CLOEXEC))
+	f := fd.New(p[0])
+	defer f.Close()
+	defer unix.Close(p[1])
+	held, err := shm.ByteHeld(f, pinnerByte)
+	assert.False(t, held && err == nil, "a pipe holds no lock")
+}

@@ -1,0 +1,341 @@
+package mp_test
+
+import (
+	"context"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/internal/shm"
+	"github.com/tensormp/tensormp/internal/sock"
+	"github.com/tensormp/tensormp/mp"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// Tensors by a pipe's lane: a block of the writer's pool whose segment
+// the reader maps already goes by shared memory, named by identity, lent
+// by its producer until the reader holds it. These tests kill each side
+// with such messages in the lane.
+
+func init() {
+	mp.Register("lane-produce", workerLaneProduce)
+	mp.Register("lane-take", workerLaneTake)
+	mp.Register("lane-check", workerLaneCheck)
+}
+
+type laneArgs struct {
+	Pipe   *mp.Pipe
+	Status *mp.Queue
+	N      int // tensors to send after the first, or to take
+	// Close: lane-take closes its end once it gets a value from it; nil,
+	// it waits to be killed.
+	Close *mp.Queue
+}
+
+// newInts returns a new shared tensor of 512 int64s, each v.
+func newInts(t testing.TB, v int) *tensor.Tensor {
+	t.Helper()
+	x, err := tensor.On(device.CPU()).Shared().Full(tensor.Int64, float64(v), 512)
+	require.NoError(t, err)
+	return x
+}
+
+// checkInts checks that x holds 512 int64s, each v.
+func checkInts(t testing.TB, x *tensor.Tensor, v int) {
+	t.Helper()
+	got, err := tensor.Values[int64](x)
+	require.NoError(t, err)
+	require.Len(t, got, 512)
+	for i, g := range got {
+		if g != int64(v) {
+			require.Equal(t, int64(v), g, "element %d of tensor %d", i, v)
+		}
+	}
+}
+
+// workerLaneProduce sends a new tensor (by the socket: the first of its
+// segment), waits for the other end to have taken it, sends N more
+// (by the lane), releasing each, and puts how many went by the lane; it
+// then waits to be killed.
+func workerLaneProduce(ctx context.Context, w *mp.Worker) error {
+	var a laneArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	before := sock.LentSent()
+	for i := 0; i <= a.N; i++ {
+		x, err := tensor.On(device.CPU()).Shared().Full(tensor.Int64, float64(i), 512)
+		if err != nil {
+			return err
+		}
+		err = a.Pipe.Send(ctx, x)
+		_ = x.Release()
+		if err != nil {
+			return err
+		}
+		if i == 0 {
+			var taken int
+			if err := a.Pipe.Recv(ctx, &taken); err != nil {
+				return err
+			}
+		}
+	}
+	if err := a.Status.Put(ctx, int(sock.LentSent()-before)); err != nil {
+		return err
+	}
+	<-ctx.Done()
+	return nil
+}
+
+// workerLaneTake takes the first tensor, says so, takes N more and keeps
+// them, says so, and then closes its end or waits to be killed.
+func workerLaneTake(ctx context.Context, w *mp.Worker) error {
+	var a laneArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	var kept []*tensor.Tensor
+	for i := 0; i <= a.N; i++ {
+		var x *tensor.Tensor
+		if err := a.Pipe.Recv(ctx, &x); err != nil {
+			return err
+		}
+		kept = append(kept, x)
+		if i == 0 || i == a.N {
+			if err := a.Status.Put(ctx, i); err != nil {
+				return err
+			}
+		}
+	}
+	if a.Close != nil {
+		var now int
+		if err := a.Close.Get(ctx, &now); err != nil {
+			return err
+		}
+		err := a.Pipe.Close()
+		for _, x := range kept {
+			_ = x.Release()
+		}
+		if err != nil {
+			return err
+		}
+		return a.Status.Put(ctx, -1)
+	}
+	<-ctx.Done()
+	return nil
+}
+
+// workerLaneCheck takes the first tensor, says so, and takes N more, the
+// i-th of which must hold i, releasing each; it puts how many did not.
+func workerLaneCheck(ctx context.Context, w *mp.Worker) error {
+	var a laneArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	bad := 0
+	for i := 0; i <= a.N; i++ {
+		var x *tensor.Tensor
+		if err := a.Pipe.Recv(ctx, &x); err != nil {
+			return err
+		}
+		v, err := tensor.Values[int64](x)
+		_ = x.Release()
+		if err != nil {
+			return err
+		}
+		for _, e := range v {
+			if e != int64(i) {
+				bad++
+				break
+			}
+		}
+		if i == 0 {
+			if err := a.Status.Put(ctx, 0); err != nil {
+				return err
+			}
+		}
+	}
+	return a.Status.Put(ctx, bad)
+}
+
+// startLane spawns worker with a laneArgs of one end of a new pipe and
+// returns the other end and the status queue.
+func startLane(t *testing.T, ctx context.Context, worker string, n int, close *mp.Queue) (*mp.Pipe, *mp.Queue, *mp.Group) {
+	t.Helper()
+	mine, theirs, err := mp.NewPipe()
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = mine.Close() })
+	status, err := mp.NewQueue()
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = status.Close() })
+	g, err := mp.Spawn(ctx, worker, 1, mp.WithArgs(laneArgs{Pipe: theirs, Status: status, N: n, Close: close}))
+	require.NoError(t, err)
+	require.NoError(t, theirs.Close())
+	return mine, status, g
+}
+
+// kill SIGKILLs g's worker and waits for it.
+func kill(t *testing.T, g *mp.Group) {
+	t.Helper()
+	require.NoError(t, syscall.Kill(g.Pids()[0], syscall.SIGKILL))
+	var xe *mp.ExitError
+	require.ErrorAs(t, g.Join(), &xe)
+}
+
+// A stream of new tensors, each released by its producer once sent, goes
+// by the lane once the reader maps their segment, and each arrives
+// whole.
+func TestPipeNewTensors(t *testing.T) {
+	leakcheck.Check(t)
+	p, g := startPipeFirst(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	const n = 2000
+	before := sock.LentSent()
+	for i := range n {
+		x := newInts(t, i)
+		err := p.Send(ctx, x)
+		require.NoError(t, x.Release())
+		require.NoError(t, err)
+		var first int64
+		require.NoError(t, p.Recv(ctx, &first))
+		require.Equal(t, int64(i), first)
+	}
+	lent := int(sock.LentSent() - before)
+	t.Logf("%d of %d tensors went by the lane", lent, n)
+	assert.Greater(t, lent, n*9/10, "tensors of a segment the reader maps go by the lane")
+	assert.Eventually(t, func() bool { return shm.DefaultPool().InUse() == 0 }, 5*time.Second, 10*time.Millisecond,
+		"every block comes back to the producer once the reader has taken it, the pipe still open")
+	require.NoError(t, p.Close())
+	require.NoError(t, g.Join())
+}
+
+// A producer that streams new tensors faster than its reader takes them,
+// releasing each once sent, never reuses a block the lane still names:
+// each arrives holding what it was sent with.
+func TestPipeLaneStreamKeepsBlocks(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	const n = 3000
+	p, status, g := startLane(t, ctx, "lane-check", n, nil)
+	before := sock.LentSent()
+	for i := 0; i <= n; i++ {
+		x := newInts(t, i)
+		err := p.Send(ctx, x)
+		require.NoError(t, x.Release())
+		require.NoError(t, err)
+		if i == 0 {
+			var first int
+			require.NoError(t, status.Get(ctx, &first))
+		}
+	}
+	var bad int
+	require.NoError(t, status.Get(ctx, &bad))
+	assert.Zero(t, bad, "tensors whose block was reused in flight")
+	lent := int(sock.LentSent() - before)
+	t.Logf("%d of %d tensors went by the lane", lent, n)
+	assert.Greater(t, lent, n*9/10)
+	require.NoError(t, g.Join())
+}
+
+// A producer killed with its tensors in the lane, released on its side,
+// costs the reader nothing: each arrives whole, then ErrClosed.
+func TestPipeLaneProducerKilled(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	const n = 100
+	p, status, g := startLane(t, ctx, "lane-produce", n, nil)
+	var first *tensor.Tensor
+	require.NoError(t, p.Recv(ctx, &first))
+	checkInts(t, first, 0)
+	require.NoError(t, first.Release())
+	require.NoError(t, p.Send(ctx, 1))
+	var lent int
+	require.NoError(t, status.Get(ctx, &lent))
+	assert.Equal(t, n, lent, "every tensor after the first went by the lane")
+	kill(t, g)
+	for i := 1; i <= n; i++ {
+		var x *tensor.Tensor
+		require.NoError(t, p.Recv(ctx, &x), "tensor %d", i)
+		checkInts(t, x, i)
+		require.NoError(t, x.Release())
+	}
+	var x *tensor.Tensor
+	assert.ErrorIs(t, p.Recv(ctx, &x), mp.ErrClosed)
+}
+
+// A reader killed holding some of a producer's tensors and with the rest
+// untaken in the lane gives every block back, though the producer sends
+// nothing more.
+func TestPipeLaneReaderKilled(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	const n, taken = 200, 80
+	p, status, g := startLane(t, ctx, "lane-take", taken, nil)
+	pool := shm.DefaultPool()
+	before := sock.LentSent()
+	for i := 0; i <= n; i++ {
+		x := newInts(t, i)
+		err := p.Send(ctx, x)
+		require.NoError(t, x.Release())
+		require.NoError(t, err)
+		if i == 0 {
+			var first int
+			require.NoError(t, status.Get(ctx, &first)) // its segment is pinned
+		}
+	}
+	var last int
+	require.NoError(t, status.Get(ctx, &last))
+	require.Equal(t, taken, last)
+	assert.Equal(t, n, int(sock.LentSent()-before), "every tensor after the first went by the lane")
+	assert.Greater(t, pool.InUse(), n-taken, "the lane's and the reader's hold them")
+	kill(t, g)
+	start := time.Now()
+	require.Eventually(t, func() bool { return pool.InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
+		"every block comes back once the reader is killed")
+	t.Logf("blocks back %v after the kill", time.Since(start))
+	assert.Less(t, time.Since(start), time.Second)
+}
+
+// A reader that closes its end with tensors untaken in the lane gives
+// them back: a message never taken holds nothing once no process can
+// take it.
+func TestPipeLaneReaderClosesWithUntaken(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	const n, taken = 100, 10
+	closeNow, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer closeNow.Close()
+	p, status, g := startLane(t, ctx, "lane-take", taken, closeNow)
+	pool := shm.DefaultPool()
+	for i := 0; i <= n; i++ {
+		x := newInts(t, i)
+		err := p.Send(ctx, x)
+		require.NoError(t, x.Release())
+		require.NoError(t, err)
+		if i == 0 {
+			var first int
+			require.NoError(t, status.Get(ctx, &first))
+		}
+	}
+	var got int
+	require.NoError(t, status.Get(ctx, &got))
+	require.Equal(t, taken, got)
+	assert.Greater(t, pool.InUse(), n-taken, "the lane's and the reader's hold them")
+	require.NoError(t, closeNow.Put(ctx, 1))
+	require.NoError(t, status.Get(ctx, &got))
+	require.Equal(t, -1, got)
+	require.NoError(t, g.Join())
+	require.Eventually(t, func() bool { return pool.InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
+		"every block comes back once the reader has closed its end")
+}
