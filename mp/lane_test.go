@@ -2,6 +2,7 @@ package mp_test
 
 import (
 	"context"
+	"errors"
 	"syscall"
 	"testing"
 	"time"
@@ -26,12 +27,14 @@ func init() {
 	mp.Register("lane-produce", workerLaneProduce)
 	mp.Register("lane-take", workerLaneTake)
 	mp.Register("lane-check", workerLaneCheck)
+	mp.Register("lane-hand-on", workerLaneHandOn)
 }
 
 type laneArgs struct {
 	Pipe   *mp.Pipe
 	Status *mp.Queue
-	N      int // tensors to send after the first, or to take
+	N      int  // tensors to send after the first, or to take
+	Quick  bool // lane-check: release each tensor unread
 	// Close: lane-take closes its end once it gets a value from it; nil,
 	// it waits to be killed.
 	Close *mp.Queue
@@ -93,7 +96,9 @@ func workerLaneProduce(ctx context.Context, w *mp.Worker) error {
 }
 
 // workerLaneTake takes the first tensor, says so, takes N more and keeps
-// them, says so, and then closes its end or waits to be killed.
+// them, says so, and then waits to be killed, or with Close, closes its
+// end once Close gives it a value, says so, and releases what it kept
+// once Close gives it another.
 func workerLaneTake(ctx context.Context, w *mp.Worker) error {
 	var a laneArgs
 	if err := w.Args(&a); err != nil {
@@ -111,18 +116,29 @@ func workerLaneTake(ctx context.Context, w *mp.Worker) error {
 				return err
 			}
 		}
+		if i == 0 && a.Close != nil {
+			// Past the settling of the first tensor's ticket, which
+			// would take this process's holds on what it has by then:
+			// what it takes next, the rest waiting, only the loans hold.
+			time.Sleep(50 * time.Millisecond)
+		}
 	}
 	if a.Close != nil {
 		var now int
 		if err := a.Close.Get(ctx, &now); err != nil {
 			return err
 		}
-		err := a.Pipe.Close()
+		if err := a.Pipe.Close(); err != nil {
+			return err
+		}
+		if err := a.Status.Put(ctx, -2); err != nil { // closed, still holding
+			return err
+		}
+		if err := a.Close.Get(ctx, &now); err != nil {
+			return err
+		}
 		for _, x := range kept {
 			_ = x.Release()
-		}
-		if err != nil {
-			return err
 		}
 		return a.Status.Put(ctx, -1)
 	}
@@ -143,16 +159,12 @@ func workerLaneCheck(ctx context.Context, w *mp.Worker) error {
 		if err := a.Pipe.Recv(ctx, &x); err != nil {
 			return err
 		}
-		v, err := tensor.Values[int64](x)
-		_ = x.Release()
-		if err != nil {
-			return err
-		}
-		for _, e := range v {
-			if e != int64(i) {
-				bad++
-				break
+		if a.Quick {
+			if err := x.Release(); err != nil {
+				return err
 			}
+		} else if err := checkLane(x, i, &bad); err != nil {
+			return err
 		}
 		if i == 0 {
 			if err := a.Status.Put(ctx, 0); err != nil {
@@ -161,6 +173,55 @@ func workerLaneCheck(ctx context.Context, w *mp.Worker) error {
 		}
 	}
 	return a.Status.Put(ctx, bad)
+}
+
+// workerLaneHandOn takes a tensor, and once Close gives it a value, a
+// second, which it keeps; it sends its end of the pipe back on Status, and
+// releases the tensor it kept once Close gives it another value.
+func workerLaneHandOn(ctx context.Context, w *mp.Worker) error {
+	var a laneArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	var x, kept *tensor.Tensor
+	if err := a.Pipe.Recv(ctx, &x); err != nil {
+		return err
+	}
+	_ = x.Release()
+	if err := a.Status.Put(ctx, 0); err != nil {
+		return err
+	}
+	var now int
+	if err := a.Close.Get(ctx, &now); err != nil { // more waits behind the next
+		return err
+	}
+	if err := a.Pipe.Recv(ctx, &kept); err != nil {
+		return err
+	}
+	if err := a.Status.Put(ctx, a.Pipe); err != nil { // lets go of the lane
+		return err
+	}
+	if err := a.Close.Get(ctx, &now); err != nil {
+		return err
+	}
+	return errors.Join(kept.Release(), a.Pipe.Close())
+}
+
+// checkLane counts in bad a tensor x, which it releases, that does not
+// hold i in every element.
+func checkLane(x *tensor.Tensor, i int, bad *int) error {
+	v, err := tensor.Values[int64](x)
+	_ = x.Release()
+	if err != nil {
+		return err
+	}
+	for _, e := range v {
+		if e != int64(i) {
+			*bad++
+			break
+		}
+	}
+	return nil
 }
 
 // startLane spawns worker with a laneArgs of one end of a new pipe and
@@ -334,8 +395,98 @@ func TestPipeLaneReaderClosesWithUntaken(t *testing.T) {
 	assert.Greater(t, pool.InUse(), n-taken, "the lane's and the reader's hold them")
 	require.NoError(t, closeNow.Put(ctx, 1))
 	require.NoError(t, status.Get(ctx, &got))
+	require.Equal(t, -2, got)
+	require.Eventually(t, func() bool { return pool.InUse() == taken+1 }, 5*time.Second, 5*time.Millisecond,
+		"the untaken tensors come back once the reader has closed its end; those it keeps stay its")
+	time.Sleep(50 * time.Millisecond)
+	assert.Equal(t, taken+1, pool.InUse(), "the reader holds what it kept")
+	require.NoError(t, closeNow.Put(ctx, 1))
+	require.NoError(t, status.Get(ctx, &got))
 	require.Equal(t, -1, got)
 	require.NoError(t, g.Join())
 	require.Eventually(t, func() bool { return pool.InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
-		"every block comes back once the reader has closed its end")
+		"every block comes back once the reader lets go of them")
+}
+
+// BenchmarkPipeTensorStream streams new shared 4 KiB tensors one way
+// through a pipe, each released once sent, to a worker that checks each.
+func BenchmarkPipeTensorStream(b *testing.B) {
+	ctx := context.Background()
+	mine, theirs, err := mp.NewPipe()
+	require.NoError(b, err)
+	defer mine.Close()
+	status, err := mp.NewQueue()
+	require.NoError(b, err)
+	defer status.Close()
+	n := b.N
+	g, err := mp.Spawn(ctx, "lane-check", 1, mp.WithArgs(laneArgs{Pipe: theirs, Status: status, N: n, Quick: true}))
+	require.NoError(b, err)
+	require.NoError(b, theirs.Close())
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i <= n; i++ {
+		x, err := tensor.On(device.CPU()).Shared().Zeros(tensor.Int64, 512)
+		if err != nil {
+			b.Fatal(err)
+		}
+		err = mine.Send(ctx, x)
+		_ = x.Release()
+		if err != nil {
+			b.Fatal(err)
+		}
+		if i == 0 {
+			var first int
+			require.NoError(b, status.Get(ctx, &first))
+		}
+	}
+	var bad int
+	require.NoError(b, status.Get(ctx, &bad))
+	b.StopTimer()
+	require.Zero(b, bad)
+	require.NoError(b, g.Join())
+}
+
+// A reader that hands its end on keeps the tensors it took by the lane:
+// it takes its own holds on them before it lets go of the lane, so that
+// the next reader's acks, which return the writer's loans, leave them
+// held.
+func TestPipeLaneHandedOnKeepsWhatItTook(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	release, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer release.Close()
+	p, status, g := startLane(t, ctx, "lane-hand-on", 0, release)
+	pool := shm.DefaultPool()
+	before := sock.LentSent()
+	for i := range 2 {
+		x := newInts(t, i)
+		err := p.Send(ctx, x)
+		require.NoError(t, x.Release())
+		require.NoError(t, err)
+		if i == 0 {
+			var first int
+			require.NoError(t, status.Get(ctx, &first)) // pinned
+		}
+	}
+	require.NoError(t, p.Send(ctx, 7)) // waits behind the kept tensor: the worker does not ack it
+	// Past the worker's settling of the first tensor's ticket, which would
+	// take its holds on what it has attached by then.
+	time.Sleep(50 * time.Millisecond)
+	require.NoError(t, release.Put(ctx, 1))
+	var theirs *mp.Pipe
+	require.NoError(t, status.Get(ctx, &theirs))
+	defer theirs.Close()
+	require.Equal(t, uint64(1), sock.LentSent()-before, "the kept tensor went by the lane")
+	var n int
+	require.NoError(t, theirs.Recv(ctx, &n)) // this process reads the lane now, and acks
+	require.Equal(t, 7, n)
+	require.NoError(t, p.Send(ctx, 8)) // settles the writer's loans
+	require.NoError(t, theirs.Recv(ctx, &n))
+	time.Sleep(50 * time.Millisecond)
+	assert.Equal(t, 1, pool.InUse(), "the worker holds the tensor it kept, the loan returned")
+	require.NoError(t, release.Put(ctx, 1))
+	require.NoError(t, g.Join())
+	assert.Eventually(t, func() bool { return pool.InUse() == 0 }, 5*time.Second, 5*time.Millisecond)
 }

@@ -326,7 +326,7 @@ func decodeQueue(dec *msgpack.Decoder, n int) (*Queue, error) {
 // beside its socket (see sock.Way): a value that holds no queue or pipe,
 // and no tensor but those of blocks of the sending process's own pool
 // whose segments the receiving process maps already (it was sent a block
-// of each before), and fits a lane entry (about 500 bytes encoded, six
+// of each before), and fits a lane entry (about 2 KiB encoded, thirty
 // tensors or so), goes from the sending process to the receiving one
 // through memory, with no system call while both are awake; the rest goes
 // by the socket, in order with it. The lane serves one sending process

@@ -124,10 +124,10 @@ const (
 	kindMarker = 1 // a message went by the socket
 )
 
-// A Way's lane: WayEntries entries of WayEntry bytes (128 KiB).
+// A Way's lane: WayEntries entries of WayEntry bytes (516 KiB with its header).
 const (
 	WayEntries = 256
-	WayEntry   = 512
+	WayEntry   = 2048
 	// roleRetry is how often a process without the lane's role tries for
 	// it again while it waits on the socket.
 	roleRetry = 10 * time.Millisecond
@@ -201,7 +201,7 @@ func (w *Way) lock(ctx context.Context) error {
 func (w *Way) recvDone() {
 	w.recvs++
 	if w.held {
-		ack(w.lane.Load())
+		w.ack(false)
 	}
 	<-w.sem
 }
@@ -283,6 +283,9 @@ func (w *Way) taken() *Lane {
 // are not an honest peer's): the socket serves alone. The caller holds
 // sem.
 func (w *Way) letGo(broken bool) {
+	if w.held && !w.writes {
+		w.ack(true) // the next reader's acks would cover what this one took
+	}
 	if w.role != nil {
 		_ = w.role.Close()
 		w.role = nil
@@ -724,6 +727,12 @@ func (w *Way) Close() error {
 	w.viewMu.Unlock()
 	l := w.lane.Load()
 	if l != nil && !w.writes {
+		if w.held {
+			// This process's own holds first: once it pins nothing,
+			// the writer returns every loan. (A reader that let go of
+			// its role took them then.)
+			w.ack(true)
+		}
 		w.unlistPins(l)
 	}
 	errs = append(errs, w.pins.unpinAll())

@@ -94,7 +94,9 @@ func TestWayListsPinnedSegments(t *testing.T) {
 }
 
 // The writer returns a block's loan once the reader has done with the
-// entry that named it, not before, and every loan once no reader pins.
+// entry that named it, not before: the reader acks when it lets go of its
+// role, when the lane has nothing more, and every ackEvery entries while
+// more wait. Once no reader pins, every loan is returned.
 func TestWayLoansFollowAcks(t *testing.T) {
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -114,20 +116,49 @@ func TestWayLoansFollowAcks(t *testing.T) {
 		require.NoError(t, w.SendLent(ctx, []byte{9}, nil, []*shm.Block{b}))
 		require.NoError(t, b.Release()) // parked: lent
 	}
-	lend()
-	lend()
-	assert.Equal(t, 2, pool.InUse(), "lent")
-	m, err := r.Recv(ctx)
-	require.NoError(t, err)
-	require.NoError(t, w.Send(ctx, []byte{1}, nil)) // settles
-	assert.Equal(t, 2, pool.InUse(), "the reader has not done with the first entry")
-	m.Done()
-	require.NoError(t, w.Send(ctx, []byte{1}, nil))
-	assert.Equal(t, 1, pool.InUse(), "the reader has done with the first entry, not the second")
+	small := func() { require.NoError(t, w.Send(ctx, []byte{1}, nil)) } // and settles
+	take := func() {
+		m, err := r.Recv(ctx)
+		require.NoError(t, err)
+		m.Done()
+	}
 
+	small()
+	lend()
+	take() // the small one: the lent one waits, so no ack yet
+	small()
+	assert.Equal(t, 1, pool.InUse(), "lent")
+	r.LetGo() // acks what it took: not the lent entry
+	small()
+	assert.Equal(t, 1, pool.InUse(), "the reader has not taken the lent entry")
+	take() // the lent one, taking the role again; more wait
+	small()
+	assert.Equal(t, 1, pool.InUse(), "more entries wait: the ack waits")
+	for range 3 {
+		take()
+	}
+	small()
+	assert.Equal(t, 0, pool.InUse(), "the lane had nothing more: acked")
+
+	// A reader that keeps up with a long stream acks every ackEvery.
+	lend()
+	for range 2 * ackEvery {
+		small()
+	}
+	for range ackEvery + 1 {
+		take()
+	}
+	small()
+	assert.Equal(t, 0, pool.InUse(), "acked while more wait")
+	for range ackEvery + 1 {
+		take()
+	}
+
+	lend()
+	lend()
 	require.NoError(t, pinner.Close())
 	time.Sleep(2 * peerCheck)
-	require.NoError(t, w.Send(ctx, []byte{1}, nil))
+	small()
 	assert.Equal(t, 0, pool.InUse(), "no reader pins: every loan is returned")
 }
 
