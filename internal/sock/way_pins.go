@@ -22,9 +22,10 @@ import (
 //     its segment (shm.Pin): the segment stays mapped in the reading
 //     process until its Way closes, however long no block of it is in use
 //     and whether or not its producer lives. While it holds the reader's
-//     role it lists the segments it pins in the lane's reader's page, and
-//     it holds a read lock on the lane's byte pinnerByte for as long as it
-//     pins anything.
+//     role it lists the segments it pins in the lane's reader's page.
+//     From the first time it takes the role until it closes, it holds a
+//     read lock on the lane's byte pinnerByte: it may have taken entries
+//     that name blocks by identity.
 //   - Loans. The writer names a block of a segment the list holds by the
 //     segment's identity alone (see carry.Lane), and lends the block to
 //     the message (shm.Block.Lend): its pool does not reuse the slot, even
@@ -181,11 +182,7 @@ func (w *Way) Pin(id shm.ID, size int64) {
 		return
 	}
 	if p.lock == nil {
-		lock, err := shm.ShareByte(w.mem, pinnerByte)
-		if err != nil || lock == nil {
-			return
-		}
-		p.lock = lock
+		return // listPins could not take it
 	}
 	unpin, ok := shm.Pin(id)
 	if !ok {
@@ -210,6 +207,15 @@ func (w *Way) listPins(l *Lane) {
 		return
 	}
 	p := &w.pins
+	if p.lock == nil {
+		// A reader that takes the role may take entries named by
+		// identity: it counts as pinning until it closes, whether or
+		// not it pins anything, so that the writer keeps the loans of
+		// what it takes until it acks.
+		if lock, err := shm.ShareByte(w.mem, pinnerByte); err == nil && lock != nil {
+			p.lock = lock
+		}
+	}
 	if p.owner == 0 {
 		var b [4]byte
 		_, _ = rand.Read(b[:])

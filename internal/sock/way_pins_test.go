@@ -159,6 +159,10 @@ func TestWayLoansFollowAcks(t *testing.T) {
 	require.NoError(t, pinner.Close())
 	time.Sleep(2 * peerCheck)
 	small()
+	assert.Equal(t, 2, pool.InUse(), "a reader that took the role counts as pinning")
+	require.NoError(t, r.Close())
+	time.Sleep(2 * peerCheck)
+	small()
 	assert.Equal(t, 0, pool.InUse(), "no reader pins: every loan is returned")
 }
 
