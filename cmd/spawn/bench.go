@@ -50,6 +50,15 @@ message at all, a word stored in a page both map, there and back.
   pipe_roundtrip      an int there and back through an mp.Pipe, whose
                       lanes carry it (encoded and decoded as any value)
   pipe_stream         ints sent one way through an mp.Pipe, per second
+  pipe_tensor_roundtrip
+                      a shared 4 KiB tensor of the parent's to the worker
+                      through an mp.Pipe, and one of the worker's back
+                      (each taken and released by its receiver); the
+                      lanes carry them once each side maps the other's
+                      segment
+  pipe_tensor_stream, pipe_tensor_stream_batch
+                      new 4 KiB tensors sent one way through an mp.Pipe,
+                      one or -batch to a message, each released once sent
   fds                 descriptors a receiver holds while it keeps "held"
                       received tensors alive: -hold and 10 x -hold of 4 KiB,
                       -hold of 80 KiB

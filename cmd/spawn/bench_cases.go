@@ -170,6 +170,80 @@ func (b *bencher) pipeStream(n int) (time.Duration, error) {
 	return d, nil
 }
 
+// pipeTensorTrips appends to ds the times of n hand-offs of a shared 4 KiB
+// tensor to the worker through the pipe and of one of the worker's back,
+// after warm that are not measured: each side sends a tensor of its own,
+// which the other takes and releases (see the worker's "pipetrip").
+func (b *bencher) pipeTensorTrips(ds []time.Duration, n, warm int) ([]time.Duration, error) {
+	x, err := tensor.On(b.place).Shared().Zeros(tensor.Uint8, 4<<10)
+	if err != nil {
+		return ds, err
+	}
+	defer x.Release()
+	if err := b.in.Put(b.ctx, benchMsg{Op: "pipetrip", N: warm + n}); err != nil {
+		return ds, err
+	}
+	return sample(ds, n, warm, func() (time.Duration, error) {
+		start := time.Now()
+		if err := b.pipe.Send(b.ctx, x); err != nil {
+			return 0, err
+		}
+		var back *tensor.Tensor
+		if err := b.pipe.Recv(b.ctx, &back); err != nil {
+			return 0, err
+		}
+		d := time.Since(start)
+		if back.Numel() != 4<<10 {
+			return 0, fmt.Errorf("the worker sent back %d bytes", back.Numel())
+		}
+		return d, back.Release()
+	})
+}
+
+// pipeTensorStream sends n new 4 KiB tensors one way through the pipe,
+// batch to a message, each released once sent, and returns how long it
+// took until the worker said it had them all.
+func (b *bencher) pipeTensorStream(n, batch int) (time.Duration, error) {
+	runtime.GC()
+	if err := b.in.Put(b.ctx, benchMsg{Op: "pipetensors", N: n, Batch: batch}); err != nil {
+		return 0, err
+	}
+	born := tensor.On(b.place).Shared()
+	xs := make([]*tensor.Tensor, batch)
+	start := time.Now()
+	for sent := 0; sent < n; sent += batch {
+		xs = xs[:min(batch, n-sent)]
+		for i := range xs {
+			x, err := born.Zeros(tensor.Uint8, 4<<10)
+			if err != nil {
+				return 0, err
+			}
+			xs[i] = x
+		}
+		var err error
+		if batch == 1 {
+			err = b.pipe.Send(b.ctx, xs[0])
+		} else {
+			err = b.pipe.Send(b.ctx, xs)
+		}
+		for _, x := range xs {
+			_ = x.Release()
+		}
+		if err != nil {
+			return 0, err
+		}
+	}
+	var got int
+	if err := b.pipe.Recv(b.ctx, &got); err != nil {
+		return 0, err
+	}
+	d := time.Since(start)
+	if got != n {
+		return 0, fmt.Errorf("the worker counted %d tensors of %d", got, n)
+	}
+	return d, nil
+}
+
 // release has the worker let go of the last tensor it echoed.
 func (b *bencher) release() error {
 	if err := b.in.Put(b.ctx, benchMsg{Op: "release"}); err != nil {
@@ -189,7 +263,7 @@ func (b *bencher) roundTrips(size int64) error {
 	}
 	defer x.Release()
 	runtime.GC() // start each measurement without the last one's garbage
-	var ds, fs, futex, spin, lane, pipe []time.Duration
+	var ds, fs, futex, spin, lane, pipe, pipeTensor []time.Duration
 	per := max(1, b.o.trips/rounds)
 	for r := range rounds {
 		warm := 0
@@ -221,6 +295,11 @@ func (b *bencher) roundTrips(size int64) error {
 			if pipe, err = sample(pipe, per, warm, b.pipeRoundTrip); err != nil {
 				return err
 			}
+			if b.place.IsCPU() {
+				if pipeTensor, err = b.pipeTensorTrips(pipeTensor, per, warm); err != nil {
+					return err
+				}
+			}
 		}
 		if !b.o.place.apart {
 			continue
@@ -241,7 +320,7 @@ func (b *bencher) roundTrips(size int64) error {
 		for _, f := range []struct {
 			name string
 			ds   []time.Duration
-		}{{"floor_roundtrip", fs}, {"floor_futex_roundtrip", futex}, {"floor_spin_roundtrip", spin}, {"lane_roundtrip", lane}, {"pipe_roundtrip", pipe}} {
+		}{{"floor_roundtrip", fs}, {"floor_futex_roundtrip", futex}, {"floor_spin_roundtrip", spin}, {"lane_roundtrip", lane}, {"pipe_roundtrip", pipe}, {"pipe_tensor_roundtrip", pipeTensor}} {
 			if len(f.ds) > 0 {
 				b.emit(benchResult{Strategy: b.st.String(), Case: f.name, Bytes: size, P50us: pct(f.ds, 50), P99us: pct(f.ds, 99)})
 			}
@@ -301,7 +380,7 @@ func (b *bencher) firstShares(size int64) error {
 func (b *bencher) streams() error {
 	const size = 4 << 10
 	n := max(b.o.batch, b.o.stream/rounds/b.o.batch*b.o.batch)
-	var one, many, floorOne, floorMany, laneOne, laneMany, pipeOne time.Duration
+	var one, many, floorOne, floorMany, laneOne, laneMany, pipeOne, pipeTensors, pipeBatches time.Duration
 	for range rounds {
 		b.progress(fmt.Sprintf("%s: stream of 4 KiB tensors", b.st))
 		d, err := b.stream(n, 1)
@@ -336,6 +415,17 @@ func (b *bencher) streams() error {
 			return err
 		}
 		pipeOne += d
+		if !b.place.IsCPU() {
+			continue
+		}
+		if d, err = b.pipeTensorStream(n, 1); err != nil {
+			return err
+		}
+		pipeTensors += d
+		if d, err = b.pipeTensorStream(n, b.o.batch); err != nil {
+			return err
+		}
+		pipeBatches += d
 	}
 	rate := func(d time.Duration) float64 { return float64(n*rounds) / d.Seconds() }
 	st := b.st.String()
@@ -351,6 +441,10 @@ func (b *bencher) streams() error {
 		b.emit(benchResult{Strategy: st, Case: "lane_stream", Bytes: size, PerS: rate(laneOne)})
 		b.emit(benchResult{Strategy: st, Case: "lane_stream_batch", Bytes: size, Batch: b.o.batch, PerS: rate(laneMany)})
 		b.emit(benchResult{Strategy: st, Case: "pipe_stream", Bytes: size, PerS: rate(pipeOne)})
+		if b.place.IsCPU() {
+			b.emit(benchResult{Strategy: st, Case: "pipe_tensor_stream", Bytes: size, PerS: rate(pipeTensors)})
+			b.emit(benchResult{Strategy: st, Case: "pipe_tensor_stream_batch", Bytes: size, Batch: b.o.batch, PerS: rate(pipeBatches)})
+		}
 	}
 	return nil
 }

@@ -57,11 +57,15 @@ var floorOf = map[string]map[string]string{
 	"stream":       {"socket": "floor_stream"},
 	"stream_batch": {"socket": "floor_stream_batch"},
 	// The lane carries the floors' messages: bounded by the same floors.
-	"lane_roundtrip":    roundTripFloors,
-	"pipe_roundtrip":    roundTripFloors,
-	"pipe_stream":       {"socket": "floor_stream"},
-	"lane_stream":       {"socket": "floor_stream"},
-	"lane_stream_batch": {"socket": "floor_stream_batch"},
+	"lane_roundtrip": roundTripFloors,
+	"pipe_roundtrip": roundTripFloors,
+	"pipe_stream":    {"socket": "floor_stream"},
+	// A tensor by a pipe: each way, a shared 4 KiB tensor of the sender's.
+	"pipe_tensor_roundtrip":    roundTripFloors,
+	"pipe_tensor_stream":       {"socket": "floor_stream"},
+	"pipe_tensor_stream_batch": {"socket": "floor_stream_batch"},
+	"lane_stream":              {"socket": "floor_stream"},
+	"lane_stream_batch":        {"socket": "floor_stream_batch"},
 }
 
 // vsFloor returns r over its floor of kind: its time over the floor's, or

@@ -8,6 +8,7 @@ import (
 
 	"github.com/vmihailenco/msgpack/v5"
 
+	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/carry"
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/mp"
@@ -16,9 +17,9 @@ import (
 
 // benchMsg is what the bench worker receives: a command and a tensor.
 type benchMsg struct {
-	Op    string // "echo", "pipe", "pipecount", "count", "hold", "release", "floor", "stop"
+	Op    string // "echo", "pipe", "pipecount", "pipetrip", "pipetensors", "count", "hold", "release", "floor", "stop"
 	N     int
-	Batch int         // tensors per message for "count"
+	Batch int         // tensors per message for "count" and "pipetensors"
 	Floor floorSocket // the floor socket's worker end, for "floor"
 	Page  floorSocket // the floor page's memfd, for "floor"
 	// The lanes' memory, to the worker and from it, for "floor".
@@ -131,6 +132,50 @@ func benchWorker(ctx context.Context, w *mp.Worker) error {
 				if err := a.Pipe.Recv(ctx, &n); err != nil {
 					return err
 				}
+			}
+			if err := a.Pipe.Send(ctx, m.N); err != nil {
+				return err
+			}
+		case "pipetrip":
+			// Each tensor taken is answered with one of this process's.
+			y, err := tensor.On(device.CPU()).Shared().Zeros(tensor.Uint8, 4<<10)
+			if err != nil {
+				return err
+			}
+			for range m.N {
+				var x *tensor.Tensor
+				if err = a.Pipe.Recv(ctx, &x); err != nil {
+					break
+				}
+				_ = x.Release()
+				if err = a.Pipe.Send(ctx, y); err != nil {
+					break
+				}
+			}
+			_ = y.Release()
+			if err != nil {
+				return err
+			}
+		case "pipetensors":
+			for got := 0; got < m.N; {
+				var err error
+				if m.Batch == 1 {
+					var x *tensor.Tensor
+					err = a.Pipe.Recv(ctx, &x)
+					batch = append(batch[:0], x)
+				} else {
+					err = a.Pipe.Recv(ctx, &batch)
+				}
+				if err != nil {
+					return err
+				}
+				for i, x := range batch {
+					if err := x.Release(); err != nil {
+						return err
+					}
+					batch[i] = nil
+				}
+				got += len(batch)
 			}
 			if err := a.Pipe.Send(ctx, m.N); err != nil {
 				return err

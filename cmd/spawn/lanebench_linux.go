@@ -16,7 +16,8 @@ import (
 // memory instead of the socket, each side spinning and sleeping on its
 // Bell. A lane carries bytes only, so these cases bound what a tensor
 // hand-off over a lane could cost; an mp.Pipe uses lanes for values
-// without descriptors (pipe_roundtrip, pipe_stream), tensors not yet.
+// without descriptors (pipe_roundtrip, pipe_stream) and for tensors whose
+// segments its receiver maps (pipe_tensor_roundtrip, pipe_tensor_stream).
 
 // laneEntries and laneEntry size the bench's lanes: a batch of records
 // fits an entry.

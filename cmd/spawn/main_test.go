@@ -234,14 +234,14 @@ func TestBenchJSON(t *testing.T) {
 		assert.Contains(t, []string{"file_descriptor", "file_system"}, r.Strategy)
 		cases[r.Case]++
 		switch r.Case {
-		case "roundtrip", "first_share", "floor_roundtrip", "floor_futex_roundtrip", "floor_spin_roundtrip", "lane_roundtrip", "pipe_roundtrip":
+		case "roundtrip", "first_share", "floor_roundtrip", "floor_futex_roundtrip", "floor_spin_roundtrip", "lane_roundtrip", "pipe_roundtrip", "pipe_tensor_roundtrip":
 			assert.Positive(t, r.P50us)
 			assert.GreaterOrEqual(t, r.P99us, r.P50us)
 			assert.Contains(t, []int64{4 << 10, 1 << 20}, r.Bytes)
-		case "stream", "floor_stream", "lane_stream", "pipe_stream":
+		case "stream", "floor_stream", "lane_stream", "pipe_stream", "pipe_tensor_stream":
 			assert.Positive(t, r.PerS)
 			assert.Zero(t, r.Batch)
-		case "stream_batch", "floor_stream_batch", "lane_stream_batch":
+		case "stream_batch", "floor_stream_batch", "lane_stream_batch", "pipe_tensor_stream_batch":
 			assert.Positive(t, r.PerS)
 			assert.Equal(t, 16, r.Batch)
 		case "fds":
@@ -258,6 +258,7 @@ func TestBenchJSON(t *testing.T) {
 		"fds": 6,
 		// The lane's round trip is measured at the first size only.
 		"lane_roundtrip": 2, "lane_stream": 2, "lane_stream_batch": 2, "pipe_roundtrip": 2, "pipe_stream": 2,
+		"pipe_tensor_roundtrip": 2, "pipe_tensor_stream": 2, "pipe_tensor_stream_batch": 2,
 	}
 	if manyCPUs(t) {
 		want["floor_spin_roundtrip"] = 4
@@ -356,7 +357,7 @@ func TestBenchDeviceJSON(t *testing.T) {
 		assert.Equal(t, int64(4<<10), r.Bytes, line)
 		rows[r.Case+"@"+r.Device]++
 		switch r.Case {
-		case "roundtrip", "floor_roundtrip", "floor_futex_roundtrip", "floor_spin_roundtrip", "lane_roundtrip", "pipe_roundtrip":
+		case "roundtrip", "floor_roundtrip", "floor_futex_roundtrip", "floor_spin_roundtrip", "lane_roundtrip", "pipe_roundtrip", "pipe_tensor_roundtrip":
 			assert.Positive(t, r.P50us, line)
 		case "stream", "stream_batch", "floor_stream", "floor_stream_batch", "lane_stream", "lane_stream_batch", "pipe_stream":
 			assert.Positive(t, r.PerS, line)
@@ -371,6 +372,7 @@ func TestBenchDeviceJSON(t *testing.T) {
 		"floor_stream@": 1, "stream@gpu:0": 1, "floor_stream_batch@": 1, "stream_batch@gpu:0": 1,
 		"fds@gpu:0":       1,
 		"lane_roundtrip@": 2, "lane_stream@": 1, "lane_stream_batch@": 1, "pipe_roundtrip@": 2, "pipe_stream@": 1,
+		"pipe_tensor_roundtrip@": 1,
 	}
 	if manyCPUs(t) {
 		want["floor_spin_roundtrip@"] = 2
