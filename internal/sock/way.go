@@ -101,8 +101,9 @@ type Way struct {
 	wbuf    []byte
 
 	// The writer's loans (see way_pins.go), under sem, the timer that
-	// settles them while no Send does, and its copy of the reader's list,
-	// under viewMu, which Close takes before it unmaps the lane.
+	// settles them while no Send does (made in NewWay), and its copy of
+	// the reader's list, under viewMu, which Close takes before it unmaps
+	// the lane.
 	ledger  ledger
 	settler *time.Timer
 	viewMu  sync.Mutex
@@ -154,6 +155,8 @@ func NewWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 	w := &Way{shared: shared, mem: mem, writes: writes, sem: make(chan struct{}, 1), broken: mem == nil}
 	if writes {
 		w.alive = w.writerAlive
+		w.settler = time.AfterFunc(time.Hour, w.settleIdle)
+		w.settler.Stop() // until a loan is out
 	} else {
 		w.alive = w.readerAlive
 		w.idle = time.AfterFunc(time.Hour, w.letGoIdle)
@@ -401,11 +404,7 @@ func (w *Way) SendLent(ctx context.Context, data []byte, fds []int, lent []*shm.
 		return err
 	}
 	w.ledger.lend(pos, lent)
-	if w.settler == nil {
-		w.settler = time.AfterFunc(settleEvery, w.settleIdle)
-	} else {
-		w.settler.Reset(settleEvery)
-	}
+	w.settler.Reset(settleEvery)
 	lentSent.Add(1)
 	return nil
 }
@@ -716,7 +715,7 @@ func (w *Way) Close() error {
 		w.idle.Stop()
 	}
 	if w.settler != nil {
-		w.settler.Stop()
+		w.settler.Stop() // the loans left are keepSettling's
 	}
 	var errs []error
 	if w.stashed {
