@@ -116,12 +116,6 @@ func workerLaneTake(ctx context.Context, w *mp.Worker) error {
 				return err
 			}
 		}
-		if i == 0 && a.Close != nil {
-			// Past the settling of the first tensor's ticket, which
-			// would take this process's holds on what it has by then:
-			// what it takes next, the rest waiting, only the loans hold.
-			time.Sleep(50 * time.Millisecond)
-		}
 	}
 	if a.Close != nil {
 		var now int
@@ -470,10 +464,7 @@ func TestPipeLaneHandedOnKeepsWhatItTook(t *testing.T) {
 			require.NoError(t, status.Get(ctx, &first)) // pinned
 		}
 	}
-	require.NoError(t, p.Send(ctx, 7)) // waits behind the kept tensor: the worker does not ack it
-	// Past the worker's settling of the first tensor's ticket, which would
-	// take its holds on what it has attached by then.
-	time.Sleep(50 * time.Millisecond)
+	require.NoError(t, p.Send(ctx, 7)) // waits behind the kept tensor
 	require.NoError(t, release.Put(ctx, 1))
 	var theirs *mp.Pipe
 	require.NoError(t, status.Get(ctx, &theirs))

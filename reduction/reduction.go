@@ -484,8 +484,10 @@ func openFD(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, err
 //
 // A message that came by a lane names blocks by identity alone, with no
 // descriptor: this process keeps their segments mapped for the lane (see
-// carry.Lane), and the sender's loan holds the block for it until the
-// lane's reader takes its own holds (shm.HoldLent), before it acks. A block
+// carry.Lane), and its lock on the slot, taken before the generation is
+// checked, is the only hold it takes: the sender's loan keeps the slot
+// until the lane's reader acks, but any holder of the lane can write the
+// ack, so the reader never relies on it. A block
 // received by descriptor on a pipe that has a lane has its segment
 // pinned for the lane's next messages.
 func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
@@ -497,7 +499,7 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 		}
 		return adoptBlock(found, m, made, func() (*shm.Block, error) {
 			return shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: m.segmentID(), Size: m.SegmentSize},
-				Offset: m.BlockOffset, Size: m.Size, Gen: m.Gen, Ticket: -1, Covers: lentCovers})
+				Offset: m.BlockOffset, Size: m.Size, Gen: m.Gen, Ticket: -1})
 		})
 	}
 	if _, err := fds.fd(m.FDIndex); err != nil { // referenced even when the storage is cached
@@ -530,10 +532,6 @@ func attachIn(seg shm.SegmentRef, m Meta, fds fdSource) (*shm.Block, error) {
 	return shm.Attach(shm.BlockRef{Seg: seg, Offset: m.BlockOffset, Size: m.Size, Gen: m.Gen, Ticket: ticket,
 		Covers: func(id shm.ID) bool { return fds.covers(i, id) }})
 }
-
-// lentCovers says that a lane's message's blocks are held for this
-// process by their sender's loans (see shm.BlockRef.Covers).
-func lentCovers(shm.ID) bool { return true }
 
 // segmentID is the identity of the file_descriptor segment m names.
 func (m *Meta) segmentID() shm.ID { return shm.ID{Dev: m.Dev, Ino: m.Ino} }

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"slices"
 	"sync"
-	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -30,8 +29,6 @@ type segmentTable struct {
 	names     map[string]ID // the named segments in m, by name
 	idle      []*segment    // mapped, unused, oldest first
 	idleBytes int64
-	lentSegs  []*segment  // holding blocks only a sender's loan holds (see HoldLent)
-	anyLent   atomic.Bool // lentSegs is not empty
 }
 
 // SegmentRef names a pooled segment as a message does: a
@@ -57,9 +54,7 @@ type BlockRef struct {
 	Ticket int
 	// Covers reports whether the caller lends Ticket, a descriptor of
 	// segment id, to hold the block for this process until it hands
-	// Ticket to AdoptTicket. Nil is never. Without a Ticket (a lane's
-	// message), it reports whether the message's sender holds the block
-	// for this process (a lane's loan) until it calls HoldLent.
+	// Ticket to AdoptTicket. Nil is never.
 	Covers func(id ID) bool
 }
 
@@ -93,9 +88,6 @@ func Attach(ref BlockRef) (*Block, error) {
 	covered := ref.covers(id)
 	b, err := attached.attach(id, covered, ref, nil)
 	if !errors.Is(err, errNotMapped) {
-		if err == nil && covered && ref.Ticket < 0 {
-			attached.lent(b.seg)
-		}
 		return b, err
 	}
 	if ref.Ticket < 0 {
@@ -176,38 +168,6 @@ func AdoptTicket(ticket int, id ID) {
 // errNotMapped: the segment is not mapped by this process, or too small
 // a part of it, and attach was given no way to open it.
 var errNotMapped = ErrNotMapped
-
-// lent records seg as holding blocks that only their senders' loans hold
-// for this process, until HoldLent.
-func (t *segmentTable) lent(seg *segment) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if !slices.Contains(t.lentSegs, seg) {
-		t.lentSegs = append(t.lentSegs, seg)
-	}
-	t.anyLent.Store(true)
-}
-
-// HoldLent takes this process's own holds on the blocks it attached
-// covered by their senders' loans (see BlockRef.Covers) and still uses,
-// one lock call per run of neighbouring slots: a lane's reader does so
-// before it tells the writer that it may return the loans. Blocks
-// released meanwhile cost nothing.
-func HoldLent() error {
-	if !attached.anyLent.Load() {
-		return nil // the common case of a stream taken and released at once
-	}
-	attached.mu.Lock()
-	defer attached.mu.Unlock()
-	var errs []error
-	for _, seg := range attached.lentSegs {
-		errs = append(errs, seg.transferLocked())
-	}
-	clear(attached.lentSegs)
-	attached.lentSegs = attached.lentSegs[:0]
-	attached.anyLent.Store(false)
-	return errors.Join(errs...)
-}
 
 // Pin keeps segment id, which this process maps for blocks it received,
 // mapped until the returned unpin is called, whether or not a block of it
@@ -593,9 +553,6 @@ func (t *segmentTable) dropLocked(seg *segment) error {
 // of it.
 func (t *segmentTable) closeLocked(seg *segment) error {
 	liveSegments.remove(seg)
-	if i := slices.Index(t.lentSegs, seg); i >= 0 {
-		t.lentSegs = slices.Delete(t.lentSegs, i, i+1)
-	}
 	seg.tickets.rotate()
 	fd.CloseAll(seg.adopted)
 	seg.adopted = nil

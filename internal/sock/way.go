@@ -204,7 +204,7 @@ func (w *Way) lock(ctx context.Context) error {
 func (w *Way) recvDone() {
 	w.recvs++
 	if w.held {
-		w.ack(false)
+		ack(w.lane.Load())
 	}
 	<-w.sem
 }
@@ -286,9 +286,6 @@ func (w *Way) taken() *Lane {
 // are not an honest peer's): the socket serves alone. The caller holds
 // sem.
 func (w *Way) letGo(broken bool) {
-	if w.held && !w.writes {
-		w.ack(true) // the next reader's acks would cover what this one took
-	}
 	if w.role != nil {
 		_ = w.role.Close()
 		w.role = nil
@@ -726,12 +723,6 @@ func (w *Way) Close() error {
 	w.viewMu.Unlock()
 	l := w.lane.Load()
 	if l != nil && !w.writes {
-		if w.held {
-			// This process's own holds first: once it pins nothing,
-			// the writer returns every loan. (A reader that let go of
-			// its role took them then.)
-			w.ack(true)
-		}
 		w.unlistPins(l)
 	}
 	errs = append(errs, w.pins.unpinAll())

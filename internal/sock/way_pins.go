@@ -30,14 +30,12 @@ import (
 //     segment's identity alone (see carry.Lane), and lends the block to
 //     the message (shm.Block.Lend): its pool does not reuse the slot, even
 //     once the writer's tensor is released, until the loan is returned.
-//   - Acks. The reader attaches the block by identity and checks the
-//     slot's generation, under the loan. Before it tells the writer that
-//     it is done with entries, by writing the count of entries it has
-//     taken to the page (acked: every ackEvery entries, when the lane has
-//     nothing more, and before it lets go of its role or closes), it takes
-//     its own lock on each slot it still uses (shm.HoldLent: one call per
-//     run of neighbouring slots, none for a block released by then). The
-//     writer
+//   - Acks. The reader attaches the block by identity, taking its own lock
+//     on the slot and then checking the slot's generation, as for a block
+//     that came with a descriptor: it relies on the loan for nothing, since
+//     any holder of the lane could write the ack that ends it. When the
+//     receive is done it writes the count of entries it has taken to the
+//     page (acked). The writer
 //     returns the loans of entries below it at its next Send or Close, and
 //     all its loans once no process holds pinnerByte (the readers that
 //     pinned are gone or closed). A writer that closes with loans out
@@ -272,30 +270,14 @@ func (p *pins) unpinAll() error {
 	return err
 }
 
-// ackEvery is how many entries a reader takes, while more wait, between
-// two acks: the loans of what it took come back that late at worst.
-const ackEvery = 64
-
-// ack tells the writer that the reader has done with what it took of the
-// lane, once it has taken its own holds on the blocks of it that it still
-// uses (shm.HoldLent: a block released by then costs no call). Unless
-// now, it waits for ackEvery entries, or for the lane to have nothing
-// more. The caller holds the receive and the reader's role.
-func (w *Way) ack(now bool) {
-	l := w.lane.Load()
-	a := l.readerWord(pinAcked)
-	if a == nil {
-		return
+// ack tells the writer that the reader has done with what it took of
+// the lane, as a receive ends: it holds, by its own locks, the blocks of
+// it that it still uses. The caller holds the receive and the reader's
+// role.
+func ack(l *Lane) {
+	if a := l.readerWord(pinAcked); a != nil {
+		a.Store(l.Taken())
 	}
-	taken := l.Taken()
-	if !now && taken-w.pins.acked < ackEvery && l.Sent() != taken {
-		return
-	}
-	if shm.HoldLent() != nil {
-		return // the loans keep holding what this process could not
-	}
-	a.Store(taken)
-	w.pins.acked = taken
 }
 
 // lend records blocks lent to the entry at pos.
