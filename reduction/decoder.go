@@ -10,6 +10,7 @@ import (
 	"github.com/tensormp/tensormp/internal/carry"
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/shm"
+	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -105,6 +106,9 @@ func (r *fdReader) decodeBare(payload []byte, p **tensor.Tensor) error {
 // checked, into *p, reusing its room as msgpack would but without its
 // reflection.
 func (r *fdReader) decodeBatch(items []byte, n int, p *[]*tensor.Tensor) error {
+	if r.byLane {
+		r.attachAhead(items, n)
+	}
 	ts := slices.Grow((*p)[:0], n)
 	defer func() { *p = ts }()
 	for range n {
@@ -115,6 +119,49 @@ func (r *fdReader) decodeBatch(items []byte, n int, p *[]*tensor.Tensor) error {
 			return err
 		}
 		ts = append(ts, t)
+	}
+	return nil
+}
+
+// attachAhead attaches the blocks that the n tensor extensions of items,
+// a batch that came by a lane, name by identity, all at once: one lock
+// call per run of neighbouring slots instead of one per block (see
+// shm.AttachAll). Their tensors take them from r.ahead; a batch that
+// cannot be attached so is left to the tensors one by one, which say
+// what is wrong with it.
+func (r *fdReader) attachAhead(items []byte, n int) {
+	refs := r.refs[:0]
+	for range n {
+		payload, rest, _ := nextBare(items)
+		items = rest
+		m, err := parseMeta(payload, r.dims[:])
+		if err != nil || m.Strategy != string(strategy.FileDescriptor) || m.FDIndex != -1 || m.BlockOffset < 0 {
+			continue
+		}
+		if liveUser(userOf(shm.SegmentRef{ID: m.segmentID()}, m), m.Size) != nil {
+			continue // this process's own storage
+		}
+		refs = append(refs, laneRef(m))
+	}
+	r.refs = refs
+	if len(refs) < 2 {
+		return
+	}
+	bs, err := shm.AttachAll(refs)
+	if err != nil {
+		return
+	}
+	r.ahead = append(r.ahead[:0], bs...)
+}
+
+// attached takes the block ref names from those attachAhead attached,
+// if it is one of them.
+func (r *fdReader) attached(ref shm.BlockRef) *shm.Block {
+	for i, b := range r.ahead {
+		if b != nil && b.Segment().ID() == ref.Seg.ID && b.Offset() == ref.Offset && b.Gen() == ref.Gen && b.Size() == ref.Size {
+			r.ahead[i] = nil
+			return b
+		}
 	}
 	return nil
 }
@@ -157,6 +204,10 @@ type fdReader struct {
 	// byLane: it came by the lane itself.
 	from   carry.Lane
 	byLane bool
+	// ahead: the blocks of a lane's batch attached at once, until their
+	// tensors take them (see attachAhead); refs, its room.
+	ahead []*shm.Block
+	refs  []shm.BlockRef
 }
 
 func (r *fdReader) reset(data []byte, fds *fd.Set) {
@@ -173,6 +224,13 @@ func (r *fdReader) reset(data []byte, fds *fd.Set) {
 	clear(r.others)
 	r.others = r.others[:0]
 	r.from, r.byLane = nil, false
+	for i, b := range r.ahead {
+		if b != nil {
+			_ = b.Release() // named twice in the batch: its tensor found the first
+		}
+		r.ahead[i] = nil
+	}
+	r.ahead = r.ahead[:0]
 }
 
 func (r *fdReader) lane() (carry.Lane, bool) { return r.from, r.byLane }

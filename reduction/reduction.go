@@ -253,12 +253,16 @@ type fdSource interface {
 	// lane returns the lane of the pipe direction the message came on,
 	// or nil, and whether it came by the lane itself (see carry.Lane).
 	lane() (carry.Lane, bool)
+	// attached returns the block ref names if the decode attached it
+	// already, with others of its message, and hands it over; else nil.
+	attached(ref shm.BlockRef) *shm.Block
 }
 
 type borrowed []int
 
-func (b borrowed) covers(int, shm.ID) bool  { return false }
-func (b borrowed) lane() (carry.Lane, bool) { return nil, false }
+func (b borrowed) covers(int, shm.ID) bool          { return false }
+func (b borrowed) lane() (carry.Lane, bool)         { return nil, false }
+func (b borrowed) attached(shm.BlockRef) *shm.Block { return nil }
 
 func (b borrowed) fd(i int) (int, error) {
 	if i < 0 || i >= len(b) {
@@ -498,8 +502,11 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 			return nil, errors.New("a pooled block named without its descriptor, outside a lane")
 		}
 		return adoptBlock(found, m, made, func() (*shm.Block, error) {
-			return shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: m.segmentID(), Size: m.SegmentSize},
-				Offset: m.BlockOffset, Size: m.Size, Gen: m.Gen, Ticket: -1})
+			ref := laneRef(m)
+			if b := fds.attached(ref); b != nil {
+				return b, nil
+			}
+			return shm.Attach(ref)
 		})
 	}
 	if _, err := fds.fd(m.FDIndex); err != nil { // referenced even when the storage is cached
@@ -531,6 +538,12 @@ func attachIn(seg shm.SegmentRef, m Meta, fds fdSource) (*shm.Block, error) {
 	i := m.FDIndex // not m, which the closure would move to the heap
 	return shm.Attach(shm.BlockRef{Seg: seg, Offset: m.BlockOffset, Size: m.Size, Gen: m.Gen, Ticket: ticket,
 		Covers: func(id shm.ID) bool { return fds.covers(i, id) }})
+}
+
+// laneRef names the block m, of a lane's message, names by identity.
+func laneRef(m Meta) shm.BlockRef {
+	return shm.BlockRef{Seg: shm.SegmentRef{ID: m.segmentID(), Size: m.SegmentSize},
+		Offset: m.BlockOffset, Size: m.Size, Gen: m.Gen, Ticket: -1}
 }
 
 // segmentID is the identity of the file_descriptor segment m names.

@@ -111,6 +111,81 @@ func Attach(ref BlockRef) (*Block, error) {
 	})
 }
 
+// AttachAll attaches the blocks refs name, each by its segment's
+// identity alone, in segments this process maps (a lane's message: see
+// Attach), as Attach would one by one, but with one lock call per run of
+// neighbouring slots of a segment rather than one per block: the slots
+// are locked first and their generations checked second. It returns the
+// blocks in refs' order, or an error and no block held.
+func AttachAll(refs []BlockRef) ([]*Block, error) {
+	attached.mu.Lock()
+	defer attached.mu.Unlock()
+	return attached.attachMappedLocked(refs)
+}
+
+func (t *segmentTable) attachMappedLocked(refs []BlockRef) ([]*Block, error) {
+	// The slots to lock, by segment: none this process holds already.
+	var need map[*segment][]int
+	for _, ref := range refs {
+		seg, ok := t.m[ref.Seg.ID]
+		if !ok || seg.alloc.Size() < ref.Seg.Size {
+			return nil, &Error{Op: "attach", Path: fmt.Sprintf("segment %v", ref.Seg.ID), Err: ErrNotMapped}
+		}
+		slot, ok := seg.slotAt(ref.Offset)
+		if !ok || seg.holds[slot] > 0 || seg.onFD[slot] {
+			continue // holdLocked says what is wrong with it, or needs no call
+		}
+		if need == nil {
+			need = map[*segment][]int{}
+		}
+		if !slices.Contains(need[seg], slot) {
+			need[seg] = append(need[seg], slot)
+		}
+	}
+	for seg, slots := range need {
+		for _, r := range runs(slots) {
+			ok, err := lockRead(seg.alloc.fd(), slotByte(r[0]), int64(r[1]))
+			if err != nil || !ok {
+				continue // the producer reclaims one of them: holdLocked says which
+			}
+			for slot := r[0]; slot < r[0]+r[1]; slot++ {
+				seg.onFD[slot] = true
+			}
+			seg.dirty = true // locks not taken up by a block go at the next transfer
+			transfers.schedule(seg)
+		}
+	}
+	bs := make([]*Block, 0, len(refs))
+	for _, ref := range refs {
+		seg := t.m[ref.Seg.ID]
+		if seg.users == 0 {
+			t.unidleLocked(seg)
+		}
+		b, err := seg.holdLocked(ref.Offset, ref.Size, ref.Gen, false)
+		if err != nil {
+			for _, b := range bs {
+				_ = b.seg.releaseLocked(b.slot)
+			}
+			for _, b := range bs {
+				_ = t.settleLocked(b.seg)
+			}
+			_ = t.settleLocked(seg)
+			return nil, err
+		}
+		bs = append(bs, b)
+	}
+	return bs, nil
+}
+
+// slotAt returns the slot whose data starts at off, if one does.
+func (seg *segment) slotAt(off int64) (int, bool) {
+	rel := off - seg.dataOff
+	if rel < 0 || rel%seg.cap != 0 || rel/seg.cap >= int64(seg.nslots) {
+		return 0, false
+	}
+	return int(rel / seg.cap), true
+}
+
 // attachNamed is Attach for a block of a named segment.
 func attachNamed(ref BlockRef) (*Block, error) {
 	name := ref.Seg.Name

@@ -762,3 +762,55 @@ func TestPinnedSegmentStaysMapped(t *testing.T) {
 		return errors.Is(err, shm.ErrNotMapped)
 	}, 5*time.Second, 10*time.Millisecond, "unpinned, the abandoned segment goes")
 }
+
+// AttachAll attaches blocks by identity in segments this process maps,
+// all or none: one that was recycled fails the lot, and leaves none
+// held.
+func TestAttachAllByIdentity(t *testing.T) {
+	p := testPool(t)
+	var bs []*shm.Block
+	for range 4 {
+		bs = append(bs, mustAlloc(t, p, 4<<10))
+	}
+	seg := bs[0].Segment()
+	ref := func(b *shm.Block, gen uint64) shm.BlockRef {
+		return shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: b.Offset(), Size: 4 << 10, Gen: gen, Ticket: -1}
+	}
+	_, err := shm.AttachAll([]shm.BlockRef{ref(bs[0], bs[0].Gen())})
+	require.ErrorIs(t, err, shm.ErrNotMapped, "a segment this process does not map")
+
+	msg := send(t, bs[0])
+	r0, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: bs[0].Offset(), Size: 4 << 10, Gen: bs[0].Gen(), Ticket: msg})
+	require.NoError(t, err)
+	require.NoError(t, unix.Close(msg))
+	copy(bs[2].Bytes(), "two")
+
+	_, err = shm.AttachAll([]shm.BlockRef{ref(bs[1], bs[1].Gen()), ref(bs[2], bs[2].Gen()+1)})
+	require.ErrorIs(t, err, shm.ErrStaleBlock, "a generation not the slot's")
+	require.NoError(t, r0.Release())
+	for _, b := range bs {
+		require.NoError(t, b.Release())
+	}
+	p.Trim(1 << 30) // this process's ticket description
+	assert.Eventually(t, func() bool { return p.InUse() == 0 }, 5*time.Second, time.Millisecond,
+		"the failed attach holds nothing")
+
+	again := mustAlloc(t, p, 4<<10)
+	defer again.Release()
+	more := mustAlloc(t, p, 4<<10)
+	defer more.Release()
+	copy(again.Bytes(), "again")
+	msg = send(t, again)
+	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: again.Segment().Size()}, Offset: again.Offset(), Size: 4 << 10, Gen: again.Gen(), Ticket: msg})
+	require.NoError(t, err)
+	require.NoError(t, unix.Close(msg))
+	got, err := shm.AttachAll([]shm.BlockRef{ref(again, again.Gen()), ref(more, more.Gen()), ref(again, again.Gen())})
+	require.NoError(t, err)
+	require.Len(t, got, 3)
+	assert.Equal(t, "again", string(got[0].Bytes()[:5]))
+	assert.Equal(t, "again", string(got[2].Bytes()[:5]), "a block named twice is held twice")
+	require.NoError(t, r.Release())
+	for _, b := range got {
+		require.NoError(t, b.Release())
+	}
+}
