@@ -3,8 +3,11 @@ package reduction
 import (
 	"bytes"
 	"errors"
+	"flag"
 	"math"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -356,4 +359,108 @@ func TestLaneMessageFindsOnlyMappedSegments(t *testing.T) {
 	err = carry.DecodeFrom(extMessage(t, m), &fds, &x, nil, true)
 	assert.ErrorIs(t, err, shm.ErrNotMapped)
 	assert.Nil(t, x)
+}
+
+// Whatever a lane's message says (blocks named by identity, alone or in
+// a batch, of a segment this process maps or not, at any offset and
+// generation), its decode gives tensors of the blocks it names, whose
+// bytes are theirs, or an error wrapping ErrMalformed: never a crash, a
+// block held after its tensor is released, or a descriptor left open.
+func FuzzLaneDecode(f *testing.F) {
+	pool := shm.DefaultPool()
+	var blocks []*shm.Block
+	for i := range 4 {
+		b, err := pool.Alloc(4096)
+		require.NoError(f, err)
+		copy(b.Bytes(), []byte{byte(i + 1)})
+		blocks = append(blocks, b)
+	}
+	// This process maps the segment as a lane's reader does: a block of
+	// it received by descriptor, and kept.
+	tk, err := blocks[0].Ticket()
+	require.NoError(f, err)
+	st, err := shm.Stat(tk.FD())
+	require.NoError(f, err)
+	seg := blocks[0].Segment()
+	held, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: st.ID, Size: seg.Size()}, Offset: blocks[0].Offset(), Size: 4096, Gen: blocks[0].Gen(), Ticket: tk.FD()})
+	tk.Done()
+	require.NoError(f, err)
+	require.True(f, blocks[0].Busy()) // and the ticket's description is closed now, not by its timer
+	lane := func(b *shm.Block, gen uint64, off int64) Meta {
+		m := validMeta(seg.ID())
+		m.FDIndex, m.Shape, m.Strides, m.DType = -1, []int{4096}, []int{1}, tensor.Uint8
+		m.SegmentSize, m.BlockOffset, m.Gen = seg.Size(), b.Offset()+off, gen
+		return m
+	}
+	batch := func(ms ...Meta) []byte {
+		var buf bytes.Buffer
+		enc := msgpack.NewEncoder(&buf)
+		require.NoError(f, enc.EncodeArrayLen(len(ms)))
+		for _, m := range ms {
+			buf.Write(extMessage(f, m))
+		}
+		return buf.Bytes()
+	}
+	ok1, ok2 := lane(blocks[1], blocks[1].Gen(), 0), lane(blocks[2], blocks[2].Gen(), 0)
+	f.Add(extMessage(f, ok1))
+	f.Add(batch(ok1, ok2, lane(blocks[3], blocks[3].Gen(), 0)))
+	f.Add(batch(ok1, ok1))
+	f.Add(batch(ok1, lane(blocks[2], blocks[2].Gen()+1, 0)))
+	f.Add(batch(ok2, lane(blocks[3], blocks[3].Gen(), 64)))
+	other := ok1
+	other.Ino++
+	f.Add(batch(ok1, other))
+	base := leakcheck.Count()
+	var rebuilt atomic.Int64
+
+	f.Fuzz(func(t *testing.T, data []byte) {
+		check := func(err error, ts []*tensor.Tensor) {
+			rebuilt.Add(int64(len(ts)))
+			if err != nil {
+				if !errors.Is(err, ErrMalformed) {
+					t.Errorf("an error for a message that does not wrap ErrMalformed: %v", err)
+				}
+				return
+			}
+			for _, x := range ts {
+				b, ok := x.Storage().Backing().(*shm.Block)
+				if ok && x.Numel() > 0 && len(b.Bytes()) > 0 {
+					for i, mine := range blocks {
+						if b.Segment().ID() == seg.ID() && b.Offset() == mine.Offset() && b.Bytes()[0] != byte(i+1) {
+							t.Errorf("block %d rebuilt with another's bytes", i)
+						}
+					}
+				}
+				_ = x.Release()
+			}
+		}
+		var fds fd.Set
+		var v any
+		err := carry.DecodeFrom(data, &fds, &v, nil, true)
+		var ts []*tensor.Tensor
+		if x, ok := v.(*tensor.Tensor); ok && x != nil {
+			ts = append(ts, x)
+		}
+		check(err, ts)
+		if err == nil && len(ts) == 0 {
+			leakcheck.Free(v)
+		}
+		var xs []*tensor.Tensor
+		check(carry.DecodeFrom(data, &fds, &xs, nil, true), xs)
+		if n := leakcheck.Count(); n != base {
+			t.Fatalf("descriptors: %d before, %d after", base, n)
+		}
+	})
+	f.Cleanup(func() {
+		// Every block the decodes took is given back: only the one this
+		// process kept, and its producer's, hold anything.
+		require.NoError(f, held.Release())
+		for _, b := range blocks {
+			require.NoError(f, b.Release())
+		}
+		assert.Eventually(f, func() bool { return pool.InUse() == 0 }, 5*time.Second, 5*time.Millisecond, "blocks left held")
+		if fuzzing := flag.Lookup("test.fuzz"); (fuzzing == nil || fuzzing.Value.String() == "") && rebuilt.Load() == 0 {
+			f.Error("no seed reached a rebuild")
+		}
+	})
 }
