@@ -159,13 +159,19 @@ func (b *bencher) pipeStream(n int) (time.Duration, error) {
 			return 0, err
 		}
 	}
+	return b.pipeCounted(start, n, "ints")
+}
+
+// pipeCounted waits for the worker's count of the n values of what it was
+// sent on the pipe since start, and returns the time since start.
+func (b *bencher) pipeCounted(start time.Time, n int, what string) (time.Duration, error) {
 	var got int
 	if err := b.pipe.Recv(b.ctx, &got); err != nil {
 		return 0, err
 	}
 	d := time.Since(start)
 	if got != n {
-		return 0, fmt.Errorf("the worker counted %d ints of %d", got, n)
+		return 0, fmt.Errorf("the worker counted %d %s of %d", got, what, n)
 	}
 	return d, nil
 }
@@ -233,15 +239,7 @@ func (b *bencher) pipeTensorStream(n, batch int) (time.Duration, error) {
 			return 0, err
 		}
 	}
-	var got int
-	if err := b.pipe.Recv(b.ctx, &got); err != nil {
-		return 0, err
-	}
-	d := time.Since(start)
-	if got != n {
-		return 0, fmt.Errorf("the worker counted %d tensors of %d", got, n)
-	}
-	return d, nil
+	return b.pipeCounted(start, n, "tensors")
 }
 
 // release has the worker let go of the last tensor it echoed.

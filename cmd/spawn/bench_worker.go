@@ -169,11 +169,8 @@ func benchWorker(ctx context.Context, w *mp.Worker) error {
 				if err != nil {
 					return err
 				}
-				for i, x := range batch {
-					if err := x.Release(); err != nil {
-						return err
-					}
-					batch[i] = nil
+				if err := releaseAll(batch); err != nil {
+					return err
 				}
 				got += len(batch)
 			}
@@ -186,11 +183,8 @@ func benchWorker(ctx context.Context, w *mp.Worker) error {
 				if batch, err = mp.GetMany(ctx, a.In, batch[:0]); err != nil {
 					return err
 				}
-				for i, x := range batch {
-					if err := x.Release(); err != nil {
-						return err
-					}
-					batch[i] = nil
+				if err := releaseAll(batch); err != nil {
+					return err
 				}
 				got += len(batch)
 			}
@@ -235,6 +229,17 @@ func benchWorker(ctx context.Context, w *mp.Worker) error {
 			return nil
 		}
 	}
+}
+
+// releaseAll releases the tensors of batch, clearing it for the next.
+func releaseAll(batch []*tensor.Tensor) error {
+	for i, x := range batch {
+		if err := x.Release(); err != nil {
+			return err
+		}
+		batch[i] = nil
+	}
+	return nil
 }
 
 // startProfile starts a CPU profile written to path; stop ends it.
