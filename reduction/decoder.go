@@ -138,8 +138,8 @@ func (r *fdReader) attachAhead(items []byte, n int) {
 		if err != nil || m.Strategy != string(strategy.FileDescriptor) || m.FDIndex != -1 || m.BlockOffset < 0 {
 			continue
 		}
-		if liveUser(userOf(shm.SegmentRef{ID: m.segmentID()}, m), m.Size) != nil {
-			continue // this process's own storage
+		if liveUser(userOf(shm.SegmentRef{ID: m.segmentID()}, m), m.Size) != nil || r.from == nil || !r.from.Pinned(m.segmentID()) {
+			continue // this process's own storage, or not the lane's to name
 		}
 		refs = append(refs, laneRef(m))
 	}

@@ -123,7 +123,9 @@ func encodeLane(v any, lane carry.Lane, send carry.SendFunc) error {
 			}
 		}
 		// Some of it needs descriptors, or the lane cannot take it now:
-		// all of it goes with descriptors.
+		// all of it goes with descriptors. The first encoding is never
+		// sent.
+		e.Discard()
 		if data, fds, err = e.encode(v, nil); err != nil {
 			return err
 		}

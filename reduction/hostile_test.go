@@ -343,9 +343,19 @@ func gpuUUID(dev int) []byte {
 	return u[:]
 }
 
+// pinnedLane is the reader's side of a lane that pins the segments it
+// holds, as package sock's Way answers for the segments it pinned.
+type pinnedLane map[shm.ID]bool
+
+func (p pinnedLane) Maps(*shm.Block) bool  { return false }
+func (p pinnedLane) Pin(shm.ID)            {}
+func (p pinnedLane) Pinned(id shm.ID) bool { return p[id] }
+
 // A message that came by a lane names blocks by identity alone, and only
-// blocks of segments this process maps already are found so: another is
-// ErrNotMapped, whatever the message says.
+// blocks of segments the lane's reader pins, which this process maps, are
+// found so: another is ErrNotMapped, whatever the message says, even of a
+// segment this process maps for another reason (another holder of the
+// segment is not held for by the lane's writer).
 func TestLaneMessageFindsOnlyMappedSegments(t *testing.T) {
 	leakcheck.Check(t)
 	seg, err := shm.Create(1<<20, shm.KeepFD|shm.Unlink)
@@ -356,9 +366,35 @@ func TestLaneMessageFindsOnlyMappedSegments(t *testing.T) {
 	m.SegmentSize, m.BlockOffset, m.Gen = 1<<20, 4096, 1
 	var fds fd.Set
 	var x *tensor.Tensor
-	err = carry.DecodeFrom(extMessage(t, m), &fds, &x, nil, true)
-	assert.ErrorIs(t, err, shm.ErrNotMapped)
+	err = carry.DecodeFrom(extMessage(t, m), &fds, &x, pinnedLane{seg.ID(): true}, true)
+	assert.ErrorIs(t, err, shm.ErrNotMapped, "a segment this process does not map")
 	assert.Nil(t, x)
+
+	// A block of a segment this process maps, received by descriptor and
+	// kept, but not pinned by the lane.
+	pool := shm.DefaultPool()
+	b, err := pool.Alloc(4096)
+	require.NoError(t, err)
+	defer b.Release()
+	tk, err := b.Ticket()
+	require.NoError(t, err)
+	st, err := shm.Stat(tk.FD())
+	require.NoError(t, err)
+	held, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: st.ID, Size: b.Segment().Size()}, Offset: b.Offset(), Size: 4096, Gen: b.Gen(), Ticket: tk.FD()})
+	tk.Done()
+	require.NoError(t, err)
+	defer held.Release()
+	m = validMeta(b.Segment().ID())
+	m.FDIndex, m.Shape, m.Strides, m.DType = -1, []int{4096}, []int{1}, tensor.Uint8
+	m.SegmentSize, m.BlockOffset, m.Gen = b.Segment().Size(), b.Offset(), b.Gen()
+	for _, lane := range []carry.Lane{nil, pinnedLane{seg.ID(): true}} {
+		err = carry.DecodeFrom(extMessage(t, m), &fds, &x, lane, true)
+		assert.ErrorIs(t, err, shm.ErrNotMapped, "a segment the lane's reader does not pin")
+		assert.Nil(t, x)
+	}
+	err = carry.DecodeFrom(extMessage(t, m), &fds, &x, pinnedLane{b.Segment().ID(): true}, true)
+	require.NoError(t, err, "one it pins")
+	require.NoError(t, x.Release())
 }
 
 // Whatever a lane's message says (blocks named by identity, alone or in
@@ -410,6 +446,7 @@ func FuzzLaneDecode(f *testing.F) {
 	other := ok1
 	other.Ino++
 	f.Add(batch(ok1, other))
+	reader := pinnedLane{seg.ID(): true}
 	base := leakcheck.Count()
 	var rebuilt atomic.Int64
 
@@ -436,7 +473,7 @@ func FuzzLaneDecode(f *testing.F) {
 		}
 		var fds fd.Set
 		var v any
-		err := carry.DecodeFrom(data, &fds, &v, nil, true)
+		err := carry.DecodeFrom(data, &fds, &v, reader, true)
 		var ts []*tensor.Tensor
 		if x, ok := v.(*tensor.Tensor); ok && x != nil {
 			ts = append(ts, x)
@@ -446,7 +483,7 @@ func FuzzLaneDecode(f *testing.F) {
 			leakcheck.Free(v)
 		}
 		var xs []*tensor.Tensor
-		check(carry.DecodeFrom(data, &fds, &xs, nil, true), xs)
+		check(carry.DecodeFrom(data, &fds, &xs, reader, true), xs)
 		if n := leakcheck.Count(); n != base {
 			t.Fatalf("descriptors: %d before, %d after", base, n)
 		}

@@ -498,8 +498,13 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 	lane, byLane := fds.lane()
 	found := userOf(shm.SegmentRef{ID: m.segmentID()}, m)
 	if m.FDIndex == -1 {
-		if !byLane {
+		switch {
+		case !byLane:
 			return nil, errors.New("a pooled block named without its descriptor, outside a lane")
+		case lane == nil || !lane.Pinned(m.segmentID()):
+			// Only the lane's reader's pins are the lane's: another
+			// holder of the segment is not held for by the writer.
+			return nil, fmt.Errorf("a block of segment %v, which the lane's reader does not pin: %w", m.segmentID(), shm.ErrNotMapped)
 		}
 		return adoptBlock(found, m, made, func() (*shm.Block, error) {
 			ref := laneRef(m)
@@ -516,7 +521,7 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 		return attachBlock(m, fds)
 	})
 	if err == nil && lane != nil {
-		lane.Pin(m.segmentID(), m.SegmentSize)
+		lane.Pin(m.segmentID())
 	}
 	return s, err
 }

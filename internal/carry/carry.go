@@ -145,10 +145,15 @@ type Lane interface {
 	// process's pool, by its segment's identity alone: the lane's reader
 	// keeps the segment mapped. The writer's side.
 	Maps(b *shm.Block) bool
-	// Pin asks the lane's reader, this process, to keep segment id, of
-	// size bytes, mapped for the lane's next messages: a block of it was
-	// just received by descriptor. The reader's side.
-	Pin(id shm.ID, size int64)
+	// Pin asks the lane's reader, this process, to keep segment id
+	// mapped for the lane's next messages: a block of it was just
+	// received by descriptor. The reader's side.
+	Pin(id shm.ID)
+	// Pinned reports whether the lane's reader, this process, pins
+	// segment id for the lane: a message of the lane may name its blocks
+	// by identity, the writer's loans holding them until the reader acks.
+	// Blocks of any other segment are not the lane's to name.
+	Pinned(id shm.ID) bool
 }
 
 // ErrNoLane is returned by a SendFunc given lent blocks when the message

@@ -249,13 +249,14 @@ var errNotMapped = ErrNotMapped
 // is in use: a peer may then name its blocks by the segment's identity
 // alone, with no descriptor (package sock's lanes). A pinned segment is
 // never idle, so never dropped; its producer's death does not unmap it.
-// Pin reports false for a segment this process does not map.
-func Pin(id ID) (unpin func(), ok bool) {
+// Pin returns the bytes the segment maps, and reports false for a segment
+// this process does not map.
+func Pin(id ID) (unpin func(), size int64, ok bool) {
 	attached.mu.Lock()
 	defer attached.mu.Unlock()
 	seg, ok := attached.m[id]
 	if !ok {
-		return nil, false
+		return nil, 0, false
 	}
 	if seg.users == 0 {
 		attached.unidleLocked(seg)
@@ -269,7 +270,23 @@ func Pin(id ID) (unpin func(), ok bool) {
 			seg.users--
 			_ = attached.settleLocked(seg)
 		})
-	}, true
+	}, seg.alloc.Size(), true
+}
+
+// Kept reports whether the producer of segment id, which this process
+// maps, still keeps it in its pool: once it has let go of it, it hands out
+// no block of it again, and a pin of it keeps only memory nobody will
+// name. A segment this process does not map is not kept, as far as it
+// knows.
+func Kept(id ID) bool {
+	attached.mu.Lock()
+	defer attached.mu.Unlock()
+	seg, ok := attached.m[id]
+	if !ok {
+		return false
+	}
+	_, _, held, err := lockInWay(seg.alloc.fd(), lockBase, 1)
+	return held || err != nil
 }
 
 // attach finds or maps the segment id and holds the block ref names in

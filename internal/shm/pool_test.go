@@ -727,7 +727,7 @@ func TestPinnedSegmentStaysMapped(t *testing.T) {
 	ref := func(x *shm.Block) shm.BlockRef {
 		return shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: x.Offset(), Size: 4 << 10, Gen: x.Gen(), Ticket: -1}
 	}
-	_, ok := shm.Pin(seg.ID())
+	_, _, ok := shm.Pin(seg.ID())
 	assert.False(t, ok, "a segment not received cannot be pinned")
 	_, err := shm.Attach(ref(a))
 	require.ErrorIs(t, err, shm.ErrNotMapped, "nor found by identity")
@@ -736,8 +736,10 @@ func TestPinnedSegmentStaysMapped(t *testing.T) {
 	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: a.Offset(), Size: 4 << 10, Gen: a.Gen(), Ticket: msg})
 	require.NoError(t, err)
 	require.NoError(t, unix.Close(msg))
-	unpin, ok := shm.Pin(seg.ID())
+	unpin, size, ok := shm.Pin(seg.ID())
 	require.True(t, ok)
+	assert.Equal(t, seg.Size(), size)
+	assert.True(t, shm.Kept(seg.ID()), "its producer keeps it")
 	require.NoError(t, r.Release())
 	require.NoError(t, a.Release())
 	require.NoError(t, b.Release())
@@ -746,6 +748,7 @@ func TestPinnedSegmentStaysMapped(t *testing.T) {
 		segs, _, _ := p.Stats()
 		return segs == 0
 	}, 5*time.Second, 10*time.Millisecond, "the producer lets go of the segment")
+	assert.False(t, shm.Kept(seg.ID()), "its producer has let go of it")
 	time.Sleep(100 * time.Millisecond) // past the idle checks of an unused segment
 	rb, err := shm.Attach(ref(b))
 	require.NoError(t, err, "the pinned segment is found by identity")

@@ -104,10 +104,12 @@ type Way struct {
 	// settles them while no Send does (made in NewWay), and its copy of
 	// the reader's list, under viewMu, which Close takes before it unmaps
 	// the lane.
-	ledger  ledger
-	settler *time.Timer
-	viewMu  sync.Mutex
-	view    pinView
+	ledger     ledger
+	settler    *time.Timer
+	writing    atomic.Bool // this process holds the writer's role (held, for Maps)
+	viewMu     sync.Mutex
+	view       pinView
+	viewClosed bool // under viewMu: the lane may be unmapped
 
 	// The reader's, under sem.
 	pins     pins
@@ -159,6 +161,7 @@ func NewWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 		w.settler.Stop() // until a loan is out
 	} else {
 		w.alive = w.readerAlive
+		w.pins.most = maxPins
 		w.idle = time.AfterFunc(time.Hour, w.letGoIdle)
 		w.idle.Stop() // until the role is taken
 	}
@@ -234,6 +237,7 @@ func (w *Way) letGoIdle() {
 	case !w.held || w.closed.Load():
 	case w.recvs != w.seen:
 		w.seen = w.recvs
+		w.prunePins(w.lane.Load()) // segments their producers have let go of
 		w.idle.Reset(idleRole)
 	default:
 		w.letGo(false)
@@ -274,6 +278,7 @@ func (w *Way) taken() *Lane {
 	if w.writes {
 		l.Resume()        // after what earlier writers published
 		w.owed = w.onSock // what it sent on the socket comes first
+		w.writing.Store(true)
 	} else {
 		w.draining = true // what earlier readers left on the socket first
 		w.listPins(l)
@@ -291,6 +296,7 @@ func (w *Way) letGo(broken bool) {
 		w.role = nil
 	}
 	w.held, w.tried = false, time.Time{}
+	w.writing.Store(false)
 	if broken {
 		w.broken = true
 	}
@@ -308,6 +314,9 @@ func (w *Way) LetGo() {
 	}
 	defer func() { <-w.sem }()
 	if !w.writes && w.held {
+		// Handed on: the writer names nothing by identity for this
+		// process's pins any more, which the next reader may not map.
+		w.unlistPins(w.lane.Load())
 		w.letGo(false)
 	}
 }
@@ -441,10 +450,14 @@ func (w *Way) readersGone() error {
 	return nil
 }
 
-// writerAlive is a writer's alive while it waits for room.
+// writerAlive is a writer's alive while it waits for room, which
+// settles the writer's loans meanwhile.
 func (w *Way) writerAlive() error {
 	if w.closed.Load() {
 		return errWayClosed
+	}
+	if l := w.lane.Load(); l != nil {
+		w.ledger.settle(l, w.mem, false)
 	}
 	if w.shared.peerGone() {
 		return fmt.Errorf("%w (the readers are gone)", ErrClosed)
@@ -719,7 +732,8 @@ func (w *Way) Close() error {
 		w.stash.Done() // its socket's receive; the Way's is Close's
 		w.stashed = false
 	}
-	w.viewMu.Lock() // a Maps under way has returned; later ones see closed
+	w.viewMu.Lock() // a Maps under way has returned; later ones see the Way closed
+	w.viewClosed = true
 	w.viewMu.Unlock()
 	l := w.lane.Load()
 	if l != nil && !w.writes {

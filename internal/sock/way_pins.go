@@ -95,12 +95,18 @@ func LentSent() uint64 { return lentSent.Load() }
 
 // pins is a reader's pinned segments.
 type pins struct {
-	unpin map[shm.ID]func()
+	held  map[shm.ID]pinned
 	order []shm.ID // as listed
 	bytes int64
 	lock  *fd.FD // the read lock on pinnerByte, once pinning
 	owner uint32 // this Way's mark in the list
-	acked uint32 // the count of entries last acked
+	most  int    // the most segments it pins: maxPins (tests lower it)
+}
+
+// pinned is a segment a reader pins: how to let go of it, and its size.
+type pinned struct {
+	unpin func()
+	size  int64
 }
 
 // loan is a block lent to the lane's entry at pos.
@@ -120,13 +126,13 @@ type ledger struct {
 // pool, in a sealed segment of its own (not a named one, or one whose data
 // lies elsewhere), and the lane's reader lists the segment as pinned.
 func (w *Way) Maps(b *shm.Block) bool {
-	if !w.writes || !b.Produced() || b.Named() || b.InExtent() {
+	if !w.writes || !w.writing.Load() || !b.Produced() || b.Named() || b.InExtent() {
 		return false
 	}
 	w.viewMu.Lock()
 	defer w.viewMu.Unlock()
 	l := w.lane.Load()
-	if l == nil || w.closed.Load() {
+	if l == nil || w.viewClosed {
 		return false
 	}
 	seq := l.readerWord(pinSeq)
@@ -163,38 +169,71 @@ type pinView struct {
 	listed map[shm.ID]bool
 }
 
-// Pin pins segment id, of size bytes, a block of which this process just
-// received by descriptor on the Way, and lists it for the writer
-// (carry.Lane). It does nothing unless this process holds the reader's
-// role, and beyond maxPins or maxPinBytes. The caller holds the receive.
-func (w *Way) Pin(id shm.ID, size int64) {
+// Pin pins segment id, a block of which this process just received by
+// descriptor on the Way, and lists it for the writer (carry.Lane). It
+// does nothing unless this process holds the reader's role; segments
+// their producers have let go of are unpinned first (prunePins), and none
+// is pinned beyond maxPins or maxPinBytes. The caller holds the receive.
+func (w *Way) Pin(id shm.ID) {
 	p := &w.pins
-	if w.writes || !w.held || w.broken || p.unpin[id] != nil {
-		return
-	}
-	if len(p.order) >= maxPins || p.bytes+size > maxPinBytes {
-		return
+	if _, ok := p.held[id]; ok || w.writes || !w.held || w.broken || p.lock == nil {
+		return // no role, or listPins could not take the pinner's lock
 	}
 	l := w.lane.Load()
-	if l.readerWord(pinSeq) == nil {
+	w.prunePins(l)
+	if len(p.order) >= p.most {
 		return
 	}
-	if p.lock == nil {
-		return // listPins could not take it
-	}
-	unpin, ok := shm.Pin(id)
+	unpin, size, ok := shm.Pin(id)
 	if !ok {
 		return
 	}
-	if p.unpin == nil {
-		p.unpin = map[shm.ID]func(){}
+	if p.bytes+size > maxPinBytes {
+		unpin()
+		return
 	}
-	p.unpin[id] = unpin
+	if p.held == nil {
+		p.held = map[shm.ID]pinned{}
+	}
+	p.held[id] = pinned{unpin, size}
 	p.order = append(p.order, id)
 	p.bytes += size
 	// The list is this process's since it took the role (listPins).
 	l.setReaderID(pinTable+16*(len(p.order)-1), id)
 	l.readerWord(pinCount).Store(uint32(len(p.order)))
+}
+
+// Pinned reports whether this process pins segment id for the Way
+// (carry.Lane): only such a segment's blocks may a lane's message name by
+// identity. The caller holds the receive.
+func (w *Way) Pinned(id shm.ID) bool {
+	_, ok := w.pins.held[id]
+	return ok && !w.writes
+}
+
+// prunePins unpins the segments whose producers have let go of them
+// (shm.Kept): no message names their blocks any more, since a producer
+// lets go of a segment only once none of its blocks is in use, lent ones
+// included. The list is rewritten without them. The caller holds the
+// receive and the reader's role.
+func (w *Way) prunePins(l *Lane) {
+	p := &w.pins
+	kept := p.order[:0]
+	for _, id := range p.order {
+		if shm.Kept(id) {
+			kept = append(kept, id)
+			continue
+		}
+		p.held[id].unpin()
+		p.bytes -= p.held[id].size
+		delete(p.held, id)
+	}
+	if len(kept) == len(p.order) {
+		return
+	}
+	clear(p.order[len(kept):])
+	p.order = kept
+	w.listPins(l)
 }
 
 // listPins makes the reader's list this process's pins, as it takes the
@@ -258,9 +297,9 @@ func (w *Way) unlistPins(l *Lane) {
 // unpinAll gives up the reader's pins and its lock on pinnerByte.
 func (p *pins) unpinAll() error {
 	for _, id := range p.order {
-		p.unpin[id]()
+		p.held[id].unpin()
 	}
-	clear(p.unpin)
+	clear(p.held)
 	p.order, p.bytes = nil, 0
 	if p.lock == nil {
 		return nil

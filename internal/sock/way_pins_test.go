@@ -65,7 +65,7 @@ func TestWayListsPinnedSegments(t *testing.T) {
 	defer got.Release()
 	assert.False(t, w.Maps(a), "nothing is pinned yet")
 
-	takeRoles(t, ctx, w, r, func() { r.Pin(a.Segment().ID(), a.Segment().Size()) })
+	takeRoles(t, ctx, w, r, func() { r.Pin(a.Segment().ID()) })
 	assert.True(t, w.Maps(a), "a block of a pinned segment")
 	assert.False(t, w.Maps(other), "a block of another segment")
 	assert.False(t, w.Maps(got), "a block this process received, not produced")
@@ -265,4 +265,125 @@ func TestWayForgedAckLeavesReaderHeld(t *testing.T) {
 	}
 	require.NoError(t, taken.Release())
 	assert.Eventually(t, func() bool { return pool.InUse() == 1 }, 5*time.Second, time.Millisecond)
+}
+
+// A process pins for a Way only while it holds the reader's role: another
+// reader of the end lists nothing, and its receives name no block by
+// identity.
+func TestWayPinNeedsTheRole(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	w, r, mem := wayPair(t)
+	a, err := shm.DefaultPool().Alloc(4 << 10)
+	require.NoError(t, err)
+	defer a.Release()
+	got := receivedCopy(t, a)
+	defer got.Release()
+	takeRoles(t, ctx, w, r, nil)
+	r2 := another(t, r, mem, false)
+	// r2 takes the role once, and r takes it back.
+	r.LetGo()
+	require.NoError(t, w.Send(ctx, []byte{1}, nil))
+	m, err := r2.Recv(ctx)
+	require.NoError(t, err)
+	m.Done()
+	r2.LetGo()
+	require.NoError(t, w.Send(ctx, []byte{1}, nil))
+	m, err = r.Recv(ctx)
+	require.NoError(t, err)
+	m.Done()
+	require.True(t, holds(r))
+	r2.sem <- struct{}{} // as a receive of r2 would hold it
+	r2.Pin(a.Segment().ID())
+	pinned := r2.Pinned(a.Segment().ID())
+	<-r2.sem
+	assert.False(t, pinned, "r2 does not hold the role")
+	assert.False(t, w.Maps(a), "nor lists anything")
+}
+
+// The segments a reader pins are bounded, and one whose producer has let
+// go of it is unpinned, and unlisted, at the reader's next pin or within
+// its next idle look: its memory goes.
+func TestWayPinsAreBoundedAndPruned(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	w, r, _ := wayPair(t)
+	r.pins.most = 2
+	pool := shm.DefaultPool()
+	var bs, got []*shm.Block
+	for _, size := range []int64{4 << 10, 8 << 10, 16 << 10} { // a segment each
+		b, err := pool.Alloc(size)
+		require.NoError(t, err)
+		bs = append(bs, b)
+		got = append(got, receivedCopy(t, b))
+	}
+	takeRoles(t, ctx, w, r, func() {
+		for _, b := range bs {
+			r.Pin(b.Segment().ID())
+		}
+	})
+	assert.True(t, w.Maps(bs[0]))
+	assert.True(t, w.Maps(bs[1]))
+	assert.False(t, w.Maps(bs[2]), "beyond the bound")
+
+	// The producer lets go of the first segment.
+	require.NoError(t, got[0].Release())
+	require.NoError(t, bs[0].Release())
+	require.Eventually(t, func() bool {
+		pool.Trim(0)
+		return !shm.Kept(bs[0].Segment().ID())
+	}, 5*time.Second, 5*time.Millisecond)
+	takeRoles(t, ctx, w, r, func() { r.Pin(bs[2].Segment().ID()) })
+	assert.True(t, w.Maps(bs[1]))
+	assert.True(t, w.Maps(bs[2]), "pinned in the room the first left")
+	r.sem <- struct{}{}
+	assert.False(t, r.Pinned(bs[0].Segment().ID()), "unpinned once its producer let go of it")
+	<-r.sem
+
+	require.NoError(t, got[1].Release())
+	require.NoError(t, bs[1].Release())
+	require.Eventually(t, func() bool {
+		pool.Trim(0)
+		return !shm.Kept(bs[1].Segment().ID())
+	}, 5*time.Second, 5*time.Millisecond)
+	require.NoError(t, w.Send(ctx, []byte{1}, nil))
+	m, err := r.Recv(ctx) // a receive within idleRole: the idle look prunes
+	require.NoError(t, err)
+	m.Done()
+	assert.Eventually(t, func() bool {
+		r.sem <- struct{}{}
+		defer func() { <-r.sem }()
+		return !r.Pinned(bs[1].Segment().ID())
+	}, 5*time.Second, 10*time.Millisecond, "unpinned at an idle look")
+	require.NoError(t, got[2].Release())
+	require.NoError(t, bs[2].Release())
+}
+
+// Maps, which a writer's encoding calls without the Way's receive or
+// send, never reads a lane that Close has unmapped.
+func TestWayMapsRacesClose(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	a, err := shm.DefaultPool().Alloc(4 << 10)
+	require.NoError(t, err)
+	defer a.Release()
+	for range 100 {
+		w, r, _ := wayPair(t)
+		takeRoles(t, ctx, w, r, nil)
+		done := make(chan struct{})
+		for range 2 {
+			go func() {
+				defer func() { done <- struct{}{} }()
+				for range 200 {
+					w.Maps(a)
+				}
+			}()
+		}
+		require.NoError(t, w.Close())
+		<-done
+		<-done
+	}
 }
