@@ -334,11 +334,13 @@ func decodeQueue(dec *msgpack.Decoder, n int) (*Queue, error) {
 // another process that holds the same end uses the socket alone, and is
 // heard within 10 ms. Tensors the lane carried to a receiving process
 // that handed its end on, or closed it, before taking them, come to the
-// next receiving process as errors wrapping mmapalloc.ErrNotMapped unless it
-// maps their segments too.
+// next receiving process as errors wrapping mmapalloc.ErrNotMapped; what
+// the sending process sends once the end is handed on goes by the
+// socket.
 //
 // The receiving side of an end keeps the segments it pins mapped until
-// Close, at most 64 of them and 1 GiB in all.
+// Close, or until their producer lets go of them: at most 64 segments,
+// and 1 GiB in all.
 //
 // A Pipe owns, in each process that holds it, its socket's descriptor
 // and, made by NewPipe, each lane's memory descriptor; Close releases

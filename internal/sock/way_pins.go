@@ -18,29 +18,36 @@ import (
 // descriptor is needed: its writer produced it (a block of the writing
 // process's own pool), and its reader keeps the block's segment mapped.
 //
-//   - Pins. A reader that receives a block by descriptor on the Way pins
-//     its segment (shm.Pin): the segment stays mapped in the reading
-//     process until its Way closes, however long no block of it is in use
-//     and whether or not its producer lives. While it holds the reader's
-//     role it lists the segments it pins in the lane's reader's page.
-//     From the first time it takes the role until it closes, it holds a
-//     read lock on the lane's byte pinnerByte: it may have taken entries
-//     that name blocks by identity.
+//   - Pins. A reader that receives a block by descriptor on the Way, while
+//     it holds the reader's role, pins its segment (shm.Pin): the segment
+//     stays mapped in the reading process, however long no block of it is
+//     in use and whether or not its producer lives, until the Way closes
+//     or the producer has let go of the segment (shm.Kept: it then hands
+//     out no block of it, so no message can name one), which the reader
+//     looks at as it pins another and each idleRole while it receives. It
+//     pins at most maxPins segments, maxPinBytes in all. While it holds
+//     the role it lists its pins in the lane's reader's page; from the
+//     first time it takes the role until it closes, it holds a read lock
+//     on the lane's byte pinnerByte, as it may take entries that name
+//     blocks by identity.
 //   - Loans. The writer names a block of a segment the list holds by the
 //     segment's identity alone (see carry.Lane), and lends the block to
 //     the message (shm.Block.Lend): its pool does not reuse the slot, even
 //     once the writer's tensor is released, until the loan is returned.
-//   - Acks. The reader attaches the block by identity, taking its own lock
-//     on the slot and then checking the slot's generation, as for a block
-//     that came with a descriptor: it relies on the loan for nothing, since
-//     any holder of the lane could write the ack that ends it. When the
-//     receive is done it writes the count of entries it has taken to the
-//     page (acked). The writer
-//     returns the loans of entries below it at its next Send or Close, and
-//     all its loans once no process holds pinnerByte (the readers that
-//     pinned are gone or closed). A writer that closes with loans out
-//     keeps the lane mapped in a goroutine that returns them so, each
-//     settleEvery.
+//   - Taking. The reader rebuilds a block named by identity only if it
+//     pins its segment (Pinned; another is ErrNotMapped, even one it maps
+//     for another reason, for which the writer holds nothing), taking its
+//     own lock on the slot and then checking the slot's generation, as for
+//     a block that came with a descriptor: it relies on the loan for
+//     nothing, since any holder of the lane could write the ack that ends
+//     it.
+//   - Acks. When a receive is done, the reader writes the count of entries
+//     it has taken to the page (acked). The writer returns the loans of
+//     entries below it at its next Send, while it waits for room, each
+//     settleEvery while it sends nothing, and at Close; and all its loans
+//     once no process holds pinnerByte (every reader that took the role is
+//     gone or closed). A writer that closes with loans out keeps the lane
+//     mapped in a goroutine that returns them so.
 //
 // So a message in the lane is held by the writer's loan while the writer
 // lives, and needs no hold once it is dead, since only a producer reuses
@@ -50,11 +57,11 @@ import (
 // whose processes are all gone leaves nothing.
 //
 // A message named by identity is the reader's that pins its segments. A
-// reader that takes the role over from another, which handed the end on
-// or closed with messages untaken, gets ErrNotMapped (shm) for a block
-// of a segment it does not map; it rewrites the list with its own pins
-// when it takes the role, and the writer names by identity only what the
-// list holds.
+// reader that hands its end on (LetGo) unlists its pins first, so the
+// writer sends by the socket from then on; one that closes unlists them
+// too. A reader that takes the role over from another that left entries
+// untaken gets ErrNotMapped (shm) for each block they name, and the
+// writer's loans of them come back once the first reader has closed.
 //
 // The reader's page, in the lane's header (see Lane), is written by the
 // reader's role holder only; the writer reads it as a hint, whose worst
