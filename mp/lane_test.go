@@ -584,3 +584,58 @@ func TestPipeLaneHandedOnUntaken(t *testing.T) {
 	assert.Eventually(t, func() bool { return pool.InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
 		"every block comes back to the producer")
 }
+
+// A producer killed with tensors in the lane, their reader slow to take
+// each (past its idle look, which drops the pins of segments whose
+// producers have let go of them): each arrives whole all the same.
+func TestPipeLaneProducerKilledSlowReader(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	const n = 4
+	p, status, g := startLane(t, ctx, "lane-produce", n, nil)
+	var first *tensor.Tensor
+	require.NoError(t, p.Recv(ctx, &first))
+	checkInts(t, first, 0)
+	require.NoError(t, first.Release())
+	require.NoError(t, p.Send(ctx, 1))
+	var lent int
+	require.NoError(t, status.Get(ctx, &lent))
+	require.Equal(t, n, lent)
+	kill(t, g)
+	for i := 1; i <= n; i++ {
+		var x *tensor.Tensor
+		require.NoError(t, p.Recv(ctx, &x), "tensor %d", i)
+		checkInts(t, x, i)
+		require.NoError(t, x.Release())
+		time.Sleep(250 * time.Millisecond) // the reader works on what it took
+	}
+}
+
+// A reader killed a while after the writer's last send, the writer's
+// settling timer having looked meanwhile, gives its blocks back all the
+// same.
+func TestPipeLaneReaderKilledLater(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	const n, taken = 50, 20
+	p, status, g := startLane(t, ctx, "lane-take", taken, nil)
+	pool := shm.DefaultPool()
+	for i := 0; i <= n; i++ {
+		x := newInts(t, i)
+		err := p.Send(ctx, x)
+		require.NoError(t, x.Release())
+		require.NoError(t, err)
+		if i == 0 {
+			var first int
+			require.NoError(t, status.Get(ctx, &first))
+		}
+	}
+	var last int
+	require.NoError(t, status.Get(ctx, &last))
+	time.Sleep(200 * time.Millisecond) // the settling timer has looked, the reader alive
+	kill(t, g)
+	require.Eventually(t, func() bool { return pool.InUse() == 0 }, time.Second, 5*time.Millisecond,
+		"every block back within a second of the kill")
+}

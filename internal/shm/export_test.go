@@ -85,3 +85,10 @@ const (
 )
 
 var NewPool = newPool
+
+// RaceBump makes f run in each reclaim between its first question about
+// the slots and their generations' bump, until the test ends.
+func RaceBump(t interface{ Cleanup(func()) }, f func()) {
+	beforeBump.Store(&f)
+	t.Cleanup(func() { beforeBump.Store(nil) })
+}

@@ -8,6 +8,7 @@ import (
 	"math/bits"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -177,23 +178,21 @@ func (p *Pool) reclaimLocked(c *sizeClass) {
 			ask = append(ask, b)
 		}
 	}
-	if len(ask) > 0 {
-		slices.SortFunc(ask, func(x, y *Block) int {
-			return cmp.Or(cmp.Compare(x.seg.alloc.fd(), y.seg.alloc.fd()), cmp.Compare(x.slot, y.slot))
-		})
-		for rest := ask; len(rest) > 0; {
-			n := 1
-			for n < len(rest) && rest[n].seg == rest[0].seg {
-				n++
-			}
-			askHeld(rest[0].seg.alloc.fd(), rest[:n])
-			rest = rest[n:]
-		}
-		clear(ask)
-	}
+	askInRuns(ask)
+	clear(ask)
 	c.asking = ask[:0]
 
+	if hook := beforeBump.Load(); hook != nil {
+		(*hook)()
+	}
+	// The slots found free get their new generations, and the kernel is
+	// asked about them once more: a receiver that locked one after the
+	// first question and read its old generation before the bump (one
+	// that names a block by identity, with no ticket holding it: a lane's)
+	// holds it now, and it stays pending, with its new generation; one
+	// that reads the new generation gives up the lock as stale.
 	kept := c.pending[:0]
+	bumped := c.asking[:0]
 	for _, b := range c.pending { // in the order released: the last is the warmest, handed out first
 		b.seg.held = unasked // for the next reclaim
 		if b.held {
@@ -205,11 +204,61 @@ func (p *Pool) reclaimLocked(c *sizeClass) {
 			kept = append(kept, b) // cut short under us: never handed out again
 			continue
 		}
-		seg.inUse--
+		bumped = append(bumped, b)
+	}
+	askAgain(bumped)
+	for _, b := range bumped {
+		b.seg.held = unasked
+		if b.held {
+			kept = append(kept, b)
+			continue
+		}
+		b.seg.inUse--
 		c.free = append(c.free, b)
 	}
+	clear(bumped)
+	c.asking = bumped[:0]
 	clear(c.pending[len(kept):])
 	c.pending = kept
+}
+
+// beforeBump, if set, runs in a reclaim between its first question to
+// the kernel and the generations' bump: tests set it to race the bump.
+var beforeBump atomic.Pointer[func()]
+
+// askAgain sets held for each of bs, blocks whose generations were just
+// bumped, in the order they were released, to whether a description other
+// than their segment's own holds its slot: once per segment, and about the
+// slots one by one only in a segment held in part.
+func askAgain(bs []*Block) {
+	var part []*Block
+	for _, b := range bs {
+		if b.seg.held == unasked {
+			b.seg.held = b.seg.askWhole()
+		}
+		b.held = b.seg.held != heldNone
+		if b.seg.held == heldPart {
+			part = append(part, b)
+		}
+	}
+	askInRuns(part)
+}
+
+// askInRuns sorts bs, blocks of segments held in part, by segment and
+// slot, and sets held for each, asking about runs of each segment's slots
+// (see askHeld).
+func askInRuns(bs []*Block) {
+	slices.SortFunc(bs, func(x, y *Block) int {
+		return cmp.Or(cmp.Compare(x.seg.alloc.fd(), y.seg.alloc.fd()), cmp.Compare(x.slot, y.slot))
+	})
+	for rest := bs; len(rest) > 0; {
+		n := 1
+		for n < len(rest) && rest[n].seg == rest[0].seg {
+			n++
+		}
+		askHeld(rest[0].seg.alloc.fd(), rest[:n])
+		rest = rest[n:]
+	}
 }
 
 // Answers of segment.askWhole: which of a segment's slots other

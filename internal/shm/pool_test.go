@@ -817,3 +817,69 @@ func TestAttachAllByIdentity(t *testing.T) {
 		require.NoError(t, b.Release())
 	}
 }
+
+// A receiver that names a block by identity (no ticket holds it) may lock
+// its slot after the producer's reclaim found it free and read its
+// generation before the reclaim bumps it: the reclaim asks again after
+// the bump, and the slot, held, is not handed out.
+func TestReclaimAsksAgainAfterTheBump(t *testing.T) {
+	p := testPool(t)
+	keep := mustAlloc(t, p, 4<<10)
+	a := mustAlloc(t, p, 4<<10)
+	seg := keep.Segment()
+	require.Equal(t, seg, a.Segment())
+	msg := send(t, keep) // this process maps the segment as a receiver
+	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: keep.Offset(), Size: 4 << 10, Gen: keep.Gen(), Ticket: msg})
+	require.NoError(t, err)
+	require.NoError(t, unix.Close(msg))
+	keep.Busy() // retires the ticket description
+	off, ref := a.Offset(), shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: a.Offset(), Size: 4 << 10, Gen: a.Gen(), Ticket: -1}
+	copy(a.Bytes(), "mine")
+	require.NoError(t, a.Release()) // pending
+
+	var got *shm.Block
+	shm.RaceBump(t, func() {
+		if got == nil {
+			got, err = shm.Attach(ref) // locks, then finds the old generation
+		}
+	})
+	p.InUse() // reclaims
+	require.NoError(t, err)
+	require.NotNil(t, got)
+	var again []*shm.Block
+	for range 600 {
+		b := mustAlloc(t, p, 4<<10)
+		again = append(again, b)
+		assert.False(t, b.Segment() == seg && b.Offset() == off, "a slot the receiver holds was handed out")
+	}
+	assert.Equal(t, "mine", string(got.Bytes()[:4]))
+	for _, b := range again {
+		require.NoError(t, b.Release())
+	}
+	require.NoError(t, got.Release())
+	require.NoError(t, r.Release())
+	require.NoError(t, keep.Release())
+}
+
+// A block AttachAll attached is held by this process's own lock: its
+// producer does not take it back.
+func TestAttachAllHoldsAgainstReclaim(t *testing.T) {
+	p := testPool(t)
+	a := mustAlloc(t, p, 4<<10)
+	b := mustAlloc(t, p, 4<<10)
+	seg := a.Segment()
+	msg := send(t, a)
+	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: a.Offset(), Size: 4 << 10, Gen: a.Gen(), Ticket: msg})
+	require.NoError(t, err)
+	require.NoError(t, unix.Close(msg))
+	got, err := shm.AttachAll([]shm.BlockRef{{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: b.Offset(), Size: 4 << 10, Gen: b.Gen(), Ticket: -1}})
+	require.NoError(t, err)
+	require.NoError(t, r.Release())
+	require.NoError(t, a.Release())
+	require.NoError(t, b.Release())
+	p.Trim(1 << 30)
+	time.Sleep(100 * time.Millisecond) // the receiver's transfers
+	assert.Equal(t, 1, p.InUse(), "the block AttachAll holds is not taken back")
+	require.NoError(t, got[0].Release())
+	assert.Eventually(t, func() bool { return p.InUse() == 0 }, 5*time.Second, time.Millisecond)
+}

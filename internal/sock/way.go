@@ -161,7 +161,7 @@ func NewWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 		w.settler.Stop() // until a loan is out
 	} else {
 		w.alive = w.readerAlive
-		w.pins.most = maxPins
+		w.pins.most, w.pins.mostBytes = maxPins, maxPinBytes
 		w.idle = time.AfterFunc(time.Hour, w.letGoIdle)
 		w.idle.Stop() // until the role is taken
 	}

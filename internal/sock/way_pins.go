@@ -23,8 +23,9 @@ import (
 //     stays mapped in the reading process, however long no block of it is
 //     in use and whether or not its producer lives, until the Way closes
 //     or the producer has let go of the segment (shm.Kept: it then hands
-//     out no block of it, so no message can name one), which the reader
-//     looks at as it pins another and each idleRole while it receives. It
+//     out no block of it) and the lane holds nothing untaken (a dead
+//     producer's messages may still name it), which the reader looks at
+//     as it pins another and each idleRole while it receives. It
 //     pins at most maxPins segments, maxPinBytes in all. While it holds
 //     the role it lists its pins in the lane's reader's page; from the
 //     first time it takes the role until it closes, it holds a read lock
@@ -107,7 +108,10 @@ type pins struct {
 	bytes int64
 	lock  *fd.FD // the read lock on pinnerByte, once pinning
 	owner uint32 // this Way's mark in the list
-	most  int    // the most segments it pins: maxPins (tests lower it)
+	// The most segments, and bytes, it pins: maxPins and maxPinBytes
+	// (tests lower them).
+	most      int
+	mostBytes int64
 }
 
 // pinned is a segment a reader pins: how to let go of it, and its size.
@@ -195,7 +199,7 @@ func (w *Way) Pin(id shm.ID) {
 	if !ok {
 		return
 	}
-	if p.bytes+size > maxPinBytes {
+	if p.bytes+size > p.mostBytes {
 		unpin()
 		return
 	}
@@ -219,12 +223,26 @@ func (w *Way) Pinned(id shm.ID) bool {
 }
 
 // prunePins unpins the segments whose producers have let go of them
-// (shm.Kept): no message names their blocks any more, since a producer
-// lets go of a segment only once none of its blocks is in use, lent ones
-// included. The list is rewritten without them. The caller holds the
-// receive and the reader's role.
+// (shm.Kept), once the lane holds no entry the reader has not taken: a
+// live producer lets go of a segment only once none of its blocks is in
+// use, lent ones included, and a dead one sends nothing more, so no
+// message will name them. The list is rewritten without them. The caller
+// holds the receive and the reader's role.
 func (w *Way) prunePins(l *Lane) {
 	p := &w.pins
+	gone := false
+	for _, id := range p.order {
+		if !shm.Kept(id) {
+			gone = true
+			break
+		}
+	}
+	// A producer that is dead, not done with a segment, has let go of it
+	// too, and its messages in the lane may name it: only an empty lane,
+	// looked at after, has none left.
+	if !gone || l.Sent() != l.Taken() {
+		return
+	}
 	kept := p.order[:0]
 	for _, id := range p.order {
 		if shm.Kept(id) {

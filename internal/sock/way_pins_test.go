@@ -361,6 +361,32 @@ func TestWayPinsAreBoundedAndPruned(t *testing.T) {
 	require.NoError(t, bs[2].Release())
 }
 
+// The bytes a reader pins are bounded too, by the segments' mapped sizes.
+func TestWayPinBytesAreBounded(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	w, r, _ := wayPair(t)
+	pool := shm.DefaultPool()
+	var bs []*shm.Block
+	for _, size := range []int64{4 << 10, 8 << 10} { // a segment each
+		b, err := pool.Alloc(size)
+		require.NoError(t, err)
+		defer b.Release()
+		got := receivedCopy(t, b)
+		defer got.Release()
+		bs = append(bs, b)
+	}
+	r.pins.mostBytes = bs[0].Segment().Size()
+	takeRoles(t, ctx, w, r, func() {
+		for _, b := range bs {
+			r.Pin(b.Segment().ID())
+		}
+	})
+	assert.True(t, w.Maps(bs[0]))
+	assert.False(t, w.Maps(bs[1]), "beyond the bound of bytes")
+}
+
 // Maps, which a writer's encoding calls without the Way's receive or
 // send, never reads a lane that Close has unmapped.
 func TestWayMapsRacesClose(t *testing.T) {
@@ -386,4 +412,34 @@ func TestWayMapsRacesClose(t *testing.T) {
 		<-done
 		<-done
 	}
+}
+
+// A writer blocked on a full lane settles its loans while it waits: the
+// loans of a reader that closed come back though the writer never
+// returns from its Send.
+func TestWayBlockedWriterSettles(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	w, r, _ := wayPair(t)
+	pool := shm.DefaultPool()
+	takeRoles(t, ctx, w, r, nil)
+	b, err := pool.Alloc(4 << 10)
+	require.NoError(t, err)
+	require.NoError(t, b.Lend())
+	require.NoError(t, w.SendLent(ctx, []byte{9}, nil, []*shm.Block{b}))
+	require.NoError(t, b.Release())
+	for range WayEntries - 1 {
+		require.NoError(t, w.Send(ctx, []byte{1}, nil))
+	}
+	blocked, unblock := context.WithCancel(ctx)
+	sent := make(chan error, 1)
+	go func() { sent <- w.Send(blocked, []byte{1}, nil) }() // the lane is full
+	time.Sleep(20 * time.Millisecond)
+	require.Equal(t, 1, pool.InUse(), "lent")
+	require.NoError(t, r.Close()) // no reader pins; its socket end stays open
+	assert.Eventually(t, func() bool { return pool.InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
+		"the blocked writer returned the loan")
+	unblock()
+	assert.ErrorIs(t, <-sent, context.Canceled)
 }
