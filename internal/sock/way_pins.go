@@ -61,8 +61,11 @@ import (
 // reader that hands its end on (LetGo) unlists its pins first, so the
 // writer sends by the socket from then on; one that closes unlists them
 // too. A reader that takes the role over from another that left entries
-// untaken gets ErrNotMapped (shm) for each block they name, and the
-// writer's loans of them come back once the first reader has closed.
+// untaken gets ErrNotMapped (shm) for each block they name (unless it
+// pins the segment itself: then, the loan perhaps returned, it holds the
+// block or gets ErrStaleBlock, never another's, since the producer's
+// reclaim asks again after it bumps a generation), and the writer's loans
+// of them come back once the first reader has closed.
 //
 // The reader's page, in the lane's header (see Lane), is written by the
 // reader's role holder only; the writer reads it as a hint, whose worst
