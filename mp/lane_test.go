@@ -238,6 +238,23 @@ func checkLane(x *tensor.Tensor, i int, bad *int) error {
 	return nil
 }
 
+// sendNew sends p's worker new tensors 0 to n, releasing each once
+// sent, and waits after the first for the worker's word that it took it
+// (and pinned its segment).
+func sendNew(t *testing.T, ctx context.Context, p *mp.Pipe, status *mp.Queue, n int) {
+	t.Helper()
+	for i := 0; i <= n; i++ {
+		x := newInts(t, i)
+		err := p.Send(ctx, x)
+		require.NoError(t, x.Release())
+		require.NoError(t, err)
+		if i == 0 {
+			var first int
+			require.NoError(t, status.Get(ctx, &first))
+		}
+	}
+}
+
 // startLane spawns worker with a laneArgs of one end of a new pipe and
 // returns the other end and the status queue.
 func startLane(t *testing.T, ctx context.Context, worker string, n int, close *mp.Queue) (*mp.Pipe, *mp.Queue, *mp.Group) {
@@ -391,16 +408,7 @@ func TestPipeLaneReaderKilled(t *testing.T) {
 	p, status, g := startLane(t, ctx, "lane-take", taken, nil)
 	pool := shm.DefaultPool()
 	before := sock.LentSent()
-	for i := 0; i <= n; i++ {
-		x := newInts(t, i)
-		err := p.Send(ctx, x)
-		require.NoError(t, x.Release())
-		require.NoError(t, err)
-		if i == 0 {
-			var first int
-			require.NoError(t, status.Get(ctx, &first)) // its segment is pinned
-		}
-	}
+	sendNew(t, ctx, p, status, n)
 	var last int
 	require.NoError(t, status.Get(ctx, &last))
 	require.Equal(t, taken, last)
@@ -427,16 +435,7 @@ func TestPipeLaneReaderClosesWithUntaken(t *testing.T) {
 	defer closeNow.Close()
 	p, status, g := startLane(t, ctx, "lane-take", taken, closeNow)
 	pool := shm.DefaultPool()
-	for i := 0; i <= n; i++ {
-		x := newInts(t, i)
-		err := p.Send(ctx, x)
-		require.NoError(t, x.Release())
-		require.NoError(t, err)
-		if i == 0 {
-			var first int
-			require.NoError(t, status.Get(ctx, &first))
-		}
-	}
+	sendNew(t, ctx, p, status, n)
 	var got int
 	require.NoError(t, status.Get(ctx, &got))
 	require.Equal(t, taken, got)
@@ -508,16 +507,7 @@ func TestPipeLaneHandedOnKeepsWhatItTook(t *testing.T) {
 	p, status, g := startLane(t, ctx, "lane-hand-on", 0, release)
 	pool := shm.DefaultPool()
 	before := sock.LentSent()
-	for i := range 2 {
-		x := newInts(t, i)
-		err := p.Send(ctx, x)
-		require.NoError(t, x.Release())
-		require.NoError(t, err)
-		if i == 0 {
-			var first int
-			require.NoError(t, status.Get(ctx, &first)) // pinned
-		}
-	}
+	sendNew(t, ctx, p, status, 1)
 	require.NoError(t, p.Send(ctx, 7)) // waits behind the kept tensor
 	require.NoError(t, release.Put(ctx, 1))
 	var theirs *mp.Pipe
@@ -622,16 +612,7 @@ func TestPipeLaneReaderKilledLater(t *testing.T) {
 	const n, taken = 50, 20
 	p, status, g := startLane(t, ctx, "lane-take", taken, nil)
 	pool := shm.DefaultPool()
-	for i := 0; i <= n; i++ {
-		x := newInts(t, i)
-		err := p.Send(ctx, x)
-		require.NoError(t, x.Release())
-		require.NoError(t, err)
-		if i == 0 {
-			var first int
-			require.NoError(t, status.Get(ctx, &first))
-		}
-	}
+	sendNew(t, ctx, p, status, n)
 	var last int
 	require.NoError(t, status.Get(ctx, &last))
 	time.Sleep(200 * time.Millisecond) // the settling timer has looked, the reader alive
