@@ -20,6 +20,7 @@ type sizeClass struct {
 	free    []*Block // nobody holds them
 	pending []*Block // released here, perhaps still held elsewhere
 	asking  []*Block // reclaimLocked's room
+	again   []*Block // and askAgain's
 	segs    []*segment
 	growing bool // a goroutine makes a segment for the class, the pool's lock let go (see newSegment)
 }
@@ -206,7 +207,7 @@ func (p *Pool) reclaimLocked(c *sizeClass) {
 		}
 		bumped = append(bumped, b)
 	}
-	askAgain(bumped)
+	c.again = askAgain(bumped, c.again[:0])
 	for _, b := range bumped {
 		b.seg.held = unasked
 		if b.held {
@@ -228,10 +229,10 @@ var beforeBump atomic.Pointer[func()]
 
 // askAgain sets held for each of bs, blocks whose generations were just
 // bumped, in the order they were released, to whether a description other
-// than their segment's own holds its slot: once per segment, and about the
-// slots one by one only in a segment held in part.
-func askAgain(bs []*Block) {
-	var part []*Block
+// than their segment's own holds its slot: once per segment, and about
+// the slots only in a segment held in part, in runs. part is its room,
+// which it returns cleared.
+func askAgain(bs, part []*Block) []*Block {
 	for _, b := range bs {
 		if b.seg.held == unasked {
 			b.seg.held = b.seg.askWhole()
@@ -242,6 +243,8 @@ func askAgain(bs []*Block) {
 		}
 	}
 	askInRuns(part)
+	clear(part)
+	return part[:0]
 }
 
 // askInRuns sorts bs, blocks of segments held in part, by segment and

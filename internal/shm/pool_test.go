@@ -883,3 +883,23 @@ func TestAttachAllHoldsAgainstReclaim(t *testing.T) {
 	require.NoError(t, got[0].Release())
 	assert.Eventually(t, func() bool { return p.InUse() == 0 }, 5*time.Second, time.Millisecond)
 }
+
+// Each reclaim asks the kernel afresh: a slot a message in flight holds
+// since the last reclaim, which found its segment held by nobody, keeps
+// its generation, and its receiver gets it.
+func TestReclaimAsksAfresh(t *testing.T) {
+	p := testPool(t)
+	a := mustAlloc(t, p, 4<<10)
+	c := mustAlloc(t, p, 4<<10)
+	seg := a.Segment()
+	require.Equal(t, seg, c.Segment())
+	require.NoError(t, a.Release())
+	p.InUse() // a reclaim that finds nobody holds anything of the segment
+	msg := send(t, c)
+	defer unix.Close(msg)
+	require.NoError(t, c.Release())
+	p.InUse() // reclaims again
+	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: c.Offset(), Size: 4 << 10, Gen: c.Gen(), Ticket: msg})
+	require.NoError(t, err, "the message's block was not recycled under it")
+	require.NoError(t, r.Release())
+}

@@ -23,9 +23,10 @@ import (
 //     stays mapped in the reading process, however long no block of it is
 //     in use and whether or not its producer lives, until the Way closes
 //     or the producer has let go of the segment (shm.Kept: it then hands
-//     out no block of it) and the lane holds nothing untaken (a dead
-//     producer's messages may still name it), which the reader looks at
-//     as it pins another and each idleRole while it receives. It
+//     out no block of it) and the reader has taken every entry sent
+//     before it saw so (a dead producer has let go too, and its messages
+//     still in the lane name it), which the reader looks at as it pins
+//     another and each idleRole while it receives. It
 //     pins at most maxPins segments, maxPinBytes in all. While it holds
 //     the role it lists its pins in the lane's reader's page; from the
 //     first time it takes the role until it closes, it holds a read lock
@@ -111,6 +112,9 @@ type pins struct {
 	bytes int64
 	lock  *fd.FD // the read lock on pinnerByte, once pinning
 	owner uint32 // this Way's mark in the list
+	// goneAt: segments whose producers have let go of them, with the
+	// lane's count of entries sent when the reader saw so (prunePins).
+	goneAt map[shm.ID]uint32
 	// The most segments, and bytes, it pins: maxPins and maxPinBytes
 	// (tests lower them).
 	most      int
@@ -226,35 +230,37 @@ func (w *Way) Pinned(id shm.ID) bool {
 }
 
 // prunePins unpins the segments whose producers have let go of them
-// (shm.Kept), once the lane holds no entry the reader has not taken: a
-// live producer lets go of a segment only once none of its blocks is in
-// use, lent ones included, and a dead one sends nothing more, so no
-// message will name them. The list is rewritten without them. The caller
-// holds the receive and the reader's role.
+// (shm.Kept) once the reader has taken every entry the lane held when it
+// first saw so: a live producer lets go of a segment only once none of
+// its blocks is in use, lent ones included, and a dead one sends nothing
+// more, so no entry sent after names them. The list is rewritten without
+// them. The caller holds the receive and the reader's role.
 func (w *Way) prunePins(l *Lane) {
 	p := &w.pins
-	gone := false
 	for _, id := range p.order {
-		if !shm.Kept(id) {
-			gone = true
-			break
+		if _, seen := p.goneAt[id]; seen || shm.Kept(id) {
+			continue
 		}
+		if p.goneAt == nil {
+			p.goneAt = map[shm.ID]uint32{}
+		}
+		p.goneAt[id] = l.Sent() // read after Kept: what may name it lies below
 	}
-	// A producer that is dead, not done with a segment, has let go of it
-	// too, and its messages in the lane may name it: only an empty lane,
-	// looked at after, has none left.
-	if !gone || l.Sent() != l.Taken() {
+	if len(p.goneAt) == 0 {
 		return
 	}
+	taken := l.Taken()
 	kept := p.order[:0]
 	for _, id := range p.order {
-		if shm.Kept(id) {
+		at, seen := p.goneAt[id]
+		if !seen || int32(taken-at) < 0 {
 			kept = append(kept, id)
 			continue
 		}
 		p.held[id].unpin()
 		p.bytes -= p.held[id].size
 		delete(p.held, id)
+		delete(p.goneAt, id)
 	}
 	if len(kept) == len(p.order) {
 		return
@@ -328,6 +334,7 @@ func (p *pins) unpinAll() error {
 		p.held[id].unpin()
 	}
 	clear(p.held)
+	clear(p.goneAt)
 	p.order, p.bytes = nil, 0
 	if p.lock == nil {
 		return nil
