@@ -897,9 +897,10 @@ func TestReclaimAsksAfresh(t *testing.T) {
 	p.InUse() // a reclaim that finds nobody holds anything of the segment
 	msg := send(t, c)
 	defer unix.Close(msg)
+	gen := c.Gen() // what the message says; c is the pool's once released
 	require.NoError(t, c.Release())
 	p.InUse() // reclaims again
-	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: c.Offset(), Size: 4 << 10, Gen: c.Gen(), Ticket: msg})
+	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: c.Offset(), Size: 4 << 10, Gen: gen, Ticket: msg})
 	require.NoError(t, err, "the message's block was not recycled under it")
 	require.NoError(t, r.Release())
 }

@@ -14,7 +14,7 @@ import (
 
 // A Lane is a ring of messages in shared memory; only Linux has one (see
 // lane_linux.go).
-type Lane struct{}
+type Lane struct{ entries uint32 }
 
 // ErrTooLarge is returned by Send for a message larger than the lane's
 // entries hold.

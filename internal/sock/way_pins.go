@@ -190,8 +190,9 @@ type pinView struct {
 // Pin pins segment id, a block of which this process just received by
 // descriptor on the Way, and lists it for the writer (carry.Lane). It
 // does nothing unless this process holds the reader's role; segments
-// their producers have let go of are unpinned first (prunePins), and none
-// is pinned beyond maxPins or maxPinBytes. The caller holds the receive.
+// their producers have let go of are unpinned first where no untaken
+// entry may name them (prunePins), and none is pinned beyond maxPins or
+// maxPinBytes. The caller holds the receive.
 func (w *Way) Pin(id shm.ID) {
 	p := &w.pins
 	if _, ok := p.held[id]; ok || w.writes || !w.held || w.broken || p.lock == nil {
@@ -252,8 +253,12 @@ func (w *Way) prunePins(l *Lane) {
 	taken := l.Taken()
 	kept := p.order[:0]
 	for _, id := range p.order {
+		// Entries before the mark are left while the mark is ahead of
+		// what the reader took, by a lane's length at most: a mark
+		// further ahead, which only a peer that moved the counts makes,
+		// keeps nothing.
 		at, seen := p.goneAt[id]
-		if !seen || int32(taken-at) < 0 {
+		if ahead := at - taken; !seen || ahead > 0 && ahead <= l.entries {
 			kept = append(kept, id)
 			continue
 		}

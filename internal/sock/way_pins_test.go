@@ -304,7 +304,7 @@ func TestWayPinNeedsTheRole(t *testing.T) {
 
 // The segments a reader pins are bounded, and one whose producer has let
 // go of it is unpinned, and unlisted, at the reader's next pin or within
-// its next idle look: its memory goes.
+// its next idle look, the lane holding nothing untaken: its memory goes.
 func TestWayPinsAreBoundedAndPruned(t *testing.T) {
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -442,4 +442,55 @@ func TestWayBlockedWriterSettles(t *testing.T) {
 		"the blocked writer returned the loan")
 	unblock()
 	assert.ErrorIs(t, <-sent, context.Canceled)
+}
+
+// A pin whose producer let go of its segment stays while the lane holds
+// entries sent before the reader saw so (a killed producer's messages
+// name it), and goes once the reader has taken them, later entries
+// waiting or not.
+func TestWayPinOutlivesEarlierEntries(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	w, r, _ := wayPair(t)
+	pool := shm.DefaultPool()
+	b, err := pool.Alloc(4 << 10)
+	require.NoError(t, err)
+	got := receivedCopy(t, b)
+	id := b.Segment().ID()
+	takeRoles(t, ctx, w, r, func() { r.Pin(id) })
+	require.NoError(t, got.Release())
+	require.NoError(t, b.Release())
+	require.Eventually(t, func() bool {
+		pool.Trim(0)
+		return !shm.Kept(id)
+	}, 5*time.Second, 5*time.Millisecond)
+	pinned := func() bool {
+		r.sem <- struct{}{}
+		defer func() { <-r.sem }()
+		return r.Pinned(id)
+	}
+	prune := func() {
+		r.sem <- struct{}{}
+		defer func() { <-r.sem }()
+		r.prunePins(r.lane.Load())
+	}
+	take := func() {
+		m, err := r.Recv(ctx)
+		require.NoError(t, err)
+		m.Done()
+	}
+	for range 2 {
+		require.NoError(t, w.Send(ctx, []byte{1}, nil)) // sent before the reader looks
+	}
+	prune() // sees the producer gone: marks the segment
+	assert.True(t, pinned(), "two entries before the mark are untaken")
+	take()
+	require.NoError(t, w.Send(ctx, []byte{1}, nil)) // after the mark
+	prune()
+	assert.True(t, pinned(), "one entry before the mark is untaken")
+	take()
+	prune()
+	assert.False(t, pinned(), "every entry before the mark is taken, one after it waiting")
+	take()
 }
