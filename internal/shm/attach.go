@@ -397,11 +397,10 @@ func (seg *segment) holdLocked(off, size int64, gen uint64, covered bool) (*Bloc
 	bad := func(err error) (*Block, error) {
 		return nil, &Error{Op: "attach", Path: fmt.Sprintf("block %d+%d of %v", off, size, seg.alloc), Err: err}
 	}
-	rel := off - seg.dataOff
-	if rel < 0 || rel%seg.cap != 0 || rel/seg.cap >= int64(seg.nslots) || size <= 0 || size > seg.cap {
+	slot, ok := seg.slotAt(off)
+	if !ok || size <= 0 || size > seg.cap {
 		return bad(errors.New("not a slot"))
 	}
-	slot := int(rel / seg.cap)
 	if seg.holds[slot] == 0 {
 		locked := seg.onFD[slot]
 		if !locked && !covered {

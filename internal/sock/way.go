@@ -346,17 +346,11 @@ func (w *Way) Send(ctx context.Context, data []byte, fds []int) error {
 		w.owed = l.TrySend(marker) != nil
 	}
 	if len(fds) == 0 && 1+len(data) <= l.Room() && !w.owed {
-		if err := w.readersGone(); err != nil {
-			return err
-		}
-		w.wbuf = append(append(w.wbuf[:0], kindValue), data...)
-		err := l.Send(ctx, w.wbuf, w.alive)
+		err := w.sendEntry(ctx, l, data)
 		if !errors.Is(err, errCounts) {
 			return err
 		}
-		w.letGo(true) // a peer wrote the counts: the socket serves
-		w.onSock = true
-		return w.shared.Send(ctx, data, fds)
+		return w.shared.Send(ctx, data, fds) // the socket serves now
 	}
 	if err := w.shared.send(ctx, data, fds, int64(l.Tail()), true); err != nil {
 		return err
@@ -395,16 +389,10 @@ func (w *Way) SendLent(ctx context.Context, data []byte, fds []int, lent []*shm.
 			return carry.ErrNoLane
 		}
 	}
-	if err := w.readersGone(); err != nil {
-		return err
-	}
 	pos := l.Tail()
-	w.wbuf = append(append(w.wbuf[:0], kindValue), data...)
-	err := l.Send(ctx, w.wbuf, w.alive)
+	err := w.sendEntry(ctx, l, data)
 	if errors.Is(err, errCounts) {
-		w.letGo(true) // a peer wrote the counts: the socket serves
-		w.onSock = true
-		return carry.ErrNoLane
+		return carry.ErrNoLane // the socket serves now
 	}
 	if err != nil {
 		return err
@@ -413,6 +401,24 @@ func (w *Way) SendLent(ctx context.Context, data []byte, fds []int, lent []*shm.
 	w.settler.Reset(settleEvery)
 	lentSent.Add(1)
 	return nil
+}
+
+// sendEntry publishes data in the lane l as the next value entry, unless
+// the readers are gone, waiting for room. If a peer wrote the lane's
+// counts (errCounts), this process gives up the lane for good: the
+// socket serves it from then on. The caller holds sem and the writer's
+// role.
+func (w *Way) sendEntry(ctx context.Context, l *Lane, data []byte) error {
+	if err := w.readersGone(); err != nil {
+		return err
+	}
+	w.wbuf = append(append(w.wbuf[:0], kindValue), data...)
+	err := l.Send(ctx, w.wbuf, w.alive)
+	if errors.Is(err, errCounts) {
+		w.letGo(true)
+		w.onSock = true
+	}
+	return err
 }
 
 // settleIdle settles the writer's loans while it does not send, each
