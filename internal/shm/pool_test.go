@@ -732,10 +732,7 @@ func TestPinnedSegmentStaysMapped(t *testing.T) {
 	_, err := shm.Attach(ref(a))
 	require.ErrorIs(t, err, shm.ErrNotMapped, "nor found by identity")
 
-	msg := send(t, a)
-	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: a.Offset(), Size: 4 << 10, Gen: a.Gen(), Ticket: msg})
-	require.NoError(t, err)
-	require.NoError(t, unix.Close(msg))
+	r := receive(t, a)
 	unpin, size, ok := shm.Pin(seg.ID())
 	require.True(t, ok)
 	assert.Equal(t, seg.Size(), size)
@@ -782,10 +779,7 @@ func TestAttachAllByIdentity(t *testing.T) {
 	_, err := shm.AttachAll([]shm.BlockRef{ref(bs[0], bs[0].Gen())})
 	require.ErrorIs(t, err, shm.ErrNotMapped, "a segment this process does not map")
 
-	msg := send(t, bs[0])
-	r0, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: bs[0].Offset(), Size: 4 << 10, Gen: bs[0].Gen(), Ticket: msg})
-	require.NoError(t, err)
-	require.NoError(t, unix.Close(msg))
+	r0 := receive(t, bs[0])
 	copy(bs[2].Bytes(), "two")
 
 	_, err = shm.AttachAll([]shm.BlockRef{ref(bs[1], bs[1].Gen()), ref(bs[2], bs[2].Gen()+1)})
@@ -803,10 +797,7 @@ func TestAttachAllByIdentity(t *testing.T) {
 	more := mustAlloc(t, p, 4<<10)
 	defer more.Release()
 	copy(again.Bytes(), "again")
-	msg = send(t, again)
-	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: again.Segment().Size()}, Offset: again.Offset(), Size: 4 << 10, Gen: again.Gen(), Ticket: msg})
-	require.NoError(t, err)
-	require.NoError(t, unix.Close(msg))
+	r := receive(t, again)
 	got, err := shm.AttachAll([]shm.BlockRef{ref(again, again.Gen()), ref(more, more.Gen()), ref(again, again.Gen())})
 	require.NoError(t, err)
 	require.Len(t, got, 3)
@@ -828,16 +819,14 @@ func TestReclaimAsksAgainAfterTheBump(t *testing.T) {
 	a := mustAlloc(t, p, 4<<10)
 	seg := keep.Segment()
 	require.Equal(t, seg, a.Segment())
-	msg := send(t, keep) // this process maps the segment as a receiver
-	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: keep.Offset(), Size: 4 << 10, Gen: keep.Gen(), Ticket: msg})
-	require.NoError(t, err)
-	require.NoError(t, unix.Close(msg))
+	r := receive(t, keep)
 	keep.Busy() // retires the ticket description
 	off, ref := a.Offset(), shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: a.Offset(), Size: 4 << 10, Gen: a.Gen(), Ticket: -1}
 	copy(a.Bytes(), "mine")
 	require.NoError(t, a.Release()) // pending
 
 	var got *shm.Block
+	var err error
 	shm.RaceBump(t, func() {
 		if got == nil {
 			got, err = shm.Attach(ref) // locks, then finds the old generation
@@ -868,10 +857,7 @@ func TestAttachAllHoldsAgainstReclaim(t *testing.T) {
 	a := mustAlloc(t, p, 4<<10)
 	b := mustAlloc(t, p, 4<<10)
 	seg := a.Segment()
-	msg := send(t, a)
-	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: a.Offset(), Size: 4 << 10, Gen: a.Gen(), Ticket: msg})
-	require.NoError(t, err)
-	require.NoError(t, unix.Close(msg))
+	r := receive(t, a)
 	got, err := shm.AttachAll([]shm.BlockRef{{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: b.Offset(), Size: 4 << 10, Gen: b.Gen(), Ticket: -1}})
 	require.NoError(t, err)
 	require.NoError(t, r.Release())
@@ -903,4 +889,15 @@ func TestReclaimAsksAfresh(t *testing.T) {
 	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: c.Offset(), Size: 4 << 10, Gen: gen, Ticket: msg})
 	require.NoError(t, err, "the message's block was not recycled under it")
 	require.NoError(t, r.Release())
+}
+
+// receive returns b as a receiver holds it: attached from a message that
+// carried b's ticket, the message then closed.
+func receive(t *testing.T, b *shm.Block) *shm.Block {
+	t.Helper()
+	msg := send(t, b)
+	defer unix.Close(msg)
+	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: b.Segment().Size()}, Offset: b.Offset(), Size: b.Size(), Gen: b.Gen(), Ticket: msg})
+	require.NoError(t, err)
+	return r
 }
