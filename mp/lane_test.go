@@ -371,30 +371,40 @@ func TestPipeLaneStreamKeepsBlocks(t *testing.T) {
 }
 
 // A producer killed with its tensors in the lane, released on its side,
-// costs the reader nothing: each arrives whole, then ErrClosed.
+// costs the reader nothing: each arrives whole, then ErrClosed; also
+// when the reader is slow to take each (past its idle look, which drops
+// the pins of segments whose producers have let go of them).
 func TestPipeLaneProducerKilled(t *testing.T) {
-	leakcheck.Check(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	const n = 100
-	p, status, g := startLane(t, ctx, "lane-produce", n, nil)
-	var first *tensor.Tensor
-	require.NoError(t, p.Recv(ctx, &first))
-	checkInts(t, first, 0)
-	require.NoError(t, first.Release())
-	require.NoError(t, p.Send(ctx, 1))
-	var lent int
-	require.NoError(t, status.Get(ctx, &lent))
-	assert.Equal(t, n, lent, "every tensor after the first went by the lane")
-	kill(t, g)
-	for i := 1; i <= n; i++ {
-		var x *tensor.Tensor
-		require.NoError(t, p.Recv(ctx, &x), "tensor %d", i)
-		checkInts(t, x, i)
-		require.NoError(t, x.Release())
+	for _, c := range []struct {
+		name  string
+		n     int
+		pause time.Duration // the reader works on what it took
+	}{{"reader keeps up", 100, 0}, {"slow reader", 4, 250 * time.Millisecond}} {
+		t.Run(c.name, func(t *testing.T) {
+			leakcheck.Check(t)
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			p, status, g := startLane(t, ctx, "lane-produce", c.n, nil)
+			var first *tensor.Tensor
+			require.NoError(t, p.Recv(ctx, &first))
+			checkInts(t, first, 0)
+			require.NoError(t, first.Release())
+			require.NoError(t, p.Send(ctx, 1))
+			var lent int
+			require.NoError(t, status.Get(ctx, &lent))
+			require.Equal(t, c.n, lent, "every tensor after the first went by the lane")
+			kill(t, g)
+			for i := 1; i <= c.n; i++ {
+				var x *tensor.Tensor
+				require.NoError(t, p.Recv(ctx, &x), "tensor %d", i)
+				checkInts(t, x, i)
+				require.NoError(t, x.Release())
+				time.Sleep(c.pause)
+			}
+			var x *tensor.Tensor
+			assert.ErrorIs(t, p.Recv(ctx, &x), mp.ErrClosed)
+		})
 	}
-	var x *tensor.Tensor
-	assert.ErrorIs(t, p.Recv(ctx, &x), mp.ErrClosed)
 }
 
 // A reader killed holding some of a producer's tensors and with the rest
@@ -573,33 +583,6 @@ func TestPipeLaneHandedOnUntaken(t *testing.T) {
 	require.NoError(t, y0.Release())
 	assert.Eventually(t, func() bool { return pool.InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
 		"every block comes back to the producer")
-}
-
-// A producer killed with tensors in the lane, their reader slow to take
-// each (past its idle look, which drops the pins of segments whose
-// producers have let go of them): each arrives whole all the same.
-func TestPipeLaneProducerKilledSlowReader(t *testing.T) {
-	leakcheck.Check(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	const n = 4
-	p, status, g := startLane(t, ctx, "lane-produce", n, nil)
-	var first *tensor.Tensor
-	require.NoError(t, p.Recv(ctx, &first))
-	checkInts(t, first, 0)
-	require.NoError(t, first.Release())
-	require.NoError(t, p.Send(ctx, 1))
-	var lent int
-	require.NoError(t, status.Get(ctx, &lent))
-	require.Equal(t, n, lent)
-	kill(t, g)
-	for i := 1; i <= n; i++ {
-		var x *tensor.Tensor
-		require.NoError(t, p.Recv(ctx, &x), "tensor %d", i)
-		checkInts(t, x, i)
-		require.NoError(t, x.Release())
-		time.Sleep(250 * time.Millisecond) // the reader works on what it took
-	}
 }
 
 // A reader killed a while after the writer's last send, the writer's
