@@ -212,8 +212,10 @@ func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint3
 		sleep := sliceEnd.Sub(now)
 		if hasDeadline {
 			if !now.Before(deadline) {
-				// Past it, before the context's own timer says so.
-				return last, context.DeadlineExceeded
+				// Past it, before the context's own timer says so: that
+				// timer sets the context's error and its cause, at once.
+				<-ctx.Done()
+				return last, ctx.Err()
 			}
 			sleep = min(sleep, deadline.Sub(now))
 		}

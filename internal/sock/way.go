@@ -700,8 +700,11 @@ func (w *Way) recvShared(ctx context.Context) (Msg, error) {
 	wait, cancel := context.WithTimeout(ctx, roleRetry)
 	m, err := w.shared.Recv(wait)
 	cancel()
-	if err != nil && ctx.Err() == nil && wait.Err() != nil {
-		return Msg{}, errRetry
+	switch {
+	case err != nil && ctx.Err() != nil:
+		return Msg{}, ctx.Err()
+	case errors.Is(err, context.DeadlineExceeded):
+		return Msg{}, errRetry // wait's time (cancel ended wait too)
 	}
 	return m, err
 }
