@@ -174,6 +174,12 @@ func (b *Bell) wake() {
 // while its flag is set, or is killed asleep, costs the next Ring one
 // FUTEX_WAKE for nobody.
 func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint32, error) {
+	return b.WaitUntil(ctx, last, alive, time.Time{})
+}
+
+// WaitUntil is Wait that ends with errWaitedEnough at until, unless it is
+// zero.
+func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, until time.Time) (uint32, error) {
 	if w := atomic.LoadUint32(b.word); w != last {
 		return w, nil
 	}
@@ -218,6 +224,12 @@ func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint3
 				return last, ctx.Err()
 			}
 			sleep = min(sleep, deadline.Sub(now))
+		}
+		if !until.IsZero() {
+			if !now.Before(until) {
+				return last, errWaitedEnough
+			}
+			sleep = min(sleep, until.Sub(now))
 		}
 		ts := unix.NsecToTimespec(int64(sleep))
 		if hook := beforeSleep.Load(); hook != nil {

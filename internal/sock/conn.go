@@ -454,6 +454,10 @@ type Msg struct {
 	tag int64
 }
 
+// Way returns the Way m came by, by its lane or its socket, or nil for a
+// message a Conn received itself.
+func (m Msg) Way() *Way { return m.w }
+
 // ByLane reports whether m came by a Way's lane, not by its socket: it
 // carries no descriptor, and may name blocks by identity (see Way.Maps).
 func (m Msg) ByLane() bool { return m.c == nil && m.w != nil }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -258,6 +259,11 @@ func (l *Lane) WaitSent(ctx context.Context, last uint32, alive func() error) (u
 	return l.sent.Wait(ctx, last, alive)
 }
 
+// WaitSentUntil is WaitSent that ends with errWaitedEnough at until.
+func (l *Lane) WaitSentUntil(ctx context.Context, last uint32, alive func() error, until time.Time) (uint32, error) {
+	return l.sent.WaitUntil(ctx, last, alive, until)
+}
+
 // Nudge wakes the readers and the writer asleep on the lane, if any,
 // without a message: they look at their context and at alive at once.
 func (l *Lane) Nudge() {
@@ -400,4 +406,4 @@ func (l *Lane) setReaderID(off int, id shm.ID) {
 // The reader's page lies in the lane's header, after the bells.
 const readerPage = 1024
 
-var _ [laneHeader - readerPage - pinTable - 16*maxPins]byte // it fits
+var _ [laneHeader - readerPage - sockSends - 4]byte // it fits

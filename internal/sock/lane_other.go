@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"sync/atomic"
+	"time"
 
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/shm"
@@ -63,6 +64,11 @@ func (l *Lane) Nudge() {}
 
 // WaitSent returns an error wrapping errors.ErrUnsupported.
 func (l *Lane) WaitSent(ctx context.Context, last uint32, alive func() error) (uint32, error) {
+	return last, errNoLane
+}
+
+// WaitSentUntil returns an error wrapping errors.ErrUnsupported.
+func (l *Lane) WaitSentUntil(ctx context.Context, last uint32, alive func() error, until time.Time) (uint32, error) {
 	return last, errNoLane
 }
 

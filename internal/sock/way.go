@@ -73,8 +73,9 @@ type Way struct {
 	mem    *fd.FD // the lane's memory, or nil for a pipe without one
 	writes bool   // this process writes the lane (else it reads it)
 
-	sem    chan struct{} // held by the one call, and a received Msg until Done
-	closed atomic.Bool
+	sem     chan struct{} // held by the one call, and a received Msg until Done
+	closed  atomic.Bool
+	waiting atomic.Int32 // calls waiting for sem, or on the lane for a message
 
 	// The role, under sem: lane is mapped and role holds its lock, or
 	// both are nil and tried says when a try last failed. lane stays set
@@ -88,6 +89,12 @@ type Way struct {
 	broken bool
 
 	alive func() error // the Way's check of its peer, made once
+
+	// fair: the Way of a queue, which any number of processes may read
+	// (see NewFairWay); its reader waits on the lane for sleep at most
+	// (laneSleep; tests change it).
+	fair  bool
+	sleep time.Duration
 
 	// The reader's role's idle timer (see letGoIdle), and the count of
 	// receives ended, now and when it last looked; under sem.
@@ -116,8 +123,11 @@ type Way struct {
 	rbuf     []byte
 	none     fd.Set // a lane message's descriptors: none
 	draining bool   // at a marker: the socket first
-	atMarker bool   // and no message received from it since the marker
-	stash    Msg    // a socket message that follows entries not yet taken
+	// sockSeen: the lane's sockSends when a fair Way's reader last found
+	// the socket empty
+	sockSeen uint32
+	atMarker bool // and no message received from it since the marker
+	stash    Msg  // a socket message that follows entries not yet taken
 	stashed  bool
 }
 
@@ -168,6 +178,20 @@ func NewWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 	return w
 }
 
+// NewFairWay returns the Way of a queue's socket, shared, as NewWay
+// does, for a queue that any number of processes may read: its writer
+// hands a message to the lane only while the lane's reader waits on it,
+// every entry taken, and to the socket otherwise, which every reader
+// receives from. So no message waits in the lane behind a reader that is
+// busy while another waits on the socket: the lane saves the system calls
+// of a hand-off to a waiting reader, and keeps none of the socket's
+// sharing out of messages among readers.
+func NewFairWay(shared *Conn, mem *fd.FD, writes bool) *Way {
+	w := NewWay(shared, mem, writes)
+	w.fair, w.sleep = true, laneSleep
+	return w
+}
+
 // CreateWayLane makes the memory of a Way's lane, owned by the caller.
 func CreateWayLane() (*fd.FD, error) { return CreateLane(WayEntries, WayEntry) }
 
@@ -184,11 +208,22 @@ func (w *Way) Dup() (*fd.FD, error) {
 	return dup, nil
 }
 
-// lock takes the Way's one call, waiting until ctx ends.
-func (w *Way) lock(ctx context.Context) error {
+// Waiting returns how many calls of this process wait on the Way now:
+// for another call of this process to finish, or for a message in the
+// lane; and, on its socket, for the socket to be ready.
+func (w *Way) Waiting() int { return int(w.waiting.Load()) + w.shared.Waiting() }
+
+// lockCall takes the Way's one call, waiting until ctx ends if block,
+// else returning ErrWouldBlock at once while another call holds it.
+func (w *Way) lockCall(ctx context.Context, block bool) error {
 	select {
 	case w.sem <- struct{}{}:
 	default:
+		if !block {
+			return ErrWouldBlock
+		}
+		w.waiting.Add(1)
+		defer w.waiting.Add(-1)
 		select {
 		case w.sem <- struct{}{}:
 		case <-ctx.Done():
@@ -254,6 +289,11 @@ func (w *Way) taken() *Lane {
 		return nil
 	}
 	l := w.lane.Load()
+	if w.fair && !w.writes && laneSleepers.Load() >= laneWaiters && (l == nil || l.Sent() == l.Taken()) {
+		// No lane wait to be had now, nor an entry to take: the socket
+		// (see waitFair), without the system calls of a role.
+		return nil
+	}
 	if l == nil {
 		var err error
 		if l, err = OpenLane(w.mem); err != nil {
@@ -323,20 +363,59 @@ func (w *Way) LetGo() {
 
 // Send sends data and the descriptors fds, which stay the caller's: by
 // the lane if this process holds the writer's role and the message fits
-// an entry without descriptors, else by the socket (see Way). It waits
-// while the lane is full, until ctx ends or the readers are gone.
+// an entry without descriptors (for a fair Way, if the lane's reader
+// waits for it too), else by the socket (see Way). It waits while the
+// lane is full, until ctx ends or the readers are gone.
 func (w *Way) Send(ctx context.Context, data []byte, fds []int) error {
-	if err := w.lock(ctx); err != nil {
+	return w.send(ctx, data, fds, nil, true)
+}
+
+// TrySend is Send that returns ErrWouldBlock instead of waiting: for a
+// full socket, or a send of this process under way on the Way. A full
+// lane sends by the socket.
+func (w *Way) TrySend(ctx context.Context, data []byte, fds []int) error {
+	return w.send(ctx, data, fds, nil, false)
+}
+
+// SendLent sends data, a message that names the blocks lent by their
+// segments' identity alone (see Maps), by the lane, which takes the loans
+// over: they are returned once the reader holds the blocks, or is gone.
+// A message that cannot go by the lane now (this process does not hold
+// the writer's role, a marker is owed, it does not fit an entry, or, for
+// a fair Way, the reader does not wait for it) is carry.ErrNoLane, the
+// loans still the caller's; so is any error. With nothing lent it is
+// Send. It is a carry.SendFunc.
+func (w *Way) SendLent(ctx context.Context, data []byte, fds []int, lent []*shm.Block) error {
+	return w.send(ctx, data, fds, lent, true)
+}
+
+// TrySendLent is SendLent that returns ErrWouldBlock instead of waiting,
+// as TrySend does.
+func (w *Way) TrySendLent(ctx context.Context, data []byte, fds []int, lent []*shm.Block) error {
+	return w.send(ctx, data, fds, lent, false)
+}
+
+func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Block, block bool) error {
+	if len(lent) > 0 && len(fds) > 0 {
+		return carry.ErrNoLane // never made so
+	}
+	if err := w.lockCall(ctx, block); err != nil {
 		return err
 	}
 	defer func() { <-w.sem }()
 	l := w.taken()
 	if l == nil {
+		if len(lent) > 0 {
+			return carry.ErrNoLane
+		}
 		w.onSock = true
-		if err := w.shared.Send(ctx, data, fds); err != nil {
+		if err := w.shared.send(ctx, data, fds, -1, block); err != nil {
 			return err
 		}
 		if l := w.lane.Load(); l != nil {
+			if w.fair {
+				l.readerWord(sockSends).Add(1) // see handsOver
+			}
 			l.Nudge() // a reader asleep on the lane looks at the socket
 		}
 		return nil
@@ -345,14 +424,30 @@ func (w *Way) Send(ctx context.Context, data []byte, fds []int) error {
 	if w.owed {
 		w.owed = l.TrySend(marker) != nil
 	}
-	if len(fds) == 0 && 1+len(data) <= l.Room() && !w.owed {
-		err := w.sendEntry(ctx, l, data)
-		if !errors.Is(err, errCounts) {
+	if len(fds) == 0 && 1+len(data) <= l.Room() && !w.owed && w.handsOver(l, l.Tail(), true) {
+		pos := l.Tail()
+		err := w.sendEntry(ctx, l, data, block)
+		if err != nil && w.fair {
+			l.readerWord(readerWaits).CompareAndSwap(waitClaimed, waitOnLane) // no entry comes
+		}
+		switch {
+		case err == nil && len(lent) > 0:
+			w.ledger.lend(pos, lent)
+			w.settler.Reset(settleEvery)
+			lentSent.Add(1)
+			return nil
+		case len(lent) > 0 && (errors.Is(err, errCounts) || errors.Is(err, ErrWouldBlock)):
+			return carry.ErrNoLane // the socket serves now
+		case errors.Is(err, errCounts):
+			return w.shared.send(ctx, data, fds, -1, block) // the socket serves now
+		case !errors.Is(err, ErrWouldBlock):
 			return err
 		}
-		return w.shared.Send(ctx, data, fds) // the socket serves now
+		// A full lane, not waited for: the socket, after its entries.
+	} else if len(lent) > 0 {
+		return carry.ErrNoLane
 	}
-	if err := w.shared.send(ctx, data, fds, int64(l.Tail()), true); err != nil {
+	if err := w.shared.send(ctx, data, fds, int64(l.Tail()), block); err != nil {
 		return err
 	}
 	// The message is sent: whatever becomes of its marker, it is the
@@ -361,59 +456,52 @@ func (w *Way) Send(ctx context.Context, data []byte, fds []int) error {
 	return nil
 }
 
-// SendLent sends data, a message that names the blocks lent by their
-// segments' identity alone (see Maps), by the lane, which takes the loans
-// over: they are returned once the reader holds the blocks, or is gone.
-// A message that cannot go by the lane now (this process does not hold
-// the writer's role, a marker is owed, or it does not fit an entry) is
-// carry.ErrNoLane, the loans still the caller's; so is any error. With
-// nothing lent it is Send. It is a carry.SendFunc.
-func (w *Way) SendLent(ctx context.Context, data []byte, fds []int, lent []*shm.Block) error {
-	if len(lent) == 0 {
-		return w.Send(ctx, data, fds)
+// handsOver reports whether the lane l may take the writer's next
+// message, at tail: always, but for a fair Way only while its reader
+// waits on it with every entry before tail taken. With claim, a fair
+// Way's writer that may send claims the reader's wait (waitClaimed), so
+// that the reader waits on the lane until the entry comes (see waitFair);
+// it then publishes the entry, or gives the wait back.
+func (w *Way) handsOver(l *Lane, tail uint32, claim bool) bool {
+	if !w.fair {
+		return true
 	}
-	if len(fds) > 0 {
-		return carry.ErrNoLane // never made so
+	waits := l.readerWord(readerWaits)
+	if waits == nil || l.Taken() != tail {
+		return false
 	}
-	if err := w.lock(ctx); err != nil {
-		return err
+	if claim && !waits.CompareAndSwap(waitOnLane, waitClaimed) || !claim && waits.Load() != waitOnLane {
+		return false
 	}
-	defer func() { <-w.sem }()
-	l := w.taken()
-	if l == nil || 1+len(data) > l.Room() {
-		return carry.ErrNoLane
-	}
-	w.ledger.settle(l, w.mem, false)
-	if w.owed {
-		if w.owed = l.TrySend(marker) != nil; w.owed {
-			return carry.ErrNoLane
+	// A message another writer sent by the socket since the reader found
+	// it empty may have been sent before this one (as a pool's notice of
+	// a worker's exit follows the worker's last reply): this one follows
+	// it on the socket.
+	if l.readerWord(sockSends).Load() != l.readerWord(waitsAt).Load() {
+		if claim {
+			waits.CompareAndSwap(waitClaimed, waitOnLane)
 		}
+		return false
 	}
-	pos := l.Tail()
-	err := w.sendEntry(ctx, l, data)
-	if errors.Is(err, errCounts) {
-		return carry.ErrNoLane // the socket serves now
-	}
-	if err != nil {
-		return err
-	}
-	w.ledger.lend(pos, lent)
-	w.settler.Reset(settleEvery)
-	lentSent.Add(1)
-	return nil
+	return true
 }
 
 // sendEntry publishes data in the lane l as the next value entry, unless
-// the readers are gone, waiting for room. If a peer wrote the lane's
+// the readers are gone, waiting for room if block (else ErrWouldBlock). If a peer wrote the lane's
 // counts (errCounts), this process gives up the lane for good: the
 // socket serves it from then on. The caller holds sem and the writer's
 // role.
-func (w *Way) sendEntry(ctx context.Context, l *Lane, data []byte) error {
+func (w *Way) sendEntry(ctx context.Context, l *Lane, data []byte, block bool) error {
 	if err := w.readersGone(); err != nil {
 		return err
 	}
 	w.wbuf = append(append(w.wbuf[:0], kindValue), data...)
-	err := l.Send(ctx, w.wbuf, w.alive)
+	var err error
+	if block {
+		err = l.Send(ctx, w.wbuf, w.alive)
+	} else {
+		err = l.TrySend(w.wbuf)
+	}
 	if errors.Is(err, errCounts) {
 		w.letGo(true)
 		w.onSock = true
@@ -489,11 +577,17 @@ func (w *Way) readerAlive() error {
 // Recv receives the next message, waiting for one until ctx ends, the
 // Way is closed, or the writers are gone and nothing they sent is left
 // (ErrClosed). The caller ends it with its Done.
-func (w *Way) Recv(ctx context.Context) (Msg, error) {
-	if err := w.lock(ctx); err != nil {
+func (w *Way) Recv(ctx context.Context) (Msg, error) { return w.receive(ctx, true) }
+
+// TryRecv is Recv that returns ErrWouldBlock instead of waiting: for no
+// message now, or a receive of this process under way on the Way.
+func (w *Way) TryRecv(ctx context.Context) (Msg, error) { return w.receive(ctx, false) }
+
+func (w *Way) receive(ctx context.Context, block bool) (Msg, error) {
+	if err := w.lockCall(ctx, block); err != nil {
 		return Msg{}, err
 	}
-	m, err := w.recv(ctx)
+	m, err := w.recv(ctx, block)
 	if err != nil {
 		w.recvDone()
 		return Msg{}, err
@@ -502,7 +596,7 @@ func (w *Way) Recv(ctx context.Context) (Msg, error) {
 	return m, nil
 }
 
-func (w *Way) recv(ctx context.Context) (Msg, error) {
+func (w *Way) recv(ctx context.Context, block bool) (Msg, error) {
 	for pass := 1; ; pass++ {
 		if err := checkEvery(ctx, pass); err != nil {
 			return Msg{}, err // a peer that keeps writing markers
@@ -514,7 +608,7 @@ func (w *Way) recv(ctx context.Context) (Msg, error) {
 			return w.stash, nil
 		}
 		if l == nil {
-			m, err := w.recvShared(ctx)
+			m, err := w.recvShared(ctx, block)
 			if errors.Is(err, errRetry) {
 				continue
 			}
@@ -573,7 +667,43 @@ func (w *Way) recv(ctx context.Context) (Msg, error) {
 		if last != l.Taken() {
 			continue // sent since: take it
 		}
-		_, err = l.WaitSent(ctx, last, w.alive)
+		if w.fair {
+			// Before a wait on the lane, the messages that writers
+			// without the role sent by the socket since the reader
+			// last found it empty (see handsOver).
+			if c := l.readerWord(sockSends).Load(); c != w.sockSeen {
+				m, ok, err := w.fromSocket(ctx, l)
+				if err != nil || ok {
+					return m, err
+				}
+				w.sockSeen = c
+				continue
+			}
+		}
+		if !block {
+			// No wait: one look at the socket, for what the lane's
+			// writer did not mark (other writers') or marked since.
+			m, ok, err := w.fromSocket(ctx, l)
+			if err != nil || ok {
+				return m, err
+			}
+			return Msg{}, ErrWouldBlock
+		}
+		if w.fair {
+			var m Msg
+			var ok bool
+			m, ok, err = w.waitFair(ctx, l, last)
+			if ok {
+				return m, nil
+			}
+			if err == nil {
+				continue // the lane has an entry, or the writer sends one
+			}
+		} else {
+			w.waiting.Add(1)
+			_, err = l.WaitSent(ctx, last, w.alive)
+			w.waiting.Add(-1)
+		}
 		switch {
 		case errors.Is(err, errSocketReady):
 			w.draining = true // the socket until it is empty
@@ -591,6 +721,76 @@ func (w *Way) recv(ctx context.Context) (Msg, error) {
 			return Msg{}, err
 		}
 	}
+}
+
+// The states of a fair Way's reader's wait, in the reader's page
+// (readerWaits): the writer hands an entry to the lane only from
+// waitOnLane, which it makes waitClaimed first.
+const (
+	waitNone    = 0 // not waiting on the lane: the writer sends by the socket
+	waitOnLane  = 1 // waiting on the lane
+	waitClaimed = 2 // and a writer publishes an entry for it
+)
+
+// Lane waits of fair Ways hold a thread each: at most laneWaiters in a
+// process at once, each for at most laneSleep; a reader without one
+// waits on its socket, parked, as the writer sends there meanwhile.
+const (
+	laneWaiters = 8
+	laneSleep   = 100 * time.Millisecond
+)
+
+// laneSleepers counts the fair Ways' readers waiting on a lane now.
+var laneSleepers atomic.Int32
+
+// errWaitedEnough ends a Bell's WaitUntil at its time.
+var errWaitedEnough = errors.New("mp: waited on a lane for as long as allowed")
+
+// waitFair waits for a message as a fair Way's reader whose lane is
+// empty (last its count of entries sent): on the lane while it can hold
+// a thread for it (laneWaiters, laneSleep), saying so in the reader's
+// page (waitOnLane) so that the writer hands its next message to the
+// lane, and then on the socket, parked, where the writer sends while it
+// does not. A wait that the writer claimed (waitClaimed: an entry comes)
+// is not left for the socket. It returns a socket message for the caller
+// (ok), or nothing, for the caller to look at the lane again, or an error
+// as Way.recv's wait on the lane does.
+func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32) (Msg, bool, error) {
+	waits := l.readerWord(readerWaits)
+	if laneSleepers.Add(1) <= laneWaiters {
+		l.readerWord(waitsAt).Store(w.sockSeen)
+		waits.Store(waitOnLane)
+		w.waiting.Add(1)
+		_, err := l.WaitSentUntil(ctx, last, w.alive, time.Now().Add(w.sleep))
+		w.waiting.Add(-1)
+		laneSleepers.Add(-1)
+		if !waits.CompareAndSwap(waitOnLane, waitNone) {
+			// Claimed: the entry is next, whatever ended the wait.
+			waits.Store(waitNone)
+			if errors.Is(err, errWaitedEnough) {
+				err = nil
+			}
+			return Msg{}, false, err
+		}
+		if !errors.Is(err, errWaitedEnough) {
+			return Msg{}, false, err
+		}
+		if l.Sent() != last {
+			return Msg{}, false, nil
+		}
+	} else {
+		laneSleepers.Add(-1)
+	}
+	m, err := w.shared.Recv(ctx)
+	switch {
+	case errors.Is(err, errConnClosed):
+		return Msg{}, false, errWayClosed
+	case errors.Is(err, ErrClosed):
+		return Msg{}, false, errWritersGone // what they left is received before ErrClosed
+	case err != nil:
+		return Msg{}, false, err
+	}
+	return w.place(m, l)
 }
 
 // fromLane takes the lane's next entry, if any: a message (ok), or a
@@ -692,12 +892,19 @@ var errRetry = errors.New("mp: try for the role again")
 
 // recvShared receives on the socket, for a process without the reader's
 // role, waiting until ctx ends or, while the lane may still be taken,
-// roleRetry (errRetry).
-func (w *Way) recvShared(ctx context.Context) (Msg, error) {
+// roleRetry (errRetry); unless block, it does not wait.
+func (w *Way) recvShared(ctx context.Context, block bool) (Msg, error) {
+	if !block {
+		return w.shared.TryRecv(ctx)
+	}
 	if w.broken {
 		return w.shared.Recv(ctx)
 	}
-	wait, cancel := context.WithTimeout(ctx, roleRetry)
+	retry := roleRetry
+	if w.fair {
+		retry = laneSleep // the writer sends by the socket while it waits there
+	}
+	wait, cancel := context.WithTimeout(ctx, retry)
 	m, err := w.shared.Recv(wait)
 	cancel()
 	switch {

@@ -77,12 +77,21 @@ import (
 //	+8   count: segments listed
 //	+12  acked: the reader has done with every entry before this position
 //	+16  the list: count identities (device, inode), 16 bytes each
+//	+1040 waits: a fair Way's reader's wait (see waitFair), which the
+//	     writer claims before it hands the lane an entry
+//	+1044 waitsAt: sockSends as the reader last found the socket empty
+//	+1048 sockSends: a count of the messages that writers without the
+//	     role sent by the socket, which they bump (a fair Way's)
 const (
 	pinSeq   = 0
 	pinOwner = 4
 	pinCount = 8
 	pinAcked = 12
 	pinTable = 16
+
+	readerWaits = pinTable + 16*maxPins
+	waitsAt     = readerWaits + 4
+	sockSends   = readerWaits + 8
 
 	// maxPins and maxPinBytes bound the segments a reader pins for a
 	// Way: pinned segments keep their memory until the Way closes, even
@@ -142,7 +151,8 @@ type ledger struct {
 // Maps reports whether a message of this Way's writer may name b by its
 // segment's identity alone (carry.Lane): b is a block of this process's
 // pool, in a sealed segment of its own (not a named one, or one whose data
-// lies elsewhere), and the lane's reader lists the segment as pinned.
+// lies elsewhere), the lane's reader lists the segment as pinned, and,
+// for a fair Way, the lane would take a message now (handsOver).
 func (w *Way) Maps(b *shm.Block) bool {
 	if !w.writes || !w.writing.Load() || !b.Produced() || b.Named() || b.InExtent() {
 		return false
@@ -150,7 +160,7 @@ func (w *Way) Maps(b *shm.Block) bool {
 	w.viewMu.Lock()
 	defer w.viewMu.Unlock()
 	l := w.lane.Load()
-	if l == nil || w.viewClosed {
+	if l == nil || w.viewClosed || !w.handsOver(l, l.Sent(), false) {
 		return false
 	}
 	seq := l.readerWord(pinSeq)

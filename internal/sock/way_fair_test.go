@@ -1,0 +1,297 @@
+//go:build linux
+
+package sock
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tensormp/tensormp/internal/fd"
+	"github.com/tensormp/tensormp/internal/leakcheck"
+)
+
+// fairPair is wayPair for a queue: the writer and the reader are fair
+// Ways (NewFairWay), w over the socket's end that puts, r over the one
+// that gets.
+func fairPair(t *testing.T) (w, r *Way, mem *fd.FD) {
+	t.Helper()
+	w, r, mem = wayPair(t)
+	w.fair, r.fair = true, true
+	w.sleep, r.sleep = laneSleep, laneSleep
+	return w, r, mem
+}
+
+// recvWay receives the next message on r and returns its index and
+// whether it came by the lane.
+func recvWay(t *testing.T, ctx context.Context, r *Way) (int, bool) {
+	t.Helper()
+	m, err := r.Recv(ctx)
+	require.NoError(t, err)
+	defer m.Done()
+	require.GreaterOrEqual(t, len(m.Data), 4)
+	return int(binary.LittleEndian.Uint32(m.Data)), m.ByLane()
+}
+
+// gotMsg is a message a goroutine gotMsg: its index, whether it came
+// by the lane, and the receive's error.
+type gotMsg struct {
+	i      int
+	byLane bool
+	err    error
+}
+
+// recvLater receives one message on r in a goroutine.
+func recvLater(ctx context.Context, r *Way) <-chan gotMsg {
+	got := make(chan gotMsg, 1)
+	go func() {
+		m, err := r.Recv(ctx)
+		if err != nil {
+			got <- gotMsg{err: err}
+			return
+		}
+		defer m.Done()
+		got <- gotMsg{i: int(binary.LittleEndian.Uint32(m.Data)), byLane: m.ByLane()}
+	}()
+	return got
+}
+
+// waitsOnLane waits until r's reader waits on the lane, as its writer
+// sees it.
+func waitsOnLane(t *testing.T, r *Way) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		l := r.lane.Load()
+		return l != nil && l.readerWord(readerWaits).Load() == waitOnLane
+	}, 10*time.Second, 50*time.Microsecond, "the reader never waited on the lane")
+}
+
+// A fair Way's writer hands a message to the lane only while the reader
+// waits on it: one sent while the reader is busy goes by the socket, from
+// which any reader may take it.
+func TestFairWayHandsOnlyToAWaitingReader(t *testing.T) {
+	leakcheck.Check(t)
+	w, r, _ := fairPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
+	i, byLane := recvWay(t, ctx, r)
+	assert.Equal(t, 0, i)
+	assert.False(t, byLane, "sent with no reader waiting")
+
+	for k := 1; k <= 3; k++ {
+		got := recvLater(ctx, r)
+		waitsOnLane(t, r)
+		require.NoError(t, w.Send(ctx, wayMsg(k, 8), nil))
+		g := <-got
+		require.NoError(t, g.err)
+		assert.Equal(t, k, g.i)
+		assert.True(t, g.byLane, "message %d: sent to a waiting reader", k)
+	}
+
+	require.NoError(t, w.Send(ctx, wayMsg(4, 8), nil)) // the reader is busy
+	i, byLane = recvWay(t, ctx, r)
+	assert.Equal(t, 4, i)
+	assert.False(t, byLane, "sent while the reader did not wait")
+}
+
+// A reader whose wait the writer claimed waits on the lane for the entry,
+// however long after laneSleep it comes: it does not go to the socket and
+// leave the entry behind.
+func TestFairWayClaimedWaitGetsItsEntry(t *testing.T) {
+	leakcheck.Check(t)
+	w, r, _ := fairPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // w takes the role
+	recvWay(t, ctx, r)
+	got := recvLater(ctx, r)
+	waitsOnLane(t, r)
+
+	w.sem <- struct{}{}
+	l := w.taken()
+	require.True(t, w.handsOver(l, l.Tail(), true), "the writer claims the wait")
+	time.Sleep(laneSleep + 50*time.Millisecond)
+	require.NoError(t, w.sendEntry(ctx, l, wayMsg(1, 8), true))
+	<-w.sem
+
+	select {
+	case g := <-got:
+		require.NoError(t, g.err)
+		assert.Equal(t, 1, g.i)
+		assert.True(t, g.byLane)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the claimed entry was left in the lane")
+	}
+}
+
+// Beyond laneWaiters readers waiting on lanes at once, a reader waits on
+// its socket, parked, without saying it waits on the lane: the writer
+// sends there.
+func TestFairWayParksBeyondItsThreads(t *testing.T) {
+	leakcheck.Check(t)
+	w, r, _ := fairPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
+	recvWay(t, ctx, r)
+
+	laneSleepers.Add(laneWaiters) // every lane wait is taken
+	defer laneSleepers.Add(-laneWaiters)
+	r.sleep = time.Hour // a reader that waited on the lane would not park
+	got := recvLater(ctx, r)
+	require.Eventually(t, func() bool { return r.shared.Waiting() == 1 }, 10*time.Second, 50*time.Microsecond, "the reader never waited on the socket")
+	assert.Equal(t, uint32(waitNone), r.lane.Load().readerWord(readerWaits).Load(), "a parked reader does not wait on the lane")
+	assert.Equal(t, 1, r.Waiting())
+	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
+	g := <-got
+	require.NoError(t, g.err)
+	assert.Equal(t, 1, g.i)
+	assert.False(t, g.byLane)
+}
+
+// A message that a writer without the role sent by the socket comes
+// before one that the role's writer sends after it, to a reader waiting on
+// the lane all along: once the socket has had a message since the reader
+// found it empty, the lane takes none (as a pool's notice of a worker's
+// exit must follow the worker's last reply), until the reader has found
+// it empty again.
+func TestFairWayOtherWritersComeFirst(t *testing.T) {
+	leakcheck.Check(t)
+	w, r, mem := fairPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	dup, err := mem.Dup()
+	require.NoError(t, err)
+	w2 := NewFairWay(w.shared, dup, true)
+	defer w2.Close()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // w takes the role
+	recvWay(t, ctx, r)
+
+	for k := 1; k <= 20; k += 2 {
+		got := recvLater(ctx, r)
+		waitsOnLane(t, r)
+		require.NoError(t, w2.Send(ctx, wayMsg(k, 8), nil))
+		w.sem <- struct{}{}
+		l := w.lane.Load()
+		lane := w.handsOver(l, l.Tail(), false)
+		<-w.sem
+		assert.False(t, lane, "message %d: the lane would take it", k+1)
+		require.NoError(t, w.Send(ctx, wayMsg(k+1, 8), nil))
+		g := <-got
+		require.NoError(t, g.err)
+		assert.Equal(t, k, g.i, "the other writer's message first")
+		i, _ := recvWay(t, ctx, r)
+		assert.Equal(t, k+1, i)
+	}
+	assert.False(t, holds(w2), "the other writer took the role")
+
+	// The reader, having found the socket empty since, is handed the
+	// next message by the lane again.
+	got := recvLater(ctx, r)
+	waitsOnLane(t, r)
+	require.NoError(t, w.Send(ctx, wayMsg(100, 8), nil))
+	g := <-got
+	require.NoError(t, g.err)
+	assert.Equal(t, 100, g.i)
+	assert.True(t, g.byLane, "the lane serves again")
+}
+
+// TryRecv takes what there is, by the lane or the socket, and returns
+// ErrWouldBlock for nothing, or while a receive of this process is under
+// way; TrySend sends.
+func TestFairWayTryRecv(t *testing.T) {
+	leakcheck.Check(t)
+	w, r, _ := fairPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	_, err := r.TryRecv(ctx)
+	assert.ErrorIs(t, err, ErrWouldBlock)
+	require.NoError(t, w.TrySend(ctx, wayMsg(1, 8), nil))
+	m, err := r.TryRecv(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, wayMsg(1, 8), m.Data)
+	m.Done()
+	_, err = r.TryRecv(ctx)
+	assert.ErrorIs(t, err, ErrWouldBlock)
+
+	got := recvLater(ctx, r)
+	waitsOnLane(t, r)
+	_, err = r.TryRecv(ctx)
+	assert.ErrorIs(t, err, ErrWouldBlock, "a receive is under way")
+	require.NoError(t, w.TrySend(ctx, wayMsg(2, 8), nil))
+	g := <-got
+	require.NoError(t, g.err)
+	assert.Equal(t, 2, g.i)
+	assert.True(t, g.byLane)
+
+	// An entry in the lane, taken by a TryRecv: one a reader that waited
+	// was handed and did not take (its wait ended first).
+	w.sem <- struct{}{}
+	l := w.taken()
+	require.NoError(t, w.sendEntry(ctx, l, wayMsg(3, 8), false))
+	<-w.sem
+	m, err = r.TryRecv(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, wayMsg(3, 8), m.Data)
+	assert.True(t, m.ByLane())
+	m.Done()
+	_, err = r.TryRecv(ctx)
+	assert.True(t, errors.Is(err, ErrWouldBlock))
+}
+
+// A pipe's TryRecv looks at the socket, for a message of a writer without
+// the role, which nothing in the lane marks.
+func TestWayTryRecvLooksAtTheSocket(t *testing.T) {
+	leakcheck.Check(t)
+	w, r, mem := wayPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	w2 := another(t, w, mem, true)
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // the roles
+	recvIndex(t, ctx, r)
+	require.NoError(t, w2.Send(ctx, wayMsg(1, 8), nil))
+	m, err := r.TryRecv(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, wayMsg(1, 8), m.Data)
+	m.Done()
+	_, err = r.TryRecv(ctx)
+	assert.ErrorIs(t, err, ErrWouldBlock)
+}
+
+// While the lane's reader is busy (it holds the role, and receives
+// nothing), another reader of the same end, waiting on the socket, gets
+// every message: none waits in the lane for the busy one.
+func TestFairWayBusyReaderKeepsNothing(t *testing.T) {
+	leakcheck.Check(t)
+	w, r, mem := fairPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	dup, err := mem.Dup()
+	require.NoError(t, err)
+	r2 := NewFairWay(r.shared, dup, false)
+	defer r2.Close()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
+	recvWay(t, ctx, r) // r takes the reader's role
+	r.idle.Stop()      // and keeps it while it receives nothing
+	require.True(t, holds(r))
+
+	const n = 20
+	for i := 1; i <= n; i++ {
+		require.NoError(t, w.Send(ctx, wayMsg(i, 8), nil))
+	}
+	wait, cancelWait := context.WithTimeout(ctx, 5*time.Second)
+	defer cancelWait()
+	for i := 1; i <= n; i++ {
+		m, err := r2.Recv(wait)
+		require.NoError(t, err, "message %d waits for the busy reader", i)
+		assert.Equal(t, wayMsg(i, 8), m.Data)
+		m.Done()
+	}
+	assert.False(t, holds(r2))
+}
