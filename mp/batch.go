@@ -34,14 +34,14 @@ func GetMany[T any](ctx context.Context, q *Queue, batch []T) ([]T, error) {
 	if len(m.Data) == 0 || !(msgpcode.IsFixedArray(m.Data[0]) || m.Data[0] == msgpcode.Array16 || m.Data[0] == msgpcode.Array32) {
 		var zero T
 		batch = append(batch, zero) // decoded in place: a T of its own would escape
-		if err := decode(m.Data, m.FDs, &batch[len(batch)-1]); err != nil {
+		if err := decodeMsg(m, &batch[len(batch)-1]); err != nil {
 			batch[len(batch)-1] = zero
 			return batch[:len(batch)-1], err
 		}
 		return batch, nil
 	}
 	got := batch[len(batch):] // empty, with the room batch has left
-	if err := decode(m.Data, m.FDs, &got); err != nil {
+	if err := decodeMsg(m, &got); err != nil {
 		clear(batch[len(batch):cap(batch)]) // no half-decoded values left behind
 		return batch, err
 	}

@@ -3,8 +3,8 @@ package mp
 // Waiting returns how many calls of this process wait on q now: Gets for
 // a message, and Puts for room (in the socket, or for a place).
 func Waiting(q *Queue) (gets, puts int) {
-	gets = q.out.Waiting()
-	puts = q.in.Waiting()
+	gets = q.gets.Waiting()
+	puts = q.puts.Waiting()
 	if q.places != nil {
 		puts += q.places.Waiting()
 	}

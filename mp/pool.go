@@ -8,7 +8,7 @@ import (
 	"sync"
 
 	"github.com/tensormp/tensormp/device"
-	"github.com/tensormp/tensormp/internal/fd"
+	"github.com/tensormp/tensormp/internal/sock"
 )
 
 // PoolOption configures NewPool.
@@ -111,7 +111,7 @@ type poolCall struct {
 	// deliver decodes a reply to one of the call's chunks and hands it
 	// to the caller; fail hands the caller a chunk's error. Neither
 	// blocks: the caller's channel has room for every chunk in flight.
-	deliver func(c *chunk, data []byte, fds *fd.Set)
+	deliver func(c *chunk, m sock.Msg)
 	fail    func(c *chunk, err error)
 	ended   bool // the caller has gone: replies are dropped
 }
@@ -308,7 +308,7 @@ func (p *Pool) replies() {
 		ws := p.assignLocked()
 		p.mu.Unlock()
 		if deliver {
-			c.call.deliver(c, m.Data, m.FDs)
+			c.call.deliver(c, m)
 		}
 		m.Done() // what the reply held and deliver did not take goes back
 		p.send(ws)

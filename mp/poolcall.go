@@ -8,7 +8,7 @@ import (
 	"slices"
 	"sync"
 
-	"github.com/tensormp/tensormp/internal/fd"
+	"github.com/tensormp/tensormp/internal/sock"
 )
 
 // Func is a function registered with RegisterFunc that a Pool's workers
@@ -26,7 +26,7 @@ func (f *Func[A, R]) Name() string { return f.name }
 // and returns the reply to send, from the worker of rank and gen, and the
 // failing item's error if one failed.
 type poolFunc struct {
-	run func(ctx context.Context, rank, gen int, data []byte, fds *fd.Set) (any, error)
+	run func(ctx context.Context, rank, gen int, m sock.Msg) (any, error)
 }
 
 var poolFuncs sync.Map // name -> *poolFunc
@@ -39,9 +39,9 @@ var poolFuncs sync.Map // name -> *poolFunc
 // fn runs in a worker process, under the worker's context, once per item;
 // a panic in it is the item's error, and the worker goes on.
 func RegisterFunc[A, R any](name string, fn func(ctx context.Context, arg A) (R, error)) *Func[A, R] {
-	pf := &poolFunc{run: func(ctx context.Context, rank, gen int, data []byte, fds *fd.Set) (any, error) {
+	pf := &poolFunc{run: func(ctx context.Context, rank, gen int, m sock.Msg) (any, error) {
 		var t task[A]
-		if err := decode(data, fds, &t); err != nil {
+		if err := decodeMsg(m, &t); err != nil {
 			return &reply[R]{Call: t.Call, Start: t.Start, Rank: rank, Gen: gen, Failed: true, At: t.Start, Err: err.Error()}, err
 		}
 		out := &reply[R]{Call: t.Call, Start: t.Start, Rank: rank, Gen: gen, Items: make([]R, 0, len(t.Items))}
@@ -102,9 +102,9 @@ func runCall[A, R any](ctx context.Context, p *Pool, f *Func[A, R], items iter.S
 	window := 2 * p.n
 	out := make(chan chunkResult[R], window)
 	pc := &poolCall{
-		deliver: func(c *chunk, data []byte, fds *fd.Set) {
+		deliver: func(c *chunk, m sock.Msg) {
 			var r reply[R]
-			switch err := decode(data, fds, &r); {
+			switch err := decodeMsg(m, &r); {
 			case err != nil:
 				out <- chunkResult[R]{start: c.start, err: &ItemError{Index: c.start, Rank: r.Rank, Err: err}}
 			case r.Failed:

@@ -119,7 +119,7 @@ func poolWorker(ctx context.Context, w *Worker) error {
 		}
 		var rep any
 		if f, ok := poolFuncs.Load(name); ok {
-			rep, err = f.(*poolFunc).run(ctx, a.Rank, a.Gen, m.Data, m.FDs)
+			rep, err = f.(*poolFunc).run(ctx, a.Rank, a.Gen, m)
 		} else {
 			err = fmt.Errorf("no function is registered as %q in the worker (RegisterFunc before Init)", name)
 			rep = &reply[struct{}]{Call: call, Start: start, Rank: a.Rank, Gen: a.Gen, Failed: true, At: start, Err: err.Error()}

@@ -73,6 +73,39 @@ func get(ctx context.Context, c *sock.Conn, v any, block bool) error {
 	return decode(m.Data, m.FDs, v)
 }
 
+// sendLane encodes v and sends it on the Way w, naming by identity the
+// blocks its lane's reader maps (see carry.EncodeLane), waiting for room
+// unless not block.
+func sendLane(ctx context.Context, w *sock.Way, v any, block bool) error {
+	var sendErr error
+	err := carry.EncodeLane(v, w, func(data []byte, fds []int, lent []*shm.Block) error {
+		if block {
+			sendErr = w.SendLent(ctx, data, fds, lent)
+		} else {
+			sendErr = w.TrySendLent(ctx, data, fds, lent)
+		}
+		return sendErr
+	})
+	if err != nil && err != sendErr {
+		return fmt.Errorf("mp: encoding %T: %w", v, err)
+	}
+	return err
+}
+
+// decodeMsg decodes m, received on a Way, into v, taking from its
+// descriptors those the value keeps; the Way pins the segments of blocks
+// that came with descriptors, and rebuilds those its lane named.
+func decodeMsg(m sock.Msg, v any) error {
+	var lane carry.Lane
+	if w := m.Way(); w != nil {
+		lane = w
+	}
+	if err := carry.DecodeFrom(m.Data, m.FDs, v, lane, m.ByLane()); err != nil {
+		return fmt.Errorf("mp: decoding into %T: %w", v, err)
+	}
+	return nil
+}
+
 // recv receives a message on c, waiting for one unless not block.
 func recv(ctx context.Context, c *sock.Conn, block bool) (sock.Msg, error) {
 	if block {
@@ -97,12 +130,29 @@ func decode(data []byte, fds *fd.Set, v any) error {
 // their descriptors in the same sendmsg as the bytes, so a sender may exit
 // as soon as Put returns.
 //
+// Beside its socket, a queue made by NewQueue has a lane in shared memory
+// (see sock.NewFairWay) that hands a value from a putting process to a
+// getting one through memory, with no system call while both are awake,
+// when the getting process waits in Get with nothing queued before it:
+// the value a Pipe's lane would carry (no queue or pipe in it, tensors
+// only of blocks of the putting process's pool in segments the getting
+// one pinned, about 2 KiB encoded). Everything else goes by the socket,
+// which every getting process receives from, so that no value waits in
+// the lane for a busy getter while another waits. One putting process
+// and one getting process use the lane at a time; the lane keeps each
+// putting process's values in order with its socket's.
+//
 // A Queue owns two descriptors (the two ends of a SOCK_SEQPACKET socket
-// pair) in each process that holds it, four with a capacity; Close
-// releases this process's.
+// pair) in each process that holds it, four with a capacity, and a lane's
+// memory descriptor, with two duplicates while it uses it; Close releases
+// this process's.
 type Queue struct {
 	in  *sock.Conn // Put writes here
 	out *sock.Conn // Get reads here
+	// puts and gets are the lane's writing and reading sides in this
+	// process, over in and out: Ways without a lane for a queue that
+	// has none (one made before lanes, or by a foreign process).
+	puts, gets *sock.Way
 
 	// With a capacity, the free places: Put takes one before it sends,
 	// Get gives one back as soon as it has taken a message. Nil without
@@ -148,7 +198,12 @@ func NewQueue(opts ...QueueOption) (*Queue, error) {
 	if err != nil {
 		return nil, err
 	}
-	q, err := queueFrom(pair[0], pair[1])
+	lane, err := sock.CreateWayLane()
+	if err != nil && !errors.Is(err, errors.ErrUnsupported) {
+		fd.CloseEach(pair[:])
+		return nil, err
+	}
+	q, err := queueFrom(pair[0], pair[1], lane)
 	if err != nil || o.capacity == 0 {
 		return q, err
 	}
@@ -159,18 +214,29 @@ func NewQueue(opts ...QueueOption) (*Queue, error) {
 	return q, nil
 }
 
-func queueFrom(in, out *fd.FD) (*Queue, error) {
+// queueFrom returns the queue of the socket's ends in and out and the
+// lane's memory lane, nil for none; it takes all three over.
+func queueFrom(in, out, lane *fd.FD) (*Queue, error) {
+	var reads *fd.FD
+	if lane != nil {
+		var err error
+		if reads, err = lane.Dup(); err != nil {
+			fd.CloseEach([]*fd.FD{in, out, lane})
+			return nil, fmt.Errorf("mp: duplicating a queue's lane: %w%s", err, sock.FDHint(err))
+		}
+	}
 	ci, err := sock.New(in, "queue")
 	if err != nil {
-		_ = out.Close()
+		fd.CloseEach([]*fd.FD{out, lane, reads})
 		return nil, err
 	}
 	co, err := sock.New(out, "queue")
 	if err != nil {
 		_ = ci.Close()
+		fd.CloseEach([]*fd.FD{lane, reads})
 		return nil, err
 	}
-	return &Queue{in: ci, out: co}, nil
+	return &Queue{in: ci, out: co, puts: sock.NewFairWay(ci, lane, true), gets: sock.NewFairWay(co, reads, false)}, nil
 }
 
 // Cap returns the queue's capacity, or 0 if it has none.
@@ -201,7 +267,7 @@ func (q *Queue) put(ctx context.Context, v any, block bool) error {
 			return fullErr(err)
 		}
 	}
-	err := put(ctx, q.in, v, block)
+	err := sendLane(ctx, q.puts, v, block)
 	if err != nil && q.places != nil {
 		q.places.Give()
 	}
@@ -222,14 +288,21 @@ func (q *Queue) get(ctx context.Context, v any, block bool) error {
 		return err
 	}
 	defer m.Done()
-	return decode(m.Data, m.FDs, v)
+	return decodeMsg(m, v)
 }
 
 // take receives the next message, giving its place back at once; the
-// caller decodes it (which takes its descriptors over), then calls its
-// Done.
+// caller decodes it with decodeMsg (which takes its descriptors over),
+// then calls its Done, which the queue's next take in this process waits
+// for.
 func (q *Queue) take(ctx context.Context, block bool) (sock.Msg, error) {
-	m, err := recv(ctx, q.out, block)
+	var m sock.Msg
+	var err error
+	if block {
+		m, err = q.gets.Recv(ctx)
+	} else {
+		m, err = q.gets.TryRecv(ctx)
+	}
 	if errors.Is(err, sock.ErrWouldBlock) {
 		return sock.Msg{}, ErrEmpty
 	}
@@ -252,39 +325,58 @@ func fullErr(err error) error {
 // Close releases this process's hold on the queue and wakes its blocked
 // Put and Get calls with ErrClosed. Other processes keep theirs.
 func (q *Queue) Close() error {
-	err := errors.Join(q.in.Close(), q.out.Close())
+	// The sockets first: that ends the calls that wait on them.
+	err := errors.Join(q.in.Close(), q.out.Close(), q.puts.Close(), q.gets.Close())
 	if q.places != nil {
 		err = errors.Join(err, q.places.Close())
 	}
 	return err
 }
 
-// A queue travels as the indexes of its descriptors (in, out, and with a
-// capacity the places pipe's ends) and, with a capacity, the capacity.
+// A queue travels as the indexes of its descriptors (in, out, with a
+// capacity the places pipe's ends, and the lane's memory, if it has one)
+// and, with a capacity, the capacity, between the places' and the lane's.
 func (q *Queue) encode(enc *msgpack.Encoder) ([]byte, error) {
 	payload, err := encodeConns(enc, q.in, q.out)
-	if err != nil || q.places == nil {
-		return payload, err
-	}
-	r, w, err := q.places.Dup()
 	if err != nil {
-		return nil, fmt.Errorf("mp: sending a queue or pipe: %w", err)
-	}
-	if payload, err = addFDs(enc, payload, r, w); err != nil {
 		return nil, err
 	}
-	return binary.LittleEndian.AppendUint32(payload, uint32(q.places.Cap())), nil
+	if q.places != nil {
+		r, w, err := q.places.Dup()
+		if err != nil {
+			return nil, fmt.Errorf("mp: sending a queue or pipe: %w", err)
+		}
+		if payload, err = addFDs(enc, payload, r, w); err != nil {
+			return nil, err
+		}
+		payload = binary.LittleEndian.AppendUint32(payload, uint32(q.places.Cap()))
+	}
+	lane, err := q.gets.Dup()
+	if err != nil || lane == nil {
+		return payload, err
+	}
+	return addFDs(enc, payload, lane)
 }
 
+// The sizes of a queue's payload: its socket's two descriptors, and as
+// many again with a capacity (the places' and the capacity itself), each
+// with or without a lane's.
+const (
+	queuePlain   = 4 * 2
+	queueLane    = queuePlain + 4
+	queueBounded = 4*4 + 4
+	queueBoth    = queueBounded + 4
+)
+
 func decodeQueue(dec *msgpack.Decoder, n int) (*Queue, error) {
-	bounded := n == 4*4+4
-	if n != 4*2 && !bounded {
+	if n != queuePlain && n != queueLane && n != queueBounded && n != queueBoth {
 		return nil, fmt.Errorf("mp: a queue of %d bytes", n)
 	}
 	payload, err := carry.ReadExt(dec, n)
 	if err != nil {
 		return nil, err
 	}
+	bounded := n >= queueBounded
 	want, capacity := 2, 0
 	if bounded {
 		want, capacity = 4, int(binary.LittleEndian.Uint32(payload[16:]))
@@ -296,15 +388,24 @@ func decodeQueue(dec *msgpack.Decoder, n int) (*Queue, error) {
 	if err != nil {
 		return nil, err
 	}
+	var lane *fd.FD
+	if n == queueLane || n == queueBoth {
+		if lane, err = carry.TakeFD(dec, int(binary.LittleEndian.Uint32(payload[n-4:]))); err != nil {
+			fd.CloseEach(fds)
+			return nil, err
+		}
+	}
 	err = errors.Join(sock.CheckSocket(fds[0]), sock.CheckSocket(fds[1]))
 	if err == nil && bounded {
 		err = sock.CheckPlaces(fds[2], fds[3])
 	}
 	if err != nil {
-		fd.CloseEach(fds)
+		fd.CloseEach(append(fds, lane))
 		return nil, err
 	}
-	q, err := queueFrom(fds[0], fds[1])
+	// A lane that is not one is found at its first use, and the socket
+	// serves alone.
+	q, err := queueFrom(fds[0], fds[1], lane)
 	if err != nil {
 		fd.CloseEach(fds[2:])
 		return nil, err

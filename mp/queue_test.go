@@ -432,7 +432,7 @@ func TestQueueWithABadCapacityIsRefused(t *testing.T) {
 	defer q.Close()
 	data, fds, err := reduction.Marshal(struct{ Q *mp.Queue }{q})
 	require.NoError(t, err)
-	require.Len(t, fds, 4, "both socket ends and both ends of the places pipe")
+	require.Len(t, fds, 5, "both socket ends, both ends of the places pipe, and the lane")
 	i := bytes.LastIndex(data, []byte{7, 0, 0, 0})
 	require.GreaterOrEqual(t, i, 0)
 	data[i] = 0

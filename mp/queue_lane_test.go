@@ -1,0 +1,166 @@
+package mp_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/internal/shm"
+	"github.com/tensormp/tensormp/internal/sock"
+	"github.com/tensormp/tensormp/mp"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// Tensors by a queue's lane: a getter that waits in Get with nothing
+// before it is handed the next value through shared memory, tensors of
+// segments it pins named by identity, as a pipe's reader is.
+
+func init() {
+	mp.Register("queue-lane-answer", workerQueueLaneAnswer)
+	mp.Register("queue-lane-keep", workerQueueLaneKeep)
+}
+
+type queueLaneArgs struct {
+	In, Out *mp.Queue
+	N       int
+}
+
+// workerQueueLaneAnswer takes N tensors from In, checks each (tensor i
+// holds i), releases it and answers with a new tensor of its own that
+// holds i+1; then it puts how many of its answers went by the lane.
+func workerQueueLaneAnswer(ctx context.Context, w *mp.Worker) error {
+	var a queueLaneArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	before := sock.LentSent()
+	for i := range a.N {
+		var x *tensor.Tensor
+		if err := a.In.Get(ctx, &x); err != nil {
+			return err
+		}
+		v, err := tensor.Values[int64](x)
+		_ = x.Release()
+		if err != nil {
+			return err
+		}
+		if len(v) != 512 || v[0] != int64(i) || v[511] != int64(i) {
+			return a.Out.Put(ctx, -1)
+		}
+		y, err := tensor.On(device.CPU()).Shared().Full(tensor.Int64, float64(i+1), 512)
+		if err != nil {
+			return err
+		}
+		err = a.Out.Put(ctx, y)
+		_ = y.Release()
+		if err != nil {
+			return err
+		}
+	}
+	return a.Out.Put(ctx, int(sock.LentSent()-before))
+}
+
+// Tensors go there and back through two queues by their lanes, each
+// side's new tensors named by identity once the other pins their
+// segment, and each arrives whole.
+func TestQueueLaneRoundTrip(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	in, out := newQueue(t), newQueue(t)
+	const n = 300
+	g, err := mp.Spawn(ctx, "queue-lane-answer", 1, mp.WithArgs(queueLaneArgs{In: in, Out: out, N: n}))
+	require.NoError(t, err)
+	before := sock.LentSent()
+	for i := range n {
+		x := newInts(t, i)
+		err := in.Put(ctx, x)
+		require.NoError(t, x.Release())
+		require.NoError(t, err)
+		var y *tensor.Tensor
+		require.NoError(t, out.Get(ctx, &y), "answer %d", i)
+		checkInts(t, y, i+1)
+		require.NoError(t, y.Release())
+	}
+	var theirs int
+	require.NoError(t, out.Get(ctx, &theirs))
+	require.NoError(t, g.Join())
+	mine := int(sock.LentSent() - before)
+	t.Logf("by the lane: %d of %d tensors there, %d of %d back", mine, n, theirs, n)
+	assert.Positive(t, mine, "tensors to a waiting getter went by the lane")
+	assert.Positive(t, theirs, "answers to a waiting getter went by the lane")
+	require.Eventually(t, func() bool { return shm.DefaultPool().InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
+		"every block comes back")
+}
+
+// workerQueueLaneKeep takes N tensors from In, keeping each, and puts its
+// count on Out after each; then it waits to be killed.
+func workerQueueLaneKeep(ctx context.Context, w *mp.Worker) error {
+	var a queueLaneArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	kept := make([]*tensor.Tensor, 0, a.N)
+	defer func() {
+		for _, x := range kept {
+			_ = x.Release()
+		}
+	}()
+	for i := range a.N {
+		var x *tensor.Tensor
+		if err := a.In.Get(ctx, &x); err != nil {
+			return err
+		}
+		kept = append(kept, x)
+		if err := a.Out.Put(ctx, i+1); err != nil {
+			return err
+		}
+	}
+	<-ctx.Done()
+	return nil
+}
+
+// A getter killed holding tensors that came by the lane gives them all
+// back: its holds die with it, and the putter's loans come back once no
+// process pins for the lane.
+func TestQueueLaneGetterKilled(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	in, out := newQueue(t), newQueue(t)
+	const n = 100
+	g, err := mp.Spawn(ctx, "queue-lane-keep", 1, mp.WithArgs(queueLaneArgs{In: in, Out: out, N: n}))
+	require.NoError(t, err)
+	pool := shm.DefaultPool()
+	before := sock.LentSent()
+	for i := range n {
+		x := newInts(t, i)
+		err := in.Put(ctx, x)
+		require.NoError(t, x.Release())
+		require.NoError(t, err)
+		var got int
+		require.NoError(t, out.Get(ctx, &got))
+		require.Equal(t, i+1, got)
+	}
+	lent := int(sock.LentSent() - before)
+	t.Logf("%d of %d tensors went by the lane", lent, n)
+	assert.Positive(t, lent, "tensors to a waiting getter went by the lane")
+	assert.Equal(t, n, pool.InUse(), "the getter holds them")
+	kill(t, g)
+	require.Eventually(t, func() bool { return pool.InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
+		"every block comes back once the getter is killed")
+}
+
+// newQueue returns a new queue that the test's end closes.
+func newQueue(t *testing.T) *mp.Queue {
+	t.Helper()
+	q, err := mp.NewQueue()
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = q.Close() })
+	return q
+}
