@@ -58,7 +58,7 @@ func raiseFDLimit(t *testing.T, n uint64) {
 // once when its context is cancelled.
 func TestThousandBlockedGetsHoldFewThreads(t *testing.T) {
 	const n = 1000
-	raiseFDLimit(t, 4*n)
+	raiseFDLimit(t, 6*n) // a queue's two socket ends and two of its lane, and room
 	leakcheck.Check(t)
 	queues := make([]*mp.Queue, n)
 	for i := range queues {

@@ -289,10 +289,19 @@ func (w *Way) taken() *Lane {
 		return nil
 	}
 	l := w.lane.Load()
-	if w.fair && !w.writes && laneSleepers.Load() >= laneWaiters && (l == nil || l.Sent() == l.Taken()) {
-		// No lane wait to be had now, nor an entry to take: the socket
-		// (see waitFair), without the system calls of a role.
-		return nil
+	if w.fair && !w.writes {
+		if l != nil && laneSleepers.Load() >= laneWaiters && l.Sent() == l.Taken() {
+			// No lane wait to be had now, nor an entry to take: the
+			// socket (see waitFair), without the system calls of a role.
+			return nil
+		}
+		// One try for a role at a time in the process: a thousand
+		// readers that wake together make their calls in turn, not a
+		// thread each.
+		if !roleTry.CompareAndSwap(false, true) {
+			return nil
+		}
+		defer roleTry.Store(false)
 	}
 	if l == nil {
 		var err error
@@ -740,8 +749,13 @@ const (
 	laneSleep   = 100 * time.Millisecond
 )
 
-// laneSleepers counts the fair Ways' readers waiting on a lane now.
-var laneSleepers atomic.Int32
+// laneSleepers counts the fair Ways' readers waiting on a lane now, and
+// roleTry is held by the one of them that maps its lane or tries for its
+// role.
+var (
+	laneSleepers atomic.Int32
+	roleTry      atomic.Bool
+)
 
 // errWaitedEnough ends a Bell's WaitUntil at its time.
 var errWaitedEnough = errors.New("mp: waited on a lane for as long as allowed")
