@@ -124,11 +124,13 @@ type Way struct {
 	none     fd.Set // a lane message's descriptors: none
 	draining bool   // at a marker: the socket first
 	// sockSeen: the lane's sockSends when a fair Way's reader last found
-	// the socket empty
-	sockSeen uint32
-	atMarker bool // and no message received from it since the marker
-	stash    Msg  // a socket message that follows entries not yet taken
-	stashed  bool
+	// the socket empty; sockReady: it has a message all the same (of a
+	// writer that did not count it)
+	sockSeen  uint32
+	sockReady bool
+	atMarker  bool // and no message received from it since the marker
+	stash     Msg  // a socket message that follows entries not yet taken
+	stashed   bool
 }
 
 // Lane entries of a Way begin with their kind.
@@ -325,8 +327,8 @@ func (w *Way) taken() *Lane {
 	}
 	w.role, w.held = role, true
 	if w.writes {
-		l.Resume()        // after what earlier writers published
-		w.owed = w.onSock // what it sent on the socket comes first
+		l.Resume()                   // after what earlier writers published
+		w.owed = w.onSock && !w.fair // what it sent on the socket comes first
 		w.writing.Store(true)
 	} else {
 		w.draining = true // what earlier readers left on the socket first
@@ -455,6 +457,17 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 		// A full lane, not waited for: the socket, after its entries.
 	} else if len(lent) > 0 {
 		return carry.ErrNoLane
+	}
+	if w.fair {
+		// No marker: the reader takes the lane's entries first, and
+		// the socket's before it waits on the lane again (see
+		// handsOver).
+		if err := w.shared.send(ctx, data, fds, -1, block); err != nil {
+			return err
+		}
+		l.readerWord(sockSends).Add(1)
+		l.Nudge()
+		return nil
 	}
 	if err := w.shared.send(ctx, data, fds, int64(l.Tail()), block); err != nil {
 		return err
@@ -676,18 +689,22 @@ func (w *Way) recv(ctx context.Context, block bool) (Msg, error) {
 		if last != l.Taken() {
 			continue // sent since: take it
 		}
-		if w.fair {
-			// Before a wait on the lane, the messages that writers
-			// without the role sent by the socket since the reader
-			// last found it empty (see handsOver).
-			if c := l.readerWord(sockSends).Load(); c != w.sockSeen {
-				m, ok, err := w.fromSocket(ctx, l)
-				if err != nil || ok {
+		if c := l.readerWord(sockSends).Load(); w.fair && (c != w.sockSeen || w.sockReady) {
+			// Before a wait on the lane, the messages sent by the
+			// socket since the reader last found it empty: the lane's
+			// entries, all taken, came before them (see handsOver).
+			m, err := w.shared.TryRecv(ctx)
+			switch {
+			case err == nil:
+				if m, ok, err := w.place(m, l); err != nil || ok {
 					return m, err
 				}
-				w.sockSeen = c
-				continue
+			case errors.Is(err, ErrWouldBlock) || errors.Is(err, ErrClosed) && !errors.Is(err, errConnClosed):
+				w.sockSeen, w.sockReady = c, false
+			default:
+				return Msg{}, err
 			}
+			continue
 		}
 		if !block {
 			// No wait: one look at the socket, for what the lane's
@@ -714,6 +731,8 @@ func (w *Way) recv(ctx context.Context, block bool) (Msg, error) {
 			w.waiting.Add(-1)
 		}
 		switch {
+		case errors.Is(err, errSocketReady) && w.fair:
+			w.sockReady = true // once the lane's entries are taken
 		case errors.Is(err, errSocketReady):
 			w.draining = true // the socket until it is empty
 		case errors.Is(err, errWritersGone):

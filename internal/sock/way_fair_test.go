@@ -295,3 +295,49 @@ func TestFairWayBusyReaderKeepsNothing(t *testing.T) {
 	}
 	assert.False(t, holds(r2))
 }
+
+// A message the role's writer sent by the socket while the reader was
+// busy comes before the writer's next one, which may go by the lane: the
+// reader takes the socket's first before it waits on the lane.
+func TestFairWaySocketBeforeLane(t *testing.T) {
+	leakcheck.Check(t)
+	w, r, _ := fairPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // the roles
+	recvWay(t, ctx, r)
+	for k := 1; k <= 30; k += 3 {
+		// One by the lane first: the reader has found the socket empty.
+		got := recvLater(ctx, r)
+		waitsOnLane(t, r)
+		require.NoError(t, w.Send(ctx, wayMsg(k, 8), nil))
+		g := <-got
+		require.NoError(t, g.err)
+		require.True(t, g.byLane)
+		k++
+
+		require.NoError(t, w.Send(ctx, wayMsg(k, 8), nil)) // the reader is busy
+		got = recvLater(ctx, r)
+		waited := false
+		require.Eventually(t, func() bool {
+			select {
+			case g = <-got:
+				return true
+			default:
+			}
+			if r.lane.Load().readerWord(readerWaits).Load() == waitOnLane && !waited {
+				waited = true // it waits on the lane: the next goes there
+				require.NoError(t, w.Send(ctx, wayMsg(k+1, 8), nil))
+			}
+			return false
+		}, 10*time.Second, 20*time.Microsecond)
+		require.NoError(t, g.err)
+		assert.Equal(t, k, g.i, "the socket's message first")
+		assert.False(t, g.byLane)
+		if !waited {
+			require.NoError(t, w.Send(ctx, wayMsg(k+1, 8), nil))
+		}
+		i, _ := recvWay(t, ctx, r)
+		require.Equal(t, k+1, i)
+	}
+}
