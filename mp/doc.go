@@ -39,6 +39,15 @@
 // socket in order with it (see internal/sock.Way, and way_pins.go there
 // for the invariants).
 //
+// A Queue made by NewQueue has such a lane too, which a putting process
+// uses only to hand a value to a getting process that waits in Get with
+// nothing before it: a value put while the getter is busy goes by the
+// socket, from which any getter takes it, so the lane keeps no value from
+// a free getter (see internal/sock.NewFairWay). Neither does it let a
+// value overtake one that another process put by the socket before it.
+// A getter waits on the lane for up to 100 ms, and at most eight getters
+// of a process at once; the others wait on their socket.
+//
 // A call that must wait first waits in the kernel, where readiness wakes
 // its thread directly; a receive waits in the receive call itself, for up
 // to a millisecond, and then polls. At most four callers of a process wait
@@ -55,9 +64,9 @@
 // on Spawn and Queue.
 //
 // Ownership: a Queue or Pipe owns its socket descriptors in each process
-// that holds it, until Close, and a Pipe its lanes' memory descriptors,
-// their mappings and, once taken, its roles' descriptions and the
-// segments its receiving side pins (until Close); one sent in a
+// that holds it, until Close, and its lanes' memory descriptors, their
+// mappings and, once taken, its roles' descriptions and the segments its
+// receiving side pins (until Close); one sent in a
 // message travels as a duplicate the message owns. Every process of a program belongs to one session; its
 // two keepers, either of which suffices, remove the session's file_system
 // segments, and the CUDA driver's files of its members, once every member
