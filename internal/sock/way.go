@@ -329,6 +329,10 @@ func (w *Way) taken() *Lane {
 	if w.writes {
 		l.Resume()                   // after what earlier writers published
 		w.owed = w.onSock && !w.fair // what it sent on the socket comes first
+		if w.fair {
+			// A wait that a writer killed before it published claimed.
+			l.readerWord(readerWaits).CompareAndSwap(waitClaimed, waitOnLane)
+		}
 		w.writing.Store(true)
 	} else {
 		w.draining = true // what earlier readers left on the socket first
@@ -790,6 +794,15 @@ var errWaitedEnough = errors.New("mp: waited on a lane for as long as allowed")
 // as Way.recv's wait on the lane does.
 func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32) (Msg, bool, error) {
 	waits := l.readerWord(readerWaits)
+	if waits.Load() == waitClaimed {
+		// An earlier wait's claim (the receive ended first): its entry
+		// is next.
+		if err := w.waitClaimed(ctx, l, last); err != nil {
+			return Msg{}, false, err
+		}
+		waits.Store(waitNone)
+		return Msg{}, false, nil
+	}
 	if laneSleepers.Add(1) <= laneWaiters {
 		l.readerWord(waitsAt).Store(w.sockSeen)
 		waits.Store(waitOnLane)
@@ -798,12 +811,17 @@ func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32) (Msg, bool, er
 		w.waiting.Add(-1)
 		laneSleepers.Add(-1)
 		if !waits.CompareAndSwap(waitOnLane, waitNone) {
-			// Claimed: the entry is next, whatever ended the wait.
-			waits.Store(waitNone)
-			if errors.Is(err, errWaitedEnough) {
-				err = nil
+			// Claimed: the entry is next, whatever ended the wait; it
+			// is waited for here, not on the socket. A receive that
+			// ends first leaves the claim to the next.
+			if e := w.waitClaimed(ctx, l, last); e != nil {
+				return Msg{}, false, e
 			}
-			return Msg{}, false, err
+			waits.Store(waitNone)
+			if errors.Is(err, errSocketReady) {
+				return Msg{}, false, err // once the entry is taken
+			}
+			return Msg{}, false, nil
 		}
 		if !errors.Is(err, errWaitedEnough) {
 			return Msg{}, false, err
@@ -824,6 +842,38 @@ func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32) (Msg, bool, er
 		return Msg{}, false, err
 	}
 	return w.place(m, l)
+}
+
+// errClaimGone ends a wait for a claimed entry whose writer is gone.
+var errClaimGone = errors.New("mp: the writer that claimed the wait is gone")
+
+// waitClaimed waits for the entry that the writer claimed the reader's
+// wait for (waitClaimed), which it publishes within its send: until the
+// lane's count of entries sent is no longer last, ctx ends, the Way
+// closes, or no process holds the writer's role (the claiming writer died
+// first). A reader that waited elsewhere meanwhile (on the socket) would
+// leave the entry in the lane, unseen.
+func (w *Way) waitClaimed(ctx context.Context, l *Lane, last uint32) error {
+	if l.Sent() != last {
+		return nil
+	}
+	waits := l.readerWord(readerWaits)
+	_, err := l.WaitSent(ctx, last, func() error {
+		if w.closed.Load() {
+			return errWayClosed
+		}
+		if waits.Load() != waitClaimed {
+			return errClaimGone // a new writer gave it back (see taken)
+		}
+		if held, err := shm.ByteHeld(w.mem, 0); err == nil && !held {
+			return errClaimGone
+		}
+		return nil
+	})
+	if errors.Is(err, errClaimGone) {
+		return nil // the loop looks at the lane and the socket again
+	}
+	return err
 }
 
 // fromLane takes the lane's next entry, if any: a message (ok), or a

@@ -341,3 +341,87 @@ func TestFairWaySocketBeforeLane(t *testing.T) {
 		require.Equal(t, k+1, i)
 	}
 }
+
+// A claim whose writer died before it published leaves the reader
+// waiting for nothing only until it sees that no process holds the
+// writer's role; a writer that takes the role over gives the wait back.
+func TestFairWayDeadWritersClaim(t *testing.T) {
+	leakcheck.Check(t)
+	w, r, mem := fairPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // the roles
+	recvWay(t, ctx, r)
+	waits := r.lane.Load().readerWord(readerWaits)
+
+	// Its writer gone, a claim stays: the reader waits for its entry,
+	// then, the role free, for the socket.
+	require.NoError(t, w.Close())
+	waits.Store(waitClaimed)
+	got := recvLater(ctx, r)
+	dup, err := mem.Dup()
+	require.NoError(t, err)
+	w2 := NewFairWay(w.shared, dup, true)
+	defer w2.Close()
+	w2.tried = time.Now() // it sends without the role, for now
+	require.NoError(t, w2.Send(ctx, wayMsg(1, 8), nil))
+	select {
+	case g := <-got:
+		require.NoError(t, g.err)
+		assert.Equal(t, 1, g.i)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the reader waits for a dead writer's entry")
+	}
+
+	// A writer that takes the role over gives a dead writer's claim
+	// back, and hands the reader its next message by the lane.
+	got = recvLater(ctx, r)
+	waitsOnLane(t, r)
+	waits.Store(waitClaimed)
+	w2.tried = time.Time{}
+	require.NoError(t, w2.Send(ctx, wayMsg(2, 8), nil))
+	select {
+	case g := <-got:
+		require.NoError(t, g.err)
+		assert.Equal(t, 2, g.i)
+		assert.True(t, g.byLane)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the reader waits for a dead writer's entry")
+	}
+}
+
+// A receive that ends while the writer it was claimed by has not yet
+// published leaves the claim to the next receive, which waits for the
+// entry on the lane, even with no lane wait to be had.
+func TestFairWayClaimOutlivesItsReceive(t *testing.T) {
+	leakcheck.Check(t)
+	w, r, _ := fairPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // the roles
+	recvWay(t, ctx, r)
+	short, cancelShort := context.WithCancel(ctx)
+	got := recvLater(short, r)
+	waitsOnLane(t, r)
+	w.sem <- struct{}{}
+	l := w.taken()
+	require.True(t, w.handsOver(l, l.Tail(), true), "the writer claims the wait")
+	cancelShort()
+	g := <-got
+	require.ErrorIs(t, g.err, context.Canceled)
+
+	laneSleepers.Add(laneWaiters) // no lane wait to be had
+	defer laneSleepers.Add(-laneWaiters)
+	got = recvLater(ctx, r)
+	time.Sleep(10 * time.Millisecond)
+	require.NoError(t, w.sendEntry(ctx, l, wayMsg(1, 8), true))
+	<-w.sem
+	select {
+	case g := <-got:
+		require.NoError(t, g.err)
+		assert.Equal(t, 1, g.i)
+		assert.True(t, g.byLane)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the claimed entry was left in the lane")
+	}
+}
