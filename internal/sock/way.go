@@ -95,6 +95,12 @@ type Way struct {
 	// (laneSleep; tests change it).
 	fair  bool
 	sleep time.Duration
+	// reading: a fair Way's reader's read lock on readersByte while it
+	// reads without the role; others and othersAt: the writer's last
+	// look at whether other readers are (otherReaders).
+	reading  *fd.FD
+	others   atomic.Bool
+	othersAt atomic.Int64
 
 	// The reader's role's idle timer (see letGoIdle), and the count of
 	// receives ended, now and when it last looked; under sem.
@@ -216,8 +222,12 @@ func (w *Way) Dup() (*fd.FD, error) {
 func (w *Way) Waiting() int { return int(w.waiting.Load()) + w.shared.Waiting() }
 
 // lockCall takes the Way's one call, waiting until ctx ends if block,
-// else returning ErrWouldBlock at once while another call holds it.
+// else returning ErrWouldBlock at once while another call holds it; a
+// done ctx is its error.
 func (w *Way) lockCall(ctx context.Context, block bool) error {
+	if err := ctx.Err(); err != nil {
+		return err // a done context takes and sends nothing
+	}
 	select {
 	case w.sem <- struct{}{}:
 	default:
@@ -330,12 +340,26 @@ func (w *Way) taken() *Lane {
 		l.Resume()                   // after what earlier writers published
 		w.owed = w.onSock && !w.fair // what it sent on the socket comes first
 		if w.fair {
-			// A wait that a writer killed before it published claimed.
-			l.readerWord(readerWaits).CompareAndSwap(waitClaimed, waitOnLane)
+			// A claim of a writer killed before it published.
+			waits := l.readerWord(readerWaits)
+			waits.CompareAndSwap(waitClaimed, waitOnLane)
+			waits.CompareAndSwap(claimedBusy, waitBusy)
 		}
 		w.writing.Store(true)
 	} else {
-		w.draining = true // what earlier readers left on the socket first
+		// What earlier readers left on the socket first; a fair Way's
+		// reader takes the lane's first (see handsOver), and the socket's
+		// before it waits.
+		w.draining = !w.fair
+		if w.reading != nil {
+			_ = w.reading.Close() // the role's reader is not another
+			w.reading = nil
+		}
+		if w.fair {
+			// This reader's, busy; an earlier reader's claims are this
+			// reader's to take.
+			moveWait(l.readerWord(readerWaits), waitBusy)
+		}
 		w.listPins(l)
 		w.idle.Reset(idleRole)
 	}
@@ -346,6 +370,7 @@ func (w *Way) taken() *Lane {
 // are not an honest peer's): the socket serves alone. The caller holds
 // sem.
 func (w *Way) letGo(broken bool) {
+	w.leaveWaits()
 	if w.role != nil {
 		_ = w.role.Close()
 		w.role = nil
@@ -354,6 +379,15 @@ func (w *Way) letGo(broken bool) {
 	w.writing.Store(false)
 	if broken {
 		w.broken = true
+	}
+}
+
+// leaveWaits says, as a fair Way's reader that lets go of its role, that
+// no reader holds it (waitNone): the writer claims no busy reader then.
+// A claim stays, for the next reader. The caller holds sem.
+func (w *Way) leaveWaits() {
+	if l := w.lane.Load(); w.fair && !w.writes && w.held && l != nil {
+		moveWait(l.readerWord(readerWaits), waitNone)
 	}
 }
 
@@ -443,7 +477,10 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 		pos := l.Tail()
 		err := w.sendEntry(ctx, l, data, block)
 		if err != nil && w.fair {
-			l.readerWord(readerWaits).CompareAndSwap(waitClaimed, waitOnLane) // no entry comes
+			// No entry comes: the claim goes back.
+			waits := l.readerWord(readerWaits)
+			waits.CompareAndSwap(waitClaimed, waitOnLane)
+			waits.CompareAndSwap(claimedBusy, waitBusy)
 		}
 		switch {
 		case err == nil && len(lent) > 0:
@@ -483,33 +520,62 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 }
 
 // handsOver reports whether the lane l may take the writer's next
-// message, at tail: always, but for a fair Way only while its reader
-// waits on it with every entry before tail taken. With claim, a fair
-// Way's writer that may send claims the reader's wait (waitClaimed), so
-// that the reader waits on the lane until the entry comes (see waitFair);
-// it then publishes the entry, or gives the wait back.
+// message, at tail: always, but for a fair Way only with every entry
+// before tail taken, no message sent by the socket since the reader last
+// found it empty (which may have been sent before this one, as a pool's
+// notice of a worker's exit follows the worker's last reply: this one
+// follows it on the socket), and the reader waiting on the lane, or busy
+// while no other reader waits on the socket (it takes the entry at its
+// next receive). With claim, the writer that may send claims the reader
+// (see waitClaimed), which then waits for the entry on the lane, not on
+// the socket; the writer publishes the entry, or gives the claim back.
 func (w *Way) handsOver(l *Lane, tail uint32, claim bool) bool {
 	if !w.fair {
 		return true
 	}
 	waits := l.readerWord(readerWaits)
-	if waits == nil || l.Taken() != tail {
+	if waits == nil || l.Taken() != tail || l.readerWord(sockSends).Load() != l.readerWord(waitsAt).Load() {
 		return false
 	}
-	if claim && !waits.CompareAndSwap(waitOnLane, waitClaimed) || !claim && waits.Load() != waitOnLane {
+	idle := !w.otherReaders()
+	if !claim {
+		v := waits.Load()
+		return v == waitOnLane || v == waitBusy && idle
+	}
+	var to uint32
+	switch {
+	case waits.CompareAndSwap(waitOnLane, waitClaimed):
+		to = waitClaimed
+	case idle && waits.CompareAndSwap(waitBusy, claimedBusy):
+		to = claimedBusy
+	default:
 		return false
 	}
-	// A message another writer sent by the socket since the reader found
-	// it empty may have been sent before this one (as a pool's notice of
-	// a worker's exit follows the worker's last reply): this one follows
-	// it on the socket.
 	if l.readerWord(sockSends).Load() != l.readerWord(waitsAt).Load() {
-		if claim {
+		// Sent by the socket meanwhile: the claim goes back.
+		if to == waitClaimed {
 			waits.CompareAndSwap(waitClaimed, waitOnLane)
+		} else {
+			waits.CompareAndSwap(claimedBusy, waitBusy)
 		}
 		return false
 	}
 	return true
+}
+
+// otherReaders reports whether a process other than the role's reader
+// reads the Way's end, as of at most peerCheck ago: it holds a read lock
+// on readersByte (see recvShared). The writer's own process counts, if it
+// reads the end too.
+func (w *Way) otherReaders() bool {
+	now := time.Now().UnixNano()
+	if now-w.othersAt.Load() < int64(peerCheck) {
+		return w.others.Load()
+	}
+	held, err := shm.ByteHeld(w.mem, readersByte)
+	w.others.Store(held || err != nil)
+	w.othersAt.Store(now)
+	return held || err != nil
 }
 
 // sendEntry publishes data in the lane l as the next value entry, unless
@@ -705,6 +771,7 @@ func (w *Way) recv(ctx context.Context, block bool) (Msg, error) {
 				}
 			case errors.Is(err, ErrWouldBlock) || errors.Is(err, ErrClosed) && !errors.Is(err, errConnClosed):
 				w.sockSeen, w.sockReady = c, false
+				l.readerWord(waitsAt).Store(c) // see handsOver
 			default:
 				return Msg{}, err
 			}
@@ -755,14 +822,24 @@ func (w *Way) recv(ctx context.Context, block bool) (Msg, error) {
 	}
 }
 
-// The states of a fair Way's reader's wait, in the reader's page
-// (readerWaits): the writer hands an entry to the lane only from
-// waitOnLane, which it makes waitClaimed first.
+// The states of a fair Way's reader, in the reader's page (readerWaits),
+// which the reader moves between its own states and the writer claims:
+// the writer hands an entry to the lane only with a claim, from
+// waitOnLane, or from waitBusy while no other process reads the end
+// (sockWaiters), and the reader, once claimed, waits for the entry on the
+// lane, never on the socket, and takes it next.
 const (
-	waitNone    = 0 // not waiting on the lane: the writer sends by the socket
+	waitNone    = 0 // no reader holds the role
 	waitOnLane  = 1 // waiting on the lane
-	waitClaimed = 2 // and a writer publishes an entry for it
+	waitClaimed = 2 // a writer publishes an entry for the waiting reader
+	waitParked  = 3 // waiting on the socket: the writer sends there
+	claimedBusy = 4 // a writer publishes an entry for the busy reader
+	waitBusy    = 5 // the role's reader is not waiting (it takes an
+	// entry at its next receive)
 )
+
+// claimed reports whether v is a claim: an entry comes for the reader.
+func claimed(v uint32) bool { return v == waitClaimed || v == claimedBusy }
 
 // Lane waits of fair Ways hold a thread each: at most laneWaiters in a
 // process at once, each for at most laneSleep; a reader without one
@@ -785,54 +862,51 @@ var errWaitedEnough = errors.New("mp: waited on a lane for as long as allowed")
 
 // waitFair waits for a message as a fair Way's reader whose lane is
 // empty (last its count of entries sent): on the lane while it can hold
-// a thread for it (laneWaiters, laneSleep), saying so in the reader's
-// page (waitOnLane) so that the writer hands its next message to the
-// lane, and then on the socket, parked, where the writer sends while it
-// does not. A wait that the writer claimed (waitClaimed: an entry comes)
-// is not left for the socket. It returns a socket message for the caller
-// (ok), or nothing, for the caller to look at the lane again, or an error
-// as Way.recv's wait on the lane does.
+// a thread for it (laneWaiters, laneSleep), as waitOnLane, so that the
+// writer hands its next message to the lane, and then on the socket,
+// parked, as waitParked, where the writer sends meanwhile. A claim (an
+// entry comes) is waited for on the lane, whatever else ended the wait.
+// It returns a socket message for the caller (ok), or nothing, for the
+// caller to look at the lane again, or an error as Way.recv's wait on
+// the lane does.
 func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32) (Msg, bool, error) {
 	waits := l.readerWord(readerWaits)
-	if waits.Load() == waitClaimed {
-		// An earlier wait's claim (the receive ended first): its entry
-		// is next.
-		if err := w.waitClaimed(ctx, l, last); err != nil {
-			return Msg{}, false, err
-		}
-		waits.Store(waitNone)
-		return Msg{}, false, nil
-	}
 	if laneSleepers.Add(1) <= laneWaiters {
 		l.readerWord(waitsAt).Store(w.sockSeen)
-		waits.Store(waitOnLane)
+		if !moveWait(waits, waitOnLane) {
+			laneSleepers.Add(-1)
+			return Msg{}, false, w.waitClaimed(ctx, l, last)
+		}
 		w.waiting.Add(1)
 		_, err := l.WaitSentUntil(ctx, last, w.alive, time.Now().Add(w.sleep))
 		w.waiting.Add(-1)
 		laneSleepers.Add(-1)
-		if !waits.CompareAndSwap(waitOnLane, waitNone) {
-			// Claimed: the entry is next, whatever ended the wait; it
-			// is waited for here, not on the socket. A receive that
-			// ends first leaves the claim to the next.
-			if e := w.waitClaimed(ctx, l, last); e != nil {
+		to := uint32(waitBusy)
+		if errors.Is(err, errWaitedEnough) && l.Sent() == last {
+			to = waitParked
+		}
+		if !waits.CompareAndSwap(waitOnLane, to) {
+			// Claimed: the entry is next, whatever ended the wait. A
+			// receive that ends first leaves the claim to the next.
+			if e := w.waitClaimed(ctx, l, last); e != nil || !errors.Is(err, errSocketReady) {
 				return Msg{}, false, e
 			}
-			waits.Store(waitNone)
-			if errors.Is(err, errSocketReady) {
-				return Msg{}, false, err // once the entry is taken
+			return Msg{}, false, err // once the entry is taken
+		}
+		if to != waitParked {
+			if errors.Is(err, errWaitedEnough) {
+				err = nil
 			}
-			return Msg{}, false, nil
-		}
-		if !errors.Is(err, errWaitedEnough) {
 			return Msg{}, false, err
-		}
-		if l.Sent() != last {
-			return Msg{}, false, nil
 		}
 	} else {
 		laneSleepers.Add(-1)
+		if !moveWait(waits, waitParked) {
+			return Msg{}, false, w.waitClaimed(ctx, l, last)
+		}
 	}
 	m, err := w.shared.Recv(ctx)
+	waits.CompareAndSwap(waitParked, waitBusy)
 	switch {
 	case errors.Is(err, errConnClosed):
 		return Msg{}, false, errWayClosed
@@ -844,28 +918,46 @@ func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32) (Msg, bool, er
 	return w.place(m, l)
 }
 
+// moveWait moves the reader's state to to, and reports whether it did:
+// not if a writer claimed it, which it keeps.
+func moveWait(waits *atomic.Uint32, to uint32) bool {
+	for {
+		v := waits.Load()
+		if claimed(v) {
+			return false
+		}
+		if waits.CompareAndSwap(v, to) {
+			return true
+		}
+	}
+}
+
 // errClaimGone ends a wait for a claimed entry whose writer is gone.
 var errClaimGone = errors.New("mp: the writer that claimed the wait is gone")
 
-// waitClaimed waits for the entry that the writer claimed the reader's
-// wait for (waitClaimed), which it publishes within its send: until the
-// lane's count of entries sent is no longer last, ctx ends, the Way
-// closes, or no process holds the writer's role (the claiming writer died
-// first). A reader that waited elsewhere meanwhile (on the socket) would
-// leave the entry in the lane, unseen.
+// waitClaimed waits for the entry that a writer claimed the reader for,
+// which it publishes within its send: until the lane's count of entries
+// sent is no longer last, ctx ends, the Way closes, or the claim is gone
+// (a writer that took the role over gave it back, or no process holds
+// the writer's role: the claiming writer died first, and the claim is
+// dropped). The reader takes the entry next, which ends the claim (see
+// fromLane). A reader that waited on the socket meanwhile would leave the
+// entry in the lane, unseen.
 func (w *Way) waitClaimed(ctx context.Context, l *Lane, last uint32) error {
-	if l.Sent() != last {
+	waits := l.readerWord(readerWaits)
+	if l.Sent() != last || !claimed(waits.Load()) {
 		return nil
 	}
-	waits := l.readerWord(readerWaits)
 	_, err := l.WaitSent(ctx, last, func() error {
 		if w.closed.Load() {
 			return errWayClosed
 		}
-		if waits.Load() != waitClaimed {
+		v := waits.Load()
+		if !claimed(v) {
 			return errClaimGone // a new writer gave it back (see taken)
 		}
 		if held, err := shm.ByteHeld(w.mem, 0); err == nil && !held {
+			waits.CompareAndSwap(v, waitBusy)
 			return errClaimGone
 		}
 		return nil
@@ -894,6 +986,13 @@ func (w *Way) fromLane(l *Lane) (Msg, bool, error) {
 	}
 	switch buf[0] {
 	case kindValue:
+		if w.fair {
+			// The entry a claim was for, if any: the claim ends.
+			waits := l.readerWord(readerWaits)
+			if v := waits.Load(); claimed(v) {
+				waits.CompareAndSwap(v, waitBusy)
+			}
+		}
 		w.none.Reset(nil)
 		return Msg{Data: buf[1:], FDs: &w.none, tag: -1}, true, nil
 	case kindMarker:
@@ -987,6 +1086,15 @@ func (w *Way) recvShared(ctx context.Context, block bool) (Msg, error) {
 	if w.fair {
 		retry = laneSleep // the writer sends by the socket while it waits there
 	}
+	if w.fair && w.reading == nil && roleTry.CompareAndSwap(false, true) {
+		// Another reader: the lane takes no message for the role's
+		// reader unless it waits (handsOver). One that has not said so
+		// yet (each says so in turn, as each tries for a role), or
+		// cannot (no descriptor for the lock), may wait for a message in
+		// the lane that the busy role's reader takes later.
+		w.reading, _ = shm.ShareByte(w.mem, readersByte)
+		roleTry.Store(false)
+	}
 	wait, cancel := context.WithTimeout(ctx, retry)
 	m, err := w.shared.Recv(wait)
 	cancel()
@@ -1039,8 +1147,12 @@ func (w *Way) Close() error {
 		w.unlistPins(l)
 	}
 	errs = append(errs, w.pins.unpinAll())
+	w.leaveWaits()
 	if w.role != nil {
 		errs = append(errs, w.role.Close())
+	}
+	if w.reading != nil {
+		errs = append(errs, w.reading.Close())
 	}
 	if l != nil {
 		w.ledger.settle(l, w.mem, true)

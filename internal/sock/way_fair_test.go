@@ -71,18 +71,21 @@ func waitsOnLane(t *testing.T, r *Way) {
 	}, 10*time.Second, 50*time.Microsecond, "the reader never waited on the lane")
 }
 
-// A fair Way's writer hands a message to the lane only while the reader
-// waits on it: one sent while the reader is busy goes by the socket, from
-// which any reader may take it.
-func TestFairWayHandsOnlyToAWaitingReader(t *testing.T) {
+// A fair Way's writer hands a message to the lane while the role's reader
+// waits on it, or while it is busy and no other process reads the end
+// (the reader takes it at its next receive); with another reader, only
+// while the role's reader waits: one sent while it is busy goes by the
+// socket, from which the other takes it. With no reader in the role, the
+// socket.
+func TestFairWayHandsToAWaitingOrLoneReader(t *testing.T) {
 	leakcheck.Check(t)
-	w, r, _ := fairPair(t)
+	w, r, mem := fairPair(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
 	i, byLane := recvWay(t, ctx, r)
 	assert.Equal(t, 0, i)
-	assert.False(t, byLane, "sent with no reader waiting")
+	assert.False(t, byLane, "sent before a reader held the role")
 
 	for k := 1; k <= 3; k++ {
 		got := recvLater(ctx, r)
@@ -93,11 +96,30 @@ func TestFairWayHandsOnlyToAWaitingReader(t *testing.T) {
 		assert.Equal(t, k, g.i)
 		assert.True(t, g.byLane, "message %d: sent to a waiting reader", k)
 	}
-
 	require.NoError(t, w.Send(ctx, wayMsg(4, 8), nil)) // the reader is busy
 	i, byLane = recvWay(t, ctx, r)
 	assert.Equal(t, 4, i)
-	assert.False(t, byLane, "sent while the reader did not wait")
+	assert.True(t, byLane, "sent to a busy reader, none other")
+
+	dup, err := mem.Dup()
+	require.NoError(t, err)
+	r2 := NewFairWay(r.shared, dup, false)
+	defer r2.Close()
+	got := recvLater(ctx, r2)
+	require.Eventually(t, func() bool { return r2.shared.Waiting() == 1 }, 10*time.Second, 50*time.Microsecond)
+	time.Sleep(2 * peerCheck)                          // the writer's look at other readers is that old at most
+	require.NoError(t, w.Send(ctx, wayMsg(5, 8), nil)) // the role's reader is busy
+	g := <-got
+	require.NoError(t, g.err)
+	assert.Equal(t, 5, g.i)
+	assert.False(t, g.byLane)
+	got = recvLater(ctx, r)
+	waitsOnLane(t, r)
+	require.NoError(t, w.Send(ctx, wayMsg(6, 8), nil))
+	g = <-got
+	require.NoError(t, g.err)
+	assert.Equal(t, 6, g.i)
+	assert.True(t, g.byLane, "sent to the waiting role's reader")
 }
 
 // A reader whose wait the writer claimed waits on the lane for the entry,
@@ -146,7 +168,7 @@ func TestFairWayParksBeyondItsThreads(t *testing.T) {
 	r.sleep = time.Hour // a reader that waited on the lane would not park
 	got := recvLater(ctx, r)
 	require.Eventually(t, func() bool { return r.shared.Waiting() == 1 }, 10*time.Second, 50*time.Microsecond, "the reader never waited on the socket")
-	assert.Equal(t, uint32(waitNone), r.lane.Load().readerWord(readerWaits).Load(), "a parked reader does not wait on the lane")
+	assert.Equal(t, uint32(waitParked), r.lane.Load().readerWord(readerWaits).Load(), "a parked reader does not wait on the lane")
 	assert.Equal(t, 1, r.Waiting())
 	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
 	g := <-got
@@ -265,8 +287,9 @@ func TestWayTryRecvLooksAtTheSocket(t *testing.T) {
 }
 
 // While the lane's reader is busy (it holds the role, and receives
-// nothing), another reader of the same end, waiting on the socket, gets
-// every message: none waits in the lane for the busy one.
+// nothing), another reader of the same end gets every message, also
+// those sent while it is between two receives: none waits in the lane
+// for the busy one.
 func TestFairWayBusyReaderKeepsNothing(t *testing.T) {
 	leakcheck.Check(t)
 	w, r, mem := fairPair(t)
@@ -282,23 +305,37 @@ func TestFairWayBusyReaderKeepsNothing(t *testing.T) {
 	require.True(t, holds(r))
 
 	const n = 20
+	got := make(chan gotMsg, n)
+	wait, cancelWait := context.WithTimeout(ctx, 5*time.Second)
+	defer cancelWait()
+	go func() {
+		for range n {
+			m, err := r2.Recv(wait)
+			if err != nil {
+				got <- gotMsg{err: err}
+				return
+			}
+			got <- gotMsg{i: int(binary.LittleEndian.Uint32(m.Data)), byLane: m.ByLane()}
+			m.Done()
+		}
+	}()
+	require.Eventually(t, func() bool { return r2.shared.Waiting() == 1 }, 10*time.Second, 50*time.Microsecond)
+	time.Sleep(2 * peerCheck) // the writer's look at other readers is that old at most
 	for i := 1; i <= n; i++ {
 		require.NoError(t, w.Send(ctx, wayMsg(i, 8), nil))
 	}
-	wait, cancelWait := context.WithTimeout(ctx, 5*time.Second)
-	defer cancelWait()
 	for i := 1; i <= n; i++ {
-		m, err := r2.Recv(wait)
-		require.NoError(t, err, "message %d waits for the busy reader", i)
-		assert.Equal(t, wayMsg(i, 8), m.Data)
-		m.Done()
+		g := <-got
+		require.NoError(t, g.err, "message %d waits for the busy reader", i)
+		assert.Equal(t, i, g.i)
 	}
 	assert.False(t, holds(r2))
 }
 
 // A message the role's writer sent by the socket while the reader was
-// busy comes before the writer's next one, which may go by the lane: the
-// reader takes the socket's first before it waits on the lane.
+// busy (the lane held one already) comes before the writer's next one,
+// which may go by the lane: the reader takes the lane's first, then the
+// socket's, before it waits on the lane.
 func TestFairWaySocketBeforeLane(t *testing.T) {
 	leakcheck.Check(t)
 	w, r, _ := fairPair(t)
@@ -316,7 +353,14 @@ func TestFairWaySocketBeforeLane(t *testing.T) {
 		require.True(t, g.byLane)
 		k++
 
-		require.NoError(t, w.Send(ctx, wayMsg(k, 8), nil)) // the reader is busy
+		// The reader is busy: the first by the lane, the second, the
+		// lane not empty, by the socket.
+		require.NoError(t, w.Send(ctx, wayMsg(k, 8), nil))
+		require.NoError(t, w.Send(ctx, wayMsg(k+1, 8), nil))
+		i, byLane := recvWay(t, ctx, r)
+		require.Equal(t, k, i)
+		require.True(t, byLane)
+		k++
 		got = recvLater(ctx, r)
 		waited := false
 		require.Eventually(t, func() bool {
@@ -337,7 +381,7 @@ func TestFairWaySocketBeforeLane(t *testing.T) {
 		if !waited {
 			require.NoError(t, w.Send(ctx, wayMsg(k+1, 8), nil))
 		}
-		i, _ := recvWay(t, ctx, r)
+		i, _ = recvWay(t, ctx, r)
 		require.Equal(t, k+1, i)
 	}
 }
@@ -424,4 +468,63 @@ func TestFairWayClaimOutlivesItsReceive(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("the claimed entry was left in the lane")
 	}
+}
+
+// A reader that has waited on the lane for its sleep waits on the socket,
+// as waitParked: the writer sends there, though the reader is alone. A
+// receive that ends while parked leaves the reader busy, not parked.
+func TestFairWayParksAfterItsSleep(t *testing.T) {
+	leakcheck.Check(t)
+	w, r, _ := fairPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // the roles
+	recvWay(t, ctx, r)
+	r.sleep = 5 * time.Millisecond
+	waits := r.lane.Load().readerWord(readerWaits)
+	parked := func() bool { return waits.Load() == waitParked }
+	got := recvLater(ctx, r)
+	require.Eventually(t, parked, 10*time.Second, 50*time.Microsecond, "the reader never parked")
+	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
+	select {
+	case g := <-got:
+		require.NoError(t, g.err)
+		assert.Equal(t, 1, g.i)
+		assert.False(t, g.byLane)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the message was left in the lane")
+	}
+
+	short, cancelShort := context.WithCancel(ctx)
+	got = recvLater(short, r)
+	require.Eventually(t, parked, 10*time.Second, 50*time.Microsecond, "the reader never parked")
+	cancelShort()
+	require.ErrorIs(t, (<-got).err, context.Canceled)
+	require.NoError(t, w.Send(ctx, wayMsg(2, 8), nil)) // busy, and alone
+	i, byLane := recvWay(t, ctx, r)
+	assert.Equal(t, 2, i)
+	assert.True(t, byLane, "the reader is not parked any more")
+}
+
+// A reader that lets go of its role says no reader holds it: the writer
+// sends by the socket until one takes it again.
+func TestFairWayLetGoEndsBusyClaims(t *testing.T) {
+	leakcheck.Check(t)
+	w, r, _ := fairPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // the roles
+	recvWay(t, ctx, r)
+	waits := r.lane.Load().readerWord(readerWaits)
+	assert.Equal(t, uint32(waitBusy), waits.Load())
+	r.LetGo()
+	assert.Equal(t, uint32(waitNone), waits.Load())
+	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
+	i, byLane := recvWay(t, ctx, r)
+	assert.Equal(t, 1, i)
+	assert.False(t, byLane, "sent while no reader held the role")
+	require.NoError(t, w.Send(ctx, wayMsg(2, 8), nil)) // r holds it again
+	i, byLane = recvWay(t, ctx, r)
+	assert.Equal(t, 2, i)
+	assert.False(t, byLane, "the socket had a message since the reader found it empty")
 }

@@ -80,8 +80,9 @@ import (
 //	+1040 waits: a fair Way's reader's wait (see waitFair), which the
 //	     writer claims before it hands the lane an entry
 //	+1044 waitsAt: sockSends as the reader last found the socket empty
-//	+1048 sockSends: a count of the messages that writers without the
-//	     role sent by the socket, which they bump (a fair Way's)
+//	+1048 sockSends: a count of the messages writers sent by the
+//	     socket, which they bump (a fair Way's)
+
 const (
 	pinSeq   = 0
 	pinOwner = 4
@@ -99,8 +100,10 @@ const (
 	maxPins     = 64
 	maxPinBytes = 1 << 30
 	// pinnerByte is the lane file's byte whose read locks are the pinning
-	// readers'.
-	pinnerByte = 2
+	// readers', and readersByte the one whose read locks are a fair Way's
+	// readers' without the role.
+	pinnerByte  = 2
+	readersByte = 3
 	// settleEvery is how often a closed writer's loans are looked at.
 	settleEvery = 10 * time.Millisecond
 )
