@@ -2,6 +2,7 @@ package mp_test
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -28,6 +29,7 @@ func init() {
 type queueLaneArgs struct {
 	In, Out *mp.Queue
 	N       int
+	Wait    bool // queue-lane-keep: then waits in a Get, not on its context
 }
 
 // workerQueueLaneAnswer takes N tensors from In, checks each (tensor i
@@ -121,6 +123,11 @@ func workerQueueLaneKeep(ctx context.Context, w *mp.Worker) error {
 			return err
 		}
 	}
+	if a.Wait {
+		var x *tensor.Tensor
+		_ = a.In.Get(ctx, &x)
+		return errors.New("a Get that should have waited to be killed")
+	}
 	<-ctx.Done()
 	return nil
 }
@@ -154,6 +161,42 @@ func TestQueueLaneGetterKilled(t *testing.T) {
 	kill(t, g)
 	require.Eventually(t, func() bool { return pool.InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
 		"every block comes back once the getter is killed")
+}
+
+// A getter killed while it waits on the lane leaves its wait and its
+// pins' list behind: a tensor put after it died goes to the next getter
+// (here the putting process itself) whole, not named for the dead
+// getter's pins.
+func TestQueueLaneGetterKilledWaiting(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	in, out := newQueue(t), newQueue(t)
+	const n = 20
+	g, err := mp.Spawn(ctx, "queue-lane-keep", 1, mp.WithArgs(queueLaneArgs{In: in, Out: out, N: n, Wait: true}))
+	require.NoError(t, err)
+	before := sock.LentSent()
+	for i := range n {
+		x := newInts(t, i)
+		err := in.Put(ctx, x)
+		require.NoError(t, x.Release())
+		require.NoError(t, err)
+		var got int
+		require.NoError(t, out.Get(ctx, &got))
+	}
+	require.Positive(t, int(sock.LentSent()-before), "tensors went by the lane")
+	time.Sleep(20 * time.Millisecond) // the getter waits in its Get
+	kill(t, g)
+	x := newInts(t, n)
+	err = in.Put(ctx, x)
+	require.NoError(t, x.Release())
+	require.NoError(t, err)
+	var y *tensor.Tensor
+	require.NoError(t, in.Get(ctx, &y), "the tensor put after the getter died")
+	checkInts(t, y, n)
+	require.NoError(t, y.Release())
+	require.Eventually(t, func() bool { return shm.DefaultPool().InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
+		"every block comes back")
 }
 
 // newQueue returns a new queue that the test's end closes.

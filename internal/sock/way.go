@@ -473,6 +473,11 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 	if w.owed {
 		w.owed = l.TrySend(marker) != nil
 	}
+	if len(lent) > 0 && w.fair && !w.readerHeld() {
+		// Names by identity for pins of a reader that is gone: the next
+		// reader does not map them.
+		return carry.ErrNoLane
+	}
 	if len(fds) == 0 && 1+len(data) <= l.Room() && !w.owed && w.handsOver(l, l.Tail(), true) {
 		pos := l.Tail()
 		err := w.sendEntry(ctx, l, data, block)
@@ -561,6 +566,14 @@ func (w *Way) handsOver(l *Lane, tail uint32, claim bool) bool {
 		return false
 	}
 	return true
+}
+
+// readerHeld reports whether a process holds the reader's role, whose
+// pins a message may name: a reader killed waiting on the lane leaves its
+// state and its list behind.
+func (w *Way) readerHeld() bool {
+	held, err := shm.ByteHeld(w.mem, 1)
+	return err == nil && held
 }
 
 // otherReaders reports whether a process other than the role's reader

@@ -55,8 +55,9 @@ func recvLater(ctx context.Context, r *Way) <-chan gotMsg {
 			got <- gotMsg{err: err}
 			return
 		}
-		defer m.Done()
-		got <- gotMsg{i: int(binary.LittleEndian.Uint32(m.Data)), byLane: m.ByLane()}
+		g := gotMsg{i: int(binary.LittleEndian.Uint32(m.Data)), byLane: m.ByLane()}
+		m.Done() // before the test goes on: the receive is over
+		got <- g
 	}()
 	return got
 }
@@ -527,4 +528,36 @@ func TestFairWayLetGoEndsBusyClaims(t *testing.T) {
 	i, byLane = recvWay(t, ctx, r)
 	assert.Equal(t, 2, i)
 	assert.False(t, byLane, "the socket had a message since the reader found it empty")
+}
+
+// A reader killed waiting on the lane leaves its state behind: the next
+// reader, with no lane wait to be had, waits on its socket, and the
+// writer sends there, not into the lane.
+func TestFairWayDeadReadersWait(t *testing.T) {
+	leakcheck.Check(t)
+	w, r, mem := fairPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // the roles
+	recvWay(t, ctx, r)
+	require.NoError(t, r.Close())
+	// As a reader killed in its wait leaves it (r's mapping is gone).
+	w.lane.Load().readerWord(readerWaits).Store(waitOnLane)
+
+	dup, err := mem.Dup()
+	require.NoError(t, err)
+	r2 := NewFairWay(r.shared, dup, false)
+	defer r2.Close()
+	laneSleepers.Add(laneWaiters)
+	defer laneSleepers.Add(-laneWaiters)
+	got := recvLater(ctx, r2)
+	require.Eventually(t, func() bool { return r2.shared.Waiting() == 1 }, 10*time.Second, 50*time.Microsecond)
+	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
+	select {
+	case g := <-got:
+		require.NoError(t, g.err)
+		assert.Equal(t, 1, g.i)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the message was left in the lane")
+	}
 }
