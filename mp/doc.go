@@ -41,12 +41,13 @@
 //
 // A Queue made by NewQueue has such a lane too, which a putting process
 // uses only to hand a value to a getting process that waits in Get with
-// nothing before it: a value put while the getter is busy goes by the
-// socket, from which any getter takes it, so the lane keeps no value from
-// a free getter (see internal/sock.NewFairWay). Neither does it let a
-// value overtake one that another process put by the socket before it.
-// A getter waits on the lane for up to 100 ms, and at most eight getters
-// of a process at once; the others wait on their socket.
+// nothing before it, or is the queue's only getting process: a value put
+// while the getter is busy and another may get goes by the socket, from
+// which any getter takes it, so the lane keeps no value from a free
+// getter (see internal/sock.NewFairWay). Neither does it let a value
+// overtake one that another process finished putting before it. A getter
+// waits on the lane for up to 100 ms, and at most eight getters of a
+// process at once; the others wait on their socket.
 //
 // A call that must wait first waits in the kernel, where readiness wakes
 // its thread directly; a receive waits in the receive call itself, for up

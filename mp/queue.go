@@ -133,14 +133,17 @@ func decode(data []byte, fds *fd.Set, v any) error {
 // Beside its socket, a queue made by NewQueue has a lane in shared memory
 // (see sock.NewFairWay) that hands a value from a putting process to a
 // getting one through memory, with no system call while both are awake,
-// when the getting process waits in Get with nothing queued before it:
-// the value a Pipe's lane would carry (no queue or pipe in it, tensors
-// only of blocks of the putting process's pool in segments the getting
-// one pinned, about 2 KiB encoded). Everything else goes by the socket,
-// which every getting process receives from, so that no value waits in
-// the lane for a busy getter while another waits. One putting process
-// and one getting process use the lane at a time; the lane keeps each
-// putting process's values in order with its socket's.
+// when nothing is queued before it and the getting process waits in Get,
+// or is the queue's only getting process: the value a Pipe's lane would
+// carry (no queue or pipe in it, tensors only of blocks of the putting
+// process's pool in segments the getting one pinned, about 2 KiB
+// encoded). Everything else goes by the socket, which every getting
+// process receives from, so that no value waits in the lane for a busy
+// getter while another waits (one that starts getting meanwhile may wait
+// up to about 0.3 s for it). One putting process and one getting process
+// use the lane at a time; a value does not overtake one that another
+// process finished putting before it, and each putting process's values
+// keep their order.
 //
 // A Queue owns two descriptors (the two ends of a SOCK_SEQPACKET socket
 // pair) in each process that holds it, four with a capacity, and a lane's

@@ -187,13 +187,33 @@ func NewWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 }
 
 // NewFairWay returns the Way of a queue's socket, shared, as NewWay
-// does, for a queue that any number of processes may read: its writer
-// hands a message to the lane only while the lane's reader waits on it,
-// every entry taken, and to the socket otherwise, which every reader
-// receives from. So no message waits in the lane behind a reader that is
-// busy while another waits on the socket: the lane saves the system calls
-// of a hand-off to a waiting reader, and keeps none of the socket's
-// sharing out of messages among readers.
+// does, for a queue that any number of processes may read. Its writer
+// hands a message to the lane only with the lane empty, while the role's
+// reader waits on it, or is busy (between two receives) and no other
+// process reads the end; to the socket otherwise, which every reader
+// receives from. So a message waits in the lane behind a busy reader only
+// while no other reader is there to take it: the lane saves the system
+// calls of a hand-off, and keeps the socket's sharing out of messages
+// among readers. A reader that starts reading while one waits behind the
+// busy reader gets it once that reader is back, or has let go of its
+// role (idleRole), and it has taken the role (within laneSleep).
+//
+// Order: a fair writer sends by the socket with no marker, and counts the
+// message in the lane's reader page (sockSends); the lane takes a message
+// only from a writer that sees the count unchanged since the reader last
+// found the socket empty, and the reader takes the lane's entries before
+// the socket's. So a message does not overtake one that any writer
+// finished sending before it, by the socket, but for a writer killed
+// between its send and its count.
+//
+// Waits: a reader waits on the lane at most laneSleep, and at most
+// laneWaiters readers of a process at once, each a thread; the others
+// wait on the socket, parked, and say so (waitParked): the writer sends
+// there. A writer claims the reader's state before it publishes an entry
+// (waitClaimed, claimedBusy), and the reader, once claimed, waits for the
+// entry on the lane, never on the socket, until it comes or the claiming
+// writer is gone. Tensors by identity go only to a reader that holds the
+// role now (see readerHeld).
 func NewFairWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 	w := NewWay(shared, mem, writes)
 	w.fair, w.sleep = true, laneSleep
