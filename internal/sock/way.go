@@ -134,9 +134,12 @@ type Way struct {
 	// writer that did not count it)
 	sockSeen  uint32
 	sockReady bool
-	atMarker  bool // and no message received from it since the marker
-	stash     Msg  // a socket message that follows entries not yet taken
-	stashed   bool
+	// sockRun: a fair Way's reader's receives in a row that came by the
+	// socket; waits: its waits (see waitFair).
+	sockRun, waits int
+	atMarker       bool // and no message received from it since the marker
+	stash          Msg  // a socket message that follows entries not yet taken
+	stashed        bool
 }
 
 // Lane entries of a Way begin with their kind.
@@ -713,6 +716,11 @@ func (w *Way) receive(ctx context.Context, block bool) (Msg, error) {
 		return Msg{}, err
 	}
 	m, err := w.recv(ctx, block)
+	if err == nil && m.c == nil {
+		w.sockRun = 0
+	} else if err == nil {
+		w.sockRun++
+	}
 	if err != nil {
 		w.recvDone()
 		return Msg{}, err
@@ -874,6 +882,16 @@ const (
 // claimed reports whether v is a claim: an entry comes for the reader.
 func claimed(v uint32) bool { return v == waitClaimed || v == claimedBusy }
 
+// A fair Way's reader whose last socketRun messages came by the socket
+// (tensors that need descriptors, a writer without the role) waits for
+// the next on the socket, where a wake costs the writer nothing more than
+// its send, but for one wait in laneProbe, to see whether the lane would
+// serve again.
+const (
+	socketRun = 2
+	laneProbe = 16
+)
+
 // Lane waits of fair Ways hold a thread each: at most laneWaiters in a
 // process at once, each for at most laneSleep; a reader without one
 // waits on its socket, parked, as the writer sends there meanwhile.
@@ -904,7 +922,9 @@ var errWaitedEnough = errors.New("mp: waited on a lane for as long as allowed")
 // the lane does.
 func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32) (Msg, bool, error) {
 	waits := l.readerWord(readerWaits)
-	if laneSleepers.Add(1) <= laneWaiters {
+	w.waits++
+	lane := w.sockRun < socketRun || w.waits%laneProbe == 0
+	if lane && laneSleepers.Add(1) <= laneWaiters {
 		l.readerWord(waitsAt).Store(w.sockSeen)
 		if !moveWait(waits, waitOnLane) {
 			laneSleepers.Add(-1)
@@ -933,7 +953,9 @@ func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32) (Msg, bool, er
 			return Msg{}, false, err
 		}
 	} else {
-		laneSleepers.Add(-1)
+		if lane {
+			laneSleepers.Add(-1)
+		}
 		if !moveWait(waits, waitParked) {
 			return Msg{}, false, w.waitClaimed(ctx, l, last)
 		}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/leakcheck"
@@ -46,8 +47,10 @@ type gotMsg struct {
 	err    error
 }
 
-// recvLater receives one message on r in a goroutine.
+// recvLater receives one message on r in a goroutine, waiting on the lane
+// (as if its messages had come by it lately) unless it cannot.
 func recvLater(ctx context.Context, r *Way) <-chan gotMsg {
+	r.sockRun = 0
 	got := make(chan gotMsg, 1)
 	go func() {
 		m, err := r.Recv(ctx)
@@ -560,4 +563,50 @@ func TestFairWayDeadReadersWait(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("the message was left in the lane")
 	}
+}
+
+// A reader whose last messages came by the socket (here: each with a
+// descriptor) waits for the next on the socket, parked, but for one wait
+// in laneProbe on the lane.
+func TestFairWayWaitsWhereMessagesCome(t *testing.T) {
+	leakcheck.Check(t)
+	w, r, _ := fairPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	null, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	require.NoError(t, err)
+	defer unix.Close(null)
+	waits := func() uint32 {
+		l := r.lane.Load()
+		if l == nil {
+			return waitNone
+		}
+		return l.readerWord(readerWaits).Load()
+	}
+	parked, onLane := 0, 0
+	for k := range 2 * laneProbe {
+		got := make(chan error, 1)
+		go func() {
+			m, err := r.Recv(ctx)
+			if err == nil {
+				m.Done()
+			}
+			got <- err
+		}()
+		require.Eventually(t, func() bool {
+			v := waits()
+			return v == waitParked || v == waitOnLane || k < socketRun
+		}, 10*time.Second, 20*time.Microsecond)
+		switch waits() {
+		case waitParked:
+			parked++
+		case waitOnLane:
+			onLane++
+		}
+		require.NoError(t, w.Send(ctx, wayMsg(k, 8), []int{null}))
+		require.NoError(t, <-got)
+	}
+	t.Logf("parked %d, on the lane %d", parked, onLane)
+	assert.Greater(t, parked, 2*laneProbe-socketRun-4, "it waits on the socket")
+	assert.Positive(t, onLane, "it probes the lane")
 }
