@@ -77,19 +77,41 @@ func get(ctx context.Context, c *sock.Conn, v any, block bool) error {
 // blocks its lane's reader maps (see carry.EncodeLane), waiting for room
 // unless not block.
 func sendLane(ctx context.Context, w *sock.Way, v any, block bool) error {
-	var sendErr error
-	err := carry.EncodeLane(v, w, func(data []byte, fds []int, lent []*shm.Block) error {
-		if block {
-			sendErr = w.SendLent(ctx, data, fds, lent)
-		} else {
-			sendErr = w.TrySendLent(ctx, data, fds, lent)
-		}
-		return sendErr
-	})
+	s := laneSenders.Get().(*laneSender)
+	s.ctx, s.w, s.block, s.err = ctx, w, block, nil
+	err := carry.EncodeLane(v, w, s.fn)
+	sendErr := s.err
+	s.ctx, s.w, s.err = nil, nil, nil
+	laneSenders.Put(s)
 	if err != nil && err != sendErr {
 		return fmt.Errorf("mp: encoding %T: %w", v, err)
 	}
 	return err
+}
+
+// A laneSender is sendLane's carry.SendFunc (fn, its send), pooled: a
+// closure per Put would be two heap objects per value.
+type laneSender struct {
+	ctx   context.Context
+	w     *sock.Way
+	block bool
+	err   error // what the Way's send returned
+	fn    carry.SendFunc
+}
+
+var laneSenders = sync.Pool{New: func() any {
+	s := new(laneSender)
+	s.fn = s.send
+	return s
+}}
+
+func (s *laneSender) send(data []byte, fds []int, lent []*shm.Block) error {
+	if s.block {
+		s.err = s.w.SendLent(s.ctx, data, fds, lent)
+	} else {
+		s.err = s.w.TrySendLent(s.ctx, data, fds, lent)
+	}
+	return s.err
 }
 
 // decodeMsg decodes m, received on a Way, into v, taking from its
