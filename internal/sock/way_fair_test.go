@@ -28,6 +28,20 @@ func fairPair(t *testing.T) (w, r *Way, mem *fd.FD) {
 	return w, r, mem
 }
 
+// fairRoles is fairPair, its writer and reader in their roles (a first
+// message sent and received), with a context for the test, after a look
+// at the descriptors the test leaves (leakcheck).
+func fairRoles(t *testing.T) (w, r *Way, mem *fd.FD, ctx context.Context) {
+	t.Helper()
+	leakcheck.Check(t)
+	w, r, mem = fairPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	t.Cleanup(cancel)
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
+	recvWay(t, ctx, r)
+	return w, r, mem, ctx
+}
+
 // recvWay receives the next message on r and returns its index and
 // whether it came by the lane.
 func recvWay(t *testing.T, ctx context.Context, r *Way) (int, bool) {
@@ -63,6 +77,20 @@ func recvLater(ctx context.Context, r *Way) <-chan gotMsg {
 		got <- g
 	}()
 	return got
+}
+
+// within returns what got reports within 5 s, which must be a message;
+// else the test fails with why.
+func within(t *testing.T, got <-chan gotMsg, why string) gotMsg {
+	t.Helper()
+	select {
+	case g := <-got:
+		require.NoError(t, g.err)
+		return g
+	case <-time.After(5 * time.Second):
+		t.Fatal(why)
+		return gotMsg{}
+	}
 }
 
 // waitsOnLane waits until r's reader waits on the lane, as its writer
@@ -130,12 +158,7 @@ func TestFairWayHandsToAWaitingOrLoneReader(t *testing.T) {
 // however long after laneSleep it comes: it does not go to the socket and
 // leave the entry behind.
 func TestFairWayClaimedWaitGetsItsEntry(t *testing.T) {
-	leakcheck.Check(t)
-	w, r, _ := fairPair(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // w takes the role
-	recvWay(t, ctx, r)
+	w, r, _, ctx := fairRoles(t)
 	got := recvLater(ctx, r)
 	waitsOnLane(t, r)
 
@@ -146,26 +169,16 @@ func TestFairWayClaimedWaitGetsItsEntry(t *testing.T) {
 	require.NoError(t, w.sendEntry(ctx, l, wayMsg(1, 8), true))
 	<-w.sem
 
-	select {
-	case g := <-got:
-		require.NoError(t, g.err)
-		assert.Equal(t, 1, g.i)
-		assert.True(t, g.byLane)
-	case <-time.After(5 * time.Second):
-		t.Fatal("the claimed entry was left in the lane")
-	}
+	g := within(t, got, "the claimed entry was left in the lane")
+	assert.Equal(t, 1, g.i)
+	assert.True(t, g.byLane)
 }
 
 // Beyond laneWaiters readers waiting on lanes at once, a reader waits on
 // its socket, parked, without saying it waits on the lane: the writer
 // sends there.
 func TestFairWayParksBeyondItsThreads(t *testing.T) {
-	leakcheck.Check(t)
-	w, r, _ := fairPair(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
-	recvWay(t, ctx, r)
+	w, r, _, ctx := fairRoles(t)
 
 	laneSleepers.Add(laneWaiters) // every lane wait is taken
 	defer laneSleepers.Add(-laneWaiters)
@@ -341,12 +354,7 @@ func TestFairWayBusyReaderKeepsNothing(t *testing.T) {
 // which may go by the lane: the reader takes the lane's first, then the
 // socket's, before it waits on the lane.
 func TestFairWaySocketBeforeLane(t *testing.T) {
-	leakcheck.Check(t)
-	w, r, _ := fairPair(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // the roles
-	recvWay(t, ctx, r)
+	w, r, _, ctx := fairRoles(t)
 	for k := 1; k <= 30; k += 3 {
 		// One by the lane first: the reader has found the socket empty.
 		got := recvLater(ctx, r)
@@ -394,12 +402,7 @@ func TestFairWaySocketBeforeLane(t *testing.T) {
 // waiting for nothing only until it sees that no process holds the
 // writer's role; a writer that takes the role over gives the wait back.
 func TestFairWayDeadWritersClaim(t *testing.T) {
-	leakcheck.Check(t)
-	w, r, mem := fairPair(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // the roles
-	recvWay(t, ctx, r)
+	w, r, mem, ctx := fairRoles(t)
 	waits := r.lane.Load().readerWord(readerWaits)
 
 	// Its writer gone, a claim stays: the reader waits for its entry,
@@ -413,13 +416,8 @@ func TestFairWayDeadWritersClaim(t *testing.T) {
 	defer w2.Close()
 	w2.tried = time.Now() // it sends without the role, for now
 	require.NoError(t, w2.Send(ctx, wayMsg(1, 8), nil))
-	select {
-	case g := <-got:
-		require.NoError(t, g.err)
-		assert.Equal(t, 1, g.i)
-	case <-time.After(5 * time.Second):
-		t.Fatal("the reader waits for a dead writer's entry")
-	}
+	g := within(t, got, "the reader waits for a dead writer's entry")
+	assert.Equal(t, 1, g.i)
 
 	// A writer that takes the role over gives a dead writer's claim
 	// back, and hands the reader its next message by the lane.
@@ -428,26 +426,16 @@ func TestFairWayDeadWritersClaim(t *testing.T) {
 	waits.Store(waitClaimed)
 	w2.tried = time.Time{}
 	require.NoError(t, w2.Send(ctx, wayMsg(2, 8), nil))
-	select {
-	case g := <-got:
-		require.NoError(t, g.err)
-		assert.Equal(t, 2, g.i)
-		assert.True(t, g.byLane)
-	case <-time.After(5 * time.Second):
-		t.Fatal("the reader waits for a dead writer's entry")
-	}
+	g = within(t, got, "the reader waits for a dead writer's entry")
+	assert.Equal(t, 2, g.i)
+	assert.True(t, g.byLane)
 }
 
 // A receive that ends while the writer it was claimed by has not yet
 // published leaves the claim to the next receive, which waits for the
 // entry on the lane, even with no lane wait to be had.
 func TestFairWayClaimOutlivesItsReceive(t *testing.T) {
-	leakcheck.Check(t)
-	w, r, _ := fairPair(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // the roles
-	recvWay(t, ctx, r)
+	w, r, _, ctx := fairRoles(t)
 	short, cancelShort := context.WithCancel(ctx)
 	got := recvLater(short, r)
 	waitsOnLane(t, r)
@@ -464,40 +452,25 @@ func TestFairWayClaimOutlivesItsReceive(t *testing.T) {
 	time.Sleep(10 * time.Millisecond)
 	require.NoError(t, w.sendEntry(ctx, l, wayMsg(1, 8), true))
 	<-w.sem
-	select {
-	case g := <-got:
-		require.NoError(t, g.err)
-		assert.Equal(t, 1, g.i)
-		assert.True(t, g.byLane)
-	case <-time.After(5 * time.Second):
-		t.Fatal("the claimed entry was left in the lane")
-	}
+	g = within(t, got, "the claimed entry was left in the lane")
+	assert.Equal(t, 1, g.i)
+	assert.True(t, g.byLane)
 }
 
 // A reader that has waited on the lane for its sleep waits on the socket,
 // as waitParked: the writer sends there, though the reader is alone. A
 // receive that ends while parked leaves the reader busy, not parked.
 func TestFairWayParksAfterItsSleep(t *testing.T) {
-	leakcheck.Check(t)
-	w, r, _ := fairPair(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // the roles
-	recvWay(t, ctx, r)
+	w, r, _, ctx := fairRoles(t)
 	r.sleep = 5 * time.Millisecond
 	waits := r.lane.Load().readerWord(readerWaits)
 	parked := func() bool { return waits.Load() == waitParked }
 	got := recvLater(ctx, r)
 	require.Eventually(t, parked, 10*time.Second, 50*time.Microsecond, "the reader never parked")
 	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
-	select {
-	case g := <-got:
-		require.NoError(t, g.err)
-		assert.Equal(t, 1, g.i)
-		assert.False(t, g.byLane)
-	case <-time.After(5 * time.Second):
-		t.Fatal("the message was left in the lane")
-	}
+	g := within(t, got, "the message was left in the lane")
+	assert.Equal(t, 1, g.i)
+	assert.False(t, g.byLane)
 
 	short, cancelShort := context.WithCancel(ctx)
 	got = recvLater(short, r)
@@ -513,12 +486,7 @@ func TestFairWayParksAfterItsSleep(t *testing.T) {
 // A reader that lets go of its role says no reader holds it: the writer
 // sends by the socket until one takes it again.
 func TestFairWayLetGoEndsBusyClaims(t *testing.T) {
-	leakcheck.Check(t)
-	w, r, _ := fairPair(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // the roles
-	recvWay(t, ctx, r)
+	w, r, _, ctx := fairRoles(t)
 	waits := r.lane.Load().readerWord(readerWaits)
 	assert.Equal(t, uint32(waitBusy), waits.Load())
 	r.LetGo()
@@ -537,12 +505,7 @@ func TestFairWayLetGoEndsBusyClaims(t *testing.T) {
 // reader, with no lane wait to be had, waits on its socket, and the
 // writer sends there, not into the lane.
 func TestFairWayDeadReadersWait(t *testing.T) {
-	leakcheck.Check(t)
-	w, r, mem := fairPair(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // the roles
-	recvWay(t, ctx, r)
+	w, r, mem, ctx := fairRoles(t)
 	require.NoError(t, r.Close())
 	// As a reader killed in its wait leaves it (r's mapping is gone).
 	w.lane.Load().readerWord(readerWaits).Store(waitOnLane)
@@ -556,13 +519,8 @@ func TestFairWayDeadReadersWait(t *testing.T) {
 	got := recvLater(ctx, r2)
 	require.Eventually(t, func() bool { return r2.shared.Waiting() == 1 }, 10*time.Second, 50*time.Microsecond)
 	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
-	select {
-	case g := <-got:
-		require.NoError(t, g.err)
-		assert.Equal(t, 1, g.i)
-	case <-time.After(5 * time.Second):
-		t.Fatal("the message was left in the lane")
-	}
+	g := within(t, got, "the message was left in the lane")
+	assert.Equal(t, 1, g.i)
 }
 
 // A reader whose last messages came by the socket (here: each with a
