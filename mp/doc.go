@@ -41,7 +41,8 @@
 //
 // A Queue made by NewQueue has such a lane too, which a putting process
 // uses only to hand a value to a getting process that waits in Get with
-// nothing before it, or is the queue's only getting process: a value put
+// nothing before it, or, with no tensor in it, to the queue's only
+// getting process: a value put
 // while the getter is busy and another may get goes by the socket, from
 // which any getter takes it, so the lane keeps no value from a free
 // getter (see internal/sock.NewFairWay). Neither does it let a value

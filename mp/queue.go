@@ -156,7 +156,8 @@ func decode(data []byte, fds *fd.Set, v any) error {
 // (see sock.NewFairWay) that hands a value from a putting process to a
 // getting one through memory, with no system call while both are awake,
 // when nothing is queued before it and the getting process waits in Get,
-// or is the queue's only getting process: the value a Pipe's lane would
+// or, for a value with no tensor, is the queue's only getting process
+// (it takes the value at its next Get): the value a Pipe's lane would
 // carry (no queue or pipe in it, tensors only of blocks of the putting
 // process's pool in segments the getting one pinned, about 2 KiB
 // encoded). Everything else goes by the socket, which every getting

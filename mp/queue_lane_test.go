@@ -172,7 +172,7 @@ func TestQueueLaneGetterKilledWaiting(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	in, out := newQueue(t), newQueue(t)
-	const n = 20
+	const n = 100
 	g, err := mp.Spawn(ctx, "queue-lane-keep", 1, mp.WithArgs(queueLaneArgs{In: in, Out: out, N: n, Wait: true}))
 	require.NoError(t, err)
 	before := sock.LentSent()
@@ -197,6 +197,38 @@ func TestQueueLaneGetterKilledWaiting(t *testing.T) {
 	require.NoError(t, y.Release())
 	require.Eventually(t, func() bool { return shm.DefaultPool().InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
 		"every block comes back")
+}
+
+// A tensor put while the queue's only getter is busy is not named for
+// that getter's pins: another process that gets it, once the busy one has
+// let go of its role (here the putting process itself), gets it whole.
+func TestQueueLaneBusyGetterKeepsNoTensor(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	in, out := newQueue(t), newQueue(t)
+	const n = 20
+	g, err := mp.Spawn(ctx, "queue-lane-keep", 1, mp.WithArgs(queueLaneArgs{In: in, Out: out, N: n}))
+	require.NoError(t, err)
+	before := sock.LentSent()
+	for i := range n {
+		x := newInts(t, i)
+		err := in.Put(ctx, x)
+		require.NoError(t, x.Release())
+		require.NoError(t, err)
+		var got int
+		require.NoError(t, out.Get(ctx, &got))
+	}
+	t.Logf("%d of %d tensors went by the lane", sock.LentSent()-before, n)
+	x := newInts(t, n) // the getter is busy for good
+	err = in.Put(ctx, x)
+	require.NoError(t, x.Release())
+	require.NoError(t, err)
+	var y *tensor.Tensor
+	require.NoError(t, in.Get(ctx, &y), "the tensor put while the getter was busy")
+	checkInts(t, y, n)
+	require.NoError(t, y.Release())
+	kill(t, g)
 }
 
 // newQueue returns a new queue that the test's end closes.

@@ -215,8 +215,9 @@ func NewWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 // there. A writer claims the reader's state before it publishes an entry
 // (waitClaimed, claimedBusy), and the reader, once claimed, waits for the
 // entry on the lane, never on the socket, until it comes or the claiming
-// writer is gone. Tensors by identity go only to a reader that holds the
-// role now (see readerHeld).
+// writer is gone. Tensors by identity go only to a reader that waits on
+// the lane and holds the role now (see readerHeld). A reader that only
+// tries (TryRecv) is not counted as another reader.
 func NewFairWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 	w := NewWay(shared, mem, writes)
 	w.fair, w.sleep = true, laneSleep
@@ -309,6 +310,12 @@ func (w *Way) letGoIdle() {
 		w.seen = w.recvs
 		w.prunePins(w.lane.Load()) // segments their producers have let go of
 		w.idle.Reset(idleRole)
+	case w.fair && w.lane.Load().readerWord(readerWaits).Load() == waitClaimed:
+		// An entry comes for this reader, whose receive ended first,
+		// and may name blocks it pins, which another reader, taking the
+		// role, would not map: it takes it at its next receive. (An
+		// entry for a busy reader names none: see handsOver.)
+		w.idle.Reset(idleRole)
 	default:
 		w.letGo(false)
 	}
@@ -364,9 +371,11 @@ func (w *Way) taken() *Lane {
 		w.owed = w.onSock && !w.fair // what it sent on the socket comes first
 		if w.fair {
 			// A claim of a writer killed before it published.
-			waits := l.readerWord(readerWaits)
-			waits.CompareAndSwap(waitClaimed, waitOnLane)
-			waits.CompareAndSwap(claimedBusy, waitBusy)
+			// Unless it published: the reader takes that entry.
+			if waits := l.readerWord(readerWaits); l.Sent() == l.Taken() {
+				waits.CompareAndSwap(waitClaimed, waitOnLane)
+				waits.CompareAndSwap(claimedBusy, waitBusy)
+			}
 		}
 		w.writing.Store(true)
 	} else {
@@ -501,7 +510,7 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 		// reader does not map them.
 		return carry.ErrNoLane
 	}
-	if len(fds) == 0 && 1+len(data) <= l.Room() && !w.owed && w.handsOver(l, l.Tail(), true) {
+	if len(fds) == 0 && 1+len(data) <= l.Room() && !w.owed && w.handsOver(l, l.Tail(), true, len(lent) > 0) {
 		pos := l.Tail()
 		err := w.sendEntry(ctx, l, data, block)
 		if err != nil && w.fair {
@@ -552,12 +561,15 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 // before tail taken, no message sent by the socket since the reader last
 // found it empty (which may have been sent before this one, as a pool's
 // notice of a worker's exit follows the worker's last reply: this one
-// follows it on the socket), and the reader waiting on the lane, or busy
-// while no other reader waits on the socket (it takes the entry at its
-// next receive). With claim, the writer that may send claims the reader
-// (see waitClaimed), which then waits for the entry on the lane, not on
-// the socket; the writer publishes the entry, or gives the claim back.
-func (w *Way) handsOver(l *Lane, tail uint32, claim bool) bool {
+// follows it on the socket), and the reader waiting on the lane, or, for
+// a message that names no block (not named), busy while no other process
+// reads the end (it takes the entry at its next receive; a reader that
+// lets go of its role meanwhile leaves it to the next, which could not
+// rebuild blocks named for the first one's pins). With claim, the writer
+// that may send claims the reader (see waitClaimed), which then waits
+// for the entry on the lane, not on the socket; the writer publishes the
+// entry, or gives the claim back.
+func (w *Way) handsOver(l *Lane, tail uint32, claim, named bool) bool {
 	if !w.fair {
 		return true
 	}
@@ -565,7 +577,7 @@ func (w *Way) handsOver(l *Lane, tail uint32, claim bool) bool {
 	if waits == nil || l.Taken() != tail || l.readerWord(sockSends).Load() != l.readerWord(waitsAt).Load() {
 		return false
 	}
-	idle := !w.otherReaders()
+	idle := !named && !w.otherReaders()
 	if !claim {
 		v := waits.Load()
 		return v == waitOnLane || v == waitBusy && idle
@@ -796,11 +808,14 @@ func (w *Way) recv(ctx context.Context, block bool) (Msg, error) {
 		if w.draining {
 			continue
 		}
+		// The socket's count first: an entry published after it is
+		// seen, and comes before what the socket got after it.
+		c := l.readerWord(sockSends).Load()
 		last := l.Sent()
 		if last != l.Taken() {
 			continue // sent since: take it
 		}
-		if c := l.readerWord(sockSends).Load(); w.fair && (c != w.sockSeen || w.sockReady) {
+		if w.fair && (c != w.sockSeen || w.sockReady) {
 			// Before a wait on the lane, the messages sent by the
 			// socket since the reader last found it empty: the lane's
 			// entries, all taken, came before them (see handsOver).
@@ -987,6 +1002,10 @@ func moveWait(waits *atomic.Uint32, to uint32) bool {
 	}
 }
 
+// claimPatience is how long a claimed reader waits for its entry before
+// it looks at the socket too (as often as its wait asks alive).
+const claimPatience = 10 * time.Millisecond
+
 // errClaimGone ends a wait for a claimed entry whose writer is gone.
 var errClaimGone = errors.New("mp: the writer that claimed the wait is gone")
 
@@ -995,17 +1014,25 @@ var errClaimGone = errors.New("mp: the writer that claimed the wait is gone")
 // sent is no longer last, ctx ends, the Way closes, or the claim is gone
 // (a writer that took the role over gave it back, or no process holds
 // the writer's role: the claiming writer died first, and the claim is
-// dropped). The reader takes the entry next, which ends the claim (see
-// fromLane). A reader that waited on the socket meanwhile would leave the
-// entry in the lane, unseen.
+// dropped), or, once it has waited claimPatience, the socket has a
+// message (errSocketReady; the claim stays). The reader takes the entry
+// next, which ends the claim (see fromLane). A reader that waited on the
+// socket meanwhile would leave the entry in the lane, unseen.
 func (w *Way) waitClaimed(ctx context.Context, l *Lane, last uint32) error {
 	waits := l.readerWord(readerWaits)
 	if l.Sent() != last || !claimed(waits.Load()) {
 		return nil
 	}
+	start := time.Now()
 	_, err := l.WaitSent(ctx, last, func() error {
 		if w.closed.Load() {
 			return errWayClosed
+		}
+		if time.Since(start) >= claimPatience && w.shared.poll()&unix.POLLIN != 0 {
+			// Not published within a slice (a writer stopped, or a
+			// peer's word): the socket's message meanwhile; the claim
+			// stays, for the next receive.
+			return errSocketReady
 		}
 		v := waits.Load()
 		if !claimed(v) {

@@ -164,7 +164,7 @@ func TestFairWayClaimedWaitGetsItsEntry(t *testing.T) {
 
 	w.sem <- struct{}{}
 	l := w.taken()
-	require.True(t, w.handsOver(l, l.Tail(), true), "the writer claims the wait")
+	require.True(t, w.handsOver(l, l.Tail(), true, false), "the writer claims the wait")
 	time.Sleep(laneSleep + 50*time.Millisecond)
 	require.NoError(t, w.sendEntry(ctx, l, wayMsg(1, 8), true))
 	<-w.sem
@@ -218,7 +218,7 @@ func TestFairWayOtherWritersComeFirst(t *testing.T) {
 		require.NoError(t, w2.Send(ctx, wayMsg(k, 8), nil))
 		w.sem <- struct{}{}
 		l := w.lane.Load()
-		lane := w.handsOver(l, l.Tail(), false)
+		lane := w.handsOver(l, l.Tail(), false, false)
 		<-w.sem
 		assert.False(t, lane, "message %d: the lane would take it", k+1)
 		require.NoError(t, w.Send(ctx, wayMsg(k+1, 8), nil))
@@ -441,7 +441,7 @@ func TestFairWayClaimOutlivesItsReceive(t *testing.T) {
 	waitsOnLane(t, r)
 	w.sem <- struct{}{}
 	l := w.taken()
-	require.True(t, w.handsOver(l, l.Tail(), true), "the writer claims the wait")
+	require.True(t, w.handsOver(l, l.Tail(), true, false), "the writer claims the wait")
 	cancelShort()
 	g := <-got
 	require.ErrorIs(t, g.err, context.Canceled)
@@ -567,4 +567,47 @@ func TestFairWayWaitsWhereMessagesCome(t *testing.T) {
 	t.Logf("parked %d, on the lane %d", parked, onLane)
 	assert.Greater(t, parked, 2*laneProbe-socketRun-4, "it waits on the socket")
 	assert.Positive(t, onLane, "it probes the lane")
+}
+
+// A claim whose entry does not come (a writer stopped before it
+// published, or a peer's word) keeps the reader from the socket for a
+// slice at most: a message there is received.
+func TestFairWayStalledClaimLetsTheSocketIn(t *testing.T) {
+	w, r, mem, ctx := fairRoles(t)
+	dup, err := mem.Dup()
+	require.NoError(t, err)
+	w2 := NewFairWay(w.shared, dup, true)
+	defer w2.Close()
+	got := recvLater(ctx, r)
+	waitsOnLane(t, r)
+	w.sem <- struct{}{}
+	l := w.taken()
+	require.True(t, w.handsOver(l, l.Tail(), true, false), "the writer claims the wait")
+	<-w.sem // and publishes nothing
+	require.NoError(t, w2.Send(ctx, wayMsg(1, 8), nil))
+	g := within(t, got, "the reader waits for a claimed entry that does not come, not for the socket")
+	assert.Equal(t, 1, g.i)
+	assert.False(t, g.byLane)
+}
+
+// A send with a done context sends nothing, by the lane or the socket.
+func TestFairWayDoneContextSendsNothing(t *testing.T) {
+	w, r, _, ctx := fairRoles(t)
+	got := recvLater(ctx, r) // one by the lane: the reader found the socket empty
+	waitsOnLane(t, r)
+	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
+	require.True(t, within(t, got, "the lane's message").byLane)
+	// The reader is busy and alone: the lane would take the next.
+	done, cancel := context.WithCancel(ctx)
+	cancel()
+	sent := w.lane.Load().Sent()
+	require.ErrorIs(t, w.Send(done, wayMsg(1, 8), nil), context.Canceled)
+	require.ErrorIs(t, w.TrySend(done, wayMsg(1, 8), nil), context.Canceled)
+	assert.Equal(t, sent, w.lane.Load().Sent(), "nothing in the lane")
+	_, err := r.TryRecv(ctx)
+	assert.ErrorIs(t, err, ErrWouldBlock, "nothing on the socket")
+	require.NoError(t, w.Send(ctx, wayMsg(2, 8), nil))
+	i, byLane := recvWay(t, ctx, r)
+	assert.Equal(t, 2, i)
+	assert.True(t, byLane)
 }
