@@ -163,7 +163,7 @@ func (w *Way) Maps(b *shm.Block) bool {
 	w.viewMu.Lock()
 	defer w.viewMu.Unlock()
 	l := w.lane.Load()
-	if l == nil || w.viewClosed || !w.handsOver(l, l.Sent(), false) {
+	if l == nil || w.viewClosed || !w.handsOver(l, l.Sent(), false, true) {
 		return false
 	}
 	seq := l.readerWord(pinSeq)
