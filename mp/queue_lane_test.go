@@ -136,25 +136,10 @@ func workerQueueLaneKeep(ctx context.Context, w *mp.Worker) error {
 // back: its holds die with it, and the putter's loans come back once no
 // process pins for the lane.
 func TestQueueLaneGetterKilled(t *testing.T) {
-	leakcheck.Check(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	in, out := newQueue(t), newQueue(t)
 	const n = 100
-	g, err := mp.Spawn(ctx, "queue-lane-keep", 1, mp.WithArgs(queueLaneArgs{In: in, Out: out, N: n}))
-	require.NoError(t, err)
+	ctx, k, g := startKeeper(t, n, false)
 	pool := shm.DefaultPool()
-	before := sock.LentSent()
-	for i := range n {
-		x := newInts(t, i)
-		err := in.Put(ctx, x)
-		require.NoError(t, x.Release())
-		require.NoError(t, err)
-		var got int
-		require.NoError(t, out.Get(ctx, &got))
-		require.Equal(t, i+1, got)
-	}
-	lent := int(sock.LentSent() - before)
+	lent := putAcked(t, ctx, k, n)
 	t.Logf("%d of %d tensors went by the lane", lent, n)
 	assert.Positive(t, lent, "tensors to a waiting getter went by the lane")
 	assert.Equal(t, n, pool.InUse(), "the getter holds them")
@@ -168,33 +153,13 @@ func TestQueueLaneGetterKilled(t *testing.T) {
 // (here the putting process itself) whole, not named for the dead
 // getter's pins.
 func TestQueueLaneGetterKilledWaiting(t *testing.T) {
-	leakcheck.Check(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	in, out := newQueue(t), newQueue(t)
 	const n = 100
-	g, err := mp.Spawn(ctx, "queue-lane-keep", 1, mp.WithArgs(queueLaneArgs{In: in, Out: out, N: n, Wait: true}))
-	require.NoError(t, err)
-	before := sock.LentSent()
-	for i := range n {
-		x := newInts(t, i)
-		err := in.Put(ctx, x)
-		require.NoError(t, x.Release())
-		require.NoError(t, err)
-		var got int
-		require.NoError(t, out.Get(ctx, &got))
-	}
-	require.Positive(t, int(sock.LentSent()-before), "tensors went by the lane")
+	ctx, k, g := startKeeper(t, n, true)
+	lent := putAcked(t, ctx, k, n)
+	require.Positive(t, lent, "tensors went by the lane")
 	time.Sleep(20 * time.Millisecond) // the getter waits in its Get
 	kill(t, g)
-	x := newInts(t, n)
-	err = in.Put(ctx, x)
-	require.NoError(t, x.Release())
-	require.NoError(t, err)
-	var y *tensor.Tensor
-	require.NoError(t, in.Get(ctx, &y), "the tensor put after the getter died")
-	checkInts(t, y, n)
-	require.NoError(t, y.Release())
+	takeBack(t, ctx, k, n, "the tensor put after the getter died")
 	require.Eventually(t, func() bool { return shm.DefaultPool().InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
 		"every block comes back")
 }
@@ -203,32 +168,61 @@ func TestQueueLaneGetterKilledWaiting(t *testing.T) {
 // that getter's pins: another process that gets it, once the busy one has
 // let go of its role (here the putting process itself), gets it whole.
 func TestQueueLaneBusyGetterKeepsNoTensor(t *testing.T) {
+	const n = 20
+	ctx, k, g := startKeeper(t, n, false)
+	lent := putAcked(t, ctx, k, n)
+	t.Logf("%d of %d tensors went by the lane", lent, n)
+	takeBack(t, ctx, k, n, "the tensor put while the getter was busy") // the getter is busy for good
+	kill(t, g)
+}
+
+// startKeeper spawns a queue-lane-keep worker that takes n tensors and
+// then waits to be killed (in a Get, with wait), and returns a context
+// for the test and the worker's two queues.
+func startKeeper(t *testing.T, n int, wait bool) (context.Context, *keeper, *mp.Group) {
+	t.Helper()
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	in, out := newQueue(t), newQueue(t)
-	const n = 20
-	g, err := mp.Spawn(ctx, "queue-lane-keep", 1, mp.WithArgs(queueLaneArgs{In: in, Out: out, N: n}))
+	t.Cleanup(cancel)
+	k := &keeper{in: newQueue(t), out: newQueue(t)}
+	g, err := mp.Spawn(ctx, "queue-lane-keep", 1, mp.WithArgs(queueLaneArgs{In: k.in, Out: k.out, N: n, Wait: wait}))
 	require.NoError(t, err)
-	before := sock.LentSent()
-	for i := range n {
-		x := newInts(t, i)
-		err := in.Put(ctx, x)
-		require.NoError(t, x.Release())
-		require.NoError(t, err)
-		var got int
-		require.NoError(t, out.Get(ctx, &got))
-	}
-	t.Logf("%d of %d tensors went by the lane", sock.LentSent()-before, n)
-	x := newInts(t, n) // the getter is busy for good
-	err = in.Put(ctx, x)
+	return ctx, k, g
+}
+
+// keeper is a queue-lane-keep worker's two queues: tensors to it, counts
+// from it.
+type keeper struct{ in, out *mp.Queue }
+
+// takeBack puts a new tensor that holds v to the keeper's queue and gets
+// it back in this process, as another getter, whole.
+func takeBack(t *testing.T, ctx context.Context, k *keeper, v int, what string) {
+	t.Helper()
+	x := newInts(t, v)
+	err := k.in.Put(ctx, x)
 	require.NoError(t, x.Release())
 	require.NoError(t, err)
 	var y *tensor.Tensor
-	require.NoError(t, in.Get(ctx, &y), "the tensor put while the getter was busy")
-	checkInts(t, y, n)
+	require.NoError(t, k.in.Get(ctx, &y), what)
+	checkInts(t, y, v)
 	require.NoError(t, y.Release())
-	kill(t, g)
+}
+
+// putAcked puts n new tensors (tensor i holds i) to the keeper, each once
+// it has counted the one before, and returns how many went by the lane.
+func putAcked(t *testing.T, ctx context.Context, k *keeper, n int) int {
+	t.Helper()
+	before := sock.LentSent()
+	for i := range n {
+		x := newInts(t, i)
+		err := k.in.Put(ctx, x)
+		require.NoError(t, x.Release())
+		require.NoError(t, err)
+		var got int
+		require.NoError(t, k.out.Get(ctx, &got))
+		require.Equal(t, i+1, got)
+	}
+	return int(sock.LentSent() - before)
 }
 
 // newQueue returns a new queue that the test's end closes.
