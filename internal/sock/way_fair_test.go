@@ -611,3 +611,30 @@ func TestFairWayDoneContextSendsNothing(t *testing.T) {
 	assert.Equal(t, 2, i)
 	assert.True(t, byLane)
 }
+
+// A reader whose receive ended with a claim outstanding keeps its role
+// while it receives nothing, until it has taken the claimed entry: the
+// entry may name blocks that only its pins map.
+func TestFairWayClaimKeepsTheRole(t *testing.T) {
+	w, r, _, ctx := fairRoles(t)
+	short, cancelShort := context.WithCancel(ctx)
+	got := recvLater(short, r)
+	waitsOnLane(t, r)
+	w.sem <- struct{}{}
+	l := w.taken()
+	require.True(t, w.handsOver(l, l.Tail(), true, false), "the writer claims the wait")
+	cancelShort()
+	require.ErrorIs(t, (<-got).err, context.Canceled)
+	for range 3 {
+		r.letGoIdle() // as its idle timer does, with no receive since
+	}
+	assert.True(t, holds(r), "the reader let go of its role with a claim outstanding")
+	require.NoError(t, w.sendEntry(ctx, l, wayMsg(1, 8), true))
+	<-w.sem
+	i, byLane := recvWay(t, ctx, r)
+	assert.Equal(t, 1, i)
+	assert.True(t, byLane)
+	r.letGoIdle()
+	r.letGoIdle()
+	assert.False(t, holds(r), "the entry taken, an idle reader lets go")
+}
