@@ -372,9 +372,8 @@ func (w *Way) taken() *Lane {
 		if w.fair {
 			// A claim of a writer killed before it published.
 			// Unless it published: the reader takes that entry.
-			if waits := l.readerWord(readerWaits); l.Sent() == l.Taken() {
-				waits.CompareAndSwap(waitClaimed, waitOnLane)
-				waits.CompareAndSwap(claimedBusy, waitBusy)
+			if l.Sent() == l.Taken() {
+				giveBack(l.readerWord(readerWaits))
 			}
 		}
 		w.writing.Store(true)
@@ -514,10 +513,7 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 		pos := l.Tail()
 		err := w.sendEntry(ctx, l, data, block)
 		if err != nil && w.fair {
-			// No entry comes: the claim goes back.
-			waits := l.readerWord(readerWaits)
-			waits.CompareAndSwap(waitClaimed, waitOnLane)
-			waits.CompareAndSwap(claimedBusy, waitBusy)
+			giveBack(l.readerWord(readerWaits)) // no entry comes
 		}
 		switch {
 		case err == nil && len(lent) > 0:
@@ -582,25 +578,22 @@ func (w *Way) handsOver(l *Lane, tail uint32, claim, named bool) bool {
 		v := waits.Load()
 		return v == waitOnLane || v == waitBusy && idle
 	}
-	var to uint32
-	switch {
-	case waits.CompareAndSwap(waitOnLane, waitClaimed):
-		to = waitClaimed
-	case idle && waits.CompareAndSwap(waitBusy, claimedBusy):
-		to = claimedBusy
-	default:
+	if !waits.CompareAndSwap(waitOnLane, waitClaimed) && !(idle && waits.CompareAndSwap(waitBusy, claimedBusy)) {
 		return false
 	}
 	if l.readerWord(sockSends).Load() != l.readerWord(waitsAt).Load() {
-		// Sent by the socket meanwhile: the claim goes back.
-		if to == waitClaimed {
-			waits.CompareAndSwap(waitClaimed, waitOnLane)
-		} else {
-			waits.CompareAndSwap(claimedBusy, waitBusy)
-		}
+		giveBack(waits) // sent by the socket meanwhile
 		return false
 	}
 	return true
+}
+
+// giveBack returns a writer's claim of the reader (waits) to the state it
+// claimed: no entry comes for it.
+func giveBack(waits *atomic.Uint32) {
+	if !waits.CompareAndSwap(waitClaimed, waitOnLane) {
+		waits.CompareAndSwap(claimedBusy, waitBusy)
+	}
 }
 
 // readerHeld reports whether a process holds the reader's role, whose

@@ -42,6 +42,14 @@ func fairRoles(t *testing.T) (w, r *Way, mem *fd.FD, ctx context.Context) {
 	return w, r, mem, ctx
 }
 
+// anotherFair is another for a fair Way.
+func anotherFair(t *testing.T, w *Way, mem *fd.FD, writes bool) *Way {
+	t.Helper()
+	w2 := another(t, w, mem, writes)
+	w2.fair, w2.sleep = true, laneSleep
+	return w2
+}
+
 // recvWay receives the next message on r and returns its index and
 // whether it came by the lane.
 func recvWay(t *testing.T, ctx context.Context, r *Way) (int, bool) {
@@ -133,10 +141,7 @@ func TestFairWayHandsToAWaitingOrLoneReader(t *testing.T) {
 	assert.Equal(t, 4, i)
 	assert.True(t, byLane, "sent to a busy reader, none other")
 
-	dup, err := mem.Dup()
-	require.NoError(t, err)
-	r2 := NewFairWay(r.shared, dup, false)
-	defer r2.Close()
+	r2 := anotherFair(t, r, mem, false)
 	got := recvLater(ctx, r2)
 	require.Eventually(t, func() bool { return r2.shared.Waiting() == 1 }, 10*time.Second, 50*time.Microsecond)
 	time.Sleep(2 * peerCheck)                          // the writer's look at other readers is that old at most
@@ -201,16 +206,8 @@ func TestFairWayParksBeyondItsThreads(t *testing.T) {
 // exit must follow the worker's last reply), until the reader has found
 // it empty again.
 func TestFairWayOtherWritersComeFirst(t *testing.T) {
-	leakcheck.Check(t)
-	w, r, mem := fairPair(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	dup, err := mem.Dup()
-	require.NoError(t, err)
-	w2 := NewFairWay(w.shared, dup, true)
-	defer w2.Close()
-	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // w takes the role
-	recvWay(t, ctx, r)
+	w, r, mem, ctx := fairRoles(t)
+	w2 := anotherFair(t, w, mem, true)
 
 	for k := 1; k <= 20; k += 2 {
 		got := recvLater(ctx, r)
@@ -308,17 +305,9 @@ func TestWayTryRecvLooksAtTheSocket(t *testing.T) {
 // those sent while it is between two receives: none waits in the lane
 // for the busy one.
 func TestFairWayBusyReaderKeepsNothing(t *testing.T) {
-	leakcheck.Check(t)
-	w, r, mem := fairPair(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	dup, err := mem.Dup()
-	require.NoError(t, err)
-	r2 := NewFairWay(r.shared, dup, false)
-	defer r2.Close()
-	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
-	recvWay(t, ctx, r) // r takes the reader's role
-	r.idle.Stop()      // and keeps it while it receives nothing
+	w, r, mem, ctx := fairRoles(t) // r takes the reader's role
+	r2 := anotherFair(t, r, mem, false)
+	r.idle.Stop() // and keeps it while it receives nothing
 	require.True(t, holds(r))
 
 	const n = 20
@@ -410,10 +399,7 @@ func TestFairWayDeadWritersClaim(t *testing.T) {
 	require.NoError(t, w.Close())
 	waits.Store(waitClaimed)
 	got := recvLater(ctx, r)
-	dup, err := mem.Dup()
-	require.NoError(t, err)
-	w2 := NewFairWay(w.shared, dup, true)
-	defer w2.Close()
+	w2 := anotherFair(t, w, mem, true)
 	w2.tried = time.Now() // it sends without the role, for now
 	require.NoError(t, w2.Send(ctx, wayMsg(1, 8), nil))
 	g := within(t, got, "the reader waits for a dead writer's entry")
@@ -510,10 +496,7 @@ func TestFairWayDeadReadersWait(t *testing.T) {
 	// As a reader killed in its wait leaves it (r's mapping is gone).
 	w.lane.Load().readerWord(readerWaits).Store(waitOnLane)
 
-	dup, err := mem.Dup()
-	require.NoError(t, err)
-	r2 := NewFairWay(r.shared, dup, false)
-	defer r2.Close()
+	r2 := anotherFair(t, r, mem, false)
 	laneSleepers.Add(laneWaiters)
 	defer laneSleepers.Add(-laneWaiters)
 	got := recvLater(ctx, r2)
@@ -574,10 +557,7 @@ func TestFairWayWaitsWhereMessagesCome(t *testing.T) {
 // slice at most: a message there is received.
 func TestFairWayStalledClaimLetsTheSocketIn(t *testing.T) {
 	w, r, mem, ctx := fairRoles(t)
-	dup, err := mem.Dup()
-	require.NoError(t, err)
-	w2 := NewFairWay(w.shared, dup, true)
-	defer w2.Close()
+	w2 := anotherFair(t, w, mem, true)
 	got := recvLater(ctx, r)
 	waitsOnLane(t, r)
 	w.sem <- struct{}{}
