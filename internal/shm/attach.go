@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -124,37 +125,12 @@ func AttachAll(refs []BlockRef) ([]*Block, error) {
 }
 
 func (t *segmentTable) attachMappedLocked(refs []BlockRef) ([]*Block, error) {
-	// The slots to lock, by segment: none this process holds already.
-	var need map[*segment][]int
 	for _, ref := range refs {
-		seg, ok := t.m[ref.Seg.ID]
-		if !ok || seg.alloc.Size() < ref.Seg.Size {
+		if !t.mapsLocked(ref) {
 			return nil, &Error{Op: "attach", Path: fmt.Sprintf("segment %v", ref.Seg.ID), Err: ErrNotMapped}
 		}
-		slot, ok := seg.slotAt(ref.Offset)
-		if !ok || seg.holds[slot] > 0 || seg.onFD[slot] {
-			continue // holdLocked says what is wrong with it, or needs no call
-		}
-		if need == nil {
-			need = map[*segment][]int{}
-		}
-		if !slices.Contains(need[seg], slot) {
-			need[seg] = append(need[seg], slot)
-		}
 	}
-	for seg, slots := range need {
-		for _, r := range runs(slots) {
-			ok, err := lockRead(seg.alloc.fd(), slotByte(r[0]), int64(r[1]))
-			if err != nil || !ok {
-				continue // the producer reclaims one of them: holdLocked says which
-			}
-			for slot := r[0]; slot < r[0]+r[1]; slot++ {
-				seg.onFD[slot] = true
-			}
-			seg.dirty = true // locks not taken up by a block go at the next transfer
-			transfers.schedule(seg)
-		}
-	}
+	t.lockLocked(refs, false)
 	bs := make([]*Block, 0, len(refs))
 	for _, ref := range refs {
 		seg := t.m[ref.Seg.ID]
@@ -175,6 +151,120 @@ func (t *segmentTable) attachMappedLocked(refs []BlockRef) ([]*Block, error) {
 		bs = append(bs, b)
 	}
 	return bs, nil
+}
+
+// mapsLocked reports whether this process maps as much of the segment
+// ref names, by identity, as ref says it holds.
+func (t *segmentTable) mapsLocked(ref BlockRef) bool {
+	seg, ok := t.m[ref.Seg.ID]
+	return ok && seg.alloc.Size() >= ref.Seg.Size
+}
+
+// lockLocked locks the slots of the blocks refs name by identity that
+// this process neither holds nor has locked, in the segments it maps,
+// through its own description: one call per run of neighbouring slots.
+// A slot it cannot lock is left for holdLocked, which says what is wrong
+// with it; a lock no block takes up goes at the next transfer.
+func (t *segmentTable) lockLocked(refs []BlockRef, ahead bool) {
+	type group struct {
+		seg   *segment
+		slots []int
+	}
+	var groups []group // by segment, refs naming mostly one
+	at := -1           // the group of the last ref
+	for _, ref := range refs {
+		if at < 0 || ref.Seg.ID != groups[at].seg.alloc.ID() {
+			seg, ok := t.m[ref.Seg.ID]
+			if !ok {
+				continue
+			}
+			at = slices.IndexFunc(groups, func(g group) bool { return g.seg == seg })
+			if at < 0 {
+				groups = append(groups, group{seg: seg})
+				at = len(groups) - 1
+			}
+		}
+		seg := groups[at].seg
+		slot, ok := seg.slotAt(ref.Offset)
+		if !ok || seg.alloc.Size() < ref.Seg.Size || seg.holds[slot] > 0 || seg.onFD[slot] {
+			continue // holdLocked says what is wrong with it, or needs no call
+		}
+		groups[at].slots = append(groups[at].slots, slot)
+	}
+	var now int64
+	if ahead {
+		now = time.Now().UnixNano()
+	}
+	for _, g := range groups {
+		g.seg.lockRunsLocked(g.slots, ahead, now)
+	}
+}
+
+// lockRunsLocked locks slots of seg, one call per run of neighbours, for
+// lockLocked; ahead says the locks are LockAhead's, taken at now (Unix
+// nanoseconds).
+func (seg *segment) lockRunsLocked(slots []int, ahead bool, now int64) {
+	slices.Sort(slots)
+	for _, r := range runs(slices.Compact(slots)) {
+		attachLocks.Add(1)
+		ok, err := lockRead(seg.alloc.fd(), slotByte(r[0]), int64(r[1]))
+		if err != nil || !ok {
+			continue // the producer reclaims one of them: holdLocked says which
+		}
+		for slot := r[0]; slot < r[0]+r[1]; slot++ {
+			seg.onFD[slot] = true
+			if ahead {
+				if seg.ahead == nil {
+					seg.ahead = map[int]int64{}
+				}
+				seg.ahead[slot] = now
+			}
+		}
+		seg.dirty = true // locks not taken up by a block go at a transfer
+		transfers.schedule(seg)
+	}
+}
+
+// attachLocks counts the lock calls of attaches (see AttachLocks).
+var attachLocks atomic.Uint64
+
+// AttachLocks returns how many lock calls this process has made to lock
+// the slots of blocks it attached, as it attached them: one a block, or
+// one a run of neighbouring slots for those AttachAll and LockAhead lock
+// together. Tests and benchmarks look at it to see how a receiver's
+// holds were taken.
+func AttachLocks() uint64 { return attachLocks.Load() }
+
+// Locked reports whether this process holds the slot of the block ref
+// names by identity, or has it locked already (LockAhead): attaching
+// the block then costs no lock call.
+func Locked(ref BlockRef) bool {
+	attached.mu.Lock()
+	defer attached.mu.Unlock()
+	seg, ok := attached.m[ref.Seg.ID]
+	if !ok {
+		return false
+	}
+	slot, ok := seg.slotAt(ref.Offset)
+	return ok && (seg.holds[slot] > 0 || seg.onFD[slot])
+}
+
+// LockAhead locks, through this process's own description, the slots of
+// the blocks refs name by identity in segments this process maps, one
+// call per run of neighbouring slots, as AttachAll does for the blocks
+// of one message: for a lane's reader, those of the messages it has not
+// taken yet, so that attaching each of them later costs no call. It
+// takes no hold and checks no generation; each Attach does, after the
+// lock, as always. A lock that no Attach takes up goes at the first
+// transfer aheadKeep after it was taken, within aheadKeep+transferDelay:
+// the reader of a lane whose writer lends its blocks until they are taken
+// keeps nothing from the producer meanwhile that the loan does not keep
+// already, unless it let go of the lane. Refs of segments this process
+// does not map, and slots it holds, are passed over.
+func LockAhead(refs []BlockRef) {
+	attached.mu.Lock()
+	defer attached.mu.Unlock()
+	attached.lockLocked(refs, true)
 }
 
 // slotAt returns the slot whose data starts at off, if one does.
@@ -381,6 +471,13 @@ const maxExtent = 1 << 50
 // has to its own description and closes them at once.
 const adoptMax = 8
 
+// aheadKeep is how long a slot LockAhead locked keeps its lock with no
+// block taking it up: long enough for a reader to take the messages it
+// looked ahead at, whatever the scheduler does meanwhile, short enough
+// that a lane's reader that let go of the lane keeps its producer's
+// blocks only for a moment.
+const aheadKeep = 100 * time.Millisecond
+
 // transferDelay is how long a receiver keeps the descriptors it adopted,
 // and, while it still holds blocks of the segment, the locks of blocks it
 // let go of, before it settles them in one batch (the locks of a segment
@@ -404,6 +501,7 @@ func (seg *segment) holdLocked(off, size int64, gen uint64, covered bool) (*Bloc
 	if seg.holds[slot] == 0 {
 		locked := seg.onFD[slot]
 		if !locked && !covered {
+			attachLocks.Add(1)
 			ok, err := lockRead(seg.alloc.fd(), slotByte(slot), 1)
 			if err != nil {
 				return nil, err
@@ -423,6 +521,7 @@ func (seg *segment) holdLocked(off, size int64, gen uint64, covered bool) (*Bloc
 		if locked || covered {
 			seg.dirty = true // to lock (covered) or to keep (locked, was let go of)
 		}
+		delete(seg.ahead, slot) // taken up
 	} else if !seg.genIs(slot, gen) {
 		return bad(ErrStaleBlock)
 	}
@@ -461,7 +560,10 @@ func (seg *segment) releaseLocked(slot int) error {
 // transferLocked settles this process's holds on the segment in its own
 // description: it locks the held slots that only adopted descriptors
 // held, unlocks the slots no longer held, one call per run of neighbours,
-// and then closes the adopted descriptors. The caller holds attached.mu.
+// and then closes the adopted descriptors. A slot LockAhead locked less
+// than aheadKeep ago keeps its lock, and the segment stays dirty: the
+// timed transfer that LockAhead scheduled goes on looking at it. The
+// caller holds attached.mu.
 func (seg *segment) transferLocked() error {
 	var errs []error
 	if seg.dirty {
@@ -471,10 +573,17 @@ func (seg *segment) transferLocked() error {
 				need = append(need, slot)
 			}
 		}
+		now, kept := time.Now().UnixNano(), false
 		for slot := range seg.onFD {
-			if seg.holds[slot] == 0 {
-				drop = append(drop, slot)
+			if seg.holds[slot] > 0 {
+				continue
 			}
+			if at, ok := seg.ahead[slot]; ok && now-at < int64(aheadKeep) {
+				kept = true
+				continue
+			}
+			delete(seg.ahead, slot)
+			drop = append(drop, slot)
 		}
 		for _, r := range runs(need) {
 			if _, err := lockRead(seg.alloc.fd(), slotByte(r[0]), int64(r[1])); err != nil {
@@ -493,7 +602,7 @@ func (seg *segment) transferLocked() error {
 				delete(seg.onFD, slot)
 			}
 		}
-		seg.dirty = false
+		seg.dirty = kept // the timed transfers look again while it is
 	}
 	if len(errs) > 0 {
 		return errors.Join(errs...) // keep the adopted descriptors: they still hold
@@ -647,6 +756,7 @@ func (t *segmentTable) closeLocked(seg *segment) error {
 	seg.tickets.rotate()
 	fd.CloseAll(seg.adopted)
 	seg.adopted = nil
+	clear(seg.ahead) // its locks go with the description
 	seg.closeExtent()
 	return seg.alloc.Release()
 }

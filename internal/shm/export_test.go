@@ -92,3 +92,13 @@ func RaceBump(t interface{ Cleanup(func()) }, f func()) {
 	beforeBump.Store(&f)
 	t.Cleanup(func() { beforeBump.Store(nil) })
 }
+
+// HoldTransfers holds off the timed transfers of received holds (see
+// transferDelay) until resume is called or the test ends: locks that no
+// block took up stay.
+func HoldTransfers(t interface{ Cleanup(func()) }) (resume func()) {
+	transfersHeld.Store(true)
+	resume = func() { transfersHeld.Store(false) }
+	t.Cleanup(resume)
+	return resume
+}

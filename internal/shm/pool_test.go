@@ -850,6 +850,85 @@ func TestReclaimAsksAgainAfterTheBump(t *testing.T) {
 	require.NoError(t, keep.Release())
 }
 
+// LockAhead locks the slots of blocks not attached yet, one call per run
+// of neighbouring slots, and those locks hold: until the next transfer the
+// producer does not take such a block back, and attaching it costs no
+// call, its generation checked all the same. Refs of a segment this
+// process does not map, or of no slot, are passed over. A lock that no
+// attach takes up goes at the next transfer, and the producer then takes
+// its block back.
+func TestLockAhead(t *testing.T) {
+	p := testPool(t)
+	resume := shm.HoldTransfers(t)
+	var bs []*shm.Block
+	for i := range 5 {
+		bs = append(bs, mustAlloc(t, p, 4<<10))
+		copy(bs[i].Bytes(), fmt.Sprint(i))
+	}
+	seg := bs[0].Segment()
+	for i, b := range bs[1:] {
+		require.Equal(t, seg, b.Segment())
+		require.Equal(t, shm.SlotOf(bs[1])+i, shm.SlotOf(b), "the blocks are neighbours")
+	}
+	ref := func(b *shm.Block, gen uint64) shm.BlockRef {
+		return shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: b.Offset(), Size: 4 << 10, Gen: gen, Ticket: -1}
+	}
+	r := receive(t, bs[0]) // this process maps the segment, as a lane's reader
+	keep := bs[0].Busy()   // and the ticket's description is closed
+	require.True(t, keep)
+	other, bad := ref(bs[1], bs[1].Gen()), ref(bs[1], bs[1].Gen())
+	other.Seg.ID.Ino++
+	bad.Offset += 64
+	before := shm.AttachLocks()
+	shm.LockAhead([]shm.BlockRef{ref(bs[1], bs[1].Gen()), other, ref(bs[2], bs[2].Gen()), bad,
+		ref(bs[3], bs[3].Gen()), ref(bs[2], bs[2].Gen()), ref(bs[4], bs[4].Gen())})
+	assert.Equal(t, uint64(1), shm.AttachLocks()-before, "one call for the run of four")
+	for i, b := range bs[1:] {
+		assert.True(t, shm.Locked(ref(b, b.Gen())), "block %d", i+1)
+	}
+	assert.False(t, shm.Locked(other), "a segment this process does not map")
+	assert.False(t, shm.Locked(bad), "no slot")
+
+	gen1 := bs[1].Gen()
+	require.NoError(t, bs[1].Release()) // the producer's: pending, locked ahead
+	var again []*shm.Block
+	for range 600 {
+		b := mustAlloc(t, p, 4<<10)
+		again = append(again, b)
+		assert.False(t, b.Segment() == seg && b.Offset() == bs[1].Offset(), "a slot locked ahead was handed out")
+	}
+	for _, b := range again {
+		require.NoError(t, b.Release())
+	}
+	var got []*shm.Block
+	for i, b := range bs[1:4] {
+		gen := b.Gen()
+		if i == 0 {
+			gen = gen1
+		}
+		x, err := shm.Attach(ref(b, gen))
+		require.NoError(t, err, "block %d", i+1)
+		assert.Equal(t, fmt.Sprint(i+1), string(x.Bytes()[:1]))
+		got = append(got, x)
+	}
+	_, err := shm.Attach(ref(bs[4], bs[4].Gen()+1))
+	require.ErrorIs(t, err, shm.ErrStaleBlock, "the generation is checked")
+	assert.Equal(t, uint64(1), shm.AttachLocks()-before, "the attaches made no call")
+
+	for _, b := range bs[2:] {
+		require.NoError(t, b.Release())
+	}
+	p.Trim(1 << 30)
+	assert.Equal(t, 5, p.InUse(), "block 4's lock stays while no transfer runs")
+	resume()
+	require.Eventually(t, func() bool { p.Trim(1 << 30); return p.InUse() == 4 }, 5*time.Second, 5*time.Millisecond,
+		"block 4, locked ahead and not attached, goes back once its lock goes; those held stay")
+	for _, b := range append(got, r, bs[0]) {
+		require.NoError(t, b.Release())
+	}
+	assert.Eventually(t, func() bool { return p.InUse() == 0 }, 5*time.Second, 5*time.Millisecond)
+}
+
 // A block AttachAll attached is held by this process's own lock: its
 // producer does not take it back.
 func TestAttachAllHoldsAgainstReclaim(t *testing.T) {

@@ -78,10 +78,13 @@ var (
 	// transfers settles a receiver's holds in its own description, a
 	// batch at a time, transferDelay after they changed (attach.go).
 	transfers = newLater(transferDelay, func(seg *segment) bool {
+		if transfersHeld.Load() {
+			return true // a test holds them off
+		}
 		attached.mu.Lock()
 		defer attached.mu.Unlock()
 		_ = seg.transferLocked()
-		return false
+		return seg.dirty // locks taken ahead, kept for now
 	})
 	// idleChecks drops received segments that nobody holds any more:
 	// the producer is gone and no process holds a block of it. The last
@@ -105,6 +108,9 @@ var (
 		return false
 	})
 )
+
+// transfersHeld, set by tests only, makes the transfers wait.
+var transfersHeld atomic.Bool
 
 // DropIdle unmaps the received segments no block of this process uses. A
 // process out of descriptors calls it before trying again: each keeps
@@ -149,6 +155,7 @@ func DropRefsForExit() {
 		}
 		attached.mu.Lock()
 		clear(seg.holds)
+		clear(seg.ahead)
 		seg.dirty = true
 		_ = seg.transferLocked()
 		seg.users = 0
