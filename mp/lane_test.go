@@ -30,6 +30,7 @@ func init() {
 	mp.Register("lane-take", workerLaneTake)
 	mp.Register("lane-check", workerLaneCheck)
 	mp.Register("lane-hand-on", workerLaneHandOn)
+	mp.Register("lane-backlog", workerLaneBacklog)
 }
 
 type laneArgs struct {
@@ -38,6 +39,7 @@ type laneArgs struct {
 	N      int  // tensors to send after the first, or to take
 	Quick  bool // lane-check: release each tensor unread
 	Batch  int  // lane-check: after the first, Batch tensors a message
+	Take   int  // lane-backlog: how many of the N it takes
 	// Close: lane-take closes its end once it gets a value from it; nil,
 	// it waits to be killed.
 	Close *mp.Queue
@@ -187,6 +189,51 @@ func workerLaneCheck(ctx context.Context, w *mp.Worker) error {
 		}
 	}
 	return a.Status.Put(ctx, bad)
+}
+
+// workerLaneBacklog takes the first tensor, says so, and once Close gives
+// it a value takes Take of the N that the lane holds by then, the i-th of
+// which must hold i, releasing each; it puts how many did not, and the
+// lock calls its attaches made for them (shm.AttachLocks). It then waits
+// to be killed.
+func workerLaneBacklog(ctx context.Context, w *mp.Worker) error {
+	var a laneArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	bad := 0
+	var x *tensor.Tensor
+	if err := a.Pipe.Recv(ctx, &x); err != nil {
+		return err
+	}
+	if err := checkLane(x, 0, &bad); err != nil {
+		return err
+	}
+	if err := a.Status.Put(ctx, 0); err != nil {
+		return err
+	}
+	var now int
+	if err := a.Close.Get(ctx, &now); err != nil {
+		return err
+	}
+	before := shm.AttachLocks()
+	for i := 1; i <= a.Take; i++ {
+		if err := a.Pipe.Recv(ctx, &x); err != nil {
+			return err
+		}
+		if err := checkLane(x, i, &bad); err != nil {
+			return err
+		}
+	}
+	calls := shm.AttachLocks() - before
+	if err := a.Status.Put(ctx, bad); err != nil {
+		return err
+	}
+	if err := a.Status.Put(ctx, calls); err != nil {
+		return err
+	}
+	<-ctx.Done()
+	return nil
 }
 
 // workerLaneHandOn takes a tensor, and once Close gives it a value, a
@@ -430,6 +477,46 @@ func TestPipeLaneReaderKilled(t *testing.T) {
 		"every block comes back once the reader is killed")
 	t.Logf("blocks back %v after the kill", time.Since(start))
 	assert.Less(t, time.Since(start), time.Second)
+}
+
+// A reader that finds a backlog of tensors in the lane locks their slots
+// together, one call per run of neighbouring blocks, not one per tensor,
+// and each arrives whole. Killed having taken all of them, or only some,
+// with the rest locked ahead and untaken, it gives every block back.
+func TestPipeLaneBacklogLocksInRuns(t *testing.T) {
+	const n = 100
+	for _, take := range []int{n, 30} {
+		t.Run(fmt.Sprint("take ", take), func(t *testing.T) {
+			leakcheck.Check(t)
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			start, err := mp.NewQueue()
+			require.NoError(t, err)
+			defer start.Close()
+			mine, theirs, err := mp.NewPipe()
+			require.NoError(t, err)
+			defer mine.Close()
+			status, err := mp.NewQueue()
+			require.NoError(t, err)
+			defer status.Close()
+			g, err := mp.Spawn(ctx, "lane-backlog", 1, mp.WithArgs(laneArgs{Pipe: theirs, Status: status, N: n, Take: take, Close: start}))
+			require.NoError(t, err)
+			require.NoError(t, theirs.Close())
+			pool := shm.DefaultPool()
+			before := sock.LentSent()
+			sendNew(t, ctx, mine, status, n)
+			require.Equal(t, n, int(sock.LentSent()-before), "every tensor after the first waits in the lane")
+			require.NoError(t, start.Put(ctx, 1))
+			var bad, calls int
+			require.NoError(t, status.Get(ctx, &bad))
+			require.NoError(t, status.Get(ctx, &calls))
+			assert.Zero(t, bad, "tensors that did not hold their values")
+			assert.LessOrEqual(t, calls, n/10, "lock calls for %d tensors taken", take)
+			kill(t, g)
+			require.Eventually(t, func() bool { return pool.InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
+				"every block comes back once the reader is killed")
+		})
+	}
 }
 
 // A reader that closes its end with tensors untaken in the lane gives

@@ -126,32 +126,96 @@ func (r *fdReader) decodeBatch(items []byte, n int, p *[]*tensor.Tensor) error {
 // attachAhead attaches the blocks that the n tensor extensions of items,
 // a batch that came by a lane, name by identity, all at once: one lock
 // call per run of neighbouring slots instead of one per block (see
-// shm.AttachAll). Their tensors take them from r.ahead; a batch that
-// cannot be attached so is left to the tensors one by one, which say
-// what is wrong with it.
+// shm.AttachAll), the slots of the blocks the messages behind it name
+// locked in the same calls (lockAhead). Their tensors take them from
+// r.ahead; a batch that cannot be attached so is left to the tensors one
+// by one, which say what is wrong with it.
 func (r *fdReader) attachAhead(items []byte, n int) {
 	refs := r.refs[:0]
 	for range n {
 		payload, rest, _ := nextBare(items)
 		items = rest
 		m, err := parseMeta(payload, r.dims[:])
-		if err != nil || m.Strategy != string(strategy.FileDescriptor) || m.FDIndex != -1 || m.BlockOffset < 0 {
+		if err != nil || !r.namedByLane(m) {
 			continue
 		}
-		if liveUser(userOf(shm.SegmentRef{ID: m.segmentID()}, m), m.Size) != nil || r.from == nil || !r.from.Pinned(m.segmentID()) {
-			continue // this process's own storage, or not the lane's to name
+		if liveUser(userOf(shm.SegmentRef{ID: m.segmentID()}, m), m.Size) != nil {
+			continue // this process's own storage
 		}
 		refs = append(refs, laneRef(m))
 	}
+	own := len(refs)
+	refs = r.lockWithAhead(refs)
 	r.refs = refs
-	if len(refs) < 2 {
+	if own < 2 {
 		return
 	}
-	bs, err := shm.AttachAll(refs)
+	bs, err := shm.AttachAll(refs[:own])
 	if err != nil {
 		return
 	}
 	r.ahead = append(r.ahead[:0], bs...)
+}
+
+// namedByLane reports whether m, a tensor's metadata in a message that
+// came by the lane r.from, names a block by identity that the lane may
+// name: a pooled block of a segment the lane's reader pins.
+func (r *fdReader) namedByLane(m Meta) bool {
+	return m.Strategy == string(strategy.FileDescriptor) && m.FDIndex == -1 && m.BlockOffset >= 0 &&
+		r.from != nil && r.from.Pinned(m.segmentID())
+}
+
+// maxAhead is the most blocks a lane's reader locks at once for the
+// messages it has not taken yet (lockWithAhead).
+const maxAhead = 256
+
+// lockAhead is lockWithAhead for ref alone: a block that a message by a
+// lane names, which its decode attaches now.
+func (r *fdReader) lockAhead(ref shm.BlockRef) {
+	r.refs = r.lockWithAhead(append(r.refs[:0], ref))
+}
+
+// lockWithAhead locks the slots of refs, the blocks a message that came
+// by a lane names by identity, together with those of the blocks that
+// the messages behind it in the lane name, one call per run of
+// neighbouring slots (see shm.LockAhead), unless this process holds or
+// has locked the first of refs already: it locked it ahead, for an
+// earlier message, with the others then in the lane. A stream of one
+// tensor a message so costs its reader one lock call per run of messages
+// in the lane, not one per message; each block is attached, its
+// generation checked, when its message is decoded. It returns refs with
+// the blocks ahead appended.
+func (r *fdReader) lockWithAhead(refs []shm.BlockRef) []shm.BlockRef {
+	if !r.byLane || r.from == nil || len(refs) == 0 || shm.Locked(refs[0]) {
+		return refs
+	}
+	r.from.Ahead(func(data []byte) bool {
+		refs = r.appendNamed(refs, data)
+		return len(refs) < maxAhead
+	})
+	shm.LockAhead(refs)
+	return refs
+}
+
+// appendNamed appends to refs the blocks that data, a message in the
+// lane r's message came by, names by identity, if it is a bare tensor or
+// a batch of them: what a stream sends. Anything else names nothing
+// here; it is checked when it is decoded.
+func (r *fdReader) appendNamed(refs []shm.BlockRef, data []byte) []shm.BlockRef {
+	items, n := data, 1
+	if _, rest, ok := nextBare(data); !ok || len(rest) != 0 {
+		if items, n, ok = bareBatch(data); !ok {
+			return refs
+		}
+	}
+	for range n {
+		payload, rest, _ := nextBare(items)
+		items = rest
+		if m, err := parseMeta(payload, r.aheadDims[:]); err == nil && r.namedByLane(m) {
+			refs = append(refs, laneRef(m))
+		}
+	}
+	return refs
 }
 
 // attached takes the block ref names from those attachAhead attached,
@@ -208,6 +272,10 @@ type fdReader struct {
 	// tensors take them (see attachAhead); refs, its room.
 	ahead []*shm.Block
 	refs  []shm.BlockRef
+	// aheadDims: room for the shapes of the messages behind this one in
+	// its lane (lockWithAhead), apart from dims, which the tensor being
+	// decoded uses meanwhile.
+	aheadDims [2 * roomDims]int
 }
 
 func (r *fdReader) reset(data []byte, fds *fd.Set) {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"math"
+	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -347,9 +348,130 @@ func gpuUUID(dev int) []byte {
 // holds, as package sock's Way answers for the segments it pinned.
 type pinnedLane map[shm.ID]bool
 
-func (p pinnedLane) Maps(*shm.Block) bool  { return false }
-func (p pinnedLane) Pin(shm.ID)            {}
-func (p pinnedLane) Pinned(id shm.ID) bool { return p[id] }
+func (p pinnedLane) Maps(*shm.Block) bool         { return false }
+func (p pinnedLane) Pin(shm.ID)                   {}
+func (p pinnedLane) Pinned(id shm.ID) bool        { return p[id] }
+func (p pinnedLane) Ahead(func(data []byte) bool) {}
+
+// aheadLane is a pinnedLane that holds messages behind the one being
+// decoded, as a Way's reader sees them in its lane, and counts the looks
+// at them.
+type aheadLane struct {
+	pinnedLane
+	ahead [][]byte
+	looks *int
+}
+
+func (l aheadLane) Ahead(yield func(data []byte) bool) {
+	*l.looks++
+	for _, m := range l.ahead {
+		if !yield(slices.Clone(m)) {
+			return
+		}
+	}
+}
+
+// laneBlocks returns n blocks of size bytes of the default pool, the
+// i-th starting with byte i+1, and the metadata of a lane message naming
+// each; this process maps their segment as a lane's reader does, holding
+// block 0 as received by descriptor, until the test's end.
+func laneBlocks(t testing.TB, n, size int) []Meta {
+	t.Helper()
+	pool := shm.DefaultPool()
+	var blocks []*shm.Block
+	var ms []Meta
+	for i := range n {
+		b, err := pool.Alloc(int64(size))
+		require.NoError(t, err)
+		copy(b.Bytes(), []byte{byte(i + 1)})
+		blocks = append(blocks, b)
+		m := validMeta(b.Segment().ID())
+		m.FDIndex, m.Shape, m.Strides, m.DType = -1, []int{size}, []int{1}, tensor.Uint8
+		m.SegmentSize, m.BlockOffset, m.Gen = b.Segment().Size(), b.Offset(), b.Gen()
+		ms = append(ms, m)
+	}
+	tk, err := blocks[0].Ticket()
+	require.NoError(t, err)
+	st, err := shm.Stat(tk.FD())
+	require.NoError(t, err)
+	seg := blocks[0].Segment()
+	held, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: st.ID, Size: seg.Size()}, Offset: blocks[0].Offset(), Size: 4096, Gen: blocks[0].Gen(), Ticket: tk.FD()})
+	tk.Done()
+	require.NoError(t, err)
+	require.True(t, blocks[0].Busy()) // and the ticket's description is closed now
+	t.Cleanup(func() {
+		require.NoError(t, held.Release())
+		for _, b := range blocks {
+			require.NoError(t, b.Release())
+		}
+	})
+	return ms
+}
+
+// batchMessage is a batch of the tensors ms describe, as mp.PutMany sends.
+func batchMessage(t testing.TB, ms ...Meta) []byte {
+	t.Helper()
+	var buf bytes.Buffer
+	enc := msgpack.NewEncoder(&buf)
+	require.NoError(t, enc.EncodeArrayLen(len(ms)))
+	for _, m := range ms {
+		buf.Write(extMessage(t, m))
+	}
+	return buf.Bytes()
+}
+
+// A lane's message whose block this process has not locked locks, in the
+// same call, the blocks that the messages behind it in the lane name, bare
+// tensors and batches of segments the lane's reader pins: decoding those
+// later costs no lock call, and gives each its own block. A block of a
+// segment the reader does not pin, and what is not a tensor, are passed
+// over.
+func TestLaneDecodeLocksAhead(t *testing.T) {
+	leakcheck.Check(t)
+	t.Cleanup(func() {
+		assert.Eventually(t, func() bool { return shm.DefaultPool().InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
+			"every block goes back to its producer")
+	})
+	ms := laneBlocks(t, 6, 4096)
+	others := laneBlocks(t, 2, 64<<10) // mapped, but not the lane's
+	require.NotEqual(t, ms[0].segmentID(), others[0].segmentID())
+	ref := func(m Meta) shm.BlockRef { return laneRef(m) }
+	notTensor, err := msgpack.Marshal(7)
+	require.NoError(t, err)
+	lane := aheadLane{pinnedLane: pinnedLane{ms[0].segmentID(): true}, looks: new(int)}
+	lane.ahead = [][]byte{extMessage(t, ms[2]), notTensor, batchMessage(t, ms[3], ms[4]), extMessage(t, others[1]), {0xc1}, extMessage(t, ms[5])}
+
+	before := shm.AttachLocks()
+	var x *tensor.Tensor
+	var fds fd.Set
+	require.NoError(t, carry.DecodeFrom(extMessage(t, ms[1]), &fds, &x, lane, true))
+	calls := shm.AttachLocks() - before // one per run of neighbouring slots
+	assert.True(t, calls >= 1 && calls <= 5, "%d lock calls", calls)
+	for i := 2; i < 6; i++ {
+		assert.True(t, shm.Locked(ref(ms[i])), "block %d, named by a message ahead", i)
+	}
+	assert.False(t, shm.Locked(ref(others[1])), "a block of a segment the lane does not pin")
+	got := []*tensor.Tensor{x}
+	var xs []*tensor.Tensor
+	lane.ahead = lane.ahead[1:]
+	require.NoError(t, carry.DecodeFrom(extMessage(t, ms[2]), &fds, &x, lane, true))
+	got = append(got, x)
+	lane.ahead = lane.ahead[2:]
+	require.NoError(t, carry.DecodeFrom(batchMessage(t, ms[3], ms[4]), &fds, &xs, lane, true))
+	got = append(got, xs...)
+	lane.ahead = nil
+	require.NoError(t, carry.DecodeFrom(extMessage(t, ms[5]), &fds, &x, lane, true))
+	got = append(got, x)
+	require.Len(t, got, 5)
+	assert.Equal(t, calls, shm.AttachLocks()-before, "their decodes made no call")
+	assert.Equal(t, 1, *lane.looks, "nor looked ahead again: their blocks were locked")
+	for i, x := range got {
+		b, ok := x.Storage().Backing().(*shm.Block)
+		require.True(t, ok)
+		assert.Equal(t, byte(i+2), b.Bytes()[0], "tensor %d's block", i+1)
+		require.NoError(t, x.Release())
+	}
+}
 
 // A message that came by a lane names blocks by identity alone, and only
 // blocks of segments the lane's reader pins, which this process maps, are
@@ -399,9 +521,11 @@ func TestLaneMessageFindsOnlyMappedSegments(t *testing.T) {
 
 // Whatever a lane's message says (blocks named by identity, alone or in
 // a batch, of a segment this process maps or not, at any offset and
-// generation), its decode gives tensors of the blocks it names, whose
-// bytes are theirs, or an error wrapping ErrMalformed: never a crash, a
-// block held after its tensor is released, or a descriptor left open.
+// generation, with whatever message behind it in the lane), its decode
+// gives tensors of the blocks it names, whose bytes are theirs, or an
+// error wrapping ErrMalformed: never a crash, a block held after its
+// tensor is released (or, locked ahead for the message behind it, once
+// the lock's transfer is due), or a descriptor left open.
 func FuzzLaneDecode(f *testing.F) {
 	pool := shm.DefaultPool()
 	var blocks []*shm.Block
@@ -437,20 +561,26 @@ func FuzzLaneDecode(f *testing.F) {
 		}
 		return buf.Bytes()
 	}
-	ok1, ok2 := lane(blocks[1], blocks[1].Gen(), 0), lane(blocks[2], blocks[2].Gen(), 0)
-	f.Add(extMessage(f, ok1))
-	f.Add(batch(ok1, ok2, lane(blocks[3], blocks[3].Gen(), 0)))
-	f.Add(batch(ok1, ok1))
-	f.Add(batch(ok1, lane(blocks[2], blocks[2].Gen()+1, 0)))
-	f.Add(batch(ok2, lane(blocks[3], blocks[3].Gen(), 64)))
+	ok1, ok2, ok3 := lane(blocks[1], blocks[1].Gen(), 0), lane(blocks[2], blocks[2].Gen(), 0), lane(blocks[3], blocks[3].Gen(), 0)
+	f.Add(extMessage(f, ok1), []byte(nil))
+	f.Add(batch(ok1, ok2, ok3), []byte(nil))
+	f.Add(batch(ok1, ok1), []byte(nil))
+	f.Add(batch(ok1, lane(blocks[2], blocks[2].Gen()+1, 0)), []byte(nil))
+	f.Add(batch(ok2, lane(blocks[3], blocks[3].Gen(), 64)), []byte(nil))
 	other := ok1
 	other.Ino++
-	f.Add(batch(ok1, other))
-	reader := pinnedLane{seg.ID(): true}
+	f.Add(batch(ok1, other), []byte(nil))
+	// A message behind in the lane, whose blocks the decode locks ahead.
+	f.Add(extMessage(f, ok1), extMessage(f, ok2))
+	f.Add(extMessage(f, ok1), batch(ok2, lane(blocks[3], blocks[3].Gen()+1, 0)))
+	f.Add(batch(ok1, ok2), batch(ok3, other))
+	f.Add(extMessage(f, ok1), extMessage(f, lane(blocks[2], blocks[2].Gen(), 4096)))
+	reader := aheadLane{pinnedLane: pinnedLane{seg.ID(): true}, looks: new(int)}
 	base := leakcheck.Count()
 	var rebuilt atomic.Int64
 
-	f.Fuzz(func(t *testing.T, data []byte) {
+	f.Fuzz(func(t *testing.T, data, ahead []byte) {
+		reader.ahead = [][]byte{ahead}
 		check := func(err error, ts []*tensor.Tensor) {
 			rebuilt.Add(int64(len(ts)))
 			if err != nil {

@@ -256,6 +256,10 @@ type fdSource interface {
 	// attached returns the block ref names if the decode attached it
 	// already, with others of its message, and hands it over; else nil.
 	attached(ref shm.BlockRef) *shm.Block
+	// lockAhead prepares the attaching of ref, a block a lane's message
+	// names by identity, with that of the blocks the messages behind it
+	// in the lane name (see fdReader.lockAhead).
+	lockAhead(ref shm.BlockRef)
 }
 
 type borrowed []int
@@ -263,6 +267,7 @@ type borrowed []int
 func (b borrowed) covers(int, shm.ID) bool          { return false }
 func (b borrowed) lane() (carry.Lane, bool)         { return nil, false }
 func (b borrowed) attached(shm.BlockRef) *shm.Block { return nil }
+func (b borrowed) lockAhead(shm.BlockRef)           {}
 
 func (b borrowed) fd(i int) (int, error) {
 	if i < 0 || i >= len(b) {
@@ -511,6 +516,7 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 			if b := fds.attached(ref); b != nil {
 				return b, nil
 			}
+			fds.lockAhead(ref)
 			return shm.Attach(ref)
 		})
 	}

@@ -154,6 +154,13 @@ type Lane interface {
 	// by identity, the writer's loans holding them until the reader acks.
 	// Blocks of any other segment are not the lane's to name.
 	Pinned(id shm.ID) bool
+	// Ahead calls yield with each message the lane holds after the one
+	// being decoded, oldest first, until yield returns false: copies,
+	// valid until yield returns, of what a writer published and the
+	// reader has not taken yet, for the decoder to prepare their blocks'
+	// holds (see shm.LockAhead). A hint: each message is checked when it
+	// is decoded. The reader's side.
+	Ahead(yield func(data []byte) bool)
 }
 
 // ErrNoLane is returned by a SendFunc given lent blocks when the message

@@ -381,6 +381,38 @@ func (l *Lane) recv(ctx context.Context, buf []byte, alive func() error, block b
 	}
 }
 
+// Ahead calls yield with each message published and not taken yet,
+// oldest first, until yield returns false: a copy in buf's room, valid
+// until yield returns. It takes nothing. An entry that is not what the
+// writer should have written ends the walk; a writer that reuses an
+// entry while it is copied, once another reader took it, is not
+// noticed, so what yield gets is a hint, to be checked when the
+// message is taken. It returns buf's room, grown as needed.
+func (l *Lane) Ahead(buf []byte, yield func(data []byte) bool) []byte {
+	l.rmu.Lock()
+	defer l.rmu.Unlock()
+	if l.mem == nil {
+		return buf
+	}
+	sent := l.sent.Load()
+	taken := l.taken.Load()
+	if int32(sent-taken) <= 0 || sent-taken > l.entries {
+		return buf
+	}
+	for pos := taken; pos != sent; pos++ {
+		e := l.entry(pos)
+		n := binary.LittleEndian.Uint32(e[4:])
+		if binary.LittleEndian.Uint32(e[0:]) != pos || int64(n) > int64(l.size-entryHeader) {
+			return buf
+		}
+		buf = append(buf[:0], e[entryHeader:entryHeader+int(n)]...)
+		if !yield(buf) {
+			return buf
+		}
+	}
+	return buf
+}
+
 // readerWord returns the word at off in the lane's reader's page (see
 // Way), or nil for a closed lane. The caller keeps the lane open.
 func (l *Lane) readerWord(off int) *atomic.Uint32 {

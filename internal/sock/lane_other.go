@@ -51,6 +51,9 @@ func (l *Lane) TryRecv(buf []byte) ([]byte, uint32, error) { return buf[:0], 0, 
 // Resume does nothing.
 func (l *Lane) Resume() {}
 
+// Ahead calls yield with nothing.
+func (l *Lane) Ahead(buf []byte, yield func(data []byte) bool) []byte { return buf }
+
 // Room returns 0.
 func (l *Lane) Room() int { return 0 }
 

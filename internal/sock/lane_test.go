@@ -350,3 +350,37 @@ func TestLaneRefusesAReaderAhead(t *testing.T) {
 	binary.LittleEndian.PutUint32(mem[256:], 1+laneEntries+5) // the taken word
 	assert.ErrorIs(t, l.Send(ctx, []byte("two"), alive), sock.ErrMalformed)
 }
+
+// Ahead shows the messages published and not taken yet, oldest first,
+// taking none: a receive still gets each. It stops where yield says, and
+// at an entry the writer did not write.
+func TestLaneAhead(t *testing.T) {
+	f, l := newLane(t)
+	mem := laneMemory(t, f)
+	ctx := context.Background()
+	alive := func() error { return nil }
+	ahead := func(most int) []string {
+		var got []string
+		l.Ahead(nil, func(data []byte) bool {
+			got = append(got, string(data))
+			return len(got) < most
+		})
+		return got
+	}
+	assert.Empty(t, ahead(10), "an empty lane")
+	for _, s := range []string{"a", "bb", "ccc", "dddd"} {
+		require.NoError(t, l.Send(ctx, []byte(s), alive))
+	}
+	assert.Equal(t, []string{"a", "bb", "ccc", "dddd"}, ahead(10))
+	assert.Equal(t, []string{"a", "bb"}, ahead(2), "until yield says stop")
+	got, err := l.Recv(ctx, nil, alive)
+	require.NoError(t, err)
+	assert.Equal(t, "a", string(got), "Ahead took nothing")
+	assert.Equal(t, []string{"bb", "ccc", "dddd"}, ahead(10), "what is left after a receive")
+
+	// The entry at position 2 ("ccc") replayed from the lap before.
+	replayed := uint32(2)
+	replayed -= laneEntries
+	binary.LittleEndian.PutUint32(mem[4096+2*laneEntry:], replayed)
+	assert.Equal(t, []string{"bb"}, ahead(10), "a bad entry ends the walk")
+}

@@ -127,6 +127,7 @@ type Way struct {
 	// The reader's, under sem.
 	pins     pins
 	rbuf     []byte
+	abuf     []byte // Ahead's copies
 	none     fd.Set // a lane message's descriptors: none
 	draining bool   // at a marker: the socket first
 	// sockSeen: the lane's sockSends when a fair Way's reader last found

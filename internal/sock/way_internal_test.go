@@ -638,3 +638,39 @@ func TestWayKeptMessageDoesNotKeepTheRole(t *testing.T) {
 	got, _ = recvIndex(t, ctx, r)
 	assert.Equal(t, 2, got)
 }
+
+// Ahead shows the role's reader, while it receives, the values the lane
+// holds behind the message it took, oldest first, a marker passed over;
+// the writer, and a reader without the role, see none.
+func TestWayAhead(t *testing.T) {
+	w, r, mem := wayPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var p [2]int
+	require.NoError(t, unix.Pipe2(p[:], unix.O_CLOEXEC))
+	defer func() { _, _ = unix.Close(p[0]), unix.Close(p[1]) }()
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
+	require.NoError(t, w.Send(ctx, wayMsg(1, 8), []int{p[0]})) // by the socket
+	require.NoError(t, w.Send(ctx, wayMsg(2, 8), nil))
+	require.NoError(t, w.Send(ctx, wayMsg(3, 16), nil))
+	ahead := func(x *Way) (got []int) {
+		x.Ahead(func(data []byte) bool {
+			i := int(binary.LittleEndian.Uint32(data))
+			assert.Equal(t, wayMsg(i, len(data)-4), data, "message %d's bytes", i)
+			got = append(got, i)
+			return true
+		})
+		return got
+	}
+	assert.Empty(t, ahead(w), "the writer's side")
+	m, err := r.Recv(ctx)
+	require.NoError(t, err)
+	require.Equal(t, wayMsg(0, 8), m.Data)
+	assert.Equal(t, []int{2, 3}, ahead(r))
+	assert.Empty(t, ahead(another(t, r, mem, false)), "a reader without the role")
+	m.Done()
+	for i := 1; i <= 3; i++ {
+		got, _ := recvIndex(t, ctx, r)
+		require.Equal(t, i, got)
+	}
+}

@@ -243,6 +243,28 @@ func (w *Way) Pinned(id shm.ID) bool {
 	return ok && !w.writes
 }
 
+// Ahead calls yield with each message in the lane after the one being
+// received, oldest first, until yield returns false (carry.Lane): for a
+// reader that prepares now what it will need to take them. Each is a
+// copy, valid until yield returns, and a hint only: what the message is
+// is known once it is taken. Markers are passed over. Only the role's
+// reader, receiving, sees any; the caller holds the receive.
+func (w *Way) Ahead(yield func(data []byte) bool) {
+	if w.writes || !w.held || w.broken {
+		return
+	}
+	l := w.lane.Load()
+	if l == nil {
+		return
+	}
+	w.abuf = l.Ahead(w.abuf[:0], func(e []byte) bool {
+		if len(e) == 0 || e[0] != kindValue {
+			return true
+		}
+		return yield(e[1:])
+	})
+}
+
 // prunePins unpins the segments whose producers have let go of them
 // (shm.Kept) once the reader has taken every entry the lane held when it
 // first saw so: a live producer lets go of a segment only once none of
