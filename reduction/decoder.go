@@ -25,6 +25,7 @@ type Decoder struct {
 func NewDecoder() *Decoder {
 	d := &Decoder{}
 	d.dec = msgpack.NewDecoder(&d.r)
+	d.r.yieldAhead = d.r.appendAhead
 	return d
 }
 
@@ -145,12 +146,12 @@ func (r *fdReader) attachAhead(items []byte, n int) {
 		refs = append(refs, laneRef(m))
 	}
 	own := len(refs)
-	refs = r.lockWithAhead(refs)
 	r.refs = refs
+	r.lockWithAhead()
 	if own < 2 {
 		return
 	}
-	bs, err := shm.AttachAll(refs[:own])
+	bs, err := shm.AttachAll(r.refs[:own])
 	if err != nil {
 		return
 	}
@@ -172,50 +173,48 @@ const maxAhead = 256
 // lockAhead is lockWithAhead for ref alone: a block that a message by a
 // lane names, which its decode attaches now.
 func (r *fdReader) lockAhead(ref shm.BlockRef) {
-	r.refs = r.lockWithAhead(append(r.refs[:0], ref))
+	r.refs = append(r.refs[:0], ref)
+	r.lockWithAhead()
 }
 
-// lockWithAhead locks the slots of refs, the blocks a message that came
+// lockWithAhead locks the slots of r.refs, the blocks a message that came
 // by a lane names by identity, together with those of the blocks that
-// the messages behind it in the lane name, one call per run of
-// neighbouring slots (see shm.LockAhead), unless this process holds or
-// has locked the first of refs already: it locked it ahead, for an
-// earlier message, with the others then in the lane. A stream of one
-// tensor a message so costs its reader one lock call per run of messages
-// in the lane, not one per message; each block is attached, its
-// generation checked, when its message is decoded. It returns refs with
-// the blocks ahead appended.
-func (r *fdReader) lockWithAhead(refs []shm.BlockRef) []shm.BlockRef {
-	if !r.byLane || r.from == nil || len(refs) == 0 || shm.Locked(refs[0]) {
-		return refs
+// the messages behind it in the lane name, which it appends to r.refs:
+// one call per run of neighbouring slots (see shm.LockAhead). It does
+// nothing if this process holds or has locked the first of r.refs
+// already: it locked it ahead, for an earlier message, with the others
+// then in the lane. A stream of one tensor a message so costs its reader
+// one lock call per run of messages in the lane, not one a message; each
+// block is attached, its generation checked, when its message is decoded.
+func (r *fdReader) lockWithAhead() {
+	if !r.byLane || r.from == nil || len(r.refs) == 0 || shm.Locked(r.refs[0]) {
+		return
 	}
-	r.from.Ahead(func(data []byte) bool {
-		refs = r.appendNamed(refs, data)
-		return len(refs) < maxAhead
-	})
-	shm.LockAhead(refs)
-	return refs
+	r.from.Ahead(r.yieldAhead)
+	shm.LockAhead(r.refs)
 }
 
-// appendNamed appends to refs the blocks that data, a message in the
-// lane r's message came by, names by identity, if it is a bare tensor or
-// a batch of them: what a stream sends. Anything else names nothing
-// here; it is checked when it is decoded.
-func (r *fdReader) appendNamed(refs []shm.BlockRef, data []byte) []shm.BlockRef {
+// appendAhead appends to r.refs the blocks that data, a message behind
+// r's in its lane, names by identity, if it is a bare tensor or a batch
+// of them: what a stream sends. Anything else names nothing here; it is
+// checked when it is decoded. It reports whether r.refs has room for
+// more. It is r.yieldAhead, made once: a closure made per call would be
+// a heap object per look.
+func (r *fdReader) appendAhead(data []byte) bool {
 	items, n := data, 1
 	if _, rest, ok := nextBare(data); !ok || len(rest) != 0 {
 		if items, n, ok = bareBatch(data); !ok {
-			return refs
+			return true
 		}
 	}
 	for range n {
 		payload, rest, _ := nextBare(items)
 		items = rest
 		if m, err := parseMeta(payload, r.aheadDims[:]); err == nil && r.namedByLane(m) {
-			refs = append(refs, laneRef(m))
+			r.refs = append(r.refs, laneRef(m))
 		}
 	}
-	return refs
+	return len(r.refs) < maxAhead
 }
 
 // attached takes the block ref names from those attachAhead attached,
@@ -274,8 +273,9 @@ type fdReader struct {
 	refs  []shm.BlockRef
 	// aheadDims: room for the shapes of the messages behind this one in
 	// its lane (lockWithAhead), apart from dims, which the tensor being
-	// decoded uses meanwhile.
-	aheadDims [2 * roomDims]int
+	// decoded uses meanwhile; yieldAhead: appendAhead.
+	aheadDims  [2 * roomDims]int
+	yieldAhead func(data []byte) bool
 }
 
 func (r *fdReader) reset(data []byte, fds *fd.Set) {
