@@ -32,10 +32,11 @@
 // sent a block of by descriptor, and lists it in the lane; the sender names
 // the next blocks of it by identity alone, and lends each block to its
 // message (its pool does not reuse the slot, even once released) until
-// the receiver has taken its own hold, or is gone. A sender killed with
-// tensors in the lane costs nothing, since only it reuses its slots and
-// the receiver's mapping keeps the memory; a receiver killed with tensors
-// untaken gives them back within milliseconds. The rest goes by the
+// the receiver has taken its own hold (a lock on the block's slot, taken
+// for a run of the lane's blocks in one call), or is gone. A sender
+// killed with tensors in the lane costs nothing, since only it reuses its
+// slots and the receiver's mapping keeps the memory; a receiver killed
+// with tensors untaken gives them back within milliseconds. The rest goes by the
 // socket in order with it (see internal/sock.Way, and way_pins.go there
 // for the invariants).
 //

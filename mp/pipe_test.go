@@ -12,6 +12,7 @@ import (
 
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/internal/sock"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -406,4 +407,71 @@ func BenchmarkPipeNewTensor(b *testing.B) {
 			b.Fatal(n, err)
 		}
 	}
+}
+
+func init() { mp.Register("pipe-trip", workerPipeTrip) }
+
+// workerPipeTrip answers each tensor it receives on its pipe, which it
+// releases, with a shared 4 KiB tensor of its own, until the other end
+// is closed: BenchmarkPipeTensorTrip.
+func workerPipeTrip(ctx context.Context, w *mp.Worker) error {
+	var p *mp.Pipe
+	if err := w.Args(&p); err != nil {
+		return err
+	}
+	defer p.Close()
+	y, err := tensor.On(device.CPU()).Shared().Zeros(tensor.Uint8, 4<<10)
+	if err != nil {
+		return err
+	}
+	defer y.Release()
+	for {
+		var x *tensor.Tensor
+		err := p.Recv(ctx, &x)
+		if errors.Is(err, mp.ErrClosed) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		_ = x.Release()
+		if err := p.Send(ctx, y); err != nil {
+			return err
+		}
+	}
+}
+
+// BenchmarkPipeTensorTrip is spawn bench's pipe_tensor_roundtrip: a
+// shared 4 KiB tensor to a worker, which releases it and answers with one
+// of its own, which this process releases. Once each side maps the
+// other's segment, both go by the lanes.
+func BenchmarkPipeTensorTrip(b *testing.B) {
+	mine, theirs, err := mp.NewPipe()
+	require.NoError(b, err)
+	g, err := mp.Spawn(context.Background(), "pipe-trip", 1, mp.WithArgs(theirs))
+	require.NoError(b, err)
+	require.NoError(b, theirs.Close())
+	defer func() {
+		_ = mine.Close()
+		_ = g.Join()
+	}()
+	x, err := tensor.On(device.CPU()).Shared().Zeros(tensor.Uint8, 4<<10)
+	require.NoError(b, err)
+	defer x.Release()
+	ctx := context.Background()
+	before := sock.LentSent()
+	b.ReportAllocs()
+	for b.Loop() {
+		if err := mine.Send(ctx, x); err != nil {
+			b.Fatal(err)
+		}
+		var y *tensor.Tensor
+		if err := mine.Recv(ctx, &y); err != nil {
+			b.Fatal(err)
+		}
+		if err := y.Release(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(float64(sock.LentSent()-before)/float64(b.N), "lent/op")
 }

@@ -43,6 +43,14 @@ import (
 //     a block that came with a descriptor: it relies on the loan for
 //     nothing, since any holder of the lane could write the ack that ends
 //     it.
+//   - Locks ahead. A reader whose lock a message's block needs looks at
+//     the entries behind it (Ahead) and locks their blocks' slots in the
+//     same calls, one per run of neighbouring slots (shm.LockAhead), so
+//     that taking them costs no call. Such a lock holds nothing the loan
+//     does not hold already while the entry waits; a lock no entry taken
+//     takes up (another reader took it, or this one let go of the lane)
+//     goes within shm's aheadKeep and a transfer, and with the reader's
+//     process, SIGKILL included.
 //   - Acks. When a receive is done, the reader writes the count of entries
 //     it has taken to the page (acked). The writer returns the loans of
 //     entries below it at its next Send, while it waits for room, each
