@@ -137,11 +137,11 @@ type segment struct {
 	users   int          // live blocks of this process in it
 	holds   map[int]int  // slot -> blocks of this process holding it
 	onFD    map[int]bool // slots locked through alloc.fd, this process's own description
+	adopted []int        // message descriptors kept for the holds they carry
+	dirty   bool         // holds and onFD differ: a transfer has work to do
 	// ahead: the slots of onFD that LockAhead locked and no block has
 	// taken up yet, with when (Unix nanoseconds)
 	ahead map[int]int64
-	adopted []int        // message descriptors kept for the holds they carry
-	dirty   bool         // holds and onFD differ: a transfer has work to do
 }
 
 // reserveChunk is the unit in which a producer gives a slab its pages:
