@@ -756,7 +756,11 @@ func (t *segmentTable) closeLocked(seg *segment) error {
 	seg.tickets.rotate()
 	fd.CloseAll(seg.adopted)
 	seg.adopted = nil
-	clear(seg.ahead) // its locks go with the description
+	// Its locks go with its description: no transfer may look at them
+	// again, since the descriptor's number may be another file's soon.
+	clear(seg.onFD)
+	clear(seg.ahead)
+	seg.dirty = false
 	seg.closeExtent()
 	return seg.alloc.Release()
 }

@@ -36,6 +36,13 @@ var WatchSegmentsOf = watchSegmentsOf
 // of their segment keeps.
 const AdoptMax = adoptMax
 
+// TransferDelay and AheadKeep are the receiver's transfer period and how
+// long a lock LockAhead took outlives the transfers.
+const (
+	TransferDelay = transferDelay
+	AheadKeep     = aheadKeep
+)
+
 // SlotOf returns the slot b lives in.
 func SlotOf(b *Block) int { return b.slot }
 

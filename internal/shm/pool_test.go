@@ -929,6 +929,48 @@ func TestLockAhead(t *testing.T) {
 	assert.Eventually(t, func() bool { return p.InUse() == 0 }, 5*time.Second, 5*time.Millisecond)
 }
 
+// A lock LockAhead took outlives the transfers that run before AheadKeep
+// has gone by, so that the attach that takes it up a few transfers later
+// makes no call; one no attach takes up goes once AheadKeep has gone by,
+// and its block comes back to its producer. Blocks of two segments,
+// named in turn, are locked in one call per segment.
+func TestLockAheadKeep(t *testing.T) {
+	p := testPool(t)
+	small := []*shm.Block{mustAlloc(t, p, 4<<10), mustAlloc(t, p, 4<<10), mustAlloc(t, p, 4<<10)}
+	large := []*shm.Block{mustAlloc(t, p, 64<<10), mustAlloc(t, p, 64<<10)}
+	require.NotEqual(t, small[0].Segment(), large[0].Segment())
+	ref := func(b *shm.Block) shm.BlockRef {
+		seg := b.Segment()
+		return shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: b.Offset(), Size: b.Size(), Gen: b.Gen(), Ticket: -1}
+	}
+	rs, rl := receive(t, small[0]), receive(t, large[0]) // both segments mapped as a receiver's
+	before := shm.AttachLocks()
+	shm.LockAhead([]shm.BlockRef{ref(small[1]), ref(large[1]), ref(small[2])})
+	locked := time.Now()
+	assert.Equal(t, uint64(2), shm.AttachLocks()-before, "one call per segment")
+	for _, b := range append(small[1:], large[1]) {
+		assert.True(t, shm.Locked(ref(b)))
+	}
+
+	time.Sleep(3 * shm.TransferDelay) // transfers run, well within AheadKeep
+	x, err := shm.Attach(ref(small[1]))
+	require.NoError(t, err)
+	y, err := shm.Attach(ref(large[1]))
+	require.NoError(t, err)
+	assert.Equal(t, uint64(2), shm.AttachLocks()-before, "the locks outlived the transfers")
+
+	// small[2] is never attached: once its producer lets go of it, it
+	// comes back after AheadKeep.
+	require.NoError(t, small[2].Release())
+	require.Eventually(t, func() bool { p.Trim(1 << 30); return p.InUse() == 4 }, 5*time.Second, time.Millisecond,
+		"the block locked ahead and never attached comes back")
+	assert.GreaterOrEqual(t, time.Since(locked), shm.AheadKeep-shm.TransferDelay, "not before its lock's time")
+	for _, b := range []*shm.Block{x, y, rs, rl, small[0], small[1], large[0], large[1]} {
+		require.NoError(t, b.Release())
+	}
+	assert.Eventually(t, func() bool { return p.InUse() == 0 }, 5*time.Second, 5*time.Millisecond)
+}
+
 // A block AttachAll attached is held by this process's own lock: its
 // producer does not take it back.
 func TestAttachAllHoldsAgainstReclaim(t *testing.T) {
