@@ -378,9 +378,12 @@ func TestLaneAhead(t *testing.T) {
 	assert.Equal(t, "a", string(got), "Ahead took nothing")
 	assert.Equal(t, []string{"bb", "ccc", "dddd"}, ahead(10), "what is left after a receive")
 
-	// The entry at position 2 ("ccc") replayed from the lap before.
+	// The entry at position 3 ("dddd") longer than an entry holds, then
+	// the one at position 2 ("ccc") replayed from the lap before.
+	binary.LittleEndian.PutUint32(mem[4096+3*laneEntry+4:], laneEntry)
+	assert.Equal(t, []string{"bb", "ccc"}, ahead(10), "a bad length ends the walk")
 	replayed := uint32(2)
 	replayed -= laneEntries
 	binary.LittleEndian.PutUint32(mem[4096+2*laneEntry:], replayed)
-	assert.Equal(t, []string{"bb"}, ahead(10), "a bad entry ends the walk")
+	assert.Equal(t, []string{"bb"}, ahead(10), "a bad position ends the walk")
 }

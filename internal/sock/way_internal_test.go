@@ -667,8 +667,16 @@ func TestWayAhead(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, wayMsg(0, 8), m.Data)
 	assert.Equal(t, []int{2, 3}, ahead(r))
+	var first []int
+	r.Ahead(func(data []byte) bool {
+		first = append(first, int(binary.LittleEndian.Uint32(data)))
+		return false
+	})
+	assert.Equal(t, []int{2}, first, "until yield says stop")
 	assert.Empty(t, ahead(another(t, r, mem, false)), "a reader without the role")
 	m.Done()
+	r.LetGo()
+	assert.Empty(t, ahead(r), "a reader that let go of the role, its lane still mapped")
 	for i := 1; i <= 3; i++ {
 		got, _ := recvIndex(t, ctx, r)
 		require.Equal(t, i, got)
