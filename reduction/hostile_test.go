@@ -421,56 +421,77 @@ func batchMessage(t testing.TB, ms ...Meta) []byte {
 }
 
 // A lane's message whose block this process has not locked locks, in the
-// same call, the blocks that the messages behind it in the lane name, bare
-// tensors and batches of segments the lane's reader pins: decoding those
-// later costs no lock call, and gives each its own block. A block of a
-// segment the reader does not pin, and what is not a tensor, are passed
-// over.
+// same calls, the blocks that the messages behind it in the lane name,
+// bare tensors and batches of segments the lane's reader pins: decoding
+// those later costs no lock call and no second look, and gives each
+// tensor its own block and shape. A block of a segment the reader does
+// not pin, and what is not a tensor, are passed over; so is what lies
+// beyond the most blocks it locks at once. A batch looks ahead as a bare
+// tensor does.
 func TestLaneDecodeLocksAhead(t *testing.T) {
 	leakcheck.Check(t)
 	t.Cleanup(func() {
 		assert.Eventually(t, func() bool { return shm.DefaultPool().InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
 			"every block goes back to its producer")
 	})
-	ms := laneBlocks(t, 6, 4096)
+	ms := laneBlocks(t, 10, 4096)
+	for i := range ms {
+		if i%2 == 1 { // tensors of another shape between them
+			ms[i].Shape, ms[i].Strides = []int{64, 64}, []int{64, 1}
+		}
+	}
 	others := laneBlocks(t, 2, 64<<10) // mapped, but not the lane's
 	require.NotEqual(t, ms[0].segmentID(), others[0].segmentID())
 	ref := func(m Meta) shm.BlockRef { return laneRef(m) }
 	notTensor, err := msgpack.Marshal(7)
 	require.NoError(t, err)
 	lane := aheadLane{pinnedLane: pinnedLane{ms[0].segmentID(): true}, looks: new(int)}
-	lane.ahead = [][]byte{extMessage(t, ms[2]), notTensor, batchMessage(t, ms[3], ms[4]), extMessage(t, others[1]), {0xc1}, extMessage(t, ms[5])}
+	lane.ahead = [][]byte{extMessage(t, ms[3]), notTensor, batchMessage(t, ms[4], ms[5]), extMessage(t, others[1]), {0xc1}, extMessage(t, ms[6])}
 
 	before := shm.AttachLocks()
 	var x *tensor.Tensor
+	var xs []*tensor.Tensor
 	var fds fd.Set
-	require.NoError(t, carry.DecodeFrom(extMessage(t, ms[1]), &fds, &x, lane, true))
+	require.NoError(t, carry.DecodeFrom(batchMessage(t, ms[1], ms[2]), &fds, &xs, lane, true))
 	calls := shm.AttachLocks() - before // one per run of neighbouring slots
-	assert.True(t, calls >= 1 && calls <= 5, "%d lock calls", calls)
-	for i := 2; i < 6; i++ {
+	assert.True(t, calls >= 1 && calls <= 6, "%d lock calls", calls)
+	for i := 3; i < 7; i++ {
 		assert.True(t, shm.Locked(ref(ms[i])), "block %d, named by a message ahead", i)
 	}
 	assert.False(t, shm.Locked(ref(others[1])), "a block of a segment the lane does not pin")
-	got := []*tensor.Tensor{x}
-	var xs []*tensor.Tensor
+	got := slices.Clone(xs)
 	lane.ahead = lane.ahead[1:]
-	require.NoError(t, carry.DecodeFrom(extMessage(t, ms[2]), &fds, &x, lane, true))
+	require.NoError(t, carry.DecodeFrom(extMessage(t, ms[3]), &fds, &x, lane, true))
 	got = append(got, x)
 	lane.ahead = lane.ahead[2:]
-	require.NoError(t, carry.DecodeFrom(batchMessage(t, ms[3], ms[4]), &fds, &xs, lane, true))
+	require.NoError(t, carry.DecodeFrom(batchMessage(t, ms[4], ms[5]), &fds, &xs, lane, true))
 	got = append(got, xs...)
 	lane.ahead = nil
-	require.NoError(t, carry.DecodeFrom(extMessage(t, ms[5]), &fds, &x, lane, true))
+	require.NoError(t, carry.DecodeFrom(extMessage(t, ms[6]), &fds, &x, lane, true))
 	got = append(got, x)
-	require.Len(t, got, 5)
+	require.Len(t, got, 6)
 	assert.Equal(t, calls, shm.AttachLocks()-before, "their decodes made no call")
 	assert.Equal(t, 1, *lane.looks, "nor looked ahead again: their blocks were locked")
 	for i, x := range got {
 		b, ok := x.Storage().Backing().(*shm.Block)
 		require.True(t, ok)
 		assert.Equal(t, byte(i+2), b.Bytes()[0], "tensor %d's block", i+1)
+		assert.Equal(t, ms[i+1].Shape, x.Shape(), "tensor %d's shape", i+1)
 		require.NoError(t, x.Release())
 	}
+
+	// A bare tensor looks ahead once its own shape is read: it keeps it.
+	// More blocks behind than it locks at once: the last is left.
+	many := make([]Meta, maxAhead+10)
+	for i := range many {
+		many[i] = ms[7]
+	}
+	lane.ahead = [][]byte{batchMessage(t, many...), extMessage(t, ms[9])}
+	require.NoError(t, carry.DecodeFrom(extMessage(t, ms[8]), &fds, &x, lane, true))
+	assert.Equal(t, []int{4096}, x.Shape(), "the tensor's own shape, not one ahead of it")
+	assert.True(t, shm.Locked(ref(ms[7])))
+	assert.False(t, shm.Locked(ref(ms[9])), "a block beyond the most locked at once")
+	require.NoError(t, x.Release())
 }
 
 // A message that came by a lane names blocks by identity alone, and only
