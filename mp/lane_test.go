@@ -148,14 +148,19 @@ func workerLaneTake(ctx context.Context, w *mp.Worker) error {
 // workerLaneCheck takes the first tensor, says so, and takes N more, the
 // i-th of which must hold i, releasing each; it puts how many did not.
 // With a Batch, it takes N batches, tensor k of the i-th holding
-// i*Batch+k.
+// i*Batch+k. With Quick it releases each unread, and then puts the lock
+// calls its attaches made for the N (shm.AttachLocks) too.
 func workerLaneCheck(ctx context.Context, w *mp.Worker) error {
 	var a laneArgs
 	if err := w.Args(&a); err != nil {
 		return err
 	}
 	bad := 0
+	var locks uint64
 	for i := 0; i <= a.N; i++ {
+		if i == 1 {
+			locks = shm.AttachLocks()
+		}
 		if a.Batch > 0 && i > 0 {
 			var xs []*tensor.Tensor
 			if err := a.Pipe.Recv(ctx, &xs); err != nil {
@@ -188,14 +193,19 @@ func workerLaneCheck(ctx context.Context, w *mp.Worker) error {
 			}
 		}
 	}
-	return a.Status.Put(ctx, bad)
+	locks = shm.AttachLocks() - locks
+	if err := a.Status.Put(ctx, bad); err != nil || !a.Quick {
+		return err
+	}
+	return a.Status.Put(ctx, locks)
 }
 
 // workerLaneBacklog takes the first tensor, says so, and once Close gives
 // it a value takes Take of the N that the lane holds by then, the i-th of
 // which must hold i, releasing each; it puts how many did not, and the
-// lock calls its attaches made for them (shm.AttachLocks). It then waits
-// to be killed.
+// lock calls its attaches made for them (shm.AttachLocks). Once Close
+// gives it another, it closes its end and says so (-1); it then waits to
+// be killed.
 func workerLaneBacklog(ctx context.Context, w *mp.Worker) error {
 	var a laneArgs
 	if err := w.Args(&a); err != nil {
@@ -230,6 +240,15 @@ func workerLaneBacklog(ctx context.Context, w *mp.Worker) error {
 		return err
 	}
 	if err := a.Status.Put(ctx, calls); err != nil {
+		return err
+	}
+	if err := a.Close.Get(ctx, &now); err != nil {
+		return err
+	}
+	if err := a.Pipe.Close(); err != nil {
+		return err
+	}
+	if err := a.Status.Put(ctx, -1); err != nil {
 		return err
 	}
 	<-ctx.Done()
@@ -481,8 +500,9 @@ func TestPipeLaneReaderKilled(t *testing.T) {
 
 // A reader that finds a backlog of tensors in the lane locks their slots
 // together, one call per run of neighbouring blocks, not one per tensor,
-// and each arrives whole. Killed having taken all of them, or only some,
-// with the rest locked ahead and untaken, it gives every block back.
+// and each arrives whole. Having taken all of them, or only some, with the
+// rest locked ahead and untaken, it gives every block back once it closes
+// its end, alive, and again once killed.
 func TestPipeLaneBacklogLocksInRuns(t *testing.T) {
 	const n = 100
 	for _, take := range []int{n, 30} {
@@ -512,9 +532,14 @@ func TestPipeLaneBacklogLocksInRuns(t *testing.T) {
 			require.NoError(t, status.Get(ctx, &calls))
 			assert.Zero(t, bad, "tensors that did not hold their values")
 			assert.LessOrEqual(t, calls, n/10, "lock calls for %d tensors taken", take)
-			kill(t, g)
+			require.NoError(t, start.Put(ctx, 2))
+			var closed int
+			require.NoError(t, status.Get(ctx, &closed))
+			require.Equal(t, -1, closed)
 			require.Eventually(t, func() bool { return pool.InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
-				"every block comes back once the reader is killed")
+				"every block comes back once the reader, alive, has closed its end")
+			kill(t, g)
+			assert.Zero(t, pool.InUse(), "and once it is killed")
 		})
 	}
 }
@@ -583,10 +608,12 @@ func BenchmarkPipeTensorStream(b *testing.B) {
 			require.NoError(b, status.Get(ctx, &first))
 		}
 	}
-	var bad int
+	var bad, locks int
 	require.NoError(b, status.Get(ctx, &bad))
 	b.StopTimer()
 	require.Zero(b, bad)
+	require.NoError(b, status.Get(ctx, &locks))
+	b.ReportMetric(float64(locks)/float64(n), "locks/op") // the reader's lock calls a tensor
 	require.NoError(b, g.Join())
 }
 

@@ -412,8 +412,9 @@ func BenchmarkPipeNewTensor(b *testing.B) {
 func init() { mp.Register("pipe-trip", workerPipeTrip) }
 
 // workerPipeTrip answers each tensor it receives on its pipe, which it
-// releases, with a shared 4 KiB tensor of its own, until the other end
-// is closed: BenchmarkPipeTensorTrip.
+// releases, with a shared 4 KiB tensor of its own whose first byte is one
+// more than the received one's, until the other end is closed:
+// TestPipeTensorTrip and BenchmarkPipeTensorTrip.
 func workerPipeTrip(ctx context.Context, w *mp.Worker) error {
 	var p *mp.Pipe
 	if err := w.Args(&p); err != nil {
@@ -434,6 +435,7 @@ func workerPipeTrip(ctx context.Context, w *mp.Worker) error {
 		if err != nil {
 			return err
 		}
+		y.Storage().Bytes()[0] = x.Storage().Bytes()[0] + 1
 		_ = x.Release()
 		if err := p.Send(ctx, y); err != nil {
 			return err
@@ -441,20 +443,53 @@ func workerPipeTrip(ctx context.Context, w *mp.Worker) error {
 	}
 }
 
+// startPipeTrip starts a pipe-trip worker and returns this process's end
+// of its pipe, closed, and the worker joined, at the test's end.
+func startPipeTrip(t testing.TB) *mp.Pipe {
+	t.Helper()
+	mine, theirs, err := mp.NewPipe()
+	require.NoError(t, err)
+	g, err := mp.Spawn(context.Background(), "pipe-trip", 1, mp.WithArgs(theirs))
+	require.NoError(t, err)
+	require.NoError(t, theirs.Close())
+	t.Cleanup(func() {
+		_ = mine.Close()
+		assert.NoError(t, g.Join())
+	})
+	return mine
+}
+
+// A tensor of each side's, there and back through a pipe, each released
+// by its receiver, is the sender's memory each time: the receiver sees
+// what the sender wrote last. Once the worker maps this process's
+// segment, this process's tensor goes by the lane.
+func TestPipeTensorTrip(t *testing.T) {
+	leakcheck.Check(t)
+	p := startPipeTrip(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	x, err := tensor.On(device.CPU()).Shared().Zeros(tensor.Uint8, 4<<10)
+	require.NoError(t, err)
+	defer x.Release()
+	before := sock.LentSent()
+	const n = 200
+	for i := range n {
+		x.Storage().Bytes()[0] = byte(i)
+		require.NoError(t, p.Send(ctx, x))
+		var y *tensor.Tensor
+		require.NoError(t, p.Recv(ctx, &y))
+		require.Equal(t, byte(i+1), y.Storage().Bytes()[0], "trip %d", i)
+		require.NoError(t, y.Release())
+	}
+	assert.Equal(t, uint64(n-1), sock.LentSent()-before, "every tensor after the first went by the lane")
+}
+
 // BenchmarkPipeTensorTrip is spawn bench's pipe_tensor_roundtrip: a
 // shared 4 KiB tensor to a worker, which releases it and answers with one
 // of its own, which this process releases. Once each side maps the
 // other's segment, both go by the lanes.
 func BenchmarkPipeTensorTrip(b *testing.B) {
-	mine, theirs, err := mp.NewPipe()
-	require.NoError(b, err)
-	g, err := mp.Spawn(context.Background(), "pipe-trip", 1, mp.WithArgs(theirs))
-	require.NoError(b, err)
-	require.NoError(b, theirs.Close())
-	defer func() {
-		_ = mine.Close()
-		_ = g.Join()
-	}()
+	mine := startPipeTrip(b)
 	x, err := tensor.On(device.CPU()).Shared().Zeros(tensor.Uint8, 4<<10)
 	require.NoError(b, err)
 	defer x.Release()
