@@ -127,10 +127,12 @@ func (r *fdReader) decodeBatch(items []byte, n int, p *[]*tensor.Tensor) error {
 // attachAhead attaches the blocks that the n tensor extensions of items,
 // a batch that came by a lane, name by identity, all at once: one lock
 // call per run of neighbouring slots instead of one per block (see
-// shm.AttachAll), the slots of the blocks the messages behind it name
-// locked in the same calls (lockAhead). Their tensors take them from
-// r.ahead; a batch that cannot be attached so is left to the tensors one
-// by one, which say what is wrong with it.
+// shm.AttachAll). Their tensors take them from r.ahead; a batch that
+// cannot be attached so is left to the tensors one by one, which say
+// what is wrong with it. A batch does not look at the messages behind it
+// (lockWithAhead): its own blocks share their calls already, and reading
+// the batches behind it twice cost a stream of batches more than the
+// calls it saved.
 func (r *fdReader) attachAhead(items []byte, n int) {
 	refs := r.refs[:0]
 	for range n {
@@ -145,13 +147,11 @@ func (r *fdReader) attachAhead(items []byte, n int) {
 		}
 		refs = append(refs, laneRef(m))
 	}
-	own := len(refs)
 	r.refs = refs
-	r.lockWithAhead()
-	if own < 2 {
+	if len(refs) < 2 {
 		return
 	}
-	bs, err := shm.AttachAll(r.refs[:own])
+	bs, err := shm.AttachAll(refs)
 	if err != nil {
 		return
 	}
