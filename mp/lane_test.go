@@ -325,13 +325,20 @@ func sendNew(t *testing.T, ctx context.Context, p *mp.Pipe, status *mp.Queue, n 
 // returns the other end and the status queue.
 func startLane(t *testing.T, ctx context.Context, worker string, n int, close *mp.Queue) (*mp.Pipe, *mp.Queue, *mp.Group) {
 	t.Helper()
+	return startLaneWith(t, ctx, worker, laneArgs{N: n, Close: close})
+}
+
+// startLaneWith is startLane with the rest of the worker's laneArgs in a.
+func startLaneWith(t *testing.T, ctx context.Context, worker string, a laneArgs) (*mp.Pipe, *mp.Queue, *mp.Group) {
+	t.Helper()
 	mine, theirs, err := mp.NewPipe()
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = mine.Close() })
 	status, err := mp.NewQueue()
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = status.Close() })
-	g, err := mp.Spawn(ctx, worker, 1, mp.WithArgs(laneArgs{Pipe: theirs, Status: status, N: n, Close: close}))
+	a.Pipe, a.Status = theirs, status
+	g, err := mp.Spawn(ctx, worker, 1, mp.WithArgs(a))
 	require.NoError(t, err)
 	require.NoError(t, theirs.Close())
 	return mine, status, g
@@ -513,15 +520,7 @@ func TestPipeLaneBacklogLocksInRuns(t *testing.T) {
 			start, err := mp.NewQueue()
 			require.NoError(t, err)
 			defer start.Close()
-			mine, theirs, err := mp.NewPipe()
-			require.NoError(t, err)
-			defer mine.Close()
-			status, err := mp.NewQueue()
-			require.NoError(t, err)
-			defer status.Close()
-			g, err := mp.Spawn(ctx, "lane-backlog", 1, mp.WithArgs(laneArgs{Pipe: theirs, Status: status, N: n, Take: take, Close: start}))
-			require.NoError(t, err)
-			require.NoError(t, theirs.Close())
+			mine, status, g := startLaneWith(t, ctx, "lane-backlog", laneArgs{N: n, Take: take, Close: start})
 			pool := shm.DefaultPool()
 			before := sock.LentSent()
 			sendNew(t, ctx, mine, status, n)

@@ -347,6 +347,19 @@ func init() { mp.Register("pipe-first", workerPipeFirst) }
 // tensor's first value, until the other end is closed:
 // TestPipeNewTensors and BenchmarkPipeNewTensor.
 func workerPipeFirst(ctx context.Context, w *mp.Worker) error {
+	return servePipe(ctx, w, func(x *tensor.Tensor) (any, error) {
+		v, err := tensor.Values[int64](x)
+		if err != nil {
+			return nil, err
+		}
+		return v[0], nil
+	})
+}
+
+// servePipe answers each tensor that comes on the worker's pipe (its
+// argument) with what answer makes of it, releasing the tensor first,
+// until the other end is closed.
+func servePipe(ctx context.Context, w *mp.Worker, answer func(x *tensor.Tensor) (any, error)) error {
 	var p *mp.Pipe
 	if err := w.Args(&p); err != nil {
 		return err
@@ -361,12 +374,12 @@ func workerPipeFirst(ctx context.Context, w *mp.Worker) error {
 		if err != nil {
 			return err
 		}
-		v, err := tensor.Values[int64](x)
+		v, err := answer(x)
 		_ = x.Release()
 		if err != nil {
 			return err
 		}
-		if err := p.Send(ctx, v[0]); err != nil {
+		if err := p.Send(ctx, v); err != nil {
 			return err
 		}
 	}
@@ -416,31 +429,15 @@ func init() { mp.Register("pipe-trip", workerPipeTrip) }
 // more than the received one's, until the other end is closed:
 // TestPipeTensorTrip and BenchmarkPipeTensorTrip.
 func workerPipeTrip(ctx context.Context, w *mp.Worker) error {
-	var p *mp.Pipe
-	if err := w.Args(&p); err != nil {
-		return err
-	}
-	defer p.Close()
 	y, err := tensor.On(device.CPU()).Shared().Zeros(tensor.Uint8, 4<<10)
 	if err != nil {
 		return err
 	}
 	defer y.Release()
-	for {
-		var x *tensor.Tensor
-		err := p.Recv(ctx, &x)
-		if errors.Is(err, mp.ErrClosed) {
-			return nil
-		}
-		if err != nil {
-			return err
-		}
+	return servePipe(ctx, w, func(x *tensor.Tensor) (any, error) {
 		y.Storage().Bytes()[0] = x.Storage().Bytes()[0] + 1
-		_ = x.Release()
-		if err := p.Send(ctx, y); err != nil {
-			return err
-		}
-	}
+		return y, nil
+	})
 }
 
 // startPipeTrip starts a pipe-trip worker and returns this process's end

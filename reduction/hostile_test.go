@@ -390,15 +390,7 @@ func laneBlocks(t testing.TB, n, size int) []Meta {
 		m.SegmentSize, m.BlockOffset, m.Gen = b.Segment().Size(), b.Offset(), b.Gen()
 		ms = append(ms, m)
 	}
-	tk, err := blocks[0].Ticket()
-	require.NoError(t, err)
-	st, err := shm.Stat(tk.FD())
-	require.NoError(t, err)
-	seg := blocks[0].Segment()
-	held, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: st.ID, Size: seg.Size()}, Offset: blocks[0].Offset(), Size: 4096, Gen: blocks[0].Gen(), Ticket: tk.FD()})
-	tk.Done()
-	require.NoError(t, err)
-	require.True(t, blocks[0].Busy()) // and the ticket's description is closed now
+	held := receiveKept(t, blocks[0])
 	t.Cleanup(func() {
 		require.NoError(t, held.Release())
 		for _, b := range blocks {
@@ -406,6 +398,24 @@ func laneBlocks(t testing.TB, n, size int) []Meta {
 		}
 	})
 	return ms
+}
+
+// receiveKept has this process receive b, a block of its own pool, as
+// one of another's would be by descriptor, and returns the block it
+// holds: the process maps b's segment as a lane's reader does once it was
+// sent a block of it. The ticket's description is closed when it
+// returns, not by its timer.
+func receiveKept(t testing.TB, b *shm.Block) *shm.Block {
+	t.Helper()
+	tk, err := b.Ticket()
+	require.NoError(t, err)
+	st, err := shm.Stat(tk.FD())
+	require.NoError(t, err)
+	held, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: st.ID, Size: b.Segment().Size()}, Offset: b.Offset(), Size: b.Size(), Gen: b.Gen(), Ticket: tk.FD()})
+	tk.Done()
+	require.NoError(t, err)
+	require.True(t, b.Busy())
+	return held
 }
 
 // batchMessage is a batch of the tensors ms describe, as mp.PutMany sends.
@@ -558,32 +568,16 @@ func FuzzLaneDecode(f *testing.F) {
 		copy(b.Bytes(), []byte{byte(i + 1)})
 		blocks = append(blocks, b)
 	}
-	// This process maps the segment as a lane's reader does: a block of
-	// it received by descriptor, and kept.
-	tk, err := blocks[0].Ticket()
-	require.NoError(f, err)
-	st, err := shm.Stat(tk.FD())
-	require.NoError(f, err)
+	// This process maps the segment as a lane's reader does.
+	held := receiveKept(f, blocks[0])
 	seg := blocks[0].Segment()
-	held, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: st.ID, Size: seg.Size()}, Offset: blocks[0].Offset(), Size: 4096, Gen: blocks[0].Gen(), Ticket: tk.FD()})
-	tk.Done()
-	require.NoError(f, err)
-	require.True(f, blocks[0].Busy()) // and the ticket's description is closed now, not by its timer
 	lane := func(b *shm.Block, gen uint64, off int64) Meta {
 		m := validMeta(seg.ID())
 		m.FDIndex, m.Shape, m.Strides, m.DType = -1, []int{4096}, []int{1}, tensor.Uint8
 		m.SegmentSize, m.BlockOffset, m.Gen = seg.Size(), b.Offset()+off, gen
 		return m
 	}
-	batch := func(ms ...Meta) []byte {
-		var buf bytes.Buffer
-		enc := msgpack.NewEncoder(&buf)
-		require.NoError(f, enc.EncodeArrayLen(len(ms)))
-		for _, m := range ms {
-			buf.Write(extMessage(f, m))
-		}
-		return buf.Bytes()
-	}
+	batch := func(ms ...Meta) []byte { return batchMessage(f, ms...) }
 	ok1, ok2, ok3 := lane(blocks[1], blocks[1].Gen(), 0), lane(blocks[2], blocks[2].Gen(), 0), lane(blocks[3], blocks[3].Gen(), 0)
 	f.Add(extMessage(f, ok1), []byte(nil))
 	f.Add(batch(ok1, ok2, ok3), []byte(nil))
