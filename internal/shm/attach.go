@@ -164,7 +164,8 @@ func (t *segmentTable) mapsLocked(ref BlockRef) bool {
 // this process neither holds nor has locked, in the segments it maps,
 // through its own description: one call per run of neighbouring slots.
 // A slot it cannot lock is left for holdLocked, which says what is wrong
-// with it; a lock no block takes up goes at the next transfer.
+// with it; a lock no block takes up goes at the next transfer, or for
+// LockAhead's (ahead), at the first one aheadKeep after it was taken.
 func (t *segmentTable) lockLocked(refs []BlockRef, ahead bool) {
 	type group struct {
 		seg   *segment
@@ -565,6 +566,9 @@ func (seg *segment) releaseLocked(slot int) error {
 // timed transfer that LockAhead scheduled goes on looking at it. The
 // caller holds attached.mu.
 func (seg *segment) transferLocked() error {
+	if seg.alloc.closed.Load() {
+		return nil // its description, and its locks, are gone
+	}
 	var errs []error
 	if seg.dirty {
 		var need, drop []int
@@ -634,8 +638,8 @@ func runs(slots []int) [][2]int {
 // is kept mapped for the next block from it, unless nobody else holds
 // anything of it a while later (see idleChecks).
 func (t *segmentTable) settleLocked(seg *segment) error {
-	if seg.users > 0 {
-		return nil
+	if seg.users > 0 || seg.alloc.closed.Load() {
+		return nil // in use, or dropped already (see closeLocked)
 	}
 	// The descriptors of messages received from it hold nothing this
 	// process uses now; they go once there are adoptMax, or within
@@ -743,6 +747,9 @@ func (seg *segment) abandoned() bool {
 // process uses is settled first, and loses its name if nobody else holds
 // anything of it: unmapping it is letting go of it.
 func (t *segmentTable) dropLocked(seg *segment) error {
+	if seg.alloc.closed.Load() {
+		return nil // dropped already
+	}
 	if seg.users == 0 && seg.transferLocked() == nil {
 		seg.abandoned()
 	}
@@ -756,8 +763,10 @@ func (t *segmentTable) closeLocked(seg *segment) error {
 	seg.tickets.rotate()
 	fd.CloseAll(seg.adopted)
 	seg.adopted = nil
-	// Its locks go with its description: no transfer may look at them
-	// again, since the descriptor's number may be another file's soon.
+	// Its locks go with its description. Nothing may act through its
+	// descriptor's number again, which may be another file's soon: a
+	// transfer or a settle that comes later (a timer's, or a rotation's
+	// second half) finds the allocation closed and does nothing.
 	clear(seg.onFD)
 	clear(seg.ahead)
 	seg.dirty = false

@@ -12,18 +12,20 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// A received segment dropped while slots it locked ahead keep their locks
-// leaves no transfer behind: its locks went with its description, and a
-// file given that descriptor's number afterwards keeps its own locks.
-func TestDroppedSegmentLeavesNoTransfer(t *testing.T) {
+// receivedSegment makes a pool with blocks a and b of one segment, and
+// has this process receive a as another's would be (by its ticket), b
+// locked ahead: it returns the block received, the received segment and
+// the number of its description. The test's end gives back the rest.
+func receivedSegment(t *testing.T) (got *Block, seg *segment, num int, b *Block) {
+	t.Helper()
 	p := newPool(1 << 30)
-	defer p.Trim(0)
+	t.Cleanup(func() { p.Trim(0) })
 	a, err := p.Alloc(4 << 10)
 	require.NoError(t, err)
-	defer a.Release()
-	b, err := p.Alloc(4 << 10)
+	t.Cleanup(func() { _ = a.Release() })
+	b, err = p.Alloc(4 << 10)
 	require.NoError(t, err)
-	defer b.Release()
+	t.Cleanup(func() { _ = b.Release() })
 	tk, err := a.Ticket()
 	require.NoError(t, err)
 	st, err := Stat(tk.FD())
@@ -33,36 +35,69 @@ func TestDroppedSegmentLeavesNoTransfer(t *testing.T) {
 	}
 	ra := ref(a)
 	ra.Ticket = tk.FD()
-	got, err := Attach(ra) // this process maps the segment as a receiver
+	got, err = Attach(ra)
 	tk.Done()
 	require.NoError(t, err)
 	LockAhead([]BlockRef{ref(b)})
 	require.True(t, Locked(ref(b)))
 	attached.mu.Lock()
-	seg := attached.m[st.ID]
-	num := seg.alloc.fd()
+	seg = attached.m[st.ID]
+	num = seg.alloc.fd()
 	attached.mu.Unlock()
-	require.NoError(t, got.Release())
-	require.NoError(t, DropIdle()) // unmaps the segment, b's lock kept ahead
+	return got, seg, num, b
+}
 
-	// Another file at the number the segment's description had, holding
-	// a read lock at b's slot byte.
+// lockedElsewhere puts another file at descriptor number num, read-locked
+// at slot's byte through that description, and returns a check that the
+// lock is still there.
+func lockedElsewhere(t *testing.T, num, slot int) (held func() bool) {
+	t.Helper()
 	f, err := os.CreateTemp(t.TempDir(), "other")
 	require.NoError(t, err)
-	defer f.Close()
+	t.Cleanup(func() { _ = f.Close() })
 	require.NoError(t, f.Truncate(1<<20))
 	if int(f.Fd()) != num { // else it has the number already
 		require.NoError(t, unix.Dup3(int(f.Fd()), num, unix.O_CLOEXEC))
-		defer unix.Close(num)
+		t.Cleanup(func() { _ = unix.Close(num) })
 	}
-	ok, err := lockRead(num, slotByte(b.slot), 1)
+	ok, err := lockRead(num, slotByte(slot), 1)
 	require.NoError(t, err)
 	require.True(t, ok)
+	return func() bool {
+		probe, err := os.OpenFile(f.Name(), os.O_RDWR, 0)
+		require.NoError(t, err)
+		defer probe.Close()
+		ok, err := lockWrite(int(probe.Fd()), slotByte(slot), 1)
+		require.NoError(t, err)
+		return !ok
+	}
+}
+
+// A received segment dropped while slots it locked ahead keep their locks
+// leaves no transfer behind: its locks went with its description, and a
+// file given that descriptor's number afterwards keeps its own locks.
+func TestDroppedSegmentLeavesNoTransfer(t *testing.T) {
+	got, _, num, b := receivedSegment(t)
+	require.NoError(t, got.Release())
+	require.NoError(t, DropIdle()) // unmaps the segment, b's lock kept ahead
+	held := lockedElsewhere(t, num, b.slot)
 	time.Sleep(aheadKeep + 5*transferDelay) // the transfers, were any left
-	probe, err := os.OpenFile(f.Name(), os.O_RDWR, 0)
+	assert.True(t, held(), "the other file's lock was dropped by a transfer of the dropped segment")
+}
+
+// A received segment dropped between the two halves of a rotation of its
+// ticket descriptions (the timer's: the rotation, then the settle) is left
+// alone by the second half: it does nothing through the number its
+// description had.
+func TestDroppedSegmentLeftAloneByRotation(t *testing.T) {
+	got, seg, num, _ := receivedSegment(t)
+	tk, err := got.Ticket() // this process forwards the block it received
 	require.NoError(t, err)
-	defer probe.Close()
-	ok, err = lockWrite(int(probe.Fd()), slotByte(b.slot), 1)
-	require.NoError(t, err)
-	assert.False(t, ok, "the other file's lock was dropped by a transfer of the dropped segment")
+	tk.Done()
+	require.True(t, seg.tickets.rotate()) // the rotation's first half
+	require.NoError(t, got.Release())
+	require.NoError(t, DropIdle())
+	held := lockedElsewhere(t, num, 3)
+	seg.afterTicketsRotated() // its second half
+	assert.True(t, held(), "the other file's lock was dropped through the dropped segment's number")
 }

@@ -952,7 +952,7 @@ func TestLockAheadKeep(t *testing.T) {
 		assert.True(t, shm.Locked(ref(b)))
 	}
 
-	time.Sleep(3 * shm.TransferDelay) // transfers run, well within AheadKeep
+	time.Sleep(2 * shm.TransferDelay) // a transfer runs, well within AheadKeep
 	x, err := shm.Attach(ref(small[1]))
 	require.NoError(t, err)
 	y, err := shm.Attach(ref(large[1]))
