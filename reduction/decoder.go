@@ -210,7 +210,7 @@ func (r *fdReader) appendAhead(data []byte) bool {
 	for range n {
 		payload, rest, _ := nextBare(items)
 		items = rest
-		if m, err := parseMeta(payload, r.aheadDims[:]); err == nil && r.namedByLane(m) {
+		if m, err := parseBlockRef(payload); err == nil && r.namedByLane(m) {
 			r.refs = append(r.refs, laneRef(m))
 		}
 	}
@@ -271,10 +271,7 @@ type fdReader struct {
 	// tensors take them (see attachAhead); refs, its room.
 	ahead []*shm.Block
 	refs  []shm.BlockRef
-	// aheadDims: room for the shapes of the messages behind this one in
-	// its lane (lockWithAhead), apart from dims, which the tensor being
-	// decoded uses meanwhile; yieldAhead: appendAhead.
-	aheadDims  [2 * roomDims]int
+	// yieldAhead: appendAhead, made once.
 	yieldAhead func(data []byte) bool
 }
 

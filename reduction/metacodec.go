@@ -402,14 +402,28 @@ func (r *metaReader) appendInts(dst []int) []int {
 	return out
 }
 
-// parseMeta reads a Meta from its encoding, which must be exactly one.
-// Its Shape and Strides are made in room if it has the capacity, so they
-// are the caller's only until it uses room again. The Meta is returned,
-// not written through a pointer: a stack Meta takes its fields without a
-// write barrier while the collector runs.
-func parseMeta(b []byte, room []int) (Meta, error) {
-	var m Meta
+// parseBlockRef reads from b a tensor's metadata as far as the pooled
+// block it names (its strategy and descriptor index, its segment's
+// identity and size, the block's offset, size and generation), and
+// nothing after: what a lane's reader needs of the messages behind the
+// one it takes, to lock their blocks ahead (fdReader.appendAhead). Each
+// message's metadata is parsed whole, and checked, when it is decoded.
+func parseBlockRef(b []byte) (Meta, error) {
 	r := &metaReader{b: b}
+	m, err := r.head()
+	if err != nil {
+		return Meta{}, err
+	}
+	if r.err != nil {
+		return Meta{}, fmt.Errorf("decoding tensor metadata: %w", r.err)
+	}
+	return m, nil
+}
+
+// head reads the fields of a tensor's metadata up to the block's
+// generation: those parseMeta and parseBlockRef share. It returns them
+// in a Meta, as parseMeta does, for the same reason.
+func (r *metaReader) head() (m Meta, err error) {
 	if n := r.arrayLen(); r.err == nil && n != metaFields {
 		return Meta{}, fmt.Errorf("tensor metadata has %d fields, want %d", n, metaFields)
 	}
@@ -427,6 +441,20 @@ func parseMeta(b []byte, room []int) (Meta, error) {
 	m.SegmentSize = r.int()
 	m.BlockOffset = r.int()
 	m.Gen = r.uint()
+	return m, nil
+}
+
+// parseMeta reads a Meta from its encoding, which must be exactly one.
+// Its Shape and Strides are made in room if it has the capacity, so they
+// are the caller's only until it uses room again. The Meta is returned,
+// not written through a pointer: a stack Meta takes its fields without a
+// write barrier while the collector runs.
+func parseMeta(b []byte, room []int) (Meta, error) {
+	r := &metaReader{b: b}
+	m, err := r.head()
+	if err != nil {
+		return Meta{}, err
+	}
 	m.Offset = r.int()
 	dt := r.uint()
 	if dt > math.MaxUint8 {

@@ -55,7 +55,43 @@ func TestMetaCodecRoundTrip(t *testing.T) {
 		assert.Equal(t, m.Shape, fromLib.Shape)
 		assert.Equal(t, m.Gen, fromLib.Gen)
 		assert.Equal(t, m.Offset, fromLib.Offset)
+
+		// parseBlockRef reads the same fields as far as the generation,
+		// and nothing after.
+		ref, err := parseBlockRef(b)
+		require.NoError(t, err)
+		head := Meta{Version: m.Version, Strategy: m.Strategy, FDIndex: m.FDIndex, Dev: m.Dev, Ino: m.Ino, Name: m.Name,
+			Size: m.Size, SegmentSize: m.SegmentSize, BlockOffset: m.BlockOffset, Gen: m.Gen}
+		assert.Equal(t, head, ref)
 	}
+}
+
+// parseBlockRef refuses what parseMeta refuses before the block's
+// generation, and metadata cut short before it.
+func TestParseBlockRefRejects(t *testing.T) {
+	m := validMeta(shm.ID{Dev: 7, Ino: 9})
+	m.FDIndex, m.BlockOffset, m.Gen = -1, 4096, 3
+	b := appendMeta(nil, &m)
+	_, err := parseBlockRef(b)
+	require.NoError(t, err)
+	end := 0 // where the generation ends
+	for n := range len(b) {
+		if _, err := parseBlockRef(b[:n]); err == nil {
+			end = n
+			break
+		}
+	}
+	require.NotZero(t, end, "some prefix holds the fields it reads")
+	for n := range end {
+		_, err := parseBlockRef(b[:n])
+		assert.Error(t, err, "cut to %d of %d bytes", n, len(b))
+	}
+	other := m
+	other.Version = Version + 1
+	_, err = parseBlockRef(appendMeta(nil, &other))
+	assert.Error(t, err, "another version")
+	_, err = parseBlockRef([]byte{0x91, 0x01})
+	assert.Error(t, err, "too few fields")
 }
 
 func TestMetaCodecRejects(t *testing.T) {
