@@ -417,28 +417,36 @@ func TestFairWayDeadWritersClaim(t *testing.T) {
 	assert.True(t, g.byLane)
 }
 
-// A receive that ends while the writer it was claimed by has not yet
-// published leaves the claim to the next receive, which waits for the
-// entry on the lane, even with no lane wait to be had.
-func TestFairWayClaimOutlivesItsReceive(t *testing.T) {
-	w, r, _, ctx := fairRoles(t)
+// claimOutlived returns a fair pair whose reader's receive, waiting on
+// the lane, ended with its context after the writer claimed the wait and
+// before it published: the writer holds its call (sem) and the lane l,
+// for the test to publish on.
+func claimOutlived(t *testing.T) (w, r *Way, l *Lane, ctx context.Context) {
+	t.Helper()
+	w, r, _, ctx = fairRoles(t)
 	short, cancelShort := context.WithCancel(ctx)
 	got := recvLater(short, r)
 	waitsOnLane(t, r)
 	w.sem <- struct{}{}
-	l := w.taken()
+	l = w.taken()
 	require.True(t, w.handsOver(l, l.Tail(), true, false), "the writer claims the wait")
 	cancelShort()
-	g := <-got
-	require.ErrorIs(t, g.err, context.Canceled)
+	require.ErrorIs(t, (<-got).err, context.Canceled)
+	return w, r, l, ctx
+}
 
+// A receive that ends while the writer it was claimed by has not yet
+// published leaves the claim to the next receive, which waits for the
+// entry on the lane, even with no lane wait to be had.
+func TestFairWayClaimOutlivesItsReceive(t *testing.T) {
+	w, r, l, ctx := claimOutlived(t)
 	laneSleepers.Add(laneWaiters) // no lane wait to be had
 	defer laneSleepers.Add(-laneWaiters)
-	got = recvLater(ctx, r)
+	got := recvLater(ctx, r)
 	time.Sleep(10 * time.Millisecond)
 	require.NoError(t, w.sendEntry(ctx, l, wayMsg(1, 8), true))
 	<-w.sem
-	g = within(t, got, "the claimed entry was left in the lane")
+	g := within(t, got, "the claimed entry was left in the lane")
 	assert.Equal(t, 1, g.i)
 	assert.True(t, g.byLane)
 }
@@ -596,15 +604,7 @@ func TestFairWayDoneContextSendsNothing(t *testing.T) {
 // while it receives nothing, until it has taken the claimed entry: the
 // entry may name blocks that only its pins map.
 func TestFairWayClaimKeepsTheRole(t *testing.T) {
-	w, r, _, ctx := fairRoles(t)
-	short, cancelShort := context.WithCancel(ctx)
-	got := recvLater(short, r)
-	waitsOnLane(t, r)
-	w.sem <- struct{}{}
-	l := w.taken()
-	require.True(t, w.handsOver(l, l.Tail(), true, false), "the writer claims the wait")
-	cancelShort()
-	require.ErrorIs(t, (<-got).err, context.Canceled)
+	w, r, l, ctx := claimOutlived(t)
 	for range 3 {
 		r.letGoIdle() // as its idle timer does, with no receive since
 	}
