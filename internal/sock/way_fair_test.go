@@ -5,7 +5,6 @@ package sock
 import (
 	"context"
 	"encoding/binary"
-	"errors"
 	"testing"
 	"time"
 
@@ -171,12 +170,8 @@ func TestFairWayClaimedWaitGetsItsEntry(t *testing.T) {
 	l := w.taken()
 	require.True(t, w.handsOver(l, l.Tail(), true, false), "the writer claims the wait")
 	time.Sleep(laneSleep + 50*time.Millisecond)
-	require.NoError(t, w.sendEntry(ctx, l, wayMsg(1, 8), true))
-	<-w.sem
-
-	g := within(t, got, "the claimed entry was left in the lane")
-	assert.Equal(t, 1, g.i)
-	assert.True(t, g.byLane)
+	publishClaimed(t, ctx, w, l)
+	claimedArrives(t, got)
 }
 
 // Beyond laneWaiters readers waiting on lanes at once, a reader waits on
@@ -249,12 +244,7 @@ func TestFairWayTryRecv(t *testing.T) {
 	_, err := r.TryRecv(ctx)
 	assert.ErrorIs(t, err, ErrWouldBlock)
 	require.NoError(t, w.TrySend(ctx, wayMsg(1, 8), nil))
-	m, err := r.TryRecv(ctx)
-	require.NoError(t, err)
-	assert.Equal(t, wayMsg(1, 8), m.Data)
-	m.Done()
-	_, err = r.TryRecv(ctx)
-	assert.ErrorIs(t, err, ErrWouldBlock)
+	tryRecvOne(t, ctx, r, 1)
 
 	got := recvLater(ctx, r)
 	waitsOnLane(t, r)
@@ -272,13 +262,21 @@ func TestFairWayTryRecv(t *testing.T) {
 	l := w.taken()
 	require.NoError(t, w.sendEntry(ctx, l, wayMsg(3, 8), false))
 	<-w.sem
-	m, err = r.TryRecv(ctx)
+	assert.True(t, tryRecvOne(t, ctx, r, 3), "by the lane")
+}
+
+// tryRecvOne checks that a TryRecv on r takes message i and the next one
+// finds nothing, and reports whether i came by the lane.
+func tryRecvOne(t *testing.T, ctx context.Context, r *Way, i int) (byLane bool) {
+	t.Helper()
+	m, err := r.TryRecv(ctx)
 	require.NoError(t, err)
-	assert.Equal(t, wayMsg(3, 8), m.Data)
-	assert.True(t, m.ByLane())
+	assert.Equal(t, wayMsg(i, 8), m.Data)
+	byLane = m.ByLane()
 	m.Done()
 	_, err = r.TryRecv(ctx)
-	assert.True(t, errors.Is(err, ErrWouldBlock))
+	assert.ErrorIs(t, err, ErrWouldBlock)
+	return byLane
 }
 
 // A pipe's TryRecv looks at the socket, for a message of a writer without
@@ -292,12 +290,7 @@ func TestWayTryRecvLooksAtTheSocket(t *testing.T) {
 	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // the roles
 	recvIndex(t, ctx, r)
 	require.NoError(t, w2.Send(ctx, wayMsg(1, 8), nil))
-	m, err := r.TryRecv(ctx)
-	require.NoError(t, err)
-	assert.Equal(t, wayMsg(1, 8), m.Data)
-	m.Done()
-	_, err = r.TryRecv(ctx)
-	assert.ErrorIs(t, err, ErrWouldBlock)
+	tryRecvOne(t, ctx, r, 1)
 }
 
 // While the lane's reader is busy (it holds the role, and receives
@@ -417,6 +410,23 @@ func TestFairWayDeadWritersClaim(t *testing.T) {
 	assert.True(t, g.byLane)
 }
 
+// publishClaimed publishes message 1 on l as the entry whose wait the
+// writer w claimed, and ends the call w holds meanwhile (its sem).
+func publishClaimed(t *testing.T, ctx context.Context, w *Way, l *Lane) {
+	t.Helper()
+	require.NoError(t, w.sendEntry(ctx, l, wayMsg(1, 8), true))
+	<-w.sem
+}
+
+// claimedArrives checks that the receive got took message 1, the claimed
+// entry, by the lane.
+func claimedArrives(t *testing.T, got <-chan gotMsg) {
+	t.Helper()
+	g := within(t, got, "the claimed entry was left in the lane")
+	assert.Equal(t, 1, g.i)
+	assert.True(t, g.byLane)
+}
+
 // claimOutlived returns a fair pair whose reader's receive, waiting on
 // the lane, ended with its context after the writer claimed the wait and
 // before it published: the writer holds its call (sem) and the lane l,
@@ -444,11 +454,8 @@ func TestFairWayClaimOutlivesItsReceive(t *testing.T) {
 	defer laneSleepers.Add(-laneWaiters)
 	got := recvLater(ctx, r)
 	time.Sleep(10 * time.Millisecond)
-	require.NoError(t, w.sendEntry(ctx, l, wayMsg(1, 8), true))
-	<-w.sem
-	g := within(t, got, "the claimed entry was left in the lane")
-	assert.Equal(t, 1, g.i)
-	assert.True(t, g.byLane)
+	publishClaimed(t, ctx, w, l)
+	claimedArrives(t, got)
 }
 
 // A reader that has waited on the lane for its sleep waits on the socket,
@@ -609,8 +616,7 @@ func TestFairWayClaimKeepsTheRole(t *testing.T) {
 		r.letGoIdle() // as its idle timer does, with no receive since
 	}
 	assert.True(t, holds(r), "the reader let go of its role with a claim outstanding")
-	require.NoError(t, w.sendEntry(ctx, l, wayMsg(1, 8), true))
-	<-w.sem
+	publishClaimed(t, ctx, w, l)
 	i, byLane := recvWay(t, ctx, r)
 	assert.Equal(t, 1, i)
 	assert.True(t, byLane)
