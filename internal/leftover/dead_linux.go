@@ -6,6 +6,7 @@ import (
 	"io/fs"
 	"os"
 	"strconv"
+	"syscall"
 )
 
 // Dead reports whether no live process has pid now: none has it, or a
@@ -16,7 +17,11 @@ func Dead(pid int) bool {
 		return false
 	}
 	stat, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if errors.Is(err, fs.ErrNotExist) {
+	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, syscall.ESRCH) {
+		// ESRCH: the process the open found was reaped before the read.
+		// A process that has pid now took it after the open, so after
+		// anything the caller listed before calling (see the package
+		// comment): it made none of that.
 		return true
 	}
 	if err != nil {

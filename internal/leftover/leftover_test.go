@@ -24,3 +24,29 @@ func TestDead(t *testing.T) {
 	_ = cmd.Wait()
 	assert.True(t, Dead(pid), "a reaped child")
 }
+
+// A child reaped while Dead reads its state is dead: the read that finds
+// its process gone between opening /proc/<pid>/stat and reading it says
+// so (ESRCH), and it must not count as live. A remover that takes such a
+// process for a live one leaves its files for good: it runs once.
+func TestDeadWhileReaped(t *testing.T) {
+	for range 100 {
+		cmd := exec.Command("true")
+		require.NoError(t, cmd.Start())
+		pid := cmd.Process.Pid
+		require.Eventually(t, func() bool { return Dead(pid) }, 5e9, 1e5, "the child exited")
+		reaped := make(chan struct{})
+		go func() {
+			_ = cmd.Wait()
+			close(reaped)
+		}()
+		for done := false; !done; {
+			select {
+			case <-reaped:
+				done = true
+			default:
+			}
+			require.True(t, Dead(pid), "child %d, exited, while it is reaped", pid)
+		}
+	}
+}
