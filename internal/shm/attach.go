@@ -482,8 +482,9 @@ const aheadKeep = 100 * time.Millisecond
 // transferDelay is how long a receiver keeps the descriptors it adopted,
 // and, while it still holds blocks of the segment, the locks of blocks it
 // let go of, before it settles them in one batch (the locks of a segment
-// no block uses any more are dropped at once). It is a timer's period:
-// each firing wakes a thread.
+// no block uses any more are dropped at once, and those of letGoMax
+// blocks let go of as the last is). It is a timer's period: each firing
+// wakes a thread.
 const transferDelay = 10 * time.Millisecond
 
 // holdLocked takes this process's hold on the block at data offset off:
@@ -539,7 +540,9 @@ func (t *segmentTable) detach(b *Block) error {
 }
 
 // releaseLocked drops one of this process's holds on slot. A slot no
-// longer held keeps its lock until the next transfer.
+// longer held keeps its lock until the next transfer, or until letGoMax
+// slots of the segment are let go of, when they are unlocked together
+// (unlockLetGoLocked).
 func (seg *segment) releaseLocked(slot int) error {
 	n, ok := seg.holds[slot]
 	if !ok {
@@ -551,11 +554,48 @@ func (seg *segment) releaseLocked(slot int) error {
 		delete(seg.holds, slot)
 		if seg.onFD[slot] {
 			seg.dirty = true
+			seg.letGo = append(seg.letGo, slot)
+			if len(seg.letGo) >= letGoMax {
+				seg.unlockLetGoLocked()
+			}
 			transfers.schedule(seg)
 		}
 	}
 	seg.users--
 	return nil
+}
+
+// letGoMax is how many slots a receiver lets go of in a segment before it
+// unlocks them, without waiting for the transfer. A stream's receiver so
+// gives its slots back to the producer within a few dozen messages, one
+// call per run of neighbours: the producer, which can reclaim a slot only
+// once nobody locks it, reuses slots still warm in its caches and asks
+// the kernel about fewer held ones. A slot that comes back to this
+// process over and over (a round trip's) keeps its lock between trips but
+// for one trip in letGoMax.
+const letGoMax = 64
+
+// unlockLetGoLocked unlocks the slots of seg.letGo that no block of this
+// process holds again, one call per run of neighbours. A closed segment
+// has none: closeLocked forgets its locks, and no slot of it is listed
+// once onFD is empty.
+func (seg *segment) unlockLetGoLocked() {
+	slots := seg.letGo[:0]
+	for _, slot := range seg.letGo {
+		if seg.holds[slot] == 0 && seg.onFD[slot] {
+			slots = append(slots, slot)
+		}
+	}
+	seg.letGo = seg.letGo[:0]
+	slices.Sort(slots)
+	for _, r := range runs(slices.Compact(slots)) {
+		if unlock(seg.alloc.fd(), slotByte(r[0]), int64(r[1])) != nil {
+			continue // the transfer tries again
+		}
+		for slot := r[0]; slot < r[0]+r[1]; slot++ {
+			delete(seg.onFD, slot)
+		}
+	}
 }
 
 // transferLocked settles this process's holds on the segment in its own
@@ -607,6 +647,7 @@ func (seg *segment) transferLocked() error {
 			}
 		}
 		seg.dirty = kept // the timed transfers look again while it is
+		seg.letGo = seg.letGo[:0]
 	}
 	if len(errs) > 0 {
 		return errors.Join(errs...) // keep the adopted descriptors: they still hold
@@ -769,6 +810,7 @@ func (t *segmentTable) closeLocked(seg *segment) error {
 	// second half) finds the allocation closed and does nothing.
 	clear(seg.onFD)
 	clear(seg.ahead)
+	seg.letGo = nil
 	seg.dirty = false
 	seg.closeExtent()
 	return seg.alloc.Release()

@@ -142,6 +142,11 @@ type segment struct {
 	// ahead: the slots of onFD that LockAhead locked and no block has
 	// taken up yet, with when (Unix nanoseconds)
 	ahead map[int]int64
+	// letGo: slots of onFD that a block of this process let go of since
+	// the last transfer, unlocked together once there are letGoMax (a
+	// slot held again since is skipped then; one let go of twice is
+	// listed twice)
+	letGo []int
 }
 
 // reserveChunk is the unit in which a producer gives a slab its pages:

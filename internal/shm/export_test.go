@@ -43,6 +43,10 @@ const (
 	AheadKeep     = aheadKeep
 )
 
+// LetGoMax is how many slots of a segment a receiver lets go of before
+// it unlocks them without waiting for the transfer.
+const LetGoMax = letGoMax
+
 // SlotOf returns the slot b lives in.
 func SlotOf(b *Block) int { return b.slot }
 

@@ -929,6 +929,65 @@ func TestLockAhead(t *testing.T) {
 	assert.Eventually(t, func() bool { return p.InUse() == 0 }, 5*time.Second, 5*time.Millisecond)
 }
 
+// A receiver that has let go of LetGoMax blocks of a segment unlocks
+// their slots then, without waiting for the transfer, so that their
+// producer takes them back at once. Fewer stay locked until the
+// transfer, and a slot let go of and held again stays locked.
+func TestLetGoUnlocks(t *testing.T) {
+	p := testPool(t)
+	resume := shm.HoldTransfers(t)
+	n := shm.LetGoMax
+	bs := make([]*shm.Block, n+2)
+	refs := make([]shm.BlockRef, len(bs))
+	for i := range bs {
+		bs[i] = mustAlloc(t, p, 4<<10)
+		seg := bs[i].Segment()
+		refs[i] = shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: bs[i].Offset(), Size: 4 << 10, Gen: bs[i].Gen(), Ticket: -1}
+		require.Equal(t, bs[0].Segment(), seg)
+	}
+	r := receive(t, bs[0])        // this process maps the segment, as a receiver
+	require.True(t, bs[0].Busy()) // and the ticket's description is closed
+	got := make([]*shm.Block, len(bs))
+	for i := 1; i < len(bs); i++ {
+		x, err := shm.Attach(refs[i])
+		require.NoError(t, err)
+		got[i] = x
+		require.NoError(t, bs[i].Release()) // the producer's: pending while the receiver holds it
+	}
+	inUse := func() int { p.Trim(1 << 30); return p.InUse() }
+	require.Equal(t, n+2, inUse())
+
+	for _, x := range got[1:n] {
+		require.NoError(t, x.Release())
+	}
+	assert.Equal(t, n+2, inUse(), "%d let go of: locked until the transfer", n-1)
+	calls := shm.AttachLocks()
+	again, err := shm.Attach(refs[1])
+	require.NoError(t, err)
+	assert.Equal(t, calls, shm.AttachLocks(), "held again through the lock it kept")
+	require.NoError(t, got[n].Release())
+	assert.Equal(t, 3, inUse(), "%d let go of: unlocked with no transfer, but for the one held again and the one still held", n)
+
+	// A slot unlocked so is locked afresh when a block of it comes again.
+	b := mustAlloc(t, p, 4<<10)
+	require.Equal(t, bs[0].Segment(), b.Segment())
+	require.Contains(t, []int64{refs[2].Offset, refs[n].Offset}, b.Offset(), "a slot let go of, handed out again")
+	calls = shm.AttachLocks()
+	x, err := shm.Attach(shm.BlockRef{Seg: refs[0].Seg, Offset: b.Offset(), Size: 4 << 10, Gen: b.Gen(), Ticket: -1})
+	require.NoError(t, err)
+	assert.Equal(t, calls+1, shm.AttachLocks(), "its lock is taken again")
+	require.NoError(t, b.Release())
+	assert.Equal(t, 4, inUse(), "and holds it against the producer")
+	require.NoError(t, x.Release())
+
+	resume()
+	for _, x := range []*shm.Block{again, got[n+1], r} {
+		require.NoError(t, x.Release())
+	}
+	require.NoError(t, bs[0].Release())
+	assert.Eventually(t, func() bool { return inUse() == 0 }, 5*time.Second, 5*time.Millisecond)
+}
+
 // A lock LockAhead took outlives the transfers that run before AheadKeep
 // has gone by, so that the attach that takes it up a few transfers later
 // makes no call; one no attach takes up goes once AheadKeep has gone by,
