@@ -17,10 +17,11 @@ import (
 // every reuse, so that taking a recycled block allocates nothing.
 type sizeClass struct {
 	cap     int64
-	free    []*Block // nobody holds them
-	pending []*Block // released here, perhaps still held elsewhere
-	asking  []*Block // reclaimLocked's room
-	again   []*Block // and askAgain's
+	free    []*Block  // nobody holds them
+	pending []*Block  // released here, perhaps still held elsewhere
+	asking  []*Block  // reclaimLocked's room
+	again   []*Block  // and askAgain's
+	sorting []slotKey // and askInRuns'
 	segs    []*segment
 	growing bool // a goroutine makes a segment for the class, the pool's lock let go (see newSegment)
 }
@@ -179,7 +180,7 @@ func (p *Pool) reclaimLocked(c *sizeClass) {
 			ask = append(ask, b)
 		}
 	}
-	askInRuns(ask)
+	askInRuns(ask, &c.sorting)
 	clear(ask)
 	c.asking = ask[:0]
 
@@ -207,7 +208,7 @@ func (p *Pool) reclaimLocked(c *sizeClass) {
 		}
 		bumped = append(bumped, b)
 	}
-	c.again = askAgain(bumped, c.again[:0])
+	c.again = askAgain(bumped, c.again[:0], &c.sorting)
 	for _, b := range bumped {
 		b.seg.held = unasked
 		if b.held {
@@ -231,8 +232,8 @@ var beforeBump atomic.Pointer[func()]
 // bumped, in the order they were released, to whether a description other
 // than their segment's own holds its slot: once per segment, and about
 // the slots only in a segment held in part, in runs. part is its room,
-// which it returns cleared.
-func askAgain(bs, part []*Block) []*Block {
+// which it returns cleared; sorting, askInRuns'.
+func askAgain(bs, part []*Block, sorting *[]slotKey) []*Block {
 	for _, b := range bs {
 		if b.seg.held == unasked {
 			b.seg.held = b.seg.askWhole()
@@ -242,18 +243,25 @@ func askAgain(bs, part []*Block) []*Block {
 			part = append(part, b)
 		}
 	}
-	askInRuns(part)
+	askInRuns(part, sorting)
 	clear(part)
 	return part[:0]
 }
 
 // askInRuns sorts bs, blocks of segments held in part, by segment and
 // slot, and sets held for each, asking about runs of each segment's slots
-// (see askHeld).
-func askInRuns(bs []*Block) {
-	slices.SortFunc(bs, func(x, y *Block) int {
-		return cmp.Or(cmp.Compare(x.seg.alloc.fd(), y.seg.alloc.fd()), cmp.Compare(x.slot, y.slot))
-	})
+// (see askHeld). sorting is its room, left empty.
+func askInRuns(bs []*Block, sorting *[]slotKey) {
+	keys := (*sorting)[:0]
+	for _, b := range bs {
+		keys = append(keys, slotKey{uint64(uint32(b.seg.alloc.fd()))<<32 | uint64(uint32(b.slot)), b})
+	}
+	slices.SortFunc(keys, func(x, y slotKey) int { return cmp.Compare(x.key, y.key) })
+	for i, k := range keys {
+		bs[i] = k.b
+	}
+	clear(keys)
+	*sorting = keys[:0]
 	for rest := bs; len(rest) > 0; {
 		n := 1
 		for n < len(rest) && rest[n].seg == rest[0].seg {
@@ -262,6 +270,14 @@ func askInRuns(bs []*Block) {
 		askHeld(rest[0].seg.alloc.fd(), rest[:n])
 		rest = rest[n:]
 	}
+}
+
+// slotKey is a block with its place, its segment's descriptor and its
+// slot, in one word: askInRuns sorts by the word, without following the
+// block's pointers at each comparison.
+type slotKey struct {
+	key uint64
+	b   *Block
 }
 
 // Answers of segment.askWhole: which of a segment's slots other
