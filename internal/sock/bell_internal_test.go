@@ -12,6 +12,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 )
 
 // A waiter whose spins keep missing stops spinning, but for a probe now
@@ -159,4 +160,75 @@ func TestBellNewerWaiterLosesNoRing(t *testing.T) {
 	assert.Zero(t, b.timeouts.Load(), "sleeps that slept through a ring")
 	cancel()
 	<-newer
+}
+
+// Only a ring that finds a waiter asleep reads the clock, to stamp the
+// ring for the waiter it wakes, which learns the gap from the stamp; a
+// waiter that finds the ring awake learns it from its own clock.
+func TestBellStampsOnlyForASleeper(t *testing.T) {
+	b := testBell(t)
+	atomic.StoreInt64(b.rang, 1)
+	b.Ring()
+	require.True(t, b.Advance(b.Load()))
+	assert.EqualValues(t, 1, atomic.LoadInt64(b.rang), "rings with nobody asleep stamp nothing")
+
+	for _, advance := range []bool{false, true} {
+		b.gap.Store(0)
+		atomic.AddUint32(b.asleep, atomic.LoadUint32(b.asleep)&1) // a waiter gone leaves its flag armed
+		last := b.Load()
+		var before, after int64
+		var armed bool
+		rung := make(chan struct{})
+		go func() {
+			defer close(rung)
+			armed = armedWithin(b)
+			before = time.Now().UnixNano()
+			if advance {
+				b.Advance(last)
+			} else {
+				b.Ring()
+			}
+			after = time.Now().UnixNano()
+		}()
+		_, err := b.Wait(context.Background(), last, func() error { return nil })
+		require.NoError(t, err)
+		<-rung
+		require.True(t, armed, "advance %v: the waiter armed its flag", advance)
+		stamp := atomic.LoadInt64(b.rang)
+		assert.True(t, before <= stamp && stamp <= after, "advance %v: stamped %d, rung between %d and %d", advance, stamp, before, after)
+		assert.Positive(t, b.gap.Load(), "advance %v: the waiter learns a gap", advance)
+	}
+
+	// A ringer whose stamp says it rang before the wait began, and that
+	// wakes the sleeper 5 ms after it armed: the sleeper learns
+	// the stamp's gap (none), not what its own clock says.
+	b.gap.Store(int64(spinCap) / 2)
+	atomic.AddUint32(b.asleep, atomic.LoadUint32(b.asleep)&1)
+	last := b.Load()
+	go func() {
+		if !armedWithin(b) {
+			return // the wait fails by its timeout below
+		}
+		time.Sleep(5 * time.Millisecond)
+		atomic.StoreInt64(b.rang, 1)
+		atomic.AddUint32(b.word, 1)
+		atomic.AddUint32(b.asleep, 1) // cleared, as wake clears it, with no stamp of its own
+		_, _, _ = unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(b.asleep)), futexWake, 1<<30, 0, 0, 0)
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_, err := b.Wait(ctx, last, func() error { return nil })
+	require.NoError(t, err)
+	assert.Equal(t, int64(spinCap)/2*3/4, b.gap.Load(), "a quarter of the way to no gap")
+
+	// A spin that finds its ring 30 µs after its wait began, the stamp
+	// being from long ago: the gap it learns is its own clock's.
+	atomic.StoreInt64(b.rang, 1)
+	b.gap.Store(0)
+	b.misses.Store(0)
+	last = b.Load()
+	b.Ring()
+	_, found := b.spin(last, time.Now().Add(-30*time.Microsecond))
+	require.True(t, found)
+	assert.GreaterOrEqual(t, b.gap.Load(), int64(30*time.Microsecond)/4, "a quarter of the way from 0 to 30 µs or more")
 }

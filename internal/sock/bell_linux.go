@@ -23,7 +23,8 @@ import (
 // every process maps the same bytes. Its layout:
 //
 //	0   uint32  the word, bumped by each Ring
-//	8   int64   when the last Ring was, Unix nanoseconds
+//	8   int64   when the last Ring that found a waiter asleep was, Unix
+//	            nanoseconds
 //	64  uint32  odd once a waiter is about to sleep, made even by the ringer
 //	            that wakes it: the futex the waiters sleep on
 //
@@ -107,7 +108,6 @@ func (b *Bell) Load() uint32 { return atomic.LoadUint32(b.word) }
 
 // Ring bumps the word, waking the waiters that sleep on it.
 func (b *Bell) Ring() {
-	atomic.StoreInt64(b.rang, stamp())
 	atomic.AddUint32(b.word, 1)
 	b.wake()
 }
@@ -115,7 +115,6 @@ func (b *Bell) Ring() {
 // Advance moves the word from old to old+1, waking the waiters that sleep
 // on it, and reports whether it did: false if the word was not old.
 func (b *Bell) Advance(old uint32) bool {
-	atomic.StoreInt64(b.rang, stamp())
 	if !atomic.CompareAndSwapUint32(b.word, old, old+1) {
 		return false
 	}
@@ -137,7 +136,10 @@ func (b *Bell) Nudge() { b.wake() }
 // waiter sleeps only while the flag still holds the value it armed, and
 // another waiter arming it again does not bring that value back. A waiter
 // woken but not yet run costs the rings after that one nothing; one that
-// wakes to nothing arms the flag again before it sleeps again.
+// wakes to nothing arms the flag again before it sleeps again. The
+// ringer that finds the flag odd stamps the ring first, for the waiter it
+// wakes to learn when the ring came (see learn); one that finds it even
+// reads no clock.
 //
 // FUTEX_WAKE fails only for an address that is not mapped or not aligned,
 // which a Bell's never are; a wake that failed all the same would be seen
@@ -155,6 +157,9 @@ func (b *Bell) wake() {
 			// Another ringer cleared it first: wake all the same, as
 			// that ringer may have died before its own wake.
 			break
+		}
+		if i == 0 {
+			atomic.StoreInt64(b.rang, stamp())
 		}
 		if atomic.CompareAndSwapUint32(b.asleep, v, v+1) || i == maxClears {
 			break // cleared, or a peer keeps writing it: wake anyway
@@ -189,7 +194,7 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, u
 	}
 	deadline, hasDeadline := ctx.Deadline()
 	sliceEnd := time.Now().Add(sleepSlice)
-	nudged := false
+	nudged, slept := false, false
 	for {
 		// Arm the flag before the look: a ring after the look sees it.
 		// The sleep is on the flag's armed value, not on the word: any
@@ -201,7 +206,11 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, u
 			armed++ // else it moved meanwhile: the sleep fails at once
 		}
 		if w := atomic.LoadUint32(b.word); w != last {
-			b.learn(start)
+			if slept {
+				b.learn(atomic.LoadInt64(b.rang) - start.UnixNano())
+			} else {
+				b.learn(int64(time.Since(start)))
+			}
 			return w, nil
 		}
 		if err := ctx.Err(); err != nil {
@@ -236,6 +245,7 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, u
 			(*hook)()
 		}
 		_, _, errno := unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(b.asleep)), futexWait, uintptr(armed), uintptr(unsafe.Pointer(&ts)), 0, 0)
+		slept = true
 		switch errno {
 		case unix.ETIMEDOUT:
 			if atomic.LoadUint32(b.word) != last {
@@ -274,7 +284,7 @@ func (b *Bell) spin(last uint32, start time.Time) (uint32, bool) {
 	for i := 1; ; i++ {
 		if w := atomic.LoadUint32(b.word); w != last {
 			b.misses.Store(0)
-			b.learn(start)
+			b.learn(int64(time.Since(start)))
 			return w, true
 		}
 		if i%64 == 0 && int64(time.Since(start)) > budget {
@@ -286,13 +296,13 @@ func (b *Bell) spin(last uint32, start time.Time) (uint32, bool) {
 	}
 }
 
-// learn folds how long the ring took to come after a wait began at start
-// into the spin budget. The ringer's stamp says when it rang, so a waiter
-// that slept learns the gap, not the gap plus its own wake-up; a ringer
-// that lies about it, or a jump of the clock, moves the budget within
-// [0, spinCap] only.
-func (b *Bell) learn(start time.Time) {
-	gap := atomic.LoadInt64(b.rang) - start.UnixNano()
+// learn folds gap, how long a ring took to come after a wait began, into
+// the spin budget. A waiter awake when the ring came learns it from its
+// own clock; one that slept, from the stamp of the ringer that woke it,
+// so that it learns the gap, not the gap plus its own wake-up. A ringer
+// that lies about it, or a jump of the wall clock, moves the budget
+// within [0, spinCap] only.
+func (b *Bell) learn(gap int64) {
 	gap = max(0, min(gap, 2*int64(spinCap)))
 	old := b.gap.Load()
 	b.gap.Store(old + (gap-old)/4)
@@ -300,6 +310,5 @@ func (b *Bell) learn(start time.Time) {
 
 // stamp returns the time of a ring for the waiters of every process to
 // read: the wall clock, which they all read alike, in nanoseconds. It
-// costs no system call (unlike clock_gettime through package unix), so
-// that a ring whose waiter is awake makes none.
+// costs no system call (unlike clock_gettime through package unix).
 func stamp() int64 { return time.Now().UnixNano() }
