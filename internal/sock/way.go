@@ -119,6 +119,7 @@ type Way struct {
 	// the lane.
 	ledger     ledger
 	settler    *time.Timer
+	settling   bool        // under sem: settler is armed, or about to be
 	writing    atomic.Bool // this process holds the writer's role (held, for Maps)
 	viewMu     sync.Mutex
 	view       pinView
@@ -519,7 +520,12 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 		switch {
 		case err == nil && len(lent) > 0:
 			w.ledger.lend(pos, lent)
-			w.settler.Reset(settleEvery)
+			if !w.settling {
+				// Armed once, not at each Send: while loans are out it
+				// comes back each settleEvery (settleIdle).
+				w.settling = true
+				w.settler.Reset(settleEvery)
+			}
 			lentSent.Add(1)
 			return nil
 		case len(lent) > 0 && (errors.Is(err, errCounts) || errors.Is(err, ErrWouldBlock)):
@@ -643,9 +649,10 @@ func (w *Way) sendEntry(ctx context.Context, l *Lane, data []byte, block bool) e
 	return err
 }
 
-// settleIdle settles the writer's loans while it does not send, each
-// settleEvery until none is left: a reader killed with messages untaken
-// gives their blocks back though the writer never sends again.
+// settleIdle settles the writer's loans each settleEvery until none is
+// left, between Sends (which settle too): a reader killed with messages
+// untaken gives their blocks back though the writer never sends again.
+// The Send that lends while none is out arms it.
 func (w *Way) settleIdle() {
 	select {
 	case w.sem <- struct{}{}:
@@ -656,22 +663,24 @@ func (w *Way) settleIdle() {
 	defer func() { <-w.sem }()
 	l := w.lane.Load()
 	if w.closed.Load() || l == nil {
+		w.settling = false
 		return // Close settles
 	}
 	w.ledger.settle(l, w.mem, false)
 	if len(w.ledger.loans) > 0 {
 		w.settler.Reset(settleEvery)
+	} else {
+		w.settling = false
 	}
 }
 
 // readersGone returns ErrClosed if the readers are gone, looking at most
 // once each peerCheck.
 func (w *Way) readersGone() error {
-	now := time.Now()
-	if now.Sub(w.checked) < peerCheck {
+	if time.Since(w.checked) < peerCheck { // one clock read, the monotonic one
 		return nil
 	}
-	w.checked = now
+	w.checked = time.Now()
 	if w.shared.peerGone() {
 		return fmt.Errorf("%w (the readers are gone)", ErrClosed)
 	}
