@@ -10,8 +10,9 @@ import (
 )
 
 // Dead reports whether no live process has pid now: none has it, or a
-// zombie does (dead, waiting to be reaped). A process whose state cannot
-// be read counts as live.
+// zombie does (dead, waiting to be reaped), or the process found was
+// reaped as its state was read. A process whose state cannot be read
+// otherwise counts as live.
 func Dead(pid int) bool {
 	if pid <= 0 {
 		return false

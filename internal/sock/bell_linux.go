@@ -23,8 +23,8 @@ import (
 // every process maps the same bytes. Its layout:
 //
 //	0   uint32  the word, bumped by each Ring
-//	8   int64   when the last Ring that found a waiter asleep was, Unix
-//	            nanoseconds
+//	8   int64   when the last Ring (or Nudge) that found a waiter asleep
+//	            was, Unix nanoseconds
 //	64  uint32  odd once a waiter is about to sleep, made even by the ringer
 //	            that wakes it: the futex the waiters sleep on
 //
@@ -139,7 +139,9 @@ func (b *Bell) Nudge() { b.wake() }
 // wakes to nothing arms the flag again before it sleeps again. The
 // ringer that finds the flag odd stamps the ring first, for the waiter it
 // wakes to learn when the ring came (see learn); one that finds it even
-// reads no clock.
+// reads no clock. A Nudge stamps too: a waiter it woke that finds a ring
+// before it arms the flag again learns the Nudge's time, a gap too short,
+// which costs it only a shorter spin.
 //
 // FUTEX_WAKE fails only for an address that is not mapped or not aligned,
 // which a Bell's never are; a wake that failed all the same would be seen
