@@ -187,8 +187,11 @@ func (t *segmentTable) lockLocked(refs []BlockRef, ahead bool) {
 		}
 		seg := groups[at].seg
 		slot, ok := seg.slotAt(ref.Offset)
-		if !ok || seg.alloc.Size() < ref.Seg.Size || seg.holds[slot] > 0 || seg.onFD[slot] {
-			continue // holdLocked says what is wrong with it, or needs no call
+		if !ok || seg.alloc.Size() < ref.Seg.Size {
+			continue // holdLocked says what is wrong with it
+		}
+		if st := seg.slots.get(slot); st.holds > 0 || st.onFD {
+			continue // needs no call
 		}
 		groups[at].slots = append(groups[at].slots, slot)
 	}
@@ -213,12 +216,9 @@ func (seg *segment) lockRunsLocked(slots []int, ahead bool, now int64) {
 			continue // the producer reclaims one of them: holdLocked says which
 		}
 		for slot := r[0]; slot < r[0]+r[1]; slot++ {
-			seg.onFD[slot] = true
+			seg.slots.setOnFD(slot, true)
 			if ahead {
-				if seg.ahead == nil {
-					seg.ahead = map[int]int64{}
-				}
-				seg.ahead[slot] = now
+				seg.slots.at(slot).aheadAt = now
 			}
 		}
 		seg.dirty = true // locks not taken up by a block go at a transfer
@@ -247,7 +247,11 @@ func Locked(ref BlockRef) bool {
 		return false
 	}
 	slot, ok := seg.slotAt(ref.Offset)
-	return ok && (seg.holds[slot] > 0 || seg.onFD[slot])
+	if !ok {
+		return false
+	}
+	st := seg.slots.get(slot)
+	return st.holds > 0 || st.onFD
 }
 
 // LockAhead locks, through this process's own description, the slots of
@@ -459,7 +463,7 @@ func readSlab(a *Allocation) (*segment, error) {
 		return nil, &Error{Op: "protect", Path: a.String(), Err: err}
 	}
 	return &segment{alloc: a, cap: h.cap, nslots: int(h.nslots), dataOff: h.dataOff, external: external,
-		named: a.path != "", holds: map[int]int{}, onFD: map[int]bool{}}, nil
+		named: a.path != "", slots: newSlotTable(int(h.nslots))}, nil
 }
 
 // maxExtent bounds the bytes of a received slab's extent: 1 PiB, beyond
@@ -500,8 +504,9 @@ func (seg *segment) holdLocked(off, size int64, gen uint64, covered bool) (*Bloc
 	if !ok || size <= 0 || size > seg.cap {
 		return bad(errors.New("not a slot"))
 	}
-	if seg.holds[slot] == 0 {
-		locked := seg.onFD[slot]
+	st := seg.slots.at(slot)
+	if st.holds == 0 {
+		locked := st.onFD
 		if !locked && !covered {
 			attachLocks.Add(1)
 			ok, err := lockRead(seg.alloc.fd(), slotByte(slot), 1)
@@ -511,23 +516,23 @@ func (seg *segment) holdLocked(off, size int64, gen uint64, covered bool) (*Bloc
 			if !ok {
 				return bad(ErrStaleBlock)
 			}
-			seg.onFD[slot] = true
+			seg.slots.setOnFD(slot, true)
 		}
 		if !seg.genIs(slot, gen) {
-			if seg.onFD[slot] && !locked {
+			if st.onFD && !locked {
 				_ = unlock(seg.alloc.fd(), slotByte(slot), 1)
-				delete(seg.onFD, slot)
+				seg.slots.setOnFD(slot, false)
 			}
 			return bad(ErrStaleBlock)
 		}
 		if locked || covered {
 			seg.dirty = true // to lock (covered) or to keep (locked, was let go of)
 		}
-		delete(seg.ahead, slot) // taken up
+		st.aheadAt = 0 // taken up
 	} else if !seg.genIs(slot, gen) {
 		return bad(ErrStaleBlock)
 	}
-	seg.holds[slot]++
+	st.holds++
 	seg.users++
 	return &Block{seg: seg, slot: slot, size: size, gen: gen}, nil
 }
@@ -544,15 +549,13 @@ func (t *segmentTable) detach(b *Block) error {
 // slots of the segment are let go of, when they are unlocked together
 // (unlockLetGoLocked).
 func (seg *segment) releaseLocked(slot int) error {
-	n, ok := seg.holds[slot]
-	if !ok {
+	st := seg.slots.at(slot)
+	if st.holds == 0 {
 		return nil // let go of already, for the process's exit
 	}
-	if n > 1 {
-		seg.holds[slot] = n - 1
-	} else {
-		delete(seg.holds, slot)
-		if seg.onFD[slot] {
+	st.holds--
+	if st.holds == 0 {
+		if st.onFD {
 			seg.dirty = true
 			seg.letGo = append(seg.letGo, slot)
 			if len(seg.letGo) >= letGoMax {
@@ -582,7 +585,7 @@ const letGoMax = 64
 func (seg *segment) unlockLetGoLocked() {
 	slots := seg.letGo[:0]
 	for _, slot := range seg.letGo {
-		if seg.holds[slot] == 0 && seg.onFD[slot] {
+		if st := seg.slots.get(slot); st.holds == 0 && st.onFD {
 			slots = append(slots, slot)
 		}
 	}
@@ -593,7 +596,7 @@ func (seg *segment) unlockLetGoLocked() {
 			continue // the transfer tries again
 		}
 		for slot := r[0]; slot < r[0]+r[1]; slot++ {
-			delete(seg.onFD, slot)
+			seg.slots.setOnFD(slot, false)
 		}
 	}
 }
@@ -612,30 +615,28 @@ func (seg *segment) transferLocked() error {
 	var errs []error
 	if seg.dirty {
 		var need, drop []int
-		for slot := range seg.holds {
-			if !seg.onFD[slot] {
-				need = append(need, slot)
-			}
-		}
 		now, kept := time.Now().UnixNano(), false
-		for slot := range seg.onFD {
-			if seg.holds[slot] > 0 {
-				continue
-			}
-			if at, ok := seg.ahead[slot]; ok && now-at < int64(aheadKeep) {
+		seg.slots.each(func(slot int, st *slotState) {
+			switch {
+			case st.holds > 0:
+				if !st.onFD {
+					need = append(need, slot)
+				}
+			case !st.onFD:
+			case st.aheadAt != 0 && now-st.aheadAt < int64(aheadKeep):
 				kept = true
-				continue
+			default:
+				st.aheadAt = 0
+				drop = append(drop, slot)
 			}
-			delete(seg.ahead, slot)
-			drop = append(drop, slot)
-		}
+		})
 		for _, r := range runs(need) {
 			if _, err := lockRead(seg.alloc.fd(), slotByte(r[0]), int64(r[1])); err != nil {
 				errs = append(errs, err)
 				continue
 			}
 			for slot := r[0]; slot < r[0]+r[1]; slot++ {
-				seg.onFD[slot] = true
+				seg.slots.setOnFD(slot, true)
 			}
 		}
 		for _, r := range runs(drop) {
@@ -643,7 +644,7 @@ func (seg *segment) transferLocked() error {
 				errs = append(errs, err)
 			}
 			for slot := r[0]; slot < r[0]+r[1]; slot++ {
-				delete(seg.onFD, slot)
+				seg.slots.setOnFD(slot, false)
 			}
 		}
 		seg.dirty = kept // the timed transfers look again while it is
@@ -687,7 +688,7 @@ func (t *segmentTable) settleLocked(seg *segment) error {
 	// transferDelay, in one system call (see closeAll). This
 	// process's ticket description, if it sent from the segment, stays
 	// for the next message; rotation retires it within milliseconds.
-	if len(seg.onFD) > 0 || len(seg.adopted) >= adoptMax {
+	if seg.slots.locked > 0 || len(seg.adopted) >= adoptMax {
 		if err := seg.transferLocked(); err != nil {
 			return err
 		}
@@ -808,8 +809,7 @@ func (t *segmentTable) closeLocked(seg *segment) error {
 	// descriptor's number again, which may be another file's soon: a
 	// transfer or a settle that comes later (a timer's, or a rotation's
 	// second half) finds the allocation closed and does nothing.
-	clear(seg.onFD)
-	clear(seg.ahead)
+	seg.slots.forgetLocks()
 	seg.letGo = nil
 	seg.dirty = false
 	seg.closeExtent()

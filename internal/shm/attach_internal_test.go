@@ -101,3 +101,18 @@ func TestDroppedSegmentLeftAloneByRotation(t *testing.T) {
 	seg.afterTicketsRotated() // its second half
 	assert.True(t, held(), "the other file's lock was dropped through the dropped segment's number")
 }
+
+// A lock taken ahead and then taken up by an attach is that block's: let
+// go of, it goes at the next transfer, young as it is.
+func TestLockTakenUpGoesAtTransfer(t *testing.T) {
+	got, seg, _, b := receivedSegment(t)
+	x, err := Attach(BlockRef{Seg: SegmentRef{ID: seg.alloc.ID(), Size: seg.alloc.Size()}, Offset: b.Offset(), Size: b.size, Gen: b.Gen(), Ticket: -1})
+	require.NoError(t, err)
+	require.NoError(t, x.Release())
+	attached.mu.Lock()
+	require.NoError(t, seg.transferLocked())
+	st := seg.slots.get(b.slot)
+	attached.mu.Unlock()
+	assert.False(t, st.onFD, "the lock stayed past the transfer")
+	require.NoError(t, got.Release())
+}

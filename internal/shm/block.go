@@ -134,14 +134,10 @@ type segment struct {
 	held     int8     // reclaimLocked's answer of askWhole while it runs, else unasked
 
 	// receiver side, guarded by attached.mu
-	users   int          // live blocks of this process in it
-	holds   map[int]int  // slot -> blocks of this process holding it
-	onFD    map[int]bool // slots locked through alloc.fd, this process's own description
-	adopted []int        // message descriptors kept for the holds they carry
-	dirty   bool         // holds and onFD differ: a transfer has work to do
-	// ahead: the slots of onFD that LockAhead locked and no block has
-	// taken up yet, with when (Unix nanoseconds)
-	ahead map[int]int64
+	users   int       // live blocks of this process in it
+	slots   slotTable // each slot's holds and locks in this process
+	adopted []int     // message descriptors kept for the holds they carry
+	dirty   bool      // holds and locks differ: a transfer has work to do
 	// letGo: slots of onFD that a block of this process let go of since
 	// the last transfer, unlocked together once there are letGoMax (a
 	// slot held again since is skipped then; one let go of twice is

@@ -154,8 +154,7 @@ func DropRefsForExit() {
 			continue
 		}
 		attached.mu.Lock()
-		clear(seg.holds)
-		clear(seg.ahead)
+		seg.slots.forgetHolds()
 		seg.dirty = true
 		_ = seg.transferLocked()
 		seg.users = 0
