@@ -173,52 +173,69 @@ func TestBellStampsOnlyForASleeper(t *testing.T) {
 	assert.EqualValues(t, 1, atomic.LoadInt64(b.rang), "rings with nobody asleep stamp nothing")
 
 	for _, advance := range []bool{false, true} {
-		b.gap.Store(0)
-		atomic.AddUint32(b.asleep, atomic.LoadUint32(b.asleep)&1) // a waiter gone leaves its flag armed
-		last := b.Load()
 		var before, after int64
-		var armed bool
-		rung := make(chan struct{})
-		go func() {
-			defer close(rung)
-			armed = armedWithin(b)
-			before = time.Now().UnixNano()
-			if advance {
-				b.Advance(last)
-			} else {
-				b.Ring()
+		for try := 0; ; try++ { // again if the waiter was too slow to arm
+			require.Less(t, try, 20, "advance %v: the waiter never armed its flag in time", advance)
+			b.gap.Store(0)
+			atomic.AddUint32(b.asleep, atomic.LoadUint32(b.asleep)&1) // a waiter gone leaves its flag armed
+			last := b.Load()
+			var armed bool
+			rung := make(chan struct{})
+			go func() {
+				defer close(rung)
+				armed = armedWithin(b)
+				before = time.Now().UnixNano()
+				if advance {
+					b.Advance(last)
+				} else {
+					b.Ring()
+				}
+				after = time.Now().UnixNano()
+			}()
+			_, err := b.Wait(context.Background(), last, func() error { return nil })
+			require.NoError(t, err)
+			<-rung
+			if armed {
+				break
 			}
-			after = time.Now().UnixNano()
-		}()
-		_, err := b.Wait(context.Background(), last, func() error { return nil })
-		require.NoError(t, err)
-		<-rung
-		require.True(t, armed, "advance %v: the waiter armed its flag", advance)
+		}
 		stamp := atomic.LoadInt64(b.rang)
 		assert.True(t, before <= stamp && stamp <= after, "advance %v: stamped %d, rung between %d and %d", advance, stamp, before, after)
 		assert.Positive(t, b.gap.Load(), "advance %v: the waiter learns a gap", advance)
 	}
 
 	// A ringer whose stamp says it rang before the wait began, and that
-	// wakes the sleeper 5 ms after it armed: the sleeper learns
-	// the stamp's gap (none), not what its own clock says.
-	b.gap.Store(int64(spinCap) / 2)
-	atomic.AddUint32(b.asleep, atomic.LoadUint32(b.asleep)&1)
-	last := b.Load()
-	go func() {
-		if !armedWithin(b) {
-			return // the wait fails by its timeout below
-		}
-		time.Sleep(5 * time.Millisecond)
-		atomic.StoreInt64(b.rang, 1)
-		atomic.AddUint32(b.word, 1)
-		atomic.AddUint32(b.asleep, 1) // cleared, as wake clears it, with no stamp of its own
-		_, _, _ = unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(b.asleep)), futexWake, 1<<30, 0, 0, 0)
-	}()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	// wakes the sleeper 5 ms after it armed: the sleeper learns the
+	// stamp's gap (none), not what its own clock says. Tried again if
+	// the waiter was not asleep when woken (descheduled between its
+	// arming and its look at the word, it finds the ring awake).
+	var last uint32
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	_, err := b.Wait(ctx, last, func() error { return nil })
-	require.NoError(t, err)
+	for try := 0; ; try++ {
+		require.Less(t, try, 20, "the waiter was never asleep when woken")
+		b.gap.Store(int64(spinCap) / 2)
+		atomic.AddUint32(b.asleep, atomic.LoadUint32(b.asleep)&1)
+		last = b.Load()
+		woken := make(chan uintptr, 1)
+		go func() {
+			if !armedWithin(b) {
+				woken <- 0
+				return // the wait fails by its timeout below
+			}
+			time.Sleep(5 * time.Millisecond)
+			atomic.StoreInt64(b.rang, 1)
+			atomic.AddUint32(b.word, 1)
+			atomic.AddUint32(b.asleep, 1) // cleared, as wake clears it, with no stamp of its own
+			n, _, _ := unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(b.asleep)), futexWake, 1<<30, 0, 0, 0)
+			woken <- n
+		}()
+		_, err := b.Wait(ctx, last, func() error { return nil })
+		require.NoError(t, err)
+		if <-woken > 0 {
+			break
+		}
+	}
 	assert.Equal(t, int64(spinCap)/2*3/4, b.gap.Load(), "a quarter of the way to no gap")
 
 	// A spin that finds its ring 30 µs after its wait began, the stamp
