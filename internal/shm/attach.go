@@ -218,7 +218,7 @@ func (seg *segment) lockRunsLocked(slots []int, ahead bool, now int64) {
 		for slot := r[0]; slot < r[0]+r[1]; slot++ {
 			seg.slots.setOnFD(slot, true)
 			if ahead {
-				seg.slots.at(slot).aheadAt = now
+				seg.slots.setAhead(slot, now)
 			}
 		}
 		seg.dirty = true // locks not taken up by a block go at a transfer
@@ -452,6 +452,8 @@ func readSlab(a *Allocation) (*segment, error) {
 	switch {
 	case h.magic != slabMagic || h.version != slabVersion:
 		return bad(errors.New("no tensormp slot table"))
+	case h.nslots > maxSlabSlots:
+		return bad(fmt.Errorf("%d slots, more than any slab has (%d)", h.nslots, maxSlabSlots))
 	case h.cap <= 0 || h.nslots <= 0 || h.nslots > total/8 || !external && h.dataOff != slabLayout(h.nslots):
 		return bad(fmt.Errorf("malformed slot table (%d slots of %d bytes at %d)", h.nslots, h.cap, h.dataOff))
 	case external && (slabLayout(h.nslots) > total || h.cap > maxExtent/h.nslots):
@@ -504,8 +506,7 @@ func (seg *segment) holdLocked(off, size int64, gen uint64, covered bool) (*Bloc
 	if !ok || size <= 0 || size > seg.cap {
 		return bad(errors.New("not a slot"))
 	}
-	st := seg.slots.at(slot)
-	if st.holds == 0 {
+	if st := seg.slots.get(slot); st.holds == 0 {
 		locked := st.onFD
 		if !locked && !covered {
 			attachLocks.Add(1)
@@ -519,7 +520,7 @@ func (seg *segment) holdLocked(off, size int64, gen uint64, covered bool) (*Bloc
 			seg.slots.setOnFD(slot, true)
 		}
 		if !seg.genIs(slot, gen) {
-			if st.onFD && !locked {
+			if !locked && !covered {
 				_ = unlock(seg.alloc.fd(), slotByte(slot), 1)
 				seg.slots.setOnFD(slot, false)
 			}
@@ -528,11 +529,11 @@ func (seg *segment) holdLocked(off, size int64, gen uint64, covered bool) (*Bloc
 		if locked || covered {
 			seg.dirty = true // to lock (covered) or to keep (locked, was let go of)
 		}
-		st.aheadAt = 0 // taken up
+		seg.slots.setAhead(slot, 0) // taken up
 	} else if !seg.genIs(slot, gen) {
 		return bad(ErrStaleBlock)
 	}
-	st.holds++
+	seg.slots.hold(slot)
 	seg.users++
 	return &Block{seg: seg, slot: slot, size: size, gen: gen}, nil
 }
@@ -549,12 +550,10 @@ func (t *segmentTable) detach(b *Block) error {
 // slots of the segment are let go of, when they are unlocked together
 // (unlockLetGoLocked).
 func (seg *segment) releaseLocked(slot int) error {
-	st := seg.slots.at(slot)
-	if st.holds == 0 {
+	if !seg.slots.release(slot) {
 		return nil // let go of already, for the process's exit
 	}
-	st.holds--
-	if st.holds == 0 {
+	if st := seg.slots.get(slot); st.holds == 0 {
 		if st.onFD {
 			seg.dirty = true
 			seg.letGo = append(seg.letGo, slot)
@@ -581,7 +580,7 @@ const letGoMax = 64
 // unlockLetGoLocked unlocks the slots of seg.letGo that no block of this
 // process holds again, one call per run of neighbours. A closed segment
 // has none: closeLocked forgets its locks, and no slot of it is listed
-// once onFD is empty.
+// once none is locked.
 func (seg *segment) unlockLetGoLocked() {
 	slots := seg.letGo[:0]
 	for _, slot := range seg.letGo {
@@ -616,7 +615,7 @@ func (seg *segment) transferLocked() error {
 	if seg.dirty {
 		var need, drop []int
 		now, kept := time.Now().UnixNano(), false
-		seg.slots.each(func(slot int, st *slotState) {
+		seg.slots.each(func(slot int, st slotState) {
 			switch {
 			case st.holds > 0:
 				if !st.onFD {
@@ -626,7 +625,7 @@ func (seg *segment) transferLocked() error {
 			case st.aheadAt != 0 && now-st.aheadAt < int64(aheadKeep):
 				kept = true
 			default:
-				st.aheadAt = 0
+				seg.slots.setAhead(slot, 0)
 				drop = append(drop, slot)
 			}
 		})

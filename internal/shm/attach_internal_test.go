@@ -115,4 +115,51 @@ func TestLockTakenUpGoesAtTransfer(t *testing.T) {
 	attached.mu.Unlock()
 	assert.False(t, st.onFD, "the lock stayed past the transfer")
 	require.NoError(t, got.Release())
+	require.NoError(t, DropIdle())
+}
+
+// A slot table that says it has more slots than any slab has is refused
+// before anything is sized by it: what a receiver keeps per slot is not
+// a peer's to size. One of as many as a slab may have is taken, and
+// costs its receiver a page index of a thousand entries.
+func TestReadSlabRefusesTooManySlots(t *testing.T) {
+	for _, nslots := range []int64{maxSlabSlots, maxSlabSlots + 1, 1 << 40} {
+		a, err := Create(slabLayout(maxSlabSlots+1), KeepFD|Unlink|sparse)
+		require.NoError(t, err)
+		*(*slabHdr)(ptrAt(a.mapping, 0)) = slabHdr{magic: slabMagic, version: slabVersion, cap: smallMin, nslots: nslots}
+		seg, err := readSlab(a)
+		if nslots <= maxSlabSlots {
+			require.NoError(t, err)
+			assert.Len(t, seg.slots.pages, maxSlabSlots/slotPage)
+		} else {
+			assert.ErrorContains(t, err, "more than any slab has", "%d slots", nslots)
+			assert.Nil(t, seg)
+		}
+		require.NoError(t, a.Release())
+	}
+}
+
+// An attach whose generation is stale gives up the lock it took for it:
+// the slot is not counted as locked, and the next attach of the slot
+// locks it afresh.
+func TestStaleAttachLeavesNoLock(t *testing.T) {
+	got, seg, _, b := receivedSegment(t)
+	defer func() {
+		require.NoError(t, got.Release())
+		require.NoError(t, DropIdle())
+	}()
+	slot := b.slot + 1
+	ref := BlockRef{Seg: SegmentRef{ID: seg.alloc.ID(), Size: seg.alloc.Size()}, Offset: seg.slotOffset(slot), Size: 4 << 10, Ticket: -1}
+	attached.mu.Lock()
+	locked := seg.slots.locked
+	ref.Gen = seg.gen(slot).Load() + 1
+	attached.mu.Unlock()
+	_, err := Attach(ref)
+	require.ErrorIs(t, err, ErrStaleBlock)
+	attached.mu.Lock()
+	st := seg.slots.get(slot)
+	assert.Equal(t, locked, seg.slots.locked)
+	attached.mu.Unlock()
+	assert.False(t, st.onFD, "the stale attach's lock is not kept")
+	assert.False(t, Locked(ref))
 }

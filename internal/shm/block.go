@@ -68,6 +68,12 @@ const (
 	slabMax  = 64 << 20
 )
 
+// maxSlabSlots is the most slots a slab has (slabSlots): slabMax bytes of
+// the smallest class. A receiver refuses a slot table of more, which no
+// producer makes: what it keeps per slot would be a hostile peer's to
+// size.
+const maxSlabSlots = slabMax / smallMin
+
 // slabSlots returns how many slots of capacity c the next slab of a class
 // holds, when the class has n segments already.
 func slabSlots(c int64, n int) int64 {
@@ -138,10 +144,10 @@ type segment struct {
 	slots   slotTable // each slot's holds and locks in this process
 	adopted []int     // message descriptors kept for the holds they carry
 	dirty   bool      // holds and locks differ: a transfer has work to do
-	// letGo: slots of onFD that a block of this process let go of since
-	// the last transfer, unlocked together once there are letGoMax (a
-	// slot held again since is skipped then; one let go of twice is
-	// listed twice)
+	// letGo: slots locked through alloc.fd that a block of this process
+	// let go of since the last transfer, unlocked together once there
+	// are letGoMax (a slot held again since is skipped then; one let go
+	// of twice is listed twice)
 	letGo []int
 }
 

@@ -1,7 +1,10 @@
 package shm
 
+import "math/bits"
+
 // slotState is what a receiver keeps of one slot of a segment it maps,
-// under attached.mu.
+// under attached.mu. It is changed only through its slotTable's methods,
+// which keep the table's count and its marks of the slots in use.
 type slotState struct {
 	holds int32 // blocks of this process holding the slot
 	onFD  bool  // locked through the segment's own description (alloc.fd)
@@ -13,58 +16,101 @@ type slotState struct {
 // slotPage is how many slots a page of a slotTable covers.
 const slotPage = 256
 
+// page is a slotTable's states of slotPage slots, with a mark for each
+// slot whose state is not the zero one.
+type page struct {
+	used  [slotPage / 64]uint64
+	slots [slotPage]slotState
+}
+
 // slotTable is a received segment's slot states, indexed by slot, in
 // pages made as their slots are first used: a slab of a quarter of a
-// million slots costs what this process uses of it. It counts the slots
-// locked through the segment's own description, for the transfers.
+// million slots (the most one has, maxSlabSlots) costs what this process
+// uses of it, and a walk of the slots in use (each) costs what is in use.
+// It counts the slots locked through the segment's own description, for
+// the transfers.
 type slotTable struct {
-	pages  [][]slotState
+	pages  []*page
 	locked int // slots whose onFD is set
 }
 
 func newSlotTable(nslots int) slotTable {
-	return slotTable{pages: make([][]slotState, (nslots+slotPage-1)/slotPage)}
+	return slotTable{pages: make([]*page, (nslots+slotPage-1)/slotPage)}
 }
 
 // get returns slot's state; slot must be one of the segment's.
 func (t *slotTable) get(slot int) slotState {
 	if p := t.pages[slot/slotPage]; p != nil {
-		return p[slot%slotPage]
+		return p.slots[slot%slotPage]
 	}
 	return slotState{}
 }
 
-// at returns slot's state to change, making its page if need be; slot
-// must be one of the segment's. The caller changes onFD through setOnFD.
-func (t *slotTable) at(slot int) *slotState {
+// change calls f with slot's state to change, making its page if need
+// be, and marks the slot in use or not after it; slot must be one of the
+// segment's.
+func (t *slotTable) change(slot int, f func(s *slotState)) {
 	p := t.pages[slot/slotPage]
 	if p == nil {
-		p = make([]slotState, slotPage)
+		p = new(page)
 		t.pages[slot/slotPage] = p
 	}
-	return &p[slot%slotPage]
+	i := slot % slotPage
+	s := &p.slots[i]
+	onFD := s.onFD
+	f(s)
+	switch {
+	case s.onFD && !onFD:
+		t.locked++
+	case !s.onFD && onFD:
+		t.locked--
+	}
+	if *s == (slotState{}) {
+		p.used[i/64] &^= 1 << (i % 64)
+	} else {
+		p.used[i/64] |= 1 << (i % 64)
+	}
 }
 
 // setOnFD records whether slot is locked through the segment's own
 // description.
 func (t *slotTable) setOnFD(slot int, on bool) {
-	s := t.at(slot)
-	switch {
-	case on && !s.onFD:
-		t.locked++
-	case !on && s.onFD:
-		t.locked--
-	}
-	s.onFD = on
+	t.change(slot, func(s *slotState) { s.onFD = on })
 }
 
-// each calls f with each slot whose state is not the zero one, in slot
-// order.
-func (t *slotTable) each(f func(slot int, s *slotState)) {
+// setAhead records when LockAhead locked slot, or with 0 that no lock of
+// LockAhead's waits to be taken up on it.
+func (t *slotTable) setAhead(slot int, at int64) {
+	t.change(slot, func(s *slotState) { s.aheadAt = at })
+}
+
+// hold adds a block's hold on slot.
+func (t *slotTable) hold(slot int) {
+	t.change(slot, func(s *slotState) { s.holds++ })
+}
+
+// release drops a block's hold on slot, and reports whether there was
+// one.
+func (t *slotTable) release(slot int) bool {
+	if t.get(slot).holds == 0 {
+		return false
+	}
+	t.change(slot, func(s *slotState) { s.holds-- })
+	return true
+}
+
+// each calls f with each slot whose state is not the zero one and that
+// state, in slot order. f may change the states through t.
+func (t *slotTable) each(f func(slot int, s slotState)) {
 	for i, p := range t.pages {
-		for j := range p {
-			if p[j] != (slotState{}) {
-				f(i*slotPage+j, &p[j])
+		if p == nil {
+			continue
+		}
+		for w, used := range p.used { // a copy: f may change the marks
+			for used != 0 {
+				j := w*64 + bits.TrailingZeros64(used)
+				used &= used - 1
+				f(i*slotPage+j, p.slots[j])
 			}
 		}
 	}
@@ -73,20 +119,15 @@ func (t *slotTable) each(f func(slot int, s *slotState)) {
 // forgetLocks clears every slot's onFD and aheadAt: the segment's
 // description, and its locks, are gone.
 func (t *slotTable) forgetLocks() {
-	for _, p := range t.pages {
-		for j := range p {
-			p[j].onFD, p[j].aheadAt = false, 0
-		}
-	}
-	t.locked = 0
+	t.each(func(slot int, _ slotState) {
+		t.change(slot, func(s *slotState) { s.onFD, s.aheadAt = false, 0 })
+	})
 }
 
 // forgetHolds clears every slot's holds and aheadAt, for a process
 // about to exit: its locks stay, to go at the next transfer.
 func (t *slotTable) forgetHolds() {
-	for _, p := range t.pages {
-		for j := range p {
-			p[j].holds, p[j].aheadAt = 0, 0
-		}
-	}
+	t.each(func(slot int, _ slotState) {
+		t.change(slot, func(s *slotState) { s.holds, s.aheadAt = 0, 0 })
+	})
 }
