@@ -123,6 +123,14 @@ func TestLockTakenUpGoesAtTransfer(t *testing.T) {
 // a peer's to size. One of as many as a slab may have is taken, and
 // costs its receiver a page index of a thousand entries.
 func TestReadSlabRefusesTooManySlots(t *testing.T) {
+	most := int64(0)
+	for c := int64(smallMin); c <= packMax; c = classCap(c + 1) {
+		for n := range 12 {
+			most = max(most, slabSlots(c, n))
+		}
+	}
+	require.EqualValues(t, maxSlabSlots, most, "the most slots a producer's slab has")
+
 	for _, nslots := range []int64{maxSlabSlots, maxSlabSlots + 1, 1 << 40} {
 		a, err := Create(slabLayout(maxSlabSlots+1), KeepFD|Unlink|sparse)
 		require.NoError(t, err)
@@ -148,6 +156,7 @@ func TestStaleAttachLeavesNoLock(t *testing.T) {
 		require.NoError(t, got.Release())
 		require.NoError(t, DropIdle())
 	}()
+	require.True(t, b.Busy()) // the producer's ticket description, which locks every slot, retired
 	slot := b.slot + 1
 	ref := BlockRef{Seg: SegmentRef{ID: seg.alloc.ID(), Size: seg.alloc.Size()}, Offset: seg.slotOffset(slot), Size: 4 << 10, Ticket: -1}
 	attached.mu.Lock()
@@ -162,4 +171,7 @@ func TestStaleAttachLeavesNoLock(t *testing.T) {
 	attached.mu.Unlock()
 	assert.False(t, st.onFD, "the stale attach's lock is not kept")
 	assert.False(t, Locked(ref))
+	_, _, held, err := lockInWay(b.seg.alloc.fd(), slotByte(slot), 1)
+	require.NoError(t, err)
+	assert.False(t, held, "the producer finds the slot locked")
 }

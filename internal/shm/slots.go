@@ -100,13 +100,15 @@ func (t *slotTable) release(slot int) bool {
 }
 
 // each calls f with each slot whose state is not the zero one and that
-// state, in slot order. f may change the states through t.
+// state, in slot order. f may change, through t, the state of the slot
+// it is given and no other: a page's marks are read before its slots are
+// visited.
 func (t *slotTable) each(f func(slot int, s slotState)) {
 	for i, p := range t.pages {
 		if p == nil {
 			continue
 		}
-		for w, used := range p.used { // a copy: f may change the marks
+		for w, used := range p.used { // the marks as they were: f changes them
 			for used != 0 {
 				j := w*64 + bits.TrailingZeros64(used)
 				used &= used - 1

@@ -50,8 +50,9 @@ func TestSlotTable(t *testing.T) {
 	tb.forgetHolds()
 	assert.Equal(t, slotState{onFD: true}, tb.get(999), "holds and look-ahead times go; locks stay")
 	assert.Equal(t, []int{999}, inUse())
+	tb.setAhead(999, 5)
 	tb.forgetLocks()
-	assert.Equal(t, slotState{}, tb.get(999))
+	assert.Equal(t, slotState{}, tb.get(999), "locks and look-ahead times go")
 	assert.Zero(t, tb.locked)
 	assert.Empty(t, inUse())
 }
