@@ -35,7 +35,13 @@ type slotTable struct {
 }
 
 func newSlotTable(nslots int) slotTable {
-	return slotTable{pages: make([]*page, (nslots+slotPage-1)/slotPage)}
+	return slotTable{pages: newPages[page](nslots)}
+}
+
+// newPages returns the index of the pages of P, slotPage slots each, that
+// cover nslots slots, none made yet.
+func newPages[P any](nslots int) []*P {
+	return make([]*P, (nslots+slotPage-1)/slotPage)
 }
 
 // get returns slot's state; slot must be one of the segment's.

@@ -4,6 +4,7 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 // A slot table makes a page only for the slots used, visits the slots
@@ -55,4 +56,30 @@ func TestSlotTable(t *testing.T) {
 	assert.Equal(t, slotState{}, tb.get(999), "locks and look-ahead times go")
 	assert.Zero(t, tb.locked)
 	assert.Empty(t, inUse())
+}
+
+// A segment's table of users makes a page only for the slots registered:
+// a slab of thousands of slots with one user costs one page.
+func TestSlotUsersPages(t *testing.T) {
+	p := newPool(1 << 30)
+	t.Cleanup(func() { p.Trim(0) })
+	b, err := p.Alloc(smallMin)
+	require.NoError(t, err)
+	defer b.Release()
+	require.Greater(t, b.seg.nslots, 4*slotPage)
+	var users Users[int]
+	u := new(int)
+	require.Same(t, u, users.Set(b, u, func(*int) bool { return true }))
+	assert.Same(t, u, users.Find(BlockRef{Seg: SegmentRef{ID: b.seg.alloc.ID()}, Offset: b.Offset(), Gen: b.gen}))
+	other := BlockRef{Seg: SegmentRef{ID: b.seg.alloc.ID()}, Offset: b.seg.slotOffset(b.seg.nslots - 1), Gen: 0}
+	assert.Nil(t, users.Find(other), "a slot of a page not made")
+	made := 0
+	for _, pg := range b.seg.slotUsers.pages {
+		if pg != nil {
+			made++
+		}
+	}
+	assert.Equal(t, 1, made, "pages made, a looking up included")
+	b.forgetUser()
+	assert.Nil(t, users.Find(BlockRef{Seg: SegmentRef{ID: b.seg.alloc.ID()}, Offset: b.Offset(), Gen: b.gen}))
 }

@@ -18,11 +18,32 @@ type slotUser struct {
 	u   any
 }
 
-// slotUsers is a segment's table of users, one entry per slot, made at
-// the first registration.
+// slotUsers is a segment's table of users, one entry per slot, in pages
+// of slotPage entries made at their first registration: a slab of a
+// quarter of a million slots costs what is registered of it.
 type slotUsers struct {
 	mu    sync.Mutex
-	slots []slotUser
+	pages []*[slotPage]slotUser
+}
+
+// at returns the entry of slot, making its page (and the table) if
+// create is set, else nil where there is none. The caller holds mu.
+func (t *slotUsers) at(seg *segment, slot int, create bool) *slotUser {
+	if t.pages == nil {
+		if !create {
+			return nil
+		}
+		t.pages = newPages[[slotPage]slotUser](seg.nslots)
+	}
+	p := t.pages[slot/slotPage]
+	if p == nil {
+		if !create {
+			return nil
+		}
+		p = new([slotPage]slotUser)
+		t.pages[slot/slotPage] = p
+	}
+	return &p[slot%slotPage]
 }
 
 // Users is the registry of the users of T that a package keeps on the
@@ -40,10 +61,7 @@ func (Users[T]) Set(b *Block, u *T, alive func(*T) bool) *T {
 	t := &b.seg.slotUsers
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if t.slots == nil {
-		t.slots = make([]slotUser, b.seg.nslots)
-	}
-	cur := &t.slots[b.slot]
+	cur := t.at(b.seg, b.slot, true)
 	if cur.b != nil && cur.gen == b.gen {
 		if u, ok := cur.u.(*T); ok && alive(u) {
 			return u
@@ -67,8 +85,8 @@ func (b *Block) forgetUser() {
 	t := &b.seg.slotUsers
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if t.slots != nil && t.slots[b.slot].b == b {
-		t.slots[b.slot] = slotUser{}
+	if cur := t.at(b.seg, b.slot, false); cur != nil && cur.b == b {
+		*cur = slotUser{}
 	}
 }
 
@@ -82,10 +100,7 @@ func (seg *segment) user(off int64, gen uint64) any {
 	t := &seg.slotUsers
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if t.slots == nil {
-		return nil
-	}
-	if cur := t.slots[rel/seg.cap]; cur.b != nil && cur.gen == gen {
+	if cur := t.at(seg, int(rel/seg.cap), false); cur != nil && cur.b != nil && cur.gen == gen {
 		return cur.u
 	}
 	return nil
