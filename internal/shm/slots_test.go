@@ -82,4 +82,27 @@ func TestSlotUsersPages(t *testing.T) {
 	assert.Equal(t, 1, made, "pages made, a looking up included")
 	b.forgetUser()
 	assert.Nil(t, users.Find(BlockRef{Seg: SegmentRef{ID: b.seg.alloc.ID()}, Offset: b.Offset(), Gen: b.gen}))
+
+	// Users of neighbouring slots, and of slots on two pages at the same
+	// place on each, are each their own.
+	var bs []*Block
+	for len(bs) == 0 || bs[len(bs)-1].slot < b.slot+slotPage {
+		x, err := p.Alloc(smallMin)
+		require.NoError(t, err)
+		defer x.Release()
+		bs = append(bs, x)
+	}
+	near, far := bs[0], bs[len(bs)-1]
+	require.Equal(t, b.seg, far.seg)
+	require.Equal(t, b.slot/slotPage, near.slot/slotPage)
+	ref := func(x *Block) BlockRef {
+		return BlockRef{Seg: SegmentRef{ID: x.seg.alloc.ID()}, Offset: x.Offset(), Gen: x.gen}
+	}
+	us := map[*Block]*int{b: u, near: new(int), far: new(int)}
+	for x, xu := range us {
+		require.Same(t, xu, users.Set(x, xu, func(*int) bool { return true }))
+	}
+	for x, xu := range us {
+		assert.Same(t, xu, users.Find(ref(x)), "slot %d", x.slot)
+	}
 }
