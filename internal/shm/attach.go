@@ -208,8 +208,7 @@ func (t *segmentTable) lockLocked(refs []BlockRef, ahead bool) {
 // lockLocked; ahead says the locks are LockAhead's, taken at now (Unix
 // nanoseconds).
 func (seg *segment) lockRunsLocked(slots []int, ahead bool, now int64) {
-	slices.Sort(slots)
-	for _, r := range runs(slices.Compact(slots)) {
+	for _, r := range runs(slots) {
 		attachLocks.Add(1)
 		ok, err := lockRead(seg.alloc.fd(), slotByte(r[0]), int64(r[1]))
 		if err != nil || !ok {
@@ -589,8 +588,7 @@ func (seg *segment) unlockLetGoLocked() {
 		}
 	}
 	seg.letGo = seg.letGo[:0]
-	slices.Sort(slots)
-	for _, r := range runs(slices.Compact(slots)) {
+	for _, r := range runs(slots) {
 		if unlock(seg.alloc.fd(), slotByte(r[0]), int64(r[1])) != nil {
 			continue // the transfer tries again
 		}
@@ -659,9 +657,10 @@ func (seg *segment) transferLocked() error {
 }
 
 // runs turns slots into runs of neighbours, [first, length] each,
-// sorting them.
+// sorting them and passing over a slot listed twice.
 func runs(slots []int) [][2]int {
 	slices.Sort(slots)
+	slots = slices.Compact(slots)
 	var out [][2]int
 	for i := 0; i < len(slots); {
 		j := i + 1
