@@ -549,10 +549,11 @@ func (t *segmentTable) detach(b *Block) error {
 // slots of the segment are let go of, when they are unlocked together
 // (unlockLetGoLocked).
 func (seg *segment) releaseLocked(slot int) error {
-	if !seg.slots.release(slot) {
+	st, ok := seg.slots.release(slot)
+	if !ok {
 		return nil // let go of already, for the process's exit
 	}
-	if st := seg.slots.get(slot); st.holds == 0 {
+	if st.holds == 0 {
 		if st.onFD {
 			seg.dirty = true
 			seg.letGo = append(seg.letGo, slot)

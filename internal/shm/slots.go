@@ -95,14 +95,14 @@ func (t *slotTable) hold(slot int) {
 	t.change(slot, func(s *slotState) { s.holds++ })
 }
 
-// release drops a block's hold on slot, and reports whether there was
-// one.
-func (t *slotTable) release(slot int) bool {
+// release drops a block's hold on slot and returns the slot's state
+// after it, or reports false if there was none.
+func (t *slotTable) release(slot int) (after slotState, ok bool) {
 	if t.get(slot).holds == 0 {
-		return false
+		return slotState{}, false
 	}
-	t.change(slot, func(s *slotState) { s.holds-- })
-	return true
+	t.change(slot, func(s *slotState) { s.holds--; after = *s })
+	return after, true
 }
 
 // each calls f with each slot whose state is not the zero one and that

@@ -37,10 +37,15 @@ func TestSlotTable(t *testing.T) {
 	}
 	assert.Equal(t, []int{5, 700, 998, 999}, inUse())
 	tb.setAhead(998, 0)
-	assert.True(t, tb.release(700))
+	after, ok := tb.release(700)
+	assert.True(t, ok)
+	assert.Equal(t, slotState{holds: 1}, after)
 	assert.Equal(t, []int{5, 700, 999}, inUse(), "one of two holds let go of")
-	assert.True(t, tb.release(700))
-	assert.False(t, tb.release(700), "no hold left")
+	after, ok = tb.release(700)
+	assert.True(t, ok)
+	assert.Equal(t, slotState{}, after)
+	_, ok = tb.release(700)
+	assert.False(t, ok, "no hold left")
 	assert.Equal(t, []int{5, 999}, inUse())
 
 	tb.setOnFD(5, false)
