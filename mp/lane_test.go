@@ -357,7 +357,7 @@ func kill(t *testing.T, g *mp.Group) {
 // whole.
 func TestPipeNewTensors(t *testing.T) {
 	leakcheck.Check(t)
-	p, g := startPipeFirst(t)
+	p, g := startPipeWorker(t, "pipe-first")
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	const n = 2000

@@ -385,11 +385,13 @@ func servePipe(ctx context.Context, w *mp.Worker, answer func(x *tensor.Tensor) 
 	}
 }
 
-func startPipeFirst(t testing.TB) (*mp.Pipe, *mp.Group) {
+// startPipeWorker starts a worker of the registered name with the other
+// end of a new pipe, and returns this process's end and the worker.
+func startPipeWorker(t testing.TB, name string) (*mp.Pipe, *mp.Group) {
 	t.Helper()
 	mine, theirs, err := mp.NewPipe()
 	require.NoError(t, err)
-	g, err := mp.Spawn(context.Background(), "pipe-first", 1, mp.WithArgs(theirs))
+	g, err := mp.Spawn(context.Background(), name, 1, mp.WithArgs(theirs))
 	require.NoError(t, err)
 	require.NoError(t, theirs.Close())
 	return mine, g
@@ -398,7 +400,7 @@ func startPipeFirst(t testing.TB) (*mp.Pipe, *mp.Group) {
 // BenchmarkPipeNewTensor is the round trip of a new shared 4 KiB tensor,
 // released once sent, to a worker that answers with its first value.
 func BenchmarkPipeNewTensor(b *testing.B) {
-	p, g := startPipeFirst(b)
+	p, g := startPipeWorker(b, "pipe-first")
 	defer func() {
 		_ = p.Close()
 		_ = g.Join()
@@ -444,11 +446,7 @@ func workerPipeTrip(ctx context.Context, w *mp.Worker) error {
 // of its pipe, closed, and the worker joined, at the test's end.
 func startPipeTrip(t testing.TB) *mp.Pipe {
 	t.Helper()
-	mine, theirs, err := mp.NewPipe()
-	require.NoError(t, err)
-	g, err := mp.Spawn(context.Background(), "pipe-trip", 1, mp.WithArgs(theirs))
-	require.NoError(t, err)
-	require.NoError(t, theirs.Close())
+	mine, g := startPipeWorker(t, "pipe-trip")
 	t.Cleanup(func() {
 		_ = mine.Close()
 		assert.NoError(t, g.Join())
