@@ -589,13 +589,11 @@ func (seg *segment) unlockLetGoLocked() {
 		}
 	}
 	seg.letGo = seg.letGo[:0]
-	for _, r := range runs(slots) {
-		if unlock(seg.alloc.fd(), slotByte(r[0]), int64(r[1])) != nil {
+	for _, r := range seg.slots.unlockRuns(slots) {
+		if seg.unlock(r) != nil {
 			continue // the transfer tries again
 		}
-		for slot := r[0]; slot < r[0]+r[1]; slot++ {
-			seg.slots.setOnFD(slot, false)
-		}
+		seg.slots.unlocked(r[0], r[0]+r[1])
 	}
 }
 
@@ -637,13 +635,11 @@ func (seg *segment) transferLocked() error {
 				seg.slots.setOnFD(slot, true)
 			}
 		}
-		for _, r := range runs(drop) {
-			if err := unlock(seg.alloc.fd(), slotByte(r[0]), int64(r[1])); err != nil {
+		for _, r := range seg.slots.unlockRuns(drop) {
+			if err := seg.unlock(r); err != nil {
 				errs = append(errs, err)
 			}
-			for slot := r[0]; slot < r[0]+r[1]; slot++ {
-				seg.slots.setOnFD(slot, false)
-			}
+			seg.slots.unlocked(r[0], r[0]+r[1])
 		}
 		seg.dirty = kept // the timed transfers look again while it is
 		seg.letGo = seg.letGo[:0]
@@ -656,6 +652,17 @@ func (seg *segment) transferLocked() error {
 	seg.adopted = seg.adopted[:0]
 	return nil
 }
+
+// unlock unlocks the run r, [first, length], of seg's slots through
+// its own description.
+func (seg *segment) unlock(r [2]int) error {
+	unlockCalls.Add(1)
+	return unlock(seg.alloc.fd(), slotByte(r[0]), int64(r[1]))
+}
+
+// unlockCalls counts the calls that unlock runs of a received segment's
+// slots (see UnlockCalls).
+var unlockCalls atomic.Uint64
 
 // runs turns slots into runs of neighbours, [first, length] each,
 // sorting them and passing over a slot listed twice.

@@ -175,3 +175,75 @@ func TestStaleAttachLeavesNoLock(t *testing.T) {
 	require.NoError(t, err)
 	assert.False(t, held, "the producer finds the slot locked")
 }
+
+// A transfer that moves a hold to the segment's own description and
+// drops the locks of slots let go of on both sides of it keeps the lock
+// it took: the runs it unlocks are joined across a slot never locked
+// here, not across that one, and the producer finds it held, and the
+// others free.
+func TestTransferKeepsTheLockItTakes(t *testing.T) {
+	HoldTransfers(t)
+	p := newPool(1 << 30)
+	t.Cleanup(func() { p.Trim(0) })
+	var bs [6]*Block
+	for i := range bs {
+		b, err := p.Alloc(4 << 10)
+		require.NoError(t, err)
+		bs[i] = b
+		if i > 0 {
+			require.Equal(t, bs[i-1].slot+1, b.slot)
+		}
+	}
+	defer bs[0].Release()
+	tk, err := bs[0].Ticket()
+	require.NoError(t, err)
+	st, err := Stat(tk.FD())
+	require.NoError(t, err)
+	ref := func(x *Block, ticket int) BlockRef {
+		return BlockRef{Seg: SegmentRef{ID: st.ID, Size: x.seg.alloc.Size()}, Offset: x.Offset(), Size: x.size, Gen: x.Gen(), Ticket: ticket}
+	}
+	first, err := Attach(ref(bs[0], tk.FD())) // mapped as a receiver's, its slot locked here
+	tk.Discard()                              // its description goes
+	require.NoError(t, err)
+	defer func() {
+		require.NoError(t, first.Release())
+		require.NoError(t, DropIdle())
+	}()
+	for _, i := range []int{1, 3, 5} { // let go of: locked until the transfer
+		x, err := Attach(ref(bs[i], -1))
+		require.NoError(t, err)
+		require.NoError(t, x.Release())
+	}
+	tk, err = bs[2].Ticket() // held through a message's ticket, until the transfer
+	require.NoError(t, err)
+	msg, err := unix.Dup(tk.FD())
+	require.NoError(t, err)
+	tk.Discard()
+	r := ref(bs[2], msg)
+	r.Covers = func(ID) bool { return true }
+	held, err := Attach(r)
+	require.NoError(t, err)
+	defer held.Release()
+	AdoptTicket(msg, st.ID)
+	for _, b := range bs[1:] {
+		require.NoError(t, b.Release())
+	}
+
+	attached.mu.Lock()
+	seg := attached.m[st.ID]
+	before := unlockCalls.Load()
+	err = seg.transferLocked()
+	calls := unlockCalls.Load() - before
+	state := seg.slots.get(bs[2].slot)
+	locked := seg.slots.locked
+	attached.mu.Unlock()
+	require.NoError(t, err)
+	assert.Equal(t, uint64(2), calls, "one run on each side of the slot locked, the second across the slot never locked")
+	assert.True(t, state.onFD)
+	assert.Equal(t, 2, locked, "the first block's slot and the held one, as the table counts")
+	for i, want := range []bool{true, false, true, false, false, false} {
+		_, _, locked, err := lockInWay(bs[0].seg.alloc.fd(), slotByte(bs[i].slot), 1)
+		require.NoError(t, err)
+		assert.Equal(t, want, locked, "slot of block %d", i)
+	}
+}

@@ -113,3 +113,7 @@ func HoldTransfers(t interface{ Cleanup(func()) }) (resume func()) {
 	t.Cleanup(resume)
 	return resume
 }
+
+// UnlockCalls returns how many calls this process has made to unlock
+// runs of received segments' slots.
+func UnlockCalls() uint64 { return unlockCalls.Load() }

@@ -988,6 +988,61 @@ func TestLetGoUnlocks(t *testing.T) {
 	assert.Eventually(t, func() bool { return inUse() == 0 }, 5*time.Second, 5*time.Millisecond)
 }
 
+// Slots let go of here and there in a segment are unlocked in one call
+// per stretch between the slots the receiver still locks, across the
+// slots between them that it does not lock: the let-go slots come back
+// to the producer, and a slot between them that the receiver still holds
+// stays held.
+func TestLetGoUnlocksAcrossGaps(t *testing.T) {
+	p := testPool(t)
+	resume := shm.HoldTransfers(t)
+	n := shm.LetGoMax
+	bs := make([]*shm.Block, 2*n+4)
+	for i := range bs {
+		bs[i] = mustAlloc(t, p, 4<<10)
+		require.Equal(t, bs[0].Segment(), bs[i].Segment())
+		if i > 0 {
+			require.Greater(t, shm.SlotOf(bs[i]), shm.SlotOf(bs[i-1]))
+		}
+	}
+	ref := func(b *shm.Block) shm.BlockRef {
+		seg := b.Segment()
+		return shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: b.Offset(), Size: b.Size(), Gen: b.Gen(), Ticket: -1}
+	}
+	r := receive(t, bs[0]) // this process maps the segment, as a receiver
+	// Every other block, and one in the middle of them that stays held.
+	var got []*shm.Block
+	var kept *shm.Block
+	for i := 2; i < len(bs); i += 2 {
+		x, err := shm.Attach(ref(bs[i]))
+		require.NoError(t, err)
+		got = append(got, x)
+		if i == n {
+			kept = got[len(got)-1]
+			got = got[:len(got)-1]
+		}
+	}
+	require.Len(t, got, n)
+	for _, b := range bs[1:] {
+		require.NoError(t, b.Release()) // the producer's: pending while the receiver holds it
+	}
+	inUse := func() int { p.Trim(1 << 30); return p.InUse() }
+	require.Equal(t, n+2, inUse(), "the received blocks, and the first, held by the receiver; the others free")
+
+	before := shm.UnlockCalls()
+	for _, x := range got {
+		require.NoError(t, x.Release())
+	}
+	assert.Equal(t, uint64(2), shm.UnlockCalls()-before, "%d slots let go of, two stretches around the one held", n)
+	assert.Equal(t, 2, inUse(), "the let-go slots come back; the held one and the first stay")
+
+	resume()
+	require.NoError(t, kept.Release())
+	require.NoError(t, r.Release())
+	require.NoError(t, bs[0].Release())
+	assert.Eventually(t, func() bool { return inUse() == 0 }, 5*time.Second, 5*time.Millisecond)
+}
+
 // A lock LockAhead took outlives the transfers that run before AheadKeep
 // has gone by, so that the attach that takes it up a few transfers later
 // makes no call; one no attach takes up goes once AheadKeep has gone by,

@@ -105,6 +105,77 @@ func (t *slotTable) release(slot int) (after slotState, ok bool) {
 	return after, true
 }
 
+// usedIn calls f with each slot in [from, to) marked in use, in slot
+// order, until f returns false; it looks at a word of marks at a time.
+// f may change, through t, the state of the slot it is given and no
+// other, as each's may.
+func (t *slotTable) usedIn(from, to int, f func(slot int) bool) {
+	for from < to {
+		p := t.pages[from/slotPage]
+		end := min(to, (from/slotPage+1)*slotPage)
+		for p != nil && from < end {
+			i := from % slotPage
+			wordEnd := min(end, from-i%64+64)
+			used := p.used[i/64] >> (i % 64) // the marks as they were
+			if n := wordEnd - from; n < 64 {
+				used &= 1<<n - 1
+			}
+			for ; used != 0; used &= used - 1 {
+				if !f(from + bits.TrailingZeros64(used)) {
+					return
+				}
+			}
+			from = wordEnd
+		}
+		from = end
+	}
+}
+
+// lockedIn reports whether a slot in [from, to) is locked through the
+// segment's own description.
+func (t *slotTable) lockedIn(from, to int) bool {
+	locked := false
+	t.usedIn(from, to, func(slot int) bool {
+		locked = t.get(slot).onFD
+		return !locked
+	})
+	return locked
+}
+
+// unlocked records that no slot in [from, to) is locked through the
+// segment's own description any more.
+func (t *slotTable) unlocked(from, to int) {
+	t.usedIn(from, to, func(slot int) bool {
+		if t.get(slot).onFD {
+			t.setOnFD(slot, false)
+		}
+		return true
+	})
+}
+
+// unlockRuns turns slots, each locked through the segment's own
+// description, into the runs to unlock, [first, length] each, as runs
+// does, but joins two runs across the slots between them when none of
+// those is locked through that description: unlocking a byte the
+// description does not lock changes nothing, so slots let go of here
+// and there cost one call per stretch between the slots still locked,
+// not one per run of neighbours.
+func (t *slotTable) unlockRuns(slots []int) [][2]int {
+	rs := runs(slots)
+	out := rs[:0]
+	for _, r := range rs {
+		if n := len(out); n > 0 {
+			last := &out[n-1]
+			if end := last[0] + last[1]; !t.lockedIn(end, r[0]) {
+				last[1] = r[0] + r[1] - last[0]
+				continue
+			}
+		}
+		out = append(out, r)
+	}
+	return out
+}
+
 // each calls f with each slot whose state is not the zero one and that
 // state, in slot order. f may change, through t, the state of the slot
 // it is given and no other: a page's marks are read before its slots are

@@ -111,3 +111,50 @@ func TestSlotUsersPages(t *testing.T) {
 		assert.Same(t, xu, users.Find(ref(x)), "slot %d", x.slot)
 	}
 }
+
+// Runs to unlock are joined across slots the description does not lock,
+// held or not, and split at each slot it still locks; lockedIn looks at
+// every slot of its range, in any page and word, and at no other.
+func TestUnlockRuns(t *testing.T) {
+	tb := newSlotTable(3 * slotPage)
+	for _, slot := range []int{3, 4, 10, 70, 300, 700} {
+		tb.setOnFD(slot, true) // to unlock
+	}
+	tb.hold(20)           // held through a ticket: not locked here
+	tb.setOnFD(200, true) // still locked here: held, or locked ahead
+	tb.setAhead(600, 1)   // marked, but not locked
+	tb.setOnFD(767, true) // the table's last slot
+	assert.Equal(t, [][2]int{{3, 68}, {300, 401}}, tb.unlockRuns([]int{70, 3, 4, 10, 300, 700, 4}))
+	assert.Equal(t, [][2]int{{3, 1}}, tb.unlockRuns([]int{3}))
+	assert.Empty(t, tb.unlockRuns(nil))
+
+	for _, c := range []struct {
+		from, to int
+		locked   bool
+	}{
+		{5, 10, false}, {5, 11, true}, {11, 70, false}, {11, 71, true}, {71, 200, false}, {71, 201, true},
+		{200, 201, true}, {201, 300, false}, {64, 71, true}, {128, 192, false}, {301, 700, false},
+		{701, 767, false}, {701, 768, true}, {0, 3, false}, {0, 768, true}, {767, 767, false},
+	} {
+		assert.Equal(t, c.locked, tb.lockedIn(c.from, c.to), "[%d, %d)", c.from, c.to)
+	}
+
+	locked := tb.locked
+	tb.unlocked(3, 71)
+	assert.Equal(t, locked-4, tb.locked)
+	for _, slot := range []int{3, 4, 10, 70} {
+		assert.False(t, tb.get(slot).onFD, "slot %d", slot)
+	}
+	assert.Equal(t, slotState{holds: 1}, tb.get(20), "a slot in the run held otherwise is left as it is")
+	assert.Equal(t, slotState{}, tb.get(4), "and a slot let go of is no longer marked")
+	assert.True(t, tb.get(200).onFD, "a slot past the run is left as it is")
+
+	sparse := newSlotTable(3 * slotPage)
+	sparse.setOnFD(10, true)
+	sparse.setOnFD(600, true)
+	assert.Equal(t, [][2]int{{10, 591}}, sparse.unlockRuns([]int{600, 10}))
+	sparse.unlocked(10, 601)
+	assert.Zero(t, sparse.locked)
+	assert.Nil(t, sparse.pages[1], "a page never used is not made")
+	sparse.each(func(slot int, _ slotState) { t.Errorf("slot %d still marked", slot) })
+}
