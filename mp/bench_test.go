@@ -105,3 +105,71 @@ func BenchmarkPutMany4K(b *testing.B) {
 		}
 	}
 }
+
+func init() { mp.Register("queue-echo", workerQueueEcho) }
+
+// workerQueueEcho puts back on Out each tensor it gets from In, until it
+// gets a nil tensor: BenchmarkQueueTensorRoundTrip. It keeps the storage
+// mapped (each tensor it gets is a view of the last one's), as a worker
+// serving the same tensor would, and releases it at the end.
+func workerQueueEcho(ctx context.Context, w *mp.Worker) error {
+	var a queueLaneArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	var last *tensor.Tensor
+	defer func() {
+		if last != nil {
+			_ = last.Release()
+		}
+	}()
+	for {
+		var x *tensor.Tensor
+		if err := a.In.Get(ctx, &x); err != nil || x == nil {
+			return err
+		}
+		last = x
+		if err := a.Out.Put(ctx, x); err != nil {
+			return err
+		}
+	}
+}
+
+// BenchmarkQueueTensorRoundTrip is the round trip of a shared 4 KiB
+// tensor to a worker and back through two queues, as spawn bench's
+// roundtrip case: the worker waits in Get, so each way goes by the
+// queue's lane once the segment is pinned.
+func BenchmarkQueueTensorRoundTrip(b *testing.B) {
+	in, out := newQueue(b), newQueue(b)
+	ctx := context.Background()
+	g, err := mp.Spawn(ctx, "queue-echo", 1, mp.WithArgs(queueLaneArgs{In: in, Out: out}))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer func() {
+		if err := in.Put(ctx, (*tensor.Tensor)(nil)); err != nil {
+			b.Error(err)
+		}
+		if err := g.Join(); err != nil {
+			b.Error(err)
+		}
+	}()
+	x, err := tensor.On(device.CPU()).Shared().Zeros(tensor.Uint8, 4<<10)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer x.Release()
+	b.ReportAllocs()
+	for b.Loop() {
+		if err := in.Put(ctx, x); err != nil {
+			b.Fatal(err)
+		}
+		var y *tensor.Tensor
+		if err := out.Get(ctx, &y); err != nil {
+			b.Fatal(err)
+		}
+		if y.Storage() != x.Storage() {
+			b.Fatal("the tensor came back on other memory")
+		}
+	}
+}

@@ -226,7 +226,7 @@ func putAcked(t *testing.T, ctx context.Context, k *keeper, n int) int {
 }
 
 // newQueue returns a new queue that the test's end closes.
-func newQueue(t *testing.T) *mp.Queue {
+func newQueue(t testing.TB) *mp.Queue {
 	t.Helper()
 	q, err := mp.NewQueue()
 	require.NoError(t, err)

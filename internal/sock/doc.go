@@ -22,14 +22,17 @@
 // process). Close and a context's end interrupt a receive call with
 // SIGURG to its thread.
 //
-// A Lane is the beginning of a shared-memory path beside the sockets: a
-// ring of messages in a sealed memfd, published and taken with atomic
-// operations on words both processes map, and a Bell on which a side that
-// has nothing to do spins briefly, then sleeps on a futex, woken by the
-// other side only when it sleeps. A Lane carries bytes only, and no queue
-// uses one yet: the holds a tensor's message needs while it is in flight
-// are counted by the kernel through the descriptors it carries on a
-// socket, and a message in a Lane carries none.
+// A Lane is the shared-memory path beside a socket: a ring of messages in
+// a sealed memfd, published and taken with atomic operations on words
+// both processes map, and a Bell on which a side that has nothing to do
+// spins briefly, then sleeps on a futex, woken by the other side only
+// when it sleeps. A Lane carries bytes only. A Way puts one beside the
+// socket of a pipe's direction (NewWay) or of a queue (NewFairWay) and
+// sends by it what needs no descriptor: values with no tensor, and
+// tensors of the writer's own pool in segments the reader pins, lent
+// until the reader holds them (see way_pins.go). Everything else (a
+// tensor sent back to the process that made it, say) goes by the
+// socket, whose descriptors are the message's holds in flight.
 //
 // Ownership: a Conn owns its descriptor until Close, which waits for the
 // calls using it; a received message's descriptors are the receiver's; a
