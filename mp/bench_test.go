@@ -3,8 +3,13 @@ package mp_test
 import (
 	"context"
 	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
 
 	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -133,6 +138,31 @@ func workerQueueEcho(ctx context.Context, w *mp.Worker) error {
 			return err
 		}
 	}
+}
+
+// A tensor put to the echo worker comes back whole on its own storage,
+// trip after trip, and a nil tensor ends the worker; every block comes
+// back to the pool.
+func TestQueueEchoBackToItsProducer(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	in, out := newQueue(t), newQueue(t)
+	g, err := mp.Spawn(ctx, "queue-echo", 1, mp.WithArgs(queueLaneArgs{In: in, Out: out}))
+	require.NoError(t, err)
+	x := newInts(t, 7)
+	for range 3 {
+		require.NoError(t, in.Put(ctx, x))
+		var y *tensor.Tensor
+		require.NoError(t, out.Get(ctx, &y))
+		require.Same(t, x.Storage(), y.Storage())
+		checkInts(t, y, 7)
+	}
+	require.NoError(t, in.Put(ctx, (*tensor.Tensor)(nil)))
+	require.NoError(t, g.Join())
+	require.NoError(t, x.Release())
+	require.Eventually(t, func() bool { return shm.DefaultPool().InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
+		"every block comes back")
 }
 
 // BenchmarkQueueTensorRoundTrip is the round trip of a shared 4 KiB
