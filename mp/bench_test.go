@@ -167,8 +167,10 @@ func TestQueueEchoBackToItsProducer(t *testing.T) {
 
 // BenchmarkQueueTensorRoundTrip is the round trip of a shared 4 KiB
 // tensor to a worker and back through two queues, as spawn bench's
-// roundtrip case: the worker waits in Get, so each way goes by the
-// queue's lane once the segment is pinned.
+// roundtrip case. The worker waits in Get, so the way there goes by the
+// queue's lane once the worker pins the segment; the way back carries a
+// block the worker did not make, which goes by the socket with its
+// descriptor.
 func BenchmarkQueueTensorRoundTrip(b *testing.B) {
 	in, out := newQueue(b), newQueue(b)
 	ctx := context.Background()

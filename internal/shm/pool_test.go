@@ -1034,6 +1034,9 @@ func TestLetGoUnlocksAcrossGaps(t *testing.T) {
 		require.NoError(t, x.Release())
 	}
 	assert.Equal(t, uint64(2), shm.UnlockCalls()-before, "%d slots let go of, two stretches around the one held", n)
+	for i := 2; i < len(bs); i += 2 {
+		assert.Equal(t, i == n, shm.Locked(ref(bs[i])), "block %d, as the receiver's table has it", i)
+	}
 	assert.Equal(t, 2, inUse(), "the let-go slots come back; the held one and the first stay")
 
 	resume()

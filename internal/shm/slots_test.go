@@ -121,6 +121,7 @@ func TestUnlockRuns(t *testing.T) {
 		tb.setOnFD(slot, true) // to unlock
 	}
 	tb.hold(20)           // held through a ticket: not locked here
+	tb.hold(250)          // the same, after a locked slot in its gap
 	tb.setOnFD(200, true) // still locked here: held, or locked ahead
 	tb.setAhead(600, 1)   // marked, but not locked
 	tb.setOnFD(767, true) // the table's last slot
@@ -135,6 +136,7 @@ func TestUnlockRuns(t *testing.T) {
 		{5, 10, false}, {5, 11, true}, {11, 70, false}, {11, 71, true}, {71, 200, false}, {71, 201, true},
 		{200, 201, true}, {201, 300, false}, {64, 71, true}, {128, 192, false}, {301, 700, false},
 		{701, 767, false}, {701, 768, true}, {0, 3, false}, {0, 768, true}, {767, 767, false},
+		{71, 300, true}, {5, 30, true}, // a locked slot before a marked one that is not
 	} {
 		assert.Equal(t, c.locked, tb.lockedIn(c.from, c.to), "[%d, %d)", c.from, c.to)
 	}

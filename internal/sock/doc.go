@@ -27,12 +27,14 @@
 // both processes map, and a Bell on which a side that has nothing to do
 // spins briefly, then sleeps on a futex, woken by the other side only
 // when it sleeps. A Lane carries bytes only. A Way puts one beside the
-// socket of a pipe's direction (NewWay) or of a queue (NewFairWay) and
-// sends by it what needs no descriptor: values with no tensor, and
-// tensors of the writer's own pool in segments the reader pins, lent
-// until the reader holds them (see way_pins.go). Everything else (a
-// tensor sent back to the process that made it, say) goes by the
-// socket, whose descriptors are the message's holds in flight.
+// socket of a pipe's direction (NewWay) or of a queue (NewFairWay). Its
+// writer sends by it, when it holds the writer's role and the entry fits
+// (and, for a queue, handsOver finds the reader ready for it), what needs
+// no descriptor: values with no tensor, and tensors of pooled blocks the
+// writer's own pool made, in segments the reader pins, lent until the
+// reader holds them (see way_pins.go). Everything else (a tensor sent
+// back to the process that made it, say) goes by the socket, whose
+// descriptors are the message's holds in flight.
 //
 // Ownership: a Conn owns its descriptor until Close, which waits for the
 // calls using it; a received message's descriptors are the receiver's; a
