@@ -140,6 +140,16 @@ func workerQueueEcho(ctx context.Context, w *mp.Worker) error {
 	}
 }
 
+// startQueueEcho starts the queue-echo worker on two new queues, which t
+// closes at its end, and returns them and the worker.
+func startQueueEcho(t testing.TB) (in, out *mp.Queue, g *mp.Group) {
+	t.Helper()
+	in, out = newQueue(t), newQueue(t)
+	g, err := mp.Spawn(context.Background(), "queue-echo", 1, mp.WithArgs(queueLaneArgs{In: in, Out: out}))
+	require.NoError(t, err)
+	return in, out, g
+}
+
 // A tensor put to the echo worker comes back whole on its own storage,
 // trip after trip, and a nil tensor ends the worker; every block comes
 // back to the pool.
@@ -147,9 +157,7 @@ func TestQueueEchoBackToItsProducer(t *testing.T) {
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	in, out := newQueue(t), newQueue(t)
-	g, err := mp.Spawn(ctx, "queue-echo", 1, mp.WithArgs(queueLaneArgs{In: in, Out: out}))
-	require.NoError(t, err)
+	in, out, g := startQueueEcho(t)
 	x := newInts(t, 7)
 	for range 3 {
 		require.NoError(t, in.Put(ctx, x))
@@ -172,12 +180,8 @@ func TestQueueEchoBackToItsProducer(t *testing.T) {
 // block the worker did not make, which goes by the socket with its
 // descriptor.
 func BenchmarkQueueTensorRoundTrip(b *testing.B) {
-	in, out := newQueue(b), newQueue(b)
 	ctx := context.Background()
-	g, err := mp.Spawn(ctx, "queue-echo", 1, mp.WithArgs(queueLaneArgs{In: in, Out: out}))
-	if err != nil {
-		b.Fatal(err)
-	}
+	in, out, g := startQueueEcho(b)
 	defer func() {
 		if err := in.Put(ctx, (*tensor.Tensor)(nil)); err != nil {
 			b.Error(err)

@@ -178,21 +178,12 @@ func (t *slotTable) unlockRuns(slots []int) [][2]int {
 
 // each calls f with each slot whose state is not the zero one and that
 // state, in slot order. f may change, through t, the state of the slot
-// it is given and no other: a page's marks are read before its slots are
-// visited.
+// it is given and no other, as usedIn's may.
 func (t *slotTable) each(f func(slot int, s slotState)) {
-	for i, p := range t.pages {
-		if p == nil {
-			continue
-		}
-		for w, used := range p.used { // the marks as they were: f changes them
-			for used != 0 {
-				j := w*64 + bits.TrailingZeros64(used)
-				used &= used - 1
-				f(i*slotPage+j, p.slots[j])
-			}
-		}
-	}
+	t.usedIn(0, len(t.pages)*slotPage, func(slot int) bool {
+		f(slot, t.get(slot))
+		return true
+	})
 }
 
 // forgetLocks clears every slot's onFD and aheadAt: the segment's
