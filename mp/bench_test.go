@@ -10,6 +10,7 @@ import (
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/shm"
+	"github.com/tensormp/tensormp/internal/sock"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -196,6 +197,7 @@ func BenchmarkQueueTensorRoundTrip(b *testing.B) {
 	}
 	defer x.Release()
 	b.ReportAllocs()
+	before := sock.LentSent()
 	for b.Loop() {
 		if err := in.Put(ctx, x); err != nil {
 			b.Fatal(err)
@@ -208,4 +210,5 @@ func BenchmarkQueueTensorRoundTrip(b *testing.B) {
 			b.Fatal("the tensor came back on other memory")
 		}
 	}
+	b.ReportMetric(float64(sock.LentSent()-before)/float64(b.N), "lent/op") // trips there by the lane
 }
