@@ -136,6 +136,7 @@ type segment struct {
 	pool     *Pool
 	class    *sizeClass
 	inUse    int      // slots handed out or waiting in pending
+	blocks   []*Block // each slot's Block, made once (see Revive)
 	reserved []uint64 // bit i: the segment's reserveChunk i has its pages
 	held     int8     // reclaimLocked's answer of askWhole while it runs, else unasked
 

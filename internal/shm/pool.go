@@ -183,6 +183,22 @@ func (p *Pool) reclaimLocked(c *sizeClass) {
 	askInRuns(ask, &c.sorting)
 	clear(ask)
 	c.asking = ask[:0]
+	// A slot no description holds may be one a message returns to this
+	// process by a lane, which holds it from here (see Returns): the
+	// lanes are looked at after the kernel, since a sender publishes its
+	// message before it lets go of its own lock.
+	var named map[ReturnRef]struct{}
+	for _, b := range c.pending {
+		if b.held {
+			continue
+		}
+		if named == nil {
+			if named = returnsNamed(); named == nil {
+				break
+			}
+		}
+		_, b.held = named[ReturnRef{ID: b.seg.alloc.ID(), Offset: b.Offset(), Gen: b.gen}]
+	}
 
 	if hook := beforeBump.Load(); hook != nil {
 		(*hook)()
@@ -396,8 +412,11 @@ func (p *Pool) growLocked(c *sizeClass) error {
 	liveSegments.add(seg)
 	produced.add(seg)
 	p.cached += seg.bytes()
+	seg.blocks = make([]*Block, nslots)
 	for slot := nslots - 1; slot >= 0; slot-- { // handed out from slot 0 up: pages are reserved in order
-		c.free = append(c.free, &Block{seg: seg, slot: int(slot), gen: 1, pool: p})
+		b := &Block{seg: seg, slot: int(slot), gen: 1, pool: p}
+		seg.blocks[slot] = b
+		c.free = append(c.free, b)
 	}
 	return nil
 }

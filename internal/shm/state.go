@@ -19,7 +19,9 @@ import (
 //  1. a Pool's mu, or attached.mu: never both, since a producer's
 //     segments and a receiver's are apart
 //  2. a segment's tickets.mu
-//  3. the leaves, which call out to no lock of this package: the later
+//  3. returnScanners.mu (returns.go), whose scanners take no lock of
+//     this package
+//  4. the leaves, which call out to no lock of this package: the later
 //     queues' mu, liveSegments, extentPools, refHolders, produced,
 //     orphans.mu, extentClosing, and package fd's locks
 //

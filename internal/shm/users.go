@@ -1,6 +1,9 @@
 package shm
 
-import "sync"
+import (
+	"sync"
+	"sync/atomic"
+)
 
 // A process finds what it has already of a block a message names through
 // its slots' users: the package above registers what it keeps on each
@@ -140,14 +143,16 @@ func userIn(received *segment, own func() *segment, off int64, gen uint64) any {
 }
 
 type segmentIndex struct {
-	mu    sync.Mutex
-	ids   map[ID]*segment
-	names map[string]*segment
+	mu      sync.Mutex
+	ids     map[ID]*segment
+	names   map[string]*segment
+	version atomic.Uint64 // bumped at each change
 }
 
 func (x *segmentIndex) add(seg *segment) {
 	x.mu.Lock()
 	defer x.mu.Unlock()
+	x.version.Add(1)
 	x.ids[seg.alloc.ID()] = seg
 	if seg.named {
 		x.names[seg.alloc.Name()] = seg
@@ -157,6 +162,7 @@ func (x *segmentIndex) add(seg *segment) {
 func (x *segmentIndex) remove(seg *segment) {
 	x.mu.Lock()
 	defer x.mu.Unlock()
+	x.version.Add(1)
 	if x.ids[seg.alloc.ID()] == seg {
 		delete(x.ids, seg.alloc.ID())
 	}
