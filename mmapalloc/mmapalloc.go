@@ -49,9 +49,9 @@ var (
 	// producer recycled before the message was received.
 	ErrStaleBlock = shm.ErrStaleBlock
 	// ErrNotMapped: a message that came by a pipe's lane named a block
-	// by its segment's identity alone, and this process does not map the
-	// segment: the process that did handed the pipe's end on, or closed
-	// it, before it took the message.
+	// by its segment's identity alone, and this process neither maps the
+	// segment nor made it: the process that did handed the pipe's end on,
+	// or closed it, before it took the message.
 	ErrNotMapped = shm.ErrNotMapped
 	// ErrUnsupported: shared segments are not implemented on this
 	// system.

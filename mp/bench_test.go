@@ -176,10 +176,11 @@ func TestQueueEchoBackToItsProducer(t *testing.T) {
 
 // BenchmarkQueueTensorRoundTrip is the round trip of a shared 4 KiB
 // tensor to a worker and back through two queues, as spawn bench's
-// roundtrip case. The worker waits in Get, so the way there goes by the
-// queue's lane once the worker pins the segment; the way back carries a
-// block the worker did not make, which goes by the socket with its
-// descriptor.
+// roundtrip case. The way there goes by the queue's lane once the worker
+// pins the segment and waits in Get (or comes back to it within the
+// putter's patience), and the way back, the tensor returned to the
+// process that made it, by the other queue's lane: lent/op and
+// returned/op report the shares of trips that did.
 func BenchmarkQueueTensorRoundTrip(b *testing.B) {
 	ctx := context.Background()
 	in, out, g := startQueueEcho(b)
@@ -197,7 +198,7 @@ func BenchmarkQueueTensorRoundTrip(b *testing.B) {
 	}
 	defer x.Release()
 	b.ReportAllocs()
-	before := sock.LentSent()
+	before, back := sock.LentSent(), sock.ReturnsTaken()
 	for b.Loop() {
 		if err := in.Put(ctx, x); err != nil {
 			b.Fatal(err)
@@ -210,5 +211,6 @@ func BenchmarkQueueTensorRoundTrip(b *testing.B) {
 			b.Fatal("the tensor came back on other memory")
 		}
 	}
-	b.ReportMetric(float64(sock.LentSent()-before)/float64(b.N), "lent/op") // trips there by the lane
+	b.ReportMetric(float64(sock.LentSent()-before)/float64(b.N), "lent/op")       // trips there by the lane
+	b.ReportMetric(float64(sock.ReturnsTaken()-back)/float64(b.N), "returned/op") // and back
 }

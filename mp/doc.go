@@ -36,14 +36,21 @@
 // for a run of the lane's blocks in one call), or is gone. A sender
 // killed with tensors in the lane costs nothing, since only it reuses its
 // slots and the receiver's mapping keeps the memory; a receiver killed
-// with tensors untaken gives them back within milliseconds. The rest goes by the
-// socket in order with it (see internal/sock.Way, and way_pins.go there
-// for the invariants).
+// with tensors untaken gives them back within milliseconds. A tensor sent
+// back to the process that made it (a worker's answer that is the tensor
+// it was given) goes through memory too, named by identity: its producer,
+// the receiver, keeps the block from reuse while the message waits, so
+// the sender may exit first. The rest goes by the
+// socket in order with it (see internal/sock.Way, and way_pins.go and
+// way_returns.go there for the invariants).
 //
 // A Queue made by NewQueue has such a lane too, which a putting process
 // uses only to hand a value to a getting process that waits in Get with
-// nothing before it, or, with no tensor in it, to the queue's only
-// getting process: a value put
+// nothing before it, or, with no tensor of the putting process's pool in
+// it, to the queue's only getting process (a process that has just
+// received a message, and so is likely answering it, waits briefly for
+// that getter to come back to Get before it gives up the lane for such a
+// tensor): a value put
 // while the getter is busy and another may get goes by the socket, from
 // which any getter takes it, so the lane keeps no value from a free
 // getter (see internal/sock.NewFairWay). Neither does it let a value

@@ -156,12 +156,13 @@ func decode(data []byte, fds *fd.Set, v any) error {
 // (see sock.NewFairWay) that hands a value from a putting process to a
 // getting one through memory, with no system call while both are awake,
 // when nothing is queued before it and the getting process waits in Get,
-// or, for a value with no tensor, is the queue's only getting process
-// (it takes the value at its next Get): the value a Pipe's lane would
-// carry (no queue or pipe in it, tensors only of blocks of the putting
-// process's pool in segments the getting one pinned, about 2 KiB
-// encoded). Everything else goes by the socket, which every getting
-// process receives from, so that no value waits in the lane for a busy
+// or, for a value with no tensor of the putting process's pool, is the
+// queue's only getting process (it takes the value at its next Get): the
+// value a Pipe's lane would carry (no queue or pipe in it, tensors only of
+// blocks of the putting process's pool in segments the getting one
+// pinned, or of blocks the getting process made, about 2 KiB encoded).
+// Everything else goes by the socket, which every getting process
+// receives from, so that no value waits in the lane for a busy
 // getter while another waits (one that starts getting meanwhile may wait
 // up to about 0.3 s for it). One putting process and one getting process
 // use the lane at a time; a value does not overtake one that another
@@ -453,17 +454,19 @@ func decodeQueue(dec *msgpack.Decoder, n int) (*Queue, error) {
 // beside its socket (see sock.Way): a value that holds no queue or pipe,
 // and no tensor but those of blocks of the sending process's own pool
 // whose segments the receiving process maps already (it was sent a block
-// of each before), and fits a lane entry (about 2 KiB encoded, thirty
-// tensors or so), goes from the sending process to the receiving one
-// through memory, with no system call while both are awake; the rest goes
-// by the socket, in order with it. The lane serves one sending process
-// and one receiving process at a time, the first of each to use the end:
-// another process that holds the same end uses the socket alone, and is
-// heard within 10 ms. Tensors the lane carried to a receiving process
-// that handed its end on, or closed it, before taking them, come to the
-// next receiving process as errors wrapping mmapalloc.ErrNotMapped; what
-// the sending process sends once the end is handed on goes by the
-// socket.
+// of each before), or of blocks the receiving process made (sent back to
+// it, which it keeps from reuse while the value waits), and fits a lane
+// entry (about 2 KiB encoded, thirty tensors or so), goes from the
+// sending process to the receiving one through memory, with no system
+// call while both are awake; the rest goes by the socket, in order with
+// it. The lane serves one sending process and one receiving process at a
+// time, the first of each to use the end: another process that holds the
+// same end uses the socket alone, and is heard within 10 ms. Tensors the
+// lane carried to a receiving process that handed its end on, or closed
+// it, before taking them, come to the next receiving process as errors
+// wrapping mmapalloc.ErrNotMapped, unless that process made their blocks
+// (then it gets them); what the sending process sends once the end is
+// handed on goes by the socket.
 //
 // The receiving side of an end keeps the segments it pins mapped until
 // Close, or until their producer lets go of them: at most 64 segments,

@@ -198,7 +198,9 @@ func (w *fdWriter) settle(end func(shm.Lease)) {
 	w.leases = w.leases[:0]
 	w.ticket = nil
 	for _, b := range w.lent {
-		b.Return()
+		if b.Produced() { // a return is lent nothing
+			b.Return()
+		}
 	}
 	clear(w.lent)
 	w.lent = w.lent[:0]

@@ -3,6 +3,8 @@ package reduction
 import (
 	"errors"
 	"fmt"
+	"runtime"
+	"time"
 
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/carry"
@@ -169,6 +171,17 @@ func reduceCPU(t *tensor.Tensor, room []int, pinned *shm.Ticket, lane carry.Lane
 		r.Size, r.SegmentSize, r.BlockOffset, r.Gen = b.Size(), seg.Size(), b.Offset(), b.Gen()
 		r.setSegmentID(seg.ID())
 		registerBlock(s, b)
+		r.lent = b
+		return r, nil
+	}
+	if b, ok := sh.(*shm.Block); ok && lane != nil && lane.Returns(b) {
+		// Back to its producer, the lane's reader, which holds it while
+		// the message waits (see shm.Revive); this process's own hold
+		// lasts until the message is in the lane.
+		seg := b.Segment()
+		r.Strategy = string(strategy.FileDescriptor)
+		r.Size, r.SegmentSize, r.BlockOffset, r.Gen = b.Size(), seg.Size(), b.Offset(), b.Gen()
+		r.setSegmentID(seg.ID())
 		r.lent = b
 		return r, nil
 	}
@@ -503,13 +516,18 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 	lane, byLane := fds.lane()
 	found := userOf(shm.SegmentRef{ID: m.segmentID()}, m)
 	if m.FDIndex == -1 {
-		switch {
-		case !byLane:
+		if !byLane {
 			return nil, errors.New("a pooled block named without its descriptor, outside a lane")
-		case lane == nil || !lane.Pinned(m.segmentID()):
-			// Only the lane's reader's pins are the lane's: another
-			// holder of the segment is not held for by the writer.
-			return nil, fmt.Errorf("a block of segment %v, which the lane's reader does not pin: %w", m.segmentID(), shm.ErrNotMapped)
+		}
+		if lane == nil || !lane.Pinned(m.segmentID()) {
+			// Only the lane's reader's pins are the lane's, and its
+			// own blocks, returned: another holder of the segment is
+			// not held for by the writer.
+			s, err := openReturned(found, m, made)
+			if errors.Is(err, shm.ErrNotReturnable) {
+				return nil, fmt.Errorf("a block of segment %v, which the lane's reader does not pin: %w", m.segmentID(), shm.ErrNotMapped)
+			}
+			return s, err
 		}
 		return adoptBlock(found, m, made, func() (*shm.Block, error) {
 			ref := laneRef(m)
@@ -531,6 +549,48 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 	}
 	return s, err
 }
+
+// openReturned is openBlock for a block that a lane's message names by
+// identity in a segment this process produced: a return of one of its own
+// blocks, which is found in use (found) or taken back from its pool,
+// where the lane's scanner kept it while the message waited (see
+// shm.Revive). A block of any other segment is shm.ErrNotReturnable.
+func openReturned(found *tensor.StorageRef, m Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {
+	ref := shm.ReturnRef{ID: m.segmentID(), Offset: m.BlockOffset, Gen: m.Gen}
+	var deadline time.Time
+	for {
+		if s := liveUser(found, m.Size); s != nil {
+			return s, nil
+		}
+		b, err := shm.Revive(ref, m.Size)
+		if errors.Is(err, shm.ErrInUse) {
+			// A storage of this process that releases the block on
+			// another goroutine lets go of it last: its Release is
+			// under way, and the block is the message's once it is
+			// done. Not for long: an honest message names no block in
+			// use otherwise.
+			if deadline.IsZero() {
+				deadline = time.Now().Add(reviveWait)
+			}
+			if time.Now().Before(deadline) {
+				runtime.Gosched()
+				continue
+			}
+		}
+		if err != nil {
+			return nil, err
+		}
+		s, err := tensor.NewStorage(device.CPU(), b)
+		if err != nil {
+			return nil, errors.Join(err, b.Release())
+		}
+		return kept(s, registerBlock(s, b), made)
+	}
+}
+
+// reviveWait is how long a decode waits for a storage of this process to
+// let go of a block a message returns (see openReturned).
+const reviveWait = 10 * time.Millisecond
 
 // attachBlock attaches the pooled block m names, by the segment's
 // identity if this process maps it already, else from the message's

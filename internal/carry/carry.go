@@ -145,6 +145,11 @@ type Lane interface {
 	// process's pool, by its segment's identity alone: the lane's reader
 	// keeps the segment mapped. The writer's side.
 	Maps(b *shm.Block) bool
+	// Returns reports whether a message may name b, a block this process
+	// received, by its segment's identity alone, as a return to its
+	// producer: the lane's reader made it (see shm.Revive). The writer's
+	// side.
+	Returns(b *shm.Block) bool
 	// Pin asks the lane's reader, this process, to keep segment id
 	// mapped for the lane's next messages: a block of it was just
 	// received by descriptor. The reader's side.

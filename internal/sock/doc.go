@@ -29,11 +29,15 @@
 // when it sleeps. A Lane carries bytes only. A Way puts one beside the
 // socket of a pipe's direction (NewWay) or of a queue (NewFairWay). Its
 // writer sends by it, when it holds the writer's role and the entry fits
-// (and, for a queue, handsOver finds the reader ready for it), what needs
-// no descriptor: values with no tensor, and tensors of pooled blocks the
+// (and, for a queue, handsOver finds the reader ready for it, or, for a
+// tensor of the writer's pool sent by a process that is answering, the
+// reader comes back to the lane within the writer's patience: see
+// awaitReader), what needs
+// no descriptor: values with no tensor, tensors of pooled blocks the
 // writer's own pool made, in segments the reader pins, lent until the
-// reader holds them (see way_pins.go). Everything else (a tensor sent
-// back to the process that made it, say) goes by the socket, whose
+// reader holds them (see way_pins.go), and tensors of pooled blocks the
+// reader made, sent back to it, which the reader holds while they wait
+// (see way_returns.go). Everything else goes by the socket, whose
 // descriptors are the message's holds in flight.
 //
 // Ownership: a Conn owns its descriptor until Close, which waits for the

@@ -32,6 +32,8 @@ import (
 //	0      header: magic, version, entries, entry size
 //	       +128  the writer's bell: its word counts messages published
 //	       +256  the readers' bell: its word counts messages taken
+//	       +384  a fair Way's reader's bell: its word counts the reader's
+//	             moves out of busy (see Way.awaitReader)
 //	       +1024 a Way's reader's page (see way_pins.go)
 //	4096   entries, each: uint32 its position, uint32 length, the bytes
 //
@@ -50,6 +52,7 @@ type Lane struct {
 	size    int    // bytes of an entry
 	sent    *Bell
 	taken   *Bell
+	arrived *Bell
 
 	wmu  sync.Mutex
 	tail uint32 // the writer's own count of what it published, under wmu
@@ -68,12 +71,13 @@ var errCounts = fmt.Errorf("%w: the lane's counts", ErrMalformed)
 
 const (
 	laneMagic   = 0x454e4c54 // "TLNE" little-endian
-	laneVersion = 2          // 2: the bells sleep on a count, odd while armed
+	laneVersion = 3          // 2: the bells sleep on a count, odd while armed; 3: the reader's bell
 	laneHeader  = 4096
 	entryHeader = 8 // position, length
 
-	sentBell  = 128
-	takenBell = 256
+	sentBell    = 128
+	takenBell   = 256
+	arrivedBell = 384
 
 	// maxLaneEntries and maxEntrySize bound a lane, and what an opener
 	// accepts.
@@ -184,6 +188,9 @@ func OpenLane(f *fd.FD) (*Lane, error) {
 	if l.sent, err = NewBell(mem[sentBell : sentBell+bellSize]); err == nil {
 		l.taken, err = NewBell(mem[takenBell : takenBell+bellSize])
 	}
+	if err == nil {
+		l.arrived, err = NewBell(mem[arrivedBell : arrivedBell+bellSize])
+	}
 	if err != nil {
 		_ = unix.Munmap(mem)
 		return nil, err
@@ -262,6 +269,21 @@ func (l *Lane) WaitSent(ctx context.Context, last uint32, alive func() error) (u
 // WaitSentUntil is WaitSent that ends with errWaitedEnough at until.
 func (l *Lane) WaitSentUntil(ctx context.Context, last uint32, alive func() error, until time.Time) (uint32, error) {
 	return l.sent.WaitUntil(ctx, last, alive, until)
+}
+
+// Arrivals returns the count of a fair Way's reader's moves out of busy,
+// which a writer that waits for the reader reads before it looks at the
+// reader's state (see Way.awaitReader).
+func (l *Lane) Arrivals() uint32 { return l.arrived.Load() }
+
+// Arrive counts a move of a fair Way's reader out of busy, waking the
+// writer that waits for it, if it sleeps.
+func (l *Lane) Arrive() { l.arrived.Ring() }
+
+// WaitArrivedUntil waits until the count of the reader's moves is no
+// longer last, as Bell.WaitUntil does.
+func (l *Lane) WaitArrivedUntil(ctx context.Context, last uint32, alive func() error, until time.Time) (uint32, error) {
+	return l.arrived.WaitUntil(ctx, last, alive, until)
 }
 
 // Nudge wakes the readers and the writer asleep on the lane, if any,
@@ -389,6 +411,16 @@ func (l *Lane) recv(ctx context.Context, buf []byte, alive func() error, block b
 // noticed, so what yield gets is a hint, to be checked when the
 // message is taken. It returns buf's room, grown as needed.
 func (l *Lane) Ahead(buf []byte, yield func(data []byte) bool) []byte {
+	return l.ahead(buf, l.size, yield)
+}
+
+// Heads is Ahead that copies at most limit bytes of each message, for a
+// look at what they begin with.
+func (l *Lane) Heads(buf []byte, limit int, yield func(head []byte) bool) []byte {
+	return l.ahead(buf, limit, yield)
+}
+
+func (l *Lane) ahead(buf []byte, limit int, yield func(data []byte) bool) []byte {
 	l.rmu.Lock()
 	defer l.rmu.Unlock()
 	if l.mem == nil {
@@ -405,7 +437,7 @@ func (l *Lane) Ahead(buf []byte, yield func(data []byte) bool) []byte {
 		if binary.LittleEndian.Uint32(e[0:]) != pos || int64(n) > int64(l.size-entryHeader) {
 			return buf
 		}
-		buf = append(buf[:0], e[entryHeader:entryHeader+int(n)]...)
+		buf = append(buf[:0], e[entryHeader:entryHeader+min(int(n), limit)]...)
 		if !yield(buf) {
 			return buf
 		}
@@ -438,4 +470,4 @@ func (l *Lane) setReaderID(off int, id shm.ID) {
 // The reader's page lies in the lane's header, after the bells.
 const readerPage = 1024
 
-var _ [laneHeader - readerPage - sockSends - 4]byte // it fits
+var _ [laneHeader - readerPage - prodTable - 16*maxPins]byte // it fits, the last list included

@@ -54,6 +54,9 @@ func (l *Lane) Resume() {}
 // Ahead calls yield with nothing.
 func (l *Lane) Ahead(buf []byte, yield func(data []byte) bool) []byte { return buf }
 
+// Heads calls yield with nothing.
+func (l *Lane) Heads(buf []byte, limit int, yield func(head []byte) bool) []byte { return buf }
+
 // Room returns 0.
 func (l *Lane) Room() int { return 0 }
 
@@ -72,6 +75,17 @@ func (l *Lane) WaitSent(ctx context.Context, last uint32, alive func() error) (u
 
 // WaitSentUntil returns an error wrapping errors.ErrUnsupported.
 func (l *Lane) WaitSentUntil(ctx context.Context, last uint32, alive func() error, until time.Time) (uint32, error) {
+	return last, errNoLane
+}
+
+// Arrivals returns 0.
+func (l *Lane) Arrivals() uint32 { return 0 }
+
+// Arrive does nothing.
+func (l *Lane) Arrive() {}
+
+// WaitArrivedUntil returns an error wrapping errors.ErrUnsupported.
+func (l *Lane) WaitArrivedUntil(ctx context.Context, last uint32, alive func() error, until time.Time) (uint32, error) {
 	return last, errNoLane
 }
 

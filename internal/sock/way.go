@@ -109,9 +109,11 @@ type Way struct {
 
 	// The writer's, under sem.
 	owed    bool      // a marker is owed: a socket message went without one
+	wait    patience  // a fair Way's: how long to wait for a busy reader
 	onSock  bool      // this process sent on the socket without the role
 	checked time.Time // the last look at whether the readers are gone
 	wbuf    []byte
+	hbuf    []byte // an entry's head (see appendReturns)
 
 	// The writer's loans (see way_pins.go), under sem, the timer that
 	// settles them while no Send does (made in NewWay), and its copy of
@@ -126,11 +128,21 @@ type Way struct {
 	viewClosed bool // under viewMu: the lane may be unmapped
 
 	// The reader's, under sem.
-	pins     pins
-	rbuf     []byte
-	abuf     []byte // Ahead's copies
-	none     fd.Set // a lane message's descriptors: none
-	draining bool   // at a marker: the socket first
+	pins pins
+	// Returns (see way_returns.go): the blocks the entry being taken
+	// returns, under takeMu, which the scanner takes too, and the
+	// scanner's room; the scanner's unregistering, once registered; the
+	// segments listed as this process's, as of shm's version prodsAt.
+	takeMu     sync.Mutex
+	taking     []shm.ReturnRef
+	sbuf       []byte
+	unregister func()
+	prods      []shm.ID
+	prodsAt    uint64
+	rbuf       []byte
+	abuf       []byte // Ahead's copies
+	none       fd.Set // a lane message's descriptors: none
+	draining   bool   // at a marker: the socket first
 	// sockSeen: the lane's sockSends when a fair Way's reader last found
 	// the socket empty; sockReady: it has a message all the same (of a
 	// writer that did not count it)
@@ -217,12 +229,17 @@ func NewWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 // there. A writer claims the reader's state before it publishes an entry
 // (waitClaimed, claimedBusy), and the reader, once claimed, waits for the
 // entry on the lane, never on the socket, until it comes or the claiming
-// writer is gone. Tensors by identity go only to a reader that waits on
-// the lane and holds the role now (see readerHeld). A reader that only
-// tries (TryRecv) is not counted as another reader.
+// writer is gone. Tensors of the writer's pool by identity go only to a
+// reader that waits on the lane and holds the role now (see readerHeld);
+// a writer with one for a busy reader, the end's only one, waits briefly
+// for it to come back to the lane if the writer's process is answering
+// (awaitReader). Tensors returned to the reader, which made them, go to
+// a busy sole reader too (see way_returns.go). A reader that only tries
+// (TryRecv) is not counted as another reader.
 func NewFairWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 	w := NewWay(shared, mem, writes)
 	w.fair, w.sleep = true, laneSleep
+	w.wait.least, w.wait.most = patienceMin, patienceCap
 	return w
 }
 
@@ -279,8 +296,16 @@ func (w *Way) lockCall(ctx context.Context, block bool) error {
 // writer what the reader has done with (see ack).
 func (w *Way) recvDone() {
 	w.recvs++
+	lastRecv.Store(time.Now().UnixNano())
+	if len(w.taking) > 0 {
+		w.takeMu.Lock()
+		w.taking = w.taking[:0] // revived, or never to be
+		w.takeMu.Unlock()
+	}
 	if w.held {
-		ack(w.lane.Load())
+		l := w.lane.Load()
+		ack(l)
+		w.relistProduced(l)
 	}
 	<-w.sem
 }
@@ -317,6 +342,10 @@ func (w *Way) letGoIdle() {
 		// and may name blocks it pins, which another reader, taking the
 		// role, would not map: it takes it at its next receive. (An
 		// entry for a busy reader names none: see handsOver.)
+		w.idle.Reset(idleRole)
+	case w.returnWaits(w.lane.Load()):
+		// An entry returns blocks this process made, which no other
+		// reader could take back (see way_returns.go).
 		w.idle.Reset(idleRole)
 	default:
 		w.letGo(false)
@@ -394,6 +423,7 @@ func (w *Way) taken() *Lane {
 			moveWait(l.readerWord(readerWaits), waitBusy)
 		}
 		w.listPins(l)
+		w.registerReturns()
 		w.idle.Reset(idleRole)
 	}
 	return l
@@ -421,6 +451,7 @@ func (w *Way) letGo(broken bool) {
 func (w *Way) leaveWaits() {
 	if l := w.lane.Load(); w.fair && !w.writes && w.held && l != nil {
 		moveWait(l.readerWord(readerWaits), waitNone)
+		l.Arrive() // a waiting writer sends by the socket
 	}
 }
 
@@ -511,22 +542,28 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 		// reader does not map them.
 		return carry.ErrNoLane
 	}
-	if len(fds) == 0 && 1+len(data) <= l.Room() && !w.owed && w.handsOver(l, l.Tail(), true, len(lent) > 0) {
+	hdr, ok := appendReturns(w.hbuf[:0], lent)
+	w.hbuf = hdr
+	if ok && len(fds) == 0 && len(hdr)+len(data) <= l.Room() && !w.owed && w.lanes(ctx, l, lends(lent), block) {
 		pos := l.Tail()
-		err := w.sendEntry(ctx, l, data, block)
+		err := w.sendEntry(ctx, l, hdr, data, block)
 		if err != nil && w.fair {
 			giveBack(l.readerWord(readerWaits)) // no entry comes
 		}
 		switch {
 		case err == nil && len(lent) > 0:
-			w.ledger.lend(pos, lent)
-			if !w.settling {
-				// Armed once, not at each Send: while loans are out it
-				// comes back each settleEvery (settleIdle).
-				w.settling = true
-				w.settler.Reset(settleEvery)
+			if hdr[0] == kindReturn {
+				returnsSent.Add(1)
 			}
-			lentSent.Add(1)
+			if w.ledger.lend(pos, lent) {
+				if !w.settling {
+					// Armed once, not at each Send: while loans are
+					// out it comes back each settleEvery (settleIdle).
+					w.settling = true
+					w.settler.Reset(settleEvery)
+				}
+				lentSent.Add(1)
+			}
 			return nil
 		case len(lent) > 0 && (errors.Is(err, errCounts) || errors.Is(err, ErrWouldBlock)):
 			return carry.ErrNoLane // the socket serves now
@@ -559,16 +596,31 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 	return nil
 }
 
+// lanes reports whether the lane l takes the writer's next message,
+// claiming a fair Way's reader for it (see handsOver). A message that
+// names blocks goes only to a reader that waits on the lane; one sent
+// with block waits first, briefly, for a busy reader to come back to the
+// lane (awaitReader).
+func (w *Way) lanes(ctx context.Context, l *Lane, named, block bool) bool {
+	tail := l.Tail()
+	if w.handsOver(l, tail, true, named) {
+		return true
+	}
+	return w.fair && named && block && w.awaitReader(ctx, l, tail) && w.handsOver(l, tail, true, named)
+}
+
 // handsOver reports whether the lane l may take the writer's next
 // message, at tail: always, but for a fair Way only with every entry
 // before tail taken, no message sent by the socket since the reader last
 // found it empty (which may have been sent before this one, as a pool's
 // notice of a worker's exit follows the worker's last reply: this one
 // follows it on the socket), and the reader waiting on the lane, or, for
-// a message that names no block (not named), busy while no other process
+// a message that names no block of the writer's pool (not named: a value,
+// or one that returns blocks to the reader), busy while no other process
 // reads the end (it takes the entry at its next receive; a reader that
 // lets go of its role meanwhile leaves it to the next, which could not
-// rebuild blocks named for the first one's pins). With claim, the writer
+// rebuild blocks named for the first one's pins, and a reader keeps its
+// role while a return to it waits: see letGoIdle). With claim, the writer
 // that may send claims the reader (see waitClaimed), which then waits
 // for the entry on the lane, not on the socket; the writer publishes the
 // entry, or gives the claim back.
@@ -593,6 +645,130 @@ func (w *Way) handsOver(l *Lane, tail uint32, claim, named bool) bool {
 		return false
 	}
 	return true
+}
+
+// A fair Way's writer with a message that names blocks, which only a
+// reader waiting on the lane may be handed, and that finds the role's
+// reader busy (between two receives) as the end's only reader, with
+// every entry taken, waits for it to come back to the lane
+// (awaitReader): a reader between the two halves of a round trip is
+// back within microseconds, and the lane saves the hand-off its system
+// calls and its descriptor. It waits about four times as long as the
+// reader has lately taken to come back, between patienceMin and
+// patienceCap; after patienceMisses waits in a row ended without it (a
+// reader busy with work of its own, or one that takes what the socket
+// holds first), only one such message in patienceProbe waits, to see
+// whether that changed.
+const (
+	patienceMin    = 50 * time.Microsecond
+	patienceCap    = 200 * time.Microsecond
+	patienceMisses = 4
+	patienceProbe  = 64
+)
+
+// patience is a fair Way's writer's record of its waits for a busy
+// reader: written by awaitReader, under sem, and read by Maps too.
+type patience struct {
+	gap    atomic.Int64 // ns the reader lately took to come back, an average
+	misses atomic.Int32 // waits in a row that ended without it
+	tries  atomic.Uint32
+	waits  atomic.Uint64 // waits begun, for tests
+	// The shortest and longest wait: patienceMin and patienceCap (tests
+	// change them).
+	least, most time.Duration
+}
+
+// willWait reports whether the writer may wait for a busy reader now: if
+// it came back lately, or once in patienceProbe tries.
+func (p *patience) willWait() bool {
+	return p.misses.Load() < patienceMisses || p.tries.Add(1)%patienceProbe == 0
+}
+
+// budget returns how long the next wait may take.
+func (p *patience) budget() time.Duration {
+	return min(max(4*time.Duration(p.gap.Load()), p.least), p.most)
+}
+
+// hit records a reader that came back after d.
+func (p *patience) hit(d time.Duration) {
+	g := p.gap.Load()
+	p.gap.Store(g + (int64(d)-g)/4)
+	p.misses.Store(0)
+}
+
+// miss records a wait that ended without the reader.
+func (p *patience) miss() {
+	if p.misses.Load() < patienceMisses {
+		p.misses.Add(1)
+	}
+}
+
+// mayAwait reports whether a message that names blocks may wait for the
+// fair Way's reader, busy as the end's only reader with every entry taken
+// (see awaitReader), as Maps asks before it names any.
+func (w *Way) mayAwait(l *Lane) bool {
+	waits := l.readerWord(readerWaits)
+	return w.fair && waits != nil && waits.Load() == waitBusy && l.Taken() == l.Sent() && answering() && w.wait.willWait() && !w.otherReaders()
+}
+
+// answerWindow is how lately a process must have received a message on a
+// Way for its writers to wait for busy readers (see answering).
+const answerWindow = 200 * time.Microsecond
+
+// lastRecv is when this process last ended a receive on a Way, Unix
+// nanoseconds.
+var lastRecv atomic.Int64
+
+// answering reports whether this process received a message on a Way
+// within answerWindow: it is likely answering it, and the reader it sends
+// to, busy, likely sending the message it answered or about to wait for
+// the answer; a round trip's hand-off. A writer that receives nothing (a
+// stream's) does not wait for a busy reader: the socket lets it run
+// ahead of the reader, where a wait for each would hand its messages over
+// one at a time.
+func answering() bool { return time.Now().UnixNano()-lastRecv.Load() < int64(answerWindow) }
+
+// awaitReader waits, for at most the writer's patience, for the role's
+// reader of a fair Way, busy as the end's only reader with every entry
+// up to tail taken, to wait on the lane again, and reports whether it
+// does: the reader rings the lane's arrivals as it moves out of busy
+// (see waitFair). A reader that parks on the socket instead, lets go of
+// its role, or does not come back in time ends the wait; so do ctx and
+// the writer's alive. The caller holds sem and the writer's role.
+func (w *Way) awaitReader(ctx context.Context, l *Lane, tail uint32) bool {
+	p := &w.wait
+	waits := l.readerWord(readerWaits)
+	last := l.Arrivals() // before the look at the state: a move after it rings
+	if waits == nil || waits.Load() != waitBusy || l.Taken() != tail || !answering() || w.otherReaders() {
+		return false
+	}
+	p.waits.Add(1)
+	start := time.Now()
+	until := start.Add(p.budget())
+	for {
+		_, err := l.WaitArrivedUntil(ctx, last, w.alive, until)
+		if err != nil {
+			if errors.Is(err, errWaitedEnough) {
+				p.miss()
+			}
+			return false
+		}
+		last = l.Arrivals()
+		switch waits.Load() {
+		case waitOnLane:
+			p.hit(time.Since(start))
+			return true
+		case waitBusy:
+			// Out of busy and back meanwhile (a socket message came), or
+			// a peer's ring: wait on, within the budget.
+			if !time.Now().Before(until) {
+				p.miss()
+				return false
+			}
+		default:
+			return false // parked on the socket, gone, or claimed by another writer
+		}
+	}
 }
 
 // giveBack returns a writer's claim of the reader (waits) to the state it
@@ -626,16 +802,17 @@ func (w *Way) otherReaders() bool {
 	return held || err != nil
 }
 
-// sendEntry publishes data in the lane l as the next value entry, unless
+// sendEntry publishes data in the lane l as the next value entry, after
+// hdr, its kind and what it returns (see appendReturns), unless
 // the readers are gone, waiting for room if block (else ErrWouldBlock). If a peer wrote the lane's
 // counts (errCounts), this process gives up the lane for good: the
 // socket serves it from then on. The caller holds sem and the writer's
 // role.
-func (w *Way) sendEntry(ctx context.Context, l *Lane, data []byte, block bool) error {
+func (w *Way) sendEntry(ctx context.Context, l *Lane, hdr, data []byte, block bool) error {
 	if err := w.readersGone(); err != nil {
 		return err
 	}
-	w.wbuf = append(append(w.wbuf[:0], kindValue), data...)
+	w.wbuf = append(append(w.wbuf[:0], hdr...), data...)
 	var err error
 	if block {
 		err = l.Send(ctx, w.wbuf, w.alive)
@@ -948,6 +1125,7 @@ func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32) (Msg, bool, er
 			laneSleepers.Add(-1)
 			return Msg{}, false, w.waitClaimed(ctx, l, last)
 		}
+		l.Arrive() // a writer may wait for it (see awaitReader)
 		w.waiting.Add(1)
 		_, err := l.WaitSentUntil(ctx, last, w.alive, time.Now().Add(w.sleep))
 		w.waiting.Add(-1)
@@ -977,6 +1155,7 @@ func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32) (Msg, bool, er
 		if !moveWait(waits, waitParked) {
 			return Msg{}, false, w.waitClaimed(ctx, l, last)
 		}
+		l.Arrive() // a waiting writer sends by the socket
 	}
 	m, err := w.shared.Recv(ctx)
 	waits.CompareAndSwap(waitParked, waitBusy)
@@ -1056,8 +1235,17 @@ func (w *Way) waitClaimed(ctx context.Context, l *Lane, last uint32) error {
 // fromLane takes the lane's next entry, if any: a message (ok), or a
 // marker, which sets draining unless a socket message is kept already.
 func (w *Way) fromLane(l *Lane) (Msg, bool, error) {
+	w.takeMu.Lock() // the scanner sees a return in the lane or in taking
 	buf, _, err := l.TryRecv(w.rbuf[:0])
 	w.rbuf = buf
+	if err == nil && len(buf) > 0 && buf[0] == kindReturn {
+		var data []byte
+		if data, err = parseReturns(buf, func(r shm.ReturnRef) { w.taking = append(w.taking, r) }); err == nil {
+			buf = append(buf[:1], data...) // a value entry's shape
+			returnsTaken.Add(1)
+		}
+	}
+	w.takeMu.Unlock()
 	switch {
 	case errors.Is(err, ErrWouldBlock):
 		return Msg{}, false, nil
@@ -1070,7 +1258,7 @@ func (w *Way) fromLane(l *Lane) (Msg, bool, error) {
 		return Msg{}, false, fmt.Errorf("mp: receiving on a lane: %w: an empty entry", ErrMalformed)
 	}
 	switch buf[0] {
-	case kindValue:
+	case kindValue, kindReturn:
 		if w.fair {
 			// The entry a claim was for, if any: the claim ends.
 			waits := l.readerWord(readerWaits)
@@ -1232,6 +1420,9 @@ func (w *Way) Close() error {
 		w.unlistPins(l)
 	}
 	errs = append(errs, w.pins.unpinAll())
+	if w.unregister != nil {
+		w.unregister() // before the lane is unmapped: no scan reads it after
+	}
 	w.leaveWaits()
 	if w.role != nil {
 		errs = append(errs, w.role.Close())

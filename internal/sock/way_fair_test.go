@@ -24,6 +24,7 @@ func fairPair(t *testing.T) (w, r *Way, mem *fd.FD) {
 	w, r, mem = wayPair(t)
 	w.fair, r.fair = true, true
 	w.sleep, r.sleep = laneSleep, laneSleep
+	w.wait.least, w.wait.most = patienceMin, patienceCap
 	return w, r, mem
 }
 
@@ -46,6 +47,7 @@ func anotherFair(t *testing.T, w *Way, mem *fd.FD, writes bool) *Way {
 	t.Helper()
 	w2 := another(t, w, mem, writes)
 	w2.fair, w2.sleep = true, laneSleep
+	w2.wait.least, w2.wait.most = patienceMin, patienceCap
 	return w2
 }
 
@@ -260,7 +262,7 @@ func TestFairWayTryRecv(t *testing.T) {
 	// was handed and did not take (its wait ended first).
 	w.sem <- struct{}{}
 	l := w.taken()
-	require.NoError(t, w.sendEntry(ctx, l, wayMsg(3, 8), false))
+	require.NoError(t, w.sendEntry(ctx, l, []byte{kindValue}, wayMsg(3, 8), false))
 	<-w.sem
 	assert.True(t, tryRecvOne(t, ctx, r, 3), "by the lane")
 }
@@ -414,7 +416,7 @@ func TestFairWayDeadWritersClaim(t *testing.T) {
 // writer w claimed, and ends the call w holds meanwhile (its sem).
 func publishClaimed(t *testing.T, ctx context.Context, w *Way, l *Lane) {
 	t.Helper()
-	require.NoError(t, w.sendEntry(ctx, l, wayMsg(1, 8), true))
+	require.NoError(t, w.sendEntry(ctx, l, []byte{kindValue}, wayMsg(1, 8), true))
 	<-w.sem
 }
 

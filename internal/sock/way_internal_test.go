@@ -395,6 +395,7 @@ func FuzzWay(f *testing.F) {
 	f.Add([]byte{1, 0x7f, 1, 1, 0x80, 0, 3, 3, 0, 0, 7})
 	f.Add([]byte{4, 0, 1, 9, 0, 0, 0, 3, 1, 1, 3})    // the sent count moved
 	f.Add([]byte{4, 1, 1, 0, 0, 0, 1, 1, 2, 1, 3, 3}) // the taken count moved
+	f.Add([]byte{0, 3, 2, 0, 9, 0, 4, 2, 5, 1, 1})    // entries that return blocks: none, and too many
 	var pipe [2]int
 	require.NoError(f, unix.Pipe2(pipe[:], unix.O_CLOEXEC))
 	f.Cleanup(func() { _, _ = unix.Close(pipe[0]), unix.Close(pipe[1]) })

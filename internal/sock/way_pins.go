@@ -90,6 +90,9 @@ import (
 //	+1044 waitsAt: sockSends as the reader last found the socket empty
 //	+1048 sockSends: a count of the messages writers sent by the
 //	     socket, which they bump (a fair Way's)
+//	+1052 prodCount: segments listed as the reader's own (see
+//	     way_returns.go), under seq too
+//	+1056 that list: prodCount identities, 16 bytes each
 
 const (
 	pinSeq   = 0
@@ -171,9 +174,16 @@ func (w *Way) Maps(b *shm.Block) bool {
 	w.viewMu.Lock()
 	defer w.viewMu.Unlock()
 	l := w.lane.Load()
-	if l == nil || w.viewClosed || !w.handsOver(l, l.Sent(), false, true) {
+	if l == nil || w.viewClosed || !w.handsOver(l, l.Sent(), false, true) && !w.mayAwait(l) || !w.readView(l) {
 		return false
 	}
+	return w.view.listed[b.Segment().ID()]
+}
+
+// readView brings the writer's copy of the reader's lists up to date,
+// and reports whether it could: not while the reader rewrites them. The
+// caller holds viewMu.
+func (w *Way) readView(l *Lane) bool {
 	seq := l.readerWord(pinSeq)
 	if seq == nil {
 		return false
@@ -184,28 +194,35 @@ func (w *Way) Maps(b *shm.Block) bool {
 	}
 	v := &w.view
 	if s != v.seq || v.listed == nil {
-		v.seq, v.n = s, 0
+		v.seq, v.n, v.nprod = s, 0, 0
 		if v.listed == nil {
-			v.listed = map[shm.ID]bool{}
+			v.listed, v.produced = map[shm.ID]bool{}, map[shm.ID]bool{}
 		}
 		clear(v.listed)
+		clear(v.produced)
 	}
 	n := min(l.readerWord(pinCount).Load(), maxPins)
 	for ; v.n < n; v.n++ {
 		v.listed[l.readerID(pinTable+16*int(v.n))] = true
 	}
+	n = min(l.readerWord(prodCount).Load(), maxPins)
+	for ; v.nprod < n; v.nprod++ {
+		v.produced[l.readerID(prodTable+16*int(v.nprod))] = true
+	}
 	if seq.Load() != s {
 		v.listed = nil // rewritten while read: read it anew next time
 		return false
 	}
-	return v.listed[b.Segment().ID()]
+	return true
 }
 
-// pinView is a writer's copy of the reader's list, as of seq.
+// pinView is a writer's copy of the reader's lists, as of seq: its pins
+// (listed) and the segments it produced.
 type pinView struct {
-	seq    uint32
-	n      uint32
-	listed map[shm.ID]bool
+	seq      uint32
+	n, nprod uint32
+	listed   map[shm.ID]bool
+	produced map[shm.ID]bool
 }
 
 // Pin pins segment id, a block of which this process just received by
@@ -347,6 +364,7 @@ func (w *Way) listPins(l *Lane) {
 		l.setReaderID(pinTable+16*i, id)
 	}
 	l.readerWord(pinCount).Store(uint32(len(p.order)))
+	w.listProduced(l)
 	seq.Store(s + 1)
 }
 
@@ -373,6 +391,7 @@ func (w *Way) unlistPins(l *Lane) {
 	seq.Store(s)
 	l.readerWord(pinOwner).Store(0)
 	l.readerWord(pinCount).Store(0)
+	l.readerWord(prodCount).Store(0)
 	seq.Store(s + 1)
 }
 
@@ -402,11 +421,18 @@ func ack(l *Lane) {
 	}
 }
 
-// lend records blocks lent to the entry at pos.
-func (g *ledger) lend(pos uint32, lent []*shm.Block) {
+// lend records blocks lent to the entry at pos, those of this process's
+// pool (the others are returns, lent nothing), and reports whether there
+// were any.
+func (g *ledger) lend(pos uint32, lent []*shm.Block) bool {
+	any := false
 	for _, b := range lent {
-		g.loans = append(g.loans, loan{pos, b})
+		if b.Produced() {
+			g.loans = append(g.loans, loan{pos, b})
+			any = true
+		}
 	}
+	return any
 }
 
 // settle returns the loans of the entries the reader has done with, and

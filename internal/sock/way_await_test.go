@@ -1,0 +1,221 @@
+package sock
+
+import (
+	"context"
+	"encoding/binary"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tensormp/tensormp/internal/carry"
+	"github.com/tensormp/tensormp/internal/shm"
+)
+
+// busyReader returns a fair Way's writer and reader in their roles, the
+// reader busy between two receives and pinning the segment of b, a block
+// of this process's pool, which the writer may name by identity; the
+// writer waits for a busy reader for patience. lend sends a message
+// that names b, lent to it, as a process that has just received one
+// (answering), and returns the loan if the lane did not take it.
+func busyReader(t *testing.T, patience time.Duration) (w, r *Way, b *shm.Block, ctx context.Context, lend func() error) {
+	t.Helper()
+	w, r, _, ctx = fairRoles(t)
+	b, err := shm.DefaultPool().Alloc(4 << 10)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = b.Release() })
+	got := receivedCopy(t, b) // the reader's process maps the segment as received, as Pin asks
+	t.Cleanup(func() { _ = got.Release() })
+	takeRoles(t, ctx, w, r, func() { r.Pin(b.Segment().ID()) })
+	require.Equal(t, uint32(waitBusy), r.lane.Load().readerWord(readerWaits).Load())
+	w.wait.least, w.wait.most = patience, patience
+	lend = func() error {
+		if err := b.Lend(); err != nil {
+			return err
+		}
+		answered()
+		err := w.SendLent(ctx, binary.LittleEndian.AppendUint32(nil, 7), nil, []*shm.Block{b})
+		if err != nil {
+			b.Return()
+		}
+		return err
+	}
+	return w, r, b, ctx, lend
+}
+
+// answered marks this process as one that has just received a message
+// (see answering).
+func answered() { lastRecv.Store(time.Now().UnixNano()) }
+
+// sendLater runs lend in a goroutine, returns once w waits for its busy
+// reader, and reports lend's error on the channel.
+func sendLater(t *testing.T, w *Way, lend func() error) <-chan error {
+	t.Helper()
+	done := make(chan error, 1)
+	before := w.wait.waits.Load()
+	go func() { done <- lend() }()
+	require.Eventually(t, func() bool { return w.wait.waits.Load() > before }, 10*time.Second, 50*time.Microsecond,
+		"the writer never waited for its busy reader")
+	return done
+}
+
+// sentWithin returns what done reports within 5 s; else the test fails
+// with why.
+func sentWithin(t *testing.T, done <-chan error, why string) error {
+	t.Helper()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(5 * time.Second):
+		t.Fatal(why)
+		return nil
+	}
+}
+
+// A fair Way's writer with a message that names blocks, which only a
+// reader waiting on the lane may be handed, waits for its busy reader
+// (the end's only one) to come back to the lane, and hands it the entry
+// then: the reader gets it by the lane.
+func TestFairWayWriterWaitsForItsBusyReader(t *testing.T) {
+	w, r, b, ctx, lend := busyReader(t, time.Minute)
+	lastRecv.Store(0)
+	assert.False(t, w.Maps(b), "a writer that has received nothing lately does not wait for a busy reader")
+	answered()
+	assert.True(t, w.Maps(b), "one that answers waits: the writer names its pins")
+	sent := sendLater(t, w, lend)
+	got := recvLater(ctx, r)
+	require.NoError(t, sentWithin(t, sent, "the reader came back, but the writer waited on"))
+	g := within(t, got, "the entry never came")
+	assert.Equal(t, 7, g.i)
+	assert.True(t, g.byLane, "handed to the reader once it waited on the lane")
+	assert.Zero(t, w.wait.misses.Load())
+	assert.Positive(t, w.wait.gap.Load(), "the writer learns how long its reader took")
+
+	// With another reader of the end, the busy one is not waited for:
+	// the other may take the message from the socket now.
+	r2 := anotherFair(t, r, r.mem, false)
+	got2 := recvLater(ctx, r2)
+	require.Eventually(t, func() bool { return r2.shared.Waiting() == 1 }, 10*time.Second, 50*time.Microsecond)
+	time.Sleep(2 * peerCheck) // the writer's look at other readers is that old at most
+	answered()
+	assert.False(t, w.Maps(b), "another reader: the busy one's pins are not named")
+	require.NoError(t, w.Send(ctx, wayMsg(9, 8), nil))
+	assert.Equal(t, 9, within(t, got2, "the other reader never got the message").i)
+}
+
+// A reader that does not come back within the writer's patience gets the
+// message by the socket (the writer's send gives up the lane, ErrNoLane,
+// and is encoded anew with descriptors); after patienceMisses such waits
+// in a row the writer names no pins of a busy reader, but for one
+// message in patienceProbe.
+func TestFairWayWriterGivesUpOnABusyReader(t *testing.T) {
+	w, r, b, ctx, lend := busyReader(t, time.Millisecond)
+	for i := range patienceMisses {
+		require.ErrorIs(t, lend(), carry.ErrNoLane, "wait %d", i)
+	}
+	assert.EqualValues(t, patienceMisses, w.wait.waits.Load())
+	assert.EqualValues(t, patienceMisses, w.wait.misses.Load())
+	maps := 0
+	for range 2 * patienceProbe {
+		answered()
+		if w.Maps(b) {
+			maps++
+		}
+	}
+	assert.Equal(t, 2, maps, "one look in patienceProbe names the pins of a reader that stays busy")
+
+	// A probe whose reader comes back: the writer waits for it again.
+	w.wait.least, w.wait.most = time.Minute, time.Minute
+	sent := sendLater(t, w, lend)
+	got := recvLater(ctx, r)
+	require.NoError(t, sentWithin(t, sent, "the reader came back, but the writer waited on"))
+	assert.True(t, within(t, got, "the entry never came").byLane)
+	assert.Zero(t, w.wait.misses.Load())
+	answered()
+	assert.True(t, w.Maps(b), "waiting for a busy reader again")
+}
+
+// A reader that parks on the socket, or lets go of its role, while the
+// writer waits for it ends the wait at once: the writer sends by the
+// socket, and counts no miss.
+func TestFairWayWriterStopsWaitingForAReaderThatGoes(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		move func(ctx context.Context, r *Way) <-chan gotMsg
+	}{
+		{"parks", func(ctx context.Context, r *Way) <-chan gotMsg {
+			got := make(chan gotMsg, 1)
+			r.sockRun, r.waits = socketRun, 0 // its next wait is on the socket
+			go func() {
+				m, err := r.Recv(ctx)
+				if err != nil {
+					got <- gotMsg{err: err}
+					return
+				}
+				g := gotMsg{i: int(binary.LittleEndian.Uint32(m.Data)), byLane: m.ByLane()}
+				m.Done()
+				got <- g
+			}()
+			return got
+		}},
+		{"lets go", func(ctx context.Context, r *Way) <-chan gotMsg {
+			r.LetGo()
+			return nil
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w, r, _, ctx, lend := busyReader(t, time.Minute)
+			sent := sendLater(t, w, lend)
+			got := tc.move(ctx, r)
+			require.ErrorIs(t, sentWithin(t, sent, "the reader went, but the writer waited on"), carry.ErrNoLane)
+			assert.Zero(t, w.wait.misses.Load())
+			if got != nil {
+				require.NoError(t, w.Send(ctx, wayMsg(8, 8), nil))
+				g := within(t, got, "the parked reader never got the socket's message")
+				assert.Equal(t, 8, g.i)
+				assert.False(t, g.byLane)
+			}
+		})
+	}
+}
+
+// A hostile peer that rings the reader's bell without end, the reader's
+// state left busy, keeps the writer waiting no longer than its patience.
+func TestFairWayWriterOutlastsARingStorm(t *testing.T) {
+	w, _, _, _, lend := busyReader(t, 5*time.Millisecond)
+	rogue, err := OpenLane(w.mem)
+	require.NoError(t, err)
+	defer rogue.Close()
+	stop := make(chan struct{})
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+				rogue.Arrive()
+			}
+		}
+	}()
+	done := make(chan error, 1)
+	go func() { done <- lend() }()
+	err = sentWithin(t, done, "a ring storm kept the writer waiting")
+	close(stop)
+	<-stopped
+	require.ErrorIs(t, err, carry.ErrNoLane)
+	assert.EqualValues(t, 1, w.wait.misses.Load())
+}
+
+// A receive that ends marks the process as one that answers (see
+// answering): its writers may then wait for busy readers.
+func TestReceiveMarksTheProcessAnswering(t *testing.T) {
+	w, r, _, ctx := fairRoles(t)
+	lastRecv.Store(0)
+	assert.False(t, answering())
+	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
+	recvWay(t, ctx, r)
+	assert.NotZero(t, lastRecv.Load(), "stamped when the receive ended")
+}

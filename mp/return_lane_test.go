@@ -1,0 +1,179 @@
+package mp_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/internal/shm"
+	"github.com/tensormp/tensormp/internal/sock"
+	"github.com/tensormp/tensormp/mp"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// Tensors returned to their producer by a queue's lane: the worker's
+// answer is the tensor it was given, which goes back named by identity
+// and held by its producer while it waits (see package sock's Way).
+
+func init() { mp.Register("return-keep", workerReturnKeep) }
+
+type returnArgs struct {
+	In, Go, Back, Notes *mp.Queue
+}
+
+// workerReturnKeep sends each tensor it gets from In back on Back, once
+// Go says so, keeping it, and then puts on Notes whether the answer went
+// by the lane; a nil tensor ends it. It is killed holding what it kept.
+func workerReturnKeep(ctx context.Context, w *mp.Worker) error {
+	var a returnArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	var kept []*tensor.Tensor
+	defer func() {
+		for _, x := range kept {
+			_ = x.Release()
+		}
+	}()
+	for {
+		var x *tensor.Tensor
+		if err := a.In.Get(ctx, &x); err != nil || x == nil {
+			return err
+		}
+		kept = append(kept, x)
+		var ok bool
+		if err := a.Go.Get(ctx, &ok); err != nil {
+			return err
+		}
+		before := sock.ReturnsSent()
+		if err := a.Back.Put(ctx, x); err != nil {
+			return err
+		}
+		if err := a.Notes.Put(ctx, sock.ReturnsSent() > before); err != nil {
+			return err
+		}
+	}
+}
+
+// slotOf returns where x's block lies: its segment and offset.
+func slotOf(t *testing.T, x *tensor.Tensor) (shm.ID, int64) {
+	t.Helper()
+	b, ok := x.Storage().Backing().(*shm.Block)
+	require.True(t, ok, "a pooled block")
+	return b.Segment().ID(), b.Offset()
+}
+
+// returnedThenKilled has a return-keep worker send back, by the lane, a
+// tensor this process released once it was sent, and kills the worker
+// before this process takes the answer. It returns the queue the answer
+// waits on, the value and place of the tensor, and the pool.
+func returnedThenKilled(t *testing.T, ctx context.Context) (back *mp.Queue, v int, id shm.ID, off int64) {
+	t.Helper()
+	in, goes, notes := newQueue(t), newQueue(t), newQueue(t)
+	back = newQueue(t)
+	g, err := mp.Spawn(ctx, "return-keep", 1, mp.WithArgs(returnArgs{In: in, Go: goes, Back: back, Notes: notes}))
+	require.NoError(t, err)
+	// Round trips, this process waiting in Get for each answer before the
+	// worker sends it, until one comes by the lane; then one more, whose
+	// answer it does not wait for.
+	waiting := true
+	for v = 1; v <= 100; v++ {
+		x := newInts(t, v)
+		id, off = slotOf(t, x)
+		err := in.Put(ctx, x)
+		require.NoError(t, x.Release()) // the worker's hold, then the lane's, are all it has
+		require.NoError(t, err)
+		var y *tensor.Tensor
+		if waiting {
+			answer := make(chan error, 1)
+			go func() { answer <- back.Get(ctx, &y) }()
+			time.Sleep(2 * time.Millisecond) // in its Get by now, most likely
+			require.NoError(t, goes.Put(ctx, true))
+			require.NoError(t, <-answer)
+		} else {
+			require.NoError(t, goes.Put(ctx, true))
+		}
+		var laned bool
+		require.NoError(t, notes.Get(ctx, &laned))
+		if !waiting && laned {
+			kill(t, g) // its hold on the block dies with it; the answer waits in the lane
+			return back, v, id, off
+		}
+		if !waiting {
+			require.NoError(t, back.Get(ctx, &y))
+		}
+		checkInts(t, y, v)
+		require.NoError(t, y.Release())
+		waiting = !laned
+	}
+	t.Fatal("no answer went by the lane")
+	return nil, 0, id, off
+}
+
+// A tensor returned by the lane outlives its sender: killed before its
+// answer is taken, the sender's hold on the block is gone, yet the
+// producer's pool does not hand the block out again, however many it
+// hands out meanwhile, and the answer, taken, is the tensor whole.
+func TestQueueReturnOutlivesItsSender(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	pool := shm.DefaultPool()
+	back, v, id, off := returnedThenKilled(t, ctx)
+	taken := sock.ReturnsTaken()
+	// This process's ticket descriptions, which hold every slot of a
+	// segment it sent from, go first (Trim), and the killed worker's
+	// loans come back: then the kernel says nobody holds the answer's
+	// block, and only the lane's scanner keeps it.
+	require.Eventually(t, func() bool { pool.Trim(1 << 30); return pool.InUse() == 1 }, 5*time.Second, 5*time.Millisecond,
+		"the answer's block is kept, and nothing else")
+
+	var made []*tensor.Tensor
+	defer func() {
+		for _, x := range made {
+			_ = x.Release()
+		}
+	}()
+	for range 1500 { // three slabs of the class and more: each empty free list is a reclaim
+		x := newInts(t, 0)
+		made = append(made, x)
+		xid, xoff := slotOf(t, x)
+		require.False(t, xid == id && xoff == off, "the returned block was handed out while its answer waited")
+	}
+	var y *tensor.Tensor
+	require.NoError(t, back.Get(ctx, &y))
+	assert.Equal(t, taken+1, sock.ReturnsTaken(), "the answer came by the lane")
+	yid, yoff := slotOf(t, y)
+	assert.True(t, yid == id && yoff == off, "on its own block")
+	checkInts(t, y, v)
+	require.NoError(t, y.Release())
+	for _, x := range made {
+		require.NoError(t, x.Release())
+	}
+	made = nil
+	require.Eventually(t, func() bool { return pool.InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
+		"every block comes back")
+}
+
+// An answer returned by the lane and never taken gives its block back to
+// its producer once the producer's end of the queue is closed.
+func TestQueueReturnNeverTaken(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	pool := shm.DefaultPool()
+	back, _, _, _ := returnedThenKilled(t, ctx)
+	require.Eventually(t, func() bool { pool.Trim(1 << 30); return pool.InUse() == 1 }, 5*time.Second, 5*time.Millisecond,
+		"the answer's block, kept while the answer waits, and nothing else (the killed worker's loans come back)")
+	time.Sleep(20 * time.Millisecond) // reclaims meanwhile keep it still
+	assert.Equal(t, 1, pool.InUse())
+	scanners := shm.ReturnScanners()
+	require.NoError(t, back.Close())
+	assert.Equal(t, scanners-1, shm.ReturnScanners(), "the closed end's reader no longer scans its lane")
+	require.Eventually(t, func() bool { return pool.InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
+		"the block comes back once no lane of this process holds the answer")
+}

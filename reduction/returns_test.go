@@ -1,0 +1,87 @@
+package reduction
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/carry"
+	"github.com/tensormp/tensormp/internal/fd"
+	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/internal/shm"
+	"github.com/tensormp/tensormp/tensor"
+)
+
+// returnMeta is a lane message's metadata that returns b, a block of
+// this process's pool, by identity: 4096 bytes.
+func returnMeta(b *shm.Block) Meta {
+	seg := b.Segment()
+	m := validMeta(seg.ID())
+	m.FDIndex, m.Shape, m.Strides, m.DType = -1, []int{4096}, []int{1}, tensor.Uint8
+	m.SegmentSize, m.BlockOffset, m.Gen = seg.Size(), b.Offset(), b.Gen()
+	return m
+}
+
+// A lane's message that returns a block this process made gives the
+// storage that holds it, or, that storage released, the block itself,
+// taken back from the pool; one taken while another goroutine releases
+// that storage waits for the release and gets the block.
+func TestLaneReturnFindsItsBlock(t *testing.T) {
+	leakcheck.Check(t)
+	pool := shm.DefaultPool()
+	decode := func(m Meta) (*tensor.Tensor, error) {
+		var fds fd.Set
+		var x *tensor.Tensor
+		err := carry.DecodeFrom(extMessage(t, m), &fds, &x, pinnedLane{}, true)
+		return x, err
+	}
+
+	b, err := pool.Alloc(4096)
+	require.NoError(t, err)
+	s, err := tensor.NewStorage(device.CPU(), b)
+	require.NoError(t, err)
+	registerBlock(s, b)
+	m := returnMeta(b)
+	x, err := decode(m)
+	require.NoError(t, err)
+	assert.Same(t, s, x.Storage(), "the storage that holds it")
+
+	type decoded struct {
+		x   *tensor.Tensor
+		err error
+	}
+	got := make(chan decoded, 1)
+	s.OnRelease(func() {
+		// Taken on another goroutine while this Release is under way:
+		// the storage is released, its block not yet.
+		go func() {
+			x, err := decode(m)
+			got <- decoded{x, err}
+		}()
+		time.Sleep(200 * time.Microsecond)
+	})
+	require.NoError(t, s.Release())
+	d := <-got
+	require.NoError(t, d.err, "the block, once the release is done")
+	y, ok := d.x.Storage().Backing().(*shm.Block)
+	require.True(t, ok)
+	assert.Same(t, b, y, "the same block, taken back")
+	again, err := decode(m)
+	require.NoError(t, err)
+	assert.Same(t, d.x.Storage(), again.Storage(), "the message's storage holds it now")
+	require.NoError(t, d.x.Release())
+
+	// A block of a segment this process did not make, nor pins for the
+	// lane, is not the lane's.
+	seg, err := shm.Create(1<<20, shm.KeepFD|shm.Unlink)
+	require.NoError(t, err)
+	defer seg.Release()
+	other := validMeta(seg.ID())
+	other.FDIndex, other.SegmentSize, other.BlockOffset, other.Gen = -1, 1<<20, 4096, 1
+	_, err = decode(other)
+	assert.ErrorIs(t, err, shm.ErrNotMapped)
+	assert.ErrorIs(t, err, ErrMalformed)
+}
