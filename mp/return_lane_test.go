@@ -15,19 +15,20 @@ import (
 	"github.com/tensormp/tensormp/tensor"
 )
 
-// Tensors returned to their producer by a queue's lane: the worker's
+// Tensors returned to their producer by a pipe's lane: the worker's
 // answer is the tensor it was given, which goes back named by identity
 // and held by its producer while it waits (see package sock's Way).
 
 func init() { mp.Register("return-keep", workerReturnKeep) }
 
 type returnArgs struct {
-	In, Go, Back, Notes *mp.Queue
+	Pipe  *mp.Pipe
+	Notes *mp.Queue
 }
 
-// workerReturnKeep sends each tensor it gets from In back on Back, once
-// Go says so, keeping it, and then puts on Notes whether the answer went
-// by the lane; a nil tensor ends it. It is killed holding what it kept.
+// workerReturnKeep sends each tensor it gets on its pipe back on it,
+// keeping it, and then puts on Notes whether the answer went by the lane;
+// a nil tensor ends it. It is killed holding what it kept.
 func workerReturnKeep(ctx context.Context, w *mp.Worker) error {
 	var a returnArgs
 	if err := w.Args(&a); err != nil {
@@ -41,16 +42,12 @@ func workerReturnKeep(ctx context.Context, w *mp.Worker) error {
 	}()
 	for {
 		var x *tensor.Tensor
-		if err := a.In.Get(ctx, &x); err != nil || x == nil {
+		if err := a.Pipe.Recv(ctx, &x); err != nil || x == nil {
 			return err
 		}
 		kept = append(kept, x)
-		var ok bool
-		if err := a.Go.Get(ctx, &ok); err != nil {
-			return err
-		}
 		before := sock.ReturnsSent()
-		if err := a.Back.Put(ctx, x); err != nil {
+		if err := a.Pipe.Send(ctx, x); err != nil {
 			return err
 		}
 		if err := a.Notes.Put(ctx, sock.ReturnsSent() > before); err != nil {
@@ -69,46 +66,45 @@ func slotOf(t *testing.T, x *tensor.Tensor) (shm.ID, int64) {
 
 // returnedThenKilled has a return-keep worker send back, by the lane, a
 // tensor this process released once it was sent, and kills the worker
-// before this process takes the answer. It returns the queue the answer
-// waits on, the value and place of the tensor, and the pool.
-func returnedThenKilled(t *testing.T, ctx context.Context) (back *mp.Queue, v int, id shm.ID, off int64) {
+// before this process takes the answer; it returns once the answer's
+// block is the only one of the default pool held. It returns this
+// process's end of the pipe the answer waits on, and the value and place
+// of the tensor.
+func returnedThenKilled(t *testing.T, ctx context.Context) (p *mp.Pipe, v int, id shm.ID, off int64) {
 	t.Helper()
-	in, goes, notes := newQueue(t), newQueue(t), newQueue(t)
-	back = newQueue(t)
-	g, err := mp.Spawn(ctx, "return-keep", 1, mp.WithArgs(returnArgs{In: in, Go: goes, Back: back, Notes: notes}))
+	pool := shm.DefaultPool()
+	p, theirs, err := mp.NewPipe()
 	require.NoError(t, err)
-	// Round trips, this process waiting in Get for each answer before the
-	// worker sends it, until one comes by the lane; then one more, whose
-	// answer it does not wait for.
-	waiting := true
-	for v = 1; v <= 100; v++ {
+	t.Cleanup(func() { _ = p.Close() })
+	notes := newQueue(t)
+	g, err := mp.Spawn(ctx, "return-keep", 1, mp.WithArgs(returnArgs{Pipe: theirs, Notes: notes}))
+	require.NoError(t, theirs.Close())
+	require.NoError(t, err)
+	// The first answer goes by the socket: this process takes the
+	// lane's reader's role, and lists its segments, at its first receive.
+	for v = 1; v <= 10; v++ {
 		x := newInts(t, v)
 		id, off = slotOf(t, x)
-		err := in.Put(ctx, x)
+		err := p.Send(ctx, x)
 		require.NoError(t, x.Release()) // the worker's hold, then the lane's, are all it has
 		require.NoError(t, err)
-		var y *tensor.Tensor
-		if waiting {
-			answer := make(chan error, 1)
-			go func() { answer <- back.Get(ctx, &y) }()
-			time.Sleep(2 * time.Millisecond) // in its Get by now, most likely
-			require.NoError(t, goes.Put(ctx, true))
-			require.NoError(t, <-answer)
-		} else {
-			require.NoError(t, goes.Put(ctx, true))
-		}
 		var laned bool
 		require.NoError(t, notes.Get(ctx, &laned))
-		if !waiting && laned {
+		if laned {
 			kill(t, g) // its hold on the block dies with it; the answer waits in the lane
-			return back, v, id, off
+			// This process's ticket descriptions, which hold every slot
+			// of a segment it sent from, go (Trim), and the killed
+			// worker's loans come back: then the kernel says nobody
+			// holds the answer's block, and only the lane's scanner
+			// keeps it.
+			require.Eventually(t, func() bool { pool.Trim(1 << 30); return pool.InUse() == 1 }, 5*time.Second, 5*time.Millisecond,
+				"the answer's block is kept, and nothing else")
+			return p, v, id, off
 		}
-		if !waiting {
-			require.NoError(t, back.Get(ctx, &y))
-		}
+		var y *tensor.Tensor
+		require.NoError(t, p.Recv(ctx, &y))
 		checkInts(t, y, v)
 		require.NoError(t, y.Release())
-		waiting = !laned
 	}
 	t.Fatal("no answer went by the lane")
 	return nil, 0, id, off
@@ -118,19 +114,13 @@ func returnedThenKilled(t *testing.T, ctx context.Context) (back *mp.Queue, v in
 // answer is taken, the sender's hold on the block is gone, yet the
 // producer's pool does not hand the block out again, however many it
 // hands out meanwhile, and the answer, taken, is the tensor whole.
-func TestQueueReturnOutlivesItsSender(t *testing.T) {
+func TestPipeReturnOutlivesItsSender(t *testing.T) {
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	pool := shm.DefaultPool()
-	back, v, id, off := returnedThenKilled(t, ctx)
+	p, v, id, off := returnedThenKilled(t, ctx)
 	taken := sock.ReturnsTaken()
-	// This process's ticket descriptions, which hold every slot of a
-	// segment it sent from, go first (Trim), and the killed worker's
-	// loans come back: then the kernel says nobody holds the answer's
-	// block, and only the lane's scanner keeps it.
-	require.Eventually(t, func() bool { pool.Trim(1 << 30); return pool.InUse() == 1 }, 5*time.Second, 5*time.Millisecond,
-		"the answer's block is kept, and nothing else")
 
 	var made []*tensor.Tensor
 	defer func() {
@@ -145,7 +135,7 @@ func TestQueueReturnOutlivesItsSender(t *testing.T) {
 		require.False(t, xid == id && xoff == off, "the returned block was handed out while its answer waited")
 	}
 	var y *tensor.Tensor
-	require.NoError(t, back.Get(ctx, &y))
+	require.NoError(t, p.Recv(ctx, &y))
 	assert.Equal(t, taken+1, sock.ReturnsTaken(), "the answer came by the lane")
 	yid, yoff := slotOf(t, y)
 	assert.True(t, yid == id && yoff == off, "on its own block")
@@ -160,19 +150,17 @@ func TestQueueReturnOutlivesItsSender(t *testing.T) {
 }
 
 // An answer returned by the lane and never taken gives its block back to
-// its producer once the producer's end of the queue is closed.
-func TestQueueReturnNeverTaken(t *testing.T) {
+// its producer once the producer's end of the pipe is closed.
+func TestPipeReturnNeverTaken(t *testing.T) {
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	pool := shm.DefaultPool()
-	back, _, _, _ := returnedThenKilled(t, ctx)
-	require.Eventually(t, func() bool { pool.Trim(1 << 30); return pool.InUse() == 1 }, 5*time.Second, 5*time.Millisecond,
-		"the answer's block, kept while the answer waits, and nothing else (the killed worker's loans come back)")
+	p, _, _, _ := returnedThenKilled(t, ctx)
 	time.Sleep(20 * time.Millisecond) // reclaims meanwhile keep it still
 	assert.Equal(t, 1, pool.InUse())
 	scanners := shm.ReturnScanners()
-	require.NoError(t, back.Close())
+	require.NoError(t, p.Close())
 	assert.Equal(t, scanners-1, shm.ReturnScanners(), "the closed end's reader no longer scans its lane")
 	require.Eventually(t, func() bool { return pool.InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
 		"the block comes back once no lane of this process holds the answer")

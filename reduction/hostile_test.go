@@ -509,9 +509,10 @@ func TestLaneDecodeLocksAhead(t *testing.T) {
 
 // A message that came by a lane names blocks by identity alone, and only
 // blocks of segments the lane's reader pins, which this process maps, are
-// found so: another is ErrNotMapped, whatever the message says, even of a
-// segment this process maps for another reason (another holder of the
-// segment is not held for by the lane's writer).
+// found so, or blocks this process made (returns, see
+// TestLaneReturnFindsItsBlock): another is ErrNotMapped, whatever the
+// message says, even of a segment this process maps for another reason
+// (another holder of the segment is not held for by the lane's writer).
 func TestLaneMessageFindsOnlyMappedSegments(t *testing.T) {
 	leakcheck.Check(t)
 	seg, err := shm.Create(1<<20, shm.KeepFD|shm.Unlink)

@@ -523,7 +523,7 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 			// Only the lane's reader's pins are the lane's, and its
 			// own blocks, returned: another holder of the segment is
 			// not held for by the writer.
-			s, err := openReturned(found, m, made)
+			s, err := openReturned(m, made)
 			if errors.Is(err, shm.ErrNotReturnable) {
 				return nil, fmt.Errorf("a block of segment %v, which the lane's reader does not pin: %w", m.segmentID(), shm.ErrNotMapped)
 			}
@@ -555,11 +555,13 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 // blocks, which is found in use (found) or taken back from its pool,
 // where the lane's scanner kept it while the message waited (see
 // shm.Revive). A block of any other segment is shm.ErrNotReturnable.
-func openReturned(found *tensor.StorageRef, m Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {
+func openReturned(m Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {
 	ref := shm.ReturnRef{ID: m.segmentID(), Offset: m.BlockOffset, Gen: m.Gen}
 	var deadline time.Time
 	for {
-		if s := liveUser(found, m.Size); s != nil {
+		// Looked up at each try: another decode of a message that
+		// returns the same block may have taken it back meanwhile.
+		if s := liveUser(userOf(shm.SegmentRef{ID: ref.ID}, m), m.Size); s != nil {
 			return s, nil
 		}
 		b, err := shm.Revive(ref, m.Size)
@@ -567,8 +569,9 @@ func openReturned(found *tensor.StorageRef, m Meta, made *[]*tensor.Storage) (*t
 			// A storage of this process that releases the block on
 			// another goroutine lets go of it last: its Release is
 			// under way, and the block is the message's once it is
-			// done. Not for long: an honest message names no block in
-			// use otherwise.
+			// done; or another decode took it back, and registers its
+			// storage next. Not for long: an honest message names no
+			// block in use otherwise.
 			if deadline.IsZero() {
 				deadline = time.Now().Add(reviveWait)
 			}

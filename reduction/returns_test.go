@@ -85,3 +85,30 @@ func TestLaneReturnFindsItsBlock(t *testing.T) {
 	assert.ErrorIs(t, err, shm.ErrNotMapped)
 	assert.ErrorIs(t, err, ErrMalformed)
 }
+
+// Two messages that return one block, decoded at once, give the same
+// storage: one takes the block back, the other finds it.
+func TestLaneReturnsOfOneBlockAtOnce(t *testing.T) {
+	leakcheck.Check(t)
+	b, err := shm.DefaultPool().Alloc(4096)
+	require.NoError(t, err)
+	m := returnMeta(b)
+	require.NoError(t, b.Release())
+	for range 50 {
+		got := make(chan *tensor.Tensor, 2)
+		for range 2 {
+			go func() {
+				var fds fd.Set
+				var x *tensor.Tensor
+				err := carry.DecodeFrom(extMessage(t, m), &fds, &x, pinnedLane{}, true)
+				assert.NoError(t, err)
+				got <- x
+			}()
+		}
+		x, y := <-got, <-got
+		require.NotNil(t, x)
+		require.NotNil(t, y)
+		assert.Same(t, x.Storage(), y.Storage())
+		require.NoError(t, x.Release())
+	}
+}

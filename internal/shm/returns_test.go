@@ -5,6 +5,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/shm"
@@ -130,4 +131,26 @@ func TestReclaimKeepsReturnedSlots(t *testing.T) {
 	require.True(t, d.Segment() == a.Segment() && d.Offset() == ref.Offset, "the warmest slot is handed out first")
 	require.NoError(t, d.Release())
 	assert.Zero(t, p.InUse())
+}
+
+// A slot another description holds keeps its generation through a
+// reclaim that asks the scanners too: the holder's later return of it
+// is taken back.
+func TestReclaimLeavesHeldSlotsToTheirHolders(t *testing.T) {
+	p := testPool(t)
+	a := mustAlloc(t, p, small)
+	ref := returnOf(a)
+	msg := send(t, a)
+	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: a.Segment().Size()}, Offset: a.Offset(), Size: small, Gen: a.Gen(), Ticket: msg})
+	require.NoError(t, err)
+	require.NoError(t, unix.Close(msg))
+	unregister := shm.RegisterReturns(func(yield func(shm.ReturnRef)) { yield(shm.ReturnRef{ID: ref.ID, Offset: ref.Offset + small, Gen: 1}) })
+	defer unregister()
+	require.NoError(t, a.Release())
+	p.Trim(1 << 30) // the ticket description goes: the receiver's lock alone holds the slot
+	assert.Equal(t, 1, p.InUse(), "held by the receiver")
+	back, err := shm.Revive(ref, small)
+	require.NoError(t, err, "its generation unchanged")
+	require.NoError(t, r.Release())
+	require.NoError(t, back.Release())
 }

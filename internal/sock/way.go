@@ -229,13 +229,12 @@ func NewWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 // there. A writer claims the reader's state before it publishes an entry
 // (waitClaimed, claimedBusy), and the reader, once claimed, waits for the
 // entry on the lane, never on the socket, until it comes or the claiming
-// writer is gone. Tensors of the writer's pool by identity go only to a
-// reader that waits on the lane and holds the role now (see readerHeld);
-// a writer with one for a busy reader, the end's only one, waits briefly
-// for it to come back to the lane if the writer's process is answering
-// (awaitReader). Tensors returned to the reader, which made them, go to
-// a busy sole reader too (see way_returns.go). A reader that only tries
-// (TryRecv) is not counted as another reader.
+// writer is gone. Tensors by identity (of the writer's pool, or returned
+// to the reader, which made them) go only to a reader that waits on the
+// lane and holds the role now (see readerHeld); a writer with one for a
+// busy reader, the end's only one, waits briefly for it to come back to
+// the lane if the writer's process is answering (awaitReader). A reader
+// that only tries (TryRecv) is not counted as another reader.
 func NewFairWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 	w := NewWay(shared, mem, writes)
 	w.fair, w.sleep = true, laneSleep
@@ -345,7 +344,8 @@ func (w *Way) letGoIdle() {
 		w.idle.Reset(idleRole)
 	case w.returnWaits(w.lane.Load()):
 		// An entry returns blocks this process made, which no other
-		// reader could take back (see way_returns.go).
+		// reader could take back (see way_returns.go): a pipe's, or a
+		// queue's claimed one, whose receive ended first.
 		w.idle.Reset(idleRole)
 	default:
 		w.letGo(false)
@@ -422,8 +422,8 @@ func (w *Way) taken() *Lane {
 			// reader's to take.
 			moveWait(l.readerWord(readerWaits), waitBusy)
 		}
+		w.registerReturns() // before the list says which segments are its own
 		w.listPins(l)
-		w.registerReturns()
 		w.idle.Reset(idleRole)
 	}
 	return l
@@ -544,7 +544,7 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 	}
 	hdr, ok := appendReturns(w.hbuf[:0], lent)
 	w.hbuf = hdr
-	if ok && len(fds) == 0 && len(hdr)+len(data) <= l.Room() && !w.owed && w.lanes(ctx, l, lends(lent), block) {
+	if ok && len(fds) == 0 && len(hdr)+len(data) <= l.Room() && !w.owed && w.lanes(ctx, l, len(lent) > 0, block) {
 		pos := l.Tail()
 		err := w.sendEntry(ctx, l, hdr, data, block)
 		if err != nil && w.fair {
@@ -615,12 +615,11 @@ func (w *Way) lanes(ctx context.Context, l *Lane, named, block bool) bool {
 // found it empty (which may have been sent before this one, as a pool's
 // notice of a worker's exit follows the worker's last reply: this one
 // follows it on the socket), and the reader waiting on the lane, or, for
-// a message that names no block of the writer's pool (not named: a value,
-// or one that returns blocks to the reader), busy while no other process
+// a message that names no block (not named), busy while no other process
 // reads the end (it takes the entry at its next receive; a reader that
 // lets go of its role meanwhile leaves it to the next, which could not
-// rebuild blocks named for the first one's pins, and a reader keeps its
-// role while a return to it waits: see letGoIdle). With claim, the writer
+// rebuild blocks named for the first one's pins, nor take back blocks
+// returned to the first one, which made them). With claim, the writer
 // that may send claims the reader (see waitClaimed), which then waits
 // for the entry on the lane, not on the socket; the writer publishes the
 // entry, or gives the claim back.

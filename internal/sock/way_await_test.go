@@ -219,3 +219,18 @@ func TestReceiveMarksTheProcessAnswering(t *testing.T) {
 	recvWay(t, ctx, r)
 	assert.NotZero(t, lastRecv.Load(), "stamped when the receive ended")
 }
+
+// A writer waits about four times as long as its reader lately took to
+// come back, within its least and most.
+func TestPatienceBudget(t *testing.T) {
+	p := patience{least: patienceMin, most: patienceCap}
+	assert.Equal(t, patienceMin, p.budget(), "nothing learnt yet")
+	for range 64 {
+		p.hit(time.Second)
+	}
+	assert.Equal(t, patienceCap, p.budget(), "a reader slow to come back")
+	for range 64 {
+		p.hit(20 * time.Microsecond)
+	}
+	assert.InDelta(t, float64(80*time.Microsecond), float64(p.budget()), float64(5*time.Microsecond))
+}

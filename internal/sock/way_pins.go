@@ -38,7 +38,8 @@ import (
 //     once the writer's tensor is released, until the loan is returned.
 //   - Taking. The reader rebuilds a block named by identity only if it
 //     pins its segment (Pinned; another is ErrNotMapped, even one it maps
-//     for another reason, for which the writer holds nothing), taking its
+//     for another reason, for which the writer holds nothing, unless the
+//     reader made it: a return, see way_returns.go), taking its
 //     own lock on the slot and then checking the slot's generation, as for
 //     a block that came with a descriptor: it relies on the loan for
 //     nothing, since any holder of the lane could write the ack that ends
@@ -71,7 +72,7 @@ import (
 // writer sends by the socket from then on; one that closes unlists them
 // too. A reader that takes the role over from another that left entries
 // untaken gets ErrNotMapped (shm) for each block they name (unless it
-// pins the segment itself: then, the loan perhaps returned, it holds the
+// made the block, or pins the segment itself: then, the loan perhaps returned, it holds the
 // block or gets ErrStaleBlock, never another's, since the producer's
 // reclaim asks again after it bumps a generation), and the writer's loans
 // of them come back once the first reader has closed.

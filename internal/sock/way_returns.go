@@ -30,6 +30,10 @@ import (
 //   - The reader takes the entry and records its returns (w.taking)
 //     under one lock that the scanner takes too, so that no return is
 //     between the two, and forgets them once the message is done.
+//   - A queue hands a return, as any tensor by identity, only to a reader
+//     that waits on the lane (or comes back to it within the writer's
+//     patience): another getter could not take it back. A pipe's reader
+//     keeps its role while a return to it waits (letGoIdle).
 //   - A reader that takes the role over from another that left returns
 //     untaken gets ErrNotMapped for them, unless it produced them too;
 //     their producer keeps them while they wait, and reuses them once
@@ -71,7 +75,8 @@ func ReturnsTaken() uint64 { return returnsTaken.Load() }
 // its segment's identity alone as a return (carry.Lane): b is a block
 // received here, of a sealed segment of its own, whose producer is the
 // lane's reader (it lists the segment), and, for a fair Way, the lane
-// would take a message now (handsOver).
+// would take a message that names blocks now (handsOver), or may once
+// the busy reader comes back (mayAwait).
 func (w *Way) Returns(b *shm.Block) bool {
 	if !w.writes || !w.writing.Load() || b.Produced() || b.Named() || b.InExtent() {
 		return false
@@ -79,21 +84,10 @@ func (w *Way) Returns(b *shm.Block) bool {
 	w.viewMu.Lock()
 	defer w.viewMu.Unlock()
 	l := w.lane.Load()
-	if l == nil || w.viewClosed || !w.handsOver(l, l.Sent(), false, false) || !w.readView(l) {
+	if l == nil || w.viewClosed || !w.handsOver(l, l.Sent(), false, true) && !w.mayAwait(l) || !w.readView(l) {
 		return false
 	}
 	return w.view.produced[b.Segment().ID()]
-}
-
-// lends reports whether lent, the blocks a message names by identity,
-// holds one of this process's pool, lent to it (the others are returns).
-func lends(lent []*shm.Block) bool {
-	for _, b := range lent {
-		if b.Produced() {
-			return true
-		}
-	}
-	return false
 }
 
 // returnWaits reports whether an untaken entry of the lane returns blocks
@@ -144,7 +138,7 @@ func appendReturns(hdr []byte, lent []*shm.Block) ([]byte, bool) {
 // parseReturns reads the returns of e, a kindReturn entry, calling yield
 // with each, and returns the message's bytes after them.
 func parseReturns(e []byte, yield func(shm.ReturnRef)) ([]byte, error) {
-	if len(e) < 2 || len(e) < 2+int(e[1])*returnRefSize {
+	if len(e) < 2 || int(e[1]) > maxReturns || len(e) < 2+int(e[1])*returnRefSize {
 		return nil, fmt.Errorf("mp: receiving on a lane: %w: an entry that returns %d blocks in %d bytes", ErrMalformed, returnCount(e), len(e))
 	}
 	n := int(e[1])

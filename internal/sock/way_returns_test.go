@@ -4,10 +4,13 @@ import (
 	"context"
 	"encoding/binary"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/tensormp/tensormp/internal/carry"
+	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/shm"
 )
 
@@ -26,19 +29,31 @@ func scanned(r *Way) []shm.ReturnRef {
 	return refs
 }
 
+// returnsSetUp returns a block b of this process's pool, as its producer
+// holds it, and got, the same block as a process it was sent to holds
+// it, released when the test ends.
+func returnsSetUp(t *testing.T) (b, got *shm.Block) {
+	t.Helper()
+	b, err := shm.DefaultPool().Alloc(4 << 10)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = b.Release() })
+	got = receivedCopy(t, b)
+	t.Cleanup(func() { _ = got.Release() })
+	return b, got
+}
+
 // A block received here and sent back to its producer, the lane's reader,
 // goes by the lane as a return: the reader's scanner names it while the
 // entry waits and while the reader takes it, until the message is done;
-// and the reader keeps its role, idle, while a return to it waits.
+// and a pipe's reader keeps its role, idle, while a return to it waits,
+// even behind a value.
 func TestWayReturnsAreNamedUntilTaken(t *testing.T) {
-	w, r, _, ctx := fairRoles(t)
-	b, err := shm.DefaultPool().Alloc(4 << 10)
-	require.NoError(t, err)
-	defer b.Release()
-	got := receivedCopy(t, b) // as the writer, a process b was sent to, holds it
-	defer got.Release()
-	takeRoles(t, ctx, w, r, nil) // the reader lists its pools' segments again, b's among them
-	drained(t, r)
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	b, got := returnsSetUp(t)
+	w, r, _ := wayPair(t)
+	takeRoles(t, ctx, w, r, nil) // the reader lists its pools' segments, b's among them
 
 	assert.True(t, w.Returns(got), "a block of the reader's pool, received here")
 	assert.False(t, w.Returns(b), "a block of the writer's own pool is no return")
@@ -47,15 +62,20 @@ func TestWayReturnsAreNamedUntilTaken(t *testing.T) {
 	assert.Empty(t, scanned(r))
 
 	sent := ReturnsSent()
+	require.NoError(t, w.Send(ctx, binary.LittleEndian.AppendUint32(nil, 4), nil)) // a value first
 	require.NoError(t, w.SendLent(ctx, binary.LittleEndian.AppendUint32(nil, 5), nil, []*shm.Block{got}))
-	assert.Equal(t, sent+1, ReturnsSent(), "by the lane, to the busy reader")
+	assert.Equal(t, sent+1, ReturnsSent(), "by the lane")
 	assert.Equal(t, []shm.ReturnRef{ref}, scanned(r), "named while it waits")
 	r.letGoIdle()
 	r.letGoIdle() // no receive since the last look
-	assert.True(t, holds(r), "the reader keeps its role while a return to it waits")
+	assert.True(t, holds(r), "the reader keeps its role while a return to it waits, behind a value")
 
 	taken := ReturnsTaken()
 	m, err := r.Recv(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, uint32(4), binary.LittleEndian.Uint32(m.Data))
+	m.Done()
+	m, err = r.Recv(ctx)
 	require.NoError(t, err)
 	assert.True(t, m.ByLane())
 	assert.Equal(t, uint32(5), binary.LittleEndian.Uint32(m.Data), "the message's bytes, after the returns")
@@ -67,27 +87,39 @@ func TestWayReturnsAreNamedUntilTaken(t *testing.T) {
 	r.letGoIdle()
 	assert.False(t, holds(r), "idle, with nothing for it, the reader lets go")
 
-	// A reader that hands its end on unlists its pools' segments too: the
-	// writer returns nothing to it by the lane. (A pipe's writer hands
-	// its lane entries whatever the reader does: the list alone says.)
-	pw, pr, _ := wayPair(t)
-	takeRoles(t, ctx, pw, pr, nil)
-	assert.True(t, pw.Returns(got))
-	// A pipe's lane holds a return behind a value: the reader keeps its
-	// role for it all the same.
-	require.NoError(t, pw.Send(ctx, binary.LittleEndian.AppendUint32(nil, 6), nil))
-	require.NoError(t, pw.SendLent(ctx, binary.LittleEndian.AppendUint32(nil, 7), nil, []*shm.Block{got}))
-	pr.letGoIdle()
-	pr.letGoIdle()
-	assert.True(t, holds(pr), "a return behind a value keeps the role too")
-	for want := uint32(6); want <= 7; want++ {
-		m, err := pr.Recv(ctx)
-		require.NoError(t, err)
-		assert.Equal(t, want, binary.LittleEndian.Uint32(m.Data))
-		m.Done()
-	}
-	pr.LetGo()
-	assert.False(t, pw.Returns(got), "unlisted")
+	// A reader that hands its end on unlists its pools' segments: the
+	// writer returns nothing to it by the lane.
+	takeRoles(t, ctx, w, r, nil)
+	assert.True(t, w.Returns(got))
+	r.LetGo()
+	assert.False(t, w.Returns(got), "unlisted")
+}
+
+// A queue hands a return, as any tensor by identity, only to a getter
+// that waits on the lane, or that comes back to it while an answering
+// writer waits: another getter could not take it back.
+func TestFairWayReturnsOnlyToAWaitingReader(t *testing.T) {
+	_, got := returnsSetUp(t)
+	w, r, _, ctx := fairRoles(t)
+	takeRoles(t, ctx, w, r, nil)
+	drained(t, r)
+	lastRecv.Store(0)
+	assert.False(t, w.Returns(got), "a busy getter, and a writer that does not answer: the socket")
+	require.ErrorIs(t, w.SendLent(ctx, binary.LittleEndian.AppendUint32(nil, 5), nil, []*shm.Block{got}), carry.ErrNoLane)
+
+	w.wait.least, w.wait.most = time.Minute, time.Minute
+	answered()
+	assert.True(t, w.Returns(got), "an answering writer waits for it")
+	sent := ReturnsSent()
+	s := sendLater(t, w, func() error {
+		answered()
+		return w.SendLent(ctx, binary.LittleEndian.AppendUint32(nil, 6), nil, []*shm.Block{got})
+	})
+	g := within(t, recvLater(ctx, r), "the return never came")
+	require.NoError(t, sentWithin(t, s, "the getter came back, but the writer waited on"))
+	assert.True(t, g.byLane)
+	assert.Equal(t, 6, g.i)
+	assert.Equal(t, sent+1, ReturnsSent())
 }
 
 // An entry that says it returns more blocks than it holds is an error
