@@ -168,8 +168,13 @@ type ledger struct {
 // pool, in a sealed segment of its own (not a named one, or one whose data
 // lies elsewhere), the lane's reader lists the segment as pinned, and,
 // for a fair Way, the lane would take a message now (handsOver).
-func (w *Way) Maps(b *shm.Block) bool {
-	if !w.writes || !w.writing.Load() || !b.Produced() || b.Named() || b.InExtent() {
+func (w *Way) Maps(b *shm.Block) bool { return w.names(b, true) }
+
+// names is Maps for a block of this process's pool (own), and Returns for
+// one received here: the reader lists b's segment among its pins, or
+// among the segments it made.
+func (w *Way) names(b *shm.Block, own bool) bool {
+	if !w.writes || !w.writing.Load() || b.Produced() != own || b.Named() || b.InExtent() {
 		return false
 	}
 	w.viewMu.Lock()
@@ -178,7 +183,10 @@ func (w *Way) Maps(b *shm.Block) bool {
 	if l == nil || w.viewClosed || !w.handsOver(l, l.Sent(), false, true) && !w.mayAwait(l) || !w.readView(l) {
 		return false
 	}
-	return w.view.listed[b.Segment().ID()]
+	if own {
+		return w.view.listed[b.Segment().ID()]
+	}
+	return w.view.produced[b.Segment().ID()]
 }
 
 // readView brings the writer's copy of the reader's lists up to date,

@@ -77,18 +77,7 @@ func ReturnsTaken() uint64 { return returnsTaken.Load() }
 // lane's reader (it lists the segment), and, for a fair Way, the lane
 // would take a message that names blocks now (handsOver), or may once
 // the busy reader comes back (mayAwait).
-func (w *Way) Returns(b *shm.Block) bool {
-	if !w.writes || !w.writing.Load() || b.Produced() || b.Named() || b.InExtent() {
-		return false
-	}
-	w.viewMu.Lock()
-	defer w.viewMu.Unlock()
-	l := w.lane.Load()
-	if l == nil || w.viewClosed || !w.handsOver(l, l.Sent(), false, true) && !w.mayAwait(l) || !w.readView(l) {
-		return false
-	}
-	return w.view.produced[b.Segment().ID()]
-}
+func (w *Way) Returns(b *shm.Block) bool { return w.names(b, false) }
 
 // returnWaits reports whether an untaken entry of the lane returns blocks
 // to this process: only this process, their producer, can take them
