@@ -108,11 +108,11 @@ func TestFairWayReturnsOnlyToAWaitingReader(t *testing.T) {
 	require.ErrorIs(t, w.SendLent(ctx, binary.LittleEndian.AppendUint32(nil, 5), nil, []*shm.Block{got}), carry.ErrNoLane)
 
 	w.wait.least, w.wait.most = time.Minute, time.Minute
-	answered()
+	answered(t)
 	assert.True(t, w.Returns(got), "an answering writer waits for it")
 	sent := ReturnsSent()
 	s := sendLater(t, w, func() error {
-		answered()
+		answered(t)
 		return w.SendLent(ctx, binary.LittleEndian.AppendUint32(nil, 6), nil, []*shm.Block{got})
 	})
 	g := within(t, recvLater(ctx, r), "the return never came")
