@@ -165,25 +165,23 @@ func reduceCPU(t *tensor.Tensor, room []int, pinned *shm.Ticket, lane carry.Lane
 	if !ok { // released since ShareMemory, which leaves shared memory of shm's
 		return r, tensor.ErrReleased
 	}
-	if b, ok := sh.(*shm.Block); ok && lane != nil && lane.Maps(b) && b.Lend() == nil {
-		seg := b.Segment()
-		r.Strategy = string(strategy.FileDescriptor)
-		r.Size, r.SegmentSize, r.BlockOffset, r.Gen = b.Size(), seg.Size(), b.Offset(), b.Gen()
-		r.setSegmentID(seg.ID())
-		registerBlock(s, b)
-		r.lent = b
-		return r, nil
-	}
-	if b, ok := sh.(*shm.Block); ok && lane != nil && lane.Returns(b) {
-		// Back to its producer, the lane's reader, which holds it while
-		// the message waits (see shm.Revive); this process's own hold
-		// lasts until the message is in the lane.
-		seg := b.Segment()
-		r.Strategy = string(strategy.FileDescriptor)
-		r.Size, r.SegmentSize, r.BlockOffset, r.Gen = b.Size(), seg.Size(), b.Offset(), b.Gen()
-		r.setSegmentID(seg.ID())
-		r.lent = b
-		return r, nil
+	// By identity alone: a block of this process's pool, lent to the
+	// message, or one back to its producer, the lane's reader, which
+	// holds it while the message waits (see shm.Revive; this process's
+	// own hold lasts until the message is in the lane).
+	if b, ok := sh.(*shm.Block); ok && lane != nil {
+		lent := lane.Maps(b) && b.Lend() == nil
+		if lent || lane.Returns(b) {
+			seg := b.Segment()
+			r.Strategy = string(strategy.FileDescriptor)
+			r.Size, r.SegmentSize, r.BlockOffset, r.Gen = b.Size(), seg.Size(), b.Offset(), b.Gen()
+			r.setSegmentID(seg.ID())
+			if lent {
+				registerBlock(s, b)
+			}
+			r.lent = b
+			return r, nil
+		}
 	}
 	h, err := sh.Share(pinned)
 	if err != nil {
@@ -558,13 +556,11 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 func openReturned(m Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {
 	ref := shm.ReturnRef{ID: m.segmentID(), Offset: m.BlockOffset, Gen: m.Gen}
 	var deadline time.Time
+	revive := func() (*shm.Block, error) { return shm.Revive(ref, m.Size) }
 	for {
 		// Looked up at each try: another decode of a message that
 		// returns the same block may have taken it back meanwhile.
-		if s := liveUser(userOf(shm.SegmentRef{ID: ref.ID}, m), m.Size); s != nil {
-			return s, nil
-		}
-		b, err := shm.Revive(ref, m.Size)
+		s, err := adoptBlock(userOf(shm.SegmentRef{ID: ref.ID}, m), m, made, revive)
 		if errors.Is(err, shm.ErrInUse) {
 			// A storage of this process that releases the block on
 			// another goroutine lets go of it last: its Release is
@@ -580,14 +576,7 @@ func openReturned(m Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {
 				continue
 			}
 		}
-		if err != nil {
-			return nil, err
-		}
-		s, err := tensor.NewStorage(device.CPU(), b)
-		if err != nil {
-			return nil, errors.Join(err, b.Release())
-		}
-		return kept(s, registerBlock(s, b), made)
+		return s, err
 	}
 }
 

@@ -17,11 +17,12 @@ import (
 // every reuse, so that taking a recycled block allocates nothing.
 type sizeClass struct {
 	cap     int64
-	free    []*Block  // nobody holds them
-	pending []*Block  // released here, perhaps still held elsewhere
-	asking  []*Block  // reclaimLocked's room
-	again   []*Block  // and askAgain's
-	sorting []slotKey // and askInRuns'
+	free    []*Block               // nobody holds them
+	pending []*Block               // released here, perhaps still held elsewhere
+	asking  []*Block               // reclaimLocked's room
+	again   []*Block               // and askAgain's
+	sorting []slotKey              // and askInRuns'
+	named   map[ReturnRef]struct{} // and the returns' (see Returns)
 	segs    []*segment
 	growing bool // a goroutine makes a segment for the class, the pool's lock let go (see newSegment)
 }
@@ -187,17 +188,21 @@ func (p *Pool) reclaimLocked(c *sizeClass) {
 	// process by a lane, which holds it from here (see Returns): the
 	// lanes are looked at after the kernel, since a sender publishes its
 	// message before it lets go of its own lock.
-	var named map[ReturnRef]struct{}
+	asked := false
 	for _, b := range c.pending {
 		if b.held {
 			continue
 		}
-		if named == nil {
-			if named = returnsNamed(); named == nil {
+		if !asked {
+			asked = true
+			if c.named == nil {
+				c.named = map[ReturnRef]struct{}{}
+			}
+			if !returnsNamed(c.named) {
 				break
 			}
 		}
-		_, b.held = named[ReturnRef{ID: b.seg.alloc.ID(), Offset: b.Offset(), Gen: b.gen}]
+		_, b.held = c.named[ReturnRef{ID: b.seg.alloc.ID(), Offset: b.Offset(), Gen: b.gen}]
 	}
 
 	if hook := beforeBump.Load(); hook != nil {

@@ -69,19 +69,20 @@ func ReturnScanners() int {
 	return len(returnScanners.regs)
 }
 
-// returnsNamed returns the blocks the registered scanners name now, or
-// nil if none is registered. The caller holds a Pool's mu.
-func returnsNamed() map[ReturnRef]struct{} {
+// returnsNamed fills named, which it clears first, with the blocks the
+// registered scanners name now, and reports whether any is registered.
+// The caller holds a Pool's mu.
+func returnsNamed(named map[ReturnRef]struct{}) bool {
+	clear(named)
 	returnScanners.mu.Lock()
 	defer returnScanners.mu.Unlock()
 	if len(returnScanners.regs) == 0 {
-		return nil
+		return false
 	}
-	named := map[ReturnRef]struct{}{}
 	for r := range returnScanners.regs {
 		r.scan(func(ref ReturnRef) { named[ref] = struct{}{} })
 	}
-	return named
+	return true
 }
 
 // ErrNotReturnable is returned by Revive for a block that names no slot

@@ -1,6 +1,7 @@
 package shm_test
 
 import (
+	"sync/atomic"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -131,6 +132,23 @@ func TestReclaimKeepsReturnedSlots(t *testing.T) {
 	require.True(t, d.Segment() == a.Segment() && d.Offset() == ref.Offset, "the warmest slot is handed out first")
 	require.NoError(t, d.Release())
 	assert.Zero(t, p.InUse())
+
+	// A scanner that stops naming a block (its message was taken) lets
+	// it go at the next reclaim.
+	var naming atomic.Bool
+	naming.Store(true)
+	e := mustAlloc(t, p, small)
+	later := returnOf(e)
+	unregisterLater := shm.RegisterReturns(func(yield func(shm.ReturnRef)) {
+		if naming.Load() {
+			yield(later)
+		}
+	})
+	defer unregisterLater()
+	require.NoError(t, e.Release())
+	assert.Equal(t, 1, p.InUse(), "named")
+	naming.Store(false)
+	assert.Zero(t, p.InUse(), "named no more")
 }
 
 // A slot another description holds keeps its generation through a
