@@ -527,17 +527,7 @@ func NewPipe() (*Pipe, *Pipe, error) {
 }
 
 // Send sends v to the other end.
-func (p *Pipe) Send(ctx context.Context, v any) error {
-	var sendErr error
-	err := carry.EncodeLane(v, p.out, func(data []byte, fds []int, lent []*shm.Block) error {
-		sendErr = p.out.SendLent(ctx, data, fds, lent)
-		return sendErr
-	})
-	if err != nil && err != sendErr {
-		return fmt.Errorf("mp: encoding %T: %w", v, err)
-	}
-	return err
-}
+func (p *Pipe) Send(ctx context.Context, v any) error { return sendLane(ctx, p.out, v, true) }
 
 // Recv receives the next value from the other end into v. When the other
 // end is closed in every process that held it, Recv returns ErrClosed.
