@@ -21,7 +21,7 @@ type sizeClass struct {
 	pending []*Block               // released here, perhaps still held elsewhere
 	asking  []*Block               // reclaimLocked's room
 	again   []*Block               // and askAgain's
-	sorting []slotKey              // and askInRuns'
+	runs    runRoom                // and askInRuns'
 	named   map[ReturnRef]struct{} // and the returns' (see Returns)
 	segs    []*segment
 	growing bool // a goroutine makes a segment for the class, the pool's lock let go (see newSegment)
@@ -181,7 +181,7 @@ func (p *Pool) reclaimLocked(c *sizeClass) {
 			ask = append(ask, b)
 		}
 	}
-	askInRuns(ask, &c.sorting)
+	askInRuns(ask, &c.runs)
 	clear(ask)
 	c.asking = ask[:0]
 	// A slot no description holds may be one a message returns to this
@@ -229,7 +229,7 @@ func (p *Pool) reclaimLocked(c *sizeClass) {
 		}
 		bumped = append(bumped, b)
 	}
-	c.again = askAgain(bumped, c.again[:0], &c.sorting)
+	c.again = askAgain(bumped, c.again[:0], &c.runs)
 	for _, b := range bumped {
 		b.seg.held = unasked
 		if b.held {
@@ -253,8 +253,8 @@ var beforeBump atomic.Pointer[func()]
 // bumped, in the order they were released, to whether a description other
 // than their segment's own holds its slot: once per segment, and about
 // the slots only in a segment held in part, in runs. part is its room,
-// which it returns cleared; sorting, askInRuns'.
-func askAgain(bs, part []*Block, sorting *[]slotKey) []*Block {
+// which it returns cleared; r, askInRuns'.
+func askAgain(bs, part []*Block, r *runRoom) []*Block {
 	for _, b := range bs {
 		if b.seg.held == unasked {
 			b.seg.held = b.seg.askWhole()
@@ -264,41 +264,52 @@ func askAgain(bs, part []*Block, sorting *[]slotKey) []*Block {
 			part = append(part, b)
 		}
 	}
-	askInRuns(part, sorting)
+	askInRuns(part, r)
 	clear(part)
 	return part[:0]
 }
 
-// askInRuns sorts bs, blocks of segments held in part, by segment and
-// slot, and sets held for each, asking about runs of each segment's slots
-// (see askHeld). sorting is its room, left empty.
-func askInRuns(bs []*Block, sorting *[]slotKey) {
-	keys := (*sorting)[:0]
+// askInRuns sets held for each of bs, blocks of segments held in part,
+// asking about runs of each segment's slots in slot order (see askHeld).
+// Each block is marked in its segment's bitmap of slots, read back in
+// order, which costs a bit a block and a word per 64 slots rather than
+// a sort. r is its room, left empty.
+func askInRuns(bs []*Block, r *runRoom) {
+	segs := r.segs[:0]
 	for _, b := range bs {
-		keys = append(keys, slotKey{uint64(uint32(b.seg.alloc.fd()))<<32 | uint64(uint32(b.slot)), b})
-	}
-	slices.SortFunc(keys, func(x, y slotKey) int { return cmp.Compare(x.key, y.key) })
-	for i, k := range keys {
-		bs[i] = k.b
-	}
-	clear(keys)
-	*sorting = keys[:0]
-	for rest := bs; len(rest) > 0; {
-		n := 1
-		for n < len(rest) && rest[n].seg == rest[0].seg {
-			n++
+		s := b.seg
+		if s.marks == nil {
+			s.marks = make([]uint64, (s.nslots+63)/64)
 		}
-		askHeld(rest[0].seg.alloc.fd(), rest[:n])
-		rest = rest[n:]
+		if !s.marked {
+			s.marked = true
+			segs = append(segs, s)
+		}
+		s.marks[b.slot/64] |= 1 << (b.slot % 64)
 	}
+	for _, s := range segs {
+		run := r.run[:0]
+		for w, word := range s.marks {
+			for word != 0 {
+				run = append(run, s.blocks[w*64+bits.TrailingZeros64(word)])
+				word &= word - 1
+			}
+			s.marks[w] = 0
+		}
+		s.marked = false
+		askHeld(s.alloc.fd(), run)
+		clear(run)
+		r.run = run[:0]
+	}
+	clear(segs)
+	r.segs = segs[:0]
 }
 
-// slotKey is a block with its place, its segment's descriptor and its
-// slot, in one word: askInRuns sorts by the word, without following the
-// block's pointers at each comparison.
-type slotKey struct {
-	key uint64
-	b   *Block
+// runRoom is askInRuns' room, kept by a size class: the segments it
+// marked slots of, and one segment's blocks in slot order.
+type runRoom struct {
+	segs []*segment
+	run  []*Block
 }
 
 // Answers of segment.askWhole: which of a segment's slots other

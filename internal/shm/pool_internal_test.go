@@ -1,0 +1,65 @@
+//go:build linux
+
+package shm
+
+import (
+	"math/rand/v2"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// askInRuns answers for each block, in any order and across segments,
+// whether another description holds its slot, and leaves no mark behind:
+// a block it was asked about once is not asked about, nor answered for,
+// at its next call.
+func TestAskInRunsAnswersEachBlockOnce(t *testing.T) {
+	p := newPool(1 << 30)
+	t.Cleanup(func() { p.Trim(0) })
+	var bs []*Block
+	for len(bs) == 0 || bs[len(bs)-1].seg == bs[0].seg {
+		b, err := p.Alloc(4 << 10)
+		require.NoError(t, err)
+		bs = append(bs, b)
+	}
+	t.Cleanup(func() {
+		for _, b := range bs {
+			_ = b.Release()
+		}
+	})
+	first, second := bs[0].seg, bs[len(bs)-1].seg
+	require.NotSame(t, first, second, "the blocks span two slabs")
+	held := map[*Block]bool{bs[0]: true, bs[7]: true, bs[8]: true, bs[100]: true, bs[len(bs)-2]: true}
+	var slots []int
+	for b := range held {
+		slots = append(slots, b.slot)
+	}
+	release, err := HoldSlots(bs[0], slots...)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = release() })
+
+	var room runRoom
+	ask := append([]*Block(nil), bs...)
+	rand.Shuffle(len(ask), func(i, j int) { ask[i], ask[j] = ask[j], ask[i] })
+	for _, b := range ask {
+		b.held = !held[b]
+	}
+	askInRuns(ask, &room)
+	for _, b := range bs {
+		assert.Equal(t, held[b], b.held, "slot %d of %v", b.slot, b.seg.alloc)
+	}
+	for _, s := range []*segment{first, second} {
+		assert.False(t, s.marked)
+		assert.Equal(t, make([]uint64, len(s.marks)), s.marks, "no slot stays marked")
+	}
+
+	// Asked about one block, it answers for that one alone.
+	for _, b := range bs {
+		b.held = false
+	}
+	askInRuns([]*Block{bs[9]}, &room)
+	for _, b := range bs {
+		assert.False(t, b.held, "slot %d, not asked about, is answered for", b.slot)
+	}
+}
