@@ -108,10 +108,10 @@ type Way struct {
 	recvs, seen uint64
 
 	// The writer's, under sem.
-	owed    bool      // a marker is owed: a socket message went without one
-	wait    patience  // a fair Way's: how long to wait for a busy reader
-	onSock  bool      // this process sent on the socket without the role
-	checked time.Time // the last look at whether the readers are gone
+	owed    bool     // a marker is owed: a socket message went without one
+	wait    patience // a fair Way's: how long to wait for a busy reader
+	onSock  bool     // this process sent on the socket without the role
+	checked int64    // the last look at whether the readers are gone (monoNow)
 	wbuf    []byte
 	hbuf    []byte // an entry's head (see appendReturns)
 
@@ -295,7 +295,7 @@ func (w *Way) lockCall(ctx context.Context, block bool) error {
 // writer what the reader has done with (see ack).
 func (w *Way) recvDone() {
 	w.recvs++
-	lastRecv.Store(time.Now().UnixNano())
+	lastRecv.Store(monoNow())
 	if len(w.taking) > 0 {
 		w.takeMu.Lock()
 		w.taking = w.taking[:0] // revived, or never to be
@@ -533,7 +533,8 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 		}
 		return nil
 	}
-	w.ledger.settle(l, w.mem, false)
+	now := monoNow() // the Send's one clock read
+	w.ledger.settle(l, w.mem, false, now)
 	if w.owed {
 		w.owed = l.TrySend(marker) != nil
 	}
@@ -546,7 +547,7 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 	w.hbuf = hdr
 	if ok && len(fds) == 0 && len(hdr)+len(data) <= l.Room() && !w.owed && w.lanes(ctx, l, len(lent) > 0, block) {
 		pos := l.Tail()
-		err := w.sendEntry(ctx, l, hdr, data, block)
+		err := w.sendEntry(ctx, l, hdr, data, block, now)
 		if err != nil && w.fair {
 			giveBack(l.readerWord(readerWaits)) // no entry comes
 		}
@@ -714,9 +715,18 @@ func (w *Way) mayAwait(l *Lane) bool {
 // Way for its writers to wait for busy readers (see answering).
 const answerWindow = 200 * time.Microsecond
 
-// lastRecv is when this process last ended a receive on a Way, Unix
-// nanoseconds.
+// lastRecv is when this process last ended a receive on a Way (see
+// monoNow).
 var lastRecv atomic.Int64
+
+// monoNow returns this process's monotonic clock, in nanoseconds, at
+// least an hour from zero: one read of the clock, where time.Now reads
+// two, for the stamps a Send or a receive takes on every message, which
+// no other process reads. A zero stamp is so an hour old or more.
+func monoNow() int64 { return int64(time.Since(monoBase)) }
+
+// monoBase is monoNow's zero, an hour before the process started.
+var monoBase = time.Now().Add(-time.Hour)
 
 // answering reports whether this process received a message on a Way
 // within answerWindow: it is likely answering it, and the reader it sends
@@ -725,7 +735,7 @@ var lastRecv atomic.Int64
 // stream's) does not wait for a busy reader: the socket lets it run
 // ahead of the reader, where a wait for each would hand its messages over
 // one at a time.
-func answering() bool { return time.Now().UnixNano()-lastRecv.Load() < int64(answerWindow) }
+func answering() bool { return monoNow()-lastRecv.Load() < int64(answerWindow) }
 
 // awaitReader waits, for at most the writer's patience, for the role's
 // reader of a fair Way, busy as the end's only reader with every entry
@@ -791,7 +801,7 @@ func (w *Way) readerHeld() bool {
 // on readersByte (see recvShared). The writer's own process counts, if it
 // reads the end too.
 func (w *Way) otherReaders() bool {
-	now := time.Now().UnixNano()
+	now := monoNow()
 	if now-w.othersAt.Load() < int64(peerCheck) {
 		return w.others.Load()
 	}
@@ -807,8 +817,8 @@ func (w *Way) otherReaders() bool {
 // counts (errCounts), this process gives up the lane for good: the
 // socket serves it from then on. The caller holds sem and the writer's
 // role.
-func (w *Way) sendEntry(ctx context.Context, l *Lane, hdr, data []byte, block bool) error {
-	if err := w.readersGone(); err != nil {
+func (w *Way) sendEntry(ctx context.Context, l *Lane, hdr, data []byte, block bool, now int64) error {
+	if err := w.readersGone(now); err != nil {
 		return err
 	}
 	w.wbuf = append(append(w.wbuf[:0], hdr...), data...)
@@ -842,7 +852,7 @@ func (w *Way) settleIdle() {
 		w.settling = false
 		return // Close settles
 	}
-	w.ledger.settle(l, w.mem, false)
+	w.ledger.settle(l, w.mem, false, monoNow())
 	if len(w.ledger.loans) > 0 {
 		w.settler.Reset(settleEvery)
 	} else {
@@ -851,12 +861,12 @@ func (w *Way) settleIdle() {
 }
 
 // readersGone returns ErrClosed if the readers are gone, looking at most
-// once each peerCheck.
-func (w *Way) readersGone() error {
-	if time.Since(w.checked) < peerCheck { // one clock read, the monotonic one
+// once each peerCheck; now is monoNow.
+func (w *Way) readersGone(now int64) error {
+	if now-w.checked < int64(peerCheck) {
 		return nil
 	}
-	w.checked = time.Now()
+	w.checked = now
 	if w.shared.peerGone() {
 		return fmt.Errorf("%w (the readers are gone)", ErrClosed)
 	}
@@ -870,7 +880,7 @@ func (w *Way) writerAlive() error {
 		return errWayClosed
 	}
 	if l := w.lane.Load(); l != nil {
-		w.ledger.settle(l, w.mem, false)
+		w.ledger.settle(l, w.mem, false, monoNow())
 	}
 	if w.shared.peerGone() {
 		return fmt.Errorf("%w (the readers are gone)", ErrClosed)
@@ -1430,7 +1440,7 @@ func (w *Way) Close() error {
 		errs = append(errs, w.reading.Close())
 	}
 	if l != nil {
-		w.ledger.settle(l, w.mem, true)
+		w.ledger.settle(l, w.mem, true, monoNow())
 		if len(w.ledger.loans) > 0 {
 			w.ledger.keepSettling(l, w.mem) // it closes both
 			return errors.Join(errs...)

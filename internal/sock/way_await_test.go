@@ -48,7 +48,7 @@ func busyReader(t *testing.T, patience time.Duration) (w, r *Way, b *shm.Block, 
 // (see answering), and keeps it so, however late the scheduler runs the
 // test's next step, until the test ends.
 func answered(t *testing.T) {
-	lastRecv.Store(time.Now().Add(time.Hour).UnixNano())
+	lastRecv.Store(monoNow() + int64(time.Hour))
 	t.Cleanup(func() { lastRecv.Store(0) })
 }
 

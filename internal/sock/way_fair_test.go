@@ -262,7 +262,7 @@ func TestFairWayTryRecv(t *testing.T) {
 	// was handed and did not take (its wait ended first).
 	w.sem <- struct{}{}
 	l := w.taken()
-	require.NoError(t, w.sendEntry(ctx, l, []byte{kindValue}, wayMsg(3, 8), false))
+	require.NoError(t, w.sendEntry(ctx, l, []byte{kindValue}, wayMsg(3, 8), false, monoNow()))
 	<-w.sem
 	assert.True(t, tryRecvOne(t, ctx, r, 3), "by the lane")
 }
@@ -416,7 +416,7 @@ func TestFairWayDeadWritersClaim(t *testing.T) {
 // writer w claimed, and ends the call w holds meanwhile (its sem).
 func publishClaimed(t *testing.T, ctx context.Context, w *Way, l *Lane) {
 	t.Helper()
-	require.NoError(t, w.sendEntry(ctx, l, []byte{kindValue}, wayMsg(1, 8), true))
+	require.NoError(t, w.sendEntry(ctx, l, []byte{kindValue}, wayMsg(1, 8), true, monoNow()))
 	<-w.sem
 }
 

@@ -160,7 +160,7 @@ type loan struct {
 // ledger is a writer's loans, in the order of their entries.
 type ledger struct {
 	loans   []loan
-	checked time.Time // the last look at whether a pinner is left
+	checked int64 // the last look at whether a pinner is left (monoNow)
 }
 
 // Maps reports whether a message of this Way's writer may name b by its
@@ -446,8 +446,8 @@ func (g *ledger) lend(pos uint32, lent []*shm.Block) bool {
 
 // settle returns the loans of the entries the reader has done with, and
 // all of them if no reader pins (mem is the lane's memory). A look at the
-// pinners is taken at most each peerCheck, unless now.
-func (g *ledger) settle(l *Lane, mem *fd.FD, now bool) {
+// pinners is taken at most each peerCheck, unless force; now is monoNow.
+func (g *ledger) settle(l *Lane, mem *fd.FD, force bool, now int64) {
 	if len(g.loans) == 0 {
 		return
 	}
@@ -460,10 +460,10 @@ func (g *ledger) settle(l *Lane, mem *fd.FD, now bool) {
 		}
 		g.loans = g.loans[:copy(g.loans, g.loans[i:])]
 	}
-	if len(g.loans) == 0 || !now && time.Since(g.checked) < peerCheck {
+	if len(g.loans) == 0 || !force && now-g.checked < int64(peerCheck) {
 		return
 	}
-	g.checked = time.Now()
+	g.checked = now
 	if held, err := shm.ByteHeld(mem, pinnerByte); err == nil && !held {
 		g.returnAll()
 	}
@@ -484,7 +484,7 @@ func (g *ledger) keepSettling(l *Lane, mem *fd.FD) {
 	go func() {
 		for len(g.loans) > 0 {
 			time.Sleep(settleEvery)
-			g.settle(l, mem, true)
+			g.settle(l, mem, true, monoNow())
 		}
 		_ = l.Close()
 		_ = mem.Close()
