@@ -157,11 +157,18 @@ type loan struct {
 	b   *shm.Block
 }
 
-// ledger is a writer's loans, in the order of their entries.
+// ledger is a writer's loans, in the order of their entries: those of
+// loans from returned on are out, the ones before it returned (and
+// cleared), moved out of the way only once they are half of loans, so
+// that a Send's settling costs what it returns, not what is out.
 type ledger struct {
-	loans   []loan
-	checked int64 // the last look at whether a pinner is left (monoNow)
+	loans    []loan
+	returned int
+	checked  int64 // the last look at whether a pinner is left (monoNow)
 }
+
+// out returns the loans not yet returned.
+func (g *ledger) out() []loan { return g.loans[g.returned:] }
 
 // Maps reports whether a message of this Way's writer may name b by its
 // segment's identity alone (carry.Lane): b is a block of this process's
@@ -448,19 +455,28 @@ func (g *ledger) lend(pos uint32, lent []*shm.Block) bool {
 // all of them if no reader pins (mem is the lane's memory). A look at the
 // pinners is taken at most each peerCheck, unless force; now is monoNow.
 func (g *ledger) settle(l *Lane, mem *fd.FD, force bool, now int64) {
-	if len(g.loans) == 0 {
+	if len(g.out()) == 0 {
 		return
 	}
 	if a := l.readerWord(pinAcked); a != nil {
 		acked := a.Load()
-		i := 0
+		i := g.returned
 		for i < len(g.loans) && int32(acked-g.loans[i].pos) > 0 {
 			g.loans[i].b.Return()
+			g.loans[i] = loan{}
 			i++
 		}
-		g.loans = g.loans[:copy(g.loans, g.loans[i:])]
+		g.returned = i
+		switch {
+		case i == len(g.loans):
+			g.loans, g.returned = g.loans[:0], 0
+		case 2*i >= len(g.loans):
+			n := copy(g.loans, g.loans[i:])
+			clear(g.loans[n:])
+			g.loans, g.returned = g.loans[:n], 0
+		}
 	}
-	if len(g.loans) == 0 || !force && now-g.checked < int64(peerCheck) {
+	if len(g.out()) == 0 || !force && now-g.checked < int64(peerCheck) {
 		return
 	}
 	g.checked = now
@@ -471,18 +487,18 @@ func (g *ledger) settle(l *Lane, mem *fd.FD, force bool, now int64) {
 
 // returnAll returns every loan.
 func (g *ledger) returnAll() {
-	for _, n := range g.loans {
+	for _, n := range g.out() {
 		n.b.Return()
 	}
 	clear(g.loans)
-	g.loans = g.loans[:0]
+	g.loans, g.returned = g.loans[:0], 0
 }
 
 // keepSettling returns a closed writer's loans in a goroutine of their
 // own, which owns the lane and its memory until the last is returned.
 func (g *ledger) keepSettling(l *Lane, mem *fd.FD) {
 	go func() {
-		for len(g.loans) > 0 {
+		for len(g.out()) > 0 {
 			time.Sleep(settleEvery)
 			g.settle(l, mem, true, monoNow())
 		}

@@ -207,7 +207,7 @@ func TestWayHostileReadersPage(t *testing.T) {
 	require.NoError(t, err)
 	defer pinner.Close()
 	require.NoError(t, w.Send(ctx, []byte{1}, nil))
-	assert.Empty(t, w.ledger.loans, "acked ahead: returned")
+	assert.Empty(t, w.ledger.out(), "acked ahead: returned")
 	m, err := r.Recv(ctx)
 	require.NoError(t, err)
 	m.Done()
@@ -262,7 +262,7 @@ func TestWayForgedAckLeavesReaderHeld(t *testing.T) {
 	defer l.Close()
 	l.readerWord(pinAcked).Store(l.Sent() + 100) // another holder of the lane
 	require.NoError(t, w.Send(ctx, []byte{1}, nil))
-	assert.Empty(t, w.ledger.loans, "the forged ack returned the loan")
+	assert.Empty(t, w.ledger.out(), "the forged ack returned the loan")
 	time.Sleep(50 * time.Millisecond) // past the rotation of the ticket that mapped it
 	assert.Equal(t, 2, pool.InUse(), "the reader's own locks hold both blocks")
 	m.Done()
@@ -501,4 +501,44 @@ func TestWayPinOutlivesEarlierEntries(t *testing.T) {
 	prune()
 	assert.False(t, pinned(), "every entry before the mark is taken, one after it waiting")
 	take()
+}
+
+// A writer's ledger returns the loans of the entries its reader has done
+// with, in their order and each once, however many are out, and keeps the
+// others out: those returned make room only once they are half of it.
+func TestLedgerReturnsEachLoanOnce(t *testing.T) {
+	leakcheck.Check(t)
+	mem, err := CreateWayLane()
+	require.NoError(t, err)
+	defer mem.Close()
+	l, err := OpenLane(mem)
+	require.NoError(t, err)
+	defer l.Close()
+	pinner, err := shm.ShareByte(mem, pinnerByte) // a reader pins: no loan comes back unacked
+	require.NoError(t, err)
+	defer pinner.Close()
+	pool := shm.DefaultPool()
+	before := pool.InUse()
+	var g ledger
+	const n = 100
+	for pos := range n {
+		b, err := pool.Alloc(4 << 10)
+		require.NoError(t, err)
+		require.NoError(t, b.Lend())
+		require.NoError(t, b.Release()) // parked until its loan is returned
+		require.True(t, g.lend(uint32(pos), []*shm.Block{b}))
+	}
+	require.Equal(t, before+n, pool.InUse())
+	acked := l.readerWord(pinAcked)
+	for _, upTo := range []uint32{10, 30, 31, 70, 71, 99, 100} {
+		acked.Store(upTo)
+		g.settle(l, mem, false, monoNow())
+		out := g.out()
+		require.Len(t, out, n-int(upTo))
+		for i, o := range out {
+			require.Equal(t, upTo+uint32(i), o.pos, "the loans out, in their entries' order")
+		}
+		assert.Equal(t, before+n-int(upTo), pool.InUse(), "acked up to %d: each of those returned", upTo)
+		assert.True(t, 2*g.returned < len(g.loans) || len(g.loans) == 0, "%d of %d returned: not moved out of the way", g.returned, len(g.loans))
+	}
 }
