@@ -234,7 +234,8 @@ func NewWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 // lane and holds the role now (see readerHeld); a writer with one for a
 // busy reader, the end's only one, waits briefly for it to come back to
 // the lane if the writer's process is answering (awaitReader). A reader
-// that only tries (TryRecv) is not counted as another reader.
+// without the role counts as another from its first receive on, a try
+// (TryRecv) included (see countReader).
 func NewFairWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 	w := NewWay(shared, mem, writes)
 	w.fair, w.sleep = true, laneSleep
@@ -853,7 +854,7 @@ func (w *Way) settleIdle() {
 		return // Close settles
 	}
 	w.ledger.settle(l, w.mem, false, monoNow())
-	if len(w.ledger.loans) > 0 {
+	if len(w.ledger.out()) > 0 {
 		w.settler.Reset(settleEvery)
 	} else {
 		w.settling = false
@@ -1358,6 +1359,7 @@ var errRetry = errors.New("mp: try for the role again")
 // role, waiting until ctx ends or, while the lane may still be taken,
 // roleRetry (errRetry); unless block, it does not wait.
 func (w *Way) recvShared(ctx context.Context, block bool) (Msg, error) {
+	w.countReader()
 	if !block {
 		return w.shared.TryRecv(ctx)
 	}
@@ -1367,15 +1369,6 @@ func (w *Way) recvShared(ctx context.Context, block bool) (Msg, error) {
 	retry := roleRetry
 	if w.fair {
 		retry = laneSleep // the writer sends by the socket while it waits there
-	}
-	if w.fair && w.reading == nil && roleTry.CompareAndSwap(false, true) {
-		// Another reader: the lane takes no message for the role's
-		// reader unless it waits (handsOver). One that has not said so
-		// yet (each says so in turn, as each tries for a role), or
-		// cannot (no descriptor for the lock), may wait for a message in
-		// the lane that the busy role's reader takes later.
-		w.reading, _ = shm.ShareByte(w.mem, readersByte)
-		roleTry.Store(false)
 	}
 	wait, cancel := context.WithTimeout(ctx, retry)
 	m, err := w.shared.Recv(wait)
@@ -1387,6 +1380,20 @@ func (w *Way) recvShared(ctx context.Context, block bool) (Msg, error) {
 		return Msg{}, errRetry // wait's time (cancel ended wait too)
 	}
 	return m, err
+}
+
+// countReader says, for a fair Way's reader without the role, that
+// another process reads the end, from its first receive (a try
+// included) until it takes the role or closes: the lane then takes no
+// message for the role's reader unless it waits (handsOver). One that
+// has not said so yet (each says so in turn, as each tries for a role),
+// or cannot (no descriptor for the lock), may miss a message in the lane
+// that the busy role's reader takes later. The caller holds sem.
+func (w *Way) countReader() {
+	if w.fair && !w.broken && w.reading == nil && roleTry.CompareAndSwap(false, true) {
+		w.reading, _ = shm.ShareByte(w.mem, readersByte)
+		roleTry.Store(false)
+	}
 }
 
 // Close releases the Way's lane, its role and its memory descriptor, once
@@ -1441,7 +1448,7 @@ func (w *Way) Close() error {
 	}
 	if l != nil {
 		w.ledger.settle(l, w.mem, true, monoNow())
-		if len(w.ledger.loans) > 0 {
+		if len(w.ledger.out()) > 0 {
 			w.ledger.keepSettling(l, w.mem) // it closes both
 			return errors.Join(errs...)
 		}

@@ -112,6 +112,23 @@ func waitsOnLane(t *testing.T, r *Way) {
 	}, 10*time.Second, 50*time.Microsecond, "the reader never waited on the lane")
 }
 
+// makeBusy makes r, which holds the reader's role, busy with the lane
+// open to w's next message: r takes one message by the lane (so it has
+// found the socket empty since w last sent there) and receives nothing
+// after it, and keeps the role (its idle timer stopped).
+func makeBusy(t *testing.T, ctx context.Context, w, r *Way) {
+	t.Helper()
+	r.idle.Stop()
+	got := recvLater(ctx, r)
+	waitsOnLane(t, r)
+	require.NoError(t, w.Send(ctx, wayMsg(100, 8), nil))
+	g := <-got
+	require.NoError(t, g.err)
+	require.True(t, g.byLane)
+	l := w.lane.Load()
+	require.True(t, w.handsOver(l, l.Tail(), false, false), "the lane takes a message for the busy reader")
+}
+
 // A fair Way's writer hands a message to the lane while the role's reader
 // waits on it, or while it is busy and no other process reads the end
 // (the reader takes it at its next receive); with another reader, only
@@ -302,7 +319,7 @@ func TestWayTryRecvLooksAtTheSocket(t *testing.T) {
 func TestFairWayBusyReaderKeepsNothing(t *testing.T) {
 	w, r, mem, ctx := fairRoles(t) // r takes the reader's role
 	r2 := anotherFair(t, r, mem, false)
-	r.idle.Stop() // and keeps it while it receives nothing
+	makeBusy(t, ctx, w, r) // and keeps it while it receives nothing
 	require.True(t, holds(r))
 
 	const n = 20
@@ -329,6 +346,35 @@ func TestFairWayBusyReaderKeepsNothing(t *testing.T) {
 		g := <-got
 		require.NoError(t, g.err, "message %d waits for the busy reader", i)
 		assert.Equal(t, i, g.i)
+	}
+	assert.False(t, holds(r2))
+}
+
+// A reader that only tries (TryRecv, a queue's TryGet) counts as another
+// reader from its first try: what the writer sends while the role's
+// reader is busy goes by the socket, where its tries find it, not to the
+// lane, where it would wait for the busy one.
+func TestFairWayTryingReaderKeepsNothingWaiting(t *testing.T) {
+	w, r, mem, ctx := fairRoles(t) // r takes the reader's role
+	r2 := anotherFair(t, r, mem, false)
+	makeBusy(t, ctx, w, r) // and keeps it while it receives nothing
+	_, err := r2.TryRecv(ctx)
+	require.ErrorIs(t, err, ErrWouldBlock)
+	time.Sleep(2 * peerCheck) // the writer's look at other readers is that old at most
+
+	const n = 20
+	for i := 1; i <= n; i++ {
+		require.NoError(t, w.Send(ctx, wayMsg(i, 8), nil))
+	}
+	for i := 1; i <= n; i++ {
+		var m Msg
+		require.Eventually(t, func() bool {
+			m, err = r2.TryRecv(ctx)
+			return err == nil
+		}, 5*time.Second, 100*time.Microsecond, "message %d waits for the busy reader", i)
+		assert.Equal(t, wayMsg(i, 8), m.Data)
+		assert.False(t, m.ByLane())
+		m.Done()
 	}
 	assert.False(t, holds(r2))
 }
