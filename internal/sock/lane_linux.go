@@ -32,8 +32,6 @@ import (
 //	0      header: magic, version, entries, entry size
 //	       +128  the writer's bell: its word counts messages published
 //	       +256  the readers' bell: its word counts messages taken
-//	       +384  a fair Way's reader's bell: its word counts the reader's
-//	             moves out of busy (see Way.awaitReader)
 //	       +1024 a Way's reader's page (see way_pins.go)
 //	4096   entries, each: uint32 its position, uint32 length, the bytes
 //
@@ -52,7 +50,6 @@ type Lane struct {
 	size    int    // bytes of an entry
 	sent    *Bell
 	taken   *Bell
-	arrived *Bell
 
 	wmu  sync.Mutex
 	tail uint32 // the writer's own count of what it published, under wmu
@@ -71,13 +68,12 @@ var errCounts = fmt.Errorf("%w: the lane's counts", ErrMalformed)
 
 const (
 	laneMagic   = 0x454e4c54 // "TLNE" little-endian
-	laneVersion = 3          // 2: the bells sleep on a count, odd while armed; 3: the reader's bell
+	laneVersion = 4          // 2: the bells sleep on a count, odd while armed; 3: the reader's bell; 4: none (a writer spins for its reader)
 	laneHeader  = 4096
 	entryHeader = 8 // position, length
 
-	sentBell    = 128
-	takenBell   = 256
-	arrivedBell = 384
+	sentBell  = 128
+	takenBell = 256
 
 	// maxLaneEntries and maxEntrySize bound a lane, and what an opener
 	// accepts.
@@ -188,9 +184,6 @@ func OpenLane(f *fd.FD) (*Lane, error) {
 	if l.sent, err = NewBell(mem[sentBell : sentBell+bellSize]); err == nil {
 		l.taken, err = NewBell(mem[takenBell : takenBell+bellSize])
 	}
-	if err == nil {
-		l.arrived, err = NewBell(mem[arrivedBell : arrivedBell+bellSize])
-	}
 	if err != nil {
 		_ = unix.Munmap(mem)
 		return nil, err
@@ -269,21 +262,6 @@ func (l *Lane) WaitSent(ctx context.Context, last uint32, alive func() error) (u
 // WaitSentUntil is WaitSent that ends with errWaitedEnough at until.
 func (l *Lane) WaitSentUntil(ctx context.Context, last uint32, alive func() error, until time.Time) (uint32, error) {
 	return l.sent.WaitUntil(ctx, last, alive, until)
-}
-
-// Arrivals returns the count of a fair Way's reader's moves out of busy,
-// which a writer that waits for the reader reads before it looks at the
-// reader's state (see Way.awaitReader).
-func (l *Lane) Arrivals() uint32 { return l.arrived.Load() }
-
-// Arrive counts a move of a fair Way's reader out of busy, waking the
-// writer that waits for it, if it sleeps.
-func (l *Lane) Arrive() { l.arrived.Ring() }
-
-// WaitArrivedUntil waits until the count of the reader's moves is no
-// longer last, as Bell.WaitUntil does.
-func (l *Lane) WaitArrivedUntil(ctx context.Context, last uint32, alive func() error, until time.Time) (uint32, error) {
-	return l.arrived.WaitUntil(ctx, last, alive, until)
 }
 
 // Nudge wakes the readers and the writer asleep on the lane, if any,

@@ -78,17 +78,6 @@ func (l *Lane) WaitSentUntil(ctx context.Context, last uint32, alive func() erro
 	return last, errNoLane
 }
 
-// Arrivals returns 0.
-func (l *Lane) Arrivals() uint32 { return 0 }
-
-// Arrive does nothing.
-func (l *Lane) Arrive() {}
-
-// WaitArrivedUntil returns an error wrapping errors.ErrUnsupported.
-func (l *Lane) WaitArrivedUntil(ctx context.Context, last uint32, alive func() error, until time.Time) (uint32, error) {
-	return last, errNoLane
-}
-
 // readerWord returns nil: there is no lane.
 func (l *Lane) readerWord(off int) *atomic.Uint32 { return nil }
 

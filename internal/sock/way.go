@@ -239,7 +239,7 @@ func NewWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 func NewFairWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 	w := NewWay(shared, mem, writes)
 	w.fair, w.sleep = true, laneSleep
-	w.wait.least, w.wait.most = patienceMin, patienceCap
+	w.wait.spin = awaitSpin
 	return w
 }
 
@@ -452,7 +452,6 @@ func (w *Way) letGo(broken bool) {
 func (w *Way) leaveWaits() {
 	if l := w.lane.Load(); w.fair && !w.writes && w.held && l != nil {
 		moveWait(l.readerWord(readerWaits), waitNone)
-		l.Arrive() // a waiting writer sends by the socket
 	}
 }
 
@@ -651,18 +650,16 @@ func (w *Way) handsOver(l *Lane, tail uint32, claim, named bool) bool {
 // A fair Way's writer with a message that names blocks, which only a
 // reader waiting on the lane may be handed, and that finds the role's
 // reader busy (between two receives) as the end's only reader, with
-// every entry taken, waits for it to come back to the lane
-// (awaitReader): a reader between the two halves of a round trip is
-// back within microseconds, and the lane saves the hand-off its system
-// calls and its descriptor. It waits about four times as long as the
-// reader has lately taken to come back, between patienceMin and
-// patienceCap; after patienceMisses waits in a row ended without it (a
-// reader busy with work of its own, or one that takes what the socket
-// holds first), only one such message in patienceProbe waits, to see
-// whether that changed.
+// every entry taken, spins for up to awaitSpin for it to come back to
+// the lane (awaitReader): a reader between the two halves of a round
+// trip, on another CPU, is back within microseconds, and the lane saves
+// the hand-off its system calls and its descriptor. After
+// patienceMisses waits in a row ended without it (a reader busy with
+// work of its own, one that shares the writer's CPU and cannot run while
+// it spins, or one that takes what the socket holds first), only one
+// such message in patienceProbe waits, to see whether that changed.
 const (
-	patienceMin    = 50 * time.Microsecond
-	patienceCap    = 200 * time.Microsecond
+	awaitSpin      = 50 * time.Microsecond // as a lane's waiter's spinCap: what a wake across CPUs costs
 	patienceMisses = 4
 	patienceProbe  = 64
 )
@@ -670,31 +667,16 @@ const (
 // patience is a fair Way's writer's record of its waits for a busy
 // reader: written by awaitReader, under sem, and read by Maps too.
 type patience struct {
-	gap    atomic.Int64 // ns the reader lately took to come back, an average
 	misses atomic.Int32 // waits in a row that ended without it
 	tries  atomic.Uint32
 	waits  atomic.Uint64 // waits begun, for tests
-	// The shortest and longest wait: patienceMin and patienceCap (tests
-	// change them).
-	least, most time.Duration
+	spin   time.Duration // how long a wait spins: awaitSpin (tests change it)
 }
 
 // willWait reports whether the writer may wait for a busy reader now: if
 // it came back lately, or once in patienceProbe tries.
 func (p *patience) willWait() bool {
 	return p.misses.Load() < patienceMisses || p.tries.Add(1)%patienceProbe == 0
-}
-
-// budget returns how long the next wait may take.
-func (p *patience) budget() time.Duration {
-	return min(max(4*time.Duration(p.gap.Load()), p.least), p.most)
-}
-
-// hit records a reader that came back after d.
-func (p *patience) hit(d time.Duration) {
-	g := p.gap.Load()
-	p.gap.Store(g + (int64(d)-g)/4)
-	p.misses.Store(0)
 }
 
 // miss records a wait that ended without the reader.
@@ -738,45 +720,40 @@ var monoBase = time.Now().Add(-time.Hour)
 // one at a time.
 func answering() bool { return monoNow()-lastRecv.Load() < int64(answerWindow) }
 
-// awaitReader waits, for at most the writer's patience, for the role's
-// reader of a fair Way, busy as the end's only reader with every entry
-// up to tail taken, to wait on the lane again, and reports whether it
-// does: the reader rings the lane's arrivals as it moves out of busy
-// (see waitFair). A reader that parks on the socket instead, lets go of
-// its role, or does not come back in time ends the wait; so do ctx and
-// the writer's alive. The caller holds sem and the writer's role.
+// awaitReader spins, for at most the writer's patience (awaitSpin),
+// until the role's reader of a fair Way, busy as the end's only reader
+// with every entry up to tail taken, waits on the lane again, and
+// reports whether it does. It never sleeps: a writer asleep until the
+// reader woke it would add a wake to the round trip, which on a VM of
+// two CPUs doubled a queue's, unpinned and on one CPU, and cost its
+// first share as much again. A reader that parks on the socket instead,
+// lets go of its role, or does not come back in time ends the wait; so
+// does ctx. The caller holds sem and the writer's role.
 func (w *Way) awaitReader(ctx context.Context, l *Lane, tail uint32) bool {
 	p := &w.wait
 	waits := l.readerWord(readerWaits)
-	last := l.Arrivals() // before the look at the state: a move after it rings
 	if waits == nil || waits.Load() != waitBusy || l.Taken() != tail || !answering() || w.otherReaders() {
 		return false
 	}
 	p.waits.Add(1)
 	start := time.Now()
-	until := start.Add(p.budget())
-	for {
-		_, err := l.WaitArrivedUntil(ctx, last, w.alive, until)
-		if err != nil {
-			if errors.Is(err, errWaitedEnough) {
-				p.miss()
-			}
-			return false
-		}
-		last = l.Arrivals()
+	for i := 1; ; i++ {
 		switch waits.Load() {
 		case waitOnLane:
-			p.hit(time.Since(start))
+			p.misses.Store(0)
 			return true
 		case waitBusy:
-			// Out of busy and back meanwhile (a socket message came), or
-			// a peer's ring: wait on, within the budget.
-			if !time.Now().Before(until) {
+		default:
+			return false // parked on the socket, gone, or claimed by another writer
+		}
+		if i%64 == 0 {
+			if ctx.Err() != nil {
+				return false
+			}
+			if time.Since(start) >= p.spin {
 				p.miss()
 				return false
 			}
-		default:
-			return false // parked on the socket, gone, or claimed by another writer
 		}
 	}
 }
@@ -1135,7 +1112,6 @@ func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32) (Msg, bool, er
 			laneSleepers.Add(-1)
 			return Msg{}, false, w.waitClaimed(ctx, l, last)
 		}
-		l.Arrive() // a writer may wait for it (see awaitReader)
 		w.waiting.Add(1)
 		_, err := l.WaitSentUntil(ctx, last, w.alive, time.Now().Add(w.sleep))
 		w.waiting.Add(-1)
@@ -1165,7 +1141,6 @@ func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32) (Msg, bool, er
 		if !moveWait(waits, waitParked) {
 			return Msg{}, false, w.waitClaimed(ctx, l, last)
 		}
-		l.Arrive() // a waiting writer sends by the socket
 	}
 	m, err := w.shared.Recv(ctx)
 	waits.CompareAndSwap(waitParked, waitBusy)

@@ -24,7 +24,7 @@ func fairPair(t *testing.T) (w, r *Way, mem *fd.FD) {
 	w, r, mem = wayPair(t)
 	w.fair, r.fair = true, true
 	w.sleep, r.sleep = laneSleep, laneSleep
-	w.wait.least, w.wait.most = patienceMin, patienceCap
+	w.wait.spin = awaitSpin
 	return w, r, mem
 }
 
@@ -47,7 +47,7 @@ func anotherFair(t *testing.T, w *Way, mem *fd.FD, writes bool) *Way {
 	t.Helper()
 	w2 := another(t, w, mem, writes)
 	w2.fair, w2.sleep = true, laneSleep
-	w2.wait.least, w2.wait.most = patienceMin, patienceCap
+	w2.wait.spin = awaitSpin
 	return w2
 }
 

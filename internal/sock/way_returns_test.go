@@ -107,7 +107,7 @@ func TestFairWayReturnsOnlyToAWaitingReader(t *testing.T) {
 	assert.False(t, w.Returns(got), "a busy getter, and a writer that does not answer: the socket")
 	require.ErrorIs(t, w.SendLent(ctx, binary.LittleEndian.AppendUint32(nil, 5), nil, []*shm.Block{got}), carry.ErrNoLane)
 
-	w.wait.least, w.wait.most = time.Minute, time.Minute
+	w.wait.spin = time.Minute
 	answered(t)
 	assert.True(t, w.Returns(got), "an answering writer waits for it")
 	sent := ReturnsSent()
