@@ -48,8 +48,8 @@
 // uses only to hand a value to a getting process that waits in Get with
 // nothing before it, or, with no tensor in it, to the queue's only
 // getting process (a process that has just received a message, and so
-// is likely answering it, waits briefly for that getter to come back to
-// Get before it gives up the lane for a tensor): a value put
+// is likely answering it, spins for up to 50 µs for that getter to come
+// back to Get before it gives up the lane for a tensor): a value put
 // while the getter is busy and another may get goes by the socket, from
 // which any getter takes it, so the lane keeps no value from a free
 // getter (see internal/sock.NewFairWay). Neither does it let a value

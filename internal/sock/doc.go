@@ -30,9 +30,8 @@
 // socket of a pipe's direction (NewWay) or of a queue (NewFairWay). Its
 // writer sends by it, when it holds the writer's role and the entry fits
 // (and, for a queue, handsOver finds the reader ready for it, or, for a
-// tensor of the writer's pool sent by a process that is answering, the
-// reader comes back to the lane within the writer's patience: see
-// awaitReader), what needs
+// tensor sent by a process that is answering, the reader comes back to
+// the lane while the writer spins for it: see awaitReader), what needs
 // no descriptor: values with no tensor, tensors of pooled blocks the
 // writer's own pool made, in segments the reader pins, lent until the
 // reader holds them (see way_pins.go), and tensors of pooled blocks the
