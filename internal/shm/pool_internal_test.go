@@ -23,14 +23,18 @@ func TestAskInRunsAnswersEachBlockOnce(t *testing.T) {
 		require.NoError(t, err)
 		bs = append(bs, b)
 	}
+	odd, err := p.Alloc(80 << 10) // a slab whose slots are not a multiple of 64
+	require.NoError(t, err)
+	require.NotZero(t, odd.seg.nslots%64)
+	bs = append(bs, odd)
 	t.Cleanup(func() {
 		for _, b := range bs {
 			_ = b.Release()
 		}
 	})
-	first, second := bs[0].seg, bs[len(bs)-1].seg
+	first, second := bs[0].seg, bs[len(bs)-2].seg
 	require.NotSame(t, first, second, "the blocks span two slabs")
-	held := map[*Block]bool{bs[0]: true, bs[7]: true, bs[8]: true, bs[100]: true, bs[len(bs)-2]: true}
+	held := map[*Block]bool{bs[0]: true, bs[7]: true, bs[8]: true, bs[100]: true, bs[len(bs)-3]: true}
 	var slots []int
 	for b := range held {
 		slots = append(slots, b.slot)
@@ -49,7 +53,7 @@ func TestAskInRunsAnswersEachBlockOnce(t *testing.T) {
 	for _, b := range bs {
 		assert.Equal(t, held[b], b.held, "slot %d of %v", b.slot, b.seg.alloc)
 	}
-	for _, s := range []*segment{first, second} {
+	for _, s := range []*segment{first, second, odd.seg} {
 		assert.False(t, s.marked)
 		assert.Equal(t, make([]uint64, len(s.marks)), s.marks, "no slot stays marked")
 	}

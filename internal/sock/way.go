@@ -533,7 +533,7 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 		}
 		return nil
 	}
-	now := monoNow() // the Send's one clock read
+	now := monoNow() // one clock read, for the settling and the look at the readers
 	w.ledger.settle(l, w.mem, false, now)
 	if w.owed {
 		w.owed = l.TrySend(marker) != nil

@@ -193,3 +193,26 @@ func TestReceiveMarksTheProcessAnswering(t *testing.T) {
 	recvWay(t, ctx, r)
 	assert.NotZero(t, lastRecv.Load(), "stamped when the receive ended")
 }
+
+// A writer that spins for its busy reader stops once its context ends:
+// the message is not the lane's, and no miss is counted.
+func TestFairWayWriterStopsSpinningAtItsContext(t *testing.T) {
+	w, r, b, ctx, _ := busyReader(t, time.Minute)
+	r.idle.Stop() // the reader stays busy in its role: only the context ends the spin
+	cctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	require.NoError(t, b.Lend())
+	answered(t)
+	before := w.wait.waits.Load()
+	done := make(chan error, 1)
+	go func() { done <- w.SendLent(cctx, binary.LittleEndian.AppendUint32(nil, 7), nil, []*shm.Block{b}) }()
+	require.Eventually(t, func() bool { return w.wait.waits.Load() > before }, 10*time.Second, 50*time.Microsecond,
+		"the writer never spun for its busy reader")
+	cancel()
+	err := sentWithin(t, done, "the writer spun on past its context")
+	if err != nil {
+		b.Return()
+	}
+	require.ErrorIs(t, err, carry.ErrNoLane)
+	assert.Zero(t, w.wait.misses.Load())
+}

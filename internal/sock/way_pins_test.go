@@ -504,7 +504,9 @@ func TestWayPinOutlivesEarlierEntries(t *testing.T) {
 
 // A writer's ledger returns the loans of the entries its reader has done
 // with, in their order and each once, however many are out, and keeps the
-// others out: those returned make room only once they are half of it.
+// others out: those returned make room only once they are half of it, and
+// not before (which would copy the loans out at every Send). Once no
+// reader pins, the rest come back, whatever was returned before.
 func TestLedgerReturnsEachLoanOnce(t *testing.T) {
 	leakcheck.Check(t)
 	mem, err := CreateWayLane()
@@ -520,13 +522,16 @@ func TestLedgerReturnsEachLoanOnce(t *testing.T) {
 	before := pool.InUse()
 	var g ledger
 	const n = 100
-	for pos := range n {
-		b, err := pool.Alloc(4 << 10)
-		require.NoError(t, err)
-		require.NoError(t, b.Lend())
-		require.NoError(t, b.Release()) // parked until its loan is returned
-		require.True(t, g.lend(uint32(pos), []*shm.Block{b}))
+	lend := func(from, to int) {
+		for pos := from; pos < to; pos++ {
+			b, err := pool.Alloc(4 << 10)
+			require.NoError(t, err)
+			require.NoError(t, b.Lend())
+			require.NoError(t, b.Release()) // parked until its loan is returned
+			require.True(t, g.lend(uint32(pos), []*shm.Block{b}))
+		}
 	}
+	lend(0, n)
 	require.Equal(t, before+n, pool.InUse())
 	acked := l.readerWord(pinAcked)
 	for _, upTo := range []uint32{10, 30, 31, 70, 71, 99, 100} {
@@ -539,5 +544,22 @@ func TestLedgerReturnsEachLoanOnce(t *testing.T) {
 		}
 		assert.Equal(t, before+n-int(upTo), pool.InUse(), "acked up to %d: each of those returned", upTo)
 		assert.True(t, 2*g.returned < len(g.loans) || len(g.loans) == 0, "%d of %d returned: not moved out of the way", g.returned, len(g.loans))
+		if upTo == 10 {
+			assert.Equal(t, 10, g.returned, "fewer than half returned: left in place")
+		}
 	}
+
+	// Some returned, then no reader pins: the rest come back.
+	lend(n, n+20)
+	acked.Store(n + 5)
+	g.settle(l, mem, false, monoNow())
+	require.Equal(t, 5, g.returned)
+	require.NoError(t, pinner.Close())
+	g.settle(l, mem, true, monoNow())
+	assert.Empty(t, g.out())
+	assert.Equal(t, before, pool.InUse(), "every loan returned")
+	lend(n+20, n+21)
+	assert.Len(t, g.out(), 1, "the ledger lends again")
+	g.returnAll()
+	assert.Equal(t, before, pool.InUse())
 }
