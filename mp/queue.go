@@ -156,8 +156,8 @@ func decode(data []byte, fds *fd.Set, v any) error {
 // (see sock.NewFairWay) that hands a value from a putting process to a
 // getting one through memory, with no system call while both are awake,
 // when nothing is queued before it and the getting process waits in Get
-// (or, put by a process answering a message, comes back to Get within a
-// few hundred microseconds), or, for a value with no tensor, is the
+// (or, put by a process answering a message, comes back to Get within
+// 50 µs), or, for a value with no tensor, is the
 // queue's only getting process (it takes the value at its next Get): the
 // value a Pipe's lane would carry (no queue or pipe in it, tensors only of
 // blocks of the putting process's pool in segments the getting one

@@ -632,12 +632,13 @@ func (w *Way) handsOver(l *Lane, tail uint32, claim, named bool) bool {
 	if waits == nil || l.Taken() != tail || l.readerWord(sockSends).Load() != l.readerWord(waitsAt).Load() {
 		return false
 	}
-	idle := !named && !w.otherReaders()
+	// A busy reader only for a message that names no block, and with no
+	// other reader: looked at only then, past the waiting reader's claim.
 	if !claim {
 		v := waits.Load()
-		return v == waitOnLane || v == waitBusy && idle
+		return v == waitOnLane || v == waitBusy && !named && !w.otherReaders()
 	}
-	if !waits.CompareAndSwap(waitOnLane, waitClaimed) && !(idle && waits.CompareAndSwap(waitBusy, claimedBusy)) {
+	if !waits.CompareAndSwap(waitOnLane, waitClaimed) && (named || w.otherReaders() || !waits.CompareAndSwap(waitBusy, claimedBusy)) {
 		return false
 	}
 	if l.readerWord(sockSends).Load() != l.readerWord(waitsAt).Load() {
@@ -690,8 +691,15 @@ func (p *patience) miss() {
 // fair Way's reader, busy as the end's only reader with every entry taken
 // (see awaitReader), as Maps asks before it names any.
 func (w *Way) mayAwait(l *Lane) bool {
+	return w.fair && w.busyAlone(l, l.Sent()) && w.wait.willWait()
+}
+
+// busyAlone reports whether the role's reader of a fair Way is busy as
+// the end's only reader, with every entry up to tail taken, and this
+// process answering: the reader awaitReader waits for.
+func (w *Way) busyAlone(l *Lane, tail uint32) bool {
 	waits := l.readerWord(readerWaits)
-	return w.fair && waits != nil && waits.Load() == waitBusy && l.Taken() == l.Sent() && answering() && w.wait.willWait() && !w.otherReaders()
+	return waits != nil && waits.Load() == waitBusy && l.Taken() == tail && answering() && !w.otherReaders()
 }
 
 // answerWindow is how lately a process must have received a message on a
@@ -730,11 +738,10 @@ func answering() bool { return monoNow()-lastRecv.Load() < int64(answerWindow) }
 // lets go of its role, or does not come back in time ends the wait; so
 // does ctx. The caller holds sem and the writer's role.
 func (w *Way) awaitReader(ctx context.Context, l *Lane, tail uint32) bool {
-	p := &w.wait
-	waits := l.readerWord(readerWaits)
-	if waits == nil || waits.Load() != waitBusy || l.Taken() != tail || !answering() || w.otherReaders() {
+	if !w.busyAlone(l, tail) {
 		return false
 	}
+	p, waits := &w.wait, l.readerWord(readerWaits)
 	p.waits.Add(1)
 	start := time.Now()
 	for i := 1; ; i++ {
