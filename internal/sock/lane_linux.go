@@ -68,7 +68,7 @@ var errCounts = fmt.Errorf("%w: the lane's counts", ErrMalformed)
 
 const (
 	laneMagic   = 0x454e4c54 // "TLNE" little-endian
-	laneVersion = 4          // 2: the bells sleep on a count, odd while armed; 3: the reader's bell; 4: none (a writer spins for its reader)
+	laneVersion = 5          // 2: the bells sleep on a count, odd while armed; 3: the reader's bell; 4: none (a writer spins for its reader); 5: laneMisses
 	laneHeader  = 4096
 	entryHeader = 8 // position, length
 
@@ -448,4 +448,4 @@ func (l *Lane) setReaderID(off int, id shm.ID) {
 // The reader's page lies in the lane's header, after the bells.
 const readerPage = 1024
 
-var _ [laneHeader - readerPage - prodTable - 16*maxPins]byte // it fits, the last list included
+var _ [laneHeader - readerPage - laneMisses - 4]byte // it fits, the last word included

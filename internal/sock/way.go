@@ -149,11 +149,13 @@ type Way struct {
 	sockSeen  uint32
 	sockReady bool
 	// sockRun: a fair Way's reader's receives in a row that came by the
-	// socket; waits: its waits (see waitFair).
-	sockRun, waits int
-	atMarker       bool // and no message received from it since the marker
-	stash          Msg  // a socket message that follows entries not yet taken
-	stashed        bool
+	// socket; missSeen: the lane's laneMisses as it last waited on the
+	// lane (see waitFair).
+	sockRun  int
+	missSeen uint32
+	atMarker bool // and no message received from it since the marker
+	stash    Msg  // a socket message that follows entries not yet taken
+	stashed  bool
 }
 
 // Lane entries of a Way begin with their kind.
@@ -226,7 +228,9 @@ func NewWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 // Waits: a reader waits on the lane at most laneSleep, and at most
 // laneWaiters readers of a process at once, each a thread; the others
 // wait on the socket, parked, and say so (waitParked): the writer sends
-// there. A writer claims the reader's state before it publishes an entry
+// there. So does a reader whose last messages came by the socket, until
+// the writer counts a message it sent there that the lane would have
+// taken from a reader waiting on it (laneMisses, see socketRun). A writer claims the reader's state before it publishes an entry
 // (waitClaimed, claimedBusy), and the reader, once claimed, waits for the
 // entry on the lane, never on the socket, until it comes or the claiming
 // writer is gone. Tensors by identity (of the writer's pool, or returned
@@ -545,7 +549,8 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 	}
 	hdr, ok := appendReturns(w.hbuf[:0], lent)
 	w.hbuf = hdr
-	if ok && len(fds) == 0 && len(hdr)+len(data) <= l.Room() && !w.owed && w.lanes(ctx, l, len(lent) > 0, block) {
+	fits := ok && len(fds) == 0 && len(hdr)+len(data) <= l.Room() && !w.owed
+	if fits && w.lanes(ctx, l, len(lent) > 0, block) {
 		pos := l.Tail()
 		err := w.sendEntry(ctx, l, hdr, data, block, now)
 		if err != nil && w.fair {
@@ -574,8 +579,14 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 			return err
 		}
 		// A full lane, not waited for: the socket, after its entries.
-	} else if len(lent) > 0 {
-		return carry.ErrNoLane
+	} else {
+		if fits && w.fair {
+			// The lane would have taken it from a reader waiting there.
+			l.readerWord(laneMisses).Add(1) // see waitFair
+		}
+		if len(lent) > 0 {
+			return carry.ErrNoLane
+		}
 	}
 	if w.fair {
 		// No marker: the reader takes the lane's entries first, and
@@ -989,10 +1000,13 @@ func (w *Way) recv(ctx context.Context, block bool) (Msg, error) {
 		if last != l.Taken() {
 			continue // sent since: take it
 		}
-		if w.fair && (c != w.sockSeen || w.sockReady) {
+		if w.fair && (c != w.sockSeen || w.sockReady) && (!block || w.lanesNext(l)) {
 			// Before a wait on the lane, the messages sent by the
 			// socket since the reader last found it empty: the lane's
-			// entries, all taken, came before them (see handsOver).
+			// entries, all taken, came before them (see handsOver). A
+			// wait on the socket finds them there, and leaves waitsAt
+			// as it was: the lane takes no entry for this reader until
+			// it looks again.
 			m, err := w.shared.TryRecv(ctx)
 			switch {
 			case err == nil:
@@ -1074,12 +1088,18 @@ func claimed(v uint32) bool { return v == waitClaimed || v == claimedBusy }
 // A fair Way's reader whose last socketRun messages came by the socket
 // (tensors that need descriptors, a writer without the role) waits for
 // the next on the socket, where a wake costs the writer nothing more than
-// its send, but for one wait in laneProbe, to see whether the lane would
-// serve again.
-const (
-	socketRun = 2
-	laneProbe = 16
-)
+// its send, unless the role's writer has sent by the socket since its
+// last wait on the lane a message that the lane would have taken from a
+// reader waiting there (laneMisses, in the reader's page): it then waits
+// on the lane, for the writer to hand it the next such message. A stream
+// whose every message needs descriptors keeps its reader on the socket.
+const socketRun = 2
+
+// lanesNext reports whether the reader's next wait is on the lane l (see
+// socketRun).
+func (w *Way) lanesNext(l *Lane) bool {
+	return w.sockRun < socketRun || l.readerWord(laneMisses).Load() != w.missSeen
+}
 
 // Lane waits of fair Ways hold a thread each: at most laneWaiters in a
 // process at once, each for at most laneSleep; a reader without one
@@ -1111,9 +1131,9 @@ var errWaitedEnough = errors.New("mp: waited on a lane for as long as allowed")
 // the lane does.
 func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32) (Msg, bool, error) {
 	waits := l.readerWord(readerWaits)
-	w.waits++
-	lane := w.sockRun < socketRun || w.waits%laneProbe == 0
+	lane := w.lanesNext(l)
 	if lane && laneSleepers.Add(1) <= laneWaiters {
+		w.missSeen = l.readerWord(laneMisses).Load()
 		l.readerWord(waitsAt).Store(w.sockSeen)
 		if !moveWait(waits, waitOnLane) {
 			laneSleepers.Add(-1)

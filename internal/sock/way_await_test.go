@@ -149,7 +149,9 @@ func TestFairWayWriterStopsWaitingForAReaderThatGoes(t *testing.T) {
 	}{
 		{"parks", func(ctx context.Context, r *Way) <-chan gotMsg {
 			got := make(chan gotMsg, 1)
-			r.sockRun, r.waits = socketRun, 0 // its next wait is on the socket
+			// Its next wait is on the socket: its messages came there,
+			// and the writer has missed the lane no more since.
+			r.sockRun, r.missSeen = socketRun, r.lane.Load().readerWord(laneMisses).Load()
 			go func() {
 				m, err := r.Recv(ctx)
 				if err != nil {

@@ -570,8 +570,11 @@ func TestFairWayDeadReadersWait(t *testing.T) {
 }
 
 // A reader whose last messages came by the socket (here: each with a
-// descriptor) waits for the next on the socket, parked, but for one wait
-// in laneProbe on the lane.
+// descriptor, which the lane never takes) waits for the next on the
+// socket, parked, every time; once the writer has sent by the socket a
+// message that the lane would have taken from a reader waiting there, the
+// reader waits on the lane again, and the writer's next such message
+// comes by it.
 func TestFairWayWaitsWhereMessagesCome(t *testing.T) {
 	leakcheck.Check(t)
 	w, r, _ := fairPair(t)
@@ -587,32 +590,57 @@ func TestFairWayWaitsWhereMessagesCome(t *testing.T) {
 		}
 		return l.readerWord(readerWaits).Load()
 	}
-	parked, onLane := 0, 0
-	for k := range 2 * laneProbe {
-		got := make(chan error, 1)
+	// recv receives the next message, sent with fds once the reader
+	// waits, and returns where the reader waited for it.
+	recv := func(k int, fds []int) (where uint32, byLane bool) {
+		got := make(chan gotMsg, 1)
 		go func() {
 			m, err := r.Recv(ctx)
 			if err == nil {
+				g := gotMsg{i: int(binary.LittleEndian.Uint32(m.Data)), byLane: m.ByLane()}
 				m.Done()
+				got <- g
+				return
 			}
-			got <- err
+			got <- gotMsg{err: err}
 		}()
 		require.Eventually(t, func() bool {
 			v := waits()
 			return v == waitParked || v == waitOnLane || k < socketRun
 		}, 10*time.Second, 20*time.Microsecond)
-		switch waits() {
-		case waitParked:
-			parked++
-		case waitOnLane:
-			onLane++
-		}
-		require.NoError(t, w.Send(ctx, wayMsg(k, 8), []int{null}))
-		require.NoError(t, <-got)
+		where = waits()
+		require.NoError(t, w.Send(ctx, wayMsg(k, 8), fds))
+		g := within(t, got, "the message never came")
+		assert.Equal(t, k, g.i)
+		return where, g.byLane
 	}
-	t.Logf("parked %d, on the lane %d", parked, onLane)
-	assert.Greater(t, parked, 2*laneProbe-socketRun-4, "it waits on the socket")
-	assert.Positive(t, onLane, "it probes the lane")
+	const n = 40
+	for k := range n {
+		where, _ := recv(k, []int{null})
+		if k >= socketRun {
+			require.EqualValues(t, waitParked, where, "message %d: a reader whose messages need descriptors waits on the socket", k)
+		}
+	}
+	l := w.lane.Load()
+	assert.Zero(t, l.readerWord(laneMisses).Load(), "a message with descriptors is no miss of the lane")
+
+	where, byLane := recv(n, nil)
+	assert.EqualValues(t, waitParked, where)
+	assert.False(t, byLane)
+	assert.EqualValues(t, 1, l.readerWord(laneMisses).Load(), "the lane would have taken it from a reader waiting there")
+	for k := n + 1; k < n+4; k++ {
+		where, byLane := recv(k, nil)
+		assert.EqualValues(t, waitOnLane, where, "message %d: the writer missed the lane: the reader waits there", k)
+		assert.True(t, byLane, "message %d", k)
+	}
+	// Descriptors again: on the socket, once the run says so, the miss
+	// seen.
+	for k := n + 4; k < n+8+socketRun; k++ {
+		where, _ := recv(k, []int{null})
+		if k >= n+4+socketRun {
+			assert.EqualValues(t, waitParked, where, "message %d", k)
+		}
+	}
 }
 
 // A claim whose entry does not come (a writer stopped before it

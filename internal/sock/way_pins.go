@@ -94,6 +94,9 @@ import (
 //	+1052 prodCount: segments listed as the reader's own (see
 //	     way_returns.go), under seq too
 //	+1056 that list: prodCount identities, 16 bytes each
+//	+2080 laneMisses: a count of the messages the writer sent by the
+//	     socket that the lane would have taken from a reader waiting on
+//	     it (see socketRun)
 
 const (
 	pinSeq   = 0

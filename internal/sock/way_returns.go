@@ -60,6 +60,12 @@ const (
 	prodTable = prodCount + 4
 )
 
+// laneMisses, in the reader's page after the list of its own segments,
+// counts the messages a fair Way's writer with the role sent by the
+// socket that the lane would have taken from a reader waiting on it
+// (see socketRun).
+const laneMisses = prodTable + 16*maxPins
+
 // returnsSent and returnsTaken count the messages this process sent by a
 // lane returning blocks to their producer, and those it took so.
 var returnsSent, returnsTaken atomic.Uint64
