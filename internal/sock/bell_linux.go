@@ -27,15 +27,21 @@ import (
 //	            was, Unix nanoseconds
 //	64  uint32  odd once a waiter is about to sleep, made even by the ringer
 //	            that wakes it: the futex the waiters sleep on
+//	72  uint32  the one CPU the last ringer may run on, plus one (0: more
+//	            than one): a waiter that may run only there yields it as
+//	            it spins (see sharesCPU). Off the word's line, which the
+//	            ringer would otherwise read before it writes it: a second
+//	            transfer of the line between the CPUs at each ring
 //
 // A peer that writes the memory at will can wake the waiter for nothing or
-// make it spin up to spinCap in vain; it cannot make it miss a Ring or
+// make it spin up to spinCap in vain, or yield its CPU as it spins; it cannot make it miss a Ring or
 // sleep past its context and its peer's end, and a Ring whose wake it
 // suppresses is seen at most a sleepSlice late. So is one whose wake is
 // lost to a ringer killed between clearing the flag and waking.
 type Bell struct {
 	word   *uint32
 	rang   *int64
+	cpu    *uint32
 	asleep *uint32
 
 	// The waiter's spin budget, process-local: how long rings have lately
@@ -98,6 +104,7 @@ func NewBell(mem []byte) (*Bell, error) {
 	b := &Bell{
 		word:   (*uint32)(p),
 		rang:   (*int64)(unsafe.Add(p, 8)),
+		cpu:    (*uint32)(unsafe.Add(p, 72)),
 		asleep: (*uint32)(unsafe.Add(p, 64)),
 	}
 	return b, nil
@@ -108,6 +115,7 @@ func (b *Bell) Load() uint32 { return atomic.LoadUint32(b.word) }
 
 // Ring bumps the word, waking the waiters that sleep on it.
 func (b *Bell) Ring() {
+	b.stampCPU()
 	atomic.AddUint32(b.word, 1)
 	b.wake()
 }
@@ -115,12 +123,25 @@ func (b *Bell) Ring() {
 // Advance moves the word from old to old+1, waking the waiters that sleep
 // on it, and reports whether it did: false if the word was not old.
 func (b *Bell) Advance(old uint32) bool {
+	b.stampCPU()
 	if !atomic.CompareAndSwapUint32(b.word, old, old+1) {
 		return false
 	}
 	b.wake()
 	return true
 }
+
+// stampCPU says which CPU the ringer may only run on (see pinnedCPU),
+// for its waiter's spin: written only when it changed, as the line is
+// the waiter's to read.
+func (b *Bell) stampCPU() {
+	if c := pinnedCPU(); atomic.LoadUint32(b.cpu) != c {
+		atomic.StoreUint32(b.cpu, c)
+	}
+}
+
+// RingerCPU returns what the last ringer stamped (see stampCPU).
+func (b *Bell) RingerCPU() uint32 { return atomic.LoadUint32(b.cpu) }
 
 // Nudge wakes the waiters asleep on the word, if any, without moving it:
 // each asks its alive at once, and sleeps again unless that ends its wait.
@@ -268,8 +289,10 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, u
 
 // spin spins on the word for about twice as long as rings have lately
 // taken to come, between spinMin and spinCap, and reports what it found.
-// A spin is worth it only when the ringer runs on another CPU meanwhile;
-// the waiter cannot see where it runs, so it learns from its spins: after
+// A spin is worth it only when the ringer runs on another CPU meanwhile,
+// or, for a ringer pinned to the one CPU the waiter is pinned to, when
+// the waiter yields it as it spins (sharesCPU); else the waiter cannot
+// see where it runs, so it learns from its spins: after
 // maxMisses in a row end without a ring, it spins only to probe, one wait
 // in probeEvery.
 func (b *Bell) spin(last uint32, start time.Time) (uint32, bool) {
@@ -283,17 +306,23 @@ func (b *Bell) spin(last uint32, start time.Time) (uint32, bool) {
 	}
 	b.spun.Add(1)
 	budget := min(max(2*gap, int64(spinMin)), int64(spinCap))
+	yield := sharesCPU(atomic.LoadUint32(b.cpu))
 	for i := 1; ; i++ {
 		if w := atomic.LoadUint32(b.word); w != last {
 			b.misses.Store(0)
 			b.learn(int64(time.Since(start)))
 			return w, true
 		}
-		if i%64 == 0 && int64(time.Since(start)) > budget {
-			if b.misses.Load() < maxMisses {
-				b.misses.Add(1)
+		if i%spinTurns == 0 {
+			if int64(time.Since(start)) > budget {
+				if b.misses.Load() < maxMisses {
+					b.misses.Add(1)
+				}
+				return last, false
 			}
-			return last, false
+			if yield {
+				spinYield()
+			}
 		}
 	}
 }

@@ -33,5 +33,8 @@ func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint3
 	return last, fmt.Errorf("mp: a lane's bell: %w", errors.ErrUnsupported)
 }
 
+// RingerCPU returns 0.
+func (b *Bell) RingerCPU() uint32 { return 0 }
+
 // Nudge does nothing.
 func (b *Bell) Nudge() {}

@@ -253,6 +253,22 @@ func (l *Lane) Tail() uint32 {
 func (l *Lane) Sent() uint32  { return l.sent.Load() }
 func (l *Lane) Taken() uint32 { return l.taken.Load() }
 
+// readerCPU returns the one CPU the reader that last took an entry, or
+// stamped (stampCPU), may run on, plus one, or 0 (see Bell.RingerCPU).
+func (l *Lane) readerCPU() uint32 { return l.taken.RingerCPU() }
+
+// stampCPU stamps the CPU this process may only run on (see pinnedCPU)
+// in the bell that its side rings, the writer's or the readers', as a
+// ring would: for a side whose messages go by the socket for a while,
+// which rings nothing, so that the other side's spins see it all the same.
+func (l *Lane) stampCPU(writer bool) {
+	if writer {
+		l.sent.stampCPU()
+	} else {
+		l.taken.stampCPU()
+	}
+}
+
 // WaitSent waits until the count of messages published is no longer
 // last, as Bell.Wait does, and returns it.
 func (l *Lane) WaitSent(ctx context.Context, last uint32, alive func() error) (uint32, error) {

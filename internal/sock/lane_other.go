@@ -65,6 +65,10 @@ func (l *Lane) Tail() uint32  { return 0 }
 func (l *Lane) Sent() uint32  { return 0 }
 func (l *Lane) Taken() uint32 { return 0 }
 
+func (l *Lane) readerCPU() uint32 { return 0 }
+
+func (l *Lane) stampCPU(bool) {}
+
 // Nudge does nothing.
 func (l *Lane) Nudge() {}
 

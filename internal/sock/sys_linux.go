@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"os"
 	"strconv"
+	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -102,3 +104,63 @@ func describeFD(fd int) string {
 	}
 	return target
 }
+
+// sharesCPU reports whether a spin that waits for another process, last
+// seen pinned to one CPU (peer, see pinnedCPU), should yield its CPU as
+// it spins (spinYield): if this thread may run only on that CPU, the
+// peer cannot run while it spins (a spin would hold it off to the end of
+// the slice); else a yield would hand the CPU to whatever else is
+// runnable, not to a peer that runs on another.
+func sharesCPU(peer uint32) bool { return peer != 0 && pinnedCPU() == peer }
+
+// spinYield yields the CPU, as a spin for a peer that shares it does
+// every spinTurns turns.
+func spinYield() {
+	_, _, _ = unix.Syscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
+	spinYields.Add(1)
+}
+
+// spinYields counts spinYield's yields, for tests.
+var spinYields atomic.Uint64
+
+// pinnedCPU returns one more than the CPU the calling thread may only run
+// on, or 0 if it may run on more than one (or its affinity cannot be
+// read): as a process pinned whole is (`taskset -c 0`, `spawn bench
+// -cpus`), and the threads it starts after. The kernel is asked again at
+// most each cpusLookEvery, looked at once in cpusLookCalls calls: a
+// process pinned after it asked is seen as such within that.
+func pinnedCPU() uint32 {
+	if cpusCalls.Add(1)%cpusLookCalls == 1 {
+		if now := monoNow(); now-cpusLooked.Load() >= int64(cpusLookEvery) {
+			cpusLooked.Store(now)
+			cpusPinned.Store(affinityCPU())
+		}
+	}
+	return cpusPinned.Load()
+}
+
+// affinityCPU asks the kernel for pinnedCPU's answer.
+func affinityCPU() uint32 {
+	var set unix.CPUSet
+	if unix.SchedGetaffinity(0, &set) != nil || set.Count() != 1 {
+		return 0
+	}
+	for c := 0; ; c++ {
+		if set.IsSet(c) {
+			return uint32(c) + 1
+		}
+	}
+}
+
+// pinnedCPU's look: how often, its count of calls, when it last asked
+// (monoNow), and what it found.
+const (
+	cpusLookEvery = 100 * time.Millisecond
+	cpusLookCalls = 256
+)
+
+var (
+	cpusCalls  atomic.Uint32
+	cpusLooked atomic.Int64
+	cpusPinned atomic.Uint32
+)

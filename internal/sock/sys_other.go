@@ -72,3 +72,9 @@ func socketKind(s int) (domain, typ int, err error) {
 }
 
 func describeFD(int) string { return "a descriptor" }
+
+// sharesCPU reports false here: see sys_linux.go.
+func sharesCPU(uint32) bool { return false }
+
+// spinYield does nothing here.
+func spinYield() {}

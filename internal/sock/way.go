@@ -310,6 +310,7 @@ func (w *Way) recvDone() {
 		l := w.lane.Load()
 		ack(l)
 		w.relistProduced(l)
+		l.stampCPU(false) // for a writer that spins for this reader (awaitReader)
 	}
 	<-w.sem
 }
@@ -539,6 +540,7 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 	}
 	now := monoNow() // one clock read, for the settling and the look at the readers
 	w.ledger.settle(l, w.mem, false, now)
+	l.stampCPU(true) // for a reader that spins on the lane, whatever way this goes
 	if w.owed {
 		w.owed = l.TrySend(marker) != nil
 	}
@@ -676,6 +678,10 @@ const (
 	patienceProbe  = 64
 )
 
+// spinTurns is how many turns a spin for another process (awaitReader,
+// a Bell's) makes between two looks at its clock, and at spinYield.
+const spinTurns = 64
+
 // patience is a fair Way's writer's record of its waits for a busy
 // reader: written by awaitReader, under sem, and read by Maps too.
 type patience struct {
@@ -745,7 +751,9 @@ func answering() bool { return monoNow()-lastRecv.Load() < int64(answerWindow) }
 // reports whether it does. It never sleeps: a writer asleep until the
 // reader woke it would add a wake to the round trip, which on a VM of
 // two CPUs doubled a queue's, unpinned and on one CPU, and cost its
-// first share as much again. A reader that parks on the socket instead,
+// first share as much again. A writer pinned to the one CPU its reader
+// is pinned to yields it as it spins (sharesCPU), for the reader to come
+// back. A reader that parks on the socket instead,
 // lets go of its role, or does not come back in time ends the wait; so
 // does ctx. The caller holds sem and the writer's role.
 func (w *Way) awaitReader(ctx context.Context, l *Lane, tail uint32) bool {
@@ -755,6 +763,7 @@ func (w *Way) awaitReader(ctx context.Context, l *Lane, tail uint32) bool {
 	p, waits := &w.wait, l.readerWord(readerWaits)
 	p.waits.Add(1)
 	start := time.Now()
+	yield := sharesCPU(l.readerCPU())
 	for i := 1; ; i++ {
 		switch waits.Load() {
 		case waitOnLane:
@@ -764,9 +773,12 @@ func (w *Way) awaitReader(ctx context.Context, l *Lane, tail uint32) bool {
 		default:
 			return false // parked on the socket, gone, or claimed by another writer
 		}
-		if i%64 == 0 {
+		if i%spinTurns == 0 {
 			if ctx.Err() != nil {
 				return false
+			}
+			if yield {
+				spinYield()
 			}
 			if time.Since(start) >= p.spin {
 				p.miss()

@@ -148,21 +148,10 @@ func TestFairWayWriterStopsWaitingForAReaderThatGoes(t *testing.T) {
 		move func(ctx context.Context, r *Way) <-chan gotMsg
 	}{
 		{"parks", func(ctx context.Context, r *Way) <-chan gotMsg {
-			got := make(chan gotMsg, 1)
 			// Its next wait is on the socket: its messages came there,
 			// and the writer has missed the lane no more since.
-			r.sockRun, r.missSeen = socketRun, r.lane.Load().readerWord(laneMisses).Load()
-			go func() {
-				m, err := r.Recv(ctx)
-				if err != nil {
-					got <- gotMsg{err: err}
-					return
-				}
-				g := gotMsg{i: int(binary.LittleEndian.Uint32(m.Data)), byLane: m.ByLane()}
-				m.Done()
-				got <- g
-			}()
-			return got
+			r.missSeen = r.lane.Load().readerWord(laneMisses).Load()
+			return recvAfter(ctx, r, socketRun)
 		}},
 		{"lets go", func(ctx context.Context, r *Way) <-chan gotMsg {
 			r.LetGo()
@@ -217,4 +206,32 @@ func TestFairWayWriterStopsSpinningAtItsContext(t *testing.T) {
 	}
 	require.ErrorIs(t, err, carry.ErrNoLane)
 	assert.Zero(t, w.wait.misses.Load())
+}
+
+// A writer that may not name a block its reader pins, because the reader
+// waits on the socket (its messages came there), counts the lane's miss
+// all the same: the reader waits on the lane next, and the writer names
+// the block then. Else a writer that had stopped waiting for its reader
+// sent every tensor with descriptors, and the reader waited on the
+// socket for good.
+func TestFairWayMissedNameBringsTheReaderToTheLane(t *testing.T) {
+	w, r, b, ctx, _ := busyReader(t, time.Minute)
+	l := w.lane.Load()
+	r.missSeen = l.readerWord(laneMisses).Load()
+	got := recvAfter(ctx, r, socketRun) // on the socket
+	require.Eventually(t, func() bool { return l.readerWord(readerWaits).Load() == waitParked }, 10*time.Second, 50*time.Microsecond,
+		"the reader never parked")
+	misses := l.readerWord(laneMisses).Load()
+	answered(t)
+	assert.False(t, w.Maps(b), "a parked reader is named no block")
+	assert.Equal(t, misses+1, l.readerWord(laneMisses).Load(), "the lane's miss is counted")
+	require.NoError(t, w.Send(ctx, wayMsg(3, 8), nil))
+	assert.False(t, within(t, got, "the parked reader never got the socket's message").byLane)
+
+	got = recvAfter(ctx, r, socketRun) // on the lane: the writer missed it
+	waitsOnLane(t, r)
+	answered(t)
+	assert.True(t, w.Maps(b), "the reader waits on the lane: the block may be named")
+	require.NoError(t, w.Send(ctx, wayMsg(4, 8), nil))
+	assert.True(t, within(t, got, "the message never came").byLane)
 }

@@ -72,8 +72,12 @@ type gotMsg struct {
 
 // recvLater receives one message on r in a goroutine, waiting on the lane
 // (as if its messages had come by it lately) unless it cannot.
-func recvLater(ctx context.Context, r *Way) <-chan gotMsg {
-	r.sockRun = 0
+func recvLater(ctx context.Context, r *Way) <-chan gotMsg { return recvAfter(ctx, r, 0) }
+
+// recvAfter is recvLater for a reader whose last run messages came by the
+// socket (see socketRun).
+func recvAfter(ctx context.Context, r *Way, run int) <-chan gotMsg {
+	r.sockRun = run
 	got := make(chan gotMsg, 1)
 	go func() {
 		m, err := r.Recv(ctx)

@@ -190,13 +190,22 @@ func (w *Way) names(b *shm.Block, own bool) bool {
 	w.viewMu.Lock()
 	defer w.viewMu.Unlock()
 	l := w.lane.Load()
-	if l == nil || w.viewClosed || !w.handsOver(l, l.Sent(), false, true) && !w.mayAwait(l) || !w.readView(l) {
+	if l == nil || w.viewClosed || !w.readView(l) {
 		return false
 	}
-	if own {
-		return w.view.listed[b.Segment().ID()]
+	if own && !w.view.listed[b.Segment().ID()] || !own && !w.view.produced[b.Segment().ID()] {
+		return false
 	}
-	return w.view.produced[b.Segment().ID()]
+	if w.handsOver(l, l.Sent(), false, true) || w.mayAwait(l) {
+		return true
+	}
+	if w.fair {
+		// The lane would have taken it from a reader waiting there: the
+		// reader waits there next (see socketRun), where a message with
+		// descriptors, as this one becomes, would not move it.
+		l.readerWord(laneMisses).Add(1)
+	}
+	return false
 }
 
 // readView brings the writer's copy of the reader's lists up to date,

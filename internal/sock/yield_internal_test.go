@@ -1,0 +1,144 @@
+//go:build linux
+
+package sock
+
+import (
+	"runtime"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/carry"
+)
+
+// pinThread runs the rest of the test on the calling goroutine's thread,
+// pinned to the first CPU it may run on, with pinnedCPU asked again; it
+// returns that CPU plus one, and unpin, which gives the thread back its
+// CPUs and has pinnedCPU ask again (the test's end calls it too), and
+// returns what pinnedCPU should say then.
+func pinThread(t *testing.T) (cpu uint32, unpin func() uint32) {
+	t.Helper()
+	runtime.LockOSThread()
+	var was, one unix.CPUSet
+	require.NoError(t, unix.SchedGetaffinity(0, &was))
+	c := 0
+	for !was.IsSet(c) {
+		c++
+	}
+	one.Set(c)
+	require.NoError(t, unix.SchedSetaffinity(0, &one))
+	lookAgain()
+	done := false
+	unpin = func() uint32 {
+		if !done {
+			done = true
+			require.NoError(t, unix.SchedSetaffinity(0, &was))
+			lookAgain()
+			runtime.UnlockOSThread()
+		}
+		if was.Count() == 1 {
+			return uint32(c) + 1
+		}
+		return 0
+	}
+	t.Cleanup(func() { unpin() })
+	return uint32(c) + 1, unpin
+}
+
+// lookAgain has pinnedCPU's next call ask the kernel.
+func lookAgain() {
+	cpusLooked.Store(0)
+	cpusCalls.Store(0)
+}
+
+// pinnedCPU says which one CPU the thread may run on, and that it may run
+// on more, once the kernel says so.
+func TestPinnedCPU(t *testing.T) {
+	c, unpin := pinThread(t)
+	assert.Equal(t, c, pinnedCPU())
+	assert.Equal(t, unpin(), pinnedCPU())
+}
+
+// A ring stamps the CPU the ringer is pinned to in the bell, for its
+// waiter: by Ring and by Advance, and 0 once it may run on more than one.
+func TestBellRingStampsItsCPU(t *testing.T) {
+	b := testBell(t)
+	c, unpin := pinThread(t)
+	b.Ring()
+	assert.Equal(t, c, b.RingerCPU(), "Ring")
+	atomic.StoreUint32(b.cpu, 0)
+	require.True(t, b.Advance(b.Load()))
+	assert.Equal(t, c, b.RingerCPU(), "Advance")
+	want := unpin()
+	b.Ring()
+	assert.Equal(t, want, b.RingerCPU(), "unpinned")
+}
+
+// A spin yields its CPU only to a peer pinned to the one CPU it is pinned
+// to.
+func TestSpinYieldsOnlyToAPeerOnItsCPU(t *testing.T) {
+	c, unpin := pinThread(t)
+	assert.True(t, sharesCPU(c), "a peer on its CPU")
+	assert.False(t, sharesCPU(c+1), "a peer elsewhere")
+	assert.False(t, sharesCPU(0), "an unpinned peer")
+	if unpin() == 0 {
+		assert.False(t, sharesCPU(c), "unpinned itself")
+		assert.False(t, sharesCPU(0), "unpinned both")
+	}
+}
+
+// A waiter pinned to its ringer's CPU yields it as it spins; one whose
+// ringer is elsewhere does not.
+func TestBellSpinYieldsToItsRingersCPU(t *testing.T) {
+	b := testBell(t)
+	b.misses.Store(0)
+	b.gap.Store(int64(spinCap / 2)) // it spins for spinCap: many looks at the clock
+	c, _ := pinThread(t)
+	last := b.Load()
+	atomic.StoreUint32(b.cpu, c)
+	n := spinYields.Load()
+	_, found := b.spin(last, time.Now())
+	require.False(t, found)
+	assert.Greater(t, spinYields.Load(), n, "the ringer shares its CPU")
+	atomic.StoreUint32(b.cpu, c+1)
+	b.misses.Store(0)
+	n = spinYields.Load()
+	b.spin(last, time.Now())
+	assert.Equal(t, n, spinYields.Load(), "the ringer runs elsewhere")
+}
+
+// A writer pinned to the CPU its busy reader last took an entry on yields
+// it as it spins for the reader.
+func TestFairWayWriterYieldsToItsReadersCPU(t *testing.T) {
+	w, r, _, _, lend := busyReader(t, 200*time.Microsecond)
+	r.idle.Stop() // the reader stays busy: the spin runs its course
+	c, _ := pinThread(t)
+	atomic.StoreUint32(r.lane.Load().taken.cpu, c)
+	n, waits := spinYields.Load(), w.wait.waits.Load()
+	require.ErrorIs(t, lend(), carry.ErrNoLane)
+	require.Equal(t, waits+1, w.wait.waits.Load(), "the writer spun for its reader")
+	assert.Greater(t, spinYields.Load(), n, "and yielded the CPU they share")
+}
+
+// A fair Way's writer and reader stamp their CPU at each message, by the
+// socket too, which rings nothing: the other side's spins see it all the
+// same.
+func TestFairWayStampsItsCPUByTheSocketToo(t *testing.T) {
+	w, r, _, ctx := fairRoles(t)
+	null, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	require.NoError(t, err)
+	defer unix.Close(null)
+	c, _ := pinThread(t)
+	l := w.lane.Load()
+	atomic.StoreUint32(l.sent.cpu, 0)
+	atomic.StoreUint32(l.taken.cpu, 0)
+	require.NoError(t, w.Send(ctx, wayMsg(1, 8), []int{null})) // a descriptor: by the socket
+	assert.Equal(t, c, l.sent.RingerCPU(), "the writer's")
+	_, byLane := recvWay(t, ctx, r)
+	require.False(t, byLane)
+	assert.Equal(t, c, l.taken.RingerCPU(), "the reader's")
+}
