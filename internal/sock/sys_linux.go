@@ -125,10 +125,12 @@ var spinYields atomic.Uint64
 
 // pinnedCPU returns one more than the CPU the calling thread may only run
 // on, or 0 if it may run on more than one (or its affinity cannot be
-// read): as a process pinned whole is (`taskset -c 0`, `spawn bench
-// -cpus`), and the threads it starts after. The kernel is asked again at
-// most each cpusLookEvery, looked at once in cpusLookCalls calls: a
-// process pinned after it asked is seen as such within that.
+// read), as the kernel said when a thread of the process last asked: the
+// answer is the process's, right for a process pinned whole (`taskset -c
+// 0`, `spawn bench -cpus`, and the threads it starts after), not for one
+// whose threads are pinned apart, where it costs a yield for nothing or
+// a spin without one. The kernel is asked again once cpusLookEvery has
+// gone by, at the first call in cpusLookCalls after.
 func pinnedCPU() uint32 {
 	if cpusCalls.Add(1)%cpusLookCalls == 1 {
 		if now := monoNow(); now-cpusLooked.Load() >= int64(cpusLookEvery) {
@@ -156,7 +158,7 @@ func affinityCPU() uint32 {
 // (monoNow), and what it found.
 const (
 	cpusLookEvery = 100 * time.Millisecond
-	cpusLookCalls = 256
+	cpusLookCalls = 16
 )
 
 var (

@@ -1012,7 +1012,12 @@ func (w *Way) recv(ctx context.Context, block bool) (Msg, error) {
 		if last != l.Taken() {
 			continue // sent since: take it
 		}
-		if w.fair && (c != w.sockSeen || w.sockReady) && (!block || w.lanesNext(l)) {
+		// Where a fair Way's reader waits, decided once: a reader that
+		// skipped the look below for a wait on the socket, and then
+		// waited on the lane, would sleep there past the socket's
+		// message, whose nudge came before it slept.
+		lane := w.fair && block && w.lanesNext(l)
+		if w.fair && (c != w.sockSeen || w.sockReady) && (!block || lane) {
 			// Before a wait on the lane, the messages sent by the
 			// socket since the reader last found it empty: the lane's
 			// entries, all taken, came before them (see handsOver). A
@@ -1045,7 +1050,7 @@ func (w *Way) recv(ctx context.Context, block bool) (Msg, error) {
 		if w.fair {
 			var m Msg
 			var ok bool
-			m, ok, err = w.waitFair(ctx, l, last)
+			m, ok, err = w.waitFair(ctx, l, last, lane)
 			if ok {
 				return m, nil
 			}
@@ -1138,12 +1143,12 @@ var errWaitedEnough = errors.New("mp: waited on a lane for as long as allowed")
 // writer hands its next message to the lane, and then on the socket,
 // parked, as waitParked, where the writer sends meanwhile. A claim (an
 // entry comes) is waited for on the lane, whatever else ended the wait.
-// It returns a socket message for the caller (ok), or nothing, for the
-// caller to look at the lane again, or an error as Way.recv's wait on
-// the lane does.
-func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32) (Msg, bool, error) {
+// The wait is on the lane only if lane (lanesNext, as the caller found
+// it before its look at the socket). It returns a socket message for the
+// caller (ok), or nothing, for the caller to look at the lane again, or
+// an error as Way.recv's wait on the lane does.
+func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32, lane bool) (Msg, bool, error) {
 	waits := l.readerWord(readerWaits)
-	lane := w.lanesNext(l)
 	if lane && laneSleepers.Add(1) <= laneWaiters {
 		w.missSeen = l.readerWord(laneMisses).Load()
 		l.readerWord(waitsAt).Store(w.sockSeen)

@@ -221,8 +221,14 @@ func TestFairWayMissedNameBringsTheReaderToTheLane(t *testing.T) {
 	got := recvAfter(ctx, r, socketRun) // on the socket
 	require.Eventually(t, func() bool { return l.readerWord(readerWaits).Load() == waitParked }, 10*time.Second, 50*time.Microsecond,
 		"the reader never parked")
+	other, err := shm.DefaultPool().Alloc(64 << 10) // another class: another segment
+	require.NoError(t, err)
+	defer other.Release()
+	require.NotEqual(t, b.Segment().ID(), other.Segment().ID())
 	misses := l.readerWord(laneMisses).Load()
 	answered(t)
+	assert.False(t, w.Maps(other))
+	assert.Equal(t, misses, l.readerWord(laneMisses).Load(), "a block of a segment the reader does not pin is no miss")
 	assert.False(t, w.Maps(b), "a parked reader is named no block")
 	assert.Equal(t, misses+1, l.readerWord(laneMisses).Load(), "the lane's miss is counted")
 	require.NoError(t, w.Send(ctx, wayMsg(3, 8), nil))

@@ -122,6 +122,16 @@ func TestFairWayWriterYieldsToItsReadersCPU(t *testing.T) {
 	require.ErrorIs(t, lend(), carry.ErrNoLane)
 	require.Equal(t, waits+1, w.wait.waits.Load(), "the writer spun for its reader")
 	assert.Greater(t, spinYields.Load(), n, "and yielded the CPU they share")
+
+	// A reader elsewhere: no yield (the writer's own stamp, c, is on the
+	// other bell).
+	w.wait.misses.Store(0)
+	atomic.StoreUint32(r.lane.Load().taken.cpu, c+1)
+	n, waits = spinYields.Load(), w.wait.waits.Load()
+	require.ErrorIs(t, lend(), carry.ErrNoLane)
+	require.Equal(t, waits+1, w.wait.waits.Load(), "the writer spun for its reader")
+	assert.Equal(t, c, w.lane.Load().sent.RingerCPU())
+	assert.Equal(t, n, spinYields.Load(), "its reader runs elsewhere")
 }
 
 // A fair Way's writer and reader stamp their CPU at each message, by the
