@@ -306,7 +306,7 @@ func (b *Bell) spin(last uint32, start time.Time) (uint32, bool) {
 	}
 	b.spun.Add(1)
 	budget := min(max(2*gap, int64(spinMin)), int64(spinCap))
-	yield := sharesCPU(atomic.LoadUint32(b.cpu))
+	yield := sharesCPU(atomic.LoadUint32(b.cpu), int64(start.Sub(monoBase)))
 	for i := 1; ; i++ {
 		if w := atomic.LoadUint32(b.word); w != last {
 			b.misses.Store(0)

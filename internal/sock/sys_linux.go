@@ -110,8 +110,15 @@ func describeFD(fd int) string {
 // it spins (spinYield): if this thread may run only on that CPU, the
 // peer cannot run while it spins (a spin would hold it off to the end of
 // the slice); else a yield would hand the CPU to whatever else is
-// runnable, not to a peer that runs on another.
-func sharesCPU(peer uint32) bool { return peer != 0 && pinnedCPU() == peer }
+// runnable, not to a peer that runs on another. now is monoNow, for
+// lookCPU.
+func sharesCPU(peer uint32, now int64) bool {
+	if peer == 0 {
+		return false
+	}
+	lookCPU(now)
+	return pinnedCPU() == peer
+}
 
 // spinYield yields the CPU, as a spin for a peer that shares it does
 // every spinTurns turns.
@@ -125,44 +132,38 @@ var spinYields atomic.Uint64
 
 // pinnedCPU returns one more than the CPU the calling thread may only run
 // on, or 0 if it may run on more than one (or its affinity cannot be
-// read), as the kernel said when a thread of the process last asked: the
-// answer is the process's, right for a process pinned whole (`taskset -c
-// 0`, `spawn bench -cpus`, and the threads it starts after), not for one
-// whose threads are pinned apart, where it costs a yield for nothing or
-// a spin without one. The kernel is asked again once cpusLookEvery has
-// gone by, at the first call in cpusLookCalls after.
-func pinnedCPU() uint32 {
-	if cpusCalls.Add(1)%cpusLookCalls == 1 {
-		if now := monoNow(); now-cpusLooked.Load() >= int64(cpusLookEvery) {
-			cpusLooked.Store(now)
-			cpusPinned.Store(affinityCPU())
-		}
-	}
-	return cpusPinned.Load()
-}
+// read, or no look has been taken), as the kernel said at the process's
+// last look (lookCPU): the answer is the process's, right for a process
+// pinned whole (`taskset -c 0`, `spawn bench -cpus`, and the threads it
+// starts after), not for one whose threads are pinned apart, where it
+// costs a yield for nothing or a spin without one. It is a load: a ring
+// stamps it.
+func pinnedCPU() uint32 { return cpusPinned.Load() }
 
-// affinityCPU asks the kernel for pinnedCPU's answer.
-func affinityCPU() uint32 {
+// lookCPU asks the kernel for pinnedCPU's answer if cpusLookEvery has
+// gone by since it last did (now is monoNow): at each Send and receive
+// of a Way, and at each spin, which read the clock already.
+func lookCPU(now int64) {
+	if now-cpusLooked.Load() < int64(cpusLookEvery) {
+		return
+	}
+	cpusLooked.Store(now)
 	var set unix.CPUSet
-	if unix.SchedGetaffinity(0, &set) != nil || set.Count() != 1 {
-		return 0
-	}
-	for c := 0; ; c++ {
-		if set.IsSet(c) {
-			return uint32(c) + 1
+	c := uint32(0)
+	if unix.SchedGetaffinity(0, &set) == nil && set.Count() == 1 {
+		for !set.IsSet(int(c)) {
+			c++
 		}
+		c++
 	}
+	cpusPinned.Store(c)
 }
 
-// pinnedCPU's look: how often, its count of calls, when it last asked
-// (monoNow), and what it found.
-const (
-	cpusLookEvery = 100 * time.Millisecond
-	cpusLookCalls = 16
-)
+// cpusLookEvery is how often lookCPU asks the kernel; cpusLooked is when
+// it last did (monoNow), and cpusPinned what it found.
+const cpusLookEvery = 100 * time.Millisecond
 
 var (
-	cpusCalls  atomic.Uint32
 	cpusLooked atomic.Int64
 	cpusPinned atomic.Uint32
 )

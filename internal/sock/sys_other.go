@@ -74,7 +74,10 @@ func socketKind(s int) (domain, typ int, err error) {
 func describeFD(int) string { return "a descriptor" }
 
 // sharesCPU reports false here: see sys_linux.go.
-func sharesCPU(uint32) bool { return false }
+func sharesCPU(uint32, int64) bool { return false }
+
+// lookCPU does nothing here.
+func lookCPU(int64) {}
 
 // spinYield does nothing here.
 func spinYield() {}

@@ -300,7 +300,8 @@ func (w *Way) lockCall(ctx context.Context, block bool) error {
 // writer what the reader has done with (see ack).
 func (w *Way) recvDone() {
 	w.recvs++
-	lastRecv.Store(monoNow())
+	now := monoNow()
+	lastRecv.Store(now)
 	if len(w.taking) > 0 {
 		w.takeMu.Lock()
 		w.taking = w.taking[:0] // revived, or never to be
@@ -310,6 +311,7 @@ func (w *Way) recvDone() {
 		l := w.lane.Load()
 		ack(l)
 		w.relistProduced(l)
+		lookCPU(now)
 		l.stampCPU(false) // for a writer that spins for this reader (awaitReader)
 	}
 	<-w.sem
@@ -540,6 +542,7 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 	}
 	now := monoNow() // one clock read, for the settling and the look at the readers
 	w.ledger.settle(l, w.mem, false, now)
+	lookCPU(now)
 	l.stampCPU(true) // for a reader that spins on the lane, whatever way this goes
 	if w.owed {
 		w.owed = l.TrySend(marker) != nil
@@ -763,7 +766,7 @@ func (w *Way) awaitReader(ctx context.Context, l *Lane, tail uint32) bool {
 	p, waits := &w.wait, l.readerWord(readerWaits)
 	p.waits.Add(1)
 	start := time.Now()
-	yield := sharesCPU(l.readerCPU())
+	yield := sharesCPU(l.readerCPU(), int64(start.Sub(monoBase)))
 	for i := 1; ; i++ {
 		switch waits.Load() {
 		case waitOnLane:

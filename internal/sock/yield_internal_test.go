@@ -16,10 +16,10 @@ import (
 )
 
 // pinThread runs the rest of the test on the calling goroutine's thread,
-// pinned to the first CPU it may run on, with pinnedCPU asked again; it
-// returns that CPU plus one, and unpin, which gives the thread back its
-// CPUs and has pinnedCPU ask again (the test's end calls it too), and
-// returns what pinnedCPU should say then.
+// pinned to the first CPU it may run on, with pinnedCPU's look taken
+// again; it returns that CPU plus one, and unpin, which gives the thread
+// back its CPUs and takes the look again (the test's end calls it too),
+// and returns what pinnedCPU should say then.
 func pinThread(t *testing.T) (cpu uint32, unpin func() uint32) {
 	t.Helper()
 	runtime.LockOSThread()
@@ -32,12 +32,14 @@ func pinThread(t *testing.T) (cpu uint32, unpin func() uint32) {
 	one.Set(c)
 	require.NoError(t, unix.SchedSetaffinity(0, &one))
 	lookAgain()
+	lookCPU(monoNow())
 	done := false
 	unpin = func() uint32 {
 		if !done {
 			done = true
 			require.NoError(t, unix.SchedSetaffinity(0, &was))
 			lookAgain()
+			lookCPU(monoNow())
 			runtime.UnlockOSThread()
 		}
 		if was.Count() == 1 {
@@ -49,17 +51,26 @@ func pinThread(t *testing.T) (cpu uint32, unpin func() uint32) {
 	return uint32(c) + 1, unpin
 }
 
-// lookAgain has pinnedCPU's next call ask the kernel.
+// lookAgain forgets pinnedCPU's answer, which the next lookCPU asks for.
 func lookAgain() {
 	cpusLooked.Store(0)
-	cpusCalls.Store(0)
+	cpusPinned.Store(0)
 }
 
 // pinnedCPU says which one CPU the thread may run on, and that it may run
-// on more, once the kernel says so.
+// on more, as lookCPU found; lookCPU asks the kernel again only once
+// cpusLookEvery has gone by.
 func TestPinnedCPU(t *testing.T) {
 	c, unpin := pinThread(t)
+	lookAgain()
+	assert.Zero(t, pinnedCPU(), "no look yet")
+	lookCPU(monoNow())
 	assert.Equal(t, c, pinnedCPU())
+	cpusPinned.Store(c + 1)
+	lookCPU(monoNow())
+	assert.Equal(t, c+1, pinnedCPU(), "looked lately: not asked again")
+	lookCPU(monoNow() + int64(cpusLookEvery))
+	assert.Equal(t, c, pinnedCPU(), "asked again")
 	assert.Equal(t, unpin(), pinnedCPU())
 }
 
@@ -82,12 +93,13 @@ func TestBellRingStampsItsCPU(t *testing.T) {
 // to.
 func TestSpinYieldsOnlyToAPeerOnItsCPU(t *testing.T) {
 	c, unpin := pinThread(t)
-	assert.True(t, sharesCPU(c), "a peer on its CPU")
-	assert.False(t, sharesCPU(c+1), "a peer elsewhere")
-	assert.False(t, sharesCPU(0), "an unpinned peer")
+	now := monoNow()
+	assert.True(t, sharesCPU(c, now), "a peer on its CPU")
+	assert.False(t, sharesCPU(c+1, now), "a peer elsewhere")
+	assert.False(t, sharesCPU(0, now), "an unpinned peer")
 	if unpin() == 0 {
-		assert.False(t, sharesCPU(c), "unpinned itself")
-		assert.False(t, sharesCPU(0), "unpinned both")
+		assert.False(t, sharesCPU(c, now), "unpinned itself")
+		assert.False(t, sharesCPU(0, now), "unpinned both")
 	}
 }
 
@@ -98,6 +110,7 @@ func TestBellSpinYieldsToItsRingersCPU(t *testing.T) {
 	b.misses.Store(0)
 	b.gap.Store(int64(spinCap / 2)) // it spins for spinCap: many looks at the clock
 	c, _ := pinThread(t)
+	lookAgain() // the spin looks
 	last := b.Load()
 	atomic.StoreUint32(b.cpu, c)
 	n := spinYields.Load()
@@ -146,8 +159,10 @@ func TestFairWayStampsItsCPUByTheSocketToo(t *testing.T) {
 	l := w.lane.Load()
 	atomic.StoreUint32(l.sent.cpu, 0)
 	atomic.StoreUint32(l.taken.cpu, 0)
+	lookAgain()                                                // the Send looks
 	require.NoError(t, w.Send(ctx, wayMsg(1, 8), []int{null})) // a descriptor: by the socket
 	assert.Equal(t, c, l.sent.RingerCPU(), "the writer's")
+	lookAgain() // the receive looks
 	_, byLane := recvWay(t, ctx, r)
 	require.False(t, byLane)
 	assert.Equal(t, c, l.taken.RingerCPU(), "the reader's")
