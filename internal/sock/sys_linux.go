@@ -113,11 +113,8 @@ func describeFD(fd int) string {
 // runnable, not to a peer that runs on another. now is monoNow, for
 // lookCPU.
 func sharesCPU(peer uint32, now int64) bool {
-	if peer == 0 {
-		return false
-	}
-	lookCPU(now)
-	return pinnedCPU() == peer
+	lookCPU(now) // also where no Way looks: a lane's ringer stamps it
+	return peer != 0 && pinnedCPU() == peer
 }
 
 // spinYield yields the CPU, as a spin for a peer that shares it does

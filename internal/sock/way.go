@@ -1053,6 +1053,9 @@ func (w *Way) recv(ctx context.Context, block bool) (Msg, error) {
 		if w.fair {
 			var m Msg
 			var ok bool
+			if h := beforeWaitFair.Load(); h != nil {
+				(*h)()
+			}
 			m, ok, err = w.waitFair(ctx, l, last, lane)
 			if ok {
 				return m, nil
@@ -1136,6 +1139,10 @@ var (
 	laneSleepers atomic.Int32
 	roleTry      atomic.Bool
 )
+
+// beforeWaitFair, if set, runs between a fair Way's reader's decision
+// of where it waits and its wait: for tests.
+var beforeWaitFair atomic.Pointer[func()]
 
 // errWaitedEnough ends a Bell's WaitUntil at its time.
 var errWaitedEnough = errors.New("mp: waited on a lane for as long as allowed")

@@ -5,6 +5,7 @@ package sock
 import (
 	"context"
 	"encoding/binary"
+	"sync"
 	"testing"
 	"time"
 
@@ -645,6 +646,33 @@ func TestFairWayWaitsWhereMessagesCome(t *testing.T) {
 			assert.EqualValues(t, waitParked, where, "message %d", k)
 		}
 	}
+}
+
+// A reader that decided to wait on the socket waits there, even if the
+// writer counts a lane miss before it waits: by then the message that
+// missed is on the socket, whose nudge came before any wait on the lane,
+// and a reader that waited on the lane after all would sleep past it
+// (with no look at the socket since, and its waitsAt left behind).
+func TestFairWayWaitsWhereItDecided(t *testing.T) {
+	w, r, _, ctx := fairRoles(t)
+	null, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	require.NoError(t, err)
+	defer unix.Close(null)
+	l := r.lane.Load()
+	r.missSeen = l.readerWord(laneMisses).Load()
+	var once sync.Once
+	hook := func() {
+		once.Do(func() {
+			l.readerWord(laneMisses).Add(1)
+			assert.NoError(t, w.Send(ctx, wayMsg(5, 8), []int{null}))
+		})
+	}
+	beforeWaitFair.Store(&hook)
+	t.Cleanup(func() { beforeWaitFair.Store(nil) })
+	waits := l.sent.waits.Load()
+	got := recvAfter(ctx, r, socketRun) // on the socket
+	assert.Equal(t, 5, within(t, got, "the message never came").i)
+	assert.Equal(t, waits, l.sent.waits.Load(), "the reader waited on the lane")
 }
 
 // A claim whose entry does not come (a writer stopped before it

@@ -94,6 +94,9 @@ func TestBellRingStampsItsCPU(t *testing.T) {
 func TestSpinYieldsOnlyToAPeerOnItsCPU(t *testing.T) {
 	c, unpin := pinThread(t)
 	now := monoNow()
+	lookAgain()
+	assert.False(t, sharesCPU(0, now), "an unpinned peer, or one that has not looked")
+	assert.Equal(t, c, pinnedCPU(), "the spin looked all the same: its rings stamp it")
 	assert.True(t, sharesCPU(c, now), "a peer on its CPU")
 	assert.False(t, sharesCPU(c+1, now), "a peer elsewhere")
 	assert.False(t, sharesCPU(0, now), "an unpinned peer")
