@@ -230,7 +230,8 @@ func NewWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 // wait on the socket, parked, and say so (waitParked): the writer sends
 // there. So does a reader whose last messages came by the socket, until
 // the writer counts a message it sent there that the lane would have
-// taken from a reader waiting on it (laneMisses, see socketRun). A writer claims the reader's state before it publishes an entry
+// taken from a reader waiting on it (laneMisses, see socketRun). A
+// writer claims the reader's state before it publishes an entry
 // (waitClaimed, claimedBusy), and the reader, once claimed, waits for the
 // entry on the lane, never on the socket, until it comes or the claiming
 // writer is gone. Tensors by identity (of the writer's pool, or returned
@@ -756,9 +757,8 @@ func answering() bool { return monoNow()-lastRecv.Load() < int64(answerWindow) }
 // two CPUs doubled a queue's, unpinned and on one CPU, and cost its
 // first share as much again. A writer pinned to the one CPU its reader
 // is pinned to yields it as it spins (sharesCPU), for the reader to come
-// back. A reader that parks on the socket instead,
-// lets go of its role, or does not come back in time ends the wait; so
-// does ctx. The caller holds sem and the writer's role.
+// back. A reader that parks on the socket instead, lets go of its role,
+// or does not come back in time ends the wait; so does ctx. The caller holds sem and the writer's role.
 func (w *Way) awaitReader(ctx context.Context, l *Lane, tail uint32) bool {
 	if !w.busyAlone(l, tail) {
 		return false
