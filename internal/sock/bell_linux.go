@@ -33,10 +33,11 @@ import (
 //	            ringer would otherwise read before it writes it: a second
 //	            transfer of the line between the CPUs at each ring
 //
-// A peer that writes the memory at will can wake the waiter for nothing or
-// make it spin up to spinCap in vain, or yield its CPU as it spins; it cannot make it miss a Ring or
-// sleep past its context and its peer's end, and a Ring whose wake it
-// suppresses is seen at most a sleepSlice late. So is one whose wake is
+// A peer that writes the memory at will can wake the waiter for nothing,
+// make it spin up to spinCap in vain, or yield its CPU as it spins; it
+// cannot make it miss a Ring or sleep past its context and its peer's
+// end, and a Ring whose wake it suppresses is seen at most a sleepSlice
+// late. So is one whose wake is
 // lost to a ringer killed between clearing the flag and waking.
 type Bell struct {
 	word   *uint32
@@ -292,9 +293,9 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, u
 // A spin is worth it only when the ringer runs on another CPU meanwhile,
 // or, for a ringer pinned to the one CPU the waiter is pinned to, when
 // the waiter yields it as it spins (sharesCPU); else the waiter cannot
-// see where it runs, so it learns from its spins: after
-// maxMisses in a row end without a ring, it spins only to probe, one wait
-// in probeEvery.
+// see where it runs, so it learns from its spins: after maxMisses in a
+// row end without a ring, it spins only to probe, one wait in
+// probeEvery.
 func (b *Bell) spin(last uint32, start time.Time) (uint32, bool) {
 	waits := b.waits.Add(1)
 	if b.misses.Load() >= maxMisses && waits%probeEvery != 0 {

@@ -52,6 +52,16 @@ func anotherFair(t *testing.T, w *Way, mem *fd.FD, writes bool) *Way {
 	return w2
 }
 
+// devNull returns a descriptor of /dev/null, for a message that must go
+// by the socket, closed at the test's end.
+func devNull(t *testing.T) int {
+	t.Helper()
+	null, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = unix.Close(null) })
+	return null
+}
+
 // recvWay receives the next message on r and returns its index and
 // whether it came by the lane.
 func recvWay(t *testing.T, ctx context.Context, r *Way) (int, bool) {
@@ -585,9 +595,7 @@ func TestFairWayWaitsWhereMessagesCome(t *testing.T) {
 	w, r, _ := fairPair(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	null, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
-	require.NoError(t, err)
-	defer unix.Close(null)
+	null := devNull(t)
 	waits := func() uint32 {
 		l := r.lane.Load()
 		if l == nil {
@@ -655,9 +663,7 @@ func TestFairWayWaitsWhereMessagesCome(t *testing.T) {
 // (with no look at the socket since, and its waitsAt left behind).
 func TestFairWayWaitsWhereItDecided(t *testing.T) {
 	w, r, _, ctx := fairRoles(t)
-	null, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
-	require.NoError(t, err)
-	defer unix.Close(null)
+	null := devNull(t)
 	l := r.lane.Load()
 	r.missSeen = l.readerWord(laneMisses).Load()
 	var once sync.Once

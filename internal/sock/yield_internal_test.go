@@ -155,9 +155,7 @@ func TestFairWayWriterYieldsToItsReadersCPU(t *testing.T) {
 // same.
 func TestFairWayStampsItsCPUByTheSocketToo(t *testing.T) {
 	w, r, _, ctx := fairRoles(t)
-	null, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
-	require.NoError(t, err)
-	defer unix.Close(null)
+	null := devNull(t)
 	c, _ := pinThread(t)
 	l := w.lane.Load()
 	atomic.StoreUint32(l.sent.cpu, 0)
