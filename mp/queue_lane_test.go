@@ -24,6 +24,7 @@ import (
 func init() {
 	mp.Register("queue-lane-answer", workerQueueLaneAnswer)
 	mp.Register("queue-lane-keep", workerQueueLaneKeep)
+	mp.Register("queue-get-one", workerQueueGetOne)
 }
 
 type queueLaneArgs struct {
@@ -160,6 +161,54 @@ func TestQueueLaneGetterKilledWaiting(t *testing.T) {
 	time.Sleep(20 * time.Millisecond) // the getter waits in its Get
 	kill(t, g)
 	takeBack(t, ctx, k, n, "the tensor put after the getter died")
+	require.Eventually(t, func() bool { return shm.DefaultPool().InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
+		"every block comes back")
+}
+
+// workerQueueGetOne gets one tensor from In and puts on Out 1 if it holds
+// 512 int64s, each N, -1 if it does not, and -2 if the Get failed.
+func workerQueueGetOne(ctx context.Context, w *mp.Worker) error {
+	var a queueLaneArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	var x *tensor.Tensor
+	if err := a.In.Get(ctx, &x); err != nil {
+		return errors.Join(err, a.Out.Put(ctx, -2))
+	}
+	v, err := tensor.Values[int64](x)
+	_ = x.Release()
+	if err != nil || len(v) != 512 {
+		return a.Out.Put(ctx, -1)
+	}
+	for _, e := range v {
+		if e != int64(a.N) {
+			return a.Out.Put(ctx, -1)
+		}
+	}
+	return a.Out.Put(ctx, 1)
+}
+
+// The same, with another process, which maps none of the dead getter's
+// pins, as the next getter: it gets the tensor whole, sent with its
+// descriptor, as the putter asks the kernel whether the role's getter
+// lives (its last spin on the lane is too old to say).
+func TestQueueLaneGetterKilledWaitingNextProcess(t *testing.T) {
+	const n = 20
+	ctx, k, g := startKeeper(t, n, true)
+	require.Positive(t, putAcked(t, ctx, k, n), "tensors went by the lane")
+	time.Sleep(20 * time.Millisecond) // the getter waits in its Get
+	kill(t, g)
+	x := newInts(t, n)
+	err := k.in.Put(ctx, x)
+	require.NoError(t, x.Release())
+	require.NoError(t, err)
+	next, err := mp.Spawn(ctx, "queue-get-one", 1, mp.WithArgs(queueLaneArgs{In: k.in, Out: k.out, N: n}))
+	require.NoError(t, err)
+	var got int
+	require.NoError(t, k.out.Get(ctx, &got))
+	assert.Equal(t, 1, got, "the next getter got the tensor put after the first died whole (-2: its Get failed)")
+	require.NoError(t, next.Join())
 	require.Eventually(t, func() bool { return shm.DefaultPool().InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
 		"every block comes back")
 }

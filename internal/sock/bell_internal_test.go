@@ -250,3 +250,27 @@ func TestBellStampsOnlyForASleeper(t *testing.T) {
 	require.True(t, found)
 	assert.GreaterOrEqual(t, b.gap.Load(), int64(30*time.Microsecond)/4, "a quarter of the way from 0 to 30 µs or more")
 }
+
+// A waiter stamps the wall clock as its spin begins and as it goes on,
+// and a waiter that does not spin stamps nothing: SpunWithin says a
+// waiter's process was alive lately only when it spun lately.
+func TestBellSpinStampsItsTime(t *testing.T) {
+	b := testBell(t)
+	assert.False(t, b.SpunWithin(time.Hour), "nobody spun yet")
+	last := b.Load()
+	b.spin(last, time.Now()) // not spinning: the misses say so
+	assert.False(t, b.SpunWithin(time.Hour), "a wait that did not spin")
+
+	b.misses.Store(0)
+	before := time.Now()
+	_, found := b.spin(last, before)
+	require.False(t, found)
+	spunAt := atomic.LoadInt64(b.spunAt)
+	assert.Greater(t, spunAt, before.UnixNano(), "stamped as it spun on, not only as it began")
+	assert.LessOrEqual(t, spunAt, time.Now().UnixNano())
+	assert.True(t, b.SpunWithin(time.Hour))
+	assert.False(t, b.SpunWithin(0), "no spin is younger than nothing")
+
+	atomic.StoreInt64(b.spunAt, time.Now().Add(time.Minute).UnixNano())
+	assert.False(t, b.SpunWithin(time.Hour), "a stamp in the future (the wall clock set back since) says nothing")
+}

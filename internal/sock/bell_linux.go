@@ -25,6 +25,8 @@ import (
 //	0   uint32  the word, bumped by each Ring
 //	8   int64   when the last Ring (or Nudge) that found a waiter asleep
 //	            was, Unix nanoseconds
+//	16  int64   when a waiter last spun, Unix nanoseconds: stamped as its
+//	            spin begins and each spinTurns turns (see SpunWithin)
 //	64  uint32  odd once a waiter is about to sleep, made even by the ringer
 //	            that wakes it: the futex the waiters sleep on
 //	72  uint32  the one CPU the last ringer may run on, plus one (0: more
@@ -34,7 +36,8 @@ import (
 //	            transfer of the line between the CPUs at each ring
 //
 // A peer that writes the memory at will can wake the waiter for nothing,
-// make it spin up to spinCap in vain, or yield its CPU as it spins; it
+// make it spin up to spinCap in vain, yield its CPU as it spins, or make
+// a ringer take a waiter gone for one that spun lately (SpunWithin); it
 // cannot make it miss a Ring or sleep past its context and its peer's
 // end, and a Ring whose wake it suppresses is seen at most a sleepSlice
 // late. So is one whose wake is
@@ -42,6 +45,7 @@ import (
 type Bell struct {
 	word   *uint32
 	rang   *int64
+	spunAt *int64
 	cpu    *uint32
 	asleep *uint32
 
@@ -105,6 +109,7 @@ func NewBell(mem []byte) (*Bell, error) {
 	b := &Bell{
 		word:   (*uint32)(p),
 		rang:   (*int64)(unsafe.Add(p, 8)),
+		spunAt: (*int64)(unsafe.Add(p, 16)),
 		cpu:    (*uint32)(unsafe.Add(p, 72)),
 		asleep: (*uint32)(unsafe.Add(p, 64)),
 	}
@@ -139,6 +144,15 @@ func (b *Bell) stampCPU() {
 	if c := pinnedCPU(); atomic.LoadUint32(b.cpu) != c {
 		atomic.StoreUint32(b.cpu, c)
 	}
+}
+
+// SpunWithin reports whether a waiter spun on the word within d of now,
+// as its stamps say: the waiter's process was alive then. A waiter whose
+// stamp is in the future (a wall clock set back since) or older has not;
+// nor one asleep, nor one that stopped spinning.
+func (b *Bell) SpunWithin(d time.Duration) bool {
+	age := stamp() - atomic.LoadInt64(b.spunAt)
+	return age >= 0 && age < int64(d)
 }
 
 // RingerCPU returns what the last ringer stamped (see stampCPU).
@@ -308,6 +322,7 @@ func (b *Bell) spin(last uint32, start time.Time) (uint32, bool) {
 	b.spun.Add(1)
 	budget := min(max(2*gap, int64(spinMin)), int64(spinCap))
 	yield := sharesCPU(atomic.LoadUint32(b.cpu), int64(start.Sub(monoBase)))
+	atomic.StoreInt64(b.spunAt, start.UnixNano())
 	for i := 1; ; i++ {
 		if w := atomic.LoadUint32(b.word); w != last {
 			b.misses.Store(0)
@@ -315,7 +330,9 @@ func (b *Bell) spin(last uint32, start time.Time) (uint32, bool) {
 			return w, true
 		}
 		if i%spinTurns == 0 {
-			if int64(time.Since(start)) > budget {
+			now := time.Now()
+			atomic.StoreInt64(b.spunAt, now.UnixNano())
+			if int64(now.Sub(start)) > budget {
 				if b.misses.Load() < maxMisses {
 					b.misses.Add(1)
 				}

@@ -257,6 +257,10 @@ func (l *Lane) Taken() uint32 { return l.taken.Load() }
 // stamped (stampCPU), may run on, plus one, or 0 (see Bell.RingerCPU).
 func (l *Lane) readerCPU() uint32 { return l.taken.RingerCPU() }
 
+// readerSpunWithin reports whether a reader spun on the lane, waiting for
+// an entry, within d of now (see Bell.SpunWithin).
+func (l *Lane) readerSpunWithin(d time.Duration) bool { return l.sent.SpunWithin(d) }
+
 // stampCPU stamps the CPU this process may only run on (see pinnedCPU)
 // in the bell that its side rings, the writer's or the readers', as a
 // ring would: for a side whose messages go by the socket for a while,

@@ -67,6 +67,8 @@ func (l *Lane) Taken() uint32 { return 0 }
 
 func (l *Lane) readerCPU() uint32 { return 0 }
 
+func (l *Lane) readerSpunWithin(time.Duration) bool { return false }
+
 func (l *Lane) stampCPU(bool) {}
 
 // Nudge does nothing.

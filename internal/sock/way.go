@@ -92,9 +92,11 @@ type Way struct {
 
 	// fair: the Way of a queue, which any number of processes may read
 	// (see NewFairWay); its reader waits on the lane for sleep at most
-	// (laneSleep; tests change it).
+	// (laneSleep), and its writer takes a reader that spun within live
+	// as alive (liveWindow; tests change both).
 	fair  bool
 	sleep time.Duration
+	live  time.Duration
 	// reading: a fair Way's reader's read lock on readersByte while it
 	// reads without the role; others and othersAt: the writer's last
 	// look at whether other readers are (otherReaders).
@@ -236,14 +238,14 @@ func NewWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 // entry on the lane, never on the socket, until it comes or the claiming
 // writer is gone. Tensors by identity (of the writer's pool, or returned
 // to the reader, which made them) go only to a reader that waits on the
-// lane and holds the role now (see readerHeld); a writer with one for a
+// lane and holds the role now (see readerLive); a writer with one for a
 // busy reader, the end's only one, waits briefly for it to come back to
 // the lane if the writer's process is answering (awaitReader). A reader
 // without the role counts as another from its first receive on, a try
 // (TryRecv) included (see countReader).
 func NewFairWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 	w := NewWay(shared, mem, writes)
-	w.fair, w.sleep = true, laneSleep
+	w.fair, w.sleep, w.live = true, laneSleep, liveWindow
 	w.wait.spin = awaitSpin
 	return w
 }
@@ -548,7 +550,7 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 	if w.owed {
 		w.owed = l.TrySend(marker) != nil
 	}
-	if len(lent) > 0 && w.fair && !w.readerHeld() {
+	if len(lent) > 0 && w.fair && !w.readerLive(l) {
 		// Names by identity for pins of a reader that is gone: the next
 		// reader does not map them.
 		return carry.ErrNoLane
@@ -805,6 +807,31 @@ func giveBack(waits *atomic.Uint32) {
 func (w *Way) readerHeld() bool {
 	held, err := shm.ByteHeld(w.mem, 1)
 	return err == nil && held
+}
+
+// liveWindow is how lately a fair Way's reader must have spun on the
+// lane for its writer to take it as alive without asking the kernel (see
+// readerLive): about what a writer on the reader's CPU takes, once the
+// reader yields it, to come to its Send.
+const liveWindow = 20 * time.Microsecond
+
+// heldLooks counts readerLive's looks at the reader's role, for tests.
+var heldLooks atomic.Uint64
+
+// readerLive reports whether the role's reader of a fair Way is alive, as
+// readerHeld does, but without readerHeld's system call for a reader that
+// spun on the lane l within the Way's live (liveWindow; see
+// Bell.SpunWithin), as a reader waiting for a round trip's next message
+// does: its process was alive then. A reader killed within that window is
+// taken as alive, as one killed just after readerHeld's look is: the
+// message named for its pins is in flight to it, lost with it, and its
+// blocks come back to the writer with the loan.
+func (w *Way) readerLive(l *Lane) bool {
+	if l.readerSpunWithin(w.live) {
+		return true
+	}
+	heldLooks.Add(1)
+	return w.readerHeld()
 }
 
 // otherReaders reports whether a process other than the role's reader

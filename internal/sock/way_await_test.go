@@ -3,6 +3,7 @@ package sock
 import (
 	"context"
 	"encoding/binary"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -240,4 +241,42 @@ func TestFairWayMissedNameBringsTheReaderToTheLane(t *testing.T) {
 	assert.True(t, w.Maps(b), "the reader waits on the lane: the block may be named")
 	require.NoError(t, w.Send(ctx, wayMsg(4, 8), nil))
 	assert.True(t, within(t, got, "the message never came").byLane)
+}
+
+// A fair Way's writer asks the kernel whether the role's reader lives
+// (readerHeld) before it names a block for the reader's pins, unless the
+// reader spun on the lane within the Way's live: a reader killed as it
+// waits leaves its wait behind, and a block named for its pins would be
+// lost to the next reader, which maps none of them.
+func TestFairWayAsksWhetherItsReaderLives(t *testing.T) {
+	w, r, _, ctx, lend := busyReader(t, time.Millisecond)
+	l := w.lane.Load()
+	// sendAsleep sends a named block to r, asleep on the lane, whose last
+	// spin is stamped spunAt, and returns how often the writer asked.
+	sendAsleep := func(spunAt int64) uint64 {
+		t.Helper()
+		got := recvLater(ctx, r)
+		waitsOnLane(t, r)
+		require.Eventually(t, func() bool { return atomic.LoadUint32(l.sent.asleep)&1 == 1 }, 10*time.Second, 50*time.Microsecond,
+			"the reader never slept on the lane")
+		atomic.StoreInt64(l.sent.spunAt, spunAt)
+		looks := heldLooks.Load()
+		require.NoError(t, lend())
+		g := within(t, got, "the named block never came")
+		assert.Equal(t, 7, g.i)
+		assert.True(t, g.byLane)
+		return heldLooks.Load() - looks
+	}
+	w.live = time.Hour // however late the test's next step runs
+	assert.Zero(t, sendAsleep(stamp()), "a reader that spun lately lives: no look")
+	assert.EqualValues(t, 1, sendAsleep(stamp()-int64(2*time.Hour)), "a spin too old: a look")
+	assert.EqualValues(t, 1, sendAsleep(stamp()+int64(time.Minute)), "a spin in the future: a look")
+
+	// A reader gone, its wait left behind as a killed one leaves it.
+	require.NoError(t, r.Close())
+	l.readerWord(readerWaits).Store(waitOnLane)
+	atomic.StoreInt64(l.sent.spunAt, stamp()-int64(2*time.Hour))
+	looks := heldLooks.Load()
+	assert.ErrorIs(t, lend(), carry.ErrNoLane, "a block named for the pins of a reader gone")
+	assert.EqualValues(t, 1, heldLooks.Load()-looks)
 }

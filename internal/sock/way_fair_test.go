@@ -25,6 +25,7 @@ func fairPair(t *testing.T) (w, r *Way, mem *fd.FD) {
 	w, r, mem = wayPair(t)
 	w.fair, r.fair = true, true
 	w.sleep, r.sleep = laneSleep, laneSleep
+	w.live, r.live = liveWindow, liveWindow
 	w.wait.spin = awaitSpin
 	return w, r, mem
 }
@@ -47,7 +48,7 @@ func fairRoles(t *testing.T) (w, r *Way, mem *fd.FD, ctx context.Context) {
 func anotherFair(t *testing.T, w *Way, mem *fd.FD, writes bool) *Way {
 	t.Helper()
 	w2 := another(t, w, mem, writes)
-	w2.fair, w2.sleep = true, laneSleep
+	w2.fair, w2.sleep, w2.live = true, laneSleep, liveWindow
 	w2.wait.spin = awaitSpin
 	return w2
 }
