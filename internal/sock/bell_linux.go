@@ -162,7 +162,8 @@ func (b *Bell) RingerCPU() uint32 { return atomic.LoadUint32(b.cpu) }
 // each asks its alive at once, and sleeps again unless that ends its wait.
 // A waiter that arms its flag after the Nudge looked at it is not woken,
 // and asks alive at its slice's end: a caller that must reach the waiter
-// nudges until it has.
+// nudges until it has, or writes first what the waiter's look, asked
+// once it has armed, finds (see WaitUntil).
 func (b *Bell) Nudge() { b.wake() }
 
 // wake wakes the waiters asleep on the word, if any, once it has moved.
@@ -217,12 +218,16 @@ func (b *Bell) wake() {
 // while its flag is set, or is killed asleep, costs the next Ring one
 // FUTEX_WAKE for nobody.
 func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint32, error) {
-	return b.WaitUntil(ctx, last, alive, time.Time{})
+	return b.WaitUntil(ctx, last, alive, time.Time{}, nil)
 }
 
 // WaitUntil is Wait that ends with errWaitedEnough at until, unless it is
-// zero.
-func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, until time.Time) (uint32, error) {
+// zero. If look is not nil, it is asked once, after the waiter first arms
+// its flag and before it first sleeps, and its error ends the wait: a
+// look at what a Nudge would have made alive say, for a waiter that must
+// not miss a Nudge, which finds no waiter to wake before the flag is
+// armed (while the waiter spins, say). A Nudge after the arm wakes it.
+func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, until time.Time, look func() error) (uint32, error) {
 	if w := atomic.LoadUint32(b.word); w != last {
 		return w, nil
 	}
@@ -253,6 +258,14 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, u
 		}
 		if err := ctx.Err(); err != nil {
 			return last, err
+		}
+		if look != nil {
+			// After the arm: a Nudge before it is seen here, one after
+			// it wakes the sleep.
+			if err := look(); err != nil {
+				return last, err
+			}
+			look = nil
 		}
 		now := time.Now()
 		if nudged || !now.Before(sliceEnd) {

@@ -279,9 +279,10 @@ func (l *Lane) WaitSent(ctx context.Context, last uint32, alive func() error) (u
 	return l.sent.Wait(ctx, last, alive)
 }
 
-// WaitSentUntil is WaitSent that ends with errWaitedEnough at until.
-func (l *Lane) WaitSentUntil(ctx context.Context, last uint32, alive func() error, until time.Time) (uint32, error) {
-	return l.sent.WaitUntil(ctx, last, alive, until)
+// WaitSentUntil is WaitSent that ends with errWaitedEnough at until, and
+// asks look once before it first sleeps (see Bell.WaitUntil).
+func (l *Lane) WaitSentUntil(ctx context.Context, last uint32, alive func() error, until time.Time, look func() error) (uint32, error) {
+	return l.sent.WaitUntil(ctx, last, alive, until, look)
 }
 
 // Nudge wakes the readers and the writer asleep on the lane, if any,

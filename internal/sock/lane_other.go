@@ -80,7 +80,7 @@ func (l *Lane) WaitSent(ctx context.Context, last uint32, alive func() error) (u
 }
 
 // WaitSentUntil returns an error wrapping errors.ErrUnsupported.
-func (l *Lane) WaitSentUntil(ctx context.Context, last uint32, alive func() error, until time.Time) (uint32, error) {
+func (l *Lane) WaitSentUntil(ctx context.Context, last uint32, alive func() error, until time.Time, look func() error) (uint32, error) {
 	return last, errNoLane
 }
 

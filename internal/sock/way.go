@@ -88,7 +88,8 @@ type Way struct {
 	// counts are not an honest peer's): the socket serves alone.
 	broken bool
 
-	alive func() error // the Way's check of its peer, made once
+	alive     func() error // the Way's check of its peer, made once
+	sockMoved func() error // a fair Way's reader's socketSentSince, made once
 
 	// fair: the Way of a queue, which any number of processes may read
 	// (see NewFairWay); its reader waits on the lane for sleep at most
@@ -199,7 +200,7 @@ func NewWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 		w.settler = time.AfterFunc(time.Hour, w.settleIdle)
 		w.settler.Stop() // until a loan is out
 	} else {
-		w.alive = w.readerAlive
+		w.alive, w.sockMoved = w.readerAlive, w.socketSentSince
 		w.pins.most, w.pins.mostBytes = maxPins, maxPinBytes
 		w.idle = time.AfterFunc(time.Hour, w.letGoIdle)
 		w.idle.Stop() // until the role is taken
@@ -1194,7 +1195,7 @@ func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32, lane bool) (Ms
 			return Msg{}, false, w.waitClaimed(ctx, l, last)
 		}
 		w.waiting.Add(1)
-		_, err := l.WaitSentUntil(ctx, last, w.alive, time.Now().Add(w.sleep))
+		_, err := l.WaitSentUntil(ctx, last, w.alive, time.Now().Add(w.sleep), w.sockMoved)
 		w.waiting.Add(-1)
 		laneSleepers.Add(-1)
 		to := uint32(waitBusy)
@@ -1234,6 +1235,19 @@ func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32, lane bool) (Ms
 		return Msg{}, false, err
 	}
 	return w.place(m, l)
+}
+
+// socketSentSince returns errSocketReady if a writer has counted a
+// message sent by the socket since the fair Way's reader last found it
+// empty, as its wait on the lane arms its sleep: the writer's Nudge,
+// which follows its count, found no sleep to wake if it came before the
+// arm, while the reader spun, and the reader would sleep past the message
+// until alive's next look, a sleepSlice later. The caller holds sem.
+func (w *Way) socketSentSince() error {
+	if l := w.lane.Load(); l != nil && l.readerWord(sockSends).Load() != w.sockSeen {
+		return errSocketReady
+	}
+	return nil
 }
 
 // moveWait moves the reader's state to to, and reports whether it did:

@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/binary"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -680,6 +681,27 @@ func TestFairWayWaitsWhereItDecided(t *testing.T) {
 	got := recvAfter(ctx, r, socketRun) // on the socket
 	assert.Equal(t, 5, within(t, got, "the message never came").i)
 	assert.Equal(t, waits, l.sent.waits.Load(), "the reader waited on the lane")
+}
+
+// A message by the socket that a writer counts and nudges after the
+// reader decided to wait on the lane, and before it armed its sleep (its
+// Nudge finds no sleep to wake), is received without a sleep: the reader
+// looks at the count once armed, not a sleepSlice later.
+func TestFairWayMissesNoNudgeBeforeItsSleep(t *testing.T) {
+	w, r, _, ctx := fairRoles(t)
+	null := devNull(t)
+	var once sync.Once
+	send := func() { once.Do(func() { assert.NoError(t, w.Send(ctx, wayMsg(5, 8), []int{null})) }) }
+	beforeWaitFair.Store(&send)
+	t.Cleanup(func() { beforeWaitFair.Store(nil) })
+	var sleeps atomic.Int32
+	slept := func() { sleeps.Add(1) }
+	beforeSleep.Store(&slept)
+	t.Cleanup(func() { beforeSleep.Store(nil) })
+	g := within(t, recvLater(ctx, r), "the message never came") // waits on the lane
+	assert.Equal(t, 5, g.i)
+	assert.False(t, g.byLane)
+	assert.Zero(t, sleeps.Load(), "the reader slept with the socket's message there")
 }
 
 // A claim whose entry does not come (a writer stopped before it
