@@ -274,3 +274,18 @@ func TestBellSpinStampsItsTime(t *testing.T) {
 	atomic.StoreInt64(b.spunAt, time.Now().Add(time.Minute).UnixNano())
 	assert.False(t, b.SpunWithin(time.Hour), "a stamp in the future (the wall clock set back since) says nothing")
 }
+
+// A waiter whose rings have lately come 60 µs after its waits began (a
+// peer that slept, woken across this VM's two CPUs) still spins for the
+// next: a waiter that stopped there would keep its peer's rings that
+// slow, each side sleeping and waking the other for good.
+func TestBellSpinsThroughAPeersWake(t *testing.T) {
+	b := testBell(t)
+	b.misses.Store(0)
+	b.waits.Store(1) // not a probe
+	b.gap.Store(int64(60 * time.Microsecond))
+	spun := b.spun.Load()
+	_, found := b.spin(b.Load(), time.Now())
+	assert.False(t, found)
+	assert.Equal(t, spun+1, b.spun.Load(), "a waiter whose rings take a wake's time did not spin")
+}

@@ -76,10 +76,14 @@ const (
 )
 
 const (
-	// spinCap is the longest a waiter spins: about what a futex wake
-	// across two CPUs costs (40–50 µs measured on a 2-CPU VM), the most
-	// spinning can save.
-	spinCap = 50 * time.Microsecond
+	// spinCap is the longest a waiter spins: about twice what a futex
+	// wake across two CPUs costs (40–60 µs on a 2-CPU VM). A waiter whose
+	// peer sleeps sees the peer's wake-up in its gap: with a cap below
+	// the wake, each side of a round trip learns gaps too long to spin
+	// for, and both sleep for good, each waking the other (at 50 µs,
+	// spawn bench -cpus 2 went so in four runs of ten: 31–115 µs a round
+	// trip, against 7–11 µs).
+	spinCap = 100 * time.Microsecond
 	// sleepSlice is the longest a waiter sleeps before it looks at its
 	// context and its peer again: how late a cancellation or a dead peer
 	// may be seen.
@@ -362,8 +366,8 @@ func (b *Bell) spin(last uint32, start time.Time) (uint32, bool) {
 // the spin budget. A waiter awake when the ring came learns it from its
 // own clock; one that slept, from the stamp of the ringer that woke it,
 // so that it learns the gap, not the gap plus its own wake-up. A ringer
-// that lies about it, or a jump of the wall clock, moves the budget
-// within [0, spinCap] only.
+// that lies about it, or a jump of the wall clock, moves the gap within
+// [0, 2 spinCap] only.
 func (b *Bell) learn(gap int64) {
 	gap = max(0, min(gap, 2*int64(spinCap)))
 	old := b.gap.Load()

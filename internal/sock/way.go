@@ -680,7 +680,7 @@ func (w *Way) handsOver(l *Lane, tail uint32, claim, named bool) bool {
 // it spins, or one that takes what the socket holds first), only one
 // such message in patienceProbe waits, to see whether that changed.
 const (
-	awaitSpin      = 50 * time.Microsecond // as a lane's waiter's spinCap: what a wake across CPUs costs
+	awaitSpin      = 50 * time.Microsecond // about what a wake across CPUs costs
 	patienceMisses = 4
 	patienceProbe  = 64
 )
