@@ -339,7 +339,10 @@ func (b *Bell) spin(last uint32, start time.Time) (uint32, bool) {
 	b.spun.Add(1)
 	budget := min(max(2*gap, int64(spinMin)), int64(spinCap))
 	yield := sharesCPU(atomic.LoadUint32(b.cpu), int64(start.Sub(monoBase)))
-	atomic.StoreInt64(b.spunAt, start.UnixNano())
+	// The stamps are the wall clock at the start plus the monotonic time
+	// since: one read of the clock each spinTurns.
+	wall := start.UnixNano()
+	atomic.StoreInt64(b.spunAt, wall)
 	for i := 1; ; i++ {
 		if w := atomic.LoadUint32(b.word); w != last {
 			b.misses.Store(0)
@@ -347,9 +350,9 @@ func (b *Bell) spin(last uint32, start time.Time) (uint32, bool) {
 			return w, true
 		}
 		if i%spinTurns == 0 {
-			now := time.Now()
-			atomic.StoreInt64(b.spunAt, now.UnixNano())
-			if int64(now.Sub(start)) > budget {
+			spun := int64(time.Since(start))
+			atomic.StoreInt64(b.spunAt, wall+spun)
+			if spun > budget {
 				if b.misses.Load() < maxMisses {
 					b.misses.Add(1)
 				}
