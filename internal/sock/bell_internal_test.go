@@ -4,6 +4,7 @@ package sock
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -262,8 +263,15 @@ func TestBellSpinStampsItsTime(t *testing.T) {
 	assert.False(t, b.SpunWithin(time.Hour), "a wait that did not spin")
 
 	b.misses.Store(0)
+	b.Ring()
+	_, found := b.spin(last, time.Now())
+	require.True(t, found)
+	assert.True(t, b.SpunWithin(time.Hour), "a spin that finds its ring at once stamps as it begins")
+
+	atomic.StoreInt64(b.spunAt, 0)
+	last = b.Load()
 	before := time.Now()
-	_, found := b.spin(last, before)
+	_, found = b.spin(last, before)
 	require.False(t, found)
 	spunAt := atomic.LoadInt64(b.spunAt)
 	assert.Greater(t, spunAt, before.UnixNano(), "stamped as it spun on, not only as it began")
@@ -285,7 +293,32 @@ func TestBellSpinsThroughAPeersWake(t *testing.T) {
 	b.waits.Store(1) // not a probe
 	b.gap.Store(int64(60 * time.Microsecond))
 	spun := b.spun.Load()
-	_, found := b.spin(b.Load(), time.Now())
+	start := time.Now()
+	_, found := b.spin(b.Load(), start)
 	assert.False(t, found)
 	assert.Equal(t, spun+1, b.spun.Load(), "a waiter whose rings take a wake's time did not spin")
+	assert.GreaterOrEqual(t, time.Since(start), spinCap, "a spin shorter than a wake and what the peer does after it")
+}
+
+// A waiter's look (see WaitUntil) comes after it armed its flag, so that
+// a Nudge before the arm, which wakes nobody, is seen by the look, and
+// one after it wakes the sleep; and it ends the wait with its error.
+func TestBellLooksOnceArmed(t *testing.T) {
+	b := testBell(t)
+	b.misses.Store(0) // a spin first, as a waiter with a peer on another CPU
+	errLooked := errors.New("looked")
+	for range 3 {
+		atomic.AddUint32(b.asleep, atomic.LoadUint32(b.asleep)&1) // even: no waiter armed
+		var armed bool
+		looks := 0
+		look := func() error {
+			looks++
+			armed = atomic.LoadUint32(b.asleep)&1 == 1
+			return errLooked
+		}
+		_, err := b.WaitUntil(context.Background(), b.Load(), func() error { return nil }, time.Time{}, look)
+		require.ErrorIs(t, err, errLooked)
+		assert.Equal(t, 1, looks)
+		assert.True(t, armed, "the look came before the waiter armed its flag")
+	}
 }

@@ -3,6 +3,7 @@ package sock
 import (
 	"context"
 	"encoding/binary"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -255,10 +256,18 @@ func TestFairWayAsksWhetherItsReaderLives(t *testing.T) {
 	// spin is stamped spunAt, and returns how often the writer asked.
 	sendAsleep := func(spunAt int64) uint64 {
 		t.Helper()
+		asleep := make(chan struct{})
+		var once sync.Once
+		sleeping := func() { once.Do(func() { close(asleep) }) }
+		beforeSleep.Store(&sleeping) // past its spin: it stamps no more
+		defer beforeSleep.Store(nil)
 		got := recvLater(ctx, r)
+		select {
+		case <-asleep:
+		case <-time.After(10 * time.Second):
+			t.Fatal("the reader never slept on the lane")
+		}
 		waitsOnLane(t, r)
-		require.Eventually(t, func() bool { return atomic.LoadUint32(l.sent.asleep)&1 == 1 }, 10*time.Second, 50*time.Microsecond,
-			"the reader never slept on the lane")
 		atomic.StoreInt64(l.sent.spunAt, spunAt)
 		looks := heldLooks.Load()
 		require.NoError(t, lend())
