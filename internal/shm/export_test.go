@@ -114,6 +114,16 @@ func HoldTransfers(t interface{ Cleanup(func()) }) (resume func()) {
 	return resume
 }
 
+// HoldIdleChecks holds off the idle checks of received segments (see
+// idleCheckDelay), which close the descriptors adopted from a segment
+// nobody uses, until resume is called or the test ends.
+func HoldIdleChecks(t interface{ Cleanup(func()) }) (resume func()) {
+	idleChecksHeld.Store(true)
+	resume = func() { idleChecksHeld.Store(false) }
+	t.Cleanup(resume)
+	return resume
+}
+
 // UnlockCalls returns how many calls this process has made to unlock
 // runs of received segments' slots.
 func UnlockCalls() uint64 { return unlockCalls.Load() }

@@ -296,6 +296,10 @@ func TestAdoptedTicketsCloseInBatches(t *testing.T) {
 		return msg
 	}
 
+	// Kept a while: however slowly this test runs, the timers that
+	// close them (the transfer's, and the idle check's of a segment
+	// nobody uses) do not fire before its end.
+	resumeTransfers, resumeChecks := shm.HoldTransfers(t), shm.HoldIdleChecks(t)
 	var kept []int
 	for range shm.AdoptMax - 1 {
 		kept = append(kept, receive())
@@ -308,6 +312,8 @@ func TestAdoptedTicketsCloseInBatches(t *testing.T) {
 		assert.False(t, open(fd), "the AdoptMax-th closes them all")
 	}
 
+	resumeTransfers()
+	resumeChecks()
 	few := []int{receive(), receive()}
 	require.NoError(t, a.Release())
 	require.Eventually(t, func() bool { return !open(few[0]) && !open(few[1]) }, time.Second, 5*time.Millisecond, "fewer go within milliseconds")

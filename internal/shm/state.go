@@ -93,6 +93,9 @@ var (
 	// process to let go of a named segment removes its name this way
 	// (attach.go).
 	idleChecks = newLater(idleCheckDelay, func(seg *segment) bool {
+		if idleChecksHeld.Load() {
+			return true // a test holds them off
+		}
 		attached.dropIfAbandoned(seg)
 		return false
 	})
@@ -111,8 +114,9 @@ var (
 	})
 )
 
-// transfersHeld, set by tests only, makes the transfers wait.
-var transfersHeld atomic.Bool
+// transfersHeld and idleChecksHeld, set by tests only, make the
+// transfers and the idle checks wait.
+var transfersHeld, idleChecksHeld atomic.Bool
 
 // DropIdle unmaps the received segments no block of this process uses. A
 // process out of descriptors calls it before trying again: each keeps
