@@ -297,8 +297,9 @@ func TestAdoptedTicketsCloseInBatches(t *testing.T) {
 	}
 
 	// Kept a while: however slowly this test runs, the timers that
-	// close them (the transfer's, and the idle check's of a segment
-	// nobody uses) do not fire before its end.
+	// close them (the transfer's, 10 ms after the first adoption, and
+	// the idle check's of a segment nobody uses, 20 ms after its last
+	// block was let go of) do not fire until they are resumed below.
 	resumeTransfers, resumeChecks := shm.HoldTransfers(t), shm.HoldIdleChecks(t)
 	var kept []int
 	for range shm.AdoptMax - 1 {

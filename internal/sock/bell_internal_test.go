@@ -316,7 +316,9 @@ func TestBellLooksOnceArmed(t *testing.T) {
 			armed = atomic.LoadUint32(b.asleep)&1 == 1
 			return errLooked
 		}
-		_, err := b.WaitUntil(context.Background(), b.Load(), func() error { return nil }, time.Time{}, look)
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second) // a lost look fails, not hangs
+		_, err := b.WaitUntil(ctx, b.Load(), func() error { return nil }, time.Time{}, look)
+		cancel()
 		require.ErrorIs(t, err, errLooked)
 		assert.Equal(t, 1, looks)
 		assert.True(t, armed, "the look came before the waiter armed its flag")

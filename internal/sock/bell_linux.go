@@ -77,12 +77,13 @@ const (
 
 const (
 	// spinCap is the longest a waiter spins: about twice what a futex
-	// wake across two CPUs costs (40–60 µs on a 2-CPU VM). A waiter whose
-	// peer sleeps sees the peer's wake-up in its gap: with a cap below
-	// the wake, each side of a round trip learns gaps too long to spin
-	// for, and both sleep for good, each waking the other (at 50 µs,
-	// spawn bench -cpus 2 went so in four runs of ten: 31–115 µs a round
-	// trip, against 7–11 µs).
+	// wake across two CPUs costs (25–60 µs on a 2-CPU VM, from one hour
+	// to the next). A waiter whose peer sleeps sees the peer's wake-up in
+	// its gap: with a cap below the wake and what the peer does after it,
+	// each side of a round trip learns gaps too long to spin for, and
+	// both sleep for good, each waking the other (at 50 µs, spawn bench
+	// -cpus 2 went so in four runs of ten in an hour of costly wakes:
+	// 31–115 µs a round trip, against 7–11 µs).
 	spinCap = 100 * time.Microsecond
 	// sleepSlice is the longest a waiter sleeps before it looks at its
 	// context and its peer again: how late a cancellation or a dead peer
