@@ -67,6 +67,13 @@ import (
 // back. Nothing of a block is owned by the lane's memory, so a lane
 // whose processes are all gone leaves nothing.
 //
+// A reader killed as it waits on a fair Way's lane leaves its wait and
+// its list behind: the writer names blocks only for a reader that holds
+// the role, as the kernel says (readerHeld), or that spun on the lane
+// within liveWindow (readerLive). A reader killed within that window may
+// be named for, as one killed just after the kernel's answer may: the
+// message is lost with it, and its blocks come back with the loan.
+//
 // A message named by identity is the reader's that pins its segments. A
 // reader that hands its end on (LetGo) unlists its pins first, so the
 // writer sends by the socket from then on; one that closes unlists them
