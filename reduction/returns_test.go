@@ -25,6 +25,15 @@ func returnMeta(b *shm.Block) Meta {
 	return m
 }
 
+// inLane keeps the return m names as a lane's reader's scanner does for
+// an untaken message (see shm.RegisterReturns), until the test ends: a
+// reclaim of the pool meanwhile (a trim of a pool over its limit, at any
+// release) keeps the slot for the message, not for reuse.
+func inLane(t *testing.T, m Meta) {
+	ref := shm.ReturnRef{ID: m.segmentID(), Offset: m.BlockOffset, Gen: m.Gen}
+	t.Cleanup(shm.RegisterReturns(func(yield func(shm.ReturnRef)) { yield(ref) }))
+}
+
 // A lane's message that returns a block this process made gives the
 // storage that holds it, or, that storage released, the block itself,
 // taken back from the pool; one taken while another goroutine releases
@@ -45,6 +54,7 @@ func TestLaneReturnFindsItsBlock(t *testing.T) {
 	require.NoError(t, err)
 	registerBlock(s, b)
 	m := returnMeta(b)
+	inLane(t, m)
 	x, err := decode(m)
 	require.NoError(t, err)
 	assert.Same(t, s, x.Storage(), "the storage that holds it")
@@ -93,6 +103,7 @@ func TestLaneReturnsOfOneBlockAtOnce(t *testing.T) {
 	b, err := shm.DefaultPool().Alloc(4096)
 	require.NoError(t, err)
 	m := returnMeta(b)
+	inLane(t, m)
 	require.NoError(t, b.Release())
 	for range 50 {
 		got := make(chan *tensor.Tensor, 2)
@@ -111,4 +122,26 @@ func TestLaneReturnsOfOneBlockAtOnce(t *testing.T) {
 		assert.Same(t, x.Storage(), y.Storage())
 		require.NoError(t, x.Release())
 	}
+}
+
+// A reclaim of the pool between a return's release and its message's
+// decode (a trim of a pool over its limit, which any release may run)
+// keeps the slot that a lane's untaken message names: the decode takes
+// the block back.
+func TestLaneReturnOutlivesAReclaim(t *testing.T) {
+	leakcheck.Check(t)
+	pool := shm.DefaultPool()
+	b, err := pool.Alloc(4096)
+	require.NoError(t, err)
+	m := returnMeta(b)
+	inLane(t, m)
+	require.NoError(t, b.Release())
+	pool.InUse() // reclaims every class
+	var fds fd.Set
+	var x *tensor.Tensor
+	require.NoError(t, carry.DecodeFrom(extMessage(t, m), &fds, &x, pinnedLane{}, true))
+	y, ok := x.Storage().Backing().(*shm.Block)
+	require.True(t, ok)
+	assert.Same(t, b, y, "the same block, taken back")
+	require.NoError(t, x.Release())
 }

@@ -3,6 +3,7 @@ package shm
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 )
 
@@ -100,8 +101,9 @@ var ErrInUse = fmt.Errorf("%w (in use here)", ErrStaleBlock)
 // and wait in its pool still (pending, or parked while lent). It is in
 // use again, as Alloc's would be, for size bytes, the size it was handed
 // out for. A block in use is ErrInUse (a storage that releases it on
-// another goroutine lets go of its block last); one reused since, or
-// free, is ErrStaleBlock; a
+// another goroutine lets go of its block last, and a block's Release
+// puts it in its pool just after it marks it released); one reused
+// since, or free, is ErrStaleBlock; a
 // ref that names no slot of a segment this process's pools made (or one
 // whose data lies in an extent) is ErrNotReturnable.
 func Revive(ref ReturnRef, size int64) (*Block, error) {
@@ -132,8 +134,14 @@ func Revive(ref ReturnRef, size int64) (*Block, error) {
 	switch {
 	case b.parked:
 		b.parked = false // its loans' last Return leaves it in use
-	case !p.unpendLocked(b):
+	case p.unpendLocked(b):
+	case slices.Contains(b.seg.class.free, b):
 		return nil, &Error{Op: "revive", Path: b.String(), Err: ErrStaleBlock} // free: reused next
+	default:
+		// Released with this generation, and neither pending nor free:
+		// its Release, which marks it released before it takes the
+		// pool's lock, puts it on the pending list next.
+		return nil, &Error{Op: "revive", Path: b.String(), Err: ErrInUse}
 	}
 	b.released.Store(false)
 	return b, nil
