@@ -214,6 +214,9 @@ type Block struct {
 	// and goes to its pool at the last Return. Guarded by pool.mu.
 	lent   int
 	parked bool
+	// free: on its class's free list, handed out next (see Revive).
+	// Guarded by pool.mu.
+	free bool
 }
 
 // Bytes returns the block's data. It aliases memory shared with other

@@ -137,6 +137,7 @@ func (p *Pool) Alloc(size int64) (*Block, error) {
 	}
 	c.free[len(c.free)-1] = nil
 	c.free = c.free[:len(c.free)-1]
+	b.free = false
 	b.size = size // b.gen is the generation reclaim (or grow) gave the slot
 	b.released.Store(false)
 	b.seg.inUse++
@@ -237,6 +238,7 @@ func (p *Pool) reclaimLocked(c *sizeClass) {
 			continue
 		}
 		b.seg.inUse--
+		b.free = true
 		c.free = append(c.free, b)
 	}
 	clear(bumped)
@@ -430,7 +432,7 @@ func (p *Pool) growLocked(c *sizeClass) error {
 	p.cached += seg.bytes()
 	seg.blocks = make([]*Block, nslots)
 	for slot := nslots - 1; slot >= 0; slot-- { // handed out from slot 0 up: pages are reserved in order
-		b := &Block{seg: seg, slot: int(slot), gen: 1, pool: p}
+		b := &Block{seg: seg, slot: int(slot), gen: 1, pool: p, free: true}
 		seg.blocks[slot] = b
 		c.free = append(c.free, b)
 	}

@@ -67,3 +67,35 @@ func TestAskInRunsAnswersEachBlockOnce(t *testing.T) {
 		assert.False(t, b.held, "slot %d, not asked about, is answered for", b.slot)
 	}
 }
+
+// A message that returns a block whose Release is under way on another
+// goroutine (marked released, not yet in its pool) is told to wait
+// (ErrInUse), not that the block is gone; once the Release has put it in
+// its pool, Revive takes it back, off the pending list, in use again. A
+// slot never handed out is no block to take back, whatever the message
+// says of it.
+func TestReviveWaitsOutARelease(t *testing.T) {
+	p := newPool(1 << 30)
+	t.Cleanup(func() { p.Trim(0) })
+	b, err := p.Alloc(4 << 10)
+	require.NoError(t, err)
+	ref := ReturnRef{ID: b.seg.alloc.ID(), Offset: b.Offset(), Gen: b.gen}
+	require.True(t, b.released.CompareAndSwap(false, true)) // Release's first step
+	_, err = Revive(ref, 4<<10)
+	require.ErrorIs(t, err, ErrInUse, "released, not yet in its pool")
+	p.put(b) // Release's last
+	got, err := Revive(ref, 4<<10)
+	require.NoError(t, err)
+	require.Same(t, b, got)
+	assert.False(t, got.released.Load(), "in use again")
+	p.mu.Lock()
+	assert.NotContains(t, b.seg.class.pending, b, "not pending: never handed out twice")
+	assert.False(t, b.free)
+	p.mu.Unlock()
+
+	next := b.seg.blocks[b.slot+1]
+	_, err = Revive(ReturnRef{ID: ref.ID, Offset: next.Offset(), Gen: next.gen}, 0)
+	assert.ErrorIs(t, err, ErrStaleBlock, "a slot never handed out")
+	assert.NotErrorIs(t, err, ErrInUse, "which no Release will put in the pool")
+	require.NoError(t, got.Release())
+}

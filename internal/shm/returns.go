@@ -3,7 +3,6 @@ package shm
 import (
 	"errors"
 	"fmt"
-	"slices"
 	"sync"
 )
 
@@ -128,6 +127,11 @@ func Revive(ref ReturnRef, size int64) (*Block, error) {
 	if b.gen != ref.Gen || b.size != size {
 		return nil, &Error{Op: "revive", Path: b.String(), Err: ErrStaleBlock}
 	}
+	if b.free {
+		// Handed out next, with this generation: a slot never handed
+		// out yet, or a peer that guessed the generation a reclaim gave.
+		return nil, &Error{Op: "revive", Path: b.String(), Err: ErrStaleBlock}
+	}
 	if !b.released.Load() {
 		return nil, &Error{Op: "revive", Path: b.String(), Err: ErrInUse}
 	}
@@ -135,12 +139,12 @@ func Revive(ref ReturnRef, size int64) (*Block, error) {
 	case b.parked:
 		b.parked = false // its loans' last Return leaves it in use
 	case p.unpendLocked(b):
-	case slices.Contains(b.seg.class.free, b):
-		return nil, &Error{Op: "revive", Path: b.String(), Err: ErrStaleBlock} // free: reused next
 	default:
 		// Released with this generation, and neither pending nor free:
 		// its Release, which marks it released before it takes the
-		// pool's lock, puts it on the pending list next.
+		// pool's lock, puts it on the pending list next. (Or a trim
+		// closed its segment since it was looked up: the next try
+		// finds no segment.)
 		return nil, &Error{Op: "revive", Path: b.String(), Err: ErrInUse}
 	}
 	b.released.Store(false)
