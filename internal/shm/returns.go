@@ -102,9 +102,9 @@ var ErrInUse = fmt.Errorf("%w (in use here)", ErrStaleBlock)
 // out for. A block in use is ErrInUse (a storage that releases it on
 // another goroutine lets go of its block last, and a block's Release
 // puts it in its pool just after it marks it released); one reused
-// since, or free, is ErrStaleBlock; a
-// ref that names no slot of a segment this process's pools made (or one
-// whose data lies in an extent) is ErrNotReturnable.
+// since, or free, is ErrStaleBlock; a ref that names no slot of a
+// segment this process's pools made (or one whose data lies in an
+// extent) is ErrNotReturnable.
 func Revive(ref ReturnRef, size int64) (*Block, error) {
 	seg := produced.byID(ref.ID)
 	if seg == nil || seg.external || seg.pool == nil {

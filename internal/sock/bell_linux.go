@@ -40,14 +40,14 @@ import (
 // a ringer take a waiter gone for one that spun lately (SpunWithin); it
 // cannot make it miss a Ring or sleep past its context and its peer's
 // end, and a Ring whose wake it suppresses is seen at most a sleepSlice
-// late. So is one whose wake is
-// lost to a ringer killed between clearing the flag and waking.
+// late. So is one whose wake is lost to a ringer killed between clearing
+// the flag and waking.
 type Bell struct {
 	word   *uint32
 	rang   *int64
 	spunAt *int64
-	cpu    *uint32
 	asleep *uint32
+	cpu    *uint32
 
 	// The waiter's spin budget, process-local: how long rings have lately
 	// taken to come after a wait began (an average), and how many spins
@@ -115,8 +115,8 @@ func NewBell(mem []byte) (*Bell, error) {
 		word:   (*uint32)(p),
 		rang:   (*int64)(unsafe.Add(p, 8)),
 		spunAt: (*int64)(unsafe.Add(p, 16)),
-		cpu:    (*uint32)(unsafe.Add(p, 72)),
 		asleep: (*uint32)(unsafe.Add(p, 64)),
+		cpu:    (*uint32)(unsafe.Add(p, 72)),
 	}
 	return b, nil
 }

@@ -761,7 +761,8 @@ func answering() bool { return monoNow()-lastRecv.Load() < int64(answerWindow) }
 // first share as much again. A writer pinned to the one CPU its reader
 // is pinned to yields it as it spins (sharesCPU), for the reader to come
 // back. A reader that parks on the socket instead, lets go of its role,
-// or does not come back in time ends the wait; so does ctx. The caller holds sem and the writer's role.
+// or does not come back in time ends the wait; so does ctx. The caller
+// holds sem and the writer's role.
 func (w *Way) awaitReader(ctx context.Context, l *Lane, tail uint32) bool {
 	if !w.busyAlone(l, tail) {
 		return false

@@ -3,7 +3,6 @@ package sock
 import (
 	"context"
 	"encoding/binary"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -257,10 +256,7 @@ func TestFairWayAsksWhetherItsReaderLives(t *testing.T) {
 	sendAsleep := func(spunAt int64) uint64 {
 		t.Helper()
 		asleep := make(chan struct{})
-		var once sync.Once
-		sleeping := func() { once.Do(func() { close(asleep) }) }
-		beforeSleep.Store(&sleeping) // past its spin: it stamps no more
-		defer beforeSleep.Store(nil)
+		onceBeforeSleep(t, func() { close(asleep) }) // past its spin: it stamps no more
 		got := recvLater(ctx, r)
 		select {
 		case <-asleep:

@@ -668,19 +668,24 @@ func TestFairWayWaitsWhereItDecided(t *testing.T) {
 	null := devNull(t)
 	l := r.lane.Load()
 	r.missSeen = l.readerWord(laneMisses).Load()
-	var once sync.Once
-	hook := func() {
-		once.Do(func() {
-			l.readerWord(laneMisses).Add(1)
-			assert.NoError(t, w.Send(ctx, wayMsg(5, 8), []int{null}))
-		})
-	}
-	beforeWaitFair.Store(&hook)
-	t.Cleanup(func() { beforeWaitFair.Store(nil) })
+	onceBeforeWaitFair(t, func() {
+		l.readerWord(laneMisses).Add(1)
+		assert.NoError(t, w.Send(ctx, wayMsg(5, 8), []int{null}))
+	})
 	waits := l.sent.waits.Load()
 	got := recvAfter(ctx, r, socketRun) // on the socket
 	assert.Equal(t, 5, within(t, got, "the message never came").i)
 	assert.Equal(t, waits, l.sent.waits.Load(), "the reader waited on the lane")
+}
+
+// onceBeforeWaitFair has the first fair Way's reader that decided where
+// it waits run f, between its decision and its wait, until the test's
+// end.
+func onceBeforeWaitFair(t *testing.T, f func()) {
+	var once sync.Once
+	hook := func() { once.Do(f) }
+	beforeWaitFair.Store(&hook)
+	t.Cleanup(func() { beforeWaitFair.Store(nil) })
 }
 
 // A message by the socket that a writer counts and nudges after the
@@ -690,10 +695,7 @@ func TestFairWayWaitsWhereItDecided(t *testing.T) {
 func TestFairWayMissesNoNudgeBeforeItsSleep(t *testing.T) {
 	w, r, _, ctx := fairRoles(t)
 	null := devNull(t)
-	var once sync.Once
-	send := func() { once.Do(func() { assert.NoError(t, w.Send(ctx, wayMsg(5, 8), []int{null})) }) }
-	beforeWaitFair.Store(&send)
-	t.Cleanup(func() { beforeWaitFair.Store(nil) })
+	onceBeforeWaitFair(t, func() { assert.NoError(t, w.Send(ctx, wayMsg(5, 8), []int{null})) })
 	var sleeps atomic.Int32
 	slept := func() { sleeps.Add(1) }
 	beforeSleep.Store(&slept)
