@@ -165,3 +165,43 @@ func TestPipeReturnNeverTaken(t *testing.T) {
 	require.Eventually(t, func() bool { return pool.InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
 		"the block comes back once no lane of this process holds the answer")
 }
+
+// A process that gets its own tensor back by descriptor (the first answer
+// of a pipe goes by the socket), having released it once sent, maps its
+// own segment a second time to take it; it does not pin that mapping for
+// the lane: its blocks come back as returns, taken from its pool with no
+// lock call, not as a peer's blocks, each locked as it is taken.
+func TestPipeReturnsOfReleasedTensorsTakeNoLock(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	p, theirs, err := mp.NewPipe()
+	require.NoError(t, err)
+	defer p.Close()
+	notes := newQueue(t)
+	g, err := mp.Spawn(ctx, "return-keep", 1, mp.WithArgs(returnArgs{Pipe: theirs, Notes: notes}))
+	require.NoError(t, theirs.Close())
+	require.NoError(t, err)
+	var laned, locks uint64
+	for v := 1; v <= 40; v++ {
+		x := newInts(t, v)
+		err := p.Send(ctx, x)
+		require.NoError(t, x.Release()) // the worker keeps its own hold
+		require.NoError(t, err)
+		var byLane bool
+		require.NoError(t, notes.Get(ctx, &byLane))
+		before := shm.AttachLocks()
+		var y *tensor.Tensor
+		require.NoError(t, p.Recv(ctx, &y))
+		if byLane {
+			laned++
+			locks += shm.AttachLocks() - before
+		}
+		checkInts(t, y, v)
+		require.NoError(t, y.Release())
+	}
+	require.NoError(t, p.Send(ctx, (*tensor.Tensor)(nil)))
+	require.NoError(t, g.Join())
+	require.NotZero(t, laned, "answers went by the lane")
+	assert.Zero(t, locks, "lock calls to take %d answers returned by the lane", laned)
+}

@@ -350,6 +350,7 @@ type pinnedLane map[shm.ID]bool
 
 func (p pinnedLane) Maps(*shm.Block) bool         { return false }
 func (p pinnedLane) Returns(*shm.Block) bool      { return false }
+func (p pinnedLane) Returning(shm.ReturnRef) bool { return false }
 func (p pinnedLane) Pin(shm.ID)                   {}
 func (p pinnedLane) Pinned(id shm.ID) bool        { return p[id] }
 func (p pinnedLane) Ahead(func(data []byte) bool) {}

@@ -517,10 +517,11 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 		if !byLane {
 			return nil, errors.New("a pooled block named without its descriptor, outside a lane")
 		}
-		if lane == nil || !lane.Pinned(m.segmentID()) {
+		if lane == nil || !lane.Pinned(m.segmentID()) || lane.Returning(m.returnRef()) {
 			// Only the lane's reader's pins are the lane's, and its
 			// own blocks, returned: another holder of the segment is
-			// not held for by the writer.
+			// not held for by the writer. A return is taken back
+			// from the pool even where the reader pins its segment.
 			s, err := openReturned(m, made)
 			if errors.Is(err, shm.ErrNotReturnable) {
 				return nil, fmt.Errorf("a block of segment %v, which the lane's reader does not pin: %w", m.segmentID(), shm.ErrNotMapped)
@@ -554,7 +555,7 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 // where the lane's scanner kept it while the message waited (see
 // shm.Revive). A block of any other segment is shm.ErrNotReturnable.
 func openReturned(m Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {
-	ref := shm.ReturnRef{ID: m.segmentID(), Offset: m.BlockOffset, Gen: m.Gen}
+	ref := m.returnRef()
 	var deadline time.Time
 	revive := func() (*shm.Block, error) { return shm.Revive(ref, m.Size) }
 	for {
@@ -613,6 +614,12 @@ func laneRef(m Meta) shm.BlockRef {
 func (m *Meta) segmentID() shm.ID { return shm.ID{Dev: m.Dev, Ino: m.Ino} }
 
 func (m *Meta) setSegmentID(id shm.ID) { m.Dev, m.Ino = id.Dev, id.Ino }
+
+// returnRef names the pooled block m names, as a message that returns it
+// to its producer does.
+func (m *Meta) returnRef() shm.ReturnRef {
+	return shm.ReturnRef{ID: m.segmentID(), Offset: m.BlockOffset, Gen: m.Gen}
+}
 
 // checkedStat returns the status of the message's descriptor for m,
 // which must be of the segment m names.
