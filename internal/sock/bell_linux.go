@@ -92,6 +92,13 @@ const (
 	// spinMin is the shortest spin: what a ring from a ringer already
 	// running on another CPU takes to be seen, with room to spare.
 	spinMin = 2 * time.Microsecond
+	// spinApart is the shortest spin of a waiter pinned to one CPU whose
+	// ringer is pinned to another (see apartCPU): it spins on a CPU
+	// nothing else of the two needs, and a ring that comes a little
+	// later than its gap says (the peer's decode took longer, an
+	// interrupt) then costs no wake across the CPUs (25–60 µs) where it
+	// is seen within spinApart.
+	spinApart = 20 * time.Microsecond
 	// maxClears is how many times a ringer tries to clear the asleep
 	// flag before it wakes the waiters all the same: only a peer that
 	// keeps writing the flag makes it fail more than once or twice.
@@ -321,7 +328,7 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, u
 }
 
 // spin spins on the word for about twice as long as rings have lately
-// taken to come, between spinMin and spinCap, and reports what it found.
+// taken to come (spinBudget), and reports what it found.
 // A spin is worth it only when the ringer runs on another CPU meanwhile,
 // or, for a ringer pinned to the one CPU the waiter is pinned to, when
 // the waiter yields it as it spins (sharesCPU); else the waiter cannot
@@ -338,8 +345,9 @@ func (b *Bell) spin(last uint32, start time.Time) (uint32, bool) {
 		return last, false // rings come slower than a sleep and a wake-up
 	}
 	b.spun.Add(1)
-	budget := min(max(2*gap, int64(spinMin)), int64(spinCap))
-	yield := sharesCPU(atomic.LoadUint32(b.cpu), int64(start.Sub(monoBase)))
+	peer := atomic.LoadUint32(b.cpu)
+	yield := sharesCPU(peer, int64(start.Sub(monoBase)))
+	budget := spinBudget(gap, peer)
 	// The stamps are the wall clock at the start plus the monotonic time
 	// since: one read of the clock each spinTurns.
 	wall := start.UnixNano()
@@ -364,6 +372,19 @@ func (b *Bell) spin(last uint32, start time.Time) (uint32, bool) {
 			}
 		}
 	}
+}
+
+// spinBudget returns how long a waiter spins whose rings have lately
+// come gap after its waits began, and whose ringer is pinned to peer (see
+// stampCPU): twice the gap, within [spinMin, spinCap], or within
+// [spinApart, spinCap] for a ringer pinned to another CPU than the
+// waiter's one (apartCPU).
+func spinBudget(gap int64, peer uint32) int64 {
+	least := int64(spinMin)
+	if apartCPU(peer) {
+		least = int64(spinApart)
+	}
+	return min(max(2*gap, least), int64(spinCap))
 }
 
 // learn folds gap, how long a ring took to come after a wait began, into

@@ -117,6 +117,15 @@ func sharesCPU(peer uint32, now int64) bool {
 	return peer != 0 && pinnedCPU() == peer
 }
 
+// apartCPU reports whether this thread may run only on one CPU and the
+// other process, last seen pinned to one CPU (peer, see pinnedCPU), only
+// on another: a spin then holds no CPU the peer needs. sharesCPU looks
+// first.
+func apartCPU(peer uint32) bool {
+	mine := pinnedCPU()
+	return peer != 0 && mine != 0 && mine != peer
+}
+
 // spinYield yields the CPU, as a spin for a peer that shares it does
 // every spinTurns turns.
 func spinYield() {

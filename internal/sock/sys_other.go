@@ -76,6 +76,9 @@ func describeFD(int) string { return "a descriptor" }
 // sharesCPU reports false here: see sys_linux.go.
 func sharesCPU(uint32, int64) bool { return false }
 
+// apartCPU reports false here: see sys_linux.go.
+func apartCPU(uint32) bool { return false }
+
 // lookCPU does nothing here.
 func lookCPU(int64) {}
 

@@ -168,3 +168,30 @@ func TestFairWayStampsItsCPUByTheSocketToo(t *testing.T) {
 	require.False(t, byLane)
 	assert.Equal(t, c, l.taken.RingerCPU(), "the reader's")
 }
+
+// A waiter pinned to one CPU whose ringer is pinned to another spins for
+// spinApart at least, however soon its rings came lately; one whose
+// ringer shares its CPU or may run anywhere, or that may run anywhere
+// itself, spins for twice its gap, within spinMin.
+func TestBellSpinsLongerForARingerApart(t *testing.T) {
+	b := testBell(t)
+	c, unpin := pinThread(t)
+	assert.Equal(t, int64(spinApart), spinBudget(0, c+1), "a ringer on another CPU")
+	assert.Equal(t, int64(spinCap), spinBudget(int64(spinCap), c+1), "within spinCap all the same")
+	assert.Equal(t, int64(spinMin), spinBudget(0, c), "a ringer on its CPU")
+	assert.Equal(t, int64(spinMin), spinBudget(0, 0), "a ringer that may run anywhere")
+	assert.Equal(t, int64(3*spinMin), spinBudget(int64(3*spinMin)/2, 0), "twice the gap")
+
+	b.misses.Store(0)
+	b.waits.Store(1) // not a probe
+	b.gap.Store(0)
+	atomic.StoreUint32(b.cpu, c+1)
+	start := time.Now()
+	_, found := b.spin(b.Load(), start)
+	require.False(t, found)
+	assert.GreaterOrEqual(t, time.Since(start), spinApart, "the spin's budget")
+
+	if unpin() == 0 {
+		assert.Equal(t, int64(spinMin), spinBudget(0, c+1), "a waiter that may run anywhere")
+	}
+}
