@@ -168,9 +168,10 @@ func TestPipeReturnNeverTaken(t *testing.T) {
 
 // A process that gets its own tensor back by descriptor (the first answer
 // of a pipe goes by the socket), having released it once sent, maps its
-// own segment a second time to take it; it does not pin that mapping for
-// the lane: its blocks come back as returns, taken from its pool with no
-// lock call, not as a peer's blocks, each locked as it is taken.
+// own segment a second time to take it, and pins that mapping for the
+// lane; the answers that return its blocks by the lane after that are
+// taken back from its pool with no lock call all the same, not as a
+// peer's blocks of the pin, each locked as it is taken.
 func TestPipeReturnsOfReleasedTensorsTakeNoLock(t *testing.T) {
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)

@@ -355,6 +355,12 @@ func (p pinnedLane) Pin(shm.ID)                   {}
 func (p pinnedLane) Pinned(id shm.ID) bool        { return p[id] }
 func (p pinnedLane) Ahead(func(data []byte) bool) {}
 
+// returningLane is a pinnedLane whose entry being decoded returns every
+// block it names, as a Way's entry that says so (see sock.Way.Returning).
+type returningLane struct{ pinnedLane }
+
+func (returningLane) Returning(shm.ReturnRef) bool { return true }
+
 // aheadLane is a pinnedLane that holds messages behind the one being
 // decoded, as a Way's reader sees them in its lane, and counts the looks
 // at them.
@@ -554,6 +560,12 @@ func TestLaneMessageFindsOnlyMappedSegments(t *testing.T) {
 	}
 	err = carry.DecodeFrom(extMessage(t, m), &fds, &x, pinnedLane{b.Segment().ID(): true}, true)
 	require.NoError(t, err, "one it pins")
+	require.NoError(t, x.Release())
+
+	// The same block named as a return (the entry says so), which its
+	// pool cannot give back, in use as it is: held as a block of the pin.
+	err = carry.DecodeFrom(extMessage(t, m), &fds, &x, returningLane{pinnedLane{b.Segment().ID(): true}}, true)
+	require.NoError(t, err, "a return of a segment it pins, not taken back from the pool")
 	require.NoError(t, x.Release())
 }
 

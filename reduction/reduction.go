@@ -503,13 +503,16 @@ func openFD(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, err
 // costs an fstat.
 //
 // A message that came by a lane names blocks by identity alone, with no
-// descriptor: this process keeps their segments mapped for the lane (see
-// carry.Lane), and its lock on the slot, taken before the generation is
-// checked, is the only hold it takes: the sender's loan keeps the slot
-// until the lane's reader acks, but any holder of the lane can write the
-// ack, so the reader never relies on it. A block
-// received by descriptor on a pipe that has a lane has its segment
-// pinned for the lane's next messages.
+// descriptor. A block of a segment this process keeps mapped for the lane
+// (a pin, see carry.Lane) is held by this process's lock on the slot,
+// taken before the generation is checked, and by nothing else: the
+// sender's loan keeps the slot until the lane's reader acks, but any
+// holder of the lane can write the ack, so the reader never relies on
+// it. A block this process made, which the message returns, is taken back
+// from its pool (shm.Revive) with no lock, pinned or not: the reader's
+// scanner kept it while the message waited. A block received by
+// descriptor on a pipe that has a lane has its segment pinned for the
+// lane's next messages.
 func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
 	lane, byLane := fds.lane()
 	found := userOf(shm.SegmentRef{ID: m.segmentID()}, m)
@@ -517,16 +520,25 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 		if !byLane {
 			return nil, errors.New("a pooled block named without its descriptor, outside a lane")
 		}
-		if lane == nil || !lane.Pinned(m.segmentID()) || lane.Returning(m.returnRef()) {
+		pinned := lane != nil && lane.Pinned(m.segmentID())
+		if !pinned || lane.Returning(m.returnRef()) {
 			// Only the lane's reader's pins are the lane's, and its
 			// own blocks, returned: another holder of the segment is
-			// not held for by the writer. A return is taken back
-			// from the pool even where the reader pins its segment.
+			// not held for by the writer.
 			s, err := openReturned(m, made)
-			if errors.Is(err, shm.ErrNotReturnable) {
+			switch {
+			case err == nil:
+				return s, nil
+			case !pinned && errors.Is(err, shm.ErrNotReturnable):
 				return nil, fmt.Errorf("a block of segment %v, which the lane's reader does not pin: %w", m.segmentID(), shm.ErrNotMapped)
+			case !pinned:
+				return nil, err
 			}
-			return s, err
+			// A return that this process cannot take back from a pool
+			// (another process made it, whose segment this one pins:
+			// it took the lane's role over from that producer) is
+			// held as any block of its pins is.
+			found = userOf(shm.SegmentRef{ID: m.segmentID()}, m)
 		}
 		return adoptBlock(found, m, made, func() (*shm.Block, error) {
 			ref := laneRef(m)

@@ -39,7 +39,8 @@ import (
 //   - Taking. The reader rebuilds a block named by identity only if it
 //     pins its segment (Pinned; another is ErrNotMapped, even one it maps
 //     for another reason, for which the writer holds nothing, unless the
-//     reader made it: a return, see way_returns.go), taking its
+//     reader made it: a return, see way_returns.go, which it takes back
+//     from its pool, pinned or not), taking its
 //     own lock on the slot and then checking the slot's generation, as for
 //     a block that came with a descriptor: it relies on the loan for
 //     nothing, since any holder of the lane could write the ack that ends

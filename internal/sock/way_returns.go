@@ -35,9 +35,10 @@ import (
 //     patience): another getter could not take it back. A pipe's reader
 //     keeps its role while a return to it waits (letGoIdle).
 //   - A reader that takes the role over from another that left returns
-//     untaken gets ErrNotMapped for them, unless it produced them too;
-//     their producer keeps them while they wait, and reuses them once
-//     they are taken.
+//     untaken gets ErrNotMapped for them, unless it produced them too, or
+//     pins their segment (it then holds them as blocks of its pins, with
+//     its own lock and a look at the generation); their producer keeps
+//     them while they wait, and reuses them once they are taken.
 //
 // The returns an entry names are only a hint to the scanner: a hostile
 // writer's can keep released slots of the reader's pools from reuse
