@@ -29,11 +29,12 @@ import (
 //	            spin begins and each spinTurns turns (see SpunWithin)
 //	64  uint32  odd once a waiter is about to sleep, made even by the ringer
 //	            that wakes it: the futex the waiters sleep on
-//	72  uint32  the one CPU the last ringer may run on, plus one (0: more
-//	            than one): a waiter that may run only there yields it as
-//	            it spins (see sharesCPU). Off the word's line, which the
-//	            ringer would otherwise read before it writes it: a second
-//	            transfer of the line between the CPUs at each ring
+//	72  uint32  the CPU the last ringer ran on as it rang, plus one (0:
+//	            unknown; see runningCPU): a waiter on the same CPU yields
+//	            it as it spins (see sharesCPU), one on another spins longer
+//	            (apartCPU). Off the word's line, which the ringer would
+//	            otherwise read before it writes it: a second transfer of
+//	            the line between the CPUs at each ring
 //
 // A peer that writes the memory at will can wake the waiter for nothing,
 // make it spin up to spinCap in vain, yield its CPU as it spins, or make
@@ -92,8 +93,8 @@ const (
 	// spinMin is the shortest spin: what a ring from a ringer already
 	// running on another CPU takes to be seen, with room to spare.
 	spinMin = 2 * time.Microsecond
-	// spinApart is the shortest spin of a waiter pinned to one CPU whose
-	// ringer is pinned to another (see apartCPU): it spins on a CPU
+	// spinApart is the shortest spin of a waiter whose ringer runs on
+	// another CPU (see apartCPU): it spins on a CPU
 	// nothing else of the two needs, and a ring that comes a little
 	// later than its gap says (the peer's decode took longer, an
 	// interrupt) then costs no wake across the CPUs (25–60 µs) where it
@@ -149,11 +150,11 @@ func (b *Bell) Advance(old uint32) bool {
 	return true
 }
 
-// stampCPU says which CPU the ringer may only run on (see pinnedCPU),
-// for its waiter's spin: written only when it changed, as the line is
-// the waiter's to read.
+// stampCPU says which CPU the ringer runs on (see runningCPU), for its
+// waiter's spin: written only when it changed, as the line is the
+// waiter's to read.
 func (b *Bell) stampCPU() {
-	if c := pinnedCPU(); atomic.LoadUint32(b.cpu) != c {
+	if c := runningCPU(); atomic.LoadUint32(b.cpu) != c {
 		atomic.StoreUint32(b.cpu, c)
 	}
 }
@@ -330,11 +331,11 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, u
 // spin spins on the word for about twice as long as rings have lately
 // taken to come (spinBudget), and reports what it found.
 // A spin is worth it only when the ringer runs on another CPU meanwhile,
-// or, for a ringer pinned to the one CPU the waiter is pinned to, when
-// the waiter yields it as it spins (sharesCPU); else the waiter cannot
-// see where it runs, so it learns from its spins: after maxMisses in a
-// row end without a ring, it spins only to probe, one wait in
-// probeEvery.
+// or, for a ringer on the waiter's CPU, when the waiter yields it as it
+// spins (sharesCPU); the stamps say which, where the processor or the
+// pinning tell (runningCPU), until the kernel moves a side; and the
+// waiter learns from its spins: after maxMisses in a row end without a
+// ring, it spins only to probe, one wait in probeEvery.
 func (b *Bell) spin(last uint32, start time.Time) (uint32, bool) {
 	waits := b.waits.Add(1)
 	if b.misses.Load() >= maxMisses && waits%probeEvery != 0 {
@@ -375,10 +376,10 @@ func (b *Bell) spin(last uint32, start time.Time) (uint32, bool) {
 }
 
 // spinBudget returns how long a waiter spins whose rings have lately
-// come gap after its waits began, and whose ringer is pinned to peer (see
+// come gap after its waits began, and whose ringer ran on peer (see
 // stampCPU): twice the gap, within [spinMin, spinCap], or within
-// [spinApart, spinCap] for a ringer pinned to another CPU than the
-// waiter's one (apartCPU).
+// [spinApart, spinCap] for a ringer on another CPU than the waiter's
+// (apartCPU).
 func spinBudget(gap int64, peer uint32) int64 {
 	least := int64(spinMin)
 	if apartCPU(peer) {

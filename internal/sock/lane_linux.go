@@ -253,15 +253,15 @@ func (l *Lane) Tail() uint32 {
 func (l *Lane) Sent() uint32  { return l.sent.Load() }
 func (l *Lane) Taken() uint32 { return l.taken.Load() }
 
-// readerCPU returns the one CPU the reader that last took an entry, or
-// stamped (stampCPU), may run on, plus one, or 0 (see Bell.RingerCPU).
+// readerCPU returns the CPU the reader that last took an entry, or
+// stamped (stampCPU), ran on then, plus one, or 0 (see Bell.RingerCPU).
 func (l *Lane) readerCPU() uint32 { return l.taken.RingerCPU() }
 
 // readerSpunWithin reports whether a reader spun on the lane, waiting for
 // an entry, within d of now (see Bell.SpunWithin).
 func (l *Lane) readerSpunWithin(d time.Duration) bool { return l.sent.SpunWithin(d) }
 
-// stampCPU stamps the CPU this process may only run on (see pinnedCPU)
+// stampCPU stamps the CPU this process runs on (see runningCPU)
 // in the bell that its side rings, the writer's or the readers', as a
 // ring would: for a side whose messages go by the socket for a while,
 // which rings nothing, so that the other side's spins see it all the same.

@@ -106,24 +106,39 @@ func describeFD(fd int) string {
 }
 
 // sharesCPU reports whether a spin that waits for another process, last
-// seen pinned to one CPU (peer, see pinnedCPU), should yield its CPU as
-// it spins (spinYield): if this thread may run only on that CPU, the
-// peer cannot run while it spins (a spin would hold it off to the end of
+// seen on CPU peer (see runningCPU), should yield its CPU as it spins
+// (spinYield): if this thread runs on that CPU too, the peer, which would
+// run there, waits while it spins (a spin would hold it off to the end of
 // the slice); else a yield would hand the CPU to whatever else is
-// runnable, not to a peer that runs on another. now is monoNow, for
-// lookCPU.
+// runnable, not to a peer that runs on another. For two processes pinned
+// to one CPU each the answer is sure; for others it holds until the
+// kernel moves one of them. now is monoNow, for lookCPU.
 func sharesCPU(peer uint32, now int64) bool {
 	lookCPU(now) // also where no Way looks: a lane's ringer stamps it
-	return peer != 0 && pinnedCPU() == peer
+	return sameCPU(runningCPU(), peer)
 }
 
-// apartCPU reports whether this thread may run only on one CPU and the
-// other process, last seen pinned to one CPU (peer, see pinnedCPU), only
-// on another: a spin then holds no CPU the peer needs. sharesCPU looks
-// first.
-func apartCPU(peer uint32) bool {
-	mine := pinnedCPU()
-	return peer != 0 && mine != 0 && mine != peer
+// sameCPU reports whether CPUs mine and peer (each plus one, 0 unknown)
+// are known and one; apartCPUs whether they are known and two.
+func sameCPU(mine, peer uint32) bool   { return peer != 0 && mine == peer }
+func apartCPUs(mine, peer uint32) bool { return peer != 0 && mine != 0 && mine != peer }
+
+// apartCPU reports whether this thread runs on one CPU and the other
+// process, last seen on CPU peer (see runningCPU), on another: a spin
+// then holds no CPU the peer needs, as sure as sharesCPU's answer is.
+// sharesCPU looks first.
+func apartCPU(peer uint32) bool { return apartCPUs(runningCPU(), peer) }
+
+// runningCPU returns one more than the CPU the calling thread runs on: the
+// one CPU it may only run on (pinnedCPU), or else the one it runs on now
+// (cpuNow), which holds until the kernel moves it; 0 where neither is
+// known. What a ring stamps, and what a spin compares with the ringer's
+// stamp.
+func runningCPU() uint32 {
+	if c := pinnedCPU(); c != 0 {
+		return c
+	}
+	return cpuNow()
 }
 
 // spinYield yields the CPU, as a spin for a peer that shares it does

@@ -3,7 +3,10 @@
 package sock
 
 import (
+	"os"
 	"runtime"
+	"slices"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -84,9 +87,13 @@ func TestBellRingStampsItsCPU(t *testing.T) {
 	atomic.StoreUint32(b.cpu, 0)
 	require.True(t, b.Advance(b.Load()))
 	assert.Equal(t, c, b.RingerCPU(), "Advance")
-	want := unpin()
+	cpusPinned.Store(0) // as if its last look found it may run anywhere
 	b.Ring()
-	assert.Equal(t, want, b.RingerCPU(), "unpinned")
+	assert.Equal(t, cpuNow(), b.RingerCPU(), "the CPU it runs on, as the processor says")
+	if cpuReader != readNone {
+		assert.Equal(t, c, b.RingerCPU())
+	}
+	unpin()
 }
 
 // A spin yields its CPU only to a peer pinned to the one CPU it is pinned
@@ -100,10 +107,12 @@ func TestSpinYieldsOnlyToAPeerOnItsCPU(t *testing.T) {
 	assert.True(t, sharesCPU(c, now), "a peer on its CPU")
 	assert.False(t, sharesCPU(c+1, now), "a peer elsewhere")
 	assert.False(t, sharesCPU(0, now), "an unpinned peer")
-	if unpin() == 0 {
-		assert.False(t, sharesCPU(c, now), "unpinned itself")
-		assert.False(t, sharesCPU(0, now), "unpinned both")
-	}
+	cpusPinned.Store(0) // as if its last look found it may run anywhere
+	assert.Equal(t, cpuReader != readNone, sharesCPU(c, now), "a peer on the CPU it runs on, as the processor says")
+	assert.False(t, sharesCPU(c+1, now), "a peer elsewhere")
+	assert.False(t, sharesCPU(0, now), "a peer on a CPU unknown")
+	assert.False(t, sameCPU(0, 0), "both unknown")
+	unpin()
 }
 
 // A waiter pinned to its ringer's CPU yields it as it spins; one whose
@@ -192,9 +201,48 @@ func TestBellSpinsLongerForARingerApart(t *testing.T) {
 	require.False(t, found)
 	assert.GreaterOrEqual(t, time.Since(start), spinApart, "the spin's budget")
 
-	cpusPinned.Store(0) // as the last look found a thread that may run anywhere
-	assert.Equal(t, int64(spinMin), spinBudget(0, c+1), "a waiter that may run anywhere")
-	if unpin() == 0 {
-		assert.Equal(t, int64(spinMin), spinBudget(0, c+1), "a waiter that may run anywhere, as the kernel says")
+	cpusPinned.Store(0) // as if its last look found it may run anywhere
+	want := int64(spinMin)
+	if cpuReader != readNone {
+		want = int64(spinApart) // the processor says where it runs
+	}
+	assert.Equal(t, want, spinBudget(0, c+1), "a waiter that may run anywhere, whose ringer ran elsewhere")
+	assert.False(t, apartCPUs(0, c+1), "a waiter whose CPU is unknown")
+	assert.False(t, apartCPUs(c, 0), "a ringer whose CPU is unknown")
+	unpin()
+}
+
+// cpuNow reads the CPU the thread runs on as the kernel places it, on
+// each CPU the process may run on, with the instruction /proc/cpuinfo
+// says the processor has (rdpid first, then rdtscp).
+func TestCPUNowMatchesTheKernel(t *testing.T) {
+	info, err := os.ReadFile("/proc/cpuinfo")
+	require.NoError(t, err)
+	flags := strings.Fields(string(info))
+	want := readNone
+	switch {
+	case slices.Contains(flags, "rdpid"):
+		want = readRDPID
+	case slices.Contains(flags, "rdtscp"):
+		want = readRDTSCP
+	}
+	require.Equal(t, want, cpuReader, "the instruction cpuNow reads the CPU with")
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	var was unix.CPUSet
+	require.NoError(t, unix.SchedGetaffinity(0, &was))
+	defer unix.SchedSetaffinity(0, &was)
+	for c := 0; c < 1024; c++ {
+		if !was.IsSet(c) {
+			continue
+		}
+		var one unix.CPUSet
+		one.Set(c)
+		require.NoError(t, unix.SchedSetaffinity(0, &one))
+		if want == readNone {
+			assert.Zero(t, cpuNow())
+		} else {
+			assert.Equal(t, uint32(c)+1, cpuNow(), "on CPU %d", c)
+		}
 	}
 }

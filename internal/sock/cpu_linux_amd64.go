@@ -1,0 +1,79 @@
+package sock
+
+import (
+	"runtime"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// cpuNow returns one more than the CPU the calling thread runs on now, as
+// the processor says: RDPID, or RDTSCP where it has no RDPID, reads the
+// CPU's TSC_AUX register, in whose low 12 bits Linux keeps the CPU's
+// number. It costs no system call. It returns 0 where the processor has
+// neither instruction, or where what they read did not match the kernel's
+// answer when the package was loaded (cpuReader). The answer holds until
+// the kernel moves the thread.
+func cpuNow() uint32 {
+	switch cpuReader {
+	case readRDPID:
+		return rdpid()&0xfff + 1
+	case readRDTSCP:
+		return rdtscpAux()&0xfff + 1
+	}
+	return 0
+}
+
+// How cpuNow reads the CPU.
+const (
+	readNone = iota
+	readRDPID
+	readRDTSCP
+)
+
+// cpuReader is cpuNow's way, chosen once.
+var cpuReader = pickCPUReader()
+
+// pickCPUReader returns the instruction cpuNow uses: RDPID if the
+// processor has it (CPUID leaf 7, ECX bit 22), else RDTSCP (leaf
+// 0x80000001, EDX bit 27), else none; and none if the one it would use
+// does not say what the getcpu system call says, on the same thread, in
+// any of a few tries (the thread may move between the two).
+func pickCPUReader() int {
+	leaves, _, _, _ := cpuid(0, 0)
+	extLeaves, _, _, _ := cpuid(0x80000000, 0)
+	var read func() uint32
+	way := readNone
+	switch {
+	case leaves >= 7 && cpuidBit(7, 0, 2, 22):
+		read, way = rdpid, readRDPID
+	case extLeaves >= 0x80000001 && cpuidBit(0x80000001, 0, 3, 27):
+		read, way = rdtscpAux, readRDTSCP
+	default:
+		return readNone
+	}
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	for range 8 {
+		var cpu uint32
+		if _, _, errno := unix.RawSyscall(unix.SYS_GETCPU, uintptr(unsafe.Pointer(&cpu)), 0, 0); errno != 0 {
+			return readNone
+		}
+		if read()&0xfff == cpu {
+			return way
+		}
+	}
+	return readNone
+}
+
+// cpuidBit reports whether bit of register reg (0 EAX, 1 EBX, 2 ECX,
+// 3 EDX) of CPUID leaf, sub is set.
+func cpuidBit(leaf, sub uint32, reg, bit int) bool {
+	a, b, c, d := cpuid(leaf, sub)
+	return [4]uint32{a, b, c, d}[reg]&(1<<bit) != 0
+}
+
+// Implemented in cpu_linux_amd64.s.
+func cpuid(leaf, sub uint32) (a, b, c, d uint32)
+func rdpid() uint32
+func rdtscpAux() uint32
