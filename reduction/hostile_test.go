@@ -562,11 +562,12 @@ func TestLaneMessageFindsOnlyMappedSegments(t *testing.T) {
 	require.NoError(t, err, "one it pins")
 	require.NoError(t, x.Release())
 
-	// The same block named as a return (the entry says so), which its
-	// pool cannot give back, in use as it is: held as a block of the pin.
+	// The same block named as a return (the entry says so): its pool's
+	// answer is final, pinned or not, and a block in use is no return.
+	x = nil
 	err = carry.DecodeFrom(extMessage(t, m), &fds, &x, returningLane{pinnedLane{b.Segment().ID(): true}}, true)
-	require.NoError(t, err, "a return of a segment it pins, not taken back from the pool")
-	require.NoError(t, x.Release())
+	assert.ErrorIs(t, err, shm.ErrStaleBlock, "a return of a block of this process in use")
+	assert.Nil(t, x)
 }
 
 // Whatever a lane's message says (blocks named by identity, alone or in

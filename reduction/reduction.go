@@ -527,18 +527,15 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 			// not held for by the writer.
 			s, err := openReturned(m, made)
 			switch {
-			case err == nil:
-				return s, nil
-			case !pinned && errors.Is(err, shm.ErrNotReturnable):
-				return nil, fmt.Errorf("a block of segment %v, which the lane's reader does not pin: %w", m.segmentID(), shm.ErrNotMapped)
+			case !errors.Is(err, shm.ErrNotReturnable):
+				return s, err
 			case !pinned:
-				return nil, err
+				return nil, fmt.Errorf("a block of segment %v, which the lane's reader does not pin: %w", m.segmentID(), shm.ErrNotMapped)
 			}
-			// A return that this process cannot take back from a pool
+			// A return of a block no pool of this process made
 			// (another process made it, whose segment this one pins:
 			// it took the lane's role over from that producer) is
 			// held as any block of its pins is.
-			found = userOf(shm.SegmentRef{ID: m.segmentID()}, m)
 		}
 		return adoptBlock(found, m, made, func() (*shm.Block, error) {
 			ref := laneRef(m)

@@ -2,6 +2,7 @@ package sock
 
 import (
 	"runtime"
+	"sync"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -12,10 +13,10 @@ import (
 // CPU's TSC_AUX register, in whose low 12 bits Linux keeps the CPU's
 // number. It costs no system call. It returns 0 where the processor has
 // neither instruction, or where what they read did not match the kernel's
-// answer when the package was loaded (cpuReader). The answer holds until
-// the kernel moves the thread.
+// answer at its first call (cpuWay). The answer holds until the kernel
+// moves the thread.
 func cpuNow() uint32 {
-	switch cpuReader {
+	switch cpuWay() {
 	case readRDPID:
 		return rdpid()&0xfff + 1
 	case readRDTSCP:
@@ -31,8 +32,19 @@ const (
 	readRDTSCP
 )
 
-// cpuReader is cpuNow's way, chosen once.
-var cpuReader = pickCPUReader()
+// cpuReader is cpuNow's way, chosen at its first call: not as the package
+// loads, so that a program that uses no lane makes no getcpu call, which
+// a strict seccomp filter may forbid.
+var cpuReader struct {
+	once sync.Once
+	way  int
+}
+
+// cpuWay returns cpuNow's way, choosing it at the first call.
+func cpuWay() int {
+	cpuReader.once.Do(func() { cpuReader.way = pickCPUReader() })
+	return cpuReader.way
+}
 
 // pickCPUReader returns the instruction cpuNow uses: RDPID if the
 // processor has it (CPUID leaf 7, ECX bit 22), else RDTSCP (leaf
@@ -40,14 +52,12 @@ var cpuReader = pickCPUReader()
 // does not say what the getcpu system call says, on the same thread, in
 // any of a few tries (the thread may move between the two).
 func pickCPUReader() int {
-	leaves, _, _, _ := cpuid(0, 0)
-	extLeaves, _, _, _ := cpuid(0x80000000, 0)
 	var read func() uint32
 	way := readNone
 	switch {
-	case leaves >= 7 && cpuidBit(7, 0, 2, 22):
+	case hasRDPID():
 		read, way = rdpid, readRDPID
-	case extLeaves >= 0x80000001 && cpuidBit(0x80000001, 0, 3, 27):
+	case hasRDTSCP():
 		read, way = rdtscpAux, readRDTSCP
 	default:
 		return readNone
@@ -64,6 +74,18 @@ func pickCPUReader() int {
 		}
 	}
 	return readNone
+}
+
+// hasRDPID and hasRDTSCP report whether the processor has the
+// instruction, as CPUID says.
+func hasRDPID() bool {
+	leaves, _, _, _ := cpuid(0, 0)
+	return leaves >= 7 && cpuidBit(7, 0, 2, 22)
+}
+
+func hasRDTSCP() bool {
+	leaves, _, _, _ := cpuid(0x80000000, 0)
+	return leaves >= 0x80000001 && cpuidBit(0x80000001, 0, 3, 27)
 }
 
 // cpuidBit reports whether bit of register reg (0 EAX, 1 EBX, 2 ECX,
