@@ -71,10 +71,11 @@ func TestLaneReturnOfAnotherProducerIsHeldByThePin(t *testing.T) {
 	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	require.NoError(t, err)
 	defer unix.Close(pair[0])
+	theirs := os.NewFile(uintptr(pair[1]), "socket")
+	defer theirs.Close() // at once once the helper has its copy, so that its death is EOF here
 	cmd, err := reexec.Command(context.Background(), "produce-block", "0")
 	require.NoError(t, err)
 	cmd.Env = append(cmd.Env, shm.EnvSession+"="+shm.Session())
-	theirs := os.NewFile(uintptr(pair[1]), "socket")
 	cmd.ExtraFiles = []*os.File{theirs}
 	stdin, err := cmd.StdinPipe()
 	require.NoError(t, err)
