@@ -379,51 +379,16 @@ func (l aheadLane) Ahead(yield func(data []byte) bool) {
 	}
 }
 
-// laneBlocks returns n blocks of size bytes of the default pool, the
-// i-th starting with byte i+1, and the metadata of a lane message naming
-// each; this process maps their segment as a lane's reader does, holding
-// block 0 as received by descriptor, until the test's end.
+// laneBlocks returns the metadata of a lane message naming each of n
+// blocks of size bytes of another process's pool (foreignBlocks), every
+// byte of the i-th i+1; this process maps their segment as a lane's
+// reader does, holding block 0 as received by descriptor, until the
+// test's end.
 func laneBlocks(t testing.TB, n, size int) []Meta {
 	t.Helper()
-	pool := shm.DefaultPool()
-	var blocks []*shm.Block
-	var ms []Meta
-	for i := range n {
-		b, err := pool.Alloc(int64(size))
-		require.NoError(t, err)
-		copy(b.Bytes(), []byte{byte(i + 1)})
-		blocks = append(blocks, b)
-		m := validMeta(b.Segment().ID())
-		m.FDIndex, m.Shape, m.Strides, m.DType = -1, []int{size}, []int{1}, tensor.Uint8
-		m.SegmentSize, m.BlockOffset, m.Gen = b.Segment().Size(), b.Offset(), b.Gen()
-		ms = append(ms, m)
-	}
-	held := receiveKept(t, blocks[0])
-	t.Cleanup(func() {
-		require.NoError(t, held.Release())
-		for _, b := range blocks {
-			require.NoError(t, b.Release())
-		}
-	})
+	ms, held := foreignBlocks(t, n, size)
+	t.Cleanup(func() { require.NoError(t, held.Release()) })
 	return ms
-}
-
-// receiveKept has this process receive b, a block of its own pool, as
-// one of another's would be by descriptor, and returns the block it
-// holds: the process maps b's segment as a lane's reader does once it was
-// sent a block of it. The ticket's description is closed when it
-// returns, not by its timer.
-func receiveKept(t testing.TB, b *shm.Block) *shm.Block {
-	t.Helper()
-	tk, err := b.Ticket()
-	require.NoError(t, err)
-	st, err := shm.Stat(tk.FD())
-	require.NoError(t, err)
-	held, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: st.ID, Size: b.Segment().Size()}, Offset: b.Offset(), Size: b.Size(), Gen: b.Gen(), Ticket: tk.FD()})
-	tk.Done()
-	require.NoError(t, err)
-	require.True(t, b.Busy())
-	return held
 }
 
 // batchMessage is a batch of the tensors ms describe, as mp.PutMany sends.
@@ -558,16 +523,29 @@ func TestLaneMessageFindsOnlyMappedSegments(t *testing.T) {
 		assert.ErrorIs(t, err, ErrMalformed)
 		assert.Nil(t, x)
 	}
-	err = carry.DecodeFrom(extMessage(t, m), &fds, &x, pinnedLane{b.Segment().ID(): true}, true)
-	require.NoError(t, err, "one it pins")
-	require.NoError(t, x.Release())
-
-	// The same block named as a return (the entry says so): its pool's
-	// answer is final, pinned or not, and a block in use is no return.
-	x = nil
-	err = carry.DecodeFrom(extMessage(t, m), &fds, &x, returningLane{pinnedLane{b.Segment().ID(): true}}, true)
-	assert.ErrorIs(t, err, shm.ErrStaleBlock, "a return of a block of this process in use")
-	assert.Nil(t, x)
+	// Pinned too (this process maps its own segment a second time, as
+	// where a block of it came back by descriptor), and named as a
+	// return or not: a message can only return a block of this
+	// process's pools, and their answer is final. A block in use is no
+	// return; nor is a free one, which the pool hands out next without
+	// asking anyone, whatever generation the message gives.
+	for _, lane := range []carry.Lane{pinnedLane{b.Segment().ID(): true}, returningLane{pinnedLane{b.Segment().ID(): true}}} {
+		err = carry.DecodeFrom(extMessage(t, m), &fds, &x, lane, true)
+		assert.ErrorIs(t, err, shm.ErrStaleBlock, "a block of this process in use, pinned")
+		assert.Nil(t, x)
+	}
+	free, err := pool.Alloc(4096)
+	require.NoError(t, err)
+	require.NoError(t, free.Release())
+	require.Eventually(t, func() bool { return pool.InUse() == 1 }, 5*time.Second, 5*time.Millisecond, "the block released comes back")
+	for _, gen := range []uint64{free.Gen(), free.Gen() + 1} { // the one it is handed out with next among them
+		next := m
+		next.BlockOffset, next.Gen = free.Offset(), gen
+		x = nil
+		err = carry.DecodeFrom(extMessage(t, next), &fds, &x, pinnedLane{b.Segment().ID(): true}, true)
+		assert.ErrorIs(t, err, shm.ErrStaleBlock, "a free block of this process, pinned, generation %d", gen)
+		assert.Nil(t, x)
+	}
 }
 
 // Whatever a lane's message says (blocks named by identity, alone or in
@@ -579,38 +557,30 @@ func TestLaneMessageFindsOnlyMappedSegments(t *testing.T) {
 // the lock's transfer is due), or a descriptor left open.
 func FuzzLaneDecode(f *testing.F) {
 	pool := shm.DefaultPool()
-	var blocks []*shm.Block
-	for i := range 4 {
-		b, err := pool.Alloc(4096)
-		require.NoError(f, err)
-		copy(b.Bytes(), []byte{byte(i + 1)})
-		blocks = append(blocks, b)
-	}
-	// This process maps the segment as a lane's reader does.
-	held := receiveKept(f, blocks[0])
-	seg := blocks[0].Segment()
-	lane := func(b *shm.Block, gen uint64, off int64) Meta {
-		m := validMeta(seg.ID())
-		m.FDIndex, m.Shape, m.Strides, m.DType = -1, []int{4096}, []int{1}, tensor.Uint8
-		m.SegmentSize, m.BlockOffset, m.Gen = seg.Size(), b.Offset()+off, gen
-		return m
+	// Blocks of another process, whose segment this process maps as a
+	// lane's reader does.
+	blocks, held := foreignBlocks(f, 4, 4096)
+	segID := blocks[0].segmentID()
+	lane := func(b Meta, gen uint64, off int64) Meta {
+		b.BlockOffset, b.Gen = b.BlockOffset+off, gen
+		return b
 	}
 	batch := func(ms ...Meta) []byte { return batchMessage(f, ms...) }
-	ok1, ok2, ok3 := lane(blocks[1], blocks[1].Gen(), 0), lane(blocks[2], blocks[2].Gen(), 0), lane(blocks[3], blocks[3].Gen(), 0)
+	ok1, ok2, ok3 := lane(blocks[1], blocks[1].Gen, 0), lane(blocks[2], blocks[2].Gen, 0), lane(blocks[3], blocks[3].Gen, 0)
 	f.Add(extMessage(f, ok1), []byte(nil))
 	f.Add(batch(ok1, ok2, ok3), []byte(nil))
 	f.Add(batch(ok1, ok1), []byte(nil))
-	f.Add(batch(ok1, lane(blocks[2], blocks[2].Gen()+1, 0)), []byte(nil))
-	f.Add(batch(ok2, lane(blocks[3], blocks[3].Gen(), 64)), []byte(nil))
+	f.Add(batch(ok1, lane(blocks[2], blocks[2].Gen+1, 0)), []byte(nil))
+	f.Add(batch(ok2, lane(blocks[3], blocks[3].Gen, 64)), []byte(nil))
 	other := ok1
 	other.Ino++
 	f.Add(batch(ok1, other), []byte(nil))
 	// A message behind in the lane, whose blocks the decode locks ahead.
 	f.Add(extMessage(f, ok1), extMessage(f, ok2))
-	f.Add(extMessage(f, ok1), batch(ok2, lane(blocks[3], blocks[3].Gen()+1, 0)))
+	f.Add(extMessage(f, ok1), batch(ok2, lane(blocks[3], blocks[3].Gen+1, 0)))
 	f.Add(batch(ok1, ok2), batch(ok3, other))
-	f.Add(extMessage(f, ok1), extMessage(f, lane(blocks[2], blocks[2].Gen(), 4096)))
-	reader := aheadLane{pinnedLane: pinnedLane{seg.ID(): true}, looks: new(int)}
+	f.Add(extMessage(f, ok1), extMessage(f, lane(blocks[2], blocks[2].Gen, 4096)))
+	reader := aheadLane{pinnedLane: pinnedLane{segID: true}, looks: new(int)}
 	base := leakcheck.Count()
 	var rebuilt atomic.Int64
 
@@ -628,7 +598,7 @@ func FuzzLaneDecode(f *testing.F) {
 				b, ok := x.Storage().Backing().(*shm.Block)
 				if ok && x.Numel() > 0 && len(b.Bytes()) > 0 {
 					for i, mine := range blocks {
-						if b.Segment().ID() == seg.ID() && b.Offset() == mine.Offset() && b.Bytes()[0] != byte(i+1) {
+						if b.Segment().ID() == segID && b.Offset() == mine.BlockOffset && b.Bytes()[0] != byte(i+1) {
 							t.Errorf("block %d rebuilt with another's bytes", i)
 						}
 					}
@@ -654,13 +624,8 @@ func FuzzLaneDecode(f *testing.F) {
 		}
 	})
 	f.Cleanup(func() {
-		// Every block the decodes took is given back: only the one this
-		// process kept, and its producer's, hold anything.
 		require.NoError(f, held.Release())
-		for _, b := range blocks {
-			require.NoError(f, b.Release())
-		}
-		assert.Eventually(f, func() bool { return pool.InUse() == 0 }, 5*time.Second, 5*time.Millisecond, "blocks left held")
+		assert.Zero(f, pool.InUse(), "blocks of this process's pool held by a decode")
 		if fuzzing := flag.Lookup("test.fuzz"); (fuzzing == nil || fuzzing.Value.String() == "") && rebuilt.Load() == 0 {
 			f.Error("no seed reached a rebuild")
 		}

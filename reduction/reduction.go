@@ -521,7 +521,7 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 			return nil, errors.New("a pooled block named without its descriptor, outside a lane")
 		}
 		pinned := lane != nil && lane.Pinned(m.segmentID())
-		if !pinned || lane.Returning(m.returnRef()) {
+		if !pinned || lane.Returning(m.returnRef()) || shm.Returnable(m.segmentID()) {
 			// Only the lane's reader's pins are the lane's, and its
 			// own blocks, returned: another holder of the segment is
 			// not held for by the writer.

@@ -177,11 +177,28 @@ func Produced(dst []ID, max int) ([]ID, uint64) {
 		if len(dst) >= max {
 			break
 		}
-		if !seg.named && !seg.external {
+		if seg.returnable() {
 			dst = append(dst, id)
 		}
 	}
 	return dst, produced.version.Load()
+}
+
+// returnable reports whether a message may return seg's blocks by
+// identity: seg is a segment of one of this process's pools, sealed, whose
+// blocks hold their data.
+func (seg *segment) returnable() bool { return !seg.named && !seg.external && seg.pool != nil }
+
+// Returnable reports whether segment id is one of this process's pools'
+// that Produced lists: a message that names a block of it by identity
+// can only return the block, whatever else this process maps of the
+// segment, and Revive's answer for it is final. A block of it reached
+// another way (a second mapping of the segment, where a block of it came
+// back by descriptor) could be a slot the pool has free, which it hands
+// out next without asking anyone.
+func Returnable(id ID) bool {
+	seg := produced.byID(id)
+	return seg != nil && seg.returnable()
 }
 
 // ProducedVersion returns a count that changes whenever this process's
