@@ -350,16 +350,9 @@ type pinnedLane map[shm.ID]bool
 
 func (p pinnedLane) Maps(*shm.Block) bool         { return false }
 func (p pinnedLane) Returns(*shm.Block) bool      { return false }
-func (p pinnedLane) Returning(shm.ReturnRef) bool { return false }
 func (p pinnedLane) Pin(shm.ID)                   {}
 func (p pinnedLane) Pinned(id shm.ID) bool        { return p[id] }
 func (p pinnedLane) Ahead(func(data []byte) bool) {}
-
-// returningLane is a pinnedLane whose entry being decoded returns every
-// block it names, as a Way's entry that says so (see sock.Way.Returning).
-type returningLane struct{ pinnedLane }
-
-func (returningLane) Returning(shm.ReturnRef) bool { return true }
 
 // aheadLane is a pinnedLane that holds messages behind the one being
 // decoded, as a Way's reader sees them in its lane, and counts the looks
@@ -524,16 +517,14 @@ func TestLaneMessageFindsOnlyMappedSegments(t *testing.T) {
 		assert.Nil(t, x)
 	}
 	// Pinned too (this process maps its own segment a second time, as
-	// where a block of it came back by descriptor), and named as a
-	// return or not: a message can only return a block of this
-	// process's pools, and their answer is final. A block in use is no
-	// return; nor is a free one, which the pool hands out next without
-	// asking anyone, whatever generation the message gives.
-	for _, lane := range []carry.Lane{pinnedLane{b.Segment().ID(): true}, returningLane{pinnedLane{b.Segment().ID(): true}}} {
-		err = carry.DecodeFrom(extMessage(t, m), &fds, &x, lane, true)
-		assert.ErrorIs(t, err, shm.ErrStaleBlock, "a block of this process in use, pinned")
-		assert.Nil(t, x)
-	}
+	// where a block of it came back by descriptor): a message can only
+	// return a block of this process's pools, and their answer is
+	// final. A block in use is no return; nor is a free one, which the
+	// pool hands out next without asking anyone, whatever generation
+	// the message gives.
+	err = carry.DecodeFrom(extMessage(t, m), &fds, &x, pinnedLane{b.Segment().ID(): true}, true)
+	assert.ErrorIs(t, err, shm.ErrStaleBlock, "a block of this process in use, pinned")
+	assert.Nil(t, x)
 	free, err := pool.Alloc(4096)
 	require.NoError(t, err)
 	require.NoError(t, free.Release())

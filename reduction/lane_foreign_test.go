@@ -132,11 +132,12 @@ func foreignBlocks(t testing.TB, n, size int) ([]Meta, *shm.Block) {
 	return ms, held
 }
 
-// A lane's entry that returns a block of another process's pool, whose
-// segment this process pins (it took the lane's role over from the
-// block's producer), is no return this process can take back from a pool
-// of its own: it holds the block as a block of its pins, with its own lock
-// and a look at the generation. Not pinned, the block is ErrNotMapped.
+// A lane's entry that names a block of another process's pool, whose
+// segment this process pins (as a reader that took the lane's role over
+// from the block's producer, which the entry returns the block to, does),
+// is held as a block of the pin, with this process's own lock and a look
+// at the generation: no pool of this process made it. Not pinned, the
+// block is ErrNotMapped.
 func TestLaneReturnOfAnotherProducerIsHeldByThePin(t *testing.T) {
 	leakcheck.Check(t)
 	ms, held := foreignBlocks(t, 1, 4096)
@@ -149,10 +150,10 @@ func TestLaneReturnOfAnotherProducerIsHeldByThePin(t *testing.T) {
 
 	var set fd.Set
 	var x *tensor.Tensor
-	err := carry.DecodeFrom(extMessage(t, m), &set, &x, returningLane{pinnedLane{}}, true)
+	err := carry.DecodeFrom(extMessage(t, m), &set, &x, pinnedLane{}, true)
 	assert.ErrorIs(t, err, shm.ErrNotMapped, "a return of another's block, not pinned")
 	assert.Nil(t, x)
-	require.NoError(t, carry.DecodeFrom(extMessage(t, m), &set, &x, returningLane{pinnedLane{id: true}}, true), "a return of another's block, pinned")
+	require.NoError(t, carry.DecodeFrom(extMessage(t, m), &set, &x, pinnedLane{id: true}, true), "a return of another's block, pinned")
 	b, ok := x.Storage().Backing().(*shm.Block)
 	require.True(t, ok)
 	assert.Equal(t, id, b.Segment().ID())

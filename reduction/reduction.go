@@ -521,21 +521,16 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 			return nil, errors.New("a pooled block named without its descriptor, outside a lane")
 		}
 		pinned := lane != nil && lane.Pinned(m.segmentID())
-		if !pinned || lane.Returning(m.returnRef()) || shm.Returnable(m.segmentID()) {
+		if !pinned || shm.Returnable(m.segmentID()) {
 			// Only the lane's reader's pins are the lane's, and its
-			// own blocks, returned: another holder of the segment is
-			// not held for by the writer.
+			// own blocks, returned (pinned or not, whatever the entry
+			// says: see shm.Returnable): another holder of the segment
+			// is not held for by the writer.
 			s, err := openReturned(m, made)
-			switch {
-			case !errors.Is(err, shm.ErrNotReturnable):
-				return s, err
-			case !pinned:
+			if errors.Is(err, shm.ErrNotReturnable) && !pinned {
 				return nil, fmt.Errorf("a block of segment %v, which the lane's reader does not pin: %w", m.segmentID(), shm.ErrNotMapped)
 			}
-			// A return of a block no pool of this process made
-			// (another process made it, whose segment this one pins:
-			// it took the lane's role over from that producer) is
-			// held as any block of its pins is.
+			return s, err
 		}
 		return adoptBlock(found, m, made, func() (*shm.Block, error) {
 			ref := laneRef(m)

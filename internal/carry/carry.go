@@ -154,13 +154,6 @@ type Lane interface {
 	// mapped for the lane's next messages: a block of it was just
 	// received by descriptor. The reader's side.
 	Pin(id shm.ID)
-	// Returning reports whether the message being decoded returns the
-	// block ref names to this process, its producer: its writer said so,
-	// and the reader's scanner keeps the block from reuse meanwhile. Such
-	// a block is taken back from its pool (shm.Revive), with no lock
-	// call, even where the reader pins its segment too (a block of it
-	// came back by descriptor before). The reader's side.
-	Returning(ref shm.ReturnRef) bool
 	// Pinned reports whether the lane's reader, this process, pins
 	// segment id for the lane: a message of the lane may name its blocks
 	// by identity, the writer's loans holding them until the reader acks.

@@ -86,18 +86,6 @@ func ReturnsTaken() uint64 { return returnsTaken.Load() }
 // the busy reader comes back (mayAwait).
 func (w *Way) Returns(b *shm.Block) bool { return w.names(b, false) }
 
-// Returning reports whether the entry being received returns the block
-// ref names (carry.Lane). The caller holds the receive: the entry's
-// returns are written by it alone.
-func (w *Way) Returning(ref shm.ReturnRef) bool {
-	for _, r := range w.taking {
-		if r == ref {
-			return true
-		}
-	}
-	return false
-}
-
 // returnWaits reports whether an untaken entry of the lane returns blocks
 // to this process: only this process, their producer, can take them
 // back, so its reader keeps the role until it has (see letGoIdle).
