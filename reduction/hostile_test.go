@@ -6,6 +6,7 @@ import (
 	"flag"
 	"math"
 	"slices"
+	"strconv"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -537,6 +538,20 @@ func TestLaneMessageFindsOnlyMappedSegments(t *testing.T) {
 		assert.ErrorIs(t, err, shm.ErrStaleBlock, "a free block of this process, pinned, generation %d", gen)
 		assert.Nil(t, x)
 	}
+	// Nor by descriptor: a peer that reopened a message's descriptor of
+	// the segment names the free block with the generation it is handed
+	// out with next (see shm.Attach).
+	next := m
+	next.FDIndex, next.BlockOffset, next.Gen = 0, free.Offset(), free.Gen()
+	peer, err := unix.Open("/proc/self/fd/"+strconv.Itoa(b.Segment().FD()), unix.O_RDWR|unix.O_CLOEXEC, 0)
+	require.NoError(t, err)
+	x = nil
+	err = Unmarshal(extMessage(t, next), []int{peer}, &x)
+	assert.ErrorIs(t, err, shm.ErrStaleBlock, "a free block of this process, by descriptor")
+	assert.ErrorIs(t, err, ErrMalformed)
+	assert.Nil(t, x)
+	_, err = unix.FcntlInt(uintptr(peer), unix.F_GETFD, 0)
+	assert.ErrorIs(t, err, unix.EBADF, "the message's descriptor closed after the error")
 }
 
 // Whatever a lane's message says (blocks named by identity, alone or in

@@ -145,3 +145,47 @@ func TestLaneReturnOutlivesAReclaim(t *testing.T) {
 	assert.Same(t, b, y, "the same block, taken back")
 	require.NoError(t, x.Release())
 }
+
+// A batch that returns blocks of this process's pool, by a lane that
+// pins their segment (this process maps it a second time, as where a
+// block of it came back by descriptor), takes each block back from its
+// pool: no lock call, none ahead for the batch on that second mapping.
+func TestLaneBatchOfReturnsTakesNoLock(t *testing.T) {
+	leakcheck.Check(t)
+	pool := shm.DefaultPool()
+	const n = 8
+	bs := make([]*shm.Block, n)
+	ms := make([]Meta, n)
+	for i := range bs {
+		b, err := pool.Alloc(4096)
+		require.NoError(t, err)
+		bs[i], ms[i] = b, returnMeta(b)
+		inLane(t, ms[i])
+	}
+	require.Equal(t, bs[0].Segment().ID(), bs[n-1].Segment().ID(), "one segment")
+	tk, err := bs[0].Ticket()
+	require.NoError(t, err)
+	second, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: bs[0].Segment().ID(), Size: bs[0].Segment().Size()}, Offset: bs[0].Offset(), Size: 4096, Gen: bs[0].Gen(), Ticket: tk.FD()})
+	tk.Done()
+	require.NoError(t, err)
+	require.NoError(t, second.Release())
+	unpin, _, ok := shm.Pin(bs[0].Segment().ID())
+	require.True(t, ok, "this process maps its own segment a second time")
+	defer unpin()
+	for _, b := range bs {
+		require.NoError(t, b.Release())
+	}
+
+	before := shm.AttachLocks()
+	var fds fd.Set
+	var xs []*tensor.Tensor
+	require.NoError(t, carry.DecodeFrom(batchMessage(t, ms...), &fds, &xs, pinnedLane{bs[0].Segment().ID(): true}, true))
+	assert.Equal(t, before, shm.AttachLocks(), "no lock call")
+	require.Len(t, xs, n)
+	for i, x := range xs {
+		y, ok := x.Storage().Backing().(*shm.Block)
+		require.True(t, ok)
+		assert.Same(t, bs[i], y, "block %d taken back", i)
+		require.NoError(t, x.Release())
+	}
+}

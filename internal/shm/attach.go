@@ -82,6 +82,17 @@ func (r *BlockRef) covers(id ID) bool { return r.Covers != nil && r.Covers(id) }
 // Only a peer that could write the segment anyway can send such a
 // ticket.
 func Attach(ref BlockRef) (*Block, error) {
+	if err := refuseFree(ref); err != nil {
+		return nil, err
+	}
+	if hook := afterLook.Load(); hook != nil {
+		(*hook)()
+	}
+	return attachRef(ref)
+}
+
+// attachRef is Attach once refuseFree let ref pass.
+func attachRef(ref BlockRef) (*Block, error) {
 	if ref.Seg.Name != "" {
 		return attachNamed(ref)
 	}
@@ -119,6 +130,11 @@ func Attach(ref BlockRef) (*Block, error) {
 // are locked first and their generations checked second. It returns the
 // blocks in refs' order, or an error and no block held.
 func AttachAll(refs []BlockRef) ([]*Block, error) {
+	for _, ref := range refs {
+		if err := refuseFree(ref); err != nil {
+			return nil, err
+		}
+	}
 	attached.mu.Lock()
 	defer attached.mu.Unlock()
 	return attached.attachMappedLocked(refs)
@@ -279,6 +295,48 @@ func (seg *segment) slotAt(off int64) (int, bool) {
 	}
 	return int(rel / seg.cap), true
 }
+
+// refuseFree is ErrStaleBlock for a block ref names in a segment of this
+// process's own pools unless the pool handed the slot out with ref's
+// generation, and has not taken it back since: the block is in use, or
+// released and waiting for its holders. A slot the pool has free carries
+// the generation it is handed out with next, and the pool hands it out
+// without asking the kernel whether anybody locks it: a hold on it, which
+// a peer that holds a descriptor of the segment and guessed the
+// generation could ask for, would alias the next block handed out. A
+// slot handed out with ref's generation is free again only once the pool
+// bumped its generation, with nobody holding it: the lock and the
+// generation check the attach makes after this look find that. The
+// caller holds neither attached.mu nor a pool's mu (see state.go's lock
+// order).
+func refuseFree(ref BlockRef) error {
+	var seg *segment
+	if ref.Seg.Name != "" {
+		seg = produced.byName(ref.Seg.Name)
+	} else {
+		seg = produced.byID(ref.Seg.ID)
+	}
+	if seg == nil || seg.pool == nil {
+		return nil // not this process's
+	}
+	slot, ok := seg.slotAt(ref.Offset)
+	if !ok {
+		return nil // the attach says what is wrong with it
+	}
+	p := seg.pool
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if slot < len(seg.blocks) {
+		if b := seg.blocks[slot]; b != nil && !b.free && b.gen == ref.Gen {
+			return nil
+		}
+	}
+	return &Error{Op: "attach", Path: fmt.Sprintf("block %d of %v", ref.Offset, seg.alloc), Err: fmt.Errorf("%w: a slot of this process's pool not handed out with generation %d", ErrStaleBlock, ref.Gen)}
+}
+
+// afterLook, if set, runs in Attach between refuseFree's look at the
+// pool and the attach: tests set it to race a reclaim.
+var afterLook atomic.Pointer[func()]
 
 // attachNamed is Attach for a block of a named segment.
 func attachNamed(ref BlockRef) (*Block, error) {

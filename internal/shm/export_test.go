@@ -104,6 +104,19 @@ func RaceBump(t interface{ Cleanup(func()) }, f func()) {
 	t.Cleanup(func() { beforeBump.Store(nil) })
 }
 
+// AttachAsAnother is Attach as another process's would be: it has none
+// of this process's pools to look at first. Tests that stand for another
+// process's receiver by this one call it where this process's pool's
+// lock is held.
+var AttachAsAnother = attachRef
+
+// RaceAttach makes f run in each Attach between its look at this
+// process's pools and the attach itself, until the test ends.
+func RaceAttach(t interface{ Cleanup(func()) }, f func()) {
+	afterLook.Store(&f)
+	t.Cleanup(func() { afterLook.Store(nil) })
+}
+
 // HoldTransfers holds off the timed transfers of received holds (see
 // transferDelay) until resume is called or the test ends: locks that no
 // block took up stay.

@@ -148,6 +148,83 @@ func TestPoolRecyclesOnlyWhenNobodyHolds(t *testing.T) {
 	require.NoError(t, c.Release())
 }
 
+// A peer that holds a descriptor of a segment of this process's pool (a
+// message's, reopened: a description that holds nothing) may name a slot
+// the pool has free, with the generation the pool hands it out with next.
+// Nothing locks a free slot and the generation matches, but a hold on it
+// would alias the block the pool hands out next, which it hands out
+// without asking anybody: the attach is ErrStaleBlock. A block the pool
+// handed out with the generation named, in use or released and waiting
+// for its holders, is attached as before: a process may send its own
+// tensor to itself.
+func TestAttachRefusesAFreeSlotOfThisProcess(t *testing.T) {
+	p := testPool(t)
+	a := mustAlloc(t, p, small)
+	keep := mustAlloc(t, p, small) // keeps the segment in the pool
+	peer := peerOf(t, a)
+	seg := a.Segment()
+	ref := shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, peer).ID, Size: seg.Size()}, Offset: a.Offset(), Size: small, Gen: a.Gen(), Ticket: peer}
+
+	r, err := shm.Attach(ref)
+	require.NoError(t, err, "in use, with its generation")
+	r.Bytes()[0] = 7
+	assert.Equal(t, byte(7), a.Bytes()[0], "the same memory")
+	require.NoError(t, a.Release())
+	assert.Equal(t, 2, p.InUse(), "held by the attach")
+	require.NoError(t, r.Release())
+	require.Eventually(t, func() bool { return p.InUse() == 1 }, time.Second, time.Millisecond, "free once nobody holds it (the receiver's lock goes at its transfer)")
+
+	next := ref
+	next.Gen = a.Gen() // the pool's Block is the slot's: the generation it is handed out with next
+	require.Greater(t, next.Gen, ref.Gen)
+	_, err = shm.Attach(next)
+	require.ErrorIs(t, err, shm.ErrStaleBlock, "free")
+	_, err = shm.AttachAll([]shm.BlockRef{next})
+	require.ErrorIs(t, err, shm.ErrStaleBlock, "free, by identity")
+	_, err = shm.Attach(ref)
+	require.ErrorIs(t, err, shm.ErrStaleBlock, "free, of the generation it had")
+
+	d := mustAlloc(t, p, small)
+	require.True(t, d.Segment() == seg && d.Offset() == a.Offset() && d.Gen() == next.Gen, "the warmest slot is handed out first, with the generation it carried free")
+	d.Bytes()[0] = 9
+	r, err = shm.Attach(next)
+	require.NoError(t, err, "in use again, with its generation")
+	assert.Equal(t, byte(9), r.Bytes()[0])
+	require.NoError(t, r.Release())
+	require.NoError(t, d.Release())
+	require.NoError(t, keep.Release())
+}
+
+// The pool may take a released block back between the attach's look at
+// the pool and its lock on the slot: a message that names the generation
+// the slot gets then is refused all the same, since the look found the
+// block handed out with another one.
+func TestAttachRefusesASlotFreedAfterTheLook(t *testing.T) {
+	p := testPool(t)
+	a := mustAlloc(t, p, small)
+	keep := mustAlloc(t, p, small)
+	seg := a.Segment()
+	ref := shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: a.Offset(), Size: small, Gen: a.Gen() + 1, Ticket: peerOf(t, a)}
+	require.NoError(t, a.Release())         // waiting in the pool: no reclaim took it back yet
+	shm.RaceAttach(t, func() { p.InUse() }) // a reclaim takes the block back
+	_, err := shm.Attach(ref)
+	require.ErrorIs(t, err, shm.ErrStaleBlock)
+	require.Equal(t, 1, p.InUse())
+	require.Equal(t, ref.Gen, a.Gen(), "free, with the generation the message guessed")
+	require.NoError(t, keep.Release())
+}
+
+// peerOf returns a descriptor of b's segment through a description of its
+// own, which holds nothing: what a peer that reopens a message's
+// descriptor has. The test's end closes it.
+func peerOf(t *testing.T, b *shm.Block) int {
+	t.Helper()
+	peer, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", b.Segment().FD()), unix.O_RDWR|unix.O_CLOEXEC, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = unix.Close(peer) })
+	return peer
+}
+
 func TestPoolReclaimsAroundHeldSlots(t *testing.T) {
 	p := testPool(t)
 	var blocks []*shm.Block
@@ -836,7 +913,7 @@ func TestReclaimAsksAgainAfterTheBump(t *testing.T) {
 	var err error
 	shm.RaceBump(t, func() {
 		if got == nil {
-			got, err = shm.Attach(ref) // locks, then finds the old generation
+			got, err = shm.AttachAsAnother(ref) // locks, then finds the old generation
 		}
 	})
 	p.InUse() // reclaims
