@@ -81,6 +81,12 @@ func (r *BlockRef) covers(id ID) bool { return r.Covers != nil && r.Covers(id) }
 // this process until its hold moves to this process's own description.
 // Only a peer that could write the segment anyway can send such a
 // ticket.
+//
+// A block of one of this process's own pools (a message may return one,
+// or carry one this process sent itself) is attached only while the pool
+// has it handed out, with the generation ref names: never a slot the pool
+// has free, which it hands out next without asking anybody (see
+// refuseFree).
 func Attach(ref BlockRef) (*Block, error) {
 	if err := refuseFree(ref); err != nil {
 		return nil, err
