@@ -195,6 +195,26 @@ func TestAttachRefusesAFreeSlotOfThisProcess(t *testing.T) {
 	require.NoError(t, keep.Release())
 }
 
+// A named pool's free slot is refused as well, though its segment is
+// found by its name.
+func TestAttachRefusesAFreeNamedSlotOfThisProcess(t *testing.T) {
+	leakcheck.Check(t)
+	shm.EnableNamedPool()
+	p := shm.NamedPool()
+	a := mustAlloc(t, p, small)
+	keep := mustAlloc(t, p, small)
+	seg := a.Segment()
+	require.NotEmpty(t, seg.Name())
+	inUse := p.InUse()
+	require.NoError(t, a.Release())
+	require.Eventually(t, func() bool { return p.InUse() == inUse-1 }, time.Second, time.Millisecond, "free")
+	next := shm.BlockRef{Seg: shm.SegmentRef{Name: seg.Name(), Size: seg.Size()}, Offset: a.Offset(), Size: small, Gen: a.Gen(), Ticket: peerOf(t, a)}
+	_, err := shm.Attach(next)
+	require.ErrorIs(t, err, shm.ErrStaleBlock)
+	require.NoError(t, keep.Release())
+	shm.Trim()
+}
+
 // The pool may take a released block back between the attach's look at
 // the pool and its lock on the slot: a message that names the generation
 // the slot gets then is refused all the same, since the look found the
