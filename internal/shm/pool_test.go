@@ -201,8 +201,10 @@ func TestAttachRefusesAFreeNamedSlotOfThisProcess(t *testing.T) {
 	leakcheck.Check(t)
 	shm.EnableNamedPool()
 	p := shm.NamedPool()
+	t.Cleanup(func() { shm.Trim() }) // its names go, whatever the test's end
 	a := mustAlloc(t, p, small)
 	keep := mustAlloc(t, p, small)
+	t.Cleanup(func() { _ = keep.Release() })
 	seg := a.Segment()
 	require.NotEmpty(t, seg.Name())
 	inUse := p.InUse()
@@ -211,8 +213,6 @@ func TestAttachRefusesAFreeNamedSlotOfThisProcess(t *testing.T) {
 	next := shm.BlockRef{Seg: shm.SegmentRef{Name: seg.Name(), Size: seg.Size()}, Offset: a.Offset(), Size: small, Gen: a.Gen(), Ticket: peerOf(t, a)}
 	_, err := shm.Attach(next)
 	require.ErrorIs(t, err, shm.ErrStaleBlock)
-	require.NoError(t, keep.Release())
-	shm.Trim()
 }
 
 // The pool may take a released block back between the attach's look at
