@@ -309,8 +309,10 @@ func (b *Buffer) share() (sh gpushare.Slab, ok bool, err error) {
 // releases it. The first block of a slab imports and maps the slab from
 // memFD, the message's descriptor of it, which stays the caller's; the
 // others find it mapped, and memFD must then be of the same allocation
-// (sameDescription). A descriptor that is no allocation of dev's, or one
-// smaller than the slab's table says, is an error, and nothing is mapped.
+// (sameDescription), or -1, for a block a lane named by the slab's
+// identity alone. A descriptor that is no allocation of dev's, or one
+// smaller than the slab's table says, is an error, and nothing is mapped;
+// so is a block of a slab not mapped yet with no descriptor.
 func (r *Runtime) importBlock(dev int, blk *shm.Block, size int64, fd int) (*Buffer, error) {
 	if !blk.InExtent() {
 		return nil, fmt.Errorf("cuda: importing a block of gpu:%d: %w", dev, shm.ErrNoExtent)
@@ -319,11 +321,15 @@ func (r *Runtime) importBlock(dev int, blk *shm.Block, size int64, fd int) (*Buf
 		return nil, fmt.Errorf("cuda: importing %d bytes of a block of %d", size, blk.Size())
 	}
 	s, _ := blk.Extent().(*slab)
-	if s != nil {
+	switch {
+	case s != nil && fd < 0: // named by a lane, in a slab mapped already
+	case s != nil:
 		if err := s.describedBy(fd); err != nil {
 			return nil, err
 		}
-	} else {
+	case fd < 0:
+		return nil, fmt.Errorf("cuda: a block of gpu:%d named without the slab's descriptor, in a slab not mapped here: %w", dev, shm.ErrNotMapped)
+	default:
 		var err error
 		if s, err = r.importSlab(dev, fd, blk.ExtentSize()); err != nil {
 			return nil, err

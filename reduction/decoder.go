@@ -160,11 +160,12 @@ func (r *fdReader) attachAhead(items []byte, n int) {
 
 // namedByLane reports whether m, a tensor's metadata in a message that
 // came by the lane r.from, names a block by identity that the lane may
-// name and this process holds by a lock: a pooled block of a segment the
-// lane's reader pins, not one of its own pools' (a return, which its
-// pool takes back with no lock: see openBlock).
+// name and this process holds by a lock: a pooled block, on the CPU or in
+// a device slab, of a segment the lane's reader pins, not one of its own
+// pools' (a return, which its pool takes back with no lock: see
+// openBlock).
 func (r *fdReader) namedByLane(m Meta) bool {
-	return m.Strategy == string(strategy.FileDescriptor) && m.FDIndex == -1 && m.BlockOffset >= 0 &&
+	return (m.Strategy == string(strategy.FileDescriptor) || m.Strategy == StrategyCUDAFD) && m.FDIndex == -1 && m.BlockOffset >= 0 &&
 		r.from != nil && r.from.Pinned(m.segmentID()) && !shm.Returnable(m.segmentID())
 }
 

@@ -8,6 +8,7 @@ import (
 	// backend and the Sharer that reduceGPU and the openers use.
 	_ "github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/carry"
 	"github.com/tensormp/tensormp/internal/gpushare"
 	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/tensor"
@@ -18,10 +19,11 @@ import (
 const tokenSize = 8
 
 // reduceGPU describes a GPU tensor: a block of a device slab by its
-// ticket and the slab's descriptor (cuda_fd), else by CUDA IPC
+// ticket and the slab's descriptor (cuda_fd), or by the slab's identity
+// alone where the lane maps it (see reduceCPU), else by CUDA IPC
 // (cuda_ipc), whose export takes a ticket on the allocation's token for
 // the message, as reduce does.
-func reduceGPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (reduced, error) {
+func reduceGPU(t *tensor.Tensor, room []int, pinned *shm.Ticket, lane carry.Lane) (reduced, error) {
 	r := reduced{ticket: -1, memFD: -1}
 	s := t.Storage()
 	if s.Released() {
@@ -50,6 +52,19 @@ func reduceGPU(t *tensor.Tensor, room []int, pinned *shm.Ticket) (reduced, error
 	}
 	if err != nil {
 		return r, err
+	}
+	if inSlab && lane != nil && lane.Maps(sh.Block) && sh.Block.Lend() == nil {
+		// By identity alone, lent to the message: the lane's reader pins
+		// the slab's segment, and imported its allocation with the first
+		// block of it it received. The work on the device is done
+		// (Share waited for it).
+		b, seg := sh.Block, sh.Block.Segment()
+		r.Strategy = StrategyCUDAFD
+		r.Size, r.SegmentSize, r.BlockOffset, r.Gen = s.Size(), seg.Size(), b.Offset(), b.Gen()
+		r.setSegmentID(seg.ID())
+		registerBlock(s, b)
+		r.lent = b
+		return r, nil
 	}
 	if inSlab {
 		h, err := sh.Block.Share(pinned)
@@ -155,7 +170,12 @@ func openGPU(m *Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*t
 // slab: this process's own when it has one for that block (the producer's
 // own, or one received before), else the block attached from the
 // message's ticket, in the slab imported from the message's descriptor
-// unless this process maps it already.
+// unless this process maps it already. A message that came by a lane may
+// name the block by the slab's identity alone, with neither descriptor:
+// the block is then held as openBlock holds a CPU block named so, in a
+// slab whose segment the lane's reader pins, which it imported with the
+// first block of it it received by descriptor on the lane's pipe (and
+// pinned then).
 func openSlabBlock(m *Meta, p device.Place, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
 	switch {
 	case m.Ino == 0 || m.BlockOffset < 0 || m.Size <= 0:
@@ -163,13 +183,26 @@ func openSlabBlock(m *Meta, p device.Place, fds fdSource, made *[]*tensor.Storag
 	case m.Name != "" || m.IPC != nil || m.IPCEvent != nil || m.DevOffset != 0:
 		return nil, errors.New("cuda_fd metadata carries a name or IPC handles")
 	}
-	// Both referenced, even when the storage is found without them.
-	if _, err := fds.fd(m.FDIndex); err != nil {
-		return nil, err
-	}
-	memFD, err := fds.fd(m.MemFDIndex)
-	if err != nil {
-		return nil, fmt.Errorf("the slab's descriptor: %w", err)
+	lane, byLane := fds.lane()
+	memFD := -1
+	if m.FDIndex == -1 {
+		switch {
+		case m.MemFDIndex != -1:
+			return nil, errors.New("cuda_fd metadata names its block without its descriptor, but the slab's")
+		case !byLane:
+			return nil, errors.New("a slab block named without its descriptor, outside a lane")
+		case lane == nil || !lane.Pinned(m.segmentID()):
+			return nil, fmt.Errorf("a block of slab %v, which the lane's reader does not pin: %w", m.segmentID(), shm.ErrNotMapped)
+		}
+	} else {
+		// Both referenced, even when the storage is found without them.
+		if _, err := fds.fd(m.FDIndex); err != nil {
+			return nil, err
+		}
+		var err error
+		if memFD, err = fds.fd(m.MemFDIndex); err != nil {
+			return nil, fmt.Errorf("the slab's descriptor: %w", err)
+		}
 	}
 	gs, err := gpushare.Get()
 	if err != nil {
@@ -178,14 +211,23 @@ func openSlabBlock(m *Meta, p device.Place, fds fdSource, made *[]*tensor.Storag
 	if s := liveUser(userOf(shm.SegmentRef{ID: m.segmentID()}, *m), m.Size); s != nil {
 		// On p, or refused by rebuildTensor; and the message's slab
 		// descriptor must be the slab's, as for a block not held yet.
-		if buf, ok := s.Backing().(tensor.Buffer); ok {
+		if buf, ok := s.Backing().(tensor.Buffer); ok && memFD >= 0 {
 			if err := gs.SameSlab(buf, memFD); err != nil && !errors.Is(err, gpushare.ErrForeign) {
 				return nil, err
 			}
 		}
 		return s, nil
 	}
-	b, err := attachBlock(*m, fds)
+	var b *shm.Block
+	if m.FDIndex == -1 {
+		ref := laneRef(*m)
+		if b = fds.attached(ref); b == nil {
+			fds.lockAhead(ref)
+			b, err = shm.Attach(ref)
+		}
+	} else {
+		b, err = attachBlock(*m, fds)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -198,5 +240,9 @@ func openSlabBlock(m *Meta, p device.Place, fds fdSource, made *[]*tensor.Storag
 	if err != nil {
 		return nil, errors.Join(err, buf.Release())
 	}
-	return kept(s, registerBlock(s, b), made)
+	s, err = kept(s, registerBlock(s, b), made)
+	if err == nil && lane != nil && m.FDIndex != -1 {
+		lane.Pin(m.segmentID())
+	}
+	return s, err
 }

@@ -3,6 +3,7 @@ package reduction
 import (
 	"errors"
 	"flag"
+	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -13,6 +14,7 @@ import (
 
 	"github.com/tensormp/tensormp/cuda"
 	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/carry"
 	"github.com/tensormp/tensormp/internal/cudastub"
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/leakcheck"
@@ -274,4 +276,72 @@ func TestSlabDescriptorOfAnotherAllocation(t *testing.T) {
 	assert.ErrorContains(t, err, "not of the allocation this process maps for its segment")
 	assert.ErrorIs(t, err, ErrMalformed)
 	assert.Nil(t, y)
+}
+
+// A message that came by a lane names a slab block by the slab's
+// identity alone, with neither descriptor: it is rebuilt where the
+// lane's reader pins the slab's segment and has imported the slab (the
+// first block of it it received came with the slab's descriptor), and is
+// a clear error everywhere else: outside a lane, with the slab's
+// descriptor but not the block's, in a segment the lane does not pin, in
+// a slab not imported here, or in a CPU segment.
+func TestSlabBlockByLane(t *testing.T) {
+	leakcheck.Check(t)
+	t.Cleanup(shm.Trim)
+	x, err := tensor.On(slabGPU).Arange(tensor.Int32, 256)
+	require.NoError(t, err)
+	y, err := tensor.On(slabGPU).Full(tensor.Int32, 9, 256)
+	require.NoError(t, err)
+	mx, fx := messageOf(t, x)
+	my, fy := messageOf(t, y) // in flight: its ticket holds y's block
+	defer fd.CloseAll(fy[:])
+	require.Equal(t, mx.segmentID(), my.segmentID(), "one slab")
+	byID := my
+	byID.FDIndex, byID.MemFDIndex = -1, -1
+	pins := pinnedLane{my.segmentID(): true}
+	decode := func(m Meta, lane carry.Lane, byLane bool) (*tensor.Tensor, error) {
+		var fds fd.Set
+		var got *tensor.Tensor
+		err := carry.DecodeFrom(extMessage(t, m), &fds, &got, lane, byLane)
+		return got, err
+	}
+
+	// The slab's segment mapped here (x's block attached from its
+	// ticket), the slab not imported yet.
+	held, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: mx.segmentID(), Size: mx.SegmentSize}, Offset: mx.BlockOffset, Size: mx.Size, Gen: mx.Gen, Ticket: fx[0]})
+	require.NoError(t, err)
+	_, err = decode(byID, pins, true)
+	assert.ErrorIs(t, err, shm.ErrNotMapped, "a slab not imported here")
+	assert.ErrorIs(t, err, ErrMalformed)
+	require.NoError(t, held.Release())
+
+	// Imported with x, received by descriptor.
+	rx, err := Rebuild(mx, fx[:])
+	require.NoError(t, err)
+	fd.CloseAll(fx[:])
+	defer rx.Release()
+	got, err := decode(byID, pins, true)
+	require.NoError(t, err)
+	host, err := got.To(device.CPU())
+	require.NoError(t, err)
+	vals, err := tensor.Values[int32](host)
+	require.NoError(t, err)
+	assert.Equal(t, slices.Repeat([]int32{9}, 256), vals, "y's block, whose values it has")
+	require.NoError(t, got.Release())
+
+	_, err = decode(byID, pins, false)
+	assert.ErrorContains(t, err, "outside a lane")
+	withSlab := byID
+	withSlab.MemFDIndex = 0
+	_, err = decode(withSlab, pins, true)
+	assert.ErrorContains(t, err, "but the slab's")
+	_, err = decode(byID, pinnedLane{}, true)
+	assert.ErrorIs(t, err, shm.ErrNotMapped, "a slab the lane does not pin")
+
+	cpu, cm := laneBlocks(t, 1, 4096)[0], byID // a block of another process's pool, whose segment this process pins
+	cm.setSegmentID(cpu.segmentID())
+	cm.SegmentSize, cm.BlockOffset, cm.Gen, cm.Size = cpu.SegmentSize, cpu.BlockOffset, cpu.Gen, cpu.Size
+	_, err = decode(cm, pinnedLane{cpu.segmentID(): true}, true)
+	assert.ErrorIs(t, err, shm.ErrNoExtent, "a CPU block named as a slab's")
+	assert.ErrorIs(t, err, ErrMalformed)
 }

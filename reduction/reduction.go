@@ -133,7 +133,7 @@ func reduce(t *tensor.Tensor, room []int, pinned *shm.Ticket, lane carry.Lane) (
 	var r reduced
 	var err error
 	if t.Place().IsGPU() {
-		r, err = reduceGPU(t, room, pinned)
+		r, err = reduceGPU(t, room, pinned, lane)
 	} else {
 		r, err = reduceCPU(t, room, pinned, lane)
 	}

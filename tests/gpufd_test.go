@@ -256,6 +256,9 @@ func programGPUFD() int {
 		"visible-devices":    gpufdVisibleDevices,
 		"zeros-arrive":       gpufdZerosArrive,
 		"many":               gpufdMany,
+		"lane-stream":        gpulaneStream,
+		"lane-killed-reader": gpulaneKilledReader,
+		"lane-killed-writer": gpulaneKilledWriter,
 	}
 	run, ok := cases[os.Getenv("GPUFD_CASE")]
 	if !ok {

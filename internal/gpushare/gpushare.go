@@ -60,6 +60,8 @@ type Sharer interface {
 	// dev; the buffer takes blk over. memFD is the message's descriptor
 	// of the slab, which stays the caller's: the slab is imported from
 	// it if it is not mapped yet, and must be the one mapped if it is.
+	// A block that a lane named by the slab's identity alone has none
+	// (-1): its slab must be mapped already.
 	ImportBlock(dev int, blk *shm.Block, size int64, memFD int) (tensor.Buffer, error)
 	// SameSlab checks that memFD, a message's descriptor of the slab
 	// that b, a buffer of this process in a device slab, lies in, is of

@@ -183,16 +183,19 @@ func (g *ledger) out() []loan { return g.loans[g.returned:] }
 
 // Maps reports whether a message of this Way's writer may name b by its
 // segment's identity alone (carry.Lane): b is a block of this process's
-// pool, in a sealed segment of its own (not a named one, or one whose data
-// lies elsewhere), the lane's reader lists the segment as pinned, and,
-// for a fair Way, the lane would take a message now (handsOver).
+// pool, in a sealed segment of its own (not a named one), on the CPU or
+// in a device slab (whose data lies in the slab's allocation, which the
+// reader imported with the first block of the slab it received), the
+// lane's reader lists the segment as pinned, and, for a fair Way, the
+// lane would take a message now (handsOver).
 func (w *Way) Maps(b *shm.Block) bool { return w.names(b, true) }
 
 // names is Maps for a block of this process's pool (own), and Returns for
 // one received here: the reader lists b's segment among its pins, or
-// among the segments it made.
+// among the segments it made. A block of a device slab is never a
+// return: its producer takes back only CPU blocks so (shm.Revive).
 func (w *Way) names(b *shm.Block, own bool) bool {
-	if !w.writes || !w.writing.Load() || b.Produced() != own || b.Named() || b.InExtent() {
+	if !w.writes || !w.writing.Load() || b.Produced() != own || b.Named() || !own && b.InExtent() {
 		return false
 	}
 	w.viewMu.Lock()
