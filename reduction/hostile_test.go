@@ -638,3 +638,54 @@ func FuzzLaneDecode(f *testing.F) {
 		}
 	})
 }
+
+// A peer that reopened a message's descriptor of this process's
+// segment, a description that holds nothing, sends it back with
+// metadata naming a block of this process's pool. A block released and
+// waiting for its holders is rebuilt, held by a lock of this process's
+// own: the pool does not hand it out while the tensor lives. A free one
+// is refused whatever name the metadata gives the segment: the segment is
+// the descriptor's.
+func TestOwnBlockByAPeersDescriptor(t *testing.T) {
+	leakcheck.Check(t)
+	pool := shm.DefaultPool()
+	keep, err := pool.Alloc(4096)
+	require.NoError(t, err)
+	defer keep.Release()
+	a, err := pool.Alloc(4096)
+	require.NoError(t, err)
+	seg, off := a.Segment(), a.Offset()
+	peer := func() int {
+		fd, err := unix.Open("/proc/self/fd/"+strconv.Itoa(seg.FD()), unix.O_RDWR|unix.O_CLOEXEC, 0)
+		require.NoError(t, err)
+		return fd // the message's: the decode closes it
+	}
+	m := validMeta(seg.ID())
+	m.Shape, m.Strides, m.DType = []int{4096}, []int{1}, tensor.Uint8
+	m.SegmentSize, m.BlockOffset, m.Gen = seg.Size(), off, a.Gen()
+	require.NoError(t, a.Release()) // waiting in its pool
+	var x *tensor.Tensor
+	require.NoError(t, Unmarshal(extMessage(t, m), []int{peer()}, &x))
+	pool.InUse() // a reclaim, which finds the block held, and hands out what it frees first
+	var more []*shm.Block
+	for range 4 {
+		d, err := pool.Alloc(4096)
+		require.NoError(t, err)
+		more = append(more, d)
+		assert.False(t, d.Segment() == seg && d.Offset() == off, "the pool handed out the block a decoded tensor holds")
+	}
+	for _, d := range more {
+		require.NoError(t, d.Release())
+	}
+	require.NoError(t, x.Release())
+	require.Eventually(t, func() bool { return pool.InUse() == 1 }, 5*time.Second, 5*time.Millisecond, "free once the tensor is let go of")
+
+	named := m
+	named.Strategy, named.Name, named.Dev, named.Ino = "file_system", shm.NamePrefix+shm.Session()+"_1_0123456789abcdef", 0, 0
+	named.Gen = a.Gen() // the generation the free slot is handed out with next
+	x = nil
+	err = Unmarshal(extMessage(t, named), []int{peer()}, &x)
+	assert.ErrorIs(t, err, shm.ErrStaleBlock, "a free block of this process, under a name of the message's")
+	assert.ErrorIs(t, err, ErrMalformed)
+	assert.Nil(t, x)
+}

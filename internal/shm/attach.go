@@ -84,27 +84,21 @@ func (r *BlockRef) covers(id ID) bool { return r.Covers != nil && r.Covers(id) }
 //
 // A block of one of this process's own pools (a message may return one,
 // or carry one this process sent itself) is attached only while the pool
-// has it handed out, with the generation ref names: never a slot the pool
-// has free, which it hands out next without asking anybody (see
-// refuseFree).
-func Attach(ref BlockRef) (*Block, error) {
-	if err := refuseFree(ref); err != nil {
-		return nil, err
-	}
-	if hook := afterLook.Load(); hook != nil {
-		(*hook)()
-	}
-	return attachRef(ref)
-}
+// has it in use, or waiting for its holders, at the generation ref names,
+// and is always held by a lock of this process's own, whatever covers
+// it: never a slot the pool has free, which it hands out next without
+// asking anybody (see ownLook).
+func Attach(ref BlockRef) (*Block, error) { return attachRef(ref, true) }
 
-// attachRef is Attach once refuseFree let ref pass.
-func attachRef(ref BlockRef) (*Block, error) {
+// attachRef is Attach; own says whether to look at this process's own
+// pools (ownLook), which a test that stands for another process's
+// receiver with this one does not.
+func attachRef(ref BlockRef, own bool) (*Block, error) {
 	if ref.Seg.Name != "" {
-		return attachNamed(ref)
+		return attachNamed(ref, own)
 	}
 	id := ref.Seg.ID
-	covered := ref.covers(id)
-	b, err := attached.attach(id, covered, ref, nil)
+	b, err := attachChecked(id, ref, own, nil)
 	if !errors.Is(err, errNotMapped) {
 		return b, err
 	}
@@ -120,13 +114,39 @@ func attachRef(ref BlockRef) (*Block, error) {
 	case st.Size < ref.Seg.Size:
 		return nil, &Error{Op: "attach", Path: fmt.Sprintf("fd %d", ref.Ticket), Err: fmt.Errorf("segment holds %d bytes, fewer than the %d claimed", st.Size, ref.Seg.Size)}
 	}
-	return attached.attach(id, covered, ref, func() (*Allocation, error) {
+	return attachChecked(id, ref, own, func() (*Allocation, error) {
 		raw, err := reopen(ref.Ticket)
 		if err != nil {
 			return nil, err
 		}
 		return openFD(raw, ref.Seg.Size, KeepFD) // checks the seals
 	})
+}
+
+// attachChecked holds the block ref names in segment id, the segment this
+// process maps or open maps, as attached.attach does. With own, a block
+// of one of this process's own pools is looked at in its pool before the
+// hold and again after it (ownLook), and held by a lock of this
+// process's own, never by the ticket alone: a peer's descriptor of the
+// segment may hold nothing, and the pool frees a slot nobody locks.
+func attachChecked(id ID, ref BlockRef, own bool, open func() (*Allocation, error)) (*Block, error) {
+	if own {
+		var err error
+		if own, err = ownLook(id, ref.Offset, ref.Gen); err != nil {
+			return nil, err
+		}
+	}
+	if hook := afterLook.Load(); hook != nil {
+		(*hook)()
+	}
+	b, err := attached.attach(id, !own && ref.covers(id), ref, open)
+	if err != nil || !own {
+		return b, err
+	}
+	if _, err := ownLook(id, ref.Offset, ref.Gen); err != nil {
+		return nil, errors.Join(err, b.Release())
+	}
+	return b, nil
 }
 
 // AttachAll attaches the blocks refs name, each by its segment's
@@ -136,14 +156,32 @@ func attachRef(ref BlockRef) (*Block, error) {
 // are locked first and their generations checked second. It returns the
 // blocks in refs' order, or an error and no block held.
 func AttachAll(refs []BlockRef) ([]*Block, error) {
+	own := false
 	for _, ref := range refs {
-		if err := refuseFree(ref); err != nil {
+		o, err := ownLook(ref.Seg.ID, ref.Offset, ref.Gen)
+		if err != nil {
+			return nil, err
+		}
+		own = own || o
+	}
+	if hook := afterLook.Load(); hook != nil {
+		(*hook)()
+	}
+	attached.mu.Lock()
+	bs, err := attached.attachMappedLocked(refs)
+	attached.mu.Unlock()
+	if err != nil || !own {
+		return bs, err
+	}
+	for _, ref := range refs { // as attachChecked: once more, held
+		if _, err := ownLook(ref.Seg.ID, ref.Offset, ref.Gen); err != nil {
+			for _, b := range bs {
+				err = errors.Join(err, b.Release())
+			}
 			return nil, err
 		}
 	}
-	attached.mu.Lock()
-	defer attached.mu.Unlock()
-	return attached.attachMappedLocked(refs)
+	return bs, nil
 }
 
 func (t *segmentTable) attachMappedLocked(refs []BlockRef) ([]*Block, error) {
@@ -302,69 +340,72 @@ func (seg *segment) slotAt(off int64) (int, bool) {
 	return int(rel / seg.cap), true
 }
 
-// refuseFree is ErrStaleBlock for a block ref names in a segment of this
-// process's own pools unless the pool handed the slot out with ref's
-// generation, and has not taken it back since: the block is in use, or
-// released and waiting for its holders. A slot the pool has free carries
-// the generation it is handed out with next, and the pool hands it out
-// without asking the kernel whether anybody locks it: a hold on it, which
-// a peer that holds a descriptor of the segment and guessed the
-// generation could ask for, would alias the next block handed out. A
-// slot handed out with ref's generation is free again only once the pool
-// bumped its generation, with nobody holding it: the lock and the
-// generation check the attach makes after this look find that. The
-// caller holds neither attached.mu nor a pool's mu (see state.go's lock
-// order).
-func refuseFree(ref BlockRef) error {
-	var seg *segment
-	if ref.Seg.Name != "" {
-		seg = produced.byName(ref.Seg.Name)
-	} else {
-		seg = produced.byID(ref.Seg.ID)
-	}
+// ownLook reports whether segment id is one of this process's own pools'
+// (see Returnable), and for one, whether the pool has the slot whose
+// data starts at off in use, or released and waiting for its holders, at
+// generation gen: else it is ErrStaleBlock. A slot the pool has free
+// carries the generation it is handed out with next, and the pool hands
+// it out without asking the kernel whether anybody locks it: a hold on
+// it, which a peer that holds a descriptor of the segment and guessed
+// the generation could ask for, would alias the next block handed out.
+//
+// The attach looks twice, before its hold and after it, at the pool's own
+// record of the slot, which no peer can write (the slot table's
+// generations, which holdLocked checks, any holder of the segment can).
+// A slot the pool frees gets a new generation, never an older one: a slot
+// found in use or waiting at gen both times was never free in between,
+// so the pool, which frees a slot only once nobody locks it, could not
+// free it under the hold. (A waiting slot may carry a generation it was
+// never handed out with: its reclaim bumped it and then found it held.
+// A hold on it keeps it waiting all the same.) The caller holds neither
+// attached.mu nor a pool's mu (see state.go's lock order).
+func ownLook(id ID, off int64, gen uint64) (own bool, err error) {
+	seg := produced.byID(id)
 	if seg == nil || seg.pool == nil {
-		return nil // not this process's
+		return false, nil
 	}
-	slot, ok := seg.slotAt(ref.Offset)
+	slot, ok := seg.slotAt(off)
 	if !ok {
-		return nil // the attach says what is wrong with it
+		return true, nil // the attach says what is wrong with it
 	}
 	p := seg.pool
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if slot < len(seg.blocks) {
-		if b := seg.blocks[slot]; b != nil && !b.free && b.gen == ref.Gen {
-			return nil
+		if b := seg.blocks[slot]; b != nil && !b.free && b.gen == gen {
+			return true, nil
 		}
 	}
-	return &Error{Op: "attach", Path: fmt.Sprintf("block %d of %v", ref.Offset, seg.alloc), Err: fmt.Errorf("%w: a slot of this process's pool not handed out with generation %d", ErrStaleBlock, ref.Gen)}
+	return true, &Error{Op: "attach", Path: fmt.Sprintf("block %d of %v", off, seg.alloc), Err: fmt.Errorf("%w: a slot of this process's pool, not in use at generation %d", ErrStaleBlock, gen)}
 }
 
-// afterLook, if set, runs in Attach between refuseFree's look at the
-// pool and the attach: tests set it to race a reclaim.
+// afterLook, if set, runs in an attach between its first look at the
+// pool and its hold: tests set it to race a reclaim.
 var afterLook atomic.Pointer[func()]
 
-// attachNamed is Attach for a block of a named segment.
-func attachNamed(ref BlockRef) (*Block, error) {
+// attachNamed is attachRef for a block of a named segment. The segment is
+// the file the message's descriptor is, whatever its name: a name this
+// process maps is taken for its segment, else the name must open the
+// descriptor's file.
+func attachNamed(ref BlockRef, own bool) (*Block, error) {
 	name := ref.Seg.Name
 	if !validName(name) {
 		return nil, &Error{Op: "attach", Path: fmt.Sprintf("%q", name), Err: ErrBadName}
 	}
 	attached.mu.Lock()
-	var b *Block
-	err := errNotMapped
-	if id, ok := attached.names[name]; ok {
-		b, err = attached.attachLocked(id, ref.covers(id), ref, nil)
-	}
+	id, mapped := attached.names[name]
 	attached.mu.Unlock()
-	if !errors.Is(err, errNotMapped) {
-		return b, err
+	if mapped {
+		b, err := attachChecked(id, ref, own, nil)
+		if !errors.Is(err, errNotMapped) {
+			return b, err
+		}
 	}
 	st, err := Stat(ref.Ticket)
 	if err != nil {
 		return nil, err
 	}
-	return attached.attach(st.ID, ref.covers(st.ID), ref, func() (*Allocation, error) {
+	return attachChecked(st.ID, ref, own, func() (*Allocation, error) {
 		a, err := OpenName(name, ref.Seg.Size, KeepFD)
 		if err != nil {
 			return nil, err

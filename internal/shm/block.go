@@ -27,9 +27,13 @@ import (
 //
 // A pooled segment starts with a slot table in pages of its own: magic,
 // slot capacity, slot count, where the data starts, and one generation
-// word per slot, bumped each time the slot is handed out. The slots' data
-// follows, page aligned, with nothing between them: no write inside or past
-// a block's bytes can reach the table.
+// word per slot, bumped each time the pool takes the slot back (a free
+// slot carries the generation it is handed out with next). The slots'
+// data follows, page aligned, with nothing between them: no write inside
+// or past a block's bytes can reach the table. A holder of the segment
+// that means harm can write it all the same, through a mapping of its
+// own: the producer keeps its own record of each slot, which is what
+// counts for its own blocks (see ownLook).
 //
 // Who holds a slot is not written in the segment at all: it is kept by the
 // kernel as OFD locks on the segment's file (see lock_linux.go).

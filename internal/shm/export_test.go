@@ -47,6 +47,10 @@ const (
 // it unlocks them without waiting for the transfer.
 const LetGoMax = letGoMax
 
+// GenOffset returns where slot's generation lies in its segment's slot
+// table.
+func GenOffset(slot int) int { return slabHdrSize + 8*slot }
+
 // SlotOf returns the slot b lives in.
 func SlotOf(b *Block) int { return b.slot }
 
@@ -108,10 +112,10 @@ func RaceBump(t interface{ Cleanup(func()) }, f func()) {
 // of this process's pools to look at first. Tests that stand for another
 // process's receiver by this one call it where this process's pool's
 // lock is held.
-var AttachAsAnother = attachRef
+func AttachAsAnother(ref BlockRef) (*Block, error) { return attachRef(ref, false) }
 
-// RaceAttach makes f run in each Attach between its look at this
-// process's pools and the attach itself, until the test ends.
+// RaceAttach makes f run in each attach between its first look at this
+// process's pools and its hold, until the test ends.
 func RaceAttach(t interface{ Cleanup(func()) }, f func()) {
 	afterLook.Store(&f)
 	t.Cleanup(func() { afterLook.Store(nil) })

@@ -4,8 +4,11 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"os"
+	"path/filepath"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 	"unsafe"
@@ -195,8 +198,8 @@ func TestAttachRefusesAFreeSlotOfThisProcess(t *testing.T) {
 	require.NoError(t, keep.Release())
 }
 
-// A named pool's free slot is refused as well, though its segment is
-// found by its name.
+// A named pool's free slot is refused as well, its segment named by its
+// own name or by another one, linked to it in Dir.
 func TestAttachRefusesAFreeNamedSlotOfThisProcess(t *testing.T) {
 	leakcheck.Check(t)
 	shm.EnableNamedPool()
@@ -213,25 +216,146 @@ func TestAttachRefusesAFreeNamedSlotOfThisProcess(t *testing.T) {
 	next := shm.BlockRef{Seg: shm.SegmentRef{Name: seg.Name(), Size: seg.Size()}, Offset: a.Offset(), Size: small, Gen: a.Gen(), Ticket: peerOf(t, a)}
 	_, err := shm.Attach(next)
 	require.ErrorIs(t, err, shm.ErrStaleBlock)
+
+	next.Seg.Name = shm.NamePrefix + shm.Session() + "_1_fedcba9876543210"
+	link := filepath.Join(shm.Dir(), next.Seg.Name)
+	require.NoError(t, os.Link(filepath.Join(shm.Dir(), seg.Name()), link))
+	t.Cleanup(func() { _ = os.Remove(link) })
+	_, err = shm.Attach(next)
+	require.ErrorIs(t, err, shm.ErrStaleBlock, "by another name")
 }
 
-// The pool may take a released block back between the attach's look at
-// the pool and its lock on the slot: a message that names the generation
-// the slot gets then is refused all the same, since the look found the
-// block handed out with another one.
+// The pool may take a released block back between the attach's first
+// look at the pool and its lock on the slot, and hand it out again: a
+// message that names the generation the slot gets then is refused all
+// the same, since the look found the block at another one.
 func TestAttachRefusesASlotFreedAfterTheLook(t *testing.T) {
 	p := testPool(t)
 	a := mustAlloc(t, p, small)
 	keep := mustAlloc(t, p, small)
-	seg := a.Segment()
-	ref := shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: a.Offset(), Size: small, Gen: a.Gen() + 1, Ticket: peerOf(t, a)}
-	require.NoError(t, a.Release())         // waiting in the pool: no reclaim took it back yet
-	shm.RaceAttach(t, func() { p.InUse() }) // a reclaim takes the block back
+	t.Cleanup(func() { _ = keep.Release() })
+	seg, off := a.Segment(), a.Offset()
+	ref := shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: off, Size: small, Gen: a.Gen() + 1, Ticket: peerOf(t, a)}
+	require.NoError(t, a.Release()) // waiting in the pool: no reclaim took it back yet
+	var again *shm.Block
+	shm.RaceAttach(t, func() {
+		if again == nil {
+			p.InUse()                      // a reclaim takes the block back,
+			again = mustAlloc(t, p, small) // and the pool hands it out first, the warmest
+		}
+	})
 	_, err := shm.Attach(ref)
 	require.ErrorIs(t, err, shm.ErrStaleBlock)
-	require.Equal(t, 1, p.InUse())
-	require.Equal(t, ref.Gen, a.Gen(), "free, with the generation the message guessed")
-	require.NoError(t, keep.Release())
+	if again == nil { // the first look refused it, as it should: the guess was right all the same
+		p.InUse()
+		again = mustAlloc(t, p, small)
+	}
+	require.True(t, again.Segment() == seg && again.Offset() == off, "the slot, handed out again")
+	require.Equal(t, ref.Gen, again.Gen(), "with the generation the message guessed")
+	require.NoError(t, again.Release())
+}
+
+// A message names its segment by a name of its own, made up, with a
+// descriptor of a segment of this process's pool: the segment attached is
+// the descriptor's, whatever the name, and a free slot of it is refused
+// as before. So is one of a named pool's segment linked under another
+// name (TestAttachRefusesAFreeNamedSlotOfThisProcess).
+func TestAttachRefusesAFreeSlotUnderAnotherName(t *testing.T) {
+	p := testPool(t)
+	a := mustAlloc(t, p, small)
+	keep := mustAlloc(t, p, small)
+	t.Cleanup(func() { _ = keep.Release() })
+	peer := peerOf(t, a)
+	seg := a.Segment()
+	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: a.Offset(), Size: small, Gen: a.Gen(), Ticket: peer})
+	require.NoError(t, err, "in use: this process maps its segment a second time now")
+	require.NoError(t, r.Release())
+	require.NoError(t, a.Release())
+	require.Eventually(t, func() bool { return p.InUse() == 1 }, time.Second, time.Millisecond, "free")
+	made := shm.NamePrefix + shm.Session() + "_1_0123456789abcdef"
+	_, err = shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{Name: made, Size: seg.Size()}, Offset: a.Offset(), Size: small, Gen: a.Gen(), Ticket: peer})
+	require.ErrorIs(t, err, shm.ErrStaleBlock)
+}
+
+// A released block of this process's pool, waiting for its holders, is
+// attached, even by a descriptor that holds nothing (a peer's, reopened)
+// and that the caller says covers it: the hold is a lock of this
+// process's own, and the pool does not hand the slot out while it lasts.
+func TestAttachOfAWaitingSlotHoldsItAgainstThePool(t *testing.T) {
+	p := testPool(t)
+	a := mustAlloc(t, p, small)
+	keep := mustAlloc(t, p, small)
+	t.Cleanup(func() { _ = keep.Release() })
+	seg, off := a.Segment(), a.Offset()
+	ref := shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: off, Size: small, Gen: a.Gen(), Ticket: peerOf(t, a), Covers: covering}
+	require.NoError(t, a.Release()) // waiting: no reclaim took it back yet
+	x, err := shm.Attach(ref)
+	require.NoError(t, err)
+	require.Equal(t, 2, p.InUse(), "a reclaim finds the slot held")
+	var more []*shm.Block
+	for range 4 {
+		d := mustAlloc(t, p, small)
+		more = append(more, d)
+		assert.False(t, d.Segment() == seg && d.Offset() == off, "the slot the attached block holds is handed out")
+	}
+	for _, d := range more {
+		require.NoError(t, d.Release())
+	}
+	require.NoError(t, x.Release())
+	require.Eventually(t, func() bool { return p.InUse() == 1 }, time.Second, time.Millisecond, "free once let go of")
+}
+
+// A peer that holds a writable descriptor of a segment of this process's
+// pool can write its slot table, whose generations an attach checks once
+// it holds the slot. Between the attach's first look at the pool and its
+// lock, the block is released and freed (its generation bumped), and the
+// peer writes the old generation back into the table: the attach looks
+// at the pool again once it holds the slot, and refuses it, one block or
+// several (AttachAll).
+func TestAttachLooksAtThePoolAgainOnceItHolds(t *testing.T) {
+	for name, attach := range map[string]func(shm.BlockRef) error{
+		"Attach": func(ref shm.BlockRef) error {
+			_, err := shm.Attach(ref)
+			return err
+		},
+		"AttachAll": func(ref shm.BlockRef) error {
+			ref.Ticket = -1
+			_, err := shm.AttachAll([]shm.BlockRef{ref})
+			return err
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			p := testPool(t)
+			a := mustAlloc(t, p, small)
+			keep := mustAlloc(t, p, small)
+			t.Cleanup(func() { _ = keep.Release() })
+			peer := peerOf(t, a)
+			seg, g := a.Segment(), a.Gen()
+			table, err := unix.Mmap(peer, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+			require.NoError(t, err)
+			defer unix.Munmap(table)
+			word := (*atomic.Uint64)(unsafe.Pointer(&table[shm.GenOffset(shm.SlotOf(a))]))
+			require.Equal(t, g, word.Load(), "the slot's generation in the table")
+			ref := shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: a.Offset(), Size: small, Gen: g, Ticket: peer}
+			r, err := shm.Attach(ref)
+			require.NoError(t, err, "in use: this process maps its segment a second time now, and attaches by it next")
+			require.NoError(t, r.Release())
+			raced := false
+			shm.RaceAttach(t, func() {
+				if raced {
+					return
+				}
+				raced = true
+				assert.NoError(t, a.Release())
+				assert.Equal(t, 1, p.InUse(), "freed")
+				assert.Greater(t, word.Load(), g, "with a new generation")
+				word.Store(g) // written back by the peer
+			})
+			require.ErrorIs(t, attach(ref), shm.ErrStaleBlock)
+			require.True(t, raced)
+			require.Eventually(t, func() bool { return p.InUse() == 1 }, time.Second, time.Millisecond, "the hold it took is let go of")
+		})
+	}
 }
 
 // peerOf returns a descriptor of b's segment through a description of its
@@ -352,7 +476,8 @@ func TestTwiceDeliveredKeepsItsHold(t *testing.T) {
 	var got []*shm.Block
 	for _, covered := range []bool{true, false} {
 		msg := send(t, a)
-		r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: off, Size: large, Gen: gen, Ticket: msg, Covers: coveredIf(covered)})
+		// As another process's receiver, whose ticket may cover its hold.
+		r, err := shm.AttachAsAnother(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: off, Size: large, Gen: gen, Ticket: msg, Covers: coveredIf(covered)})
 		require.NoError(t, err)
 		if covered {
 			shm.AdoptTicket(msg, statOf(t, msg).ID)
@@ -386,7 +511,9 @@ func TestAdoptedTicketsCloseInBatches(t *testing.T) {
 	}
 	receive := func() int {
 		msg := send(t, a)
-		r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: off, Size: 4 << 10, Gen: gen, Ticket: msg, Covers: covering})
+		// As another process's receiver: this process's own would take a
+		// lock of its own for its own pool's block, whatever covers it.
+		r, err := shm.AttachAsAnother(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: seg.Size()}, Offset: off, Size: 4 << 10, Gen: gen, Ticket: msg, Covers: covering})
 		require.NoError(t, err)
 		shm.AdoptTicket(msg, id)
 		require.NoError(t, r.Release())

@@ -192,10 +192,10 @@ func (seg *segment) returnable() bool { return !seg.named && !seg.external && se
 // Returnable reports whether segment id is one of this process's pools'
 // that Produced lists: a message that names a block of it by identity
 // can only return the block, whatever else this process maps of the
-// segment, and Revive's answer for it is final. A block of it reached
+// segment, and Revive's answer for it is final: a block of it reached
 // another way (a second mapping of the segment, where a block of it came
-// back by descriptor) could be a slot the pool has free, which it hands
-// out next without asking anyone.
+// back by descriptor) would be held by a lock, which the lane's writer
+// would have to keep the slot for.
 func Returnable(id ID) bool {
 	seg := produced.byID(id)
 	return seg != nil && seg.returnable()
