@@ -4,6 +4,7 @@ import (
 	"errors"
 	"flag"
 	"slices"
+	"strconv"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -17,6 +18,7 @@ import (
 	"github.com/tensormp/tensormp/internal/carry"
 	"github.com/tensormp/tensormp/internal/cudastub"
 	"github.com/tensormp/tensormp/internal/fd"
+	"github.com/tensormp/tensormp/internal/gpushare"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/tensor"
@@ -327,7 +329,19 @@ func TestSlabBlockByLane(t *testing.T) {
 	vals, err := tensor.Values[int32](host)
 	require.NoError(t, err)
 	assert.Equal(t, slices.Repeat([]int32{9}, 256), vals, "y's block, whose values it has")
+	again, err := decode(byID, pins, true)
+	require.NoError(t, err, "a block this process holds already")
+	assert.Same(t, got.Storage(), again.Storage(), "the storage that holds it")
 	require.NoError(t, got.Release())
+
+	gs, err := gpushare.Get()
+	require.NoError(t, err)
+	uuid, err := gs.UUID(otherGPU.Index())
+	require.NoError(t, err)
+	elsewhere := byID
+	elsewhere.DevUUID = uuid[:]
+	_, err = decode(elsewhere, pins, true)
+	assert.ErrorContains(t, err, "mapped for another device", "a block of a slab imported for another device")
 
 	_, err = decode(byID, pins, false)
 	assert.ErrorContains(t, err, "outside a lane")
@@ -344,4 +358,52 @@ func TestSlabBlockByLane(t *testing.T) {
 	_, err = decode(cm, pinnedLane{cpu.segmentID(): true}, true)
 	assert.ErrorIs(t, err, shm.ErrNoExtent, "a CPU block named as a slab's")
 	assert.ErrorIs(t, err, ErrMalformed)
+}
+
+// A peer that reopened a message's descriptor of this process's own
+// device slab's segment, a description that holds nothing, names a slot
+// its pool has free with the generation it is handed out with next: the
+// attach is refused, as for a CPU segment (TestOwnBlockByAPeersDescriptor).
+func TestOwnFreeSlabBlockByAPeersDescriptor(t *testing.T) {
+	leakcheck.Check(t)
+	t.Cleanup(shm.Trim)
+	keep, err := tensor.On(slabGPU).Zeros(tensor.Int32, 256) // keeps the slab in its pool
+	require.NoError(t, err)
+	defer keep.Release()
+	x, err := tensor.On(slabGPU).Arange(tensor.Int32, 256)
+	require.NoError(t, err)
+	m, fds := messageOf(t, x) // x released: its block waits for the message's ticket
+	defer unix.Close(fds[1])
+	peer, err := unix.Open("/proc/self/fd/"+strconv.Itoa(fds[0]), unix.O_RDWR|unix.O_CLOEXEC, 0)
+	require.NoError(t, err)
+	defer unix.Close(peer)
+	require.NoError(t, unix.Close(fds[0])) // the ticket goes: nothing holds the block
+	shm.Trim()                             // which its pool takes back, free, at a new generation
+	m.Gen++                                // that one
+	var got *tensor.Tensor
+	err = NewDecoder().Decode(extMessage(t, m), []int{dupFD(t, peer), dupFD(t, fds[1])}, &got)
+	if err == nil {
+		require.NoError(t, got.Release())
+	}
+	assert.ErrorIs(t, err, shm.ErrStaleBlock)
+	assert.ErrorContains(t, err, "this process's pool")
+}
+
+// A lane's reader that pins a device slab's segment keeps the slab's
+// device memory mapped: the pin counts those bytes against the reader's
+// bound on what it pins, not the few of the slot table's segment.
+func TestPinOfASlabCountsItsDeviceMemory(t *testing.T) {
+	leakcheck.Check(t)
+	t.Cleanup(shm.Trim)
+	x, err := tensor.On(slabGPU).Zeros(tensor.Uint8, 64<<20) // a slab of its own
+	require.NoError(t, err)
+	m, fds := messageOf(t, x)
+	rx, err := Rebuild(m, fds[:])
+	require.NoError(t, err)
+	fd.CloseAll(fds[:])
+	defer rx.Release()
+	unpin, size, ok := shm.Pin(m.segmentID())
+	require.True(t, ok)
+	defer unpin()
+	assert.GreaterOrEqual(t, size, rx.Storage().Size())
 }

@@ -143,8 +143,9 @@ func startLaneTaker(ctx context.Context, a laneGPUArgs) (*mp.Pipe, *mp.Queue, *m
 	return mine, ack, g, nil
 }
 
-// A stream of GPU tensors, each released once sent so that its block is
-// reused: every tensor after the first goes by the lane, and each
+// A stream of GPU tensors, each released once sent, with a reclaim of
+// the pool after each: every tensor after the first goes by the lane,
+// its block lent to the entry until the reader holds it, and each
 // arrives with its own values. The reader, taking them once they all
 // wait in the lane, locks their slots in a few calls, not one each.
 func gpulaneStream(ctx context.Context) error {
@@ -164,6 +165,7 @@ func gpulaneStream(ctx context.Context) error {
 		if err := sendFull(ctx, p, float64(i), 1024); err != nil {
 			return err
 		}
+		shm.Trim() // a reclaim: the loan keeps the block the entry names
 	}
 	if err := goOn.Put(ctx, 1); err != nil {
 		return err

@@ -56,8 +56,9 @@ type Sharer interface {
 	// over h.Token.
 	Import(h Handle) (tensor.Buffer, error)
 	// ImportBlock returns the buffer of size bytes that blk, a block of
-	// a device slab attached from a message's ticket, holds on device
-	// dev; the buffer takes blk over. memFD is the message's descriptor
+	// a device slab attached from a message's ticket (or by the slab's
+	// identity, for a lane's message), holds on device dev; the buffer
+	// takes blk over. memFD is the message's descriptor
 	// of the slab, which stays the caller's: the slab is imported from
 	// it if it is not mapped yet, and must be the one mapped if it is.
 	// A block that a lane named by the slab's identity alone has none

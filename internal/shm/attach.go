@@ -341,9 +341,10 @@ func (seg *segment) slotAt(off int64) (int, bool) {
 }
 
 // ownLook reports whether segment id is one of this process's own pools'
-// (see Returnable), and for one, whether the pool has the slot whose
-// data starts at off in use, or released and waiting for its holders, at
-// generation gen: else it is ErrStaleBlock. A slot the pool has free
+// (any: a named pool's, a device slab's), and for one, whether the pool
+// has the slot whose data starts at off in use, or released and waiting
+// for its holders, at generation gen: else it is ErrStaleBlock (or an
+// error of its own where no slot starts at off). A slot the pool has free
 // carries the generation it is handed out with next, and the pool hands
 // it out without asking the kernel whether anybody locks it: a hold on
 // it, which a peer that holds a descriptor of the segment and guessed
@@ -351,8 +352,10 @@ func (seg *segment) slotAt(off int64) (int, bool) {
 //
 // The attach looks twice, before its hold and after it, at the pool's own
 // record of the slot, which no peer can write (the slot table's
-// generations, which holdLocked checks, any holder of the segment can).
-// A slot the pool frees gets a new generation, never an older one: a slot
+// generations, which holdLocked checks, any holder of the segment can;
+// its header too, which readSlab checks against the pool's slots for
+// this process's own segment). A slot the pool frees gets the next
+// generation of the pool's record, whatever the table says: a slot
 // found in use or waiting at gen both times was never free in between,
 // so the pool, which frees a slot only once nobody locks it, could not
 // free it under the hold. (A waiting slot may carry a generation it was
@@ -366,7 +369,7 @@ func ownLook(id ID, off int64, gen uint64) (own bool, err error) {
 	}
 	slot, ok := seg.slotAt(off)
 	if !ok {
-		return true, nil // the attach says what is wrong with it
+		return true, &Error{Op: "attach", Path: fmt.Sprintf("block %d of %v", off, seg.alloc), Err: errors.New("not a slot of this process's pool")}
 	}
 	p := seg.pool
 	p.mu.Lock()
@@ -448,8 +451,8 @@ var errNotMapped = ErrNotMapped
 // is in use: a peer may then name its blocks by the segment's identity
 // alone, with no descriptor (package sock's lanes). A pinned segment is
 // never idle, so never dropped; its producer's death does not unmap it.
-// Pin returns the bytes the segment maps, and reports false for a segment
-// this process does not map.
+// Pin returns the bytes the segment keeps (a device slab's, those of its
+// extent), and reports false for a segment this process does not map.
 func Pin(id ID) (unpin func(), size int64, ok bool) {
 	attached.mu.Lock()
 	defer attached.mu.Unlock()
@@ -469,7 +472,7 @@ func Pin(id ID) (unpin func(), size int64, ok bool) {
 			seg.users--
 			_ = attached.settleLocked(seg)
 		})
-	}, seg.alloc.Size(), true
+	}, seg.bytes(), true
 }
 
 // Kept reports whether the producer of segment id, which this process
@@ -564,6 +567,11 @@ func readSlab(a *Allocation) (*segment, error) {
 		return bad(fmt.Errorf("%d slots of %d bytes in an extent do not fit", h.nslots, h.cap))
 	case !external && (h.nslots > total/smallMin || h.cap > (total-h.dataOff)/h.nslots):
 		return bad(fmt.Errorf("%d slots of %d bytes do not fit", h.nslots, h.cap))
+	}
+	if own := produced.byID(a.ID()); own != nil && (own.cap != h.cap || own.nslots != int(h.nslots) || own.dataOff != h.dataOff || own.external != external) {
+		// This process's own segment, whose table a holder rewrote:
+		// its slots must be the ones its pool hands out (see ownLook).
+		return bad(fmt.Errorf("slot table of %d slots of %d bytes at %d, not this process's pool's %d of %d at %d", h.nslots, h.cap, h.dataOff, own.nslots, own.cap, own.dataOff))
 	}
 	if err := unix.Mprotect(a.mapping[:slabLayout(h.nslots)], unix.PROT_READ); err != nil {
 		return nil, &Error{Op: "protect", Path: a.String(), Err: err}

@@ -223,11 +223,16 @@ func (p *Pool) reclaimLocked(c *sizeClass) {
 			kept = append(kept, b)
 			continue
 		}
-		seg := b.seg
-		if Guard(func() { b.gen = seg.gen(b.slot).Add(1) }) != nil {
+		// The pool's own record gives the new generation, not the
+		// table, which any holder of the segment can write: a peer
+		// cannot make the pool hand a slot out at a generation it was
+		// seen at before (see ownLook).
+		seg, next := b.seg, b.gen+1
+		if Guard(func() { seg.gen(b.slot).Store(next) }) != nil {
 			kept = append(kept, b) // cut short under us: never handed out again
 			continue
 		}
+		b.gen = next
 		bumped = append(bumped, b)
 	}
 	c.again = askAgain(bumped, c.again[:0], &c.runs)

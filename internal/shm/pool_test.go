@@ -1,6 +1,7 @@
 package shm_test
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"maps"
@@ -356,6 +357,131 @@ func TestAttachLooksAtThePoolAgainOnceItHolds(t *testing.T) {
 			require.Eventually(t, func() bool { return p.InUse() == 1 }, time.Second, time.Millisecond, "the hold it took is let go of")
 		})
 	}
+}
+
+// A holder of a segment of this process's pool rewrites its slot table's
+// header before this process maps the segment a second time: slots of
+// another size over the same data, so that a block of the rewritten
+// table spans a slot in use and the free one beside it, or starts where
+// no slot of the pool does. The mapping is refused: this process's own
+// segment has its pool's slots.
+func TestOwnSegmentWithARewrittenTableIsRefused(t *testing.T) {
+	for _, c := range []struct {
+		name          string
+		cap, nslots   uint64
+		offset, bytes int64
+		want          string // what refuses it: the mapping's table, or the look at the pool
+	}{
+		{"twice the slot size, half the slots", 16384, 128, 4096, 16384, "not this process's pool's"},
+		{"a slot size that starts no slot of the pool's", 12288, 170, 4096 + 12288, 12288, "not a slot of this process's pool"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			p := testPool(t)
+			a := mustAlloc(t, p, 8192) // a slab of 256 slots of 8 KiB, data at 4096
+			t.Cleanup(func() { _ = a.Release() })
+			require.Equal(t, int64(4096), a.Offset())
+			peer := peerOf(t, a)
+			hdr, err := unix.Mmap(peer, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+			require.NoError(t, err)
+			defer unix.Munmap(hdr)
+			require.Equal(t, uint64(8192), binary.LittleEndian.Uint64(hdr[8:]), "the slot size in the header")
+			binary.LittleEndian.PutUint64(hdr[8:], c.cap)
+			binary.LittleEndian.PutUint64(hdr[16:], c.nslots)
+			seg := a.Segment()
+			_, err = shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: c.offset, Size: c.bytes, Gen: a.Gen(), Ticket: peer, Covers: covering})
+			require.Error(t, err)
+			assert.ErrorContains(t, err, c.want)
+		})
+	}
+}
+
+// TestAttachRefusesASlotFreedAfterTheLook, for several blocks at once.
+func TestAttachAllRefusesASlotFreedAfterTheLook(t *testing.T) {
+	p := testPool(t)
+	a := mustAlloc(t, p, small)
+	keep := mustAlloc(t, p, small)
+	t.Cleanup(func() { _ = keep.Release() })
+	seg, off := a.Segment(), a.Offset()
+	ref := shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: off, Size: small, Gen: a.Gen(), Ticket: peerOf(t, a)}
+	r, err := shm.Attach(ref) // maps the segment a second time, as a receiver
+	require.NoError(t, err)
+	require.NoError(t, r.Release())
+	ref.Gen, ref.Ticket = a.Gen()+1, -1
+	require.NoError(t, a.Release())
+	var again *shm.Block
+	shm.RaceAttach(t, func() {
+		if again == nil {
+			p.InUse()
+			again = mustAlloc(t, p, small)
+		}
+	})
+	_, err = shm.AttachAll([]shm.BlockRef{ref})
+	require.ErrorIs(t, err, shm.ErrStaleBlock)
+	if again == nil { // the first look refused it, as it should: the guess was right all the same
+		p.InUse()
+		again = mustAlloc(t, p, small)
+	}
+	require.True(t, again.Segment() == seg && again.Offset() == off && again.Gen() == ref.Gen, "the slot, handed out at the generation guessed")
+	require.NoError(t, again.Release())
+}
+
+// A named segment of this process's pool that it maps already as a
+// receiver (it attached one of its own blocks by name): a free slot of it
+// is refused too.
+func TestAttachRefusesAFreeSlotOfANamedSegmentItMaps(t *testing.T) {
+	leakcheck.Check(t)
+	shm.EnableNamedPool()
+	p := shm.NamedPool()
+	t.Cleanup(func() { shm.Trim() })
+	a := mustAlloc(t, p, small)
+	keep := mustAlloc(t, p, small)
+	t.Cleanup(func() { _ = keep.Release() })
+	seg := a.Segment()
+	ref := shm.BlockRef{Seg: shm.SegmentRef{Name: seg.Name(), Size: seg.Size()}, Offset: a.Offset(), Size: small, Gen: a.Gen(), Ticket: peerOf(t, a), Covers: covering}
+	r, err := shm.Attach(ref)
+	require.NoError(t, err, "in use: mapped by name now")
+	require.NoError(t, r.Release())
+	inUse := p.InUse()
+	require.NoError(t, a.Release())
+	require.Eventually(t, func() bool { return p.InUse() == inUse-1 }, time.Second, time.Millisecond, "free")
+	ref.Gen = a.Gen()
+	_, err = shm.Attach(ref)
+	require.ErrorIs(t, err, shm.ErrStaleBlock)
+}
+
+// The pool's generations are its own: a holder of the segment that
+// writes an older generation into the slot table before the pool takes a
+// slot back does not make the pool hand the slot out at a generation it
+// was seen at before, so an attach that saw the block in use at that
+// generation, and sees it in use again after its hold, is refused.
+func TestPoolGenerationsIgnoreTheTable(t *testing.T) {
+	p := testPool(t)
+	a := mustAlloc(t, p, small)
+	keep := mustAlloc(t, p, small)
+	t.Cleanup(func() { _ = keep.Release() })
+	peer := peerOf(t, a)
+	seg, off, g := a.Segment(), a.Offset(), a.Gen()
+	table, err := unix.Mmap(peer, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	require.NoError(t, err)
+	defer unix.Munmap(table)
+	word := (*atomic.Uint64)(unsafe.Pointer(&table[shm.GenOffset(shm.SlotOf(a))]))
+	ref := shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: off, Size: small, Gen: g, Ticket: peer}
+	var again *shm.Block
+	shm.RaceAttach(t, func() {
+		if again != nil {
+			return
+		}
+		word.Store(g - 1) // the peer, before the pool takes the slot back
+		assert.NoError(t, a.Release())
+		p.InUse()
+		again = mustAlloc(t, p, small)
+	})
+	_, err = shm.Attach(ref)
+	require.NotNil(t, again)
+	require.True(t, again.Segment() == seg && again.Offset() == off, "the slot, handed out again between the looks")
+	assert.Greater(t, again.Gen(), g, "at a new generation, whatever the table said")
+	assert.ErrorIs(t, err, shm.ErrStaleBlock)
+	require.NoError(t, again.Release())
 }
 
 // peerOf returns a descriptor of b's segment through a description of its
