@@ -231,10 +231,7 @@ func TestAttachRefusesAFreeNamedSlotOfThisProcess(t *testing.T) {
 // message that names the generation the slot gets then is refused all
 // the same, since the look found the block at another one.
 func TestAttachRefusesASlotFreedAfterTheLook(t *testing.T) {
-	p := testPool(t)
-	a := mustAlloc(t, p, small)
-	keep := mustAlloc(t, p, small)
-	t.Cleanup(func() { _ = keep.Release() })
+	p, a := keptBlock(t)
 	seg, off := a.Segment(), a.Offset()
 	ref := shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: off, Size: small, Gen: a.Gen() + 1, Ticket: peerOf(t, a)}
 	require.NoError(t, a.Release()) // waiting in the pool: no reclaim took it back yet
@@ -262,10 +259,7 @@ func TestAttachRefusesASlotFreedAfterTheLook(t *testing.T) {
 // as before. So is one of a named pool's segment linked under another
 // name (TestAttachRefusesAFreeNamedSlotOfThisProcess).
 func TestAttachRefusesAFreeSlotUnderAnotherName(t *testing.T) {
-	p := testPool(t)
-	a := mustAlloc(t, p, small)
-	keep := mustAlloc(t, p, small)
-	t.Cleanup(func() { _ = keep.Release() })
+	p, a := keptBlock(t)
 	peer := peerOf(t, a)
 	seg := a.Segment()
 	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: a.Offset(), Size: small, Gen: a.Gen(), Ticket: peer})
@@ -283,10 +277,7 @@ func TestAttachRefusesAFreeSlotUnderAnotherName(t *testing.T) {
 // and that the caller says covers it: the hold is a lock of this
 // process's own, and the pool does not hand the slot out while it lasts.
 func TestAttachOfAWaitingSlotHoldsItAgainstThePool(t *testing.T) {
-	p := testPool(t)
-	a := mustAlloc(t, p, small)
-	keep := mustAlloc(t, p, small)
-	t.Cleanup(func() { _ = keep.Release() })
+	p, a := keptBlock(t)
 	seg, off := a.Segment(), a.Offset()
 	ref := shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: off, Size: small, Gen: a.Gen(), Ticket: peerOf(t, a), Covers: covering}
 	require.NoError(t, a.Release()) // waiting: no reclaim took it back yet
@@ -326,10 +317,7 @@ func TestAttachLooksAtThePoolAgainOnceItHolds(t *testing.T) {
 		},
 	} {
 		t.Run(name, func(t *testing.T) {
-			p := testPool(t)
-			a := mustAlloc(t, p, small)
-			keep := mustAlloc(t, p, small)
-			t.Cleanup(func() { _ = keep.Release() })
+			p, a := keptBlock(t)
 			peer := peerOf(t, a)
 			seg, g := a.Segment(), a.Gen()
 			table, err := unix.Mmap(peer, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
@@ -397,10 +385,7 @@ func TestOwnSegmentWithARewrittenTableIsRefused(t *testing.T) {
 
 // TestAttachRefusesASlotFreedAfterTheLook, for several blocks at once.
 func TestAttachAllRefusesASlotFreedAfterTheLook(t *testing.T) {
-	p := testPool(t)
-	a := mustAlloc(t, p, small)
-	keep := mustAlloc(t, p, small)
-	t.Cleanup(func() { _ = keep.Release() })
+	p, a := keptBlock(t)
 	seg, off := a.Segment(), a.Offset()
 	ref := shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: off, Size: small, Gen: a.Gen(), Ticket: peerOf(t, a)}
 	r, err := shm.Attach(ref) // maps the segment a second time, as a receiver
@@ -455,10 +440,7 @@ func TestAttachRefusesAFreeSlotOfANamedSegmentItMaps(t *testing.T) {
 // was seen at before, so an attach that saw the block in use at that
 // generation, and sees it in use again after its hold, is refused.
 func TestPoolGenerationsIgnoreTheTable(t *testing.T) {
-	p := testPool(t)
-	a := mustAlloc(t, p, small)
-	keep := mustAlloc(t, p, small)
-	t.Cleanup(func() { _ = keep.Release() })
+	p, a := keptBlock(t)
 	peer := peerOf(t, a)
 	seg, off, g := a.Segment(), a.Offset(), a.Gen()
 	table, err := unix.Mmap(peer, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
@@ -482,6 +464,17 @@ func TestPoolGenerationsIgnoreTheTable(t *testing.T) {
 	assert.Greater(t, again.Gen(), g, "at a new generation, whatever the table said")
 	assert.ErrorIs(t, err, shm.ErrStaleBlock)
 	require.NoError(t, again.Release())
+}
+
+// keptBlock returns a test pool and a small block of it, beside another
+// that keeps their segment in the pool until the test ends.
+func keptBlock(t *testing.T) (*shm.Pool, *shm.Block) {
+	t.Helper()
+	p := testPool(t)
+	a := mustAlloc(t, p, small)
+	keep := mustAlloc(t, p, small)
+	t.Cleanup(func() { _ = keep.Release() })
+	return p, a
 }
 
 // peerOf returns a descriptor of b's segment through a description of its
