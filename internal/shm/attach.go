@@ -124,13 +124,15 @@ func attachRef(ref BlockRef, own bool) (*Block, error) {
 }
 
 // attachChecked holds the block ref names in segment id, the segment this
-// process maps or open maps, as attached.attach does. With own, a block
-// of one of this process's own pools is looked at in its pool before the
-// hold and again after it (ownLook), and held by a lock of this
-// process's own, never by the ticket alone: a peer's descriptor of the
-// segment may hold nothing, and the pool frees a slot nobody locks.
-func attachChecked(id ID, ref BlockRef, own bool, open func() (*Allocation, error)) (*Block, error) {
-	if own {
+// process maps or open maps, as attached.attach does. With check, a
+// block of one of this process's own pools is looked at in its pool
+// before the hold and again after it (ownLook, heldLook), and held by a
+// lock of this process's own, never by the ticket alone: a peer's
+// descriptor of the segment may hold nothing, and the pool frees a slot
+// nobody locks.
+func attachChecked(id ID, ref BlockRef, check bool, open func() (*Allocation, error)) (*Block, error) {
+	own := false
+	if check {
 		var err error
 		if own, err = ownLook(id, ref.Offset, ref.Gen); err != nil {
 			return nil, err
@@ -140,10 +142,10 @@ func attachChecked(id ID, ref BlockRef, own bool, open func() (*Allocation, erro
 		(*hook)()
 	}
 	b, err := attached.attach(id, !own && ref.covers(id), ref, open)
-	if err != nil || !own {
+	if err != nil || !check {
 		return b, err
 	}
-	if _, err := ownLook(id, ref.Offset, ref.Gen); err != nil {
+	if err := heldLook(b, ref, own); err != nil {
 		return nil, errors.Join(err, b.Release())
 	}
 	return b, nil
@@ -156,13 +158,18 @@ func attachChecked(id ID, ref BlockRef, own bool, open func() (*Allocation, erro
 // are locked first and their generations checked second. It returns the
 // blocks in refs' order, or an error and no block held.
 func AttachAll(refs []BlockRef) ([]*Block, error) {
-	own := false
-	for _, ref := range refs {
+	var own []bool // made at the first block of this process's own pools
+	for i, ref := range refs {
 		o, err := ownLook(ref.Seg.ID, ref.Offset, ref.Gen)
 		if err != nil {
 			return nil, err
 		}
-		own = own || o
+		if o && own == nil {
+			own = make([]bool, len(refs))
+		}
+		if o {
+			own[i] = true
+		}
 	}
 	if hook := afterLook.Load(); hook != nil {
 		(*hook)()
@@ -170,11 +177,11 @@ func AttachAll(refs []BlockRef) ([]*Block, error) {
 	attached.mu.Lock()
 	bs, err := attached.attachMappedLocked(refs)
 	attached.mu.Unlock()
-	if err != nil || !own {
-		return bs, err
+	if err != nil {
+		return nil, err
 	}
-	for _, ref := range refs { // as attachChecked: once more, held
-		if _, err := ownLook(ref.Seg.ID, ref.Offset, ref.Gen); err != nil {
+	for i, b := range bs { // as attachChecked: once more, held
+		if err := heldLook(b, refs[i], own != nil && own[i]); err != nil {
 			for _, b := range bs {
 				err = errors.Join(err, b.Release())
 			}
@@ -380,6 +387,34 @@ func ownLook(id ID, off int64, gen uint64) (own bool, err error) {
 		}
 	}
 	return true, &Error{Op: "attach", Path: fmt.Sprintf("block %d of %v", off, seg.alloc), Err: fmt.Errorf("%w: a slot of this process's pool, not in use at generation %d", ErrStaleBlock, gen)}
+}
+
+// heldLook is an attach's look after its hold on b, the block ref names
+// (see ownLook): for a segment of this process's own pools, the first
+// look must have found it so (else it became the pool's in between, a
+// named segment its pool was making, and the hold may rest on a ticket
+// alone), this process's mapping of it must have the pool's slots (a
+// mapping made in that window skipped readSlab's check), and the pool
+// must have the slot in use or waiting at ref's generation still.
+func heldLook(b *Block, ref BlockRef, wasOwn bool) error {
+	id := b.seg.alloc.ID()
+	seg := produced.byID(id)
+	switch {
+	case seg == nil || seg.pool == nil:
+		return nil
+	case !wasOwn:
+		return &Error{Op: "attach", Path: b.String(), Err: fmt.Errorf("%w: a segment of this process's pool, made as it was attached", ErrStaleBlock)}
+	case !b.seg.sameSlots(seg):
+		return &Error{Op: "attach", Path: b.String(), Err: fmt.Errorf("slot table of %d slots of %d bytes at %d, not this process's pool's %d of %d at %d", b.seg.nslots, b.seg.cap, b.seg.dataOff, seg.nslots, seg.cap, seg.dataOff)}
+	}
+	_, err := ownLook(id, ref.Offset, ref.Gen)
+	return err
+}
+
+// sameSlots reports whether seg, a mapping of a segment, has the slots of
+// own, the segment its pool made.
+func (seg *segment) sameSlots(own *segment) bool {
+	return seg.cap == own.cap && seg.nslots == own.nslots && seg.dataOff == own.dataOff && seg.external == own.external
 }
 
 // afterLook, if set, runs in an attach between its first look at the

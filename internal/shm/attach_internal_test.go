@@ -3,6 +3,8 @@
 package shm
 
 import (
+	"encoding/binary"
+	"fmt"
 	"os"
 	"testing"
 	"time"
@@ -246,4 +248,97 @@ func TestTransferKeepsTheLockItTakes(t *testing.T) {
 		require.NoError(t, err)
 		assert.Equal(t, want, locked, "slot of block %d", i)
 	}
+}
+
+// ownPeer returns a descriptor of b's segment through a description of
+// its own, which holds nothing: what a peer that reopens a message's
+// descriptor has. The test's end closes it.
+func ownPeer(t *testing.T, b *Block) int {
+	t.Helper()
+	peer, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", b.seg.alloc.fd()), unix.O_RDWR|unix.O_CLOEXEC, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = unix.Close(peer) })
+	return peer
+}
+
+// A named segment's file is in Dir as soon as its pool makes it, before
+// the pool lists it as its own. An attach whose first look found the
+// segment no pool's of this process, whose hold a peer's ticket may
+// cover, is refused once the pool lists it, even where the pool has
+// handed the slot out since, at the generation named: the first look's
+// guarantee is missing.
+func TestOwnSegmentListedAsItIsAttached(t *testing.T) {
+	for _, all := range []bool{false, true} {
+		t.Run(map[bool]string{false: "Attach", true: "AttachAll"}[all], func(t *testing.T) {
+			p := newPool(1 << 30)
+			p.named = true
+			t.Cleanup(func() { p.Trim(0) })
+			a, err := p.Alloc(4096)
+			require.NoError(t, err)
+			keep, err := p.Alloc(4096)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = keep.Release() })
+			seg, off := a.seg, a.Offset()
+			peer := ownPeer(t, a)
+			produced.remove(seg) // as between its making and its listing (growLocked)
+			t.Cleanup(func() { produced.add(seg) })
+			ref := BlockRef{Seg: SegmentRef{Name: seg.alloc.Name(), Size: seg.alloc.Size()}, Offset: keep.Offset(), Size: 4096, Gen: keep.gen, Ticket: peer}
+			mapped, err := Attach(ref) // this process maps it as any receiver, now
+			require.NoError(t, err)
+			require.NoError(t, mapped.Release())
+			require.NoError(t, a.Release())
+			p.InUse() // free now
+			var again *Block
+			f := func() {
+				if again == nil {
+					produced.add(seg)
+					again, err = p.Alloc(4096)
+					require.NoError(t, err)
+				}
+			}
+			afterLook.Store(&f)
+			t.Cleanup(func() { afterLook.Store(nil) })
+			ref = BlockRef{Seg: SegmentRef{Name: seg.alloc.Name(), Size: seg.alloc.Size()}, Offset: off, Size: 4096, Gen: a.gen, Ticket: peer, Covers: func(ID) bool { return true }}
+			if all {
+				ref.Seg, ref.Ticket = SegmentRef{ID: seg.alloc.ID(), Size: seg.alloc.Size()}, -1
+				_, err = AttachAll([]BlockRef{ref})
+			} else {
+				_, err = Attach(ref)
+			}
+			require.NotNil(t, again)
+			require.True(t, again.seg == seg && again.Offset() == off && again.gen == ref.Gen, "handed out between the looks, at the generation named")
+			require.ErrorIs(t, err, ErrStaleBlock)
+			require.NoError(t, again.Release())
+		})
+	}
+}
+
+// A mapping of a segment made before its pool listed it as this
+// process's own skipped readSlab's check of its slot table, which a peer
+// may have rewritten (half the slot size here, as many slots, over the
+// same data). An attach by that mapping once the pool lists the segment
+// is refused: its slots are not the pool's.
+func TestOwnSegmentMappedBeforeItWasListed(t *testing.T) {
+	p := newPool(1 << 30)
+	t.Cleanup(func() { p.Trim(0) })
+	a0, err := p.Alloc(8192)
+	require.NoError(t, err)
+	a1, err := p.Alloc(8192)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = a0.Release(); _ = a1.Release() })
+	seg := a1.seg
+	peer := ownPeer(t, a1)
+	hdr, err := unix.Mmap(peer, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	require.NoError(t, err)
+	defer unix.Munmap(hdr)
+	binary.LittleEndian.PutUint64(hdr[8:], 4096) // half the slot size
+	produced.remove(seg)                         // as between its making and its listing
+	b, err := Attach(BlockRef{Seg: SegmentRef{ID: seg.alloc.ID(), Size: seg.alloc.Size()}, Offset: a0.Offset(), Size: 4096, Gen: 1, Ticket: peer})
+	produced.add(seg)
+	require.NoError(t, err, "mapped while no pool of this process listed it")
+	require.NoError(t, b.Release())
+	_, err = Attach(BlockRef{Seg: SegmentRef{ID: seg.alloc.ID(), Size: seg.alloc.Size()}, Offset: a1.Offset(), Size: 4096, Gen: a1.Gen(), Ticket: -1})
+	require.ErrorContains(t, err, "not this process's pool's")
+	_, err = AttachAll([]BlockRef{{Seg: SegmentRef{ID: seg.alloc.ID(), Size: seg.alloc.Size()}, Offset: a1.Offset(), Size: 4096, Gen: a1.Gen(), Ticket: -1}})
+	require.ErrorContains(t, err, "not this process's pool's")
 }

@@ -350,33 +350,41 @@ func TestAttachLooksAtThePoolAgainOnceItHolds(t *testing.T) {
 // A holder of a segment of this process's pool rewrites its slot table's
 // header before this process maps the segment a second time: slots of
 // another size over the same data, so that a block of the rewritten
-// table spans a slot in use and the free one beside it, or starts where
-// no slot of the pool does. The mapping is refused: this process's own
-// segment has its pool's slots.
+// table spans a slot in use and the free one beside it, sits on a slot
+// in use but takes another's lock, or starts where no slot of the pool
+// does. The attach is refused: this process's own segment has its pool's
+// slots.
 func TestOwnSegmentWithARewrittenTableIsRefused(t *testing.T) {
 	for _, c := range []struct {
-		name          string
-		cap, nslots   uint64
-		offset, bytes int64
-		want          string // what refuses it: the mapping's table, or the look at the pool
+		name        string
+		cap, nslots uint64
+		slot        int   // of the pool's, both in use: the block named starts there
+		extra       int64 // bytes past that slot's start
+		bytes       int64
+		want        string // what refuses it: the mapping's table, or the look at the pool
 	}{
-		{"twice the slot size, half the slots", 16384, 128, 4096, 16384, "not this process's pool's"},
-		{"a slot size that starts no slot of the pool's", 12288, 170, 4096 + 12288, 12288, "not a slot of this process's pool"},
+		{"twice the slot size, half the slots", 16384, 128, 0, 0, 16384, "not this process's pool's"},
+		{"half the slot size, as many slots", 4096, 256, 1, 0, 4096, "not this process's pool's"},
+		{"a slot size that starts no slot of the pool's", 12288, 170, 1, 4096, 12288, "not a slot of this process's pool"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			p := testPool(t)
-			a := mustAlloc(t, p, 8192) // a slab of 256 slots of 8 KiB, data at 4096
-			t.Cleanup(func() { _ = a.Release() })
-			require.Equal(t, int64(4096), a.Offset())
-			peer := peerOf(t, a)
+			var bs [2]*shm.Block // a slab of 256 slots of 8 KiB, data at 4096
+			for i := range bs {
+				bs[i] = mustAlloc(t, p, 8192)
+				t.Cleanup(func() { _ = bs[i].Release() })
+				require.Equal(t, int64(4096+8192*i), bs[i].Offset())
+			}
+			b := bs[c.slot]
+			peer := peerOf(t, b)
 			hdr, err := unix.Mmap(peer, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 			require.NoError(t, err)
 			defer unix.Munmap(hdr)
 			require.Equal(t, uint64(8192), binary.LittleEndian.Uint64(hdr[8:]), "the slot size in the header")
 			binary.LittleEndian.PutUint64(hdr[8:], c.cap)
 			binary.LittleEndian.PutUint64(hdr[16:], c.nslots)
-			seg := a.Segment()
-			_, err = shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: c.offset, Size: c.bytes, Gen: a.Gen(), Ticket: peer, Covers: covering})
+			seg := b.Segment()
+			_, err = shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{ID: seg.ID(), Size: seg.Size()}, Offset: b.Offset() + c.extra, Size: c.bytes, Gen: b.Gen(), Ticket: peer, Covers: covering})
 			require.Error(t, err)
 			assert.ErrorContains(t, err, c.want)
 		})
