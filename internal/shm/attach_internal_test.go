@@ -288,6 +288,18 @@ func TestOwnSegmentListedAsItIsAttached(t *testing.T) {
 			require.NoError(t, mapped.Release())
 			require.NoError(t, a.Release())
 			p.InUse() // free now
+			// Beside a block of another segment of this process's,
+			// whose pool lists it all along, for AttachAll.
+			other := newPool(1 << 30)
+			t.Cleanup(func() { other.Trim(0) })
+			x, err := other.Alloc(4096)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = x.Release() })
+			byID := BlockRef{Seg: SegmentRef{ID: x.seg.alloc.ID(), Size: x.seg.alloc.Size()}, Offset: x.Offset(), Size: 4096, Gen: x.gen, Ticket: ownPeer(t, x)}
+			mapped, err = Attach(byID)
+			require.NoError(t, err)
+			require.NoError(t, mapped.Release())
+			byID.Ticket = -1
 			var again *Block
 			f := func() {
 				if again == nil {
@@ -301,7 +313,7 @@ func TestOwnSegmentListedAsItIsAttached(t *testing.T) {
 			ref = BlockRef{Seg: SegmentRef{Name: seg.alloc.Name(), Size: seg.alloc.Size()}, Offset: off, Size: 4096, Gen: a.gen, Ticket: peer, Covers: func(ID) bool { return true }}
 			if all {
 				ref.Seg, ref.Ticket = SegmentRef{ID: seg.alloc.ID(), Size: seg.alloc.Size()}, -1
-				_, err = AttachAll([]BlockRef{ref})
+				_, err = AttachAll([]BlockRef{byID, ref})
 			} else {
 				_, err = Attach(ref)
 			}
@@ -341,4 +353,69 @@ func TestOwnSegmentMappedBeforeItWasListed(t *testing.T) {
 	require.ErrorContains(t, err, "not this process's pool's")
 	_, err = AttachAll([]BlockRef{{Seg: SegmentRef{ID: seg.alloc.ID(), Size: seg.alloc.Size()}, Offset: a1.Offset(), Size: 4096, Gen: a1.Gen(), Ticket: -1}})
 	require.ErrorContains(t, err, "not this process's pool's")
+}
+
+// An attach made wholly while a named pool makes a segment, its file in
+// Dir but not yet listed as the pool's (both looks find it no pool's),
+// keeps its hold: the pool, which would hand the held slot out without
+// asking anybody, gives that segment up and makes another.
+func TestOwnSegmentAttachedBeforeItWasListedIsGivenUp(t *testing.T) {
+	for _, covered := range []bool{false, true} {
+		t.Run(map[bool]string{false: "locked", true: "covered"}[covered], func(t *testing.T) {
+			p := newPool(1 << 30)
+			p.named = true
+			t.Cleanup(func() { p.Trim(0) })
+			var held *Block
+			f := func(seg *segment) {
+				if held != nil {
+					return
+				}
+				peer, err := unix.Open(seg.alloc.path, unix.O_RDWR|unix.O_CLOEXEC, 0) // by its name in Dir
+				require.NoError(t, err)
+				t.Cleanup(func() { _ = unix.Close(peer) })
+				ref := BlockRef{Seg: SegmentRef{Name: seg.alloc.Name(), Size: seg.alloc.Size()}, Offset: seg.dataOff, Size: 4096, Gen: 1, Ticket: peer}
+				if covered {
+					ref.Covers = func(ID) bool { return true }
+				}
+				held, err = Attach(ref)
+				require.NoError(t, err, "no pool of this process lists it yet")
+				t.Cleanup(func() { _ = held.Release() })
+			}
+			beforeListing.Store(&f)
+			t.Cleanup(func() { beforeListing.Store(nil) })
+			b, err := p.Alloc(4096)
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = b.Release() })
+			require.NotNil(t, held)
+			assert.NotEqual(t, held.seg.alloc.ID(), b.seg.alloc.ID(), "a block of the segment given up")
+			b.Bytes()[0] = 0x5a
+			assert.NotEqual(t, byte(0x5a), held.Bytes()[0])
+		})
+	}
+}
+
+// A mapping of this process's own segment whose slot table a peer
+// rewrote is not kept: once the peer writes the table back, this
+// process's own blocks of the segment are attached again.
+func TestOwnSegmentRewrittenMappingIsNotKept(t *testing.T) {
+	p := newPool(1 << 30)
+	t.Cleanup(func() { p.Trim(0) })
+	a0, err := p.Alloc(8192)
+	require.NoError(t, err)
+	a1, err := p.Alloc(8192)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = a0.Release(); _ = a1.Release() })
+	seg := a1.seg
+	peer := ownPeer(t, a1)
+	hdr, err := unix.Mmap(peer, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	require.NoError(t, err)
+	defer unix.Munmap(hdr)
+	binary.LittleEndian.PutUint64(hdr[8:], 4096) // half the slot size
+	ref := BlockRef{Seg: SegmentRef{ID: seg.alloc.ID(), Size: seg.alloc.Size()}, Offset: a1.Offset(), Size: 4096, Gen: a1.Gen(), Ticket: peer}
+	_, err = Attach(ref)
+	require.ErrorContains(t, err, "not this process's pool's")
+	binary.LittleEndian.PutUint64(hdr[8:], 8192) // written back
+	b, err := Attach(ref)
+	require.NoError(t, err)
+	require.NoError(t, b.Release())
 }

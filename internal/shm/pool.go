@@ -411,29 +411,49 @@ func (p *Pool) growOnce(c *sizeClass) error {
 
 // growLocked adds a segment to class c: a slab of blocks (see slabSlots),
 // or one large block. When the system is out of room, it trims the pool
-// and tries once more. It lets go of the pool's lock while an extent is
+// and tries once more. A named segment that this process mapped as a
+// receiver before the pool listed it is given up, and another made. It lets go of the pool's lock while an extent is
 // made or closed (see newSegment), and adds nothing if the class has
 // free blocks when the lock is back after a failed try.
 func (p *Pool) growLocked(c *sizeClass) error {
 	nslots := slabSlots(c.cap, len(c.segs))
-	seg, err := p.newSegment(c, nslots)
-	if err != nil {
-		p.trimAllLocked(0)
-		p.mu.Unlock()
-		extentClosing.wait() // their memory back before the retry
-		p.mu.Lock()
-		if len(c.free) > 0 {
-			return nil
-		}
+	var seg *segment
+	for tries := 0; ; tries++ {
+		var err error
 		seg, err = p.newSegment(c, nslots)
-	}
-	if err != nil {
-		return err
+		if err != nil {
+			p.trimAllLocked(0)
+			p.mu.Unlock()
+			extentClosing.wait() // their memory back before the retry
+			p.mu.Lock()
+			if len(c.free) > 0 {
+				return nil
+			}
+			seg, err = p.newSegment(c, nslots)
+		}
+		if err != nil {
+			return err
+		}
+		if hook := beforeListing.Load(); hook != nil {
+			(*hook)(seg)
+		}
+		produced.add(seg)
+		if !seg.named || !mappedAsReceived(seg) {
+			break
+		}
+		// A holder of the new segment's name opened it before the pool
+		// listed it, and this process attached a block of it then, as a
+		// receiver: a hold no look at the pool checked (see heldLook).
+		// The pool hands out no block of it.
+		where := seg.alloc.where()
+		seg.close()
+		if tries == 2 {
+			return &Error{Op: "grow", Path: where, Err: errors.New("each segment made was mapped by an attach of this process before its pool listed it")}
+		}
 	}
 	p.segs[seg] = struct{}{}
 	c.segs = append(c.segs, seg)
 	liveSegments.add(seg)
-	produced.add(seg)
 	p.cached += seg.bytes()
 	seg.blocks = make([]*Block, nslots)
 	for slot := nslots - 1; slot >= 0; slot-- { // handed out from slot 0 up: pages are reserved in order
@@ -442,6 +462,23 @@ func (p *Pool) growLocked(c *sizeClass) error {
 		c.free = append(c.free, b)
 	}
 	return nil
+}
+
+// beforeListing, if set, runs in growLocked with each segment it made,
+// before the pool lists it: tests set it to attach a block of a named
+// segment in that window.
+var beforeListing atomic.Pointer[func(*segment)]
+
+// mappedAsReceived reports whether this process maps seg, a segment its
+// pool just made, as a receiver too.
+func mappedAsReceived(seg *segment) bool {
+	id := seg.alloc.ID()
+	for _, s := range liveSegments.list() {
+		if s != seg && s.pool == nil && s.alloc.ID() == id {
+			return true
+		}
+	}
+	return false
 }
 
 // newSegment makes a segment of nslots slots of class c, owned by the
