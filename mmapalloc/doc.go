@@ -59,7 +59,11 @@
 // (the receiver takes it for the segment's without a look), so that
 // the block is held by nothing until the receiver's own lock takes over,
 // milliseconds later; and, under file_system, truncate a named segment it
-// can open, which makes the mappings of it fault.
+// can open, which makes the mappings of it fault. What it cannot do, with
+// any descriptor of a segment a process made, any name, slot table or
+// header it writes: make that process hold a block of its own pool that
+// the pool has free or hands out while the hold lasts. The process looks
+// at its pool's own record of the slot before its hold and after it.
 //
 // Ownership: an Allocation owns its mapping, its descriptor (KeepFD) and
 // its reference (RefCount), and Release gives each back exactly once. OpenFD

@@ -355,10 +355,10 @@ func TestOwnSegmentMappedBeforeItWasListed(t *testing.T) {
 	require.ErrorContains(t, err, "not this process's pool's")
 }
 
-// An attach made wholly while a named pool makes a segment, its file in
-// Dir but not yet listed as the pool's (both looks find it no pool's),
-// keeps its hold: the pool, which would hand the held slot out without
-// asking anybody, gives that segment up and makes another.
+// An attach made wholly while a pool makes a segment, its file in Dir
+// (or in /proc) but not yet listed as the pool's (both looks find it no
+// pool's), keeps its hold: the pool, which would hand the held slot out
+// without asking anybody, gives that segment up and makes another.
 func TestOwnSegmentAttachedBeforeItWasListedIsGivenUp(t *testing.T) {
 	for _, covered := range []bool{false, true} {
 		t.Run(map[bool]string{false: "locked", true: "covered"}[covered], func(t *testing.T) {
@@ -418,4 +418,46 @@ func TestOwnSegmentRewrittenMappingIsNotKept(t *testing.T) {
 	b, err := Attach(ref)
 	require.NoError(t, err)
 	require.NoError(t, b.Release())
+}
+
+// An attach that starts once the pool lists a new segment, before the
+// pool looks for a receiver's mapping of it, finds the segment the
+// pool's (it waits for the pool to be done with it): a free slot of it
+// is refused. Were the pool to look before it lists the segment, the
+// attach would find it nobody's, and keep its hold.
+func TestOwnSegmentAttachedAsItIsListedIsRefused(t *testing.T) {
+	p := newPool(1 << 30)
+	t.Cleanup(func() { p.Trim(0) })
+	done := make(chan error, 1)
+	started := false
+	f := func(seg *segment) {
+		if started {
+			return
+		}
+		started = true
+		peer, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", seg.alloc.fd()), unix.O_RDWR|unix.O_CLOEXEC, 0)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = unix.Close(peer) })
+		// Slot 1: the Alloc hands out slot 0, and slot 1 stays free.
+		ref := BlockRef{Seg: SegmentRef{ID: seg.alloc.ID(), Size: seg.alloc.Size()}, Offset: seg.dataOff + seg.cap, Size: 4096, Gen: 1, Ticket: peer, Covers: func(ID) bool { return true }}
+		go func() {
+			held, err := Attach(ref)
+			if err == nil {
+				_ = held.Release()
+			}
+			done <- err
+		}()
+		select { // an attach of a segment the pool lists waits for its lock
+		case err := <-done:
+			done <- err
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	afterListing.Store(&f)
+	t.Cleanup(func() { afterListing.Store(nil) })
+	b, err := p.Alloc(4096)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = b.Release() })
+	require.True(t, started)
+	require.ErrorIs(t, <-done, ErrStaleBlock)
 }

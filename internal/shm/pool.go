@@ -411,8 +411,8 @@ func (p *Pool) growOnce(c *sizeClass) error {
 
 // growLocked adds a segment to class c: a slab of blocks (see slabSlots),
 // or one large block. When the system is out of room, it trims the pool
-// and tries once more. A named segment that this process mapped as a
-// receiver before the pool listed it is given up, and another made. It lets go of the pool's lock while an extent is
+// and tries once more. A segment that this process mapped as a receiver
+// before the pool listed it is given up, and another made. It lets go of the pool's lock while an extent is
 // made or closed (see newSegment), and adds nothing if the class has
 // free blocks when the lock is back after a failed try.
 func (p *Pool) growLocked(c *sizeClass) error {
@@ -438,13 +438,17 @@ func (p *Pool) growLocked(c *sizeClass) error {
 			(*hook)(seg)
 		}
 		produced.add(seg)
-		if !seg.named || !mappedAsReceived(seg) {
+		if hook := afterListing.Load(); hook != nil {
+			(*hook)(seg)
+		}
+		if !mappedAsReceived(seg) { // listed first: an attach that maps it after this look finds it listed
 			break
 		}
-		// A holder of the new segment's name opened it before the pool
-		// listed it, and this process attached a block of it then, as a
-		// receiver: a hold no look at the pool checked (see heldLook).
-		// The pool hands out no block of it.
+		// A holder of the new segment (by its name, or by the process's
+		// descriptor of it in /proc) opened it before the pool listed it,
+		// and this process attached a block of it then, as a receiver: a
+		// hold no look at the pool checked (see heldLook). The pool hands
+		// out no block of it.
 		where := seg.alloc.where()
 		seg.close()
 		if tries == 2 {
@@ -464,10 +468,13 @@ func (p *Pool) growLocked(c *sizeClass) error {
 	return nil
 }
 
-// beforeListing, if set, runs in growLocked with each segment it made,
-// before the pool lists it: tests set it to attach a block of a named
-// segment in that window.
-var beforeListing atomic.Pointer[func(*segment)]
+// beforeListing and afterListing, if set, run in growLocked with each
+// segment it made, before the pool lists it and after, before it looks
+// for a receiver's mapping of it: tests set them to attach a block of
+// the segment there. They run under the pool's mu, and an attach takes
+// attached.mu, which the lock order forbids (state.go); it cannot
+// deadlock there, since nothing takes a pool's mu under attached.mu.
+var beforeListing, afterListing atomic.Pointer[func(*segment)]
 
 // mappedAsReceived reports whether this process maps seg, a segment its
 // pool just made, as a receiver too.
