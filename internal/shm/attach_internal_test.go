@@ -250,6 +250,28 @@ func TestTransferKeepsTheLockItTakes(t *testing.T) {
 	}
 }
 
+// halvedOwnSegment makes a pool with blocks a0 and a1 of 8 KiB, slots 0
+// and 1 of one segment, and returns them with a peer's descriptor of the
+// segment (ownPeer) and the peer's writable mapping of its slot table,
+// whose slot size it has halved (as many slots, over the same data).
+// The test's end gives everything back.
+func halvedOwnSegment(t *testing.T) (a0, a1 *Block, peer int, hdr []byte) {
+	t.Helper()
+	p := newPool(1 << 30)
+	t.Cleanup(func() { p.Trim(0) })
+	a0, err := p.Alloc(8192)
+	require.NoError(t, err)
+	a1, err = p.Alloc(8192)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = a0.Release(); _ = a1.Release() })
+	peer = ownPeer(t, a1)
+	hdr, err = unix.Mmap(peer, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = unix.Munmap(hdr) })
+	binary.LittleEndian.PutUint64(hdr[8:], 4096) // half the slot size
+	return a0, a1, peer, hdr
+}
+
 // ownPeer returns a descriptor of b's segment through a description of
 // its own, which holds nothing: what a peer that reopens a message's
 // descriptor has. The test's end closes it.
@@ -331,20 +353,9 @@ func TestOwnSegmentListedAsItIsAttached(t *testing.T) {
 // same data). An attach by that mapping once the pool lists the segment
 // is refused: its slots are not the pool's.
 func TestOwnSegmentMappedBeforeItWasListed(t *testing.T) {
-	p := newPool(1 << 30)
-	t.Cleanup(func() { p.Trim(0) })
-	a0, err := p.Alloc(8192)
-	require.NoError(t, err)
-	a1, err := p.Alloc(8192)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = a0.Release(); _ = a1.Release() })
+	a0, a1, peer, _ := halvedOwnSegment(t)
 	seg := a1.seg
-	peer := ownPeer(t, a1)
-	hdr, err := unix.Mmap(peer, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-	require.NoError(t, err)
-	defer unix.Munmap(hdr)
-	binary.LittleEndian.PutUint64(hdr[8:], 4096) // half the slot size
-	produced.remove(seg)                         // as between its making and its listing
+	produced.remove(seg) // as between its making and its listing
 	b, err := Attach(BlockRef{Seg: SegmentRef{ID: seg.alloc.ID(), Size: seg.alloc.Size()}, Offset: a0.Offset(), Size: 4096, Gen: 1, Ticket: peer})
 	produced.add(seg)
 	require.NoError(t, err, "mapped while no pool of this process listed it")
@@ -398,21 +409,10 @@ func TestOwnSegmentAttachedBeforeItWasListedIsGivenUp(t *testing.T) {
 // rewrote is not kept: once the peer writes the table back, this
 // process's own blocks of the segment are attached again.
 func TestOwnSegmentRewrittenMappingIsNotKept(t *testing.T) {
-	p := newPool(1 << 30)
-	t.Cleanup(func() { p.Trim(0) })
-	a0, err := p.Alloc(8192)
-	require.NoError(t, err)
-	a1, err := p.Alloc(8192)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = a0.Release(); _ = a1.Release() })
+	_, a1, peer, hdr := halvedOwnSegment(t)
 	seg := a1.seg
-	peer := ownPeer(t, a1)
-	hdr, err := unix.Mmap(peer, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-	require.NoError(t, err)
-	defer unix.Munmap(hdr)
-	binary.LittleEndian.PutUint64(hdr[8:], 4096) // half the slot size
 	ref := BlockRef{Seg: SegmentRef{ID: seg.alloc.ID(), Size: seg.alloc.Size()}, Offset: a1.Offset(), Size: 4096, Gen: a1.Gen(), Ticket: peer}
-	_, err = Attach(ref)
+	_, err := Attach(ref)
 	require.ErrorContains(t, err, "not this process's pool's")
 	binary.LittleEndian.PutUint64(hdr[8:], 8192) // written back
 	b, err := Attach(ref)
