@@ -86,10 +86,25 @@ const (
 	// -cpus 2 went so in four runs of ten in an hour of costly wakes:
 	// 31–115 µs a round trip, against 7–11 µs).
 	spinCap = 100 * time.Microsecond
-	// sleepSlice is the longest a waiter sleeps before it looks at its
-	// context and its peer again: how late a cancellation or a dead peer
-	// may be seen.
+	// sleepSlice is the longest a waiter sleeps at first before it asks
+	// whether its peer is alive again: how late a dead peer may be seen
+	// by a wait that began lately. Each slice that ends with no ring
+	// doubles the next, up to maxSleepSlice: a waiter whose peer is
+	// silent for long wakes ever more rarely (see WaitUntil), and a
+	// dead peer is seen within about as long as the wait had lasted
+	// when it died, and within maxSleepSlice.
 	sleepSlice = 10 * time.Millisecond
+	// maxSleepSlice is the longest a waiter sleeps before it asks
+	// whether its peer is alive. A thread that goes back into FUTEX_WAIT
+	// holds its process's scheduler slot (its P) in the system call
+	// until the runtime's monitor takes it back, up to 10 ms later when
+	// the process has been busy: with GOMAXPROCS=1 (a process on one
+	// CPU, by pinning or by its cgroup's quota), a waiter that woke
+	// every 10 ms halved the stream of another goroutine of its process
+	// (spawn bench's pipe stream, against its floors' idle servers:
+	// 120–150k/s against 300–380k/s); one that wakes each second costs
+	// nothing that shows.
+	maxSleepSlice = time.Second
 	// spinMin is the shortest spin: what a ring from a ringer already
 	// running on another CPU takes to be seen, with room to spare.
 	spinMin = 2 * time.Microsecond
@@ -249,8 +264,17 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, u
 		return w, nil
 	}
 	deadline, hasDeadline := ctx.Deadline()
-	sliceEnd := time.Now().Add(sleepSlice)
+	slice := sleepSlice
+	sliceEnd := time.Now().Add(slice)
 	nudged, slept := false, false
+	// A cancellation wakes the sleep at once (Nudge), which the slices,
+	// long for a long wait, would otherwise see late.
+	var stop func() bool
+	defer func() {
+		if stop != nil {
+			stop()
+		}
+	}()
 	for {
 		// Arm the flag before the look: a ring after the look sees it.
 		// The sleep is on the flag's armed value, not on the word: any
@@ -285,8 +309,14 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, u
 			if err := alive(); err != nil {
 				return last, err
 			}
-			sliceEnd = now.Add(sleepSlice)
+			if !nudged {
+				slice = min(2*slice, maxSleepSlice)
+			}
+			sliceEnd = now.Add(slice)
 			nudged = false
+		}
+		if stop == nil && ctx.Done() != nil {
+			stop = context.AfterFunc(ctx, b.Nudge)
 		}
 		sleep := sliceEnd.Sub(now)
 		if hasDeadline {

@@ -234,6 +234,35 @@ func TestBellWaitEnds(t *testing.T) {
 	assert.ErrorIs(t, err, context.Canceled)
 }
 
+// A waiter whose peer stays silent asks alive ever more rarely, each
+// sleep slice twice the last (up to a second): a thread that goes back to
+// sleep holds its process's scheduler slot until the runtime takes it
+// back, which a busy goroutine of a process on one CPU pays for. Its
+// context still ends the wait at once, however long the slice.
+func TestBellSleepsLongerAsItWaits(t *testing.T) {
+	_, _, pong := bellMemory(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var asks []time.Time
+	var cancelled time.Time
+	alive := func() error { // called by the waiter, on this goroutine
+		asks = append(asks, time.Now())
+		if len(asks) == 5 {
+			cancelled = time.Now().Add(30 * time.Millisecond)
+			time.AfterFunc(30*time.Millisecond, cancel)
+		}
+		return nil
+	}
+	_, err := pong.Wait(ctx, pong.Load(), alive)
+	require.ErrorIs(t, err, context.Canceled)
+	require.Len(t, asks, 5, "asked again after the cancellation, or not asked as slices ended")
+	// Slices of 20, 40, 80 and 160 ms between the asks; without the
+	// doubling, 10 ms each.
+	assert.Greater(t, asks[4].Sub(asks[3]), 100*time.Millisecond, "the slices did not grow: %v", asks)
+	// The sixth slice, 320 ms, is cut short by the cancellation.
+	assert.Less(t, time.Since(cancelled), 150*time.Millisecond, "the cancellation was seen at the slice's end")
+}
+
 // A bell's memory must be whole and aligned.
 func TestNewBellRefusesBadMemory(t *testing.T) {
 	mem := make([]byte, 512)
