@@ -42,9 +42,15 @@ const (
 )
 
 const (
-	spinCheck    = 1 << 20                // spins between looks at the other end and the clock
-	spinFor      = 100 * time.Millisecond // spinning without a change before sleeping instead
-	futexTimeout = 100 * time.Millisecond // asleep before a look at the other end
+	spinCheck = 1 << 20                // spins between looks at the other end and the clock
+	spinFor   = 100 * time.Millisecond // spinning without a change before sleeping instead
+	// futexTimeout is how long a side sleeps before it looks at the
+	// other end. Long: a thread that goes back to sleep holds its
+	// process's scheduler slot until the runtime takes it back, and
+	// under -cpus (GOMAXPROCS=1) the worker's idle server would take
+	// that time from the cases measured meanwhile (see sock's
+	// maxSleepSlice).
+	futexTimeout = time.Second
 )
 
 const (
