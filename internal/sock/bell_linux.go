@@ -40,9 +40,10 @@ import (
 // make it spin up to spinCap in vain, yield its CPU as it spins, or make
 // a ringer take a waiter gone for one that spun lately (SpunWithin); it
 // cannot make it miss a Ring or sleep past its context and its peer's
-// end, and a Ring whose wake it suppresses is seen at most a sleepSlice
-// late. So is one whose wake is lost to a ringer killed between clearing
-// the flag and waking.
+// end, and a Ring whose wake it suppresses is seen at most a sleep slice
+// late (sleepSlice early in a wait, up to maxSleepSlice in a long one). So
+// is one whose wake is lost to a ringer killed between clearing the flag
+// and waking.
 type Bell struct {
 	word   *uint32
 	rang   *int64
@@ -210,7 +211,7 @@ func (b *Bell) Nudge() { b.wake() }
 //
 // FUTEX_WAKE fails only for an address that is not mapped or not aligned,
 // which a Bell's never are; a wake that failed all the same would be seen
-// by its waiter a sleepSlice late, so it is not an error of the ring.
+// by its waiter a sleep slice late, so it is not an error of the ring.
 func (b *Bell) wake() {
 	// Dekker's pattern with the waiter, both sides sequentially
 	// consistent: either the waiter's arming is seen here, or the waiter
@@ -237,10 +238,13 @@ func (b *Bell) wake() {
 
 // Wait waits until the word is no longer last and returns it. It ends
 // early with ctx's error, or with alive's: alive is asked whether the peer
-// that rings is still there each time sleepSlice has gone by without a
+// that rings is still there each time a sleep slice has gone by without a
 // ring, whatever woke the waiter meanwhile (a signal, a ring for nothing),
 // and after a wake that did not move the word (Nudge), and its error is
-// returned as it is.
+// returned as it is. The first slice is sleepSlice, and each that ends
+// with no ring doubles the next, up to maxSleepSlice; once the first has
+// ended, the end of ctx wakes the sleep at once. A Nudge it made is done
+// with the Bell's memory before Wait returns.
 //
 // A waiter that leaves its wait (its ring came, or its context ended)
 // while its flag is set, or is killed asleep, costs the next Ring one
@@ -267,12 +271,16 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, u
 	slice := sleepSlice
 	sliceEnd := time.Now().Add(slice)
 	nudged, slept := false, false
-	// A cancellation wakes the sleep at once (Nudge), which the slices,
-	// long for a long wait, would otherwise see late.
+	// Once the first slice has ended, the end of ctx wakes the sleep at
+	// once (Nudge), which the slices, long in a long wait, would see
+	// late; a wait that ends within the first, a hot one's, makes no
+	// callback. A callback started is waited for: its Nudge writes the
+	// Bell's memory, which the caller may unmap once this returns.
 	var stop func() bool
+	var callbackDone chan struct{}
 	defer func() {
-		if stop != nil {
-			stop()
+		if stop != nil && !stop() {
+			<-callbackDone
 		}
 	}()
 	for {
@@ -311,12 +319,13 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, u
 			}
 			if !nudged {
 				slice = min(2*slice, maxSleepSlice)
+				if stop == nil && ctx.Done() != nil {
+					done := make(chan struct{})
+					stop, callbackDone = context.AfterFunc(ctx, func() { b.Nudge(); close(done) }), done
+				}
 			}
 			sliceEnd = now.Add(slice)
 			nudged = false
-		}
-		if stop == nil && ctx.Done() != nil {
-			stop = context.AfterFunc(ctx, b.Nudge)
 		}
 		sleep := sliceEnd.Sub(now)
 		if hasDeadline {

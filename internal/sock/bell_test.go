@@ -235,19 +235,20 @@ func TestBellWaitEnds(t *testing.T) {
 }
 
 // A waiter whose peer stays silent asks alive ever more rarely, each
-// sleep slice twice the last (up to a second): a thread that goes back to
-// sleep holds its process's scheduler slot until the runtime takes it
-// back, which a busy goroutine of a process on one CPU pays for. Its
-// context still ends the wait at once, however long the slice.
+// sleep slice twice the last, from 10 ms up to a second: a thread that
+// goes back to sleep holds its process's scheduler slot until the runtime
+// takes it back, which a busy goroutine of a process on one CPU pays for.
+// Its context still ends the wait at once, however long the slice.
 func TestBellSleepsLongerAsItWaits(t *testing.T) {
 	_, _, pong := bellMemory(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
+	const asked = 8 // at about 10, 30, 70, 150, 310, 630, 1270 and 2270 ms
 	var asks []time.Time
 	var cancelled time.Time
 	alive := func() error { // called by the waiter, on this goroutine
 		asks = append(asks, time.Now())
-		if len(asks) == 5 {
+		if len(asks) == asked {
 			cancelled = time.Now().Add(30 * time.Millisecond)
 			time.AfterFunc(30*time.Millisecond, cancel)
 		}
@@ -255,12 +256,36 @@ func TestBellSleepsLongerAsItWaits(t *testing.T) {
 	}
 	_, err := pong.Wait(ctx, pong.Load(), alive)
 	require.ErrorIs(t, err, context.Canceled)
-	require.Len(t, asks, 5, "asked again after the cancellation, or not asked as slices ended")
-	// Slices of 20, 40, 80 and 160 ms between the asks; without the
-	// doubling, 10 ms each.
-	assert.Greater(t, asks[4].Sub(asks[3]), 100*time.Millisecond, "the slices did not grow: %v", asks)
-	// The sixth slice, 320 ms, is cut short by the cancellation.
+	require.Len(t, asks, asked, "asked again after the cancellation, or not asked as slices ended")
+	gap := func(i int) time.Duration { return asks[i].Sub(asks[i-1]) }
+	// Slices of 20, 40, 80 and 160 ms: begun short (a dead peer is seen
+	// within about as long as the wait had lasted), then doubled.
+	assert.Less(t, asks[4].Sub(asks[0]), 600*time.Millisecond, "the first slices were long: %v", asks)
+	assert.GreaterOrEqual(t, gap(4), 140*time.Millisecond, "the slices did not double: %v", asks)
+	// Then 320 and 640 ms, and a second, not 1.28 s.
+	assert.Less(t, gap(7), 1150*time.Millisecond, "the slices grew past a second: %v", asks)
+	// The next slice, a second, is cut short by the cancellation.
 	assert.Less(t, time.Since(cancelled), 150*time.Millisecond, "the cancellation was seen at the slice's end")
+}
+
+// A wait that ends as its context does, past its first slice, with the
+// context's callback racing its return, is done with the bell's memory
+// once it has returned: the lane it waited on may be unmapped at once.
+func TestLaneClosedAsItsWaitEnds(t *testing.T) {
+	for range 60 {
+		f, err := sock.CreateLane(8, 64)
+		require.NoError(t, err)
+		l, err := sock.OpenLane(f)
+		require.NoError(t, err)
+		// Past the first slice (10 ms), whose end arms the callback.
+		ctx, cancel := context.WithTimeout(context.Background(), 11*time.Millisecond)
+		_, err = l.Recv(ctx, nil, func() error { return nil })
+		cancel()
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+		require.NoError(t, l.Close()) // unmaps the bells: a Nudge still to come would fault
+		require.NoError(t, f.Close())
+	}
+	time.Sleep(20 * time.Millisecond) // for a late Nudge to land, if any
 }
 
 // A bell's memory must be whole and aligned.

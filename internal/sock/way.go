@@ -46,11 +46,11 @@ import (
 // the order it sent them, whichever way each went. A marker that finds
 // the lane full is written before the writer's next message instead;
 // until then, and for messages of processes without the role (which
-// nudge the reader), the reader looks at the socket each sleepSlice while
-// it waits on the lane. A message received ahead of its place (by a
-// process that had no role yet) is kept until its place comes, or, if
-// the reader lets go of its role meanwhile, until its next receive; a
-// reader that closes its end drops it.
+// nudge the reader), the reader looks at the socket at the end of each
+// sleep slice while it waits on the lane (see Bell.Wait). A message
+// received ahead of its place (by a process that had no role yet) is kept
+// until its place comes, or, if the reader lets go of its role meanwhile,
+// until its next receive; a reader that closes its end drops it.
 //
 // Ends. A reader whose writers are all gone (the socket's other end is
 // closed in every process) gets what the lane and the socket still hold,
@@ -1243,7 +1243,7 @@ func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32, lane bool) (Ms
 // empty, as its wait on the lane arms its sleep: the writer's Nudge,
 // which follows its count, found no sleep to wake if it came before the
 // arm, while the reader spun, and the reader would sleep past the message
-// until alive's next look, a sleepSlice later. The caller holds sem.
+// until alive's next look, a sleep slice later. The caller holds sem.
 func (w *Way) socketSentSince() error {
 	if l := w.lane.Load(); l != nil && l.readerWord(sockSends).Load() != w.sockSeen {
 		return errSocketReady
