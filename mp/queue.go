@@ -462,7 +462,9 @@ func decodeQueue(dec *msgpack.Decoder, n int) (*Queue, error) {
 // call while both are awake; the rest goes by the socket, in order with
 // it. The lane serves one sending process and one receiving process at a
 // time, the first of each to use the end: another process that holds the
-// same end uses the socket alone, and is heard within 10 ms. Tensors the
+// same end uses the socket alone, and is heard at once (it wakes the
+// receiving process), or at worst at the end of the receiver's sleep
+// slice (10 ms early in a wait, up to a second in a long one). Tensors the
 // lane carried to a receiving process that handed its end on, or closed
 // it, before taking them, come to the next receiving process as errors
 // wrapping mmapalloc.ErrNotMapped, unless that process made their blocks
