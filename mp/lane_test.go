@@ -576,8 +576,19 @@ func TestPipeLaneReaderClosesWithUntaken(t *testing.T) {
 }
 
 // BenchmarkPipeTensorStream streams new shared 4 KiB tensors one way
-// through a pipe, each released once sent, to a worker that checks each.
+// through a pipe, each released once sent, to a worker that checks each:
+// alone, and beside a goroutine of the sending process that waits all the
+// while in a Recv on another pipe, on which nothing comes. Run with -cpu 1
+// (GOMAXPROCS=1, as in a process on one CPU), the second measures what
+// the idle wait takes from the stream: a thread that goes back to sleep
+// in the kernel holds the process's only P until the runtime takes it
+// back (see sock's maxSleepSlice).
 func BenchmarkPipeTensorStream(b *testing.B) {
+	b.Run("alone", func(b *testing.B) { benchPipeTensorStream(b, false) })
+	b.Run("beside-an-idle-receive", func(b *testing.B) { benchPipeTensorStream(b, true) })
+}
+
+func benchPipeTensorStream(b *testing.B, idle bool) {
 	ctx := context.Background()
 	mine, theirs, err := mp.NewPipe()
 	require.NoError(b, err)
@@ -585,6 +596,21 @@ func BenchmarkPipeTensorStream(b *testing.B) {
 	status, err := mp.NewQueue()
 	require.NoError(b, err)
 	defer status.Close()
+	if idle {
+		quiet, other, err := mp.NewPipe()
+		require.NoError(b, err)
+		waitCtx, stop := context.WithCancel(ctx)
+		waited := make(chan error, 1)
+		go func() {
+			var v int
+			waited <- quiet.Recv(waitCtx, &v)
+		}()
+		defer func() {
+			stop()
+			assert.ErrorIs(b, <-waited, context.Canceled)
+			_, _ = quiet.Close(), other.Close()
+		}()
+	}
 	n := b.N
 	g, err := mp.Spawn(ctx, "lane-check", 1, mp.WithArgs(laneArgs{Pipe: theirs, Status: status, N: n, Quick: true}))
 	require.NoError(b, err)
