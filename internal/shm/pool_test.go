@@ -1497,3 +1497,22 @@ func receive(t *testing.T, b *shm.Block) *shm.Block {
 	require.NoError(t, err)
 	return r
 }
+
+// BenchmarkReturnable asks, from every goroutine at once, whether a
+// segment is one of this process's pools': a lookup a receiver makes
+// several times for each block a lane names.
+func BenchmarkReturnable(b *testing.B) {
+	blk, err := shm.DefaultPool().Alloc(4 << 10)
+	require.NoError(b, err)
+	defer blk.Release()
+	id := blk.Segment().ID()
+	b.ReportAllocs()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			if !shm.Returnable(id) {
+				b.Error("a segment of this process's pool is not returnable")
+				return
+			}
+		}
+	})
+}

@@ -171,9 +171,8 @@ func (p *Pool) unpendLocked(b *Block) bool {
 // ones, whose data they hold), and returns it with ProducedVersion as it
 // was when they were read.
 func Produced(dst []ID, max int) ([]ID, uint64) {
-	produced.mu.Lock()
-	defer produced.mu.Unlock()
-	for id, seg := range produced.ids {
+	m := produced.snap.Load()
+	for id, seg := range m.ids {
 		if len(dst) >= max {
 			break
 		}
@@ -181,7 +180,7 @@ func Produced(dst []ID, max int) ([]ID, uint64) {
 			dst = append(dst, id)
 		}
 	}
-	return dst, produced.version.Load()
+	return dst, m.version
 }
 
 // returnable reports whether a message may return seg's blocks by
@@ -203,4 +202,4 @@ func Returnable(id ID) bool {
 
 // ProducedVersion returns a count that changes whenever this process's
 // pools make or close a segment.
-func ProducedVersion() uint64 { return produced.version.Load() }
+func ProducedVersion() uint64 { return produced.snap.Load().version }

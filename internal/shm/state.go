@@ -63,7 +63,7 @@ var (
 	attached = &segmentTable{m: map[ID]*segment{}, names: map[string]ID{}}
 	// produced indexes the segments this process's pools made, by
 	// identity and, for named ones, by name (users.go).
-	produced = &segmentIndex{ids: map[ID]*segment{}, names: map[string]*segment{}}
+	produced = newSegmentIndex()
 	// liveSegments holds every pooled segment this process maps, as
 	// producer or receiver, for DropRefsForExit.
 	liveSegments = newLockedSet[*segment]()

@@ -1,6 +1,7 @@
 package shm
 
 import (
+	"maps"
 	"sync"
 	"sync/atomic"
 )
@@ -142,43 +143,58 @@ func userIn(received *segment, own func() *segment, off int64, gen uint64) any {
 	return nil
 }
 
+// A segmentIndex indexes segments by identity and, for named ones, by
+// name. Lookups, several for each block a lane names, read a snapshot
+// with no lock; add and remove, once a segment's life, copy it.
 type segmentIndex struct {
-	mu      sync.Mutex
+	mu   sync.Mutex // serialises add and remove
+	snap atomic.Pointer[segmentMaps]
+}
+
+// segmentMaps is a segmentIndex's contents at one version, never changed
+// once stored.
+type segmentMaps struct {
 	ids     map[ID]*segment
 	names   map[string]*segment
-	version atomic.Uint64 // bumped at each change
+	version uint64 // bumped at each change
+}
+
+func newSegmentIndex() *segmentIndex {
+	x := new(segmentIndex)
+	x.snap.Store(&segmentMaps{ids: map[ID]*segment{}, names: map[string]*segment{}})
+	return x
+}
+
+// change stores a copy of the index that edit changed.
+func (x *segmentIndex) change(edit func(*segmentMaps)) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	old := x.snap.Load()
+	next := &segmentMaps{ids: maps.Clone(old.ids), names: maps.Clone(old.names), version: old.version + 1}
+	edit(next)
+	x.snap.Store(next)
 }
 
 func (x *segmentIndex) add(seg *segment) {
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	x.version.Add(1)
-	x.ids[seg.alloc.ID()] = seg
-	if seg.named {
-		x.names[seg.alloc.Name()] = seg
-	}
+	x.change(func(m *segmentMaps) {
+		m.ids[seg.alloc.ID()] = seg
+		if seg.named {
+			m.names[seg.alloc.Name()] = seg
+		}
+	})
 }
 
 func (x *segmentIndex) remove(seg *segment) {
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	x.version.Add(1)
-	if x.ids[seg.alloc.ID()] == seg {
-		delete(x.ids, seg.alloc.ID())
-	}
-	if seg.named && x.names[seg.alloc.Name()] == seg {
-		delete(x.names, seg.alloc.Name())
-	}
+	x.change(func(m *segmentMaps) {
+		if m.ids[seg.alloc.ID()] == seg {
+			delete(m.ids, seg.alloc.ID())
+		}
+		if seg.named && m.names[seg.alloc.Name()] == seg {
+			delete(m.names, seg.alloc.Name())
+		}
+	})
 }
 
-func (x *segmentIndex) byID(id ID) *segment {
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	return x.ids[id]
-}
+func (x *segmentIndex) byID(id ID) *segment { return x.snap.Load().ids[id] }
 
-func (x *segmentIndex) byName(name string) *segment {
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	return x.names[name]
-}
+func (x *segmentIndex) byName(name string) *segment { return x.snap.Load().names[name] }
