@@ -5,6 +5,7 @@ package sock
 import (
 	"context"
 	"errors"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -323,4 +324,68 @@ func TestBellLooksOnceArmed(t *testing.T) {
 		assert.Equal(t, 1, looks)
 		assert.True(t, armed, "the look came before the waiter armed its flag")
 	}
+}
+
+// A wait whose context's callback runs slowly, after the context ended
+// the wait, returns only once that callback is done with the Bell: its
+// caller may unmap the Bell's memory as soon as it returns.
+func TestBellWaitOutlivesItsCallback(t *testing.T) {
+	b := testBell(t)
+	var started, ended atomic.Int32
+	hook := func() {
+		started.Add(1)
+		time.Sleep(20 * time.Millisecond) // scheduled slowly
+		ended.Add(1)
+	}
+	afterNudge.Store(&hook)
+	t.Cleanup(func() { afterNudge.Store(nil) })
+	never := func() error { return nil }
+	for try := 0; ; try++ {
+		started.Store(0)
+		ended.Store(0)
+		// Past the first slice (10 ms), whose end arms the callback.
+		ctx, cancel := context.WithTimeout(context.Background(), 12*time.Millisecond)
+		_, err := b.Wait(ctx, b.Load(), never)
+		endedAtReturn := ended.Load()
+		cancel()
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+		time.Sleep(40 * time.Millisecond) // a callback still to come has run
+		require.Equal(t, started.Load(), endedAtReturn, "a callback ran after the wait returned")
+		if started.Load() == 1 {
+			return // the callback ran, and the wait waited for it
+		}
+		require.Less(t, try, 20, "the callback never ran: its stop always came first")
+	}
+}
+
+// A wait that its ring ends within the first slice makes no context
+// callback, and allocates nothing.
+func TestBellHotWaitAllocatesNothing(t *testing.T) {
+	b := testBell(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	stop := make(chan struct{})
+	rang := make(chan struct{})
+	go func() { // rings each wait once its waiter has armed its flag
+		defer close(rang)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if atomic.LoadUint32(b.asleep)&1 == 1 {
+				b.Ring()
+			}
+			runtime.Gosched()
+		}
+	}()
+	defer func() { close(stop); <-rang }()
+	never := func() error { return nil }
+	allocs := testing.AllocsPerRun(200, func() {
+		if _, err := b.Wait(ctx, b.Load(), never); err != nil {
+			t.Error(err)
+		}
+	})
+	assert.Zero(t, allocs, "allocations a hot wait")
 }

@@ -67,6 +67,11 @@ type Bell struct {
 // and its sleep: for tests, to put another side's move in that gap.
 var beforeSleep atomic.Pointer[func()]
 
+// afterNudge, if set, runs in a wait's context callback between its Nudge
+// and its saying it is done, for tests: a callback that the scheduler
+// runs slowly.
+var afterNudge atomic.Pointer[func()]
+
 // bellSize is the bytes a Bell takes.
 const bellSize = 128
 
@@ -100,11 +105,11 @@ const (
 	// holds its process's scheduler slot (its P) in the system call
 	// until the runtime's monitor takes it back, up to 10 ms later when
 	// the process has been busy: with GOMAXPROCS=1 (a process on one
-	// CPU, by pinning or by its cgroup's quota), a waiter that woke
-	// every 10 ms halved the stream of another goroutine of its process
-	// (spawn bench's pipe stream, against its floors' idle servers:
-	// 120–150k/s against 300–380k/s); one that wakes each second costs
-	// nothing that shows.
+	// CPU, by pinning or by its cgroup's quota), a goroutine that went
+	// back to sleep every 10 ms halved the stream of another goroutine of
+	// its process (a Pipe stream of 4 KiB tensors, each process on a CPU
+	// of its own: 110–160k/s against 200–300k/s alone); one that did so
+	// each second cost nothing that showed.
 	maxSleepSlice = time.Second
 	// spinMin is the shortest spin: what a ring from a ringer already
 	// running on another CPU takes to be seen, with room to spare.
@@ -321,7 +326,13 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, u
 				slice = min(2*slice, maxSleepSlice)
 				if stop == nil && ctx.Done() != nil {
 					done := make(chan struct{})
-					stop, callbackDone = context.AfterFunc(ctx, func() { b.Nudge(); close(done) }), done
+					stop, callbackDone = context.AfterFunc(ctx, func() {
+						b.Nudge()
+						if hook := afterNudge.Load(); hook != nil {
+							(*hook)()
+						}
+						close(done)
+					}), done
 				}
 			}
 			sliceEnd = now.Add(slice)

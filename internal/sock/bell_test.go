@@ -254,16 +254,20 @@ func TestBellSleepsLongerAsItWaits(t *testing.T) {
 		}
 		return nil
 	}
+	start := time.Now()
 	_, err := pong.Wait(ctx, pong.Load(), alive)
 	require.ErrorIs(t, err, context.Canceled)
 	require.Len(t, asks, asked, "asked again after the cancellation, or not asked as slices ended")
 	gap := func(i int) time.Duration { return asks[i].Sub(asks[i-1]) }
-	// Slices of 20, 40, 80 and 160 ms: begun short (a dead peer is seen
-	// within about as long as the wait had lasted), then doubled.
+	// A first slice of 10 ms, then 20, 40, 80 and 160: begun short (a
+	// dead peer is seen within about as long as the wait had lasted),
+	// then doubled.
+	assert.Less(t, asks[0].Sub(start), 60*time.Millisecond, "the first slice was long: %v", asks)
 	assert.Less(t, asks[4].Sub(asks[0]), 600*time.Millisecond, "the first slices were long: %v", asks)
 	assert.GreaterOrEqual(t, gap(4), 140*time.Millisecond, "the slices did not double: %v", asks)
-	// Then 320 and 640 ms, and a second, not 1.28 s.
+	// Then 320 and 640 ms, and a second, not 1.28 s nor less.
 	assert.Less(t, gap(7), 1150*time.Millisecond, "the slices grew past a second: %v", asks)
+	assert.GreaterOrEqual(t, gap(7), 900*time.Millisecond, "the slices stopped short of a second: %v", asks)
 	// The next slice, a second, is cut short by the cancellation.
 	assert.Less(t, time.Since(cancelled), 150*time.Millisecond, "the cancellation was seen at the slice's end")
 }
