@@ -20,6 +20,57 @@ import (
 func init() {
 	mp.Register("pipe-echo", workerPipeEcho)
 	mp.Register("pipe-sum", workerPipeSum)
+	mp.Register("pipe-close-late", workerPipeCloseLate)
+}
+
+type pipeCloseArgs struct {
+	Pipe   *mp.Pipe
+	Closed *mp.Queue
+	After  time.Duration
+}
+
+// workerPipeCloseLate closes its end, on which it never sent, After its
+// start, and puts when it did (wall clock, in nanoseconds):
+// TestPipeCloseWakesAReaderLongAsleep.
+func workerPipeCloseLate(ctx context.Context, w *mp.Worker) error {
+	var a pipeCloseArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	time.Sleep(a.After)
+	at := time.Now().UnixNano()
+	if err := a.Pipe.Close(); err != nil {
+		return err
+	}
+	return a.Closed.Put(ctx, at)
+}
+
+// A reader that has waited long on a Pipe, and so sleeps a second at a
+// time, sees the other end's Close at once, even where that end never
+// sent (and so never mapped the lane it writes): its Close nudges the
+// reader, which finds the socket's other end gone.
+func TestPipeCloseWakesAReaderLongAsleep(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	mine, theirs, err := mp.NewPipe()
+	require.NoError(t, err)
+	defer mine.Close()
+	closed, err := mp.NewQueue()
+	require.NoError(t, err)
+	defer closed.Close()
+	// Past 1.27 s of waiting, the reader's sleep slices are a second.
+	g, err := mp.Spawn(ctx, "pipe-close-late", 1, mp.WithArgs(pipeCloseArgs{Pipe: theirs, Closed: closed, After: 1500 * time.Millisecond}))
+	require.NoError(t, err)
+	require.NoError(t, theirs.Close())
+	var v int
+	err = mine.Recv(ctx, &v)
+	returned := time.Now()
+	require.ErrorIs(t, err, mp.ErrClosed)
+	var at int64
+	require.NoError(t, closed.Get(ctx, &at))
+	require.NoError(t, g.Join())
+	assert.Less(t, returned.Sub(time.Unix(0, at)), 300*time.Millisecond, "Recv saw the Close at the end of its sleep slice")
 }
 
 type pipeSumArgs struct {

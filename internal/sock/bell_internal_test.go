@@ -354,7 +354,7 @@ func TestBellWaitOutlivesItsCallback(t *testing.T) {
 		if started.Load() == 1 {
 			return // the callback ran, and the wait waited for it
 		}
-		require.Less(t, try, 20, "the callback never ran: its stop always came first")
+		require.Less(t, try, 19, "the callback never ran in 20 tries: its stop always came first")
 	}
 }
 
@@ -387,5 +387,5 @@ func TestBellHotWaitAllocatesNothing(t *testing.T) {
 			t.Error(err)
 		}
 	})
-	assert.Zero(t, allocs, "allocations a hot wait")
+	assert.Zero(t, allocs, "allocations in a hot wait")
 }

@@ -1488,6 +1488,16 @@ func (w *Way) Close() error {
 		}
 	}
 	defer func() { <-w.sem }()
+	if w.lane.Load() == nil && w.mem != nil && !w.broken {
+		// A peer asleep on the lane wakes to a nudge, and then sees this
+		// end gone if it was the last (its socket is closed first): a
+		// lane this process never mapped is mapped for the nudge, as
+		// that peer's sleep may last up to maxSleepSlice.
+		if l, err := OpenLane(w.mem); err == nil {
+			l.Nudge()
+			_ = l.Close()
+		}
+	}
 	if w.idle != nil {
 		w.idle.Stop()
 	}
