@@ -26,18 +26,18 @@ func init() {
 type pipeCloseArgs struct {
 	Pipe   *mp.Pipe
 	Closed *mp.Queue
-	After  time.Duration
+	At     int64 // when to close, wall clock in nanoseconds
 }
 
-// workerPipeCloseLate closes its end, on which it never sent, After its
-// start, and puts when it did (wall clock, in nanoseconds):
-// TestPipeCloseWakesAReaderLongAsleep.
+// workerPipeCloseLate closes its end, on which it neither sent nor
+// received, At the time it was given, and puts when it did (wall clock,
+// in nanoseconds): TestPipeCloseWakesAPeerLongAsleep.
 func workerPipeCloseLate(ctx context.Context, w *mp.Worker) error {
 	var a pipeCloseArgs
 	if err := w.Args(&a); err != nil {
 		return err
 	}
-	time.Sleep(a.After)
+	time.Sleep(time.Until(time.Unix(0, a.At)))
 	at := time.Now().UnixNano()
 	if err := a.Pipe.Close(); err != nil {
 		return err
@@ -45,32 +45,55 @@ func workerPipeCloseLate(ctx context.Context, w *mp.Worker) error {
 	return a.Closed.Put(ctx, at)
 }
 
-// A reader that has waited long on a Pipe, and so sleeps a second at a
+// A process that has waited long on a Pipe, and so sleeps a second at a
 // time, sees the other end's Close at once, even where that end never
-// sent (and so never mapped the lane it writes): its Close nudges the
-// reader, which finds the socket's other end gone.
-func TestPipeCloseWakesAReaderLongAsleep(t *testing.T) {
-	leakcheck.Check(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	mine, theirs, err := mp.NewPipe()
-	require.NoError(t, err)
-	defer mine.Close()
-	closed, err := mp.NewQueue()
-	require.NoError(t, err)
-	defer closed.Close()
-	// Past 1.27 s of waiting, the reader's sleep slices are a second.
-	g, err := mp.Spawn(ctx, "pipe-close-late", 1, mp.WithArgs(pipeCloseArgs{Pipe: theirs, Closed: closed, After: 1500 * time.Millisecond}))
-	require.NoError(t, err)
-	require.NoError(t, theirs.Close())
-	var v int
-	err = mine.Recv(ctx, &v)
-	returned := time.Now()
-	require.ErrorIs(t, err, mp.ErrClosed)
-	var at int64
-	require.NoError(t, closed.Get(ctx, &at))
-	require.NoError(t, g.Join())
-	assert.Less(t, returned.Sub(time.Unix(0, at)), 300*time.Millisecond, "Recv saw the Close at the end of its sleep slice")
+// used the lanes (and so never mapped them): its Close nudges the waiter,
+// which finds the socket's other end gone. So does a reader waiting for
+// a message, and a writer waiting for room in a full lane.
+func TestPipeCloseWakesAPeerLongAsleep(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		wait func(ctx context.Context, p *mp.Pipe) error
+	}{
+		{"reader", func(ctx context.Context, p *mp.Pipe) error {
+			var v int
+			return p.Recv(ctx, &v)
+		}},
+		{"writer", func(ctx context.Context, p *mp.Pipe) error {
+			for n := 0; ; n++ { // until the lane is full, and then its wait
+				if err := p.Send(ctx, n); err != nil {
+					return err
+				}
+			}
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			leakcheck.Check(t)
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			mine, theirs, err := mp.NewPipe()
+			require.NoError(t, err)
+			defer mine.Close()
+			closed, err := mp.NewQueue()
+			require.NoError(t, err)
+			defer closed.Close()
+			// 1.6 s on: past 1.27 s of waiting, the sleep slices are a
+			// second, the next to end 2.27 s into the wait.
+			start := time.Now()
+			g, err := mp.Spawn(ctx, "pipe-close-late", 1, mp.WithArgs(pipeCloseArgs{Pipe: theirs, Closed: closed, At: start.Add(1600 * time.Millisecond).UnixNano()}))
+			require.NoError(t, err)
+			require.NoError(t, theirs.Close())
+			err = c.wait(ctx, mine)
+			returned := time.Now()
+			require.ErrorIs(t, err, mp.ErrClosed)
+			var at int64
+			require.NoError(t, closed.Get(ctx, &at))
+			require.NoError(t, g.Join())
+			late := returned.Sub(time.Unix(0, at))
+			t.Logf("closed %v after the spawn; seen %v later", time.Unix(0, at).Sub(start), late)
+			assert.Less(t, late, 300*time.Millisecond, "the Close was seen at the end of a sleep slice")
+		})
+	}
 }
 
 type pipeSumArgs struct {

@@ -1488,11 +1488,13 @@ func (w *Way) Close() error {
 		}
 	}
 	defer func() { <-w.sem }()
-	if w.lane.Load() == nil && w.mem != nil && !w.broken {
-		// A peer asleep on the lane wakes to a nudge, and then sees this
-		// end gone if it was the last (its socket is closed first): a
-		// lane this process never mapped is mapped for the nudge, as
-		// that peer's sleep may last up to maxSleepSlice.
+	if w.lane.Load() == nil && w.mem != nil && !w.broken && !w.fair {
+		// A peer asleep on the lane, a reader or a writer waiting for
+		// room, wakes to a nudge, and then sees this end gone if it was
+		// the last (its socket is closed first): a lane this process
+		// never mapped is mapped for the nudge, as that peer's sleep may
+		// last up to maxSleepSlice. (A queue's ends are never gone while
+		// the queue is held, and its waiters sleep laneSleep at most.)
 		if l, err := OpenLane(w.mem); err == nil {
 			l.Nudge()
 			_ = l.Close()
