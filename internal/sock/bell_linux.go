@@ -277,15 +277,12 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, u
 	sliceEnd := time.Now().Add(slice)
 	nudged, slept := false, false
 	// Once the first slice has ended, the end of ctx wakes the sleep at
-	// once (Nudge), which the slices, long in a long wait, would see
-	// late; a wait that ends within the first, a hot one's, makes no
-	// callback. A callback started is waited for: its Nudge writes the
-	// Bell's memory, which the caller may unmap once this returns.
-	var stop func() bool
-	var callbackDone chan struct{}
+	// once, which the slices, long in a long wait, would see late; a
+	// wait that ends within the first, a hot one's, arms nothing.
+	var disarm func()
 	defer func() {
-		if stop != nil && !stop() {
-			<-callbackDone
+		if disarm != nil {
+			disarm()
 		}
 	}()
 	for {
@@ -324,15 +321,8 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, u
 			}
 			if !nudged {
 				slice = min(2*slice, maxSleepSlice)
-				if stop == nil && ctx.Done() != nil {
-					done := make(chan struct{})
-					stop, callbackDone = context.AfterFunc(ctx, func() {
-						b.Nudge()
-						if hook := afterNudge.Load(); hook != nil {
-							(*hook)()
-						}
-						close(done)
-					}), done
+				if disarm == nil && ctx.Done() != nil {
+					disarm = b.nudgeAtEnd(ctx)
 				}
 			}
 			sliceEnd = now.Add(slice)
@@ -374,6 +364,25 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, u
 			// A signal: the loop looks.
 		default:
 			return last, fmt.Errorf("mp: waiting for a lane: %w", errno)
+		}
+	}
+}
+
+// nudgeAtEnd makes the end of ctx Nudge b, and returns what undoes it:
+// disarm returns once a Nudge already started is done with b's memory,
+// which the waiter's caller may unmap as soon as its wait has returned.
+func (b *Bell) nudgeAtEnd(ctx context.Context) (disarm func()) {
+	done := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		b.Nudge()
+		if hook := afterNudge.Load(); hook != nil {
+			(*hook)()
+		}
+		close(done)
+	})
+	return func() {
+		if !stop() {
+			<-done
 		}
 	}
 }
