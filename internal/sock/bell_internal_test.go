@@ -24,12 +24,12 @@ func TestBellStopsSpinningWhenSpinsMiss(t *testing.T) {
 	b.misses.Store(0)
 	last := b.Load()
 	for i := range maxMisses {
-		_, found := b.spin(last, time.Now())
+		_, found := b.spin(last, monoNow())
 		require.False(t, found)
 		require.EqualValues(t, i+1, b.spun.Load(), "spin %d spun", i)
 	}
 	for range 2 * probeEvery {
-		b.spin(last, time.Now())
+		b.spin(last, monoNow())
 	}
 	probes := b.spun.Load() - maxMisses
 	assert.InDelta(t, 2, probes, 1, "waits that spun after %d misses in a row, of %d", maxMisses, 2*probeEvery)
@@ -37,12 +37,12 @@ func TestBellStopsSpinningWhenSpinsMiss(t *testing.T) {
 	// A probe that finds the ring: spinning again.
 	b.Ring()
 	for b.waits.Load()%probeEvery != probeEvery-1 {
-		b.spin(last, time.Now())
+		b.spin(last, monoNow())
 	}
-	_, found := b.spin(last, time.Now())
+	_, found := b.spin(last, monoNow())
 	require.True(t, found, "the probe finds the ring")
 	spun := b.spun.Load()
-	b.spin(last, time.Now())
+	b.spin(last, monoNow())
 	assert.Equal(t, spun+1, b.spun.Load(), "a wait after a found ring spins")
 }
 
@@ -201,8 +201,11 @@ func TestBellStampsOnlyForASleeper(t *testing.T) {
 				break
 			}
 		}
+		// The stamp is the wall clock as of the process's start,
+		// advanced by the monotonic clock (see stamp): behind the
+		// wall clock by the time between time.Now's two reads.
 		stamp := atomic.LoadInt64(b.rang)
-		assert.True(t, before <= stamp && stamp <= after, "advance %v: stamped %d, rung between %d and %d", advance, stamp, before, after)
+		assert.True(t, before-int64(time.Microsecond) <= stamp && stamp <= after, "advance %v: stamped %d, rung between %d and %d", advance, stamp, before, after)
 		assert.Positive(t, b.gap.Load(), "advance %v: the waiter learns a gap", advance)
 	}
 
@@ -248,7 +251,7 @@ func TestBellStampsOnlyForASleeper(t *testing.T) {
 	b.misses.Store(0)
 	last = b.Load()
 	b.Ring()
-	_, found := b.spin(last, time.Now().Add(-30*time.Microsecond))
+	_, found := b.spin(last, monoNow()-int64(30*time.Microsecond))
 	require.True(t, found)
 	assert.GreaterOrEqual(t, b.gap.Load(), int64(30*time.Microsecond)/4, "a quarter of the way from 0 to 30 µs or more")
 }
@@ -260,27 +263,27 @@ func TestBellSpinStampsItsTime(t *testing.T) {
 	b := testBell(t)
 	assert.False(t, b.SpunWithin(time.Hour), "nobody spun yet")
 	last := b.Load()
-	b.spin(last, time.Now()) // not spinning: the misses say so
+	b.spin(last, monoNow()) // not spinning: the misses say so
 	assert.False(t, b.SpunWithin(time.Hour), "a wait that did not spin")
 
 	b.misses.Store(0)
 	b.Ring()
-	_, found := b.spin(last, time.Now())
+	_, found := b.spin(last, monoNow())
 	require.True(t, found)
 	assert.True(t, b.SpunWithin(time.Hour), "a spin that finds its ring at once stamps as it begins")
 
 	atomic.StoreInt64(b.spunAt, 0)
 	last = b.Load()
-	before := time.Now()
+	before := monoNow()
 	_, found = b.spin(last, before)
 	require.False(t, found)
 	spunAt := atomic.LoadInt64(b.spunAt)
-	assert.Greater(t, spunAt, before.UnixNano(), "stamped as it spun on, not only as it began")
-	assert.LessOrEqual(t, spunAt, time.Now().UnixNano())
+	assert.Greater(t, spunAt, stampAt(before), "stamped as it spun on, not only as it began")
+	assert.LessOrEqual(t, spunAt, stamp())
 	assert.True(t, b.SpunWithin(time.Hour))
 	assert.False(t, b.SpunWithin(0), "no spin is younger than nothing")
 
-	atomic.StoreInt64(b.spunAt, time.Now().Add(time.Minute).UnixNano())
+	atomic.StoreInt64(b.spunAt, stamp()+int64(time.Minute))
 	assert.False(t, b.SpunWithin(time.Hour), "a stamp in the future (the wall clock set back since) says nothing")
 }
 
@@ -295,7 +298,7 @@ func TestBellSpinsThroughAPeersWake(t *testing.T) {
 	b.gap.Store(int64(60 * time.Microsecond))
 	spun := b.spun.Load()
 	start := time.Now()
-	_, found := b.spin(b.Load(), start)
+	_, found := b.spin(b.Load(), monoNow())
 	assert.False(t, found)
 	assert.Equal(t, spun+1, b.spun.Load(), "a waiter whose rings take a wake's time did not spin")
 	assert.GreaterOrEqual(t, time.Since(start), spinCap, "a spin shorter than a wake and what the peer does after it")
@@ -318,7 +321,7 @@ func TestBellLooksOnceArmed(t *testing.T) {
 			return errLooked
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second) // a lost look fails, not hangs
-		_, err := b.WaitUntil(ctx, b.Load(), func() error { return nil }, time.Time{}, look)
+		_, err := b.WaitUntil(ctx, b.Load(), func() error { return nil }, 0, look)
 		cancel()
 		require.ErrorIs(t, err, errLooked)
 		assert.Equal(t, 1, looks)
@@ -388,4 +391,41 @@ func TestBellHotWaitAllocatesNothing(t *testing.T) {
 		}
 	})
 	assert.Zero(t, allocs, "allocations in a hot wait")
+}
+
+// A wait with no ring ends at its context's deadline, and one with a
+// patience once it has waited that long, not at the end of its first
+// sleep slice: each shortens the sleep. The quickest of a few tries
+// counts, as a descheduled test only ends late.
+func TestBellWaitEndsOnTime(t *testing.T) {
+	b := testBell(t)
+	never := func() error { return nil }
+	const (
+		after = 2 * time.Millisecond
+		late  = sleepSlice * 3 / 5 // a wait that slept its slice ends later
+	)
+	quickest := func(wait func() error, want error) time.Duration {
+		best := time.Hour
+		for range 5 {
+			start := time.Now()
+			err := wait()
+			took := time.Since(start)
+			require.ErrorIs(t, err, want)
+			assert.GreaterOrEqual(t, took, after, "ended before its time")
+			best = min(best, took)
+		}
+		return best
+	}
+	took := quickest(func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), after)
+		defer cancel()
+		_, err := b.Wait(ctx, b.Load(), never)
+		return err
+	}, context.DeadlineExceeded)
+	assert.Less(t, took, late, "a wait past its deadline")
+	took = quickest(func() error {
+		_, err := b.WaitUntil(context.Background(), b.Load(), never, after, nil)
+		return err
+	}, errWaitedEnough)
+	assert.Less(t, took, late, "a wait past its patience")
 }

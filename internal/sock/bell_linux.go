@@ -3,6 +3,7 @@ package sock
 import (
 	"context"
 	"fmt"
+	"math"
 	"sync/atomic"
 	"time"
 	"unsafe"
@@ -24,7 +25,7 @@ import (
 //
 //	0   uint32  the word, bumped by each Ring
 //	8   int64   when the last Ring (or Nudge) that found a waiter asleep
-//	            was, Unix nanoseconds
+//	            was, Unix nanoseconds (see stamp)
 //	16  int64   when a waiter last spun, Unix nanoseconds: stamped as its
 //	            spin begins and each spinTurns turns (see SpunWithin)
 //	64  uint32  odd once a waiter is about to sleep, made even by the ringer
@@ -184,8 +185,11 @@ func (b *Bell) stampCPU() {
 // as its stamps say: the waiter's process was alive then. A waiter whose
 // stamp is in the future (a wall clock set back since) or older has not;
 // nor one asleep, nor one that stopped spinning.
-func (b *Bell) SpunWithin(d time.Duration) bool {
-	age := stamp() - atomic.LoadInt64(b.spunAt)
+func (b *Bell) SpunWithin(d time.Duration) bool { return b.spunWithin(monoNow(), d) }
+
+// spunWithin is SpunWithin at now, a reading of monoNow the caller took.
+func (b *Bell) spunWithin(now int64, d time.Duration) bool {
+	age := stampAt(now) - atomic.LoadInt64(b.spunAt)
 	return age >= 0 && age < int64(d)
 }
 
@@ -255,26 +259,41 @@ func (b *Bell) wake() {
 // while its flag is set, or is killed asleep, costs the next Ring one
 // FUTEX_WAKE for nobody.
 func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint32, error) {
-	return b.WaitUntil(ctx, last, alive, time.Time{}, nil)
+	return b.WaitUntil(ctx, last, alive, 0, nil)
 }
 
-// WaitUntil is Wait that ends with errWaitedEnough at until, unless it is
-// zero. If look is not nil, it is asked once, after the waiter first arms
-// its flag and before it first sleeps, and its error ends the wait: a
-// look at what a Nudge would have made alive say, for a waiter that must
-// not miss a Nudge, which finds no waiter to wake before the flag is
-// armed (while the waiter spins, say). A Nudge after the arm wakes it.
-func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, until time.Time, look func() error) (uint32, error) {
+// WaitUntil is Wait that ends with errWaitedEnough once it has waited
+// patience, unless that is zero. If look is not nil, it is asked once,
+// after the waiter first arms its flag and before it first sleeps, and
+// its error ends the wait: a look at what a Nudge would have made alive
+// say, for a waiter that must not miss a Nudge, which finds no waiter to
+// wake before the flag is armed (while the waiter spins, say). A Nudge
+// after the arm wakes it.
+//
+// The wait reads the clock once as it begins and once before each sleep
+// (monoNow), and each spinTurns turns of its spin: a read costs 50 ns or
+// more on a VM, and a hand-off's wait comes once a message.
+func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, patience time.Duration, look func() error) (uint32, error) {
 	if w := atomic.LoadUint32(b.word); w != last {
 		return w, nil
 	}
-	start := time.Now()
+	start := monoNow()
 	if w, ok := b.spin(last, start); ok {
 		return w, nil
 	}
+	// The times the wait ends at, on monoNow's clock. A context's
+	// deadline carries the monotonic clock's reading, unless it was
+	// made from a wall time (see the sleep below).
 	deadline, hasDeadline := ctx.Deadline()
+	var until, ends int64
+	if patience > 0 {
+		until = start + int64(patience)
+	}
+	if hasDeadline {
+		ends = int64(deadline.Sub(monoBase))
+	}
 	slice := sleepSlice
-	sliceEnd := time.Now().Add(slice)
+	sliceEnd := start + int64(slice) // the spin's time is in the first slice
 	nudged, slept := false, false
 	// Once the first slice has ended, the end of ctx wakes the sleep at
 	// once, which the slices, long in a long wait, would see late; a
@@ -297,9 +316,9 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, u
 		}
 		if w := atomic.LoadUint32(b.word); w != last {
 			if slept {
-				b.learn(atomic.LoadInt64(b.rang) - start.UnixNano())
+				b.learn(atomic.LoadInt64(b.rang) - stampAt(start))
 			} else {
-				b.learn(int64(time.Since(start)))
+				b.learn(monoNow() - start)
 			}
 			return w, nil
 		}
@@ -314,8 +333,8 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, u
 			}
 			look = nil
 		}
-		now := time.Now()
-		if nudged || !now.Before(sliceEnd) {
+		now := monoNow()
+		if nudged || now >= sliceEnd {
 			if err := alive(); err != nil {
 				return last, err
 			}
@@ -325,26 +344,34 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, u
 					disarm = b.nudgeAtEnd(ctx)
 				}
 			}
-			sliceEnd = now.Add(slice)
+			sliceEnd = now + int64(slice)
 			nudged = false
 		}
-		sleep := sliceEnd.Sub(now)
+		sleep := sliceEnd - now
 		if hasDeadline {
-			if !now.Before(deadline) {
+			left := ends - now
+			if left <= 0 {
+				// Past it, by the monotonic clock, or, for a deadline
+				// made from a wall time, by the wall clock as of this
+				// process's start: asked again of the wall clock, which
+				// a step since may have moved.
+				left = int64(time.Until(deadline))
+			}
+			if left <= 0 {
 				// Past it, before the context's own timer says so: that
 				// timer sets the context's error and its cause, at once.
 				<-ctx.Done()
 				return last, ctx.Err()
 			}
-			sleep = min(sleep, deadline.Sub(now))
+			sleep = min(sleep, left)
 		}
-		if !until.IsZero() {
-			if !now.Before(until) {
+		if until != 0 {
+			if now >= until {
 				return last, errWaitedEnough
 			}
-			sleep = min(sleep, until.Sub(now))
+			sleep = min(sleep, until-now)
 		}
-		ts := unix.NsecToTimespec(int64(sleep))
+		ts := unix.NsecToTimespec(sleep)
 		if hook := beforeSleep.Load(); hook != nil {
 			(*hook)()
 		}
@@ -395,7 +422,9 @@ func (b *Bell) nudgeAtEnd(ctx context.Context) (disarm func()) {
 // pinning tell (runningCPU), until the kernel moves a side; and the
 // waiter learns from its spins: after maxMisses in a row end without a
 // ring, it spins only to probe, one wait in probeEvery.
-func (b *Bell) spin(last uint32, start time.Time) (uint32, bool) {
+//
+// start is when the wait began, a reading of monoNow.
+func (b *Bell) spin(last uint32, start int64) (uint32, bool) {
 	waits := b.waits.Add(1)
 	if b.misses.Load() >= maxMisses && waits%probeEvery != 0 {
 		return last, false
@@ -406,20 +435,18 @@ func (b *Bell) spin(last uint32, start time.Time) (uint32, bool) {
 	}
 	b.spun.Add(1)
 	peer := atomic.LoadUint32(b.cpu)
-	yield := sharesCPU(peer, int64(start.Sub(monoBase)))
+	yield := sharesCPU(peer, start)
 	budget := spinBudget(gap, peer)
-	// The stamps are the wall clock at the start plus the monotonic time
-	// since: one read of the clock each spinTurns.
-	wall := start.UnixNano()
+	wall := stampAt(start)
 	atomic.StoreInt64(b.spunAt, wall)
 	for i := 1; ; i++ {
 		if w := atomic.LoadUint32(b.word); w != last {
 			b.misses.Store(0)
-			b.learn(int64(time.Since(start)))
+			b.learn(monoNow() - start)
 			return w, true
 		}
 		if i%spinTurns == 0 {
-			spun := int64(time.Since(start))
+			spun := monoNow() - start
 			atomic.StoreInt64(b.spunAt, wall+spun)
 			if spun > budget {
 				if b.misses.Load() < maxMisses {
@@ -459,7 +486,30 @@ func (b *Bell) learn(gap int64) {
 	b.gap.Store(old + (gap-old)/4)
 }
 
-// stamp returns the time of a ring for the waiters of every process to
-// read: the wall clock, which they all read alike, in nanoseconds. It
-// costs no system call (unlike clock_gettime through package unix).
-func stamp() int64 { return time.Now().UnixNano() }
+// stamp returns the time of a ring or a spin for the waiters and ringers
+// of every process to read, in Unix nanoseconds: the wall clock as this
+// process read it as it started (monoBase), advanced since by the
+// monotonic clock, which the system's time adjustments slew alike. One
+// read of the clock (monoNow), where time.Now makes two. Processes agree
+// on it as on the wall clock, except across a step of the wall clock (set
+// by hand, or a leap second) between their starts, which they disagree
+// by: that costs a waiter a gap learnt wrong, within learn's bounds, and
+// a ringer a look at whether its reader lives (see SpunWithin); never a
+// ring.
+func stamp() int64 { return stampAt(monoNow()) }
+
+// stampAt is stamp at now, a reading of monoNow.
+func stampAt(now int64) int64 { return stampBase + now }
+
+// stampBase is stamp at monoNow's zero: the wall clock less the
+// monotonic clock, each as time.Now reads them, the wall clock first.
+// The time between the two reads makes the difference too small by as
+// much, so the largest of a few is the closest.
+var stampBase = func() int64 {
+	base := int64(math.MinInt64)
+	for range 8 {
+		t := time.Now()
+		base = max(base, t.UnixNano()-int64(t.Sub(monoBase)))
+	}
+	return base
+}()

@@ -258,8 +258,8 @@ func (l *Lane) Taken() uint32 { return l.taken.Load() }
 func (l *Lane) readerCPU() uint32 { return l.taken.RingerCPU() }
 
 // readerSpunWithin reports whether a reader spun on the lane, waiting for
-// an entry, within d of now (see Bell.SpunWithin).
-func (l *Lane) readerSpunWithin(d time.Duration) bool { return l.sent.SpunWithin(d) }
+// an entry, within d of now, a reading of monoNow (see Bell.SpunWithin).
+func (l *Lane) readerSpunWithin(now int64, d time.Duration) bool { return l.sent.spunWithin(now, d) }
 
 // stampCPU stamps the CPU this process runs on (see runningCPU)
 // in the bell that its side rings, the writer's or the readers', as a
@@ -279,10 +279,11 @@ func (l *Lane) WaitSent(ctx context.Context, last uint32, alive func() error) (u
 	return l.sent.Wait(ctx, last, alive)
 }
 
-// WaitSentUntil is WaitSent that ends with errWaitedEnough at until, and
-// asks look once before it first sleeps (see Bell.WaitUntil).
-func (l *Lane) WaitSentUntil(ctx context.Context, last uint32, alive func() error, until time.Time, look func() error) (uint32, error) {
-	return l.sent.WaitUntil(ctx, last, alive, until, look)
+// WaitSentUntil is WaitSent that ends with errWaitedEnough once it has
+// waited patience, and asks look once before it first sleeps (see
+// Bell.WaitUntil).
+func (l *Lane) WaitSentUntil(ctx context.Context, last uint32, alive func() error, patience time.Duration, look func() error) (uint32, error) {
+	return l.sent.WaitUntil(ctx, last, alive, patience, look)
 }
 
 // Nudge wakes the readers and the writer asleep on the lane, if any,

@@ -67,7 +67,7 @@ func (l *Lane) Taken() uint32 { return 0 }
 
 func (l *Lane) readerCPU() uint32 { return 0 }
 
-func (l *Lane) readerSpunWithin(time.Duration) bool { return false }
+func (l *Lane) readerSpunWithin(int64, time.Duration) bool { return false }
 
 func (l *Lane) stampCPU(bool) {}
 
@@ -80,7 +80,7 @@ func (l *Lane) WaitSent(ctx context.Context, last uint32, alive func() error) (u
 }
 
 // WaitSentUntil returns an error wrapping errors.ErrUnsupported.
-func (l *Lane) WaitSentUntil(ctx context.Context, last uint32, alive func() error, until time.Time, look func() error) (uint32, error) {
+func (l *Lane) WaitSentUntil(ctx context.Context, last uint32, alive func() error, patience time.Duration, look func() error) (uint32, error) {
 	return last, errNoLane
 }
 

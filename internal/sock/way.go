@@ -551,7 +551,7 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 	if w.owed {
 		w.owed = l.TrySend(marker) != nil
 	}
-	if len(lent) > 0 && w.fair && !w.readerLive(l) {
+	if len(lent) > 0 && w.fair && !w.readerLive(l, now) {
 		// Names by identity for pins of a reader that is gone: the next
 		// reader does not map them.
 		return carry.ErrNoLane
@@ -769,8 +769,8 @@ func (w *Way) awaitReader(ctx context.Context, l *Lane, tail uint32) bool {
 	}
 	p, waits := &w.wait, l.readerWord(readerWaits)
 	p.waits.Add(1)
-	start := time.Now()
-	yield := sharesCPU(l.readerCPU(), int64(start.Sub(monoBase)))
+	start := monoNow()
+	yield := sharesCPU(l.readerCPU(), start)
 	for i := 1; ; i++ {
 		switch waits.Load() {
 		case waitOnLane:
@@ -787,7 +787,7 @@ func (w *Way) awaitReader(ctx context.Context, l *Lane, tail uint32) bool {
 			if yield {
 				spinYield()
 			}
-			if time.Since(start) >= p.spin {
+			if monoNow()-start >= int64(p.spin) {
 				p.miss()
 				return false
 			}
@@ -827,9 +827,10 @@ var heldLooks atomic.Uint64
 // does: its process was alive then. A reader killed within that window is
 // taken as alive, as one killed just after readerHeld's look is: the
 // message named for its pins is in flight to it, lost with it, and its
-// blocks come back to the writer with the loan.
-func (w *Way) readerLive(l *Lane) bool {
-	if l.readerSpunWithin(w.live) {
+// blocks come back to the writer with the loan. now is a reading of
+// monoNow.
+func (w *Way) readerLive(l *Lane, now int64) bool {
+	if l.readerSpunWithin(now, w.live) {
 		return true
 	}
 	heldLooks.Add(1)
@@ -1196,7 +1197,7 @@ func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32, lane bool) (Ms
 			return Msg{}, false, w.waitClaimed(ctx, l, last)
 		}
 		w.waiting.Add(1)
-		_, err := l.WaitSentUntil(ctx, last, w.alive, time.Now().Add(w.sleep), w.sockMoved)
+		_, err := l.WaitSentUntil(ctx, last, w.alive, w.sleep, w.sockMoved)
 		w.waiting.Add(-1)
 		laneSleepers.Add(-1)
 		to := uint32(waitBusy)

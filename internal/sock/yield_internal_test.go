@@ -125,13 +125,13 @@ func TestBellSpinYieldsToItsRingersCPU(t *testing.T) {
 	last := b.Load()
 	atomic.StoreUint32(b.cpu, c)
 	n := spinYields.Load()
-	_, found := b.spin(last, time.Now())
+	_, found := b.spin(last, monoNow())
 	require.False(t, found)
 	assert.Greater(t, spinYields.Load(), n, "the ringer shares its CPU")
 	atomic.StoreUint32(b.cpu, c+1)
 	b.misses.Store(0)
 	n = spinYields.Load()
-	b.spin(last, time.Now())
+	b.spin(last, monoNow())
 	assert.Equal(t, n, spinYields.Load(), "the ringer runs elsewhere")
 }
 
@@ -196,7 +196,7 @@ func TestBellSpinsLongerForARingerApart(t *testing.T) {
 	b.gap.Store(0)
 	atomic.StoreUint32(b.cpu, c+1)
 	start := time.Now()
-	_, found := b.spin(b.Load(), start)
+	_, found := b.spin(b.Load(), monoNow())
 	require.False(t, found)
 	assert.GreaterOrEqual(t, time.Since(start), spinApart, "the spin's budget")
 
