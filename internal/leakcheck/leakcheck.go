@@ -1,7 +1,8 @@
 // Package leakcheck finds what a test leaves behind: descriptors the
 // process did not hold before (named with where they were taken, when
-// fd.Trace is on), mappings of segments, this session's segments still
-// present in the shared-memory directory, and goroutines still running.
+// fd.Trace is on), mappings of segments and lanes, this session's
+// segments still present in the shared-memory directory, and goroutines
+// still running.
 // A Snapshot (Take) is what the process held at one moment, and its
 // Leaks what it holds more once things settle: testmain.Run takes one
 // around every test binary's tests, and Check around one test.
@@ -44,8 +45,8 @@ var warmUp = sync.OnceFunc(func() {
 
 // Check snapshots what the process holds (Take) and registers a cleanup
 // that fails t if, once the test is over and settled, it holds more: a
-// descriptor open that was not before, a segment mapped more often than
-// before, a segment of this session in the shared-memory directory that
+// descriptor open that was not before, a segment or a lane mapped more
+// often than before, a segment of this session in the shared-memory directory that
 // was not before, or a goroutine started since that is still running.
 func Check(t testing.TB) {
 	t.Helper()
@@ -215,8 +216,12 @@ func Segments() ([]string, error) {
 	return out, nil
 }
 
+// laneName is the name of a lane's memfd (see sock.CreateLane), which
+// package sock's tests check Mappings counts.
+const laneName = "tensormp-lane"
+
 // Mappings counts the process's mappings of tensormp segments, unlinked
-// ones included.
+// ones included, and of lanes.
 func Mappings() (int, error) {
 	data, err := os.ReadFile("/proc/self/maps")
 	if err != nil {
@@ -225,13 +230,13 @@ func Mappings() (int, error) {
 	// A mapping whose slot table is protected apart from its data shows
 	// as two areas: an area that continues the one before it (same file,
 	// next address, next offset) is the same mapping. A memfd shows as
-	// /memfd:tensormp_...
+	// /memfd:tensormp_..., a lane's as /memfd:tensormp-lane.
 	n := 0
 	var prevEnd, prevOff uint64
 	var prevFile string
 	for line := range strings.Lines(string(data)) {
 		f := strings.Fields(line) // range perms offset dev inode path
-		if len(f) < 6 || !strings.Contains(line, "/"+shm.NamePrefix) && !strings.Contains(line, "/memfd:"+shm.NamePrefix) {
+		if len(f) < 6 || !strings.Contains(line, "/"+shm.NamePrefix) && !strings.Contains(line, "/memfd:"+shm.NamePrefix) && !strings.Contains(line, "/memfd:"+laneName) {
 			prevFile = ""
 			continue
 		}

@@ -20,6 +20,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/tensormp/tensormp/internal/fd"
+	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/reexec"
 	"github.com/tensormp/tensormp/internal/sock"
 )
@@ -386,4 +387,23 @@ func TestLaneAhead(t *testing.T) {
 	replayed -= laneEntries
 	binary.LittleEndian.PutUint32(mem[4096+2*laneEntry:], replayed)
 	assert.Equal(t, []string{"bb"}, ahead(10), "a bad position ends the walk")
+}
+
+// A lane's mapping is one that leakcheck counts, so that a test that
+// leaves one mapped fails, and Close unmaps it.
+func TestLaneMappingIsCounted(t *testing.T) {
+	before, err := leakcheck.Mappings()
+	require.NoError(t, err)
+	f, err := sock.CreateLane(laneEntries, laneEntry)
+	require.NoError(t, err)
+	defer f.Close()
+	l, err := sock.OpenLane(f)
+	require.NoError(t, err)
+	mapped, err := leakcheck.Mappings()
+	require.NoError(t, err)
+	assert.Equal(t, before+1, mapped, "the lane's mapping")
+	require.NoError(t, l.Close())
+	after, err := leakcheck.Mappings()
+	require.NoError(t, err)
+	assert.Equal(t, before, after, "the lane unmapped")
 }
