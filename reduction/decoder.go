@@ -50,7 +50,6 @@ func (d *Decoder) Decode(data []byte, fds []int, v any) (err error) {
 func (d *Decoder) decode(data []byte, fds *fd.Set, v any, lane carry.Lane, byLane bool) (err error) {
 	d.r.reset(data, fds)
 	d.r.from, d.r.byLane = lane, byLane
-	d.dec.ResetReader(&d.r)
 	defer func() { err = finishDecode(&d.r, recover(), err) }()
 	switch p := v.(type) {
 	case **tensor.Tensor:
@@ -62,6 +61,7 @@ func (d *Decoder) decode(data []byte, fds *fd.Set, v any, lane carry.Lane, byLan
 			return d.r.decodeBatch(items, n, p)
 		}
 	}
+	d.dec.ResetReader(&d.r) // not for a bare tensor or batch, which it does not read
 	return decodeChecked(d.dec, data, v)
 }
 
