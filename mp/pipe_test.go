@@ -3,7 +3,9 @@ package mp_test
 import (
 	"context"
 	"errors"
+	"os"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -27,11 +29,13 @@ type pipeCloseArgs struct {
 	Pipe   *mp.Pipe
 	Closed *mp.Queue
 	At     int64 // when to close, wall clock in nanoseconds
+	Die    bool  // to die (SIGKILL) instead, its end open
 }
 
 // workerPipeCloseLate closes its end, on which it neither sent nor
 // received, At the time it was given, and puts when it did (wall clock,
-// in nanoseconds): TestPipeCloseWakesAPeerLongAsleep.
+// in nanoseconds), or, with Die, puts the time and kills itself:
+// TestPipeCloseWakesAPeerLongAsleep.
 func workerPipeCloseLate(ctx context.Context, w *mp.Worker) error {
 	var a pipeCloseArgs
 	if err := w.Args(&a); err != nil {
@@ -39,6 +43,12 @@ func workerPipeCloseLate(ctx context.Context, w *mp.Worker) error {
 	}
 	time.Sleep(time.Until(time.Unix(0, a.At)))
 	at := time.Now().UnixNano()
+	if a.Die {
+		if err := a.Closed.Put(ctx, at); err != nil {
+			return err
+		}
+		return syscall.Kill(os.Getpid(), syscall.SIGKILL)
+	}
 	if err := a.Pipe.Close(); err != nil {
 		return err
 	}
@@ -49,23 +59,20 @@ func workerPipeCloseLate(ctx context.Context, w *mp.Worker) error {
 // time, sees the other end's Close at once, even where that end never
 // used the lanes (and so never mapped them): its Close nudges the waiter,
 // which finds the socket's other end gone. So does a reader waiting for
-// a message, and a writer waiting for room in a full lane.
+// a message, and a writer waiting for room in a full lane. Where the
+// other end's process dies instead (SIGKILL), its end closed by the
+// kernel, the package's poller sees the socket's hang-up and nudges the
+// waiter.
 func TestPipeCloseWakesAPeerLongAsleep(t *testing.T) {
 	for _, c := range []struct {
 		name string
+		die  bool
 		wait func(ctx context.Context, p *mp.Pipe) error
 	}{
-		{"reader", func(ctx context.Context, p *mp.Pipe) error {
-			var v int
-			return p.Recv(ctx, &v)
-		}},
-		{"writer", func(ctx context.Context, p *mp.Pipe) error {
-			for n := 0; ; n++ { // until the lane is full, and then its wait
-				if err := p.Send(ctx, n); err != nil {
-					return err
-				}
-			}
-		}},
+		{"reader", false, pipeRecvOne},
+		{"writer", false, pipeSendUntilFull},
+		{"reader-of-the-dead", true, pipeRecvOne},
+		{"writer-to-the-dead", true, pipeSendUntilFull},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			leakcheck.Check(t)
@@ -80,7 +87,7 @@ func TestPipeCloseWakesAPeerLongAsleep(t *testing.T) {
 			// 1.6 s on: past 1.27 s of waiting, the sleep slices are a
 			// second, the next to end 2.27 s into the wait.
 			start := time.Now()
-			g, err := mp.Spawn(ctx, "pipe-close-late", 1, mp.WithArgs(pipeCloseArgs{Pipe: theirs, Closed: closed, At: start.Add(1600 * time.Millisecond).UnixNano()}))
+			g, err := mp.Spawn(ctx, "pipe-close-late", 1, mp.WithArgs(pipeCloseArgs{Pipe: theirs, Closed: closed, At: start.Add(1600 * time.Millisecond).UnixNano(), Die: c.die}))
 			require.NoError(t, err)
 			require.NoError(t, theirs.Close())
 			err = c.wait(ctx, mine)
@@ -88,11 +95,30 @@ func TestPipeCloseWakesAPeerLongAsleep(t *testing.T) {
 			require.ErrorIs(t, err, mp.ErrClosed)
 			var at int64
 			require.NoError(t, closed.Get(ctx, &at))
-			require.NoError(t, g.Join())
+			if err := g.Join(); c.die {
+				require.Error(t, err, "the worker killed itself")
+			} else {
+				require.NoError(t, err)
+			}
 			late := returned.Sub(time.Unix(0, at))
 			t.Logf("closed %v after the spawn; seen %v later", time.Unix(0, at).Sub(start), late)
-			assert.Less(t, late, 300*time.Millisecond, "the Close was seen at the end of a sleep slice")
+			assert.Less(t, late, 300*time.Millisecond, "the end was seen at the end of a sleep slice")
 		})
+	}
+}
+
+func pipeRecvOne(ctx context.Context, p *mp.Pipe) error {
+	var v int
+	return p.Recv(ctx, &v)
+}
+
+// pipeSendUntilFull sends until the lane is full, and then waits for
+// room.
+func pipeSendUntilFull(ctx context.Context, p *mp.Pipe) error {
+	for n := 0; ; n++ {
+		if err := p.Send(ctx, n); err != nil {
+			return err
+		}
 	}
 }
 

@@ -580,6 +580,24 @@ func (c *Conn) peerGone() bool { return c.poll()&pollGone != 0 }
 // every process: a closed Conn's, and a failed look, count too.
 const pollGone = pollPeerGone | unix.POLLHUP | unix.POLLERR | unix.POLLNVAL
 
+// watchGone makes the close of c's other end in every process (its peer
+// gone) run f at once, in the package's poller, keyed key: once, at the
+// next event of the socket, whatever it is, after which the caller looks
+// (peerGone) and watches again if it still waits. unwatchGone(key) ends
+// it: once it has returned, f is not running and never runs. f must not
+// block.
+func (c *Conn) watchGone(key any, f func()) error {
+	c.use.RLock()
+	defer c.use.RUnlock()
+	if c.closed.Load() {
+		return nil // its callers see it closed
+	}
+	return c.park.watchGone(c.sock.Num(), key, f)
+}
+
+// unwatchGone ends the watch key (see watchGone).
+func (c *Conn) unwatchGone(key any) { c.park.unwatchGone(key) }
+
 // poll returns what the socket is ready for now: POLLIN, and the other
 // end's close (pollPeerGone, POLLHUP). A closed Conn is POLLNVAL.
 func (c *Conn) poll() int16 {

@@ -136,3 +136,49 @@ func TestBlockingReceiveIsInterrupted(t *testing.T) {
 		}
 	})
 }
+
+// A watch of the other end's close (watchGone) runs at the next event of
+// the socket, which a parked caller's readiness may be, after which it is
+// armed again by the next watchGone, and then runs at the close.
+func TestConnWatchGoneAgainAfterAnotherEvent(t *testing.T) {
+	pair, err := Pair()
+	require.NoError(t, err)
+	a, err := New(pair[0], "pipe")
+	require.NoError(t, err)
+	defer a.Close()
+	b, err := New(pair[1], "pipe")
+	require.NoError(t, err)
+	defer b.Close()
+	ran := make(chan struct{}, 8)
+	f := func() { ran <- struct{}{} }
+	key := new(int)
+	require.NoError(t, b.watchGone(key, f))
+
+	// A caller parked for a message, which comes: the one event of
+	// the registration, which the watch runs at too.
+	ready, err := b.park.arm(b.sock.Num(), unix.POLLIN)
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	require.NoError(t, a.Send(ctx, []byte("x"), nil))
+	select {
+	case <-ready:
+	case <-ctx.Done():
+		t.Fatal("the parked caller was not told")
+	}
+	select {
+	case <-ran:
+	case <-ctx.Done():
+		t.Fatal("the watch did not run at the event")
+	}
+
+	// Watched again, it runs at the other end's close.
+	require.NoError(t, b.watchGone(key, f))
+	require.NoError(t, a.Close())
+	select {
+	case <-ran:
+	case <-ctx.Done():
+		t.Fatal("the watch did not run at the close")
+	}
+	b.unwatchGone(key)
+}

@@ -206,11 +206,15 @@ var thePoller struct {
 // parking is a Conn's registration with the poller. It belongs to the
 // Conn, which releases it before it closes its socket.
 type parking struct {
-	mu   sync.Mutex
-	id   uint64 // 0 until the socket is registered
-	want int16  // POLLIN and POLLOUT that callers wait for, under mu
-	in   chan struct{}
-	out  chan struct{}
+	mu    sync.Mutex
+	id    uint64 // 0 until the socket is registered
+	want  int16  // POLLIN and POLLOUT that callers wait for, under mu
+	armed bool   // registered for an event not yet told, under mu
+	in    chan struct{}
+	out   chan struct{}
+	// gone is what the watchers of the other end's close run (see
+	// watchGone), by key, under mu.
+	gone map[any]func()
 }
 
 func newParking() parking {
@@ -236,6 +240,16 @@ func (p *parking) arm(s int, ev int16) (<-chan struct{}, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.want |= ev
+	if err := p.registerLocked(s); err != nil {
+		return nil, err
+	}
+	return ch, nil
+}
+
+// registerLocked registers s with the poller, one-shot, for the events
+// that p's callers want and for its other end's close, which epoll
+// reports at once if it is closed already. The caller holds p.mu.
+func (p *parking) registerLocked(s int) error {
 	op := unix.EPOLL_CTL_MOD
 	if p.id == 0 {
 		thePoller.mu.Lock()
@@ -248,9 +262,42 @@ func (p *parking) arm(s int, ev int16) (<-chan struct{}, error) {
 	e := unix.EpollEvent{Events: uint32(p.want) | unix.EPOLLONESHOT | unix.EPOLLRDHUP}
 	putID(&e, p.id)
 	if err := unix.EpollCtl(thePoller.epfd, op, s, &e); err != nil {
-		return nil, err
+		return err
 	}
-	return ch, nil
+	p.armed = true
+	return nil
+}
+
+// watchGone makes the poller run f, keyed key, at the next event of s:
+// the close of its other end in every process, or, as the registration
+// is one-shot and shared with the callers parked on s, any other event,
+// after which the watcher looks at what it was and calls watchGone again
+// if it still waits. f runs under p.mu: it must not block, and once
+// unwatchGone(key) has returned it is not running and never runs. A
+// watchGone while the registration is armed makes no system call.
+func (p *parking) watchGone(s int, key any, f func()) error {
+	thePoller.once.Do(startPoller)
+	if thePoller.err != nil {
+		return thePoller.err
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	_, watched := p.gone[key]
+	if p.gone == nil {
+		p.gone = make(map[any]func())
+	}
+	p.gone[key] = f
+	if watched && p.armed {
+		return nil
+	}
+	return p.registerLocked(s)
+}
+
+// unwatchGone ends the watch key, once an f of it under way has returned.
+func (p *parking) unwatchGone(key any) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	delete(p.gone, key)
 }
 
 // release unregisters s. The Conn calls it once no call uses s, before
@@ -266,16 +313,20 @@ func (p *parking) release(s int) {
 	thePoller.mu.Lock()
 	delete(thePoller.parks, p.id)
 	thePoller.mu.Unlock()
-	p.id = 0
+	p.id, p.armed = 0, false
 }
 
-// notify tells every parked caller of p that its socket may be ready: a
-// one-shot registration is spent by any event, so each tries again and
-// parks again if it was not its turn.
+// notify tells every parked caller of p that its socket may be ready, and
+// runs what its watchers of the other end's close run: a one-shot
+// registration is spent by any event, so each tries again, or looks, and
+// parks or watches again if it was not its turn.
 func (p *parking) notify() {
 	p.mu.Lock()
 	want := p.want
-	p.want = 0
+	p.want, p.armed = 0, false
+	for _, f := range p.gone {
+		f()
+	}
 	p.mu.Unlock()
 	if want&unix.POLLIN != 0 {
 		tell(p.in)

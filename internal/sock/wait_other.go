@@ -44,3 +44,9 @@ func (p *parking) arm(s int, ev int16) (<-chan struct{}, error) {
 }
 
 func (p *parking) release(int) {}
+
+// watchGone does nothing: a waiter sees the other end's close when it
+// next looks.
+func (p *parking) watchGone(int, any, func()) error { return nil }
+
+func (p *parking) unwatchGone(any) {}

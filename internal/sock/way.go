@@ -90,6 +90,7 @@ type Way struct {
 
 	alive     func() error // the Way's check of its peer, made once
 	sockMoved func() error // a fair Way's reader's socketSentSince, made once
+	onGone    func()       // nudgeLane, made once, for watchPeer
 
 	// fair: the Way of a queue, which any number of processes may read
 	// (see NewFairWay); its reader waits on the lane for sleep at most
@@ -195,6 +196,7 @@ var (
 // Way that only uses the socket.
 func NewWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 	w := &Way{shared: shared, mem: mem, writes: writes, call: newCallLock(), broken: mem == nil}
+	w.onGone = w.nudgeLane
 	if writes {
 		w.alive = w.writerAlive
 		w.settler = time.AfterFunc(time.Hour, w.settleIdle)
@@ -916,6 +918,7 @@ func (w *Way) writerAlive() error {
 	if w.shared.peerGone() {
 		return fmt.Errorf("%w (the readers are gone)", ErrClosed)
 	}
+	w.watchPeer()
 	return nil
 }
 
@@ -931,7 +934,31 @@ func (w *Way) readerAlive() error {
 	case ev&unix.POLLIN != 0:
 		return errSocketReady
 	}
+	w.watchPeer()
 	return nil
+}
+
+// watchPeer makes the close of the socket's other end in every process
+// that holds it (the peer's exit or death, SIGKILL included) wake this
+// process's calls asleep on the lane at once (nudgeLane), which ask
+// alive and find it: without it they would find it at the end of their
+// sleep slice, up to maxSleepSlice later. A Pipe's Way's only: a queue's
+// ends are not gone while this process holds the queue. alive asks it,
+// and a wait asks alive only once its first slice has ended: a hot wait
+// arms nothing. A watch that fails to arm leaves it to the slices.
+func (w *Way) watchPeer() {
+	if !w.fair {
+		_ = w.shared.watchGone(w, w.onGone)
+	}
+}
+
+// nudgeLane wakes this process's calls asleep on the lane, if it is
+// mapped (see watchPeer). The poller runs it; Close ends that before it
+// unmaps the lane.
+func (w *Way) nudgeLane() {
+	if l := w.lane.Load(); l != nil {
+		l.Nudge()
+	}
 }
 
 // Recv receives the next message, waiting for one until ctx ends, the
@@ -1477,6 +1504,7 @@ func (w *Way) Close() error {
 		cancel()
 	}
 	defer w.call.unlock()
+	w.shared.unwatchGone(w) // the poller nudges the lane no more
 	if w.lane.Load() == nil && w.mem != nil && !w.broken && !w.fair {
 		// A peer asleep on the lane, a reader or a writer waiting for
 		// room, wakes to a nudge, and then sees this end gone if it was

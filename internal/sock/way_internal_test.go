@@ -683,3 +683,21 @@ func TestWayAhead(t *testing.T) {
 		require.Equal(t, i, got)
 	}
 }
+
+// A Way's Close ends its watch of its peer (watchPeer) before it unmaps
+// the lane: the peer's close afterwards nudges nothing, where the poller's
+// nudge of the unmapped lane would fault.
+func TestWayClosedIsNudgedNoMore(t *testing.T) {
+	w, r, _ := wayPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
+	m, err := r.Recv(ctx)
+	require.NoError(t, err)
+	m.Done()
+	require.NotNil(t, r.lane.Load(), "the reader maps the lane")
+	r.watchPeer() // as a wait's alive does
+	require.NoError(t, r.Close())
+	require.NoError(t, w.shared.Close()) // the poller sees the hang-up
+	time.Sleep(100 * time.Millisecond)   // and would nudge meanwhile
+}
