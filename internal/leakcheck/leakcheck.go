@@ -46,8 +46,9 @@ var warmUp = sync.OnceFunc(func() {
 // Check snapshots what the process holds (Take) and registers a cleanup
 // that fails t if, once the test is over and settled, it holds more: a
 // descriptor open that was not before, a segment or a lane mapped more
-// often than before, a segment of this session in the shared-memory directory that
-// was not before, or a goroutine started since that is still running.
+// often than before, a segment of this session in the shared-memory
+// directory that was not before, or a goroutine started since that is
+// still running.
 func Check(t testing.TB) {
 	t.Helper()
 	s, err := Take()
@@ -216,8 +217,8 @@ func Segments() ([]string, error) {
 	return out, nil
 }
 
-// laneName is the name of a lane's memfd (see sock.CreateLane), which
-// package sock's tests check Mappings counts.
+// laneName is the name of a lane's memfd, as sock.CreateLane names it
+// (which sock's TestLaneMappingIsCounted checks against Mappings).
 const laneName = "tensormp-lane"
 
 // Mappings counts the process's mappings of tensormp segments, unlinked

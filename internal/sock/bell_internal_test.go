@@ -209,11 +209,14 @@ func TestBellStampsOnlyForASleeper(t *testing.T) {
 		assert.Positive(t, b.gap.Load(), "advance %v: the waiter learns a gap", advance)
 	}
 
-	// A ringer whose stamp says it rang before the wait began, and that
-	// wakes the sleeper 5 ms after it armed: the sleeper learns the
-	// stamp's gap (none), not what its own clock says. Tried again if
+	// A ringer whose stamp says it rang 40 µs after a stamp taken just
+	// before the wait began, and that wakes the sleeper 5 ms after it
+	// armed: the sleeper learns the stamp's gap (40 µs, less the time
+	// between that stamp and the wait's start), not what its own clock
+	// says (5 ms), nor a gap between stamps of two clocks. Tried again if
 	// the waiter was not asleep when woken (descheduled between its
 	// arming and its look at the word, it finds the ring awake).
+	const rangAfter = 40 * time.Microsecond
 	var last uint32
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -223,6 +226,7 @@ func TestBellStampsOnlyForASleeper(t *testing.T) {
 		atomic.AddUint32(b.asleep, atomic.LoadUint32(b.asleep)&1)
 		last = b.Load()
 		woken := make(chan uintptr, 1)
+		before := stamp()
 		go func() {
 			if !armedWithin(b) {
 				b.Ring() // too slow to arm: this try ends, and another begins
@@ -230,7 +234,7 @@ func TestBellStampsOnlyForASleeper(t *testing.T) {
 				return
 			}
 			time.Sleep(5 * time.Millisecond)
-			atomic.StoreInt64(b.rang, 1)
+			atomic.StoreInt64(b.rang, before+int64(rangAfter))
 			atomic.AddUint32(b.word, 1)
 			atomic.AddUint32(b.asleep, 1) // cleared, as wake clears it, with no stamp of its own
 			n, _, _ := unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(b.asleep)), futexWake, 1<<30, 0, 0, 0)
@@ -242,7 +246,9 @@ func TestBellStampsOnlyForASleeper(t *testing.T) {
 			break
 		}
 	}
-	assert.Equal(t, int64(spinCap)/2*3/4, b.gap.Load(), "a quarter of the way to no gap")
+	old := int64(spinCap) / 2
+	most, least := old+(int64(rangAfter)-old)/4, old-old/4 // a quarter of the way to 40 µs, or to no gap
+	assert.True(t, least <= b.gap.Load() && b.gap.Load() <= most, "learnt %v, want %v to %v", time.Duration(b.gap.Load()), time.Duration(least), time.Duration(most))
 
 	// A spin that finds its ring 30 µs after its wait began, the stamp
 	// being from long ago: the gap it learns is its own clock's.
@@ -283,8 +289,10 @@ func TestBellSpinStampsItsTime(t *testing.T) {
 	assert.True(t, b.SpunWithin(time.Hour))
 	assert.False(t, b.SpunWithin(0), "no spin is younger than nothing")
 
-	atomic.StoreInt64(b.spunAt, stamp()+int64(time.Minute))
-	assert.False(t, b.SpunWithin(time.Hour), "a stamp in the future (the wall clock set back since) says nothing")
+	atomic.StoreInt64(b.spunAt, stamp()+int64(time.Millisecond))
+	assert.True(t, b.SpunWithin(time.Second), "a stamp since the caller read its clock, a little ahead")
+	atomic.StoreInt64(b.spunAt, stamp()+int64(2*time.Hour))
+	assert.False(t, b.SpunWithin(time.Hour), "a stamp further ahead (another process's stamps disagree) says nothing")
 }
 
 // A waiter whose rings have lately come 60 µs after its waits began (a
@@ -393,10 +401,11 @@ func TestBellHotWaitAllocatesNothing(t *testing.T) {
 	assert.Zero(t, allocs, "allocations in a hot wait")
 }
 
-// A wait with no ring ends at its context's deadline, and one with a
-// patience once it has waited that long, not at the end of its first
-// sleep slice: each shortens the sleep. The quickest of a few tries
-// counts, as a descheduled test only ends late.
+// A wait with no ring ends at its context's deadline, whether that
+// carries the monotonic clock's reading or not, and one with a patience
+// once it has waited that long, not at the end of its first sleep slice:
+// each shortens the sleep. The quickest of a few tries counts, as a
+// descheduled test only ends late.
 func TestBellWaitEndsOnTime(t *testing.T) {
 	b := testBell(t)
 	never := func() error { return nil }
@@ -423,6 +432,25 @@ func TestBellWaitEndsOnTime(t *testing.T) {
 		return err
 	}, context.DeadlineExceeded)
 	assert.Less(t, took, late, "a wait past its deadline")
+	took = quickest(func() error {
+		// A deadline made from a wall time, without the monotonic
+		// clock's reading.
+		ctx, cancel := context.WithDeadline(context.Background(), time.Now().Add(after).Round(0))
+		defer cancel()
+		_, err := b.Wait(ctx, b.Load(), never)
+		return err
+	}, context.DeadlineExceeded)
+	assert.Less(t, took, late, "a wait past its wall deadline")
+
+	// A ring before a wall deadline ends the wait: the deadline only
+	// bounds its sleeps.
+	ctx, cancel := context.WithDeadline(context.Background(), time.Now().Add(5*time.Second).Round(0))
+	defer cancel()
+	last := b.Load()
+	ring := time.AfterFunc(20*time.Millisecond, b.Ring)
+	defer ring.Stop()
+	_, err := b.Wait(ctx, last, never)
+	require.NoError(t, err, "the ring, not the deadline, ends it")
 	took = quickest(func() error {
 		_, err := b.WaitUntil(context.Background(), b.Load(), never, after, nil)
 		return err

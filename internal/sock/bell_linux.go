@@ -26,8 +26,9 @@ import (
 //	0   uint32  the word, bumped by each Ring
 //	8   int64   when the last Ring (or Nudge) that found a waiter asleep
 //	            was, Unix nanoseconds (see stamp)
-//	16  int64   when a waiter last spun, Unix nanoseconds: stamped as its
-//	            spin begins and each spinTurns turns (see SpunWithin)
+//	16  int64   when a waiter last spun, Unix nanoseconds (see stamp):
+//	            stamped as its spin begins and each spinTurns turns (see
+//	            SpunWithin)
 //	64  uint32  odd once a waiter is about to sleep, made even by the ringer
 //	            that wakes it: the futex the waiters sleep on
 //	72  uint32  the CPU the last ringer ran on as it rang, plus one (0:
@@ -99,7 +100,9 @@ const (
 	// doubles the next, up to maxSleepSlice: a waiter whose peer is
 	// silent for long wakes ever more rarely (see WaitUntil), and a
 	// dead peer is seen within about as long as the wait had lasted
-	// when it died, and within maxSleepSlice.
+	// when it died, and within maxSleepSlice, unless the caller's alive
+	// has something nudge the waiter at the peer's end (as a Pipe's
+	// Way does: see Way.watchPeer).
 	sleepSlice = 10 * time.Millisecond
 	// maxSleepSlice is the longest a waiter sleeps before it asks
 	// whether its peer is alive. A thread that goes back into FUTEX_WAIT
@@ -183,14 +186,17 @@ func (b *Bell) stampCPU() {
 
 // SpunWithin reports whether a waiter spun on the word within d of now,
 // as its stamps say: the waiter's process was alive then. A waiter whose
-// stamp is in the future (a wall clock set back since) or older has not;
-// nor one asleep, nor one that stopped spinning.
+// stamp is d or more older has not, nor one asleep, nor one that stopped
+// spinning; nor one whose stamp is d or more ahead (its process's stamps
+// disagree with this one's: see stamp).
 func (b *Bell) SpunWithin(d time.Duration) bool { return b.spunWithin(monoNow(), d) }
 
-// spunWithin is SpunWithin at now, a reading of monoNow the caller took.
+// spunWithin is SpunWithin at now, a reading of monoNow the caller took
+// a little earlier: a waiter that stamped since, ahead of now by less
+// than d, spun within d too.
 func (b *Bell) spunWithin(now int64, d time.Duration) bool {
 	age := stampAt(now) - atomic.LoadInt64(b.spunAt)
-	return age >= 0 && age < int64(d)
+	return age > -int64(d) && age < int64(d)
 }
 
 // RingerCPU returns what the last ringer stamped (see stampCPU).
@@ -263,16 +269,17 @@ func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint3
 }
 
 // WaitUntil is Wait that ends with errWaitedEnough once it has waited
-// patience, unless that is zero. If look is not nil, it is asked once,
+// patience, unless that is zero or less. If look is not nil, it is asked once,
 // after the waiter first arms its flag and before it first sleeps, and
 // its error ends the wait: a look at what a Nudge would have made alive
 // say, for a waiter that must not miss a Nudge, which finds no waiter to
 // wake before the flag is armed (while the waiter spins, say). A Nudge
 // after the arm wakes it.
 //
-// The wait reads the clock once as it begins and once before each sleep
-// (monoNow), and each spinTurns turns of its spin: a read costs 50 ns or
-// more on a VM, and a hand-off's wait comes once a message.
+// The wait reads the clock (monoNow) once as it begins, each spinTurns
+// turns of its spin, as its ring comes (for learn), and once before each
+// sleep (twice for a deadline made from a wall time): a read costs 50 ns
+// or more on a VM, and a stream or a round trip waits once a message.
 func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, patience time.Duration, look func() error) (uint32, error) {
 	if w := atomic.LoadUint32(b.word); w != last {
 		return w, nil
@@ -281,15 +288,19 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, p
 	if w, ok := b.spin(last, start); ok {
 		return w, nil
 	}
-	// The times the wait ends at, on monoNow's clock. A context's
-	// deadline carries the monotonic clock's reading, unless it was
-	// made from a wall time (see the sleep below).
+	// The times the wait ends at, on monoNow's clock: its patience's
+	// end, and its context's deadline if that carries the monotonic
+	// clock's reading, as a deadline made by context.WithTimeout does.
+	// One made from a wall time (without: see time.Time.Round) is asked
+	// of the wall clock before each sleep, as the context's timer was
+	// set by it.
 	deadline, hasDeadline := ctx.Deadline()
 	var until, ends int64
 	if patience > 0 {
 		until = start + int64(patience)
 	}
-	if hasDeadline {
+	wallDeadline := hasDeadline && deadline == deadline.Round(0)
+	if hasDeadline && !wallDeadline {
 		ends = int64(deadline.Sub(monoBase))
 	}
 	slice := sleepSlice
@@ -350,11 +361,7 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, p
 		sleep := sliceEnd - now
 		if hasDeadline {
 			left := ends - now
-			if left <= 0 {
-				// Past it, by the monotonic clock, or, for a deadline
-				// made from a wall time, by the wall clock as of this
-				// process's start: asked again of the wall clock, which
-				// a step since may have moved.
+			if wallDeadline {
 				left = int64(time.Until(deadline))
 			}
 			if left <= 0 {
@@ -478,8 +485,8 @@ func spinBudget(gap int64, peer uint32) int64 {
 // the spin budget. A waiter awake when the ring came learns it from its
 // own clock; one that slept, from the stamp of the ringer that woke it,
 // so that it learns the gap, not the gap plus its own wake-up. A ringer
-// that lies about it, or a jump of the wall clock, moves the gap within
-// [0, 2 spinCap] only.
+// that lies about it, or whose stamps disagree with the waiter's (see
+// stamp), moves the gap within [0, 2 spinCap] only.
 func (b *Bell) learn(gap int64) {
 	gap = max(0, min(gap, 2*int64(spinCap)))
 	old := b.gap.Load()
@@ -491,11 +498,13 @@ func (b *Bell) learn(gap int64) {
 // process read it as it started (monoBase), advanced since by the
 // monotonic clock, which the system's time adjustments slew alike. One
 // read of the clock (monoNow), where time.Now makes two. Processes agree
-// on it as on the wall clock, except across a step of the wall clock (set
-// by hand, or a leap second) between their starts, which they disagree
-// by: that costs a waiter a gap learnt wrong, within learn's bounds, and
-// a ringer a look at whether its reader lives (see SpunWithin); never a
-// ring.
+// on it as on the wall clock, except where the wall clock moved against
+// the monotonic one between their starts (a step set by hand or by a
+// time daemon, a leap second, a suspend): they disagree by as much for as
+// long as both run. That costs a waiter gaps learnt wrong, within learn's
+// bounds (spins too long or too short), and a writer a look at whether
+// its reader lives on each Send that lends blocks (see SpunWithin);
+// never a ring.
 func stamp() int64 { return stampAt(monoNow()) }
 
 // stampAt is stamp at now, a reading of monoNow.

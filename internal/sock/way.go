@@ -730,11 +730,13 @@ var lastRecv atomic.Int64
 
 // monoNow returns this process's monotonic clock, in nanoseconds, at
 // least an hour from zero: one read of the clock, where time.Now reads
-// two, for the stamps a Send or a receive takes on every message, which
-// no other process reads. A zero stamp is so an hour old or more.
+// two, for the stamps a Send or a receive takes on every message. Other
+// processes read them only as stamp makes them, Unix nanoseconds. A zero
+// stamp is so an hour old or more.
 func monoNow() int64 { return int64(time.Since(monoBase)) }
 
-// monoBase is monoNow's zero, an hour before the process started.
+// monoBase is monoNow's zero, an hour before the process started, and,
+// with its wall clock reading, stamp's (see stampBase).
 var monoBase = time.Now().Add(-time.Hour)
 
 // answering reports whether this process received a message on a Way
