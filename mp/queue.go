@@ -532,11 +532,11 @@ func NewPipe() (*Pipe, *Pipe, error) {
 func (p *Pipe) Send(ctx context.Context, v any) error { return sendLane(ctx, p.out, v, true) }
 
 // Recv receives the next value from the other end into v. When the other
-// end is closed in every process that held it, Recv returns ErrClosed: at
-// once where the last of them closed it, and where the last died
-// (SIGKILL included) within about as long as the Recv had waited, and
-// within a second (a waiter on the lane looks at its peer ever more
-// rarely while nothing comes).
+// end is closed in every process that held it, Recv returns ErrClosed at
+// once, where the last of them closed it or died (SIGKILL included; the
+// package's poller sees the socket's hang-up). A Recv that began within
+// the last 10 ms, which has not asked the poller yet, sees a death within
+// those 10 ms.
 func (p *Pipe) Recv(ctx context.Context, v any) error {
 	m, err := p.in.Recv(ctx)
 	if err != nil {
