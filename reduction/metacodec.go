@@ -179,6 +179,14 @@ func (r *metaReader) code() byte {
 
 // int reads any msgpack integer that fits an int64.
 func (r *metaReader) int() int64 {
+	if r.err == nil && r.off < len(r.b) {
+		// A fixint, positive or negative, the commonest: one byte, its
+		// value.
+		if c := r.b[r.off]; c <= 0x7f || c >= 0xe0 {
+			r.off++
+			return int64(int8(c))
+		}
+	}
 	c := r.code()
 	switch {
 	case r.err != nil:
