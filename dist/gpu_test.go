@@ -1,3 +1,5 @@
+//go:build linux
+
 package dist_test
 
 import (
