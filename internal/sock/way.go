@@ -73,11 +73,11 @@ type Way struct {
 	mem    *fd.FD // the lane's memory, or nil for a pipe without one
 	writes bool   // this process writes the lane (else it reads it)
 
-	call    callLock // held by the one call, and a received Msg until Done
+	sem     chan struct{} // held by the one call, and a received Msg until Done
 	closed  atomic.Bool
-	waiting atomic.Int32 // calls waiting for the call, or on the lane for a message
+	waiting atomic.Int32 // calls waiting for sem, or on the lane for a message
 
-	// The role, under the call: lane is mapped and role holds its lock, or
+	// The role, under sem: lane is mapped and role holds its lock, or
 	// both are nil and tried says when a try last failed. lane stays set
 	// once mapped, for Close to nudge.
 	lane  atomic.Pointer[Lane]
@@ -107,11 +107,11 @@ type Way struct {
 	othersAt atomic.Int64
 
 	// The reader's role's idle timer (see letGoIdle), and the count of
-	// receives ended, now and when it last looked; under the call.
+	// receives ended, now and when it last looked; under sem.
 	idle        *time.Timer
 	recvs, seen uint64
 
-	// The writer's, under the call.
+	// The writer's, under sem.
 	owed    bool     // a marker is owed: a socket message went without one
 	wait    patience // a fair Way's: how long to wait for a busy reader
 	onSock  bool     // this process sent on the socket without the role
@@ -119,19 +119,19 @@ type Way struct {
 	wbuf    []byte
 	hbuf    []byte // an entry's head (see appendReturns)
 
-	// The writer's loans (see way_pins.go), under the call, the timer that
+	// The writer's loans (see way_pins.go), under sem, the timer that
 	// settles them while no Send does (made in NewWay), and its copy of
 	// the reader's list, under viewMu, which Close takes before it unmaps
 	// the lane.
 	ledger     ledger
 	settler    *time.Timer
-	settling   bool        // under the call: settler is armed, or about to be
+	settling   bool        // under sem: settler is armed, or about to be
 	writing    atomic.Bool // this process holds the writer's role (held, for Maps)
 	viewMu     sync.Mutex
 	view       pinView
 	viewClosed bool // under viewMu: the lane may be unmapped
 
-	// The reader's, under the call.
+	// The reader's, under sem.
 	pins pins
 	// Returns (see way_returns.go): the blocks the entry being taken
 	// returns, under takeMu, which the scanner takes too, and the
@@ -195,7 +195,7 @@ var (
 // says whether this end writes the lane or reads it. A nil mem makes a
 // Way that only uses the socket.
 func NewWay(shared *Conn, mem *fd.FD, writes bool) *Way {
-	w := &Way{shared: shared, mem: mem, writes: writes, call: newCallLock(), broken: mem == nil}
+	w := &Way{shared: shared, mem: mem, writes: writes, sem: make(chan struct{}, 1), broken: mem == nil}
 	w.onGone = w.nudgeLane
 	if writes {
 		w.alive = w.writerAlive
@@ -281,18 +281,22 @@ func (w *Way) lockCall(ctx context.Context, block bool) error {
 	if err := ctx.Err(); err != nil {
 		return err // a done context takes and sends nothing
 	}
-	if !w.call.tryLock() {
+	select {
+	case w.sem <- struct{}{}:
+	default:
 		if !block {
 			return ErrWouldBlock
 		}
 		w.waiting.Add(1)
 		defer w.waiting.Add(-1)
-		if !w.call.lock(ctx.Done()) {
+		select {
+		case w.sem <- struct{}{}:
+		case <-ctx.Done():
 			return ctx.Err()
 		}
 	}
 	if w.closed.Load() {
-		w.call.unlock()
+		<-w.sem
 		return errWayClosed
 	}
 	return nil
@@ -316,7 +320,7 @@ func (w *Way) recvDone() {
 		lookCPU(now)
 		l.stampCPU(false) // for a writer that spins for this reader (awaitReader)
 	}
-	w.call.unlock()
+	<-w.sem
 }
 
 // idleRole is how often a reader that holds its role looks at whether it
@@ -333,11 +337,13 @@ func (w *Way) letGoIdle() {
 	if w.closed.Load() {
 		return
 	}
-	if !w.call.tryLock() {
+	select {
+	case w.sem <- struct{}{}:
+	default:
 		w.idle.Reset(idleRole) // receiving
 		return
 	}
-	defer w.call.unlock()
+	defer func() { <-w.sem }()
 	switch {
 	case !w.held || w.closed.Load():
 	case w.recvs != w.seen:
@@ -361,7 +367,7 @@ func (w *Way) letGoIdle() {
 }
 
 // taken returns the lane if this process holds its role, trying for it
-// if it has not tried within roleRetry. The caller holds the call.
+// if it has not tried within roleRetry. The caller holds sem.
 func (w *Way) taken() *Lane {
 	if w.held {
 		return w.lane.Load()
@@ -439,7 +445,7 @@ func (w *Way) taken() *Lane {
 
 // letGo gives up the role, for good if the lane is broken (its counts
 // are not an honest peer's): the socket serves alone. The caller holds
-// the call.
+// sem.
 func (w *Way) letGo(broken bool) {
 	w.leaveWaits()
 	if w.role != nil {
@@ -455,7 +461,7 @@ func (w *Way) letGo(broken bool) {
 
 // leaveWaits says, as a fair Way's reader that lets go of its role, that
 // no reader holds it (waitNone): the writer claims no busy reader then.
-// A claim stays, for the next reader. The caller holds the call.
+// A claim stays, for the next reader. The caller holds sem.
 func (w *Way) leaveWaits() {
 	if l := w.lane.Load(); w.fair && !w.writes && w.held && l != nil {
 		moveWait(l.readerWord(readerWaits), waitNone)
@@ -467,10 +473,12 @@ func (w *Way) leaveWaits() {
 // process that holds the end (the one it is sent to) may take it. This
 // process takes it again at its next receive if it is free.
 func (w *Way) LetGo() {
-	if !w.call.tryLock() {
+	select {
+	case w.sem <- struct{}{}:
+	default:
 		return
 	}
-	defer w.call.unlock()
+	defer func() { <-w.sem }()
 	if !w.writes && w.held {
 		// Handed on: the writer names nothing by identity for this
 		// process's pins any more, which the next reader may not map.
@@ -520,7 +528,7 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 	if err := w.lockCall(ctx, block); err != nil {
 		return err
 	}
-	defer w.call.unlock()
+	defer func() { <-w.sem }()
 	l := w.taken()
 	if l == nil {
 		if len(lent) > 0 {
@@ -684,7 +692,7 @@ const (
 const spinTurns = 64
 
 // patience is a fair Way's writer's record of its waits for a busy
-// reader: written by awaitReader, under the call, and read by Maps too.
+// reader: written by awaitReader, under sem, and read by Maps too.
 type patience struct {
 	misses atomic.Int32 // waits in a row that ended without it
 	tries  atomic.Uint32
@@ -758,7 +766,7 @@ func answering() bool { return monoNow()-lastRecv.Load() < int64(answerWindow) }
 // is pinned to yields it as it spins (sharesCPU), for the reader to come
 // back. A reader that parks on the socket instead, lets go of its role,
 // or does not come back in time ends the wait; so does ctx. The caller
-// holds the call and the writer's role.
+// holds sem and the writer's role.
 func (w *Way) awaitReader(ctx context.Context, l *Lane, tail uint32) bool {
 	if !w.busyAlone(l, tail) {
 		return false
@@ -852,7 +860,7 @@ func (w *Way) otherReaders() bool {
 // hdr, its kind and what it returns (see appendReturns), unless
 // the readers are gone, waiting for room if block (else ErrWouldBlock). If a peer wrote the lane's
 // counts (errCounts), this process gives up the lane for good: the
-// socket serves it from then on. The caller holds the call and the writer's
+// socket serves it from then on. The caller holds sem and the writer's
 // role.
 func (w *Way) sendEntry(ctx context.Context, l *Lane, hdr, data []byte, block bool, now int64) error {
 	if err := w.readersGone(now); err != nil {
@@ -877,11 +885,13 @@ func (w *Way) sendEntry(ctx context.Context, l *Lane, hdr, data []byte, block bo
 // untaken gives their blocks back though the writer never sends again.
 // The Send that lends while none is out arms it.
 func (w *Way) settleIdle() {
-	if !w.call.tryLock() {
+	select {
+	case w.sem <- struct{}{}:
+	default:
 		w.settler.Reset(settleEvery) // sending: it settles
 		return
 	}
-	defer w.call.unlock()
+	defer func() { <-w.sem }()
 	l := w.lane.Load()
 	if w.closed.Load() || l == nil {
 		w.settling = false
@@ -1263,7 +1273,7 @@ func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32, lane bool) (Ms
 // empty, as its wait on the lane arms its sleep: the writer's Nudge,
 // which follows its count, found no sleep to wake if it came before the
 // arm, while the reader spun, and the reader would sleep past the message
-// until alive's next look, a sleep slice later. The caller holds the call.
+// until alive's next look, a sleep slice later. The caller holds sem.
 func (w *Way) socketSentSince() error {
 	if l := w.lane.Load(); l != nil && l.readerWord(sockSends).Load() != w.sockSeen {
 		return errSocketReady
@@ -1479,7 +1489,7 @@ func (w *Way) recvShared(ctx context.Context, block bool) (Msg, error) {
 // message for the role's reader unless it waits (handsOver). One that
 // has not said so yet (each says so in turn, as each tries for a role),
 // or cannot (no descriptor for the lock), may miss a message in the lane
-// that the busy role's reader takes later. The caller holds the call.
+// that the busy role's reader takes later. The caller holds sem.
 func (w *Way) countReader() {
 	if w.fair && !w.broken && w.reading == nil && roleTry.CompareAndSwap(false, true) {
 		w.reading, _ = shm.ShareByte(w.mem, readersByte)
@@ -1501,11 +1511,13 @@ func (w *Way) Close() error {
 		if l := w.lane.Load(); l != nil {
 			l.Nudge()
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), time.Millisecond)
-		taken = w.call.lock(ctx.Done())
-		cancel()
+		select {
+		case w.sem <- struct{}{}:
+			taken = true
+		case <-time.After(time.Millisecond):
+		}
 	}
-	defer w.call.unlock()
+	defer func() { <-w.sem }()
 	w.shared.unwatchGone(w) // the poller nudges the lane no more
 	if w.lane.Load() == nil && w.mem != nil && !w.broken && !w.fair {
 		// A peer asleep on the lane, a reader or a writer waiting for

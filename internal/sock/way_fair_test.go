@@ -202,7 +202,7 @@ func TestFairWayClaimedWaitGetsItsEntry(t *testing.T) {
 	got := recvLater(ctx, r)
 	waitsOnLane(t, r)
 
-	w.call.lock(nil)
+	w.sem <- struct{}{}
 	l := w.taken()
 	require.True(t, w.handsOver(l, l.Tail(), true, false), "the writer claims the wait")
 	time.Sleep(laneSleep + 50*time.Millisecond)
@@ -244,10 +244,10 @@ func TestFairWayOtherWritersComeFirst(t *testing.T) {
 		got := recvLater(ctx, r)
 		waitsOnLane(t, r)
 		require.NoError(t, w2.Send(ctx, wayMsg(k, 8), nil))
-		w.call.lock(nil)
+		w.sem <- struct{}{}
 		l := w.lane.Load()
 		lane := w.handsOver(l, l.Tail(), false, false)
-		w.call.unlock()
+		<-w.sem
 		assert.False(t, lane, "message %d: the lane would take it", k+1)
 		require.NoError(t, w.Send(ctx, wayMsg(k+1, 8), nil))
 		g := <-got
@@ -294,10 +294,10 @@ func TestFairWayTryRecv(t *testing.T) {
 
 	// An entry in the lane, taken by a TryRecv: one a reader that waited
 	// was handed and did not take (its wait ended first).
-	w.call.lock(nil)
+	w.sem <- struct{}{}
 	l := w.taken()
 	require.NoError(t, w.sendEntry(ctx, l, []byte{kindValue}, wayMsg(3, 8), false, monoNow()))
-	w.call.unlock()
+	<-w.sem
 	assert.True(t, tryRecvOne(t, ctx, r, 3), "by the lane")
 }
 
@@ -476,11 +476,11 @@ func TestFairWayDeadWritersClaim(t *testing.T) {
 }
 
 // publishClaimed publishes message 1 on l as the entry whose wait the
-// writer w claimed, and ends the call w holds meanwhile (its call).
+// writer w claimed, and ends the call w holds meanwhile (its sem).
 func publishClaimed(t *testing.T, ctx context.Context, w *Way, l *Lane) {
 	t.Helper()
 	require.NoError(t, w.sendEntry(ctx, l, []byte{kindValue}, wayMsg(1, 8), true, monoNow()))
-	w.call.unlock()
+	<-w.sem
 }
 
 // claimedArrives checks that the receive got took message 1, the claimed
@@ -494,7 +494,7 @@ func claimedArrives(t *testing.T, got <-chan gotMsg) {
 
 // claimOutlived returns a fair pair whose reader's receive, waiting on
 // the lane, ended with its context after the writer claimed the wait and
-// before it published: the writer holds its call and the lane l,
+// before it published: the writer holds its call (sem) and the lane l,
 // for the test to publish on.
 func claimOutlived(t *testing.T) (w, r *Way, l *Lane, ctx context.Context) {
 	t.Helper()
@@ -502,7 +502,7 @@ func claimOutlived(t *testing.T) (w, r *Way, l *Lane, ctx context.Context) {
 	short, cancelShort := context.WithCancel(ctx)
 	got := recvLater(short, r)
 	waitsOnLane(t, r)
-	w.call.lock(nil)
+	w.sem <- struct{}{}
 	l = w.taken()
 	require.True(t, w.handsOver(l, l.Tail(), true, false), "the writer claims the wait")
 	cancelShort()
@@ -714,10 +714,10 @@ func TestFairWayStalledClaimLetsTheSocketIn(t *testing.T) {
 	w2 := anotherFair(t, w, mem, true)
 	got := recvLater(ctx, r)
 	waitsOnLane(t, r)
-	w.call.lock(nil)
+	w.sem <- struct{}{}
 	l := w.taken()
 	require.True(t, w.handsOver(l, l.Tail(), true, false), "the writer claims the wait")
-	w.call.unlock() // and publishes nothing
+	<-w.sem // and publishes nothing
 	require.NoError(t, w2.Send(ctx, wayMsg(1, 8), nil))
 	g := within(t, got, "the reader waits for a claimed entry that does not come, not for the socket")
 	assert.Equal(t, 1, g.i)

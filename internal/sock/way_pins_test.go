@@ -301,10 +301,10 @@ func TestWayPinNeedsTheRole(t *testing.T) {
 	require.NoError(t, err)
 	m.Done()
 	require.True(t, holds(r))
-	r2.call.lock(nil) // as a receive of r2 would hold it
+	r2.sem <- struct{}{} // as a receive of r2 would hold it
 	r2.Pin(a.Segment().ID())
 	pinned := r2.Pinned(a.Segment().ID())
-	r2.call.unlock()
+	<-r2.sem
 	assert.False(t, pinned, "r2 does not hold the role")
 	assert.False(t, w.Maps(a), "nor lists anything")
 }
@@ -345,9 +345,9 @@ func TestWayPinsAreBoundedAndPruned(t *testing.T) {
 	takeRoles(t, ctx, w, r, func() { r.Pin(bs[2].Segment().ID()) })
 	assert.True(t, w.Maps(bs[1]))
 	assert.True(t, w.Maps(bs[2]), "pinned in the room the first left")
-	r.call.lock(nil)
+	r.sem <- struct{}{}
 	assert.False(t, r.Pinned(bs[0].Segment().ID()), "unpinned once its producer let go of it")
-	r.call.unlock()
+	<-r.sem
 
 	require.NoError(t, got[1].Release())
 	require.NoError(t, bs[1].Release())
@@ -360,8 +360,8 @@ func TestWayPinsAreBoundedAndPruned(t *testing.T) {
 	require.NoError(t, err)
 	m.Done()
 	assert.Eventually(t, func() bool {
-		r.call.lock(nil)
-		defer r.call.unlock()
+		r.sem <- struct{}{}
+		defer func() { <-r.sem }()
 		return !r.Pinned(bs[1].Segment().ID())
 	}, 5*time.Second, 10*time.Millisecond, "unpinned at an idle look")
 	require.NoError(t, got[2].Release())
@@ -473,13 +473,13 @@ func TestWayPinOutlivesEarlierEntries(t *testing.T) {
 		return !shm.Kept(id)
 	}, 5*time.Second, 5*time.Millisecond)
 	pinned := func() bool {
-		r.call.lock(nil)
-		defer r.call.unlock()
+		r.sem <- struct{}{}
+		defer func() { <-r.sem }()
 		return r.Pinned(id)
 	}
 	prune := func() {
-		r.call.lock(nil)
-		defer r.call.unlock()
+		r.sem <- struct{}{}
+		defer func() { <-r.sem }()
 		r.prunePins(r.lane.Load())
 	}
 	take := func() {

@@ -181,7 +181,7 @@ func (w *Way) scanReturns(yield func(shm.ReturnRef)) {
 const returnsHead = 2 + maxReturns*returnRefSize
 
 // registerReturns registers the reader's scanner, once: from the first
-// time it takes the role until Close. The caller holds the call.
+// time it takes the role until Close. The caller holds sem.
 func (w *Way) registerReturns() {
 	if w.unregister == nil {
 		w.unregister = shm.RegisterReturns(w.scanReturns)
@@ -190,7 +190,7 @@ func (w *Way) registerReturns() {
 
 // listProduced writes the segments this process produced to the reader's
 // page, as of shm.ProducedVersion; the caller has made the page's seq odd
-// and holds the call and the role.
+// and holds sem and the role.
 func (w *Way) listProduced(l *Lane) {
 	var v uint64
 	w.prods, v = shm.Produced(w.prods[:0], maxPins)
@@ -203,7 +203,7 @@ func (w *Way) listProduced(l *Lane) {
 
 // relistProduced lists the segments this process produced again if its
 // pools have made or closed one since the list was written. The caller
-// holds the call and the role.
+// holds sem and the role.
 func (w *Way) relistProduced(l *Lane) {
 	if shm.ProducedVersion() == w.prodsAt {
 		return
