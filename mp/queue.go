@@ -532,11 +532,10 @@ func NewPipe() (*Pipe, *Pipe, error) {
 func (p *Pipe) Send(ctx context.Context, v any) error { return sendLane(ctx, p.out, v, true) }
 
 // Recv receives the next value from the other end into v. When the other
-// end is closed in every process that held it, Recv returns ErrClosed at
-// once, where the last of them closed it or died (SIGKILL included; the
-// package's poller sees the socket's hang-up). A Recv that began within
-// the last 10 ms, which has not asked the poller yet, sees a death within
-// those 10 ms.
+// end is closed in every process that held it, Recv returns ErrClosed
+// once it has received what they sent: at once where the last of them
+// closed it or died (SIGKILL included), and within 10 ms where it died
+// before the end's first wait of 10 ms or more.
 func (p *Pipe) Recv(ctx context.Context, v any) error {
 	m, err := p.in.Recv(ctx)
 	if err != nil {

@@ -190,9 +190,10 @@ func (sl *waitSlot) wait(s int, ev int16) bool {
 }
 
 // thePoller is the package's poller: one epoll instance and one goroutine
-// waiting on it, for every parked caller of every Conn. Sockets are
-// registered one-shot, when a caller parks, so a socket nobody waits on
-// never wakes it.
+// waiting on it, for every parked caller of every Conn, and every watch
+// of a socket's other end (watchGone). Sockets are registered one-shot,
+// when a caller parks or a watch is armed, so a socket nobody waits on or
+// watches wakes it at most once.
 var thePoller struct {
 	once sync.Once
 	epfd int
@@ -324,6 +325,9 @@ func (p *parking) notify() {
 	p.mu.Lock()
 	want := p.want
 	p.want, p.armed = 0, false
+	if hook := beforeGone.Load(); hook != nil && len(p.gone) > 0 {
+		(*hook)(p)
+	}
 	for _, f := range p.gone {
 		f()
 	}
@@ -335,6 +339,10 @@ func (p *parking) notify() {
 		tell(p.out)
 	}
 }
+
+// beforeGone, if set, runs in the poller before it runs the watches of
+// p's socket, under p.mu, for tests: a poller slow to run them.
+var beforeGone atomic.Pointer[func(p *parking)]
 
 func tell(ch chan struct{}) {
 	select {

@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"sync"
 	"testing"
 	"time"
 
@@ -700,4 +701,45 @@ func TestWayClosedIsNudgedNoMore(t *testing.T) {
 	require.NoError(t, r.Close())
 	require.NoError(t, w.shared.Close()) // the poller sees the hang-up
 	time.Sleep(100 * time.Millisecond)   // and would nudge meanwhile
+}
+
+// A Way's Close waits for a nudge of the poller's under way (see
+// watchPeer) before it unmaps the lane: the poller, slowed here between
+// its look at the watches and their run, nudges a lane still mapped.
+func TestWayCloseWaitsForThePollersNudge(t *testing.T) {
+	w, r, _ := wayPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
+	m, err := r.Recv(ctx)
+	require.NoError(t, err)
+	m.Done()
+	require.NotNil(t, r.lane.Load(), "the reader maps the lane")
+	r.watchPeer() // as a wait's alive does
+
+	entered, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	hook := func(p *parking) {
+		if p == &r.shared.park {
+			once.Do(func() { close(entered); <-release })
+		}
+	}
+	beforeGone.Store(&hook)
+	defer beforeGone.Store(nil)
+	require.NoError(t, w.shared.Close()) // the hang-up
+	select {
+	case <-entered:
+	case <-ctx.Done():
+		t.Fatal("the poller never ran the watch")
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- r.Close() }()
+	select {
+	case err := <-closed:
+		t.Fatalf("Close returned (%v) while the poller was about to nudge the lane", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(release) // the nudge runs: the lane must be mapped still
+	require.NoError(t, <-closed)
+	time.Sleep(100 * time.Millisecond) // a nudge run after the lock would come meanwhile
 }
