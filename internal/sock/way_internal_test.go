@@ -685,11 +685,11 @@ func TestWayAhead(t *testing.T) {
 	}
 }
 
-// A Way's Close ends its watch of its peer (watchPeer) before it unmaps
-// the lane: the peer's close afterwards nudges nothing, where the poller's
-// nudge of the unmapped lane would fault.
-func TestWayClosedIsNudgedNoMore(t *testing.T) {
-	w, r, _ := wayPair(t)
+// watchedPair returns a wayPair whose reader has mapped the lane, with a
+// message, and watches its peer as a wait's alive does (watchPeer).
+func watchedPair(t *testing.T) (w, r *Way) {
+	t.Helper()
+	w, r, _ = wayPair(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
@@ -697,7 +697,15 @@ func TestWayClosedIsNudgedNoMore(t *testing.T) {
 	require.NoError(t, err)
 	m.Done()
 	require.NotNil(t, r.lane.Load(), "the reader maps the lane")
-	r.watchPeer() // as a wait's alive does
+	r.watchPeer()
+	return w, r
+}
+
+// A Way's Close ends its watch of its peer (watchPeer) before it unmaps
+// the lane: the peer's close afterwards nudges nothing, where the poller's
+// nudge of the unmapped lane would fault.
+func TestWayClosedIsNudgedNoMore(t *testing.T) {
+	w, r := watchedPair(t)
 	require.NoError(t, r.Close())
 	require.NoError(t, w.shared.Close()) // the poller sees the hang-up
 	time.Sleep(100 * time.Millisecond)   // and would nudge meanwhile
@@ -707,15 +715,9 @@ func TestWayClosedIsNudgedNoMore(t *testing.T) {
 // watchPeer) before it unmaps the lane: the poller, slowed here between
 // its look at the watches and their run, nudges a lane still mapped.
 func TestWayCloseWaitsForThePollersNudge(t *testing.T) {
-	w, r, _ := wayPair(t)
+	w, r := watchedPair(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
-	m, err := r.Recv(ctx)
-	require.NoError(t, err)
-	m.Done()
-	require.NotNil(t, r.lane.Load(), "the reader maps the lane")
-	r.watchPeer() // as a wait's alive does
 
 	entered, release := make(chan struct{}), make(chan struct{})
 	var once sync.Once
