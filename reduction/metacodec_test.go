@@ -1,5 +1,3 @@
-//go:build linux
-
 package reduction
 
 import (
@@ -124,5 +122,21 @@ func BenchmarkMetaCodec(b *testing.B) {
 		if _, err := parseMeta(buf, room[:]); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// A code that is not an integer's, where an integer belongs, is an error,
+// those beside the fixints' ranges (0x00-0x7f, 0xe0-0xff) included.
+func TestMetaReaderRefusesAnIntegersNeighbours(t *testing.T) {
+	for _, c := range []byte{0x80, 0x8f, 0x90, 0xa0, 0xc0, 0xc1, 0xc2, 0xca, 0xd9, 0xdf} {
+		r := &metaReader{b: []byte{c, 0, 0, 0, 0, 0, 0, 0, 0}}
+		v := r.int()
+		assert.Error(t, r.err, "code %#x read as the integer %d", c, v)
+	}
+	for c, want := range map[byte]int64{0x00: 0, 0x7f: 127, 0xe0: -32, 0xff: -1} {
+		r := &metaReader{b: []byte{c}}
+		assert.Equal(t, want, r.int(), "fixint %#x", c)
+		assert.NoError(t, r.err)
+		assert.Zero(t, r.left(), "fixint %#x is one byte", c)
 	}
 }

@@ -14,18 +14,6 @@ import (
 	"github.com/tensormp/tensormp/internal/fd"
 )
 
-func open(t *testing.T) int {
-	t.Helper()
-	raw, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
-	require.NoError(t, err)
-	return raw
-}
-
-func isOpen(raw int) bool {
-	_, err := unix.FcntlInt(uintptr(raw), unix.F_GETFD, 0)
-	return err == nil
-}
-
 func TestCloseWaitsForLoans(t *testing.T) {
 	raw := open(t)
 	f := fd.New(raw)
