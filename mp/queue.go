@@ -534,8 +534,9 @@ func (p *Pipe) Send(ctx context.Context, v any) error { return sendLane(ctx, p.o
 // Recv receives the next value from the other end into v. When the other
 // end is closed in every process that held it, Recv returns ErrClosed
 // once it has received what they sent: at once where the last of them
-// closed it or died (SIGKILL included), and within 10 ms where it died
-// before the end's first wait of 10 ms or more.
+// closed it, and where the last died (SIGKILL included) at once or
+// within 10 ms (a wait that has lasted 10 ms watches the socket for its
+// other end's hang-up).
 func (p *Pipe) Recv(ctx context.Context, v any) error {
 	m, err := p.in.Recv(ctx)
 	if err != nil {

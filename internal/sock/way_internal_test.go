@@ -720,7 +720,9 @@ func TestWayCloseWaitsForThePollersNudge(t *testing.T) {
 	defer cancel()
 
 	entered, release := make(chan struct{}), make(chan struct{})
-	var once sync.Once
+	var once, released sync.Once
+	letGo := func() { released.Do(func() { close(release) }) }
+	t.Cleanup(letGo) // a failure lets the poller go before the pair closes
 	hook := func(p *parking) {
 		if p == &r.shared.park {
 			once.Do(func() { close(entered); <-release })
@@ -741,7 +743,7 @@ func TestWayCloseWaitsForThePollersNudge(t *testing.T) {
 		t.Fatalf("Close returned (%v) while the poller was about to nudge the lane", err)
 	case <-time.After(50 * time.Millisecond):
 	}
-	close(release) // the nudge runs: the lane must be mapped still
+	letGo() // the nudge runs: the lane must be mapped still
 	require.NoError(t, <-closed)
 	time.Sleep(100 * time.Millisecond) // a nudge run after the lock would come meanwhile
 }
