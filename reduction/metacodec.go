@@ -188,13 +188,8 @@ func (r *metaReader) int() int64 {
 		}
 	}
 	c := r.code()
-	switch {
-	case r.err != nil:
-		return 0
-	case c <= 0x7f:
-		return int64(c)
-	case c >= 0xe0:
-		return int64(int8(c))
+	if r.err != nil {
+		return 0 // an earlier error, or the end of b
 	}
 	switch c {
 	case 0xcc:

@@ -263,20 +263,20 @@ func TestBellStampsOnlyForASleeper(t *testing.T) {
 }
 
 // A waiter stamps the wall clock as its spin begins and as it goes on,
-// and a waiter that does not spin stamps nothing: SpunWithin says a
+// and a waiter that does not spin stamps nothing: spunWithin says a
 // waiter's process was alive lately only when it spun lately.
 func TestBellSpinStampsItsTime(t *testing.T) {
 	b := testBell(t)
-	assert.False(t, b.SpunWithin(time.Hour), "nobody spun yet")
+	assert.False(t, b.spunWithin(monoNow(), time.Hour), "nobody spun yet")
 	last := b.Load()
 	b.spin(last, monoNow()) // not spinning: the misses say so
-	assert.False(t, b.SpunWithin(time.Hour), "a wait that did not spin")
+	assert.False(t, b.spunWithin(monoNow(), time.Hour), "a wait that did not spin")
 
 	b.misses.Store(0)
 	b.Ring()
 	_, found := b.spin(last, monoNow())
 	require.True(t, found)
-	assert.True(t, b.SpunWithin(time.Hour), "a spin that finds its ring at once stamps as it begins")
+	assert.True(t, b.spunWithin(monoNow(), time.Hour), "a spin that finds its ring at once stamps as it begins")
 
 	atomic.StoreInt64(b.spunAt, 0)
 	last = b.Load()
@@ -286,13 +286,13 @@ func TestBellSpinStampsItsTime(t *testing.T) {
 	spunAt := atomic.LoadInt64(b.spunAt)
 	assert.Greater(t, spunAt, stampAt(before), "stamped as it spun on, not only as it began")
 	assert.LessOrEqual(t, spunAt, stamp())
-	assert.True(t, b.SpunWithin(time.Hour))
-	assert.False(t, b.SpunWithin(0), "no spin is younger than nothing")
+	assert.True(t, b.spunWithin(monoNow(), time.Hour))
+	assert.False(t, b.spunWithin(monoNow(), 0), "no spin is younger than nothing")
 
 	atomic.StoreInt64(b.spunAt, stamp()+int64(time.Millisecond))
-	assert.True(t, b.SpunWithin(time.Second), "a stamp since the caller read its clock, a little ahead")
+	assert.True(t, b.spunWithin(monoNow(), time.Second), "a stamp since the caller read its clock, a little ahead")
 	atomic.StoreInt64(b.spunAt, stamp()+int64(2*time.Hour))
-	assert.False(t, b.SpunWithin(time.Hour), "a stamp further ahead (another process's stamps disagree) says nothing")
+	assert.False(t, b.spunWithin(monoNow(), time.Hour), "a stamp further ahead (another process's stamps disagree) says nothing")
 }
 
 // A waiter whose rings have lately come 60 µs after its waits began (a

@@ -28,7 +28,7 @@ import (
 //	            was, Unix nanoseconds (see stamp)
 //	16  int64   when a waiter last spun, Unix nanoseconds (see stamp):
 //	            stamped as its spin begins and each spinTurns turns (see
-//	            SpunWithin)
+//	            spunWithin)
 //	64  uint32  odd once a waiter is about to sleep, made even by the ringer
 //	            that wakes it: the futex the waiters sleep on
 //	72  uint32  the CPU the last ringer ran on as it rang, plus one (0:
@@ -40,7 +40,7 @@ import (
 //
 // A peer that writes the memory at will can wake the waiter for nothing,
 // make it spin up to spinCap in vain, yield its CPU as it spins, or make
-// a ringer take a waiter gone for one that spun lately (SpunWithin); it
+// a ringer take a waiter gone for one that spun lately (spunWithin); it
 // cannot make it miss a Ring or sleep past its context and its peer's
 // end, and a Ring whose wake it suppresses is seen at most a sleep slice
 // late (sleepSlice early in a wait, up to maxSleepSlice in a long one). So
@@ -184,16 +184,13 @@ func (b *Bell) stampCPU() {
 	}
 }
 
-// SpunWithin reports whether a waiter spun on the word within d of now,
-// as its stamps say: the waiter's process was alive then. A waiter whose
-// stamp is d or more older has not, nor one asleep, nor one that stopped
-// spinning; nor one whose stamp is d or more ahead (its process's stamps
-// disagree with this one's: see stamp).
-func (b *Bell) SpunWithin(d time.Duration) bool { return b.spunWithin(monoNow(), d) }
-
-// spunWithin is SpunWithin at now, a reading of monoNow the caller took
-// a little earlier: a waiter that stamped since, ahead of now by less
-// than d, spun within d too.
+// spunWithin reports whether a waiter spun on the word within d of now,
+// a reading of monoNow the caller took, as its stamps say: the waiter's
+// process was alive then. A waiter whose stamp is d or more older has
+// not, nor one asleep, nor one that stopped spinning; nor one whose stamp
+// is d or more ahead (its process's stamps disagree with this one's: see
+// stamp). One that stamped since the caller read its clock, ahead of now
+// by less than d, spun within d too.
 func (b *Bell) spunWithin(now int64, d time.Duration) bool {
 	age := stampAt(now) - atomic.LoadInt64(b.spunAt)
 	return age > -int64(d) && age < int64(d)
@@ -503,7 +500,7 @@ func (b *Bell) learn(gap int64) {
 // time daemon, a leap second, a suspend): they disagree by as much for as
 // long as both run. That costs a waiter gaps learnt wrong, within learn's
 // bounds (spins too long or too short), and a writer a look at whether
-// its reader lives on each Send that lends blocks (see SpunWithin);
+// its reader lives on each Send that lends blocks (see spunWithin);
 // never a ring.
 func stamp() int64 { return stampAt(monoNow()) }
 

@@ -258,7 +258,7 @@ func (l *Lane) Taken() uint32 { return l.taken.Load() }
 func (l *Lane) readerCPU() uint32 { return l.taken.RingerCPU() }
 
 // readerSpunWithin reports whether a reader spun on the lane, waiting for
-// an entry, within d of now, a reading of monoNow (see Bell.SpunWithin).
+// an entry, within d of now, a reading of monoNow (see Bell.spunWithin).
 func (l *Lane) readerSpunWithin(now int64, d time.Duration) bool { return l.sent.spunWithin(now, d) }
 
 // stampCPU stamps the CPU this process runs on (see runningCPU)

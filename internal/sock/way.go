@@ -827,7 +827,7 @@ var heldLooks atomic.Uint64
 // readerLive reports whether the role's reader of a fair Way is alive, as
 // readerHeld does, but without readerHeld's system call for a reader that
 // spun on the lane l within the Way's live (liveWindow; see
-// Bell.SpunWithin), as a reader waiting for a round trip's next message
+// Bell.spunWithin), as a reader waiting for a round trip's next message
 // does: its process was alive then. A reader killed within that window is
 // taken as alive, as one killed just after readerHeld's look is: the
 // message named for its pins is in flight to it, lost with it, and its
