@@ -42,7 +42,12 @@
 // the receiver, keeps the block from reuse while the message waits, so
 // the sender may exit first. The rest goes by the
 // socket in order with it (see internal/sock.Way, and way_pins.go and
-// way_returns.go there for the invariants).
+// way_returns.go there for the invariants). A receiver waits on the lane
+// (spinning, then asleep on the doorbell in a thread of its own) for up
+// to 100 ms, and at most eight receivers of a process at once, Gets of
+// queues included; the others wait on their socket, parked on the
+// runtime's poller, and the sender's next entry wakes them there with an
+// empty frame.
 //
 // A Queue made by NewQueue has such a lane too, which a putting process
 // uses only to hand a value to a getting process that waits in Get with
@@ -55,7 +60,8 @@
 // getter (see internal/sock.NewFairWay). Neither does it let a value
 // overtake one that another process finished putting before it. A getter
 // waits on the lane for up to 100 ms, and at most eight getters of a
-// process at once; the others wait on their socket.
+// process at once, as a Pipe's receiver does; the others wait on their
+// socket.
 //
 // A call that must wait first waits in the kernel, where readiness wakes
 // its thread directly; a receive waits in the receive call itself, for up

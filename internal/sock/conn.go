@@ -488,8 +488,20 @@ func (c *Conn) TryRecv(ctx context.Context) (Msg, error) { return c.recv(ctx, fa
 func (c *Conn) Waiting() int { return int(c.waiting.Load()) }
 
 // recv receives one message, which the caller ends with its Done. Unless
-// block, an empty socket is ErrWouldBlock.
+// block, an empty socket is ErrWouldBlock. A wake frame is skipped.
 func (c *Conn) recv(ctx context.Context, block bool) (Msg, error) {
+	for {
+		m, err := c.recvOrWake(ctx, block)
+		if !errors.Is(err, errWoken) {
+			return m, err
+		}
+	}
+}
+
+// recvOrWake is recv that returns errWoken for a wake frame (see
+// flagWake), which it consumes: for a reader that waits on the socket
+// for its lane's writer too (see Way.park).
+func (c *Conn) recvOrWake(ctx context.Context, block bool) (Msg, error) {
 	if err := c.lock(ctx, c.rmu, block); err != nil {
 		return Msg{}, err
 	}
@@ -501,6 +513,22 @@ func (c *Conn) recv(ctx context.Context, block bool) (Msg, error) {
 	c.spill = spill
 	c.rset.Reset(fds)
 	return Msg{Data: data, FDs: &c.rset, c: c, tag: tag}, nil
+}
+
+// wake sends a wake frame (see flagWake), unless the socket is full or
+// another send of this process is under way: a reader that waits on a
+// full socket has messages to wake it, and one under way wakes it too.
+func (c *Conn) wake(ctx context.Context) error {
+	if err := c.lock(ctx, c.wmu, false); err != nil {
+		return err
+	}
+	defer func() { <-c.wmu }()
+	var msg [headerLen]byte
+	header{flags: flagWake}.put(msg[:])
+	return c.io(ctx, unix.POLLOUT, "wake", false, func(s int) error {
+		_, err := unix.SendmsgN(s, msg[:], nil, nil, sendFlags)
+		return err
+	}, nil)
 }
 
 // recvDone ends the receive that recv began.

@@ -22,7 +22,9 @@ import (
 //
 // A tag (flagTag) is a lane position that the message follows: a sender
 // that also writes a lane says so of the messages it sends on the socket
-// (see Way).
+// (see Way). A frame of a header alone whose flags are flagWake is no
+// message: a lane's writer wakes with it a reader that waits on the
+// socket (see Way.park); a receive skips it.
 //
 // A payload over maxInline is copied into a sealed segment (flagSpill),
 // whose descriptor travels instead of it; the descriptors beyond what one
@@ -51,8 +53,12 @@ const (
 	flagSpill   = 1 << 0 // the payload is in a segment; its descriptor comes first
 	flagCarrier = 1 << 1 // more descriptors wait in a carrier socket, sent next
 	flagTag     = 1 << 2 // a tag follows the header
+	flagWake    = 1 << 3 // no message: a wake (nothing else may be set)
 	tagLen      = 4
 )
+
+// errWoken is a receive's error for a wake frame (flagWake).
+var errWoken = errors.New("mp: woken by the lane's writer")
 
 // header is a frame's header.
 type header struct {
@@ -182,6 +188,12 @@ func unframe(msg []byte, rights []int) (payload []byte, fds []int, spill []byte,
 	h := parseHeader(msg)
 	payload = msg[headerLen:]
 	tag = -1
+	if h.flags&flagWake != 0 {
+		if h != (header{flags: flagWake}) || len(payload) != 0 || len(rights) != 0 {
+			return nil, rights, nil, 0, fmt.Errorf("mp: receive: %w: a wake with %d bytes and %d descriptors", ErrMalformed, len(msg), len(rights))
+		}
+		return nil, nil, nil, -1, errWoken
+	}
 	if h.flags&flagTag != 0 {
 		if len(payload) < tagLen {
 			return nil, rights, nil, 0, fmt.Errorf("mp: receive: %w: a tag cut short", ErrMalformed)

@@ -163,6 +163,11 @@ func FuzzUnframe(f *testing.F) {
 	f.Add(hostile(header{flags: flagCarrier, carried: 2}, ""), []byte{kindPlain})
 	f.Add(hostile(header{carried: 3}, ""), []byte{})
 	f.Add(hostile(header{flags: 0x80}, ""), []byte{})
+	// A wake (no message), and ones that carry something all the same.
+	f.Add(hostile(header{flags: flagWake}, ""), []byte{})
+	f.Add(hostile(header{flags: flagWake}, "x"), []byte{})
+	f.Add(hostile(header{flags: flagWake, direct: 1}, ""), []byte{kindPlain})
+	f.Add(hostile(header{flags: flagWake | flagSpill, spilled: fuzzSpill}, ""), []byte{kindSealed})
 	f.Add(hostile(header{}, ""), []byte{kindSealed, kindCarrier, kindMemfd})
 
 	f.Fuzz(func(t *testing.T, msg, kinds []byte) {

@@ -52,6 +52,13 @@ import (
 // until its place comes, or, if the reader lets go of its role meanwhile,
 // until its next receive; a reader that closes its end drops it.
 //
+// Waits. A reader waits on the lane, a thread of its process asleep on
+// the lane's bell, only while it holds one of its process's lane waits
+// (laneWaiters, each for at most laneSleep); else it waits on the
+// socket, parked on the runtime's poller, and says so in the reader's
+// page: a Pipe's writer that publishes an entry then wakes it with a wake
+// frame (see park), and a fair Way's sends there (see waitFair).
+//
 // Ends. A reader whose writers are all gone (the socket's other end is
 // closed in every process) gets what the lane and the socket still hold,
 // then ErrClosed. A writer whose readers are all gone gets ErrClosed once
@@ -93,9 +100,9 @@ type Way struct {
 	onGone    func()       // nudgeLane, made once, for watchPeer
 
 	// fair: the Way of a queue, which any number of processes may read
-	// (see NewFairWay); its reader waits on the lane for sleep at most
-	// (laneSleep), and its writer takes a reader that spun within live
-	// as alive (liveWindow; tests change both).
+	// (see NewFairWay). A reader waits on the lane for sleep at most
+	// (laneSleep), and a fair Way's writer takes a reader that spun
+	// within live as alive (liveWindow; tests change both).
 	fair  bool
 	sleep time.Duration
 	live  time.Duration
@@ -195,7 +202,7 @@ var (
 // says whether this end writes the lane or reads it. A nil mem makes a
 // Way that only uses the socket.
 func NewWay(shared *Conn, mem *fd.FD, writes bool) *Way {
-	w := &Way{shared: shared, mem: mem, writes: writes, sem: make(chan struct{}, 1), broken: mem == nil}
+	w := &Way{shared: shared, mem: mem, writes: writes, sem: make(chan struct{}, 1), broken: mem == nil, sleep: laneSleep}
 	w.onGone = w.nudgeLane
 	if writes {
 		w.alive = w.writerAlive
@@ -564,8 +571,11 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 	if fits && w.lanes(ctx, l, len(lent) > 0, block) {
 		pos := l.Tail()
 		err := w.sendEntry(ctx, l, hdr, data, block, now)
-		if err != nil && w.fair {
+		switch {
+		case err != nil && w.fair:
 			giveBack(l.readerWord(readerWaits)) // no entry comes
+		case err == nil && !w.fair:
+			w.wakeParked(ctx, l)
 		}
 		switch {
 		case err == nil && len(lent) > 0:
@@ -1123,9 +1133,15 @@ func (w *Way) recv(ctx context.Context, block bool) (Msg, error) {
 				continue // the lane has an entry, or the writer sends one
 			}
 		} else {
-			w.waiting.Add(1)
-			_, err = l.WaitSent(ctx, last, w.alive)
-			w.waiting.Add(-1)
+			var m Msg
+			var ok bool
+			m, ok, err = w.waitPipe(ctx, l, last)
+			if ok {
+				return m, nil
+			}
+			if err == nil {
+				continue // the lane has an entry, or the writer woke it
+			}
 		}
 		switch {
 		case errors.Is(err, errSocketReady) && w.fair:
@@ -1153,12 +1169,14 @@ func (w *Way) recv(ctx context.Context, block bool) (Msg, error) {
 // the writer hands an entry to the lane only with a claim, from
 // waitOnLane, or from waitBusy while no other process reads the end
 // (sockWaiters), and the reader, once claimed, waits for the entry on the
-// lane, never on the socket, and takes it next.
+// lane, never on the socket, and takes it next. A Pipe's reader uses two:
+// waitParked while it waits on the socket, and waitNone otherwise.
 const (
 	waitNone    = 0 // no reader holds the role
 	waitOnLane  = 1 // waiting on the lane
 	waitClaimed = 2 // a writer publishes an entry for the waiting reader
-	waitParked  = 3 // waiting on the socket: the writer sends there
+	waitParked  = 3 // waiting on the socket: a fair Way's writer sends
+	// there; a Pipe's wakes it (see park)
 	claimedBusy = 4 // a writer publishes an entry for the busy reader
 	waitBusy    = 5 // the role's reader is not waiting (it takes an
 	// entry at its next receive)
@@ -1183,17 +1201,20 @@ func (w *Way) lanesNext(l *Lane) bool {
 	return w.sockRun < socketRun || l.readerWord(laneMisses).Load() != w.missSeen
 }
 
-// Lane waits of fair Ways hold a thread each: at most laneWaiters in a
-// process at once, each for at most laneSleep; a reader without one
-// waits on its socket, parked, as the writer sends there meanwhile.
+// Lane waits of readers hold a thread each (a sleep in FUTEX_WAIT): at
+// most laneWaiters in a process at once, each for at most laneSleep; a
+// reader without one waits on its socket, parked on the runtime's
+// poller, where a fair Way's writer sends meanwhile (see waitFair) and a
+// Pipe's wakes it (see park). So a thousand Recvs that wait hold a few
+// threads, not a thousand.
 const (
 	laneWaiters = 8
 	laneSleep   = 100 * time.Millisecond
 )
 
-// laneSleepers counts the fair Ways' readers waiting on a lane now, and
-// roleTry is held by the one of them that maps its lane or tries for its
-// role.
+// laneSleepers counts the Ways' readers waiting on a lane now, and
+// roleTry is held by the fair Way's reader that maps its lane or tries
+// for its role.
 var (
 	laneSleepers atomic.Int32
 	roleTry      atomic.Bool
@@ -1266,6 +1287,83 @@ func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32, lane bool) (Ms
 		return Msg{}, false, err
 	}
 	return w.place(m, l)
+}
+
+// waitPipe waits for a message as a Pipe's reader whose lane is empty
+// (last its count of entries sent): on the lane while it can hold a
+// thread for it (laneWaiters, for the Way's sleep, laneSleep), and then
+// on the socket (park). A reader without a lane wait to be had spins on
+// the lane first, as long as the lane's bell has learnt to (see
+// Bell.spin), and parks then. It returns a socket message for the caller
+// (ok), or nothing, for the caller to look at the lane again, or an
+// error as Way.recv's wait on the lane does.
+func (w *Way) waitPipe(ctx context.Context, l *Lane, last uint32) (Msg, bool, error) {
+	w.waiting.Add(1)
+	defer w.waiting.Add(-1)
+	patience := time.Duration(1) // a spin, and no sleep
+	if laneSleepers.Add(1) <= laneWaiters {
+		patience = w.sleep
+	}
+	_, err := l.WaitSentUntil(ctx, last, w.alive, patience, nil)
+	laneSleepers.Add(-1)
+	if !errors.Is(err, errWaitedEnough) {
+		return Msg{}, false, err
+	}
+	return w.park(ctx, l, last)
+}
+
+// beforePark and beforeParkedRecv, if set, run as a Pipe's reader parks:
+// before it says that it waits on the socket, and between its last look
+// at the lane and its receive on the socket. For tests, to put the
+// writer's entry on either side of the word.
+var beforePark, beforeParkedRecv atomic.Pointer[func()]
+
+// park waits on the socket, parked, as a Pipe's reader whose lane is
+// empty (last its count of entries sent) and that holds no lane wait:
+// it says so in the reader's page (waitParked), and the writer that
+// publishes an entry then wakes it with a wake frame (see wakeParked).
+// Either the writer sees the word, or the reader sees the entry before
+// it receives (Dekker's pattern, both sides sequentially consistent). A
+// message that comes by the socket meanwhile, the peer's end, the Way's
+// Close and ctx's end wake it too. A wake that finds the reader gone
+// from the socket is skipped by a later receive. It returns what
+// waitPipe does.
+func (w *Way) park(ctx context.Context, l *Lane, last uint32) (Msg, bool, error) {
+	if h := beforePark.Load(); h != nil {
+		(*h)()
+	}
+	waits := l.readerWord(readerWaits)
+	waits.Store(waitParked)
+	defer waits.CompareAndSwap(waitParked, waitNone)
+	if l.Sent() != last {
+		return Msg{}, false, nil
+	}
+	if h := beforeParkedRecv.Load(); h != nil {
+		(*h)()
+	}
+	m, err := w.shared.recvOrWake(ctx, true)
+	switch {
+	case errors.Is(err, errWoken):
+		return Msg{}, false, nil
+	case errors.Is(err, errConnClosed):
+		return Msg{}, false, errWayClosed
+	case errors.Is(err, ErrClosed):
+		return Msg{}, false, errWritersGone // what they left is received before ErrClosed
+	case err != nil:
+		return Msg{}, false, err
+	}
+	return w.place(m, l)
+}
+
+// wakeParked wakes the reader of a Pipe's Way that waits on the socket
+// (see park), once the writer has published an entry: the first writer
+// that finds it parked says it is not (waitNone) and sends a wake frame.
+// A wake that cannot be sent is not needed (see Conn.wake).
+func (w *Way) wakeParked(ctx context.Context, l *Lane) {
+	waits := l.readerWord(readerWaits)
+	if waits != nil && waits.Load() == waitParked && waits.CompareAndSwap(waitParked, waitNone) {
+		_ = w.shared.wake(ctx)
+	}
 }
 
 // socketSentSince returns errSocketReady if a writer has counted a

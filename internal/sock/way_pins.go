@@ -95,7 +95,8 @@ import (
 //	+12  acked: the reader has done with every entry before this position
 //	+16  the list: count identities (device, inode), 16 bytes each
 //	+1040 waits: a fair Way's reader's wait (see waitFair), which the
-//	     writer claims before it hands the lane an entry
+//	     writer claims before it hands the lane an entry; a Pipe's
+//	     reader's, which the writer wakes on the socket (see park)
 //	+1044 waitsAt: sockSends as the reader last found the socket empty
 //	+1048 sockSends: a count of the messages writers sent by the
 //	     socket, which they bump (a fair Way's)
