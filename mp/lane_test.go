@@ -442,6 +442,38 @@ func TestPipeLaneStreamKeepsBlocks(t *testing.T) {
 	}
 }
 
+// A receiver that waits past its lane wait (laneSleep, 100 ms) waits on
+// its socket, parked, and the sender's next entry wakes it there: each
+// tensor sent after a pause still goes by the lane, and arrives whole.
+func TestPipeLaneWakesAParkedReceiver(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	const n = 4
+	mine, status, g := startLaneWith(t, ctx, "lane-check", laneArgs{N: n})
+	before := sock.LentSent()
+	for i := 0; i <= n; i++ {
+		if i > 0 {
+			time.Sleep(250 * time.Millisecond) // the receiver parks meanwhile
+		}
+		start := time.Now()
+		x := newInts(t, i)
+		err := mine.Send(ctx, x)
+		require.NoError(t, x.Release())
+		require.NoError(t, err)
+		if i == 0 {
+			var first int
+			require.NoError(t, status.Get(ctx, &first)) // its segment pinned
+		}
+		t.Logf("tensor %d sent in %v", i, time.Since(start))
+	}
+	var bad int
+	require.NoError(t, status.Get(ctx, &bad))
+	assert.Zero(t, bad, "tensors that arrived holding something else")
+	assert.Equal(t, n, int(sock.LentSent()-before), "every tensor after the first went by the lane")
+	require.NoError(t, g.Join())
+}
+
 // A producer killed with its tensors in the lane, released on its side,
 // costs the reader nothing: each arrives whole, then ErrClosed; also
 // when the reader is slow to take each (past its idle look, which drops

@@ -84,8 +84,10 @@ func TestPipeCloseWakesAPeerLongAsleep(t *testing.T) {
 			closed, err := mp.NewQueue()
 			require.NoError(t, err)
 			defer closed.Close()
-			// 1.6 s on: past 1.27 s of waiting, the sleep slices are a
-			// second, the next to end 2.27 s into the wait.
+			// 1.6 s on: a reader waits on its socket by then (past its
+			// lane wait, 100 ms); a writer waiting for room sleeps in
+			// slices of a second past 1.27 s, the next to end 2.27 s
+			// into the wait.
 			start := time.Now()
 			g, err := mp.Spawn(ctx, "pipe-close-late", 1, mp.WithArgs(pipeCloseArgs{Pipe: theirs, Closed: closed, At: start.Add(1600 * time.Millisecond).UnixNano(), Die: c.die}))
 			require.NoError(t, err)
