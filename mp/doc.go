@@ -45,9 +45,12 @@
 // way_returns.go there for the invariants). A receiver waits on the lane
 // (spinning, then asleep on the doorbell in a thread of its own) for up
 // to 100 ms, and at most eight receivers of a process at once, Gets of
-// queues included; the others wait on their socket, parked on the
-// runtime's poller, and the sender's next entry wakes them there with an
-// empty frame.
+// queues included; the others wait on their socket (see below), and the
+// sender's next entry wakes them there with a frame that carries no
+// message, or, if that wake is lost (its sender killed first, another
+// process receiving on the same end took it), they look at the lane
+// again within as long as they have waited, 10 ms at first, a second at
+// most.
 //
 // A Queue made by NewQueue has such a lane too, which a putting process
 // uses only to hand a value to a getting process that waits in Get with

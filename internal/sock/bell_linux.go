@@ -399,6 +399,16 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, p
 	}
 }
 
+// Spin spins on the word as a wait does before it sleeps (see
+// WaitUntil), and returns it and true if it moved from last meanwhile:
+// for a waiter that then waits elsewhere, with nothing armed here.
+func (b *Bell) Spin(last uint32) (uint32, bool) {
+	if w := atomic.LoadUint32(b.word); w != last {
+		return w, true
+	}
+	return b.spin(last, monoNow())
+}
+
 // nudgeAtEnd makes the end of ctx Nudge b, and returns what undoes it:
 // disarm returns once a Nudge already started is done with b's memory,
 // which the waiter's caller may unmap as soon as its wait has returned.

@@ -33,6 +33,9 @@ func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint3
 	return last, fmt.Errorf("mp: a lane's bell: %w", errors.ErrUnsupported)
 }
 
+// Spin returns last and false.
+func (b *Bell) Spin(last uint32) (uint32, bool) { return last, false }
+
 // RingerCPU returns 0.
 func (b *Bell) RingerCPU() uint32 { return 0 }
 

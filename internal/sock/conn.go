@@ -515,10 +515,15 @@ func (c *Conn) recvOrWake(ctx context.Context, block bool) (Msg, error) {
 	return Msg{Data: data, FDs: &c.rset, c: c, tag: tag}, nil
 }
 
-// wake sends a wake frame (see flagWake), unless the socket is full or
-// another send of this process is under way: a reader that waits on a
-// full socket has messages to wake it, and one under way wakes it too.
-func (c *Conn) wake(ctx context.Context) error {
+// wake sends a wake frame (see flagWake) if it can now: not while
+// another send of this process is under way, nor into a full socket (a
+// reader of this end has messages to wake it then), nor to a gone peer.
+// It does not wait, and takes no context: a wake is owed once its
+// writer has published, whatever becomes of the writer's call. A wake
+// that is not sent, or that another receiver of the end takes, is seen
+// by the reader at the end of its slice (see Way.park).
+func (c *Conn) wake() error {
+	ctx := context.Background()
 	if err := c.lock(ctx, c.wmu, false); err != nil {
 		return err
 	}

@@ -279,6 +279,14 @@ func (l *Lane) WaitSent(ctx context.Context, last uint32, alive func() error) (u
 	return l.sent.Wait(ctx, last, alive)
 }
 
+// SpinSent spins until the count of messages published is no longer
+// last, as a wait does before it sleeps, and reports whether it moved
+// (see Bell.Spin).
+func (l *Lane) SpinSent(last uint32) bool {
+	_, moved := l.sent.Spin(last)
+	return moved
+}
+
 // WaitSentUntil is WaitSent that ends with errWaitedEnough once it has
 // waited patience, and asks look once before it first sleeps (see
 // Bell.WaitUntil).

@@ -79,6 +79,9 @@ func (l *Lane) WaitSent(ctx context.Context, last uint32, alive func() error) (u
 	return last, errNoLane
 }
 
+// SpinSent reports false.
+func (l *Lane) SpinSent(last uint32) bool { return false }
+
 // WaitSentUntil returns an error wrapping errors.ErrUnsupported.
 func (l *Lane) WaitSentUntil(ctx context.Context, last uint32, alive func() error, patience time.Duration, look func() error) (uint32, error) {
 	return last, errNoLane

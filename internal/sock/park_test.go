@@ -4,6 +4,8 @@ package sock
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"os"
 	"strconv"
 	"strings"
@@ -62,12 +64,30 @@ func asleepOn(t *testing.T, addrs map[uintptr]bool) int {
 	return n
 }
 
+// wakesLeft takes the wake frames c's socket holds, and returns how many
+// there were; a message there fails the test.
+func wakesLeft(t *testing.T, ctx context.Context, c *Conn) int {
+	t.Helper()
+	for n := 0; ; n++ {
+		m, err := c.recvOrWake(ctx, false)
+		switch {
+		case errors.Is(err, ErrWouldBlock):
+			return n
+		case err == nil:
+			m.Done()
+			t.Fatalf("a message on the socket after %d wakes", n)
+		case !errors.Is(err, errWoken):
+			t.Fatal(err)
+		}
+	}
+}
+
 // parked reports whether r's reader says it waits on its socket.
 func parked(r *Way) bool { return r.lane.Load().readerWord(readerWaits).Load() == waitParked }
 
 // Pipe readers that wait hold at most laneWaiters threads of the process
 // asleep on their lanes: the others spin, then wait on their sockets,
-// parked on the runtime's poller, and the writer's next entry wakes
+// costing no thread of their own, and the writer's next entry wakes
 // each; every reader takes its message by the lane.
 func TestPipeReadersParkBeyondTheirThreads(t *testing.T) {
 	leakcheck.Check(t)
@@ -107,8 +127,10 @@ func TestPipeReadersParkBeyondTheirThreads(t *testing.T) {
 		}
 		return k == n-laneWaiters && asleepOn(t, words) == laneWaiters
 	}, 10*time.Second, time.Millisecond, "laneWaiters readers asleep on their lanes, the others parked")
-	time.Sleep(20 * time.Millisecond)
-	assert.Equal(t, laneWaiters, asleepOn(t, words), "threads asleep on the lanes")
+	for range 10 { // a sleeper between two slices is awake for a moment
+		time.Sleep(5 * time.Millisecond)
+		require.LessOrEqual(t, asleepOn(t, words), laneWaiters, "threads asleep on the lanes")
+	}
 	for i, w := range ws {
 		require.NoError(t, w.Send(ctx, wayMsg(i, 8), nil))
 	}
@@ -144,44 +166,53 @@ func TestPipeReaderParksAfterItsSleep(t *testing.T) {
 		}
 		done <- err
 	}()
-	require.Eventually(t, func() bool { return parked(r) }, 5*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return parked(r) && r.shared.Waiting() == 1 }, 5*time.Second, time.Millisecond)
 	assert.Zero(t, asleepOn(t, words), "a parked reader sleeps on no lane")
+	assert.Equal(t, 1, r.Waiting(), "one call waits")
 	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
 	require.NoError(t, <-done, "the message by the lane")
 	assert.False(t, parked(r))
 }
 
-// The writer's entries reach a reader that parks as they are published:
-// those published before the reader says it parks are seen by the
-// reader's last look at the lane, and those published after it by the
-// writer, who wakes the reader once, not once an entry. The reader says
-// it is parked no more once it is back. A wake that the reader did not
-// wait for is skipped by its next receive.
+// The writer's entries reach a reader that parks as they are published,
+// wherever the publish falls in the reader's Dekker's pattern: before
+// the reader says it parks, or between that and its last look at the
+// lane, the reader's look sees them; after that look, the writer sees
+// the word and wakes the reader, once, not once an entry. The reader
+// says it is parked no more once it is back. A wake that the reader did
+// not wait for is skipped by its next receive. The reader's slices on
+// the socket last an hour here: a lost wake would hang it.
 func TestPipeParkingReaderMissesNoEntry(t *testing.T) {
 	for _, c := range []struct {
-		name string
-		hook *atomic.Pointer[func()]
+		name  string
+		step  int
+		stale int // wakes left on the socket: sent, and not waited for
 	}{
-		{"before it says so", &beforePark},
-		{"after its last look", &beforeParkedRecv},
+		{"before it says so", parkSaying, 0},
+		{"before its last look", parkSaid, 1},
+		{"after its last look", parkLooked, 0},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			leakcheck.Check(t)
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
 			w, r := mappedPair(t, ctx)
+			r.parkFirst = time.Hour
 			laneSleepers.Add(laneWaiters) // no lane wait to be had: the reader parks
 			defer laneSleepers.Add(-laneWaiters)
 			var once sync.Once
-			publish := func() {
+			publish := func(step int) {
+				if step != c.step {
+					return
+				}
 				once.Do(func() {
 					for i := 1; i <= 3; i++ {
 						require.NoError(t, w.Send(ctx, wayMsg(i, 8), nil))
 					}
 				})
 			}
-			c.hook.Store(&publish)
-			defer c.hook.Store(nil)
+			parkStep.Store(&publish)
+			defer parkStep.Store(nil)
 			for i := 1; i <= 3; i++ {
 				m, err := r.Recv(ctx)
 				require.NoError(t, err, "the entries published as the reader parked")
@@ -189,12 +220,12 @@ func TestPipeParkingReaderMissesNoEntry(t *testing.T) {
 				assert.Equal(t, wayMsg(i, 8), m.Data)
 				m.Done()
 			}
-			c.hook.Store(nil)
+			parkStep.Store(nil)
 			assert.False(t, parked(r), "the reader is back")
-			assert.Zero(t, r.shared.poll()&unix.POLLIN, "no wake is left on the socket")
+			assert.Equal(t, c.stale, wakesLeft(t, ctx, r.shared), "wakes left on the socket")
 
 			// A wake left on the socket is no message.
-			require.NoError(t, w.shared.wake(ctx))
+			require.NoError(t, w.shared.wake())
 			require.NoError(t, w.Send(ctx, wayMsg(4, 8), nil))
 			m, err := r.Recv(ctx)
 			require.NoError(t, err)
@@ -205,6 +236,92 @@ func TestPipeParkingReaderMissesNoEntry(t *testing.T) {
 			assert.Zero(t, r.shared.poll()&unix.POLLIN, "the wake was taken off the socket")
 		})
 	}
+}
+
+// A writer looks at the reader's word only once it has published: a
+// reader that parks right after that look (here, within it) finds the
+// entry in its last look at the lane, and does not wait on the socket.
+func TestPipeWriterLooksAfterItPublishes(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	w, r := mappedPair(t, ctx)
+	r.parkFirst = time.Hour // a lost wake hangs the reader
+	laneSleepers.Add(laneWaiters)
+	defer laneSleepers.Add(-laneWaiters)
+	done := make(chan gotParked, 1)
+	var once sync.Once
+	recvWithin := func(step int) {
+		if step != wakeLooked {
+			return
+		}
+		once.Do(func() {
+			go func() {
+				m, err := r.Recv(ctx)
+				if err != nil {
+					done <- gotParked{err: err}
+					return
+				}
+				done <- gotParked{data: append([]byte(nil), m.Data...), byLane: m.ByLane()}
+				m.Done()
+			}()
+			// The receive ends, or parks on the socket.
+			deadline := time.Now().Add(time.Second)
+			for len(done) == 0 && !(parked(r) && r.shared.Waiting() == 1) && time.Now().Before(deadline) {
+				time.Sleep(100 * time.Microsecond)
+			}
+		})
+	}
+	parkStep.Store(&recvWithin)
+	defer parkStep.Store(nil)
+	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
+	select {
+	case g := <-done:
+		require.NoError(t, g.err)
+		assert.Equal(t, wayMsg(1, 8), g.data)
+		assert.True(t, g.byLane)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the reader parked past the entry")
+	}
+}
+
+// The park/publish race without hooks, for two seconds: a reader with no
+// lane wait to be had spins and parks while its writer publishes at
+// points spread over the spin and the park. No entry is missed (the
+// reader's slices on the socket last an hour: a lost wake would hang it).
+func TestPipeParkRace(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	w, r := mappedPair(t, ctx)
+	r.parkFirst = time.Hour
+	laneSleepers.Add(laneWaiters)
+	defer laneSleepers.Add(-laneWaiters)
+	got := make(chan error, 1)
+	rounds, parkedAt := 0, 0
+	for start := time.Now(); time.Since(start) < 2*time.Second; rounds++ {
+		go func() {
+			m, err := r.Recv(ctx)
+			if err == nil {
+				m.Done()
+			}
+			got <- err
+		}()
+		for spin := rounds % 128 * 1024; spin > 0; spin-- {
+		}
+		if parked(r) {
+			parkedAt++
+		}
+		require.NoError(t, w.Send(ctx, wayMsg(rounds, 8), nil))
+		select {
+		case err := <-got:
+			require.NoError(t, err)
+		case <-time.After(5 * time.Second):
+			t.Fatalf("round %d: the reader missed the entry", rounds)
+		}
+	}
+	t.Logf("%d rounds, the reader parked at %d of the sends", rounds, parkedAt)
+	assert.Positive(t, parkedAt, "the sends found the reader parked")
 }
 
 // A parked reader's wait ends at its writer's end, its context's end and
@@ -313,4 +430,194 @@ func TestConnWakeFrames(t *testing.T) {
 	require.NoError(t, err, "the connection goes on")
 	assert.Equal(t, "after", string(m.Data))
 	m.Done()
+}
+
+// parkReceive starts a receive on r, returns once r is parked on its
+// socket, and the receive's outcome on the channel: its message's bytes,
+// whether it came by the lane, or its error.
+func parkReceive(t *testing.T, ctx context.Context, r *Way) <-chan gotParked {
+	t.Helper()
+	done := make(chan gotParked, 1)
+	go func() {
+		m, err := r.Recv(ctx)
+		if err != nil {
+			done <- gotParked{err: err}
+			return
+		}
+		done <- gotParked{data: append([]byte(nil), m.Data...), byLane: m.ByLane()}
+		m.Done()
+	}()
+	require.Eventually(t, func() bool { return parked(r) && r.shared.Waiting() == 1 }, 5*time.Second, 100*time.Microsecond)
+	return done
+}
+
+type gotParked struct {
+	data   []byte
+	byLane bool
+	err    error
+}
+
+// A message that comes by the socket (a writer without the lane's role
+// sends there) reaches a parked reader.
+func TestPipeParkedReaderGetsASocketMessage(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	w, r, mem := wayPair(t)
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
+	m, err := r.Recv(ctx)
+	require.NoError(t, err)
+	m.Done()
+	r.parkFirst = time.Hour
+	laneSleepers.Add(laneWaiters)
+	defer laneSleepers.Add(-laneWaiters)
+	done := parkReceive(t, ctx, r)
+	w2 := another(t, w, mem, true) // the role is w's: w2 sends by the socket
+	require.NoError(t, w2.Send(ctx, wayMsg(1, 8), nil))
+	g := <-done
+	require.NoError(t, g.err)
+	assert.Equal(t, wayMsg(1, 8), g.data)
+	assert.False(t, g.byLane)
+}
+
+// An entry published with no wake after it (its writer killed between
+// the two, or its wake's send failed) is taken by the parked reader at
+// its slice's end; if its writer's end is gone meanwhile, before the
+// reader says so.
+func TestPipeParkedReaderTakesAnEntryWithoutItsWake(t *testing.T) {
+	for _, gone := range []bool{false, true} {
+		t.Run(fmt.Sprint("writer gone ", gone), func(t *testing.T) {
+			leakcheck.Check(t)
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			w, r := mappedPair(t, ctx)
+			laneSleepers.Add(laneWaiters)
+			defer laneSleepers.Add(-laneWaiters)
+			r.parkFirst = 20 * time.Millisecond
+			if gone {
+				r.parkFirst = time.Hour // the end wakes it
+			}
+			done := parkReceive(t, ctx, r)
+			start := time.Now()
+			require.NoError(t, w.lane.Load().TrySend(append([]byte{kindValue}, wayMsg(1, 8)...)))
+			if gone {
+				require.NoError(t, w.shared.Close())
+			}
+			g := <-done
+			require.NoError(t, g.err)
+			assert.Equal(t, wayMsg(1, 8), g.data)
+			assert.True(t, g.byLane)
+			t.Logf("taken %v after its publish", time.Since(start))
+			if gone {
+				m, err := r.Recv(ctx)
+				if err == nil {
+					m.Done()
+				}
+				assert.ErrorIs(t, err, ErrClosed, "then the end")
+			}
+		})
+	}
+}
+
+// A reader that parks while another process receives on the same end
+// without the role (one it handed the end to while it received) gets
+// its entries all the same, though the other takes the wakes: at its
+// slices' ends at the latest.
+func TestPipeParkedReaderBesideAnotherReceiver(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	w, r, mem := wayPair(t)
+	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
+	m, err := r.Recv(ctx)
+	require.NoError(t, err)
+	m.Done()
+	r2 := another(t, r, mem, false)
+	otherCtx, stopOther := context.WithCancel(ctx)
+	other := make(chan error, 1)
+	go func() {
+		m, err := r2.Recv(otherCtx)
+		if err == nil {
+			m.Done()
+			err = errors.New("the other receiver got a message")
+		}
+		other <- err
+	}()
+	laneSleepers.Add(laneWaiters)
+	defer laneSleepers.Add(-laneWaiters)
+	for i := 1; i <= 5; i++ {
+		done := parkReceive(t, ctx, r)
+		start := time.Now()
+		require.NoError(t, w.Send(ctx, wayMsg(i, 8), nil))
+		select {
+		case g := <-done:
+			require.NoError(t, g.err)
+			assert.Equal(t, wayMsg(i, 8), g.data)
+			t.Logf("entry %d taken %v after its send", i, time.Since(start))
+		case <-time.After(5 * time.Second):
+			t.Fatalf("entry %d: the parked reader still waits", i)
+		}
+	}
+	stopOther()
+	assert.ErrorIs(t, <-other, context.Canceled)
+}
+
+// A wake into a full socket returns at once: it does not wait for room.
+func TestConnWakeIntoAFullSocket(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, peer := rawPair(t)
+	defer unix.Close(peer)
+	for {
+		err := c.TrySend(ctx, make([]byte, 4096), nil)
+		if errors.Is(err, ErrWouldBlock) {
+			break
+		}
+		require.NoError(t, err)
+	}
+	start := time.Now()
+	assert.ErrorIs(t, c.wake(), ErrWouldBlock)
+	assert.Less(t, time.Since(start), 100*time.Millisecond)
+}
+
+// A parked reader's slices on the socket grow as its wait goes on,
+// from its first (parkSlice) up to maxParkSlice, and a receive's first
+// is the first again: a thousand idle readers wake ever more rarely,
+// and a lost wake costs a receive that follows a long one no more than
+// the first slice.
+func TestPipeParkedReaderSlicesGrow(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	w, r := mappedPair(t, ctx)
+	laneSleepers.Add(laneWaiters)
+	defer laneSleepers.Add(-laneWaiters)
+	var looks atomic.Int32
+	count := func(step int) {
+		if step == parkLooked {
+			looks.Add(1)
+		}
+	}
+	parkStep.Store(&count)
+	defer parkStep.Store(nil)
+	for i := 1; i <= 2; i++ {
+		looks.Store(0)
+		done := parkReceive(t, ctx, r)
+		wait := 700 * time.Millisecond // 10+20+40+80+160+320 ms: 6 slices, or 7
+		if i == 2 {
+			wait = 100 * time.Millisecond // 10+20+40 ms, and into the fourth
+		}
+		time.Sleep(wait)
+		n := looks.Load()
+		require.NoError(t, w.Send(ctx, wayMsg(i, 8), nil))
+		g := <-done
+		require.NoError(t, g.err)
+		switch i {
+		case 1:
+			assert.InDelta(t, 6.5, n, 1.6, "slices of a wait of %v", wait)
+		case 2:
+			assert.GreaterOrEqual(t, n, int32(3), "slices of the next receive's wait of %v", wait)
+		}
+	}
 }

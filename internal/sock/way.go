@@ -55,9 +55,10 @@ import (
 // Waits. A reader waits on the lane, a thread of its process asleep on
 // the lane's bell, only while it holds one of its process's lane waits
 // (laneWaiters, each for at most laneSleep); else it waits on the
-// socket, parked on the runtime's poller, and says so in the reader's
-// page: a Pipe's writer that publishes an entry then wakes it with a wake
-// frame (see park), and a fair Way's sends there (see waitFair).
+// socket, as a Conn waits, costing no thread of its own, and says so in
+// the reader's page: a Pipe's writer that publishes an entry then wakes
+// it with a wake frame (see park), and a fair Way's sends there (see
+// waitFair).
 //
 // Ends. A reader whose writers are all gone (the socket's other end is
 // closed in every process) gets what the lane and the socket still hold,
@@ -112,6 +113,12 @@ type Way struct {
 	reading  *fd.FD
 	others   atomic.Bool
 	othersAt atomic.Int64
+
+	// A Pipe's reader's wait on its socket (see park): how long its
+	// first slice of a receive lasts (parkSlice; tests change it), and
+	// the next slice's, under sem (0: the first's).
+	parkFirst time.Duration
+	parkNext  time.Duration
 
 	// The reader's role's idle timer (see letGoIdle), and the count of
 	// receives ended, now and when it last looked; under sem.
@@ -202,7 +209,7 @@ var (
 // says whether this end writes the lane or reads it. A nil mem makes a
 // Way that only uses the socket.
 func NewWay(shared *Conn, mem *fd.FD, writes bool) *Way {
-	w := &Way{shared: shared, mem: mem, writes: writes, sem: make(chan struct{}, 1), broken: mem == nil, sleep: laneSleep}
+	w := &Way{shared: shared, mem: mem, writes: writes, sem: make(chan struct{}, 1), broken: mem == nil, sleep: laneSleep, parkFirst: parkSlice}
 	w.onGone = w.nudgeLane
 	if writes {
 		w.alive = w.writerAlive
@@ -575,7 +582,7 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 		case err != nil && w.fair:
 			giveBack(l.readerWord(readerWaits)) // no entry comes
 		case err == nil && !w.fair:
-			w.wakeParked(ctx, l)
+			w.wakeParked(l)
 		}
 		switch {
 		case err == nil && len(lent) > 0:
@@ -996,6 +1003,7 @@ func (w *Way) receive(ctx context.Context, block bool) (Msg, error) {
 	if err := w.lockCall(ctx, block); err != nil {
 		return Msg{}, err
 	}
+	w.parkNext = 0
 	m, err := w.recv(ctx, block)
 	if err == nil && m.c == nil {
 		w.sockRun = 0
@@ -1203,10 +1211,11 @@ func (w *Way) lanesNext(l *Lane) bool {
 
 // Lane waits of readers hold a thread each (a sleep in FUTEX_WAIT): at
 // most laneWaiters in a process at once, each for at most laneSleep; a
-// reader without one waits on its socket, parked on the runtime's
-// poller, where a fair Way's writer sends meanwhile (see waitFair) and a
-// Pipe's wakes it (see park). So a thousand Recvs that wait hold a few
-// threads, not a thousand.
+// reader without one waits on its socket as a Conn waits (in one of a
+// few kernel waits, else on the package's poller), where a fair Way's
+// writer sends meanwhile (see waitFair) and a Pipe's wakes it (see
+// park). So a thousand Recvs that wait hold a few threads, not a
+// thousand.
 const (
 	laneWaiters = 8
 	laneSleep   = 100 * time.Millisecond
@@ -1294,17 +1303,20 @@ func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32, lane bool) (Ms
 // thread for it (laneWaiters, for the Way's sleep, laneSleep), and then
 // on the socket (park). A reader without a lane wait to be had spins on
 // the lane first, as long as the lane's bell has learnt to (see
-// Bell.spin), and parks then. It returns a socket message for the caller
+// Bell.Spin), and parks then. It returns a socket message for the caller
 // (ok), or nothing, for the caller to look at the lane again, or an
 // error as Way.recv's wait on the lane does.
 func (w *Way) waitPipe(ctx context.Context, l *Lane, last uint32) (Msg, bool, error) {
-	w.waiting.Add(1)
-	defer w.waiting.Add(-1)
-	patience := time.Duration(1) // a spin, and no sleep
-	if laneSleepers.Add(1) <= laneWaiters {
-		patience = w.sleep
+	if laneSleepers.Add(1) > laneWaiters {
+		laneSleepers.Add(-1)
+		if l.SpinSent(last) {
+			return Msg{}, false, nil
+		}
+		return w.park(ctx, l, last)
 	}
-	_, err := l.WaitSentUntil(ctx, last, w.alive, patience, nil)
+	w.waiting.Add(1)
+	_, err := l.WaitSentUntil(ctx, last, w.alive, w.sleep, nil)
+	w.waiting.Add(-1)
 	laneSleepers.Add(-1)
 	if !errors.Is(err, errWaitedEnough) {
 		return Msg{}, false, err
@@ -1312,37 +1324,72 @@ func (w *Way) waitPipe(ctx context.Context, l *Lane, last uint32) (Msg, bool, er
 	return w.park(ctx, l, last)
 }
 
-// beforePark and beforeParkedRecv, if set, run as a Pipe's reader parks:
-// before it says that it waits on the socket, and between its last look
-// at the lane and its receive on the socket. For tests, to put the
-// writer's entry on either side of the word.
-var beforePark, beforeParkedRecv atomic.Pointer[func()]
+// A Pipe's reader's slices on its socket (see park): the first of a
+// receive, and the longest, as a lane wait's sleep slices are (see
+// Bell.WaitUntil).
+const (
+	parkSlice    = 10 * time.Millisecond
+	maxParkSlice = time.Second
+)
 
-// park waits on the socket, parked, as a Pipe's reader whose lane is
-// empty (last its count of entries sent) and that holds no lane wait:
-// it says so in the reader's page (waitParked), and the writer that
-// publishes an entry then wakes it with a wake frame (see wakeParked).
-// Either the writer sees the word, or the reader sees the entry before
-// it receives (Dekker's pattern, both sides sequentially consistent). A
-// message that comes by the socket meanwhile, the peer's end, the Way's
-// Close and ctx's end wake it too. A wake that finds the reader gone
-// from the socket is skipped by a later receive. It returns what
-// waitPipe does.
+// The steps of a park at which parkStep runs: the reader's, before it
+// says that it waits on the socket, between that and its last look at
+// the lane, and between that look and its receive on the socket; and the
+// writer's, between its look at the word and its wake (wakeLooked).
+const (
+	parkSaying = iota
+	parkSaid
+	parkLooked
+	wakeLooked
+)
+
+// parkStep, if set, runs at each step of a park: for tests, to put one
+// side's moves at any point of the other's Dekker's pattern.
+var parkStep atomic.Pointer[func(step int)]
+
+// park waits on the socket as a Pipe's reader whose lane is empty (last
+// its count of entries sent) and that holds no lane wait: it says so in
+// the reader's page (waitParked), and the writer that publishes an entry
+// then wakes it with a wake frame (see wakeParked). Either the writer
+// sees the word, or the reader sees the entry before it receives
+// (Dekker's pattern, both sides sequentially consistent). A message that
+// comes by the socket meanwhile, the peer's end, the Way's Close and
+// ctx's end wake it too. The wait lasts a slice, parkSlice in a
+// receive's first park and twice the last in each that follows, up to
+// maxParkSlice, after which the reader looks at the lane again: an
+// entry whose wake was not sent (a writer killed between its publish
+// and its wake, a send that failed) or that another process receiving on
+// the same end took is seen so at the slice's end. A wake that finds the
+// reader gone from the socket is skipped by a later receive. It returns
+// what waitPipe does.
 func (w *Way) park(ctx context.Context, l *Lane, last uint32) (Msg, bool, error) {
-	if h := beforePark.Load(); h != nil {
-		(*h)()
+	step := func(s int) {
+		if h := parkStep.Load(); h != nil {
+			(*h)(s)
+		}
 	}
+	step(parkSaying)
 	waits := l.readerWord(readerWaits)
 	waits.Store(waitParked)
 	defer waits.CompareAndSwap(waitParked, waitNone)
+	step(parkSaid)
 	if l.Sent() != last {
 		return Msg{}, false, nil
 	}
-	if h := beforeParkedRecv.Load(); h != nil {
-		(*h)()
+	step(parkLooked)
+	slice := w.parkNext
+	if slice == 0 {
+		slice = w.parkFirst
 	}
-	m, err := w.shared.recvOrWake(ctx, true)
+	wait, cancel := context.WithTimeout(ctx, slice)
+	m, err := w.shared.recvOrWake(wait, true)
+	cancel()
 	switch {
+	case err != nil && ctx.Err() != nil:
+		return Msg{}, false, ctx.Err()
+	case errors.Is(err, context.DeadlineExceeded):
+		w.parkNext = min(2*slice, max(maxParkSlice, slice))
+		return Msg{}, false, nil // the lane again
 	case errors.Is(err, errWoken):
 		return Msg{}, false, nil
 	case errors.Is(err, errConnClosed):
@@ -1357,12 +1404,19 @@ func (w *Way) park(ctx context.Context, l *Lane, last uint32) (Msg, bool, error)
 
 // wakeParked wakes the reader of a Pipe's Way that waits on the socket
 // (see park), once the writer has published an entry: the first writer
-// that finds it parked says it is not (waitNone) and sends a wake frame.
-// A wake that cannot be sent is not needed (see Conn.wake).
-func (w *Way) wakeParked(ctx context.Context, l *Lane) {
+// that finds it parked says it is not (waitNone) and sends a wake frame,
+// if it can now (see Conn.wake).
+func (w *Way) wakeParked(l *Lane) {
 	waits := l.readerWord(readerWaits)
-	if waits != nil && waits.Load() == waitParked && waits.CompareAndSwap(waitParked, waitNone) {
-		_ = w.shared.wake(ctx)
+	if waits == nil {
+		return
+	}
+	v := waits.Load()
+	if h := parkStep.Load(); h != nil {
+		(*h)(wakeLooked)
+	}
+	if v == waitParked && waits.CompareAndSwap(waitParked, waitNone) {
+		_ = w.shared.wake()
 	}
 }
 
