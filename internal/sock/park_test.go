@@ -621,3 +621,38 @@ func TestPipeParkedReaderSlicesGrow(t *testing.T) {
 		}
 	}
 }
+
+// A reader that has parked in a receive does not take a lane wait again
+// in it: at each slice's end it spins and parks again. An idle reader
+// holds a lane wait once a receive, for its sleep, not once a slice.
+func TestPipeParkedReaderTakesNoLaneWaitAgain(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	w, r := mappedPair(t, ctx)
+	r.sleep = 20 * time.Millisecond
+	words := map[uintptr]bool{sleepWord(r): true}
+	done := parkReceive(t, ctx, r)
+	for end := time.Now().Add(300 * time.Millisecond); time.Now().Before(end); {
+		require.Zero(t, asleepOn(t, words), "asleep on the lane after its park")
+		require.Zero(t, laneSleepers.Load(), "lane waits held")
+		time.Sleep(time.Millisecond)
+	}
+	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
+	g := <-done
+	require.NoError(t, g.err)
+	assert.True(t, g.byLane)
+
+	// The next receive takes a lane wait again.
+	next := make(chan error, 1)
+	go func() {
+		m, err := r.Recv(ctx)
+		if err == nil {
+			m.Done()
+		}
+		next <- err
+	}()
+	require.Eventually(t, func() bool { return asleepOn(t, words) == 1 }, 5*time.Second, 100*time.Microsecond)
+	require.NoError(t, w.Send(ctx, wayMsg(2, 8), nil))
+	require.NoError(t, <-next)
+}

@@ -116,7 +116,8 @@ type Way struct {
 
 	// A Pipe's reader's wait on its socket (see park): how long its
 	// first slice of a receive lasts (parkSlice; tests change it), and
-	// the next slice's, under sem (0: the first's).
+	// the next slice's, under sem (0: it has not parked in this
+	// receive).
 	parkFirst time.Duration
 	parkNext  time.Duration
 
@@ -1301,14 +1302,15 @@ func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32, lane bool) (Ms
 // waitPipe waits for a message as a Pipe's reader whose lane is empty
 // (last its count of entries sent): on the lane while it can hold a
 // thread for it (laneWaiters, for the Way's sleep, laneSleep), and then
-// on the socket (park). A reader without a lane wait to be had spins on
-// the lane first, as long as the lane's bell has learnt to (see
-// Bell.Spin), and parks then. It returns a socket message for the caller
+// on the socket (park). A reader without a lane wait to be had, or that
+// has parked already in this receive (it comes back to the lane at each
+// slice's end), spins on the lane first, as long as the lane's bell has
+// learnt to (see Bell.Spin), and parks then: an idle reader holds a lane
+// wait once a receive, not once a slice. It returns a socket message for the caller
 // (ok), or nothing, for the caller to look at the lane again, or an
 // error as Way.recv's wait on the lane does.
 func (w *Way) waitPipe(ctx context.Context, l *Lane, last uint32) (Msg, bool, error) {
-	if laneSleepers.Add(1) > laneWaiters {
-		laneSleepers.Add(-1)
+	if w.parkNext != 0 || !takeLaneWait() {
 		if l.SpinSent(last) {
 			return Msg{}, false, nil
 		}
@@ -1322,6 +1324,16 @@ func (w *Way) waitPipe(ctx context.Context, l *Lane, last uint32) (Msg, bool, er
 		return Msg{}, false, err
 	}
 	return w.park(ctx, l, last)
+}
+
+// takeLaneWait takes one of the process's lane waits (laneSleepers) if
+// one is free, and reports whether it did; the caller gives it back.
+func takeLaneWait() bool {
+	if laneSleepers.Add(1) <= laneWaiters {
+		return true
+	}
+	laneSleepers.Add(-1)
+	return false
 }
 
 // A Pipe's reader's slices on its socket (see park): the first of a
@@ -1377,10 +1389,10 @@ func (w *Way) park(ctx context.Context, l *Lane, last uint32) (Msg, bool, error)
 		return Msg{}, false, nil
 	}
 	step(parkLooked)
-	slice := w.parkNext
-	if slice == 0 {
-		slice = w.parkFirst
+	if w.parkNext == 0 {
+		w.parkNext = w.parkFirst // parked in this receive: see waitPipe
 	}
+	slice := w.parkNext
 	wait, cancel := context.WithTimeout(ctx, slice)
 	m, err := w.shared.recvOrWake(wait, true)
 	cancel()
