@@ -19,20 +19,22 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 )
 
-// mappedPair returns a pipe direction's two Ways (see wayPair) with
-// their lanes mapped and their roles taken, by one message there.
-func mappedPair(t *testing.T, ctx context.Context) (w, r *Way) {
+// mappedPair returns a pipe direction's two Ways and a descriptor of
+// its lane (see wayPair), with their lanes mapped and their roles taken,
+// by one message there.
+func mappedPair(t *testing.T, ctx context.Context) (w, r *Way, mem *fd.FD) {
 	t.Helper()
-	w, r, _ = wayPair(t)
+	w, r, mem = wayPair(t)
 	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
 	m, err := r.Recv(ctx)
 	require.NoError(t, err)
 	require.True(t, m.ByLane())
 	m.Done()
-	return w, r
+	return w, r, mem
 }
 
 // sleepWord returns the address of the futex a reader of r's lane sleeps
@@ -97,7 +99,7 @@ func TestPipeReadersParkBeyondTheirThreads(t *testing.T) {
 	ws, rs := make([]*Way, n), make([]*Way, n)
 	words := map[uintptr]bool{}
 	for i := range n {
-		ws[i], rs[i] = mappedPair(t, ctx)
+		ws[i], rs[i], _ = mappedPair(t, ctx)
 		rs[i].sleep = time.Hour // those with a lane wait keep it
 		words[sleepWord(rs[i])] = true
 	}
@@ -152,25 +154,17 @@ func TestPipeReaderParksAfterItsSleep(t *testing.T) {
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	w, r := mappedPair(t, ctx)
+	w, r, _ := mappedPair(t, ctx)
 	r.sleep = 20 * time.Millisecond
 	words := map[uintptr]bool{sleepWord(r): true}
-	done := make(chan error, 1)
-	go func() {
-		m, err := r.Recv(ctx)
-		if err == nil {
-			if !m.ByLane() || m.Data[0] != 1 {
-				err = assert.AnError
-			}
-			m.Done()
-		}
-		done <- err
-	}()
-	require.Eventually(t, func() bool { return parked(r) && r.shared.Waiting() == 1 }, 5*time.Second, time.Millisecond)
+	done := parkReceive(t, ctx, r)
 	assert.Zero(t, asleepOn(t, words), "a parked reader sleeps on no lane")
 	assert.Equal(t, 1, r.Waiting(), "one call waits")
 	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
-	require.NoError(t, <-done, "the message by the lane")
+	g := <-done
+	require.NoError(t, g.err)
+	assert.True(t, g.byLane, "the message by the lane")
+	assert.Equal(t, wayMsg(1, 8), g.data)
 	assert.False(t, parked(r))
 }
 
@@ -196,7 +190,7 @@ func TestPipeParkingReaderMissesNoEntry(t *testing.T) {
 			leakcheck.Check(t)
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
-			w, r := mappedPair(t, ctx)
+			w, r, _ := mappedPair(t, ctx)
 			r.parkFirst = time.Hour
 			laneSleepers.Add(laneWaiters) // no lane wait to be had: the reader parks
 			defer laneSleepers.Add(-laneWaiters)
@@ -245,26 +239,18 @@ func TestPipeWriterLooksAfterItPublishes(t *testing.T) {
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	w, r := mappedPair(t, ctx)
+	w, r, _ := mappedPair(t, ctx)
 	r.parkFirst = time.Hour // a lost wake hangs the reader
 	laneSleepers.Add(laneWaiters)
 	defer laneSleepers.Add(-laneWaiters)
-	done := make(chan gotParked, 1)
+	var done <-chan gotParked
 	var once sync.Once
 	recvWithin := func(step int) {
 		if step != wakeLooked {
 			return
 		}
 		once.Do(func() {
-			go func() {
-				m, err := r.Recv(ctx)
-				if err != nil {
-					done <- gotParked{err: err}
-					return
-				}
-				done <- gotParked{data: append([]byte(nil), m.Data...), byLane: m.ByLane()}
-				m.Done()
-			}()
+			done = startRecv(ctx, r)
 			// The receive ends, or parks on the socket.
 			deadline := time.Now().Add(time.Second)
 			for len(done) == 0 && !(parked(r) && r.shared.Waiting() == 1) && time.Now().Before(deadline) {
@@ -293,7 +279,7 @@ func TestPipeParkRace(t *testing.T) {
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	w, r := mappedPair(t, ctx)
+	w, r, _ := mappedPair(t, ctx)
 	r.parkFirst = time.Hour
 	laneSleepers.Add(laneWaiters)
 	defer laneSleepers.Add(-laneWaiters)
@@ -340,7 +326,7 @@ func TestPipeParkedReaderSeesEveryEnd(t *testing.T) {
 			leakcheck.Check(t)
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
-			w, r := mappedPair(t, ctx)
+			w, r, _ := mappedPair(t, ctx)
 			r.sleep = time.Millisecond
 			recvCtx, stop := context.WithCancel(ctx)
 			defer stop()
@@ -437,6 +423,14 @@ func TestConnWakeFrames(t *testing.T) {
 // whether it came by the lane, or its error.
 func parkReceive(t *testing.T, ctx context.Context, r *Way) <-chan gotParked {
 	t.Helper()
+	done := startRecv(ctx, r)
+	require.Eventually(t, func() bool { return parked(r) && r.shared.Waiting() == 1 }, 5*time.Second, 100*time.Microsecond)
+	return done
+}
+
+// startRecv starts a receive on r, and returns its outcome's channel
+// (see parkReceive).
+func startRecv(ctx context.Context, r *Way) <-chan gotParked {
 	done := make(chan gotParked, 1)
 	go func() {
 		m, err := r.Recv(ctx)
@@ -447,7 +441,6 @@ func parkReceive(t *testing.T, ctx context.Context, r *Way) <-chan gotParked {
 		done <- gotParked{data: append([]byte(nil), m.Data...), byLane: m.ByLane()}
 		m.Done()
 	}()
-	require.Eventually(t, func() bool { return parked(r) && r.shared.Waiting() == 1 }, 5*time.Second, 100*time.Microsecond)
 	return done
 }
 
@@ -463,11 +456,7 @@ func TestPipeParkedReaderGetsASocketMessage(t *testing.T) {
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	w, r, mem := wayPair(t)
-	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
-	m, err := r.Recv(ctx)
-	require.NoError(t, err)
-	m.Done()
+	w, r, mem := mappedPair(t, ctx)
 	r.parkFirst = time.Hour
 	laneSleepers.Add(laneWaiters)
 	defer laneSleepers.Add(-laneWaiters)
@@ -490,7 +479,7 @@ func TestPipeParkedReaderTakesAnEntryWithoutItsWake(t *testing.T) {
 			leakcheck.Check(t)
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
-			w, r := mappedPair(t, ctx)
+			w, r, _ := mappedPair(t, ctx)
 			laneSleepers.Add(laneWaiters)
 			defer laneSleepers.Add(-laneWaiters)
 			r.parkFirst = 20 * time.Millisecond
@@ -527,11 +516,7 @@ func TestPipeParkedReaderBesideAnotherReceiver(t *testing.T) {
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	w, r, mem := wayPair(t)
-	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
-	m, err := r.Recv(ctx)
-	require.NoError(t, err)
-	m.Done()
+	w, r, mem := mappedPair(t, ctx)
 	r2 := another(t, r, mem, false)
 	otherCtx, stopOther := context.WithCancel(ctx)
 	other := make(chan error, 1)
@@ -590,7 +575,7 @@ func TestPipeParkedReaderSlicesGrow(t *testing.T) {
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	w, r := mappedPair(t, ctx)
+	w, r, _ := mappedPair(t, ctx)
 	laneSleepers.Add(laneWaiters)
 	defer laneSleepers.Add(-laneWaiters)
 	var looks atomic.Int32
@@ -629,7 +614,7 @@ func TestPipeParkedReaderTakesNoLaneWaitAgain(t *testing.T) {
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	w, r := mappedPair(t, ctx)
+	w, r, _ := mappedPair(t, ctx)
 	r.sleep = 20 * time.Millisecond
 	words := map[uintptr]bool{sleepWord(r): true}
 	done := parkReceive(t, ctx, r)
@@ -644,15 +629,8 @@ func TestPipeParkedReaderTakesNoLaneWaitAgain(t *testing.T) {
 	assert.True(t, g.byLane)
 
 	// The next receive takes a lane wait again.
-	next := make(chan error, 1)
-	go func() {
-		m, err := r.Recv(ctx)
-		if err == nil {
-			m.Done()
-		}
-		next <- err
-	}()
+	next := startRecv(ctx, r)
 	require.Eventually(t, func() bool { return asleepOn(t, words) == 1 }, 5*time.Second, 100*time.Microsecond)
 	require.NoError(t, w.Send(ctx, wayMsg(2, 8), nil))
-	require.NoError(t, <-next)
+	require.NoError(t, (<-next).err)
 }

@@ -1288,6 +1288,14 @@ func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32, lane bool) (Ms
 	}
 	m, err := w.shared.Recv(ctx)
 	waits.CompareAndSwap(waitParked, waitBusy)
+	return w.fromParked(m, err, l)
+}
+
+// fromParked returns what a receive on the socket gave a reader that
+// waited there (m, or err), as waitFair and park return it: a message for
+// the caller (ok) once placed (see place), or the error a wait on the
+// lane would have given.
+func (w *Way) fromParked(m Msg, err error, l *Lane) (Msg, bool, error) {
 	switch {
 	case errors.Is(err, errConnClosed):
 		return Msg{}, false, errWayClosed
@@ -1404,14 +1412,8 @@ func (w *Way) park(ctx context.Context, l *Lane, last uint32) (Msg, bool, error)
 		return Msg{}, false, nil // the lane again
 	case errors.Is(err, errWoken):
 		return Msg{}, false, nil
-	case errors.Is(err, errConnClosed):
-		return Msg{}, false, errWayClosed
-	case errors.Is(err, ErrClosed):
-		return Msg{}, false, errWritersGone // what they left is received before ErrClosed
-	case err != nil:
-		return Msg{}, false, err
 	}
-	return w.place(m, l)
+	return w.fromParked(m, err, l)
 }
 
 // wakeParked wakes the reader of a Pipe's Way that waits on the socket
