@@ -519,9 +519,9 @@ func (c *Conn) recvOrWake(ctx context.Context, block bool) (Msg, error) {
 // another send of this process is under way, nor into a full socket (a
 // reader of this end has messages to wake it then), nor to a gone peer.
 // It does not wait, and takes no context: a wake is owed once its
-// writer has published, whatever becomes of the writer's call. A wake
-// that is not sent, or that another receiver of the end takes, is seen
-// by the reader at the end of its slice (see Way.park).
+// writer has published, whatever becomes of the writer's call. Where a
+// wake is not sent, or another receiver of the end takes it, the reader
+// finds the entry at the end of its slice (see Way.park).
 func (c *Conn) wake() error {
 	ctx := context.Background()
 	if err := c.lock(ctx, c.wmu, false); err != nil {

@@ -517,7 +517,17 @@ func TestPipeParkedReaderBesideAnotherReceiver(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	w, r, mem := mappedPair(t, ctx)
-	r2 := another(t, r, mem, false)
+	// Another process's end: a socket description of its own, and its
+	// own descriptor of the lane.
+	sockDup, err := r.shared.sock.Dup()
+	require.NoError(t, err)
+	c2, err := New(sockDup, "pipe")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = c2.Close() })
+	memDup, err := mem.Dup()
+	require.NoError(t, err)
+	r2 := NewWay(c2, memDup, false)
+	t.Cleanup(func() { _ = r2.Close() })
 	otherCtx, stopOther := context.WithCancel(ctx)
 	other := make(chan error, 1)
 	go func() {
@@ -561,9 +571,14 @@ func TestConnWakeIntoAFullSocket(t *testing.T) {
 		}
 		require.NoError(t, err)
 	}
-	start := time.Now()
-	assert.ErrorIs(t, c.wake(), ErrWouldBlock)
-	assert.Less(t, time.Since(start), 100*time.Millisecond)
+	woke := make(chan error, 1)
+	go func() { woke <- c.wake() }()
+	select {
+	case err := <-woke:
+		assert.ErrorIs(t, err, ErrWouldBlock)
+	case <-time.After(time.Second):
+		t.Fatal("the wake waits for room")
+	}
 }
 
 // A parked reader's slices on the socket grow as its wait goes on,
@@ -633,4 +648,94 @@ func TestPipeParkedReaderTakesNoLaneWaitAgain(t *testing.T) {
 	require.Eventually(t, func() bool { return asleepOn(t, words) == 1 }, 5*time.Second, 100*time.Microsecond)
 	require.NoError(t, w.Send(ctx, wayMsg(2, 8), nil))
 	require.NoError(t, (<-next).err)
+}
+
+// endsAfterPublish is a context that ends once the lane l has an entry
+// past last: a writer's deadline that passes between its publish and its
+// wake.
+type endsAfterPublish struct {
+	context.Context
+	l    *Lane
+	last uint32
+}
+
+func (c endsAfterPublish) Err() error {
+	if c.l.Sent() != c.last {
+		return context.Canceled
+	}
+	return c.Context.Err()
+}
+
+// A writer whose context ends between its publish and its wake wakes the
+// parked reader all the same: the entry is sent, and the wake is owed.
+func TestPipeWakeOwesNothingToTheWritersContext(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	w, r, _ := mappedPair(t, ctx)
+	r.parkFirst = time.Hour // a lost wake hangs the reader
+	laneSleepers.Add(laneWaiters)
+	defer laneSleepers.Add(-laneWaiters)
+	done := parkReceive(t, ctx, r)
+	l := w.lane.Load()
+	require.NoError(t, w.Send(endsAfterPublish{ctx, l, l.Sent()}, wayMsg(1, 8), nil))
+	select {
+	case g := <-done:
+		require.NoError(t, g.err)
+		assert.Equal(t, wayMsg(1, 8), g.data)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the parked reader was not woken")
+	}
+}
+
+// A receive whose context ends while it is parked returns the context's
+// error at once, after one park, however long the slice.
+func TestPipeParkedReaderMeetsItsDeadline(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_, r, _ := mappedPair(t, ctx)
+	r.parkFirst = time.Hour
+	laneSleepers.Add(laneWaiters)
+	defer laneSleepers.Add(-laneWaiters)
+	var parks atomic.Int32
+	count := func(step int) {
+		if step == parkLooked {
+			parks.Add(1)
+		}
+	}
+	parkStep.Store(&count)
+	defer parkStep.Store(nil)
+	short, stop := context.WithTimeout(ctx, 30*time.Millisecond)
+	defer stop()
+	start := time.Now()
+	_, err := r.Recv(short)
+	assert.ErrorIs(t, err, context.DeadlineExceeded)
+	assert.Less(t, time.Since(start), time.Second)
+	assert.Equal(t, int32(1), parks.Load(), "parks")
+}
+
+// A parked reader's slices stop growing at maxParkSlice.
+func TestPipeParkedReaderSlicesStopAtASecond(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	w, r, _ := mappedPair(t, ctx)
+	r.parkFirst = 900 * time.Millisecond // then a second, not 1.8 s
+	laneSleepers.Add(laneWaiters)
+	defer laneSleepers.Add(-laneWaiters)
+	var looks atomic.Int32
+	count := func(step int) {
+		if step == parkLooked {
+			looks.Add(1)
+		}
+	}
+	parkStep.Store(&count)
+	defer parkStep.Store(nil)
+	done := parkReceive(t, ctx, r)
+	time.Sleep(2300 * time.Millisecond) // looks at 0, 0.9 and 1.9 s (else 2.7 s)
+	n := looks.Load()
+	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
+	require.NoError(t, (<-done).err)
+	assert.Equal(t, int32(3), n, "looks at the lane in 2.3 s")
 }

@@ -54,11 +54,13 @@ import (
 //
 // Waits. A reader waits on the lane, a thread of its process asleep on
 // the lane's bell, only while it holds one of its process's lane waits
-// (laneWaiters, each for at most laneSleep); else it waits on the
-// socket, as a Conn waits, costing no thread of its own, and says so in
-// the reader's page: a Pipe's writer that publishes an entry then wakes
-// it with a wake frame (see park), and a fair Way's sends there (see
-// waitFair).
+// (laneWaiters), once a receive and for at most laneSleep; else it waits
+// on the socket as a Conn waits (in one of a few kernel waits for a
+// millisecond, then on the package's poller), and says so in the
+// reader's page: a Pipe's writer that publishes an entry then wakes it
+// with a wake frame (see park), and a fair Way's sends there (see
+// waitFair). A Pipe's reader looks at the lane again at the end of each
+// of its slices on the socket (see park).
 //
 // Ends. A reader whose writers are all gone (the socket's other end is
 // closed in every process) gets what the lane and the socket still hold,
@@ -1375,8 +1377,8 @@ var parkStep atomic.Pointer[func(step int)]
 // (Dekker's pattern, both sides sequentially consistent). A message that
 // comes by the socket meanwhile, the peer's end, the Way's Close and
 // ctx's end wake it too. The wait lasts a slice, parkSlice in a
-// receive's first park and twice the last in each that follows, up to
-// maxParkSlice, after which the reader looks at the lane again: an
+// receive's first park, twice as long each time one runs out, up to
+// maxParkSlice; then the reader spins on the lane and parks again: an
 // entry whose wake was not sent (a writer killed between its publish
 // and its wake, a send that failed) or that another process receiving on
 // the same end took is seen so at the slice's end. A wake that finds the
