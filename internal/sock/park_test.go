@@ -84,6 +84,27 @@ func wakesLeft(t *testing.T, ctx context.Context, c *Conn) int {
 	}
 }
 
+// noLaneWait takes every lane wait of the process until the test ends:
+// a Pipe's reader spins and parks.
+func noLaneWait(t *testing.T) {
+	laneSleepers.Add(laneWaiters)
+	t.Cleanup(func() { laneSleepers.Add(-laneWaiters) })
+}
+
+// countLooks counts Pipe readers' last looks at their lanes before they
+// receive on their sockets (parkLooked), until the test ends.
+func countLooks(t *testing.T) *atomic.Int32 {
+	var looks atomic.Int32
+	count := func(step int) {
+		if step == parkLooked {
+			looks.Add(1)
+		}
+	}
+	parkStep.Store(&count)
+	t.Cleanup(func() { parkStep.Store(nil) })
+	return &looks
+}
+
 // parked reports whether r's reader says it waits on its socket.
 func parked(r *Way) bool { return r.lane.Load().readerWord(readerWaits).Load() == waitParked }
 
@@ -192,8 +213,7 @@ func TestPipeParkingReaderMissesNoEntry(t *testing.T) {
 			defer cancel()
 			w, r, _ := mappedPair(t, ctx)
 			r.parkFirst = time.Hour
-			laneSleepers.Add(laneWaiters) // no lane wait to be had: the reader parks
-			defer laneSleepers.Add(-laneWaiters)
+			noLaneWait(t) // the reader parks
 			var once sync.Once
 			publish := func(step int) {
 				if step != c.step {
@@ -241,8 +261,7 @@ func TestPipeWriterLooksAfterItPublishes(t *testing.T) {
 	defer cancel()
 	w, r, _ := mappedPair(t, ctx)
 	r.parkFirst = time.Hour // a lost wake hangs the reader
-	laneSleepers.Add(laneWaiters)
-	defer laneSleepers.Add(-laneWaiters)
+	noLaneWait(t)
 	var done <-chan gotParked
 	var once sync.Once
 	recvWithin := func(step int) {
@@ -281,8 +300,7 @@ func TestPipeParkRace(t *testing.T) {
 	defer cancel()
 	w, r, _ := mappedPair(t, ctx)
 	r.parkFirst = time.Hour
-	laneSleepers.Add(laneWaiters)
-	defer laneSleepers.Add(-laneWaiters)
+	noLaneWait(t)
 	got := make(chan error, 1)
 	rounds, parkedAt := 0, 0
 	for start := time.Now(); time.Since(start) < 2*time.Second; rounds++ {
@@ -458,8 +476,7 @@ func TestPipeParkedReaderGetsASocketMessage(t *testing.T) {
 	defer cancel()
 	w, r, mem := mappedPair(t, ctx)
 	r.parkFirst = time.Hour
-	laneSleepers.Add(laneWaiters)
-	defer laneSleepers.Add(-laneWaiters)
+	noLaneWait(t)
 	done := parkReceive(t, ctx, r)
 	w2 := another(t, w, mem, true) // the role is w's: w2 sends by the socket
 	require.NoError(t, w2.Send(ctx, wayMsg(1, 8), nil))
@@ -480,8 +497,7 @@ func TestPipeParkedReaderTakesAnEntryWithoutItsWake(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			defer cancel()
 			w, r, _ := mappedPair(t, ctx)
-			laneSleepers.Add(laneWaiters)
-			defer laneSleepers.Add(-laneWaiters)
+			noLaneWait(t)
 			r.parkFirst = 20 * time.Millisecond
 			if gone {
 				r.parkFirst = time.Hour // the end wakes it
@@ -538,8 +554,7 @@ func TestPipeParkedReaderBesideAnotherReceiver(t *testing.T) {
 		}
 		other <- err
 	}()
-	laneSleepers.Add(laneWaiters)
-	defer laneSleepers.Add(-laneWaiters)
+	noLaneWait(t)
 	for i := 1; i <= 5; i++ {
 		done := parkReceive(t, ctx, r)
 		start := time.Now()
@@ -591,16 +606,8 @@ func TestPipeParkedReaderSlicesGrow(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	w, r, _ := mappedPair(t, ctx)
-	laneSleepers.Add(laneWaiters)
-	defer laneSleepers.Add(-laneWaiters)
-	var looks atomic.Int32
-	count := func(step int) {
-		if step == parkLooked {
-			looks.Add(1)
-		}
-	}
-	parkStep.Store(&count)
-	defer parkStep.Store(nil)
+	noLaneWait(t)
+	looks := countLooks(t)
 	for i := 1; i <= 2; i++ {
 		looks.Store(0)
 		done := parkReceive(t, ctx, r)
@@ -674,8 +681,7 @@ func TestPipeWakeOwesNothingToTheWritersContext(t *testing.T) {
 	defer cancel()
 	w, r, _ := mappedPair(t, ctx)
 	r.parkFirst = time.Hour // a lost wake hangs the reader
-	laneSleepers.Add(laneWaiters)
-	defer laneSleepers.Add(-laneWaiters)
+	noLaneWait(t)
 	done := parkReceive(t, ctx, r)
 	l := w.lane.Load()
 	require.NoError(t, w.Send(endsAfterPublish{ctx, l, l.Sent()}, wayMsg(1, 8), nil))
@@ -696,16 +702,8 @@ func TestPipeParkedReaderMeetsItsDeadline(t *testing.T) {
 	defer cancel()
 	_, r, _ := mappedPair(t, ctx)
 	r.parkFirst = time.Hour
-	laneSleepers.Add(laneWaiters)
-	defer laneSleepers.Add(-laneWaiters)
-	var parks atomic.Int32
-	count := func(step int) {
-		if step == parkLooked {
-			parks.Add(1)
-		}
-	}
-	parkStep.Store(&count)
-	defer parkStep.Store(nil)
+	noLaneWait(t)
+	parks := countLooks(t)
 	short, stop := context.WithTimeout(ctx, 30*time.Millisecond)
 	defer stop()
 	start := time.Now()
@@ -722,16 +720,8 @@ func TestPipeParkedReaderSlicesStopAtASecond(t *testing.T) {
 	defer cancel()
 	w, r, _ := mappedPair(t, ctx)
 	r.parkFirst = 900 * time.Millisecond // then a second, not 1.8 s
-	laneSleepers.Add(laneWaiters)
-	defer laneSleepers.Add(-laneWaiters)
-	var looks atomic.Int32
-	count := func(step int) {
-		if step == parkLooked {
-			looks.Add(1)
-		}
-	}
-	parkStep.Store(&count)
-	defer parkStep.Store(nil)
+	noLaneWait(t)
+	looks := countLooks(t)
 	done := parkReceive(t, ctx, r)
 	time.Sleep(2300 * time.Millisecond) // looks at 0, 0.9 and 1.9 s (else 2.7 s)
 	n := looks.Load()
