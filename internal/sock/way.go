@@ -1316,9 +1316,9 @@ func (w *Way) fromParked(m Msg, err error, l *Lane) (Msg, bool, error) {
 // has parked already in this receive (it comes back to the lane at each
 // slice's end), spins on the lane first, as long as the lane's bell has
 // learnt to (see Bell.Spin), and parks then: an idle reader holds a lane
-// wait once a receive, not once a slice. It returns a socket message for the caller
-// (ok), or nothing, for the caller to look at the lane again, or an
-// error as Way.recv's wait on the lane does.
+// wait once a receive, not once a slice. It returns a socket message for
+// the caller (ok), or nothing, for the caller to look at the lane again,
+// or an error as Way.recv's wait on the lane does.
 func (w *Way) waitPipe(ctx context.Context, l *Lane, last uint32) (Msg, bool, error) {
 	if w.parkNext != 0 || !takeLaneWait() {
 		if l.SpinSent(last) {
