@@ -262,14 +262,14 @@ func TestPipeWriterLooksAfterItPublishes(t *testing.T) {
 	w, r, _ := mappedPair(t, ctx)
 	r.parkFirst = time.Hour // a lost wake hangs the reader
 	noLaneWait(t)
-	var done <-chan gotParked
+	var done <-chan gotMsg
 	var once sync.Once
 	recvWithin := func(step int) {
 		if step != wakeLooked {
 			return
 		}
 		once.Do(func() {
-			done = startRecv(ctx, r)
+			done = recvLater(ctx, r)
 			// The receive ends, or parks on the socket.
 			deadline := time.Now().Add(time.Second)
 			for len(done) == 0 && !(parked(r) && r.shared.Waiting() == 1) && time.Now().Before(deadline) {
@@ -280,14 +280,9 @@ func TestPipeWriterLooksAfterItPublishes(t *testing.T) {
 	parkStep.Store(&recvWithin)
 	defer parkStep.Store(nil)
 	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
-	select {
-	case g := <-done:
-		require.NoError(t, g.err)
-		assert.Equal(t, wayMsg(1, 8), g.data)
-		assert.True(t, g.byLane)
-	case <-time.After(5 * time.Second):
-		t.Fatal("the reader parked past the entry")
-	}
+	g := within(t, done, "the reader parked past the entry")
+	assert.Equal(t, wayMsg(1, 8), g.data)
+	assert.True(t, g.byLane)
 }
 
 // The park/publish race without hooks, for two seconds: a reader with no
@@ -439,33 +434,11 @@ func TestConnWakeFrames(t *testing.T) {
 // parkReceive starts a receive on r, returns once r is parked on its
 // socket, and the receive's outcome on the channel: its message's bytes,
 // whether it came by the lane, or its error.
-func parkReceive(t *testing.T, ctx context.Context, r *Way) <-chan gotParked {
+func parkReceive(t *testing.T, ctx context.Context, r *Way) <-chan gotMsg {
 	t.Helper()
-	done := startRecv(ctx, r)
+	done := recvLater(ctx, r)
 	require.Eventually(t, func() bool { return parked(r) && r.shared.Waiting() == 1 }, 5*time.Second, 100*time.Microsecond)
 	return done
-}
-
-// startRecv starts a receive on r, and returns its outcome's channel
-// (see parkReceive).
-func startRecv(ctx context.Context, r *Way) <-chan gotParked {
-	done := make(chan gotParked, 1)
-	go func() {
-		m, err := r.Recv(ctx)
-		if err != nil {
-			done <- gotParked{err: err}
-			return
-		}
-		done <- gotParked{data: append([]byte(nil), m.Data...), byLane: m.ByLane()}
-		m.Done()
-	}()
-	return done
-}
-
-type gotParked struct {
-	data   []byte
-	byLane bool
-	err    error
 }
 
 // A message that comes by the socket (a writer without the lane's role
@@ -559,14 +532,9 @@ func TestPipeParkedReaderBesideAnotherReceiver(t *testing.T) {
 		done := parkReceive(t, ctx, r)
 		start := time.Now()
 		require.NoError(t, w.Send(ctx, wayMsg(i, 8), nil))
-		select {
-		case g := <-done:
-			require.NoError(t, g.err)
-			assert.Equal(t, wayMsg(i, 8), g.data)
-			t.Logf("entry %d taken %v after its send", i, time.Since(start))
-		case <-time.After(5 * time.Second):
-			t.Fatalf("entry %d: the parked reader still waits", i)
-		}
+		g := within(t, done, fmt.Sprintf("entry %d: the parked reader still waits", i))
+		assert.Equal(t, wayMsg(i, 8), g.data)
+		t.Logf("entry %d taken %v after its send", i, time.Since(start))
 	}
 	stopOther()
 	assert.ErrorIs(t, <-other, context.Canceled)
@@ -651,7 +619,7 @@ func TestPipeParkedReaderTakesNoLaneWaitAgain(t *testing.T) {
 	assert.True(t, g.byLane)
 
 	// The next receive takes a lane wait again.
-	next := startRecv(ctx, r)
+	next := recvLater(ctx, r)
 	require.Eventually(t, func() bool { return asleepOn(t, words) == 1 }, 5*time.Second, 100*time.Microsecond)
 	require.NoError(t, w.Send(ctx, wayMsg(2, 8), nil))
 	require.NoError(t, (<-next).err)
@@ -685,13 +653,8 @@ func TestPipeWakeOwesNothingToTheWritersContext(t *testing.T) {
 	done := parkReceive(t, ctx, r)
 	l := w.lane.Load()
 	require.NoError(t, w.Send(endsAfterPublish{ctx, l, l.Sent()}, wayMsg(1, 8), nil))
-	select {
-	case g := <-done:
-		require.NoError(t, g.err)
-		assert.Equal(t, wayMsg(1, 8), g.data)
-	case <-time.After(5 * time.Second):
-		t.Fatal("the parked reader was not woken")
-	}
+	g := within(t, done, "the parked reader was not woken")
+	assert.Equal(t, wayMsg(1, 8), g.data)
 }
 
 // A receive whose context ends while it is parked returns the context's

@@ -79,6 +79,7 @@ func recvWay(t *testing.T, ctx context.Context, r *Way) (int, bool) {
 // by the lane, and the receive's error.
 type gotMsg struct {
 	i      int
+	data   []byte // the message's bytes, copied
 	byLane bool
 	err    error
 }
@@ -98,7 +99,7 @@ func recvAfter(ctx context.Context, r *Way, run int) <-chan gotMsg {
 			got <- gotMsg{err: err}
 			return
 		}
-		g := gotMsg{i: int(binary.LittleEndian.Uint32(m.Data)), byLane: m.ByLane()}
+		g := gotMsg{i: int(binary.LittleEndian.Uint32(m.Data)), data: append([]byte(nil), m.Data...), byLane: m.ByLane()}
 		m.Done() // before the test goes on: the receive is over
 		got <- g
 	}()
@@ -612,7 +613,7 @@ func TestFairWayWaitsWhereMessagesCome(t *testing.T) {
 		go func() {
 			m, err := r.Recv(ctx)
 			if err == nil {
-				g := gotMsg{i: int(binary.LittleEndian.Uint32(m.Data)), byLane: m.ByLane()}
+				g := gotMsg{i: int(binary.LittleEndian.Uint32(m.Data)), data: append([]byte(nil), m.Data...), byLane: m.ByLane()}
 				m.Done()
 				got <- g
 				return
