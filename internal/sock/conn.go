@@ -286,6 +286,10 @@ func (c *Conn) io(ctx context.Context, ev int16, what string, block bool, op, wa
 		var err error
 		if blocking {
 			blocking = false
+			if !waiting { // the call may wait, as waitKernel does
+				waiting = true
+				c.waiting.Add(1)
+			}
 			start := time.Now()
 			err = c.blockingCall(ctx, wait)
 			// A message that was there already comes within a system

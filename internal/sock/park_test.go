@@ -177,6 +177,7 @@ func TestPipeReaderParksAfterItsSleep(t *testing.T) {
 	defer cancel()
 	w, r, _ := mappedPair(t, ctx)
 	r.sleep = 20 * time.Millisecond
+	r.parkFirst = time.Hour // the wake, not a slice's end, brings it back
 	words := map[uintptr]bool{sleepWord(r): true}
 	done := parkReceive(t, ctx, r)
 	assert.Zero(t, asleepOn(t, words), "a parked reader sleeps on no lane")
@@ -606,6 +607,7 @@ func TestPipeParkedReaderTakesNoLaneWaitAgain(t *testing.T) {
 	defer cancel()
 	w, r, _ := mappedPair(t, ctx)
 	r.sleep = 20 * time.Millisecond
+	r.parkFirst = time.Hour // the wake, not a slice's end, brings it back
 	words := map[uintptr]bool{sleepWord(r): true}
 	done := parkReceive(t, ctx, r)
 	for end := time.Now().Add(300 * time.Millisecond); time.Now().Before(end); {

@@ -68,8 +68,10 @@ func TestBlockingReceiveIsInterrupted(t *testing.T) {
 		c, raw := blocked(t)
 		errc := recv(context.Background(), c)
 		inBlockingReceive(t, c)
+		assert.Equal(t, 1, c.Waiting(), "a receive blocked in the call waits")
 		require.NoError(t, unix.Sendmsg(raw, hello, nil, nil, 0))
 		assert.NoError(t, returns(t, errc, raw))
+		assert.Zero(t, c.Waiting())
 	})
 	t.Run("close", func(t *testing.T) {
 		c, raw := blocked(t)
