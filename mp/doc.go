@@ -50,7 +50,11 @@
 // message, or, if that wake is lost (its sender killed first, another
 // process receiving on the same end took it), they look at the lane
 // again within as long as they have waited, 10 ms at first, a second at
-// most.
+// most. A sender that waits for room in a full lane sleeps on it in the
+// same way while it holds one of those eight waits (past 100 ms only
+// while no other wait was refused one meanwhile); the others sleep on a
+// timer and look at the lane again within as long as they have waited,
+// 0.1 ms at first, a second at most, and so see room that late at most.
 //
 // A Queue made by NewQueue has such a lane too, which a putting process
 // uses only to hand a value to a getting process that waits in Get with

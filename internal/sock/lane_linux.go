@@ -54,6 +54,12 @@ type Lane struct {
 	wmu  sync.Mutex
 	tail uint32 // the writer's own count of what it published, under wmu
 	rmu  sync.Mutex
+	// nudged wakes this process's writer waiting for room without a
+	// thread (see waitRoom) at a Nudge; it holds one wake at most.
+	nudged chan struct{}
+	// roomFirst is the first slice of such a wait (roomSlice; tests
+	// change it).
+	roomFirst time.Duration
 }
 
 // ErrTooLarge is returned by Send for a message larger than the lane's
@@ -180,7 +186,7 @@ func OpenLane(f *fd.FD) (*Lane, error) {
 	if err != nil {
 		return nil, fmt.Errorf("mp: mapping a lane of %d bytes: %w", total, err)
 	}
-	l := &Lane{mem: mem, entries: uint32(n), size: int(size)}
+	l := &Lane{mem: mem, entries: uint32(n), size: int(size), nudged: make(chan struct{}, 1), roomFirst: roomSlice}
 	if l.sent, err = NewBell(mem[sentBell : sentBell+bellSize]); err == nil {
 		l.taken, err = NewBell(mem[takenBell : takenBell+bellSize])
 	}
@@ -215,15 +221,15 @@ func (l *Lane) entry(pos uint32) []byte {
 }
 
 // Send publishes data as the next message, waiting while the ring is full
-// until ctx ends or alive reports the readers gone. Once it returns nil
-// the message is the readers'.
+// until ctx ends or alive reports the readers gone (see waitRoom). Once
+// it returns nil the message is the readers'.
 func (l *Lane) Send(ctx context.Context, data []byte, alive func() error) error {
-	return l.send(ctx, data, alive, true)
+	return l.send(ctx, data, alive, true, laneSleep)
 }
 
 // TrySend is Send that returns ErrWouldBlock instead of waiting for room.
 func (l *Lane) TrySend(data []byte) error {
-	return l.send(context.Background(), data, nil, false)
+	return l.send(context.Background(), data, nil, false, 0)
 }
 
 // Resume makes the next message this Lane sends follow the last one the
@@ -295,13 +301,21 @@ func (l *Lane) WaitSentUntil(ctx context.Context, last uint32, alive func() erro
 }
 
 // Nudge wakes the readers and the writer asleep on the lane, if any,
-// without a message: they look at their context and at alive at once.
+// and this process's writer waiting for room without a thread, without
+// a message: they look at their context and at alive at once.
 func (l *Lane) Nudge() {
 	l.sent.Nudge()
 	l.taken.Nudge()
+	select {
+	case l.nudged <- struct{}{}:
+	default: // a wake is pending already
+	}
 }
 
-func (l *Lane) send(ctx context.Context, data []byte, alive func() error, block bool) error {
+// send publishes data as Send does, or, unless block, as TrySend does. A
+// writer that waits for room waits on the lane for patience at most (see
+// waitRoom).
+func (l *Lane) send(ctx context.Context, data []byte, alive func() error, block bool, patience time.Duration) error {
 	if len(data) > l.size-entryHeader {
 		return fmt.Errorf("%w: %d bytes, where an entry holds %d", ErrTooLarge, len(data), l.size-entryHeader)
 	}
@@ -310,6 +324,7 @@ func (l *Lane) send(ctx context.Context, data []byte, alive func() error, block 
 	if l.mem == nil {
 		return errLaneClosed
 	}
+	var slice time.Duration // see waitRoom
 	for pass := 1; ; pass++ {
 		taken := l.taken.Load()
 		used := l.tail - taken
@@ -322,7 +337,8 @@ func (l *Lane) send(ctx context.Context, data []byte, alive func() error, block 
 		if !block {
 			return ErrWouldBlock
 		}
-		if _, err := l.taken.Wait(ctx, taken, alive); err != nil {
+		var err error
+		if slice, err = l.waitRoom(ctx, taken, alive, patience, slice); err != nil {
 			return err
 		}
 		if err := checkEvery(ctx, pass); err != nil {
@@ -336,6 +352,74 @@ func (l *Lane) send(ctx context.Context, data []byte, alive func() error, block 
 	l.tail++
 	l.sent.Ring() // the word's atomic add publishes the entry
 	return nil
+}
+
+// A writer that waits for room in a full lane waits on the lane's bell,
+// a thread asleep in FUTEX_WAIT that the reader's take wakes, only while
+// it holds one of its process's lane waits (laneWaiters, which readers
+// share), taken once a send: for its patience, and on, a patience at a
+// time, while no other wait was refused one meanwhile. Without one, or
+// after that, it spins on the lane as a wait does, then looks at the
+// lane each slice with its goroutine asleep on a timer, holding no
+// thread: roomSlice first, doubling each time no room came, up to
+// maxSleepSlice, the bell's own longest sleep. No reader wakes it there
+// (the reader's process has no way to it but the socket, which carries
+// the other direction's messages too): it sees room up to a slice late,
+// and a slice is never much longer than its wait so far. Its own Way's
+// Close and the readers' end (see Way.watchPeer) nudge it (Nudge).
+const roomSlice = 100 * time.Microsecond
+
+// roomStep, if set, runs as a writer without a lane wait begins each
+// slice of its wait for room, with the slice: for tests.
+var roomStep atomic.Pointer[func(slice time.Duration)]
+
+// waitRoom waits for room in the lane, whose reader had taken up to
+// taken, as a writer does (see roomSlice): until the reader takes more,
+// or, waiting on a timer, for one slice or until a Nudge; it returns
+// ctx's error once ctx ends, and alive's if it fails. slice is the
+// send's wait so far: zero before its first, which may take a lane wait;
+// then the slice of its next wait on a timer, which waitRoom returns.
+func (l *Lane) waitRoom(ctx context.Context, taken uint32, alive func() error, patience, slice time.Duration) (time.Duration, error) {
+	if slice == 0 {
+		slice = l.roomFirst
+		if takeLaneWait() {
+			var err error
+			for {
+				refused := laneWaitsRefused.Load()
+				_, err = l.taken.WaitUntil(ctx, taken, alive, patience, nil)
+				if !errors.Is(err, errWaitedEnough) || laneWaitsRefused.Load() != refused {
+					break
+				}
+			}
+			laneSleepers.Add(-1)
+			if !errors.Is(err, errWaitedEnough) {
+				return slice, err
+			}
+		}
+		if _, moved := l.taken.Spin(taken); moved {
+			return slice, nil
+		}
+	}
+	// Asked before each sleep, which arms what nudges it at the readers'
+	// end (see Way.watchPeer) before the first.
+	if err := alive(); err != nil {
+		return slice, err
+	}
+	if h := roomStep.Load(); h != nil {
+		(*h)(slice)
+	}
+	t := time.NewTimer(slice)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return slice, ctx.Err()
+	case <-l.nudged:
+	case <-t.C:
+		if l.taken.Load() == taken {
+			slice = min(2*slice, max(maxSleepSlice, slice))
+		}
+	}
+	return slice, nil
 }
 
 // Recv takes the next message, copying it into buf's room (growing it as

@@ -45,6 +45,10 @@ func (l *Lane) Recv(ctx context.Context, buf []byte, alive func() error) ([]byte
 // TrySend returns an error wrapping errors.ErrUnsupported.
 func (l *Lane) TrySend(data []byte) error { return errNoLane }
 
+func (l *Lane) send(context.Context, []byte, func() error, bool, time.Duration) error {
+	return errNoLane
+}
+
 // TryRecv returns an error wrapping errors.ErrUnsupported.
 func (l *Lane) TryRecv(buf []byte) ([]byte, uint32, error) { return buf[:0], 0, errNoLane }
 

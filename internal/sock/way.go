@@ -60,7 +60,11 @@ import (
 // reader's page: a Pipe's writer that publishes an entry then wakes it
 // with a wake frame (see park), and a fair Way's sends there (see
 // waitFair). A Pipe's reader looks at the lane again at the end of each
-// of its slices on the socket (see park).
+// of its slices on the socket (see park). A writer that waits for room
+// in a full lane sleeps on the lane only while it holds a lane wait too,
+// and past laneSleep only while no other wait was refused one; else its
+// goroutine sleeps on a timer between looks at the lane (see
+// Lane.waitRoom).
 //
 // Ends. A reader whose writers are all gone (the socket's other end is
 // closed in every process) gets what the lane and the socket still hold,
@@ -889,7 +893,7 @@ func (w *Way) sendEntry(ctx context.Context, l *Lane, hdr, data []byte, block bo
 	w.wbuf = append(append(w.wbuf[:0], hdr...), data...)
 	var err error
 	if block {
-		err = l.Send(ctx, w.wbuf, w.alive)
+		err = l.send(ctx, w.wbuf, w.alive, true, w.sleep)
 	} else {
 		err = l.TrySend(w.wbuf)
 	}
@@ -1212,13 +1216,15 @@ func (w *Way) lanesNext(l *Lane) bool {
 	return w.sockRun < socketRun || l.readerWord(laneMisses).Load() != w.missSeen
 }
 
-// Lane waits of readers hold a thread each (a sleep in FUTEX_WAIT): at
-// most laneWaiters in a process at once, each for at most laneSleep; a
-// reader without one waits on its socket as a Conn waits (in one of a
-// few kernel waits, else on the package's poller), where a fair Way's
-// writer sends meanwhile (see waitFair) and a Pipe's wakes it (see
-// park). So a thousand Recvs that wait hold a few threads, not a
-// thousand.
+// Lane waits of readers, and of writers waiting for room, hold a thread
+// each (a sleep in FUTEX_WAIT): at most laneWaiters in a process at
+// once, each for at most laneSleep (a writer's for longer while no other
+// wait is refused one); a reader without one waits on its socket as a
+// Conn waits (in one of a few kernel waits, else on the package's
+// poller), where a fair Way's writer sends meanwhile (see waitFair) and
+// a Pipe's wakes it (see park), and a writer on a timer (see
+// Lane.waitRoom). So a thousand Recvs or Sends that wait hold a few
+// threads, not a thousand.
 const (
 	laneWaiters = 8
 	laneSleep   = 100 * time.Millisecond
@@ -1251,7 +1257,7 @@ var errWaitedEnough = errors.New("mp: waited on a lane for as long as allowed")
 // an error as Way.recv's wait on the lane does.
 func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32, lane bool) (Msg, bool, error) {
 	waits := l.readerWord(readerWaits)
-	if lane && laneSleepers.Add(1) <= laneWaiters {
+	if lane && takeLaneWait() {
 		w.missSeen = l.readerWord(laneMisses).Load()
 		l.readerWord(waitsAt).Store(w.sockSeen)
 		if !moveWait(waits, waitOnLane) {
@@ -1281,9 +1287,6 @@ func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32, lane bool) (Ms
 			return Msg{}, false, err
 		}
 	} else {
-		if lane {
-			laneSleepers.Add(-1)
-		}
 		if !moveWait(waits, waitParked) {
 			return Msg{}, false, w.waitClaimed(ctx, l, last)
 		}
@@ -1337,14 +1340,21 @@ func (w *Way) waitPipe(ctx context.Context, l *Lane, last uint32) (Msg, bool, er
 }
 
 // takeLaneWait takes one of the process's lane waits (laneSleepers) if
-// one is free, and reports whether it did; the caller gives it back.
+// one is free, and reports whether it did; the caller gives it back. A
+// refusal is counted (laneWaitsRefused).
 func takeLaneWait() bool {
 	if laneSleepers.Add(1) <= laneWaiters {
 		return true
 	}
 	laneSleepers.Add(-1)
+	laneWaitsRefused.Add(1)
 	return false
 }
+
+// laneWaitsRefused counts the lane waits that takeLaneWait refused: a
+// writer waiting for room keeps its lane wait past its patience while
+// none is (see Lane.waitRoom).
+var laneWaitsRefused atomic.Uint32
 
 // A Pipe's reader's slices on its socket (see park): the first of a
 // receive, and the longest, as a lane wait's sleep slices are (see
