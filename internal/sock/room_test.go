@@ -55,6 +55,19 @@ func drainLane(t *testing.T, ctx context.Context, r *Way) {
 	}
 }
 
+// intoFull makes a mapped pair, fills its lane, and starts a send into
+// it on ctx, once prepare has set the writer up; it returns the pair,
+// the slices the writers begin on timers (see roomSlices), and the
+// send's error.
+func intoFull(t *testing.T, ctx context.Context, prepare func(w *Way)) (w, r *Way, slices func() []time.Duration, errc <-chan error) {
+	t.Helper()
+	w, r, _ = mappedPair(t, ctx)
+	prepare(w)
+	fillLane(t, ctx, w)
+	slices = roomSlices(t)
+	return w, r, slices, sendIntoFull(ctx, w)
+}
+
 // roomSlices records the slices that writers without a lane wait begin
 // (roomStep), until the test ends.
 func roomSlices(t *testing.T) func() []time.Duration {
@@ -127,12 +140,8 @@ func TestPipeWriterKeepsItsLaneWaitUnasked(t *testing.T) {
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	w, r, _ := mappedPair(t, ctx)
-	w.sleep = 10 * time.Millisecond
+	w, r, slices, errc := intoFull(t, ctx, func(w *Way) { w.sleep = 10 * time.Millisecond })
 	words := map[uintptr]bool{roomWord(w): true}
-	fillLane(t, ctx, w)
-	slices := roomSlices(t)
-	errc := sendIntoFull(ctx, w)
 	require.Eventually(t, func() bool { return asleepOn(t, words) == 1 }, 5*time.Second, 100*time.Microsecond, "the writer asleep on its lane")
 	for range 20 {
 		time.Sleep(5 * time.Millisecond)
@@ -152,14 +161,10 @@ func TestPipeWriterGivesUpItsLaneWaitWhenAsked(t *testing.T) {
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	w, r, _ := mappedPair(t, ctx)
-	w.sleep = 20 * time.Millisecond
-	words := map[uintptr]bool{roomWord(w): true}
-	fillLane(t, ctx, w)
 	laneSleepers.Add(laneWaiters - 1) // all but the writer's
 	defer laneSleepers.Add(-(laneWaiters - 1))
-	slices := roomSlices(t)
-	errc := sendIntoFull(ctx, w)
+	w, r, slices, errc := intoFull(t, ctx, func(w *Way) { w.sleep = 20 * time.Millisecond })
+	words := map[uintptr]bool{roomWord(w): true}
 	require.Eventually(t, func() bool { return asleepOn(t, words) == 1 }, 5*time.Second, 100*time.Microsecond, "the writer asleep on its lane")
 	require.False(t, takeLaneWait(), "a lane wait free beside the writer's")
 	require.Eventually(t, func() bool { return len(slices()) > 0 }, 5*time.Second, 100*time.Microsecond, "the writer on a timer after its sleep")
@@ -180,11 +185,8 @@ func TestPipeWriterRoomSlicesGrow(t *testing.T) {
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	w, r, _ := mappedPair(t, ctx)
 	noLaneWait(t)
-	fillLane(t, ctx, w)
-	slices := roomSlices(t)
-	errc := sendIntoFull(ctx, w)
+	_, r, slices, errc := intoFull(t, ctx, func(*Way) {})
 	require.Eventually(t, func() bool { return len(slices()) >= 6 }, 5*time.Second, time.Millisecond)
 	got := slices()[:6]
 	for i, s := range got {
@@ -200,12 +202,8 @@ func TestPipeWriterRoomSlicesStopAtASecond(t *testing.T) {
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	w, r, _ := mappedPair(t, ctx)
 	noLaneWait(t)
-	fillLane(t, ctx, w)
-	w.lane.Load().roomFirst = 900 * time.Millisecond
-	slices := roomSlices(t)
-	errc := sendIntoFull(ctx, w)
+	_, r, slices, errc := intoFull(t, ctx, func(w *Way) { w.lane.Load().roomFirst = 900 * time.Millisecond })
 	require.Eventually(t, func() bool { return len(slices()) >= 2 }, 5*time.Second, time.Millisecond)
 	assert.Equal(t, []time.Duration{900 * time.Millisecond, maxSleepSlice}, slices()[:2])
 	drainLane(t, ctx, r)
@@ -219,18 +217,13 @@ func TestPipeWriterWaitingForRoomSeesEveryEnd(t *testing.T) {
 	const slice = time.Hour
 	start := func(t *testing.T) (cancel context.CancelFunc, w, r *Way, errc <-chan error) {
 		leakcheck.Check(t)
-		ctx, cancelAll := context.WithTimeout(context.Background(), 10*time.Second)
-		t.Cleanup(cancelAll)
-		w, r, _ = mappedPair(t, ctx)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		t.Cleanup(cancel)
 		noLaneWait(t)
-		fillLane(t, ctx, w)
-		w.lane.Load().roomFirst = slice
-		slices := roomSlices(t)
-		sent, cancelSend := context.WithCancel(ctx)
-		t.Cleanup(cancelSend)
-		errc = sendIntoFull(sent, w)
+		var slices func() []time.Duration
+		w, r, slices, errc = intoFull(t, ctx, func(w *Way) { w.lane.Load().roomFirst = slice })
 		require.Eventually(t, func() bool { return len(slices()) == 1 }, 5*time.Second, 100*time.Microsecond)
-		return cancelSend, w, r, errc
+		return cancel, w, r, errc
 	}
 	returns := func(t *testing.T, errc <-chan error) error {
 		t.Helper()
