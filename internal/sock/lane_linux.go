@@ -362,11 +362,12 @@ func (l *Lane) send(ctx context.Context, data []byte, alive func() error, block 
 // after that, it spins on the lane as a wait does, then looks at the
 // lane each slice with its goroutine asleep on a timer, holding no
 // thread: roomSlice first, doubling each time no room came, up to
-// maxSleepSlice, the bell's own longest sleep. No reader wakes it there
-// (the reader's process has no way to it but the socket, which carries
-// the other direction's messages too): it sees room up to a slice late,
-// and a slice is never much longer than its wait so far. Its own Way's
-// Close and the readers' end (see Way.watchPeer) nudge it (Nudge).
+// maxSleepSlice, the bell's own longest sleep. No reader's take wakes it
+// there (the reader's process has no way to it but the socket, which
+// carries the other direction's messages too): it sees room up to a
+// slice late, and a slice is never much longer than its wait so far.
+// Its context's end, its own Way's Close and the readers' end (see
+// Way.watchPeer, which nudges it: Nudge) end the wait at once.
 const roomSlice = 100 * time.Microsecond
 
 // roomStep, if set, runs as a writer without a lane wait begins each
@@ -376,20 +377,29 @@ var roomStep atomic.Pointer[func(slice time.Duration)]
 // waitRoom waits for room in the lane, whose reader had taken up to
 // taken, as a writer does (see roomSlice): until the reader takes more,
 // or, waiting on a timer, for one slice or until a Nudge; it returns
-// ctx's error once ctx ends, and alive's if it fails. slice is the
-// send's wait so far: zero before its first, which may take a lane wait;
-// then the slice of its next wait on a timer, which waitRoom returns.
+// ctx's error once ctx ends, and alive's if it fails. slice is zero in a
+// send's first wait, which may take a lane wait; after that, the length
+// of the send's next slice on a timer, which waitRoom returns.
 func (l *Lane) waitRoom(ctx context.Context, taken uint32, alive func() error, patience, slice time.Duration) (time.Duration, error) {
 	if slice == 0 {
 		slice = l.roomFirst
 		if takeLaneWait() {
 			var err error
+			var disarm func()
 			for {
 				refused := laneWaitsRefused.Load()
 				_, err = l.taken.WaitUntil(ctx, taken, alive, patience, nil)
 				if !errors.Is(err, errWaitedEnough) || laneWaitsRefused.Load() != refused {
 					break
 				}
+				if disarm == nil && ctx.Done() != nil {
+					// The next wait's first slice would see ctx's end
+					// only at its end, as a hot wait's does.
+					disarm = l.taken.nudgeAtEnd(ctx)
+				}
+			}
+			if disarm != nil {
+				disarm()
 			}
 			laneSleepers.Add(-1)
 			if !errors.Is(err, errWaitedEnough) {

@@ -5,6 +5,7 @@ package sock
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 	"unsafe"
@@ -116,6 +117,8 @@ func TestPipeWritersWaitForRoomBeyondTheirThreads(t *testing.T) {
 		time.Sleep(5 * time.Millisecond)
 		require.LessOrEqual(t, asleepOn(t, words), laneWaiters, "threads asleep on the lanes")
 	}
+	time.Sleep(laneSleep) // past the default patience, waits refused meanwhile
+	require.Equal(t, int32(laneWaiters), laneSleepers.Load(), "the writers with a lane wait keep it")
 	for i := range n {
 		select {
 		case err := <-errs[i]:
@@ -176,6 +179,36 @@ func TestPipeWriterGivesUpItsLaneWaitWhenAsked(t *testing.T) {
 	require.Empty(t, errc, "the send is done before any room")
 	drainLane(t, ctx, r)
 	require.NoError(t, <-errc)
+}
+
+// A Pipe writer that keeps its lane wait past its patience sees its
+// context's end at once: from its second patience on, the end nudges its
+// sleep, which would otherwise see it only at its first slice's end, as
+// a wait's first slice does (here each patience ends before the first
+// slice does, so nothing else nudges it).
+func TestPipeWriterKeepingItsLaneWaitSeesItsContextEnd(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var nudges atomic.Int32
+	hook := func() { nudges.Add(1) }
+	afterNudge.Store(&hook)
+	t.Cleanup(func() { afterNudge.Store(nil) })
+	require.Less(t, 5*time.Millisecond, sleepSlice)
+	sent, cancelSend := context.WithCancel(ctx)
+	defer cancelSend()
+	w, _, _, errc := intoFull(t, sent, func(w *Way) { w.sleep = 5 * time.Millisecond })
+	words := map[uintptr]bool{roomWord(w): true}
+	require.Eventually(t, func() bool { return asleepOn(t, words) == 1 }, 5*time.Second, 100*time.Microsecond, "the writer asleep on its lane")
+	time.Sleep(100 * time.Millisecond) // a score of patiences
+	cancelSend()
+	select {
+	case err := <-errc:
+		assert.ErrorIs(t, err, context.Canceled)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the send still waits")
+	}
+	assert.Positive(t, nudges.Load(), "the context's end nudged the sleep")
 }
 
 // A Pipe writer waiting for room without a lane wait begins with a slice

@@ -401,6 +401,8 @@ func (w *Way) taken() *Lane {
 		if l != nil && laneSleepers.Load() >= laneWaiters && l.Sent() == l.Taken() {
 			// No lane wait to be had now, nor an entry to take: the
 			// socket (see waitFair), without the system calls of a role.
+			// A lane wait refused, as takeLaneWait counts it.
+			laneWaitsRefused.Add(1)
 			return nil
 		}
 		// One try for a role at a time in the process: a thousand
@@ -1230,7 +1232,8 @@ const (
 	laneSleep   = 100 * time.Millisecond
 )
 
-// laneSleepers counts the Ways' readers waiting on a lane now, and
+// laneSleepers counts the lane waits taken now, by the Ways' readers
+// waiting on a lane and writers waiting for room in one, and
 // roleTry is held by the fair Way's reader that maps its lane or tries
 // for its role.
 var (

@@ -231,6 +231,23 @@ func TestFairWayParksBeyondItsThreads(t *testing.T) {
 	assert.False(t, g.byLane)
 }
 
+// A reader without the role that finds no lane wait to be had, and so
+// waits on the socket without trying for the role, is a lane wait
+// refused: a Pipe's writer holding one gives it up (see Lane.waitRoom).
+func TestFairWayTurnedAwayReaderCountsAsRefused(t *testing.T) {
+	w, r, _, ctx := fairRoles(t)
+	r.LetGo()
+	require.False(t, holds(r))
+	laneSleepers.Add(laneWaiters) // every lane wait is taken
+	defer laneSleepers.Add(-laneWaiters)
+	refused := laneWaitsRefused.Load()
+	got := recvLater(ctx, r)
+	require.Eventually(t, func() bool { return r.shared.Waiting() == 1 }, 10*time.Second, 50*time.Microsecond, "the reader never waited on the socket")
+	assert.NotEqual(t, refused, laneWaitsRefused.Load(), "a lane wait refused")
+	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
+	assert.Equal(t, 1, within(t, got, "the message never came").i)
+}
+
 // A message that a writer without the role sent by the socket comes
 // before one that the role's writer sends after it, to a reader waiting on
 // the lane all along: once the socket has had a message since the reader
