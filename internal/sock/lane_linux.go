@@ -386,8 +386,8 @@ func (l *Lane) waitRoom(ctx context.Context, taken uint32, alive func() error, p
 		if takeLaneWait() {
 			var err error
 			var disarm func()
+			refused := laneWaitsRefused.Load()
 			for {
-				refused := laneWaitsRefused.Load()
 				_, err = l.taken.WaitUntil(ctx, taken, alive, patience, nil)
 				if !errors.Is(err, errWaitedEnough) || laneWaitsRefused.Load() != refused {
 					break

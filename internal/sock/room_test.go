@@ -198,9 +198,7 @@ func TestPipeWriterKeepingItsLaneWaitSeesItsContextEnd(t *testing.T) {
 	sent, cancelSend := context.WithCancel(ctx)
 	defer cancelSend()
 	w, _, _, errc := intoFull(t, sent, func(w *Way) { w.sleep = 5 * time.Millisecond })
-	words := map[uintptr]bool{roomWord(w): true}
-	require.Eventually(t, func() bool { return asleepOn(t, words) == 1 }, 5*time.Second, 100*time.Microsecond, "the writer asleep on its lane")
-	time.Sleep(100 * time.Millisecond) // a score of patiences
+	secondWait(t, w)
 	cancelSend()
 	select {
 	case err := <-errc:
@@ -209,6 +207,43 @@ func TestPipeWriterKeepingItsLaneWaitSeesItsContextEnd(t *testing.T) {
 		t.Fatal("the send still waits")
 	}
 	assert.Positive(t, nudges.Load(), "the context's end nudged the sleep")
+}
+
+// A Pipe writer that kept its lane wait past its patience leaves
+// nothing armed on its context once its send is done: the context's end
+// after its Way has closed and unmapped the lane nudges nothing there.
+func TestPipeWriterLeavesNothingArmedOnItsContext(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var nudges atomic.Int32
+	hook := func() { nudges.Add(1) }
+	afterNudge.Store(&hook)
+	t.Cleanup(func() { afterNudge.Store(nil) })
+	sent, cancelSend := context.WithCancel(ctx)
+	defer cancelSend()
+	w, r, _, errc := intoFull(t, sent, func(w *Way) { w.sleep = 5 * time.Millisecond })
+	secondWait(t, w)
+	time.Sleep(20 * time.Millisecond) // a few patiences more
+	drainLane(t, ctx, r)
+	require.NoError(t, <-errc)
+	require.NoError(t, w.Close())
+	require.Nil(t, w.lane.Load().mem, "the lane unmapped")
+	cancelSend()
+	time.Sleep(50 * time.Millisecond) // for the context's callbacks
+	assert.Zero(t, nudges.Load(), "a nudge after the send")
+}
+
+// secondWait waits until w's writer, waiting for room with a lane wait,
+// has begun its second wait on the lane's bell: its first patience is
+// over.
+func secondWait(t *testing.T, w *Way) {
+	t.Helper()
+	bell := w.lane.Load().taken
+	words := map[uintptr]bool{uintptr(unsafe.Pointer(bell.asleep)): true}
+	require.Eventually(t, func() bool { return asleepOn(t, words) == 1 }, 5*time.Second, 100*time.Microsecond, "the writer asleep on its lane")
+	first := bell.waits.Load()
+	require.Eventually(t, func() bool { return bell.waits.Load()-first >= 1 }, 5*time.Second, 100*time.Microsecond, "the writer's second wait")
 }
 
 // A Pipe writer waiting for room without a lane wait begins with a slice

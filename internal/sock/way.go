@@ -101,6 +101,9 @@ type Way struct {
 	// broken: the lane cannot be used here (it is not a lane, or its
 	// counts are not an honest peer's): the socket serves alone.
 	broken bool
+	// turnedAway: the last taken, a fair Way's reader's without the
+	// role, found no lane wait free and nothing in the lane (under sem).
+	turnedAway bool
 
 	alive     func() error // the Way's check of its peer, made once
 	sockMoved func() error // a fair Way's reader's socketSentSince, made once
@@ -388,8 +391,11 @@ func (w *Way) letGoIdle() {
 }
 
 // taken returns the lane if this process holds its role, trying for it
-// if it has not tried within roleRetry. The caller holds sem.
+// if it has not tried within roleRetry; a fair Way's reader does not try
+// while no lane wait is free and the lane holds nothing (turnedAway).
+// The caller holds sem.
 func (w *Way) taken() *Lane {
+	w.turnedAway = false
 	if w.held {
 		return w.lane.Load()
 	}
@@ -401,8 +407,7 @@ func (w *Way) taken() *Lane {
 		if l != nil && laneSleepers.Load() >= laneWaiters && l.Sent() == l.Taken() {
 			// No lane wait to be had now, nor an entry to take: the
 			// socket (see waitFair), without the system calls of a role.
-			// A lane wait refused, as takeLaneWait counts it.
-			laneWaitsRefused.Add(1)
+			w.turnedAway = true
 			return nil
 		}
 		// One try for a role at a time in the process: a thousand
@@ -1039,6 +1044,10 @@ func (w *Way) recv(ctx context.Context, block bool) (Msg, error) {
 			return w.stash, nil
 		}
 		if l == nil {
+			if w.turnedAway && block && w.shared.poll()&unix.POLLIN == 0 {
+				// It waits on the socket for want of a lane wait.
+				laneWaitsRefused.Add(1)
+			}
 			m, err := w.recvShared(ctx, block)
 			if errors.Is(err, errRetry) {
 				continue
@@ -1354,9 +1363,10 @@ func takeLaneWait() bool {
 	return false
 }
 
-// laneWaitsRefused counts the lane waits that takeLaneWait refused: a
-// writer waiting for room keeps its lane wait past its patience while
-// none is (see Lane.waitRoom).
+// laneWaitsRefused counts the lane waits refused: by takeLaneWait, and
+// to a fair Way's reader without the role that waits on an empty socket
+// because none was free (see Way.taken). A writer waiting for room keeps
+// its lane wait past its patience while none is (see Lane.waitRoom).
 var laneWaitsRefused atomic.Uint32
 
 // A Pipe's reader's slices on its socket (see park): the first of a

@@ -234,18 +234,64 @@ func TestFairWayParksBeyondItsThreads(t *testing.T) {
 // A reader without the role that finds no lane wait to be had, and so
 // waits on the socket without trying for the role, is a lane wait
 // refused: a Pipe's writer holding one gives it up (see Lane.waitRoom).
+// One that does not wait is not (a try, or a receive of a message the
+// socket holds already), nor one that waits there for another reason
+// (another process holds the role).
 func TestFairWayTurnedAwayReaderCountsAsRefused(t *testing.T) {
-	w, r, _, ctx := fairRoles(t)
+	w, r, mem, ctx := fairRoles(t)
+	w2 := anotherFair(t, w, mem, true) // without the role: by the socket
+	waits := func(r *Way) {
+		t.Helper()
+		require.Eventually(t, func() bool { return r.shared.Waiting() == 1 }, 10*time.Second, 50*time.Microsecond, "the reader never waited on the socket")
+	}
+	r2 := anotherFair(t, r, mem, false) // another process's reader
+	refused := laneWaitsRefused.Load()
+	got := recvLater(ctx, r2)
+	waits(r2)
+	assert.Equal(t, refused, laneWaitsRefused.Load(), "a reader without the role, another's, refused")
+	require.NoError(t, w2.Send(ctx, wayMsg(1, 8), nil))
+	assert.Equal(t, 1, within(t, got, "the message never came").i)
+
 	r.LetGo()
 	require.False(t, holds(r))
 	laneSleepers.Add(laneWaiters) // every lane wait is taken
-	defer laneSleepers.Add(-laneWaiters)
-	refused := laneWaitsRefused.Load()
-	got := recvLater(ctx, r)
-	require.Eventually(t, func() bool { return r.shared.Waiting() == 1 }, 10*time.Second, 50*time.Microsecond, "the reader never waited on the socket")
+	busy := true
+	t.Cleanup(func() {
+		if busy {
+			laneSleepers.Add(-laneWaiters)
+		}
+	})
+	_, err := r.TryRecv(ctx)
+	require.ErrorIs(t, err, ErrWouldBlock)
+	assert.Equal(t, refused, laneWaitsRefused.Load(), "a try refused")
+
+	got = recvLater(ctx, r)
+	waits(r)
 	assert.NotEqual(t, refused, laneWaitsRefused.Load(), "a lane wait refused")
-	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
-	assert.Equal(t, 1, within(t, got, "the message never came").i)
+	require.NoError(t, w.Send(ctx, wayMsg(2, 8), nil))
+	assert.Equal(t, 2, within(t, got, "the message never came").i)
+
+	require.False(t, holds(r), "turned away, it did not try for the role")
+	require.NoError(t, w2.Send(ctx, wayMsg(3, 8), nil))
+	refused = laneWaitsRefused.Load()
+	i, byLane := recvWay(t, ctx, r)
+	assert.Equal(t, 3, i)
+	assert.False(t, byLane)
+	assert.Equal(t, refused, laneWaitsRefused.Load(), "a receive of a message there refused")
+
+	// Lane waits free again, the role another's: r waits on the socket
+	// for the role, not for want of a lane wait.
+	laneSleepers.Add(-laneWaiters)
+	busy = false
+	got = recvLater(ctx, r2)
+	waitsOnLane(t, r2)
+	require.NoError(t, w.Send(ctx, wayMsg(4, 8), nil))
+	assert.True(t, within(t, got, "the message never came").byLane)
+	got = recvLater(ctx, r)
+	waits(r)
+	assert.Equal(t, refused, laneWaitsRefused.Load(), "a reader without the role, another's, refused")
+	require.NoError(t, w2.Send(ctx, wayMsg(5, 8), nil))
+	assert.Equal(t, 5, within(t, got, "the message never came").i)
 }
 
 // A message that a writer without the role sent by the socket comes
