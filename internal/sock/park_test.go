@@ -41,14 +41,18 @@ func mappedPair(t *testing.T, ctx context.Context) (w, r *Way, mem *fd.FD) {
 // on: its sent bell's flag.
 func sleepWord(r *Way) uintptr { return uintptr(unsafe.Pointer(r.lane.Load().sent.asleep)) }
 
-// asleepOn counts the threads of this process asleep in futex(2) on one
-// of the words at addrs, as /proc says of each: its system call's number
-// and first argument.
+// asleepOn counts the words at addrs on which a thread of this process
+// is asleep in futex(2), as /proc says of each thread: its system call's
+// number and first argument. It counts words, not threads: the threads
+// are read one after another, and a waiter whose sleep ends between two
+// reads may sleep again on its word in a thread read later (its
+// goroutine moved to another thread meanwhile), which a count of
+// threads would take for two.
 func asleepOn(t *testing.T, addrs map[uintptr]bool) int {
 	t.Helper()
 	tasks, err := os.ReadDir("/proc/self/task")
 	require.NoError(t, err)
-	n := 0
+	asleep := map[uintptr]bool{}
 	for _, task := range tasks {
 		b, err := os.ReadFile("/proc/self/task/" + task.Name() + "/syscall")
 		if err != nil {
@@ -60,10 +64,10 @@ func asleepOn(t *testing.T, addrs map[uintptr]bool) int {
 		}
 		a, err := strconv.ParseUint(strings.TrimPrefix(f[1], "0x"), 16, 64)
 		if err == nil && addrs[uintptr(a)] {
-			n++
+			asleep[uintptr(a)] = true
 		}
 	}
-	return n
+	return len(asleep)
 }
 
 // wakesLeft takes the wake frames c's socket holds, and returns how many
@@ -152,7 +156,7 @@ func TestPipeReadersParkBeyondTheirThreads(t *testing.T) {
 	}, 10*time.Second, time.Millisecond, "laneWaiters readers asleep on their lanes, the others parked")
 	for range 10 { // a sleeper between two slices is awake for a moment
 		time.Sleep(5 * time.Millisecond)
-		require.LessOrEqual(t, asleepOn(t, words), laneWaiters, "threads asleep on the lanes")
+		require.LessOrEqual(t, asleepOn(t, words), laneWaiters, "lanes with a thread asleep")
 	}
 	for i, w := range ws {
 		require.NoError(t, w.Send(ctx, wayMsg(i, 8), nil))

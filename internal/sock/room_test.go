@@ -115,7 +115,7 @@ func TestPipeWritersWaitForRoomBeyondTheirThreads(t *testing.T) {
 	}, 10*time.Second, time.Millisecond, "laneWaiters writers asleep on their lanes, the others on timers")
 	for range 10 {
 		time.Sleep(5 * time.Millisecond)
-		require.LessOrEqual(t, asleepOn(t, words), laneWaiters, "threads asleep on the lanes")
+		require.LessOrEqual(t, asleepOn(t, words), laneWaiters, "lanes with a thread asleep")
 	}
 	time.Sleep(laneSleep) // past the default patience, waits refused meanwhile
 	require.Equal(t, int32(laneWaiters), laneSleepers.Load(), "the writers with a lane wait keep it")
