@@ -628,21 +628,34 @@ func gpufdZerosArrive(ctx context.Context) error {
 }
 
 // joining is a group joined in the background: its ctx ends when the
-// group does, so that a wait for what a failed worker never sends ends.
+// group fails, so that a wait for what a failed worker never sends ends.
+// Not when it succeeds: a worker that puts its answer and returns may be
+// joined before the answer is taken, and a Get whose context is done
+// takes nothing, even with a message waiting.
 type joining struct {
 	ctx  context.Context
+	stop context.CancelFunc
 	done chan error
 }
 
 func joinLater(ctx context.Context, g *mp.Group) *joining {
 	j := &joining{done: make(chan error, 1)}
-	var stop context.CancelFunc
-	j.ctx, stop = context.WithCancel(ctx)
-	go func() { j.done <- g.Join(); stop() }()
+	j.ctx, j.stop = context.WithCancel(ctx)
+	go func() {
+		err := g.Join()
+		if err != nil {
+			j.stop()
+		}
+		j.done <- err
+	}()
 	return j
 }
 
-func (j *joining) wait() error { return <-j.done }
+// wait returns the group's Join, once it has returned, and ends ctx.
+func (j *joining) wait() error {
+	defer j.stop()
+	return <-j.done
+}
 
 // A receiver holding 10,000 received GPU tensors of 4 KiB holds few
 // descriptors: one per slab and per slab's segment.

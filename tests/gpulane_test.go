@@ -97,7 +97,11 @@ func gpulaneTake(ctx context.Context, a laneGPUArgs) error {
 		return err
 	}
 	if a.Hold {
-		return a.Ack.Get(ctx, new(int)) // killed first
+		// Killed first. Not a Get on Ack: the count just put there
+		// is the first thing such a Get would take, if the writer
+		// has not come to its own Get yet.
+		<-ctx.Done()
+		return ctx.Err()
 	}
 	return nil
 }
