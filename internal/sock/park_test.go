@@ -173,17 +173,25 @@ func TestPipeReadersParkBeyondTheirThreads(t *testing.T) {
 	}
 }
 
+// parkedAfterSleep makes a mapped pair whose reader waits on the lane for
+// 20 ms and then parks for one long slice, and returns once it has
+// parked: the pair, the word a lane wait of the reader sleeps on, and
+// the receive's outcome (see parkReceive).
+func parkedAfterSleep(t *testing.T, ctx context.Context) (w, r *Way, words map[uintptr]bool, done <-chan gotMsg) {
+	t.Helper()
+	w, r, _ = mappedPair(t, ctx)
+	r.sleep = 20 * time.Millisecond
+	r.parkFirst = time.Hour // the wake, not a slice's end, brings it back
+	return w, r, map[uintptr]bool{sleepWord(r): true}, parkReceive(t, ctx, r)
+}
+
 // A Pipe reader that holds a lane wait gives it up after its sleep and
 // parks on its socket; the writer's entry wakes it there.
 func TestPipeReaderParksAfterItsSleep(t *testing.T) {
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	w, r, _ := mappedPair(t, ctx)
-	r.sleep = 20 * time.Millisecond
-	r.parkFirst = time.Hour // the wake, not a slice's end, brings it back
-	words := map[uintptr]bool{sleepWord(r): true}
-	done := parkReceive(t, ctx, r)
+	w, r, words, done := parkedAfterSleep(t, ctx)
 	assert.Zero(t, asleepOn(t, words), "a parked reader sleeps on no lane")
 	assert.Equal(t, 1, r.Waiting(), "one call waits")
 	require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
@@ -609,11 +617,7 @@ func TestPipeParkedReaderTakesNoLaneWaitAgain(t *testing.T) {
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	w, r, _ := mappedPair(t, ctx)
-	r.sleep = 20 * time.Millisecond
-	r.parkFirst = time.Hour // the wake, not a slice's end, brings it back
-	words := map[uintptr]bool{sleepWord(r): true}
-	done := parkReceive(t, ctx, r)
+	w, r, words, done := parkedAfterSleep(t, ctx)
 	for end := time.Now().Add(300 * time.Millisecond); time.Now().Before(end); {
 		require.Zero(t, asleepOn(t, words), "asleep on the lane after its park")
 		require.Zero(t, laneSleepers.Load(), "lane waits held")

@@ -190,10 +190,7 @@ func TestPipeWriterKeepingItsLaneWaitSeesItsContextEnd(t *testing.T) {
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	var nudges atomic.Int32
-	hook := func() { nudges.Add(1) }
-	afterNudge.Store(&hook)
-	t.Cleanup(func() { afterNudge.Store(nil) })
+	nudges := countNudges(t)
 	require.Less(t, 5*time.Millisecond, sleepSlice)
 	sent, cancelSend := context.WithCancel(ctx)
 	defer cancelSend()
@@ -216,10 +213,7 @@ func TestPipeWriterLeavesNothingArmedOnItsContext(t *testing.T) {
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	var nudges atomic.Int32
-	hook := func() { nudges.Add(1) }
-	afterNudge.Store(&hook)
-	t.Cleanup(func() { afterNudge.Store(nil) })
+	nudges := countNudges(t)
 	sent, cancelSend := context.WithCancel(ctx)
 	defer cancelSend()
 	w, r, _, errc := intoFull(t, sent, func(w *Way) { w.sleep = 5 * time.Millisecond })
@@ -232,6 +226,16 @@ func TestPipeWriterLeavesNothingArmedOnItsContext(t *testing.T) {
 	cancelSend()
 	time.Sleep(50 * time.Millisecond) // for the context's callbacks
 	assert.Zero(t, nudges.Load(), "a nudge after the send")
+}
+
+// countNudges counts the nudges that waits' contexts make as they end
+// (afterNudge), until the test ends.
+func countNudges(t *testing.T) *atomic.Int32 {
+	var nudges atomic.Int32
+	hook := func() { nudges.Add(1) }
+	afterNudge.Store(&hook)
+	t.Cleanup(func() { afterNudge.Store(nil) })
+	return &nudges
 }
 
 // secondWait waits until w's writer, waiting for room with a lane wait,
