@@ -196,6 +196,11 @@ func TestPipeWriterKeepingItsLaneWaitSeesItsContextEnd(t *testing.T) {
 	defer cancelSend()
 	w, _, _, errc := intoFull(t, sent, func(w *Way) { w.sleep = 5 * time.Millisecond })
 	secondWait(t, w)
+	// Cancelled while it sleeps: a writer awake between two waits as the
+	// cancel sets the context's error, before the cancel reaches the
+	// nudge, would see the end itself and disarm the nudge unrun.
+	words := map[uintptr]bool{roomWord(w): true}
+	require.Eventually(t, func() bool { return asleepOn(t, words) == 1 }, 5*time.Second, 50*time.Microsecond, "the writer asleep on its lane")
 	cancelSend()
 	select {
 	case err := <-errc:
