@@ -2,6 +2,7 @@ package mp_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -38,11 +39,14 @@ func TestMissingInit(t *testing.T) {
 		{"late", `no worker registered as "work" when mp.Init ran: call mp.Register in an init function or before mp.Init in main`},
 	} {
 		t.Run(c.mode, func(t *testing.T) {
-			before := shmEntries(t)
+			// The program runs in a session of its own, named here, so
+			// that what other tests' processes make meanwhile is not
+			// taken for its leftovers.
+			session := fmt.Sprintf("noinit%dx%s", os.Getpid(), c.mode)
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
 			cmd := exec.CommandContext(ctx, bin)
-			cmd.Env = append(os.Environ(), "NOINIT_MODE="+c.mode)
+			cmd.Env = append(os.Environ(), "NOINIT_MODE="+c.mode, shm.EnvSession+"="+session)
 			out, err := cmd.Output()
 			var xe *exec.ExitError
 			require.ErrorAs(t, err, &xe, "output: %s", out)
@@ -52,7 +56,7 @@ func TestMissingInit(t *testing.T) {
 			// program is gone.
 			deadline := time.Now().Add(5 * time.Second)
 			for {
-				left := newEntries(before, shmEntries(t))
+				left := sessionEntries(t, session)
 				if len(left) == 0 {
 					break
 				}
@@ -65,28 +69,16 @@ func TestMissingInit(t *testing.T) {
 	}
 }
 
-func shmEntries(t *testing.T) map[string]bool {
+// sessionEntries lists the shared-memory directory's entries of session.
+func sessionEntries(t *testing.T, session string) []string {
 	t.Helper()
 	entries, err := os.ReadDir(shm.Dir())
 	require.NoError(t, err)
-	names := map[string]bool{}
+	var names []string
 	for _, e := range entries {
-		if strings.HasPrefix(e.Name(), shm.NamePrefix) {
-			names[e.Name()] = true
+		if strings.HasPrefix(e.Name(), shm.NamePrefix+session+"_") {
+			names = append(names, e.Name())
 		}
 	}
 	return names
-}
-
-// newEntries lists what is in after and not in before, of sessions other
-// than this test process's own (whose segments come and go with the other
-// tests).
-func newEntries(before, after map[string]bool) []string {
-	var out []string
-	for n := range after {
-		if !before[n] && !strings.HasPrefix(n, shm.SessionPrefix()) {
-			out = append(out, n)
-		}
-	}
-	return out
 }
