@@ -301,31 +301,45 @@ func describe(name string) string {
 }
 
 // Free gives back what a decoded value holds, for a test that decoded a
-// hostile message and keeps none of it: it releases every tensor and
-// storage and closes every queue and pipe inside v, through the values
-// msgpack decodes into an any ([]any, map[string]any, map[any]any).
+// hostile message and keeps none of it, or that made values it lets go of
+// together: it releases every tensor and storage and closes every queue
+// and pipe inside v, through slices, arrays, maps and pointers to them of
+// any element type (what msgpack decodes into an any, and a test's own
+// []*tensor.Tensor). Struct fields it does not look into.
 func Free(v any) {
 	switch x := v.(type) {
 	case interface{ Release() error }:
 		if !isNil(x) {
 			_ = x.Release()
 		}
+		return
 	case io.Closer:
 		if !isNil(x) {
 			_ = x.Close()
 		}
-	case []any:
-		for _, e := range x {
-			Free(e)
+		return
+	}
+	r := reflect.ValueOf(v)
+	switch r.Kind() {
+	case reflect.Slice, reflect.Array:
+		for i := range r.Len() {
+			free(r.Index(i))
 		}
-	case map[string]any:
-		for _, e := range x {
-			Free(e)
+	case reflect.Map:
+		for it := r.MapRange(); it.Next(); {
+			free(it.Value())
 		}
-	case map[any]any:
-		for _, e := range x {
-			Free(e)
+	case reflect.Pointer:
+		if !r.IsNil() {
+			free(r.Elem())
 		}
+	}
+}
+
+// free is Free of an element of a value Free walks.
+func free(r reflect.Value) {
+	if r.CanInterface() {
+		Free(r.Interface())
 	}
 }
 

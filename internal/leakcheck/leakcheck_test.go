@@ -84,3 +84,41 @@ func TestFindsLeakedAnonInodes(t *testing.T) {
 		})
 	}
 }
+
+// released counts its releases.
+type released struct{ n *int }
+
+func (r released) Release() error { *r.n++; return nil }
+
+// closed counts its closes.
+type closed struct{ n *int }
+
+func (c *closed) Close() error { *c.n++; return nil }
+
+func TestFreeReachesEveryHolder(t *testing.T) {
+	var n int
+	r := func() released { return released{&n} }
+	c := func() *closed { return &closed{&n} }
+	var nilCloser *closed
+	for _, tc := range []struct {
+		name string
+		v    any
+		want int
+	}{
+		{"a holder", r(), 1},
+		{"a nil holder", nilCloser, 0},
+		{"decoded", []any{r(), map[string]any{"a": c(), "b": nil}, map[any]any{1: []any{r()}}}, 3},
+		{"a typed slice", []*closed{c(), nil, c()}, 2},
+		{"an array", [2]released{r(), r()}, 2},
+		{"a typed map", map[int][]released{1: {r()}, 2: {r(), r()}}, 3},
+		{"a pointer to a slice", &[]*closed{c()}, 1},
+		{"a nil pointer", (*[]released)(nil), 0},
+		{"no holder", []int{1, 2}, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			n = 0
+			leakcheck.Free(tc.v)
+			assert.Equal(t, tc.want, n)
+		})
+	}
+}
