@@ -273,11 +273,19 @@ func programGPUFD() int {
 	return 0
 }
 
-// letGo checks that x, a GPU tensor of sevens, is whole, releases it, and
-// waits for this process to hold no device memory.
-func letGo(x *tensor.Tensor) error {
+// letGo checks that x, a GPU tensor of sevens, is whole, closes qs,
+// releases x, and waits for this process to hold no device memory. The
+// queues close first: a reader that holds a queue's lane may pin the
+// slab x came in (see sock's Pins), which then lasts until the queue
+// closes or its next receive, even once its producer is gone.
+func letGo(x *tensor.Tensor, qs []*mp.Queue) error {
 	if err := checkSevens(x); err != nil {
 		return err
+	}
+	for _, q := range qs {
+		if err := q.Close(); err != nil {
+			return err
+		}
 	}
 	if err := x.Release(); err != nil {
 		return err
@@ -322,7 +330,7 @@ func gpufdSenderExitsFirst(ctx context.Context) error {
 	if err := qs[0].Get(ctx, &x); err != nil {
 		return err
 	}
-	return letGo(x)
+	return letGo(x, qs)
 }
 
 // The producer is SIGKILLed once its tensor is here: the tensor stays
@@ -347,7 +355,7 @@ func gpufdKilledProducer(ctx context.Context) error {
 	if err := g.Join(); !errors.As(err, &xe) || xe.Signal != syscall.SIGKILL {
 		return fmt.Errorf("the producer's end: %v", err)
 	}
-	if err := letGo(x); err != nil {
+	if err := letGo(x, qs); err != nil {
 		return fmt.Errorf("after the producer's death: %w", err)
 	}
 	return nil
