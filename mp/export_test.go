@@ -11,9 +11,6 @@ func Waiting(q *Queue) (gets, puts int) {
 	return gets, puts
 }
 
-// PipeWaiting returns how many calls of this process wait on p now.
-func PipeWaiting(p *Pipe) int { return p.c.Waiting() }
-
 // PoolHeld returns how many chunks each of p's workers holds now: given
 // to it, not yet answered.
 func PoolHeld(p *Pool) []int {
