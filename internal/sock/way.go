@@ -131,9 +131,12 @@ type Way struct {
 	parkNext  time.Duration
 
 	// The reader's role's idle timer (see letGoIdle), and the count of
-	// receives ended, now and when it last looked; under sem.
+	// receives ended, now and when it last looked; under sem. Once the
+	// reader has let go of the role with pins left, the timer looks at
+	// them each pinLook (pinLookEvery; tests change it).
 	idle        *time.Timer
 	recvs, seen uint64
+	pinLook     time.Duration
 
 	// The writer's, under sem.
 	owed    bool     // a marker is owed: a socket message went without one
@@ -228,6 +231,7 @@ func NewWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 	} else {
 		w.alive, w.sockMoved = w.readerAlive, w.socketSentSince
 		w.pins.most, w.pins.mostBytes = maxPins, maxPinBytes
+		w.pinLook = pinLookEvery
 		w.idle = time.AfterFunc(time.Hour, w.letGoIdle)
 		w.idle.Stop() // until the role is taken
 	}
@@ -352,11 +356,20 @@ func (w *Way) recvDone() {
 // now, it lets go (see letGoIdle).
 const idleRole = 100 * time.Millisecond
 
+// pinLookEvery is how often a reader that let go of its role with pins
+// left looks at whether their producers have let go of them (see
+// letGoIdle): a lock's query each.
+const pinLookEvery = time.Second
+
 // letGoIdle lets go of the reader's role if no receive has ended or been
 // under way since it last ran, idleRole ago, so that a process that holds
 // the end and stopped receiving (it handed the end on, or is done with
 // it) does not keep the lane's messages from one that receives. It takes
-// the role again at its next receive, if it is free.
+// the role again at its next receive, if it is free. A reader that lets
+// go with pins left goes on looking at them each pinLook, unpinning those
+// their producers let go of (prunePins), until none is left or it takes
+// the role again: a dead producer's segment is not kept for an idle
+// reader.
 func (w *Way) letGoIdle() {
 	if w.closed.Load() {
 		return
@@ -369,7 +382,9 @@ func (w *Way) letGoIdle() {
 	}
 	defer func() { <-w.sem }()
 	switch {
-	case !w.held || w.closed.Load():
+	case w.closed.Load():
+	case !w.held:
+		w.lookAtPins()
 	case w.recvs != w.seen:
 		w.seen = w.recvs
 		w.prunePins(w.lane.Load()) // segments their producers have let go of
@@ -387,6 +402,20 @@ func (w *Way) letGoIdle() {
 		w.idle.Reset(idleRole)
 	default:
 		w.letGo(false)
+		w.lookAtPins()
+	}
+}
+
+// lookAtPins unpins, for a reader without the role, the segments whose
+// producers have let go of them (prunePins), and looks again in pinLook
+// if any are left. The caller holds sem.
+func (w *Way) lookAtPins() {
+	if len(w.pins.order) == 0 {
+		return
+	}
+	w.prunePins(w.lane.Load())
+	if len(w.pins.order) > 0 {
+		w.idle.Reset(w.pinLook)
 	}
 }
 

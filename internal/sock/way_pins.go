@@ -26,7 +26,8 @@ import (
 //     out no block of it) and the reader has taken every entry sent
 //     before it saw so (a dead producer has let go too, and its messages
 //     still in the lane name it), which the reader looks at as it pins
-//     another and each idleRole while it receives. It
+//     another, each idleRole while it receives, and, once it has let go
+//     of the role idle with pins left, each pinLookEvery. It
 //     pins at most maxPins segments, maxPinBytes in all. While it holds
 //     the role it lists its pins in the lane's reader's page; from the
 //     first time it takes the role until it closes, it holds a read lock
@@ -334,8 +335,11 @@ func (w *Way) Ahead(yield func(data []byte) bool) {
 // (shm.Kept) once the reader has taken every entry the lane held when it
 // first saw so: a live producer lets go of a segment only once none of
 // its blocks is in use, lent ones included, and a dead one sends nothing
-// more, so no entry sent after names them. The list is rewritten without
-// them. The caller holds the receive and the reader's role.
+// more, so no entry sent after names them. A reader that holds the role
+// rewrites its list without them; one that does not leaves the list as
+// it is (a writer names nothing for a reader without the role, and the
+// reader rewrites it as it takes the role: listPins). The caller holds
+// the receive, or sem.
 func (w *Way) prunePins(l *Lane) {
 	p := &w.pins
 	for _, id := range p.order {
@@ -372,7 +376,9 @@ func (w *Way) prunePins(l *Lane) {
 	}
 	clear(p.order[len(kept):])
 	p.order = kept
-	w.listPins(l)
+	if w.held {
+		w.listPins(l)
+	}
 }
 
 // listPins makes the reader's list this process's pins, as it takes the

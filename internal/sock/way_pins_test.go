@@ -368,6 +368,59 @@ func TestWayPinsAreBoundedAndPruned(t *testing.T) {
 	require.NoError(t, bs[2].Release())
 }
 
+// A reader that lets go of its role idle keeps looking at its pins: one
+// whose producer lets go of the segment afterwards, the lane holding
+// nothing untaken, is unpinned though the reader receives nothing more;
+// and the list in the lane's page, another reader's by then, stays as
+// that reader wrote it.
+func TestWayIdleReaderUnpinsWhatItsProducerLetGo(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	w, r, mem := wayPair(t)
+	r.sem <- struct{}{}
+	r.pinLook = 10 * time.Millisecond
+	<-r.sem
+	pool := shm.DefaultPool()
+	b, err := pool.Alloc(4 << 10)
+	require.NoError(t, err)
+	got := receivedCopy(t, b)
+	id := b.Segment().ID()
+	takeRoles(t, ctx, w, r, func() { r.Pin(id) })
+	pinned := func() bool {
+		r.sem <- struct{}{}
+		defer func() { <-r.sem }()
+		return r.Pinned(id)
+	}
+	require.Eventually(t, func() bool { return !holds(r) }, 5*time.Second, 5*time.Millisecond, "r lets go of its role idle")
+	time.Sleep(5 * r.pinLook) // looks that find the producer keeping it
+	assert.True(t, pinned(), "kept while its producer keeps it")
+
+	// Another reader takes the role, and lists a segment of its own.
+	r2 := another(t, r, mem, false)
+	b2, err := pool.Alloc(8 << 10) // a segment apart
+	require.NoError(t, err)
+	defer b2.Release()
+	got2 := receivedCopy(t, b2)
+	defer got2.Release()
+	takeRoles(t, ctx, w, r2, func() { r2.Pin(b2.Segment().ID()) })
+	l := r.lane.Load()
+	r2.sem <- struct{}{}
+	owner := r2.pins.owner
+	<-r2.sem
+
+	require.NoError(t, got.Release())
+	require.NoError(t, b.Release())
+	require.Eventually(t, func() bool {
+		pool.Trim(0)
+		return !shm.Kept(id)
+	}, 5*time.Second, 5*time.Millisecond)
+	assert.Eventually(t, func() bool { return !pinned() }, 5*time.Second, 5*time.Millisecond,
+		"unpinned with no receive, once its producer let go of it")
+	assert.Equal(t, owner, l.readerWord(pinOwner).Load(), "the page is r2's")
+	assert.Equal(t, uint32(1), l.readerWord(pinCount).Load(), "listing r2's pin")
+}
+
 // The bytes a reader pins are bounded too, by the segments' mapped sizes.
 func TestWayPinBytesAreBounded(t *testing.T) {
 	leakcheck.Check(t)
