@@ -51,7 +51,7 @@ func init() {
 
 // gpufdPut puts a GPU tensor of 1 MiB of sevens on Out and exits, or,
 // with Ack, waits for a word first: the producer of the cases
-// sender-exits-first and killed-producer.
+// sender-exits-first and the killed-producer ones.
 func gpufdPut(ctx context.Context, a slabArgs) error {
 	x, err := tensor.On(device.GPU(0)).Full(tensor.Float32, 7, 1<<18)
 	if err != nil {
@@ -246,19 +246,20 @@ func programGPUFD() int {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	cases := map[string]func(context.Context) error{
-		"sender-exits-first": gpufdSenderExitsFirst,
-		"killed-producer":    gpufdKilledProducer,
-		"killed-receiver":    gpufdKilledReceiver,
-		"never-taken":        gpufdNeverTaken,
-		"third-process":      gpufdThirdProcess,
-		"spawn-after-export": gpufdSpawnAfterExport,
-		"recycled-block":     gpufdRecycledBlock,
-		"visible-devices":    gpufdVisibleDevices,
-		"zeros-arrive":       gpufdZerosArrive,
-		"many":               gpufdMany,
-		"lane-stream":        gpulaneStream,
-		"lane-killed-reader": gpulaneKilledReader,
-		"lane-killed-writer": gpulaneKilledWriter,
+		"sender-exits-first":   gpufdSenderExitsFirst,
+		"killed-producer":      gpufdKilledProducer,
+		"killed-producer-idle": gpufdKilledProducerIdle,
+		"killed-receiver":      gpufdKilledReceiver,
+		"never-taken":          gpufdNeverTaken,
+		"third-process":        gpufdThirdProcess,
+		"spawn-after-export":   gpufdSpawnAfterExport,
+		"recycled-block":       gpufdRecycledBlock,
+		"visible-devices":      gpufdVisibleDevices,
+		"zeros-arrive":         gpufdZerosArrive,
+		"many":                 gpufdMany,
+		"lane-stream":          gpulaneStream,
+		"lane-killed-reader":   gpulaneKilledReader,
+		"lane-killed-writer":   gpulaneKilledWriter,
 	}
 	run, ok := cases[os.Getenv("GPUFD_CASE")]
 	if !ok {
@@ -273,19 +274,11 @@ func programGPUFD() int {
 	return 0
 }
 
-// letGo checks that x, a GPU tensor of sevens, is whole, closes qs,
-// releases x, and waits for this process to hold no device memory. The
-// queues close first: a reader that holds a queue's lane may pin the
-// slab x came in (see sock's Pins), which then lasts until the queue
-// closes or its next receive, even once its producer is gone.
-func letGo(x *tensor.Tensor, qs []*mp.Queue) error {
+// letGo checks that x, a GPU tensor of sevens, is whole, releases it, and
+// waits for this process to hold no device memory.
+func letGo(x *tensor.Tensor) error {
 	if err := checkSevens(x); err != nil {
 		return err
-	}
-	for _, q := range qs {
-		if err := q.Close(); err != nil {
-			return err
-		}
 	}
 	if err := x.Release(); err != nil {
 		return err
@@ -330,12 +323,22 @@ func gpufdSenderExitsFirst(ctx context.Context) error {
 	if err := qs[0].Get(ctx, &x); err != nil {
 		return err
 	}
-	return letGo(x, qs)
+	return letGo(x)
 }
 
 // The producer is SIGKILLed once its tensor is here: the tensor stays
 // whole, and its memory goes when this process lets go.
-func gpufdKilledProducer(ctx context.Context) error {
+func gpufdKilledProducer(ctx context.Context) error { return killedProducer(ctx, 0) }
+
+// The same, with the producer killed only once this process, receiving
+// nothing more, has let go of its queue's lane: a pin of the producer's
+// slab, if its receive took one, goes without another receive.
+func gpufdKilledProducerIdle(ctx context.Context) error { return killedProducer(ctx, time.Second) }
+
+// killedProducer has a producer put a GPU tensor and SIGKILLs it, idle
+// after the tensor came, and then lets go of the tensor with its queues
+// open.
+func killedProducer(ctx context.Context, idle time.Duration) error {
 	qs, err := newQueues(2)
 	if err != nil {
 		return err
@@ -348,6 +351,7 @@ func gpufdKilledProducer(ctx context.Context) error {
 	if err := qs[0].Get(ctx, &x); err != nil {
 		return err
 	}
+	time.Sleep(idle)
 	if err := syscall.Kill(g.Pids()[0], syscall.SIGKILL); err != nil {
 		return err
 	}
@@ -355,7 +359,7 @@ func gpufdKilledProducer(ctx context.Context) error {
 	if err := g.Join(); !errors.As(err, &xe) || xe.Signal != syscall.SIGKILL {
 		return fmt.Errorf("the producer's end: %v", err)
 	}
-	if err := letGo(x, qs); err != nil {
+	if err := letGo(x); err != nil {
 		return fmt.Errorf("after the producer's death: %w", err)
 	}
 	return nil
@@ -722,7 +726,7 @@ func legacyIPC() bool { return os.Getenv(cuda.EnvLegacy) == "1" }
 
 // TestGPUSlabsAcrossProcesses runs each case in a program of its own.
 func TestGPUSlabsAcrossProcesses(t *testing.T) {
-	for _, c := range []string{"sender-exits-first", "killed-producer", "killed-receiver", "never-taken", "third-process", "spawn-after-export", "recycled-block", "visible-devices", "zeros-arrive"} {
+	for _, c := range []string{"sender-exits-first", "killed-producer", "killed-producer-idle", "killed-receiver", "never-taken", "third-process", "spawn-after-export", "recycled-block", "visible-devices", "zeros-arrive"} {
 		t.Run(c, func(t *testing.T) {
 			if legacyIPC() {
 				switch c {
