@@ -133,10 +133,15 @@ type Way struct {
 	// The reader's role's idle timer (see letGoIdle), and the count of
 	// receives ended, now and when it last looked; under sem. Once the
 	// reader has let go of the role with pins left, the timer looks at
-	// them each pinLook (pinLookEvery; tests change it).
+	// them each pinLook (pinLookEvery; tests change it); idleEvery is
+	// the timer's period, idleRole or pinLook, for a tick that finds a
+	// receive under way. A receive that waits looks at the pins itself,
+	// at most once a pinLook (lookWhileWaiting): lookedAt is its last.
 	idle        *time.Timer
 	recvs, seen uint64
 	pinLook     time.Duration
+	idleEvery   atomic.Int64
+	lookedAt    int64
 
 	// The writer's, under sem.
 	owed    bool     // a marker is owed: a socket message went without one
@@ -377,7 +382,7 @@ func (w *Way) letGoIdle() {
 	select {
 	case w.sem <- struct{}{}:
 	default:
-		w.idle.Reset(idleRole) // receiving
+		w.idle.Reset(time.Duration(w.idleEvery.Load())) // receiving
 		return
 	}
 	defer func() { <-w.sem }()
@@ -415,8 +420,26 @@ func (w *Way) lookAtPins() {
 	}
 	w.prunePins(w.lane.Load())
 	if len(w.pins.order) > 0 {
+		w.idleEvery.Store(int64(w.pinLook))
 		w.idle.Reset(w.pinLook)
 	}
+}
+
+// lookWhileWaiting is lookAtPins for a receive that waits (on the
+// socket, or between its slices): it prunes the reader's pins at most
+// once a pinLook, so that a consumer that waits long in a receive keeps
+// no segment its producer let go of either. The caller holds the
+// receive.
+func (w *Way) lookWhileWaiting() {
+	if len(w.pins.order) == 0 {
+		return
+	}
+	now := monoNow()
+	if now-w.lookedAt < int64(w.pinLook) {
+		return
+	}
+	w.lookedAt = now
+	w.prunePins(w.lane.Load())
 }
 
 // taken returns the lane if this process holds its role, trying for it
@@ -495,6 +518,7 @@ func (w *Way) taken() *Lane {
 		}
 		w.registerReturns() // before the list says which segments are its own
 		w.listPins(l)
+		w.idleEvery.Store(int64(idleRole))
 		w.idle.Reset(idleRole)
 	}
 	return l
@@ -536,10 +560,14 @@ func (w *Way) LetGo() {
 		return
 	}
 	defer func() { <-w.sem }()
-	if !w.writes && w.held {
+	if !w.writes {
 		// Handed on: the writer names nothing by identity for this
-		// process's pins any more, which the next reader may not map.
+		// process's pins any more, which the next reader may not map;
+		// a reader that let go of the role idle left its list in the
+		// lane's page, which it unlists too.
 		w.unlistPins(w.lane.Load())
+	}
+	if !w.writes && w.held {
 		w.letGo(false)
 	}
 }
@@ -1079,6 +1107,7 @@ func (w *Way) recv(ctx context.Context, block bool) (Msg, error) {
 			}
 			m, err := w.recvShared(ctx, block)
 			if errors.Is(err, errRetry) {
+				w.lookWhileWaiting()
 				continue
 			}
 			if err != nil || m.tag < 0 {
@@ -1332,9 +1361,25 @@ func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32, lane bool) (Ms
 			return Msg{}, false, w.waitClaimed(ctx, l, last)
 		}
 	}
-	m, err := w.shared.Recv(ctx)
+	m, err := w.recvParked(ctx)
 	waits.CompareAndSwap(waitParked, waitBusy)
 	return w.fromParked(m, err, l)
+}
+
+// recvParked receives on the socket for a fair Way's reader parked
+// there: while it pins segments, in slices of pinLook, looking at its
+// pins at each slice's end (lookWhileWaiting).
+func (w *Way) recvParked(ctx context.Context) (Msg, error) {
+	for len(w.pins.order) > 0 {
+		wait, cancel := context.WithTimeout(ctx, w.pinLook)
+		m, err := w.shared.Recv(wait)
+		cancel()
+		if ctx.Err() != nil || !errors.Is(err, context.DeadlineExceeded) {
+			return m, err
+		}
+		w.lookWhileWaiting()
+	}
+	return w.shared.Recv(ctx)
 }
 
 // fromParked returns what a receive on the socket gave a reader that
@@ -1463,6 +1508,7 @@ func (w *Way) park(ctx context.Context, l *Lane, last uint32) (Msg, bool, error)
 		return Msg{}, false, ctx.Err()
 	case errors.Is(err, context.DeadlineExceeded):
 		w.parkNext = min(2*slice, max(maxParkSlice, slice))
+		w.lookWhileWaiting()
 		return Msg{}, false, nil // the lane again
 	case errors.Is(err, errWoken):
 		return Msg{}, false, nil

@@ -26,8 +26,10 @@ import (
 //     out no block of it) and the reader has taken every entry sent
 //     before it saw so (a dead producer has let go too, and its messages
 //     still in the lane name it), which the reader looks at as it pins
-//     another, each idleRole while it receives, and, once it has let go
-//     of the role idle with pins left, each pinLookEvery. It
+//     another, at the role's idle look (each idleRole) after it has
+//     received, at most once a pinLookEvery in a receive that waits, and,
+//     once it has let go of the role idle with pins left, each
+//     pinLookEvery. It
 //     pins at most maxPins segments, maxPinBytes in all. While it holds
 //     the role it lists its pins in the lane's reader's page; from the
 //     first time it takes the role until it closes, it holds a read lock
@@ -120,8 +122,9 @@ const (
 	sockSends   = readerWaits + 8
 
 	// maxPins and maxPinBytes bound the segments a reader pins for a
-	// Way: pinned segments keep their memory until the Way closes, even
-	// when their producer has let go of them.
+	// Way: pinned segments keep their memory until the Way closes, or
+	// their producers let go of them and the entries that may name them
+	// are taken (prunePins).
 	maxPins     = 64
 	maxPinBytes = 1 << 30
 	// pinnerByte is the lane file's byte whose read locks are the pinning
@@ -335,11 +338,11 @@ func (w *Way) Ahead(yield func(data []byte) bool) {
 // (shm.Kept) once the reader has taken every entry the lane held when it
 // first saw so: a live producer lets go of a segment only once none of
 // its blocks is in use, lent ones included, and a dead one sends nothing
-// more, so no entry sent after names them. A reader that holds the role
-// rewrites its list without them; one that does not leaves the list as
-// it is (a writer names nothing for a reader without the role, and the
-// reader rewrites it as it takes the role: listPins). The caller holds
-// the receive, or sem.
+// more, so no entry sent after names them, whoever holds the reader's
+// role. A reader that holds the role rewrites its list without them; one
+// that does not leaves the page alone, which is the role holder's to
+// write (it rewrites its own list as it takes the role: listPins). The
+// caller holds sem.
 func (w *Way) prunePins(l *Lane) {
 	p := &w.pins
 	for _, id := range p.order {

@@ -4,6 +4,9 @@ package sock
 
 import (
 	"context"
+	"os"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -419,6 +422,157 @@ func TestWayIdleReaderUnpinsWhatItsProducerLetGo(t *testing.T) {
 		"unpinned with no receive, once its producer let go of it")
 	assert.Equal(t, owner, l.readerWord(pinOwner).Load(), "the page is r2's")
 	assert.Equal(t, uint32(1), l.readerWord(pinCount).Load(), "listing r2's pin")
+}
+
+// An idle reader without the role keeps a pin while entries sent before
+// it saw the producer let go are untaken, whoever takes them; it unpins
+// once another reader has taken them.
+func TestWayIdleReaderKeepsPinForUntakenEntries(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	w, r, mem := wayPair(t)
+	r.sem <- struct{}{}
+	r.pinLook = 10 * time.Millisecond
+	<-r.sem
+	pool := shm.DefaultPool()
+	b, err := pool.Alloc(4 << 10)
+	require.NoError(t, err)
+	got := receivedCopy(t, b)
+	id := b.Segment().ID()
+	takeRoles(t, ctx, w, r, func() { r.Pin(id) })
+	pinned := func() bool {
+		r.sem <- struct{}{}
+		defer func() { <-r.sem }()
+		return r.Pinned(id)
+	}
+	require.Eventually(t, func() bool { return !holds(r) }, 5*time.Second, 5*time.Millisecond, "r lets go of its role idle")
+	for range 2 {
+		require.NoError(t, w.Send(ctx, []byte{1}, nil)) // into the lane, for no reader now
+	}
+	require.NoError(t, got.Release())
+	require.NoError(t, b.Release())
+	require.Eventually(t, func() bool {
+		pool.Trim(0)
+		return !shm.Kept(id)
+	}, 5*time.Second, 5*time.Millisecond)
+	time.Sleep(10 * r.pinLook) // looks that see the entries untaken
+	assert.True(t, pinned(), "two entries sent before the producer let go are untaken")
+	r2 := another(t, r, mem, false)
+	for range 2 {
+		m, err := r2.Recv(ctx)
+		require.NoError(t, err)
+		m.Done()
+	}
+	assert.Eventually(t, func() bool { return !pinned() }, 5*time.Second, 5*time.Millisecond, "unpinned once another reader took them")
+}
+
+// A Pipe's reader that let go of its role idle leaves its list in the
+// lane's page, which its writer still names blocks for; LetGo, as the end
+// is handed on, unlists it.
+func TestWayLetGoAfterIdleUnlists(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	w, r, _ := wayPair(t)
+	b, err := shm.DefaultPool().Alloc(4 << 10)
+	require.NoError(t, err)
+	defer b.Release()
+	got := receivedCopy(t, b)
+	defer got.Release()
+	takeRoles(t, ctx, w, r, func() { r.Pin(b.Segment().ID()) })
+	require.Eventually(t, func() bool { return !holds(r) }, 5*time.Second, 5*time.Millisecond, "r lets go of its role idle")
+	require.True(t, w.Maps(b), "the list stays in the page")
+	r.LetGo()
+	assert.False(t, w.Maps(b), "unlisted as the end is handed on")
+	assert.Equal(t, uint32(0), r.lane.Load().readerWord(pinCount).Load())
+}
+
+// A reader that waits in a receive looks at its pins as it waits: a
+// segment whose producer lets go of it is unpinned, and its mapping gone,
+// before the receive ends; a queue's reader parked on the socket, a
+// Pipe's parked reader, and a queue's reader without the role.
+func TestWayWaitingReaderUnpinsWhatItsProducerLetGo(t *testing.T) {
+	for _, c := range []string{"pipe", "queue", "queue-without-the-role"} {
+		t.Run(c, func(t *testing.T) {
+			leakcheck.Check(t)
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			var w, r, mem = wayPair(t)
+			if c != "pipe" {
+				w, r, mem = fairPair(t)
+			}
+			r.sem <- struct{}{}
+			r.pinLook = 10 * time.Millisecond
+			<-r.sem
+			pool := shm.DefaultPool()
+			b, err := pool.Alloc(4 << 10)
+			require.NoError(t, err)
+			got := receivedCopy(t, b)
+			id := b.Segment().ID()
+			takeRoles(t, ctx, w, r, func() { r.Pin(id) })
+			require.NoError(t, got.Release()) // the pin alone maps it now
+			if c == "queue-without-the-role" {
+				// Another reader takes the role, and keeps it, waiting.
+				r.LetGo()
+				r2 := anotherFair(t, r, mem, false)
+				require.NoError(t, w.Send(ctx, []byte{1}, nil))
+				m, err := r2.Recv(ctx)
+				require.NoError(t, err)
+				m.Done()
+				require.True(t, holds(r2))
+				go func() {
+					if m, err := r2.Recv(ctx); err == nil {
+						m.Done()
+					}
+				}()
+				require.Eventually(t, func() bool { return r2.Waiting() > 0 }, 5*time.Second, time.Millisecond)
+			}
+			done := make(chan error, 1)
+			go func() {
+				m, err := r.Recv(ctx)
+				if err == nil {
+					m.Done()
+				}
+				done <- err
+			}()
+			require.Eventually(t, func() bool { return r.Waiting() > 0 }, 5*time.Second, time.Millisecond, "r waits")
+			require.True(t, mapsInode(t, id.Ino), "mapped, as /proc/self/maps says")
+			require.NoError(t, b.Release())
+			require.Eventually(t, func() bool {
+				pool.Trim(0)
+				return !shm.Kept(id)
+			}, 5*time.Second, 5*time.Millisecond)
+			assert.Eventually(t, func() bool {
+				shm.Trim()
+				return !mapsInode(t, id.Ino)
+			}, 5*time.Second, 5*time.Millisecond, "unpinned, and unmapped, while the receive waits")
+			select {
+			case err := <-done:
+				t.Fatalf("the receive ended: %v", err)
+			default:
+			}
+			if c == "queue-without-the-role" {
+				require.NoError(t, w.Send(ctx, []byte{1}, nil)) // r2's
+			}
+			require.NoError(t, w.Send(ctx, []byte{1}, nil))
+			require.NoError(t, <-done)
+		})
+	}
+}
+
+// mapsInode reports whether this process maps a file of inode ino.
+func mapsInode(t *testing.T, ino uint64) bool {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/maps")
+	require.NoError(t, err)
+	want := strconv.FormatUint(ino, 10)
+	for line := range strings.Lines(string(b)) {
+		if f := strings.Fields(line); len(f) >= 5 && f[4] == want {
+			return true
+		}
+	}
+	return false
 }
 
 // The bytes a reader pins are bounded too, by the segments' mapped sizes.
