@@ -246,20 +246,21 @@ func programGPUFD() int {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	cases := map[string]func(context.Context) error{
-		"sender-exits-first":   gpufdSenderExitsFirst,
-		"killed-producer":      gpufdKilledProducer,
-		"killed-producer-idle": gpufdKilledProducerIdle,
-		"killed-receiver":      gpufdKilledReceiver,
-		"never-taken":          gpufdNeverTaken,
-		"third-process":        gpufdThirdProcess,
-		"spawn-after-export":   gpufdSpawnAfterExport,
-		"recycled-block":       gpufdRecycledBlock,
-		"visible-devices":      gpufdVisibleDevices,
-		"zeros-arrive":         gpufdZerosArrive,
-		"many":                 gpufdMany,
-		"lane-stream":          gpulaneStream,
-		"lane-killed-reader":   gpulaneKilledReader,
-		"lane-killed-writer":   gpulaneKilledWriter,
+		"sender-exits-first":      gpufdSenderExitsFirst,
+		"killed-producer":         gpufdKilledProducer,
+		"killed-producer-idle":    gpufdKilledProducerIdle,
+		"killed-producer-waiting": gpufdKilledProducerWaiting,
+		"killed-receiver":         gpufdKilledReceiver,
+		"never-taken":             gpufdNeverTaken,
+		"third-process":           gpufdThirdProcess,
+		"spawn-after-export":      gpufdSpawnAfterExport,
+		"recycled-block":          gpufdRecycledBlock,
+		"visible-devices":         gpufdVisibleDevices,
+		"zeros-arrive":            gpufdZerosArrive,
+		"many":                    gpufdMany,
+		"lane-stream":             gpulaneStream,
+		"lane-killed-reader":      gpulaneKilledReader,
+		"lane-killed-writer":      gpulaneKilledWriter,
 	}
 	run, ok := cases[os.Getenv("GPUFD_CASE")]
 	if !ok {
@@ -335,10 +336,37 @@ func gpufdKilledProducer(ctx context.Context) error { return killedProducer(ctx,
 // slab, if its receive took one, goes without another receive.
 func gpufdKilledProducerIdle(ctx context.Context) error { return killedProducer(ctx, time.Second) }
 
+// The same, with this process waiting in its next Get as the producer is
+// killed, and while it lets go: the pin goes within the wait.
+func gpufdKilledProducerWaiting(ctx context.Context) error {
+	return killedProducerWhile(ctx, func(q *mp.Queue) (stop func() error) {
+		wait, cancel := context.WithCancel(ctx)
+		done := make(chan error, 1)
+		go func() { done <- q.Get(wait, new(*tensor.Tensor)) }()
+		return func() error {
+			cancel()
+			if err := <-done; !errors.Is(err, context.Canceled) {
+				return fmt.Errorf("the waiting Get: %v", err)
+			}
+			return nil
+		}
+	})
+}
+
 // killedProducer has a producer put a GPU tensor and SIGKILLs it, idle
 // after the tensor came, and then lets go of the tensor with its queues
 // open.
 func killedProducer(ctx context.Context, idle time.Duration) error {
+	return killedProducerWhile(ctx, func(*mp.Queue) func() error {
+		time.Sleep(idle)
+		return func() error { return nil }
+	})
+}
+
+// killedProducerWhile is killedProducer with during run once the tensor
+// came, before the kill, and the func it returns once this process has
+// let go.
+func killedProducerWhile(ctx context.Context, during func(*mp.Queue) (after func() error)) error {
 	qs, err := newQueues(2)
 	if err != nil {
 		return err
@@ -351,7 +379,7 @@ func killedProducer(ctx context.Context, idle time.Duration) error {
 	if err := qs[0].Get(ctx, &x); err != nil {
 		return err
 	}
-	time.Sleep(idle)
+	after := during(qs[0])
 	if err := syscall.Kill(g.Pids()[0], syscall.SIGKILL); err != nil {
 		return err
 	}
@@ -362,7 +390,7 @@ func killedProducer(ctx context.Context, idle time.Duration) error {
 	if err := letGo(x); err != nil {
 		return fmt.Errorf("after the producer's death: %w", err)
 	}
-	return nil
+	return after()
 }
 
 // A receiver holding tensors is SIGKILLed: this process gets every block
@@ -726,7 +754,7 @@ func legacyIPC() bool { return os.Getenv(cuda.EnvLegacy) == "1" }
 
 // TestGPUSlabsAcrossProcesses runs each case in a program of its own.
 func TestGPUSlabsAcrossProcesses(t *testing.T) {
-	for _, c := range []string{"sender-exits-first", "killed-producer", "killed-producer-idle", "killed-receiver", "never-taken", "third-process", "spawn-after-export", "recycled-block", "visible-devices", "zeros-arrive"} {
+	for _, c := range []string{"sender-exits-first", "killed-producer", "killed-producer-idle", "killed-producer-waiting", "killed-receiver", "never-taken", "third-process", "spawn-after-export", "recycled-block", "visible-devices", "zeros-arrive"} {
 		t.Run(c, func(t *testing.T) {
 			if legacyIPC() {
 				switch c {
