@@ -560,12 +560,15 @@ func (w *Way) LetGo() {
 		return
 	}
 	defer func() { <-w.sem }()
-	if !w.writes {
+	if w.closed.Load() {
+		return
+	}
+	if l := w.lane.Load(); !w.writes && l != nil {
 		// Handed on: the writer names nothing by identity for this
 		// process's pins any more, which the next reader may not map;
 		// a reader that let go of the role idle left its list in the
 		// lane's page, which it unlists too.
-		w.unlistPins(w.lane.Load())
+		w.unlistPins(l)
 	}
 	if !w.writes && w.held {
 		w.letGo(false)

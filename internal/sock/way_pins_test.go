@@ -488,6 +488,17 @@ func TestWayLetGoAfterIdleUnlists(t *testing.T) {
 	assert.Equal(t, uint32(0), r.lane.Load().readerWord(pinCount).Load())
 }
 
+// LetGo on a reader that never took its role (its lane not mapped), and
+// on a closed one, does nothing.
+func TestWayLetGoBeforeTheRoleAndAfterClose(t *testing.T) {
+	leakcheck.Check(t)
+	_, r, _ := wayPair(t)
+	r.LetGo()
+	assert.False(t, holds(r))
+	require.NoError(t, r.Close())
+	r.LetGo()
+}
+
 // A reader that waits in a receive looks at its pins as it waits: a
 // segment whose producer lets go of it is unpinned, and its mapping gone,
 // before the receive ends; a queue's reader parked on the socket, a
