@@ -586,8 +586,11 @@ func openReturned(m Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {
 }
 
 // reviveWait is how long a decode waits for a storage of this process to
-// let go of a block a message returns (see openReturned).
-const reviveWait = 10 * time.Millisecond
+// let go of a block a message returns (see openReturned): long enough for
+// a releasing goroutine that waits for a CPU on a loaded machine, which
+// may be more than a few milliseconds. Only a message that names a block
+// in use here dishonestly waits it out.
+const reviveWait = 250 * time.Millisecond
 
 // attachBlock attaches the pooled block m names, by the segment's
 // identity if this process maps it already, else from the message's
