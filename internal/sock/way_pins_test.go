@@ -48,6 +48,41 @@ func takeRoles(t *testing.T, ctx context.Context, w, r *Way, f func()) {
 	require.True(t, holds(w) && holds(r))
 }
 
+// pinOne has r receive and pin a block of a new segment of this
+// process's pool, w and r in their roles, with r looking at its pins
+// each 10 ms once it waits or lets go of its role: it returns the block
+// (the producer's) and r's copy of it.
+func pinOne(t *testing.T, ctx context.Context, w, r *Way) (b, got *shm.Block) {
+	t.Helper()
+	r.sem <- struct{}{}
+	r.pinLook = 10 * time.Millisecond
+	<-r.sem
+	b, err := shm.DefaultPool().Alloc(4 << 10)
+	require.NoError(t, err)
+	got = receivedCopy(t, b)
+	takeRoles(t, ctx, w, r, func() { r.Pin(b.Segment().ID()) })
+	return b, got
+}
+
+// pinsNow reports whether r pins segment id, as its calls see it.
+func pinsNow(r *Way, id shm.ID) bool {
+	r.sem <- struct{}{}
+	defer func() { <-r.sem }()
+	return r.Pinned(id)
+}
+
+// producerLetsGo releases b, a block of this process's pool, and waits
+// for the pool to let go of its segment (shm.Kept).
+func producerLetsGo(t *testing.T, b *shm.Block) {
+	t.Helper()
+	id := b.Segment().ID()
+	require.NoError(t, b.Release())
+	require.Eventually(t, func() bool {
+		shm.DefaultPool().Trim(0)
+		return !shm.Kept(id)
+	}, 5*time.Second, 5*time.Millisecond)
+}
+
 // A reader lists the segments it pins, while it holds its role; the
 // writer names by identity only blocks of its own pool in them. Another
 // reader that takes the role lists its own (none), and a reader that
@@ -381,27 +416,15 @@ func TestWayIdleReaderUnpinsWhatItsProducerLetGo(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	w, r, mem := wayPair(t)
-	r.sem <- struct{}{}
-	r.pinLook = 10 * time.Millisecond
-	<-r.sem
-	pool := shm.DefaultPool()
-	b, err := pool.Alloc(4 << 10)
-	require.NoError(t, err)
-	got := receivedCopy(t, b)
+	b, got := pinOne(t, ctx, w, r)
 	id := b.Segment().ID()
-	takeRoles(t, ctx, w, r, func() { r.Pin(id) })
-	pinned := func() bool {
-		r.sem <- struct{}{}
-		defer func() { <-r.sem }()
-		return r.Pinned(id)
-	}
 	require.Eventually(t, func() bool { return !holds(r) }, 5*time.Second, 5*time.Millisecond, "r lets go of its role idle")
 	time.Sleep(5 * r.pinLook) // looks that find the producer keeping it
-	assert.True(t, pinned(), "kept while its producer keeps it")
+	assert.True(t, pinsNow(r, id), "kept while its producer keeps it")
 
 	// Another reader takes the role, and lists a segment of its own.
 	r2 := another(t, r, mem, false)
-	b2, err := pool.Alloc(8 << 10) // a segment apart
+	b2, err := shm.DefaultPool().Alloc(8 << 10) // a segment apart
 	require.NoError(t, err)
 	defer b2.Release()
 	got2 := receivedCopy(t, b2)
@@ -413,12 +436,8 @@ func TestWayIdleReaderUnpinsWhatItsProducerLetGo(t *testing.T) {
 	<-r2.sem
 
 	require.NoError(t, got.Release())
-	require.NoError(t, b.Release())
-	require.Eventually(t, func() bool {
-		pool.Trim(0)
-		return !shm.Kept(id)
-	}, 5*time.Second, 5*time.Millisecond)
-	assert.Eventually(t, func() bool { return !pinned() }, 5*time.Second, 5*time.Millisecond,
+	producerLetsGo(t, b)
+	assert.Eventually(t, func() bool { return !pinsNow(r, id) }, 5*time.Second, 5*time.Millisecond,
 		"unpinned with no receive, once its producer let go of it")
 	assert.Equal(t, owner, l.readerWord(pinOwner).Load(), "the page is r2's")
 	assert.Equal(t, uint32(1), l.readerWord(pinCount).Load(), "listing r2's pin")
@@ -432,39 +451,23 @@ func TestWayIdleReaderKeepsPinForUntakenEntries(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	w, r, mem := wayPair(t)
-	r.sem <- struct{}{}
-	r.pinLook = 10 * time.Millisecond
-	<-r.sem
-	pool := shm.DefaultPool()
-	b, err := pool.Alloc(4 << 10)
-	require.NoError(t, err)
-	got := receivedCopy(t, b)
+	b, got := pinOne(t, ctx, w, r)
 	id := b.Segment().ID()
-	takeRoles(t, ctx, w, r, func() { r.Pin(id) })
-	pinned := func() bool {
-		r.sem <- struct{}{}
-		defer func() { <-r.sem }()
-		return r.Pinned(id)
-	}
 	require.Eventually(t, func() bool { return !holds(r) }, 5*time.Second, 5*time.Millisecond, "r lets go of its role idle")
 	for range 2 {
 		require.NoError(t, w.Send(ctx, []byte{1}, nil)) // into the lane, for no reader now
 	}
 	require.NoError(t, got.Release())
-	require.NoError(t, b.Release())
-	require.Eventually(t, func() bool {
-		pool.Trim(0)
-		return !shm.Kept(id)
-	}, 5*time.Second, 5*time.Millisecond)
+	producerLetsGo(t, b)
 	time.Sleep(10 * r.pinLook) // looks that see the entries untaken
-	assert.True(t, pinned(), "two entries sent before the producer let go are untaken")
+	assert.True(t, pinsNow(r, id), "two entries sent before the producer let go are untaken")
 	r2 := another(t, r, mem, false)
 	for range 2 {
 		m, err := r2.Recv(ctx)
 		require.NoError(t, err)
 		m.Done()
 	}
-	assert.Eventually(t, func() bool { return !pinned() }, 5*time.Second, 5*time.Millisecond, "unpinned once another reader took them")
+	assert.Eventually(t, func() bool { return !pinsNow(r, id) }, 5*time.Second, 5*time.Millisecond, "unpinned once another reader took them")
 }
 
 // A Pipe's reader that let go of its role idle leaves its list in the
@@ -513,15 +516,8 @@ func TestWayWaitingReaderUnpinsWhatItsProducerLetGo(t *testing.T) {
 			if c != "pipe" {
 				w, r, mem = fairPair(t)
 			}
-			r.sem <- struct{}{}
-			r.pinLook = 10 * time.Millisecond
-			<-r.sem
-			pool := shm.DefaultPool()
-			b, err := pool.Alloc(4 << 10)
-			require.NoError(t, err)
-			got := receivedCopy(t, b)
+			b, got := pinOne(t, ctx, w, r)
 			id := b.Segment().ID()
-			takeRoles(t, ctx, w, r, func() { r.Pin(id) })
 			require.NoError(t, got.Release()) // the pin alone maps it now
 			if c == "queue-without-the-role" {
 				// Another reader takes the role, and keeps it, waiting.
@@ -549,11 +545,7 @@ func TestWayWaitingReaderUnpinsWhatItsProducerLetGo(t *testing.T) {
 			}()
 			require.Eventually(t, func() bool { return r.Waiting() > 0 }, 5*time.Second, time.Millisecond, "r waits")
 			require.True(t, mapsInode(t, id.Ino), "mapped, as /proc/self/maps says")
-			require.NoError(t, b.Release())
-			require.Eventually(t, func() bool {
-				pool.Trim(0)
-				return !shm.Kept(id)
-			}, 5*time.Second, 5*time.Millisecond)
+			producerLetsGo(t, b)
 			assert.Eventually(t, func() bool {
 				shm.Trim()
 				return !mapsInode(t, id.Ino)
@@ -685,16 +677,8 @@ func TestWayPinOutlivesEarlierEntries(t *testing.T) {
 	id := b.Segment().ID()
 	takeRoles(t, ctx, w, r, func() { r.Pin(id) })
 	require.NoError(t, got.Release())
-	require.NoError(t, b.Release())
-	require.Eventually(t, func() bool {
-		pool.Trim(0)
-		return !shm.Kept(id)
-	}, 5*time.Second, 5*time.Millisecond)
-	pinned := func() bool {
-		r.sem <- struct{}{}
-		defer func() { <-r.sem }()
-		return r.Pinned(id)
-	}
+	producerLetsGo(t, b)
+	pinned := func() bool { return pinsNow(r, id) }
 	prune := func() {
 		r.sem <- struct{}{}
 		defer func() { <-r.sem }()
