@@ -142,6 +142,9 @@ type Way struct {
 	pinLook     time.Duration
 	idleEvery   atomic.Int64
 	lookedAt    int64
+	// handOn: LetGo was called while another call held sem, which hands
+	// on as it ends.
+	handOn atomic.Bool
 
 	// The writer's, under sem.
 	owed    bool     // a marker is owed: a socket message went without one
@@ -353,7 +356,16 @@ func (w *Way) recvDone() {
 		lookCPU(now)
 		l.stampCPU(false) // for a writer that spins for this reader (awaitReader)
 	}
+	w.unlock()
+}
+
+// unlock releases sem, and hands on if LetGo came while it was held
+// (handOn): LetGo leaves it to the holder, which may have looked before.
+func (w *Way) unlock() {
 	<-w.sem
+	if w.handOn.Load() {
+		w.LetGo()
+	}
 }
 
 // idleRole is how often a reader that holds its role looks at whether it
@@ -361,9 +373,11 @@ func (w *Way) recvDone() {
 // now, it lets go (see letGoIdle).
 const idleRole = 100 * time.Millisecond
 
-// pinLookEvery is how often a reader that let go of its role with pins
-// left looks at whether their producers have let go of them (see
-// letGoIdle): a lock's query each.
+// pinLookEvery is how often a reader looks at whether the producers of
+// the segments it pins have let go of them, once it has let go of its
+// role with pins left (see letGoIdle), and at most, while a receive
+// waits (see lookWhileWaiting; a fair Way's reader parked on its socket
+// waits in slices of it): a lock's query a pin.
 const pinLookEvery = time.Second
 
 // letGoIdle lets go of the reader's role if no receive has ended or been
@@ -385,7 +399,10 @@ func (w *Way) letGoIdle() {
 		w.idle.Reset(time.Duration(w.idleEvery.Load())) // receiving
 		return
 	}
-	defer func() { <-w.sem }()
+	defer w.unlock()
+	if w.handOn.Load() {
+		w.handOnNow() // LetGo came while another call held sem
+	}
 	switch {
 	case w.closed.Load():
 	case !w.held:
@@ -549,28 +566,38 @@ func (w *Way) leaveWaits() {
 	}
 }
 
-// LetGo gives up this process's reader's role of the Way, unless a
-// receive is under way (then the idle timer does, later), so that another
-// process that holds the end (the one it is sent to) may take it. This
-// process takes it again at its next receive if it is free.
+// LetGo gives up this process's reader's role of the Way, and unlists its
+// pins, so that another process that holds the end (the one it is sent
+// to) may take the role, and the writer names nothing by identity for
+// this process's pins any more, which that process may not map. A call
+// of the Way under way (a receive) does so as it ends. This process
+// takes the role again at its next receive if it is free.
 func (w *Way) LetGo() {
+	if w.writes {
+		return
+	}
+	w.handOn.Store(true)
 	select {
 	case w.sem <- struct{}{}:
 	default:
-		return
+		return // the call under way hands on as it ends (unlock)
 	}
 	defer func() { <-w.sem }()
+	w.handOnNow()
+}
+
+// handOnNow does what LetGo asked for (handOn). A reader that let go of
+// the role idle left its list in the lane's page, which it unlists too.
+// The caller holds sem.
+func (w *Way) handOnNow() {
+	w.handOn.Store(false)
 	if w.closed.Load() {
 		return
 	}
-	if l := w.lane.Load(); !w.writes && l != nil {
-		// Handed on: the writer names nothing by identity for this
-		// process's pins any more, which the next reader may not map;
-		// a reader that let go of the role idle left its list in the
-		// lane's page, which it unlists too.
+	if l := w.lane.Load(); l != nil {
 		w.unlistPins(l)
 	}
-	if !w.writes && w.held {
+	if w.held {
 		w.letGo(false)
 	}
 }
@@ -1377,7 +1404,10 @@ func (w *Way) recvParked(ctx context.Context) (Msg, error) {
 		wait, cancel := context.WithTimeout(ctx, w.pinLook)
 		m, err := w.shared.Recv(wait)
 		cancel()
-		if ctx.Err() != nil || !errors.Is(err, context.DeadlineExceeded) {
+		if err != nil && ctx.Err() != nil {
+			return Msg{}, ctx.Err() // the caller's end, not the slice's
+		}
+		if !errors.Is(err, context.DeadlineExceeded) {
 			return m, err
 		}
 		w.lookWhileWaiting()

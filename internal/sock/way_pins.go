@@ -23,18 +23,17 @@ import (
 //     stays mapped in the reading process, however long no block of it is
 //     in use and whether or not its producer lives, until the Way closes
 //     or the producer has let go of the segment (shm.Kept: it then hands
-//     out no block of it) and the reader has taken every entry sent
-//     before it saw so (a dead producer has let go too, and its messages
-//     still in the lane name it), which the reader looks at as it pins
-//     another, at the role's idle look (each idleRole) after it has
-//     received, at most once a pinLookEvery in a receive that waits, and,
-//     once it has let go of the role idle with pins left, each
-//     pinLookEvery. It
-//     pins at most maxPins segments, maxPinBytes in all. While it holds
-//     the role it lists its pins in the lane's reader's page; from the
-//     first time it takes the role until it closes, it holds a read lock
-//     on the lane's byte pinnerByte, as it may take entries that name
-//     blocks by identity.
+//     out no block of it) and every entry sent before the reader saw so
+//     has been taken, by whichever reader (a dead producer has let go
+//     too, and its messages still in the lane name it). The reader looks
+//     at that as it pins another, at the role's idle look (each
+//     idleRole) after it has received, at most once a pinLookEvery in a
+//     receive that waits, and, once it has let go of the role idle with
+//     pins left, each pinLookEvery. It pins at most maxPins segments,
+//     maxPinBytes in all. While it holds the role it lists its pins in
+//     the lane's reader's page; from the first time it takes the role
+//     until it closes, it holds a read lock on the lane's byte
+//     pinnerByte, as it may take entries that name blocks by identity.
 //   - Loans. The writer names a block of a segment the list holds by the
 //     segment's identity alone (see carry.Lane), and lends the block to
 //     the message (shm.Block.Lend): its pool does not reuse the slot, even
@@ -79,9 +78,9 @@ import (
 // message is lost with it, and its blocks come back with the loan.
 //
 // A message named by identity is the reader's that pins its segments. A
-// reader that hands its end on (LetGo) unlists its pins first, so the
-// writer sends by the socket from then on; one that closes unlists them
-// too. A reader that takes the role over from another that left entries
+// reader that hands its end on (LetGo) unlists its pins first (or, with
+// a receive under way, as that receive ends), so the writer sends by the
+// socket from then on; one that closes unlists them too. A reader that takes the role over from another that left entries
 // untaken gets ErrNotMapped (shm) for each block they name (unless it
 // made the block, or pins the segment itself: then, the loan perhaps returned, it holds the
 // block or gets ErrStaleBlock, never another's, since the producer's

@@ -561,6 +561,69 @@ func TestWayWaitingReaderUnpinsWhatItsProducerLetGo(t *testing.T) {
 	}
 }
 
+// A queue's reader parked on its socket with pins, which waits in
+// slices, ends its receive as its caller's context says: context.Canceled
+// for a cancel, however it falls among the slices, and
+// context.DeadlineExceeded at its deadline.
+func TestWayParkedReceiveEndsAsItsCallerSays(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	w, r, _ := fairPair(t)
+	b, got := pinOne(t, ctx, w, r)
+	defer b.Release()
+	defer got.Release()
+	r.sem <- struct{}{}
+	r.pinLook = 20 * time.Microsecond // slices end all the time
+	r.sleep = time.Millisecond        // and the lane's wait soon
+	<-r.sem
+	recv := func(c context.Context) error {
+		m, err := r.Recv(c)
+		if err == nil {
+			m.Done()
+		}
+		return err
+	}
+	for i := range 200 {
+		c, stop := context.WithCancel(ctx)
+		done := make(chan error, 1)
+		go func() { done <- recv(c) }()
+		time.Sleep(2*time.Millisecond + time.Duration(i%20)*10*time.Microsecond)
+		stop()
+		require.ErrorIs(t, <-done, context.Canceled, "cancel %d", i)
+	}
+	c, stop := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer stop()
+	assert.ErrorIs(t, recv(c), context.DeadlineExceeded)
+}
+
+// LetGo while a receive waits hands the end on as the receive ends: the
+// reader lets go of its role and unlists its pins.
+func TestWayLetGoDuringARecv(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	w, r, _ := wayPair(t)
+	b, got := pinOne(t, ctx, w, r)
+	defer b.Release()
+	defer got.Release()
+	done := make(chan error, 1)
+	go func() {
+		m, err := r.Recv(ctx)
+		if err == nil {
+			m.Done()
+		}
+		done <- err
+	}()
+	require.Eventually(t, func() bool { return r.Waiting() > 0 }, 5*time.Second, time.Millisecond)
+	r.LetGo() // the end is handed on
+	require.True(t, w.Maps(b), "listed while the receive is under way")
+	require.NoError(t, w.Send(ctx, []byte{1}, nil))
+	require.NoError(t, <-done)
+	assert.False(t, holds(r), "let go of its role as the receive ended")
+	assert.False(t, w.Maps(b), "unlisted as the receive ended")
+}
+
 // mapsInode reports whether this process maps a file of inode ino.
 func mapsInode(t *testing.T, ino uint64) bool {
 	t.Helper()
