@@ -321,6 +321,12 @@ func Free(v any) {
 	}
 	r := reflect.ValueOf(v)
 	switch r.Kind() {
+	case reflect.Slice, reflect.Array, reflect.Map:
+		if holdsNothing(r.Type().Elem()) {
+			return // bytes, numbers, strings: not walked one by one
+		}
+	}
+	switch r.Kind() {
 	case reflect.Slice, reflect.Array:
 		for i := range r.Len() {
 			free(r.Index(i))
@@ -335,6 +341,22 @@ func Free(v any) {
 		}
 	}
 }
+
+// holdsNothing reports whether a value of type t can hold nothing Free
+// gives back: a boolean, a number or a string with no Release or Close
+// of its own.
+func holdsNothing(t reflect.Type) bool {
+	k := t.Kind()
+	if k != reflect.String && (k < reflect.Bool || k > reflect.Complex128) {
+		return false
+	}
+	return !t.Implements(releaser) && !t.Implements(closer)
+}
+
+var (
+	releaser = reflect.TypeFor[interface{ Release() error }]()
+	closer   = reflect.TypeFor[io.Closer]()
+)
 
 // free is Free of an element of a value Free walks.
 func free(r reflect.Value) {

@@ -5,6 +5,7 @@ package leakcheck_test
 import (
 	"fmt"
 	"os"
+	"sync/atomic"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -90,6 +91,13 @@ type released struct{ n *int }
 
 func (r released) Release() error { *r.n++; return nil }
 
+// releasedInt counts its releases, a number that holds something.
+type releasedInt int
+
+var releasedInts atomic.Int64
+
+func (releasedInt) Release() error { releasedInts.Add(1); return nil }
+
 // closed counts its closes.
 type closed struct{ n *int }
 
@@ -121,4 +129,9 @@ func TestFreeReachesEveryHolder(t *testing.T) {
 			assert.Equal(t, tc.want, n)
 		})
 	}
+	t.Run("numbers that hold something", func(t *testing.T) {
+		releasedInts.Store(0)
+		leakcheck.Free([]releasedInt{1, 2})
+		assert.Equal(t, int64(2), releasedInts.Load())
+	})
 }
