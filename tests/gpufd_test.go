@@ -353,9 +353,9 @@ func gpufdKilledProducerWaiting(ctx context.Context) error {
 	})
 }
 
-// killedProducer has a producer put a GPU tensor and SIGKILLs it, idle
-// after the tensor came, and then lets go of the tensor with its queues
-// open.
+// killedProducer has a producer put a GPU tensor, waits for idle once
+// the tensor came, SIGKILLs the producer, and then lets go of the tensor
+// with its queues open.
 func killedProducer(ctx context.Context, idle time.Duration) error {
 	return killedProducerWhile(ctx, func(*mp.Queue) func() error {
 		time.Sleep(idle)
@@ -363,9 +363,9 @@ func killedProducer(ctx context.Context, idle time.Duration) error {
 	})
 }
 
-// killedProducerWhile is killedProducer with during run once the tensor
-// came, before the kill, and the func it returns once this process has
-// let go.
+// killedProducerWhile is killedProducer that calls during, with the
+// queue the tensor came on, once the tensor came and before the kill; and
+// the func during returns once this process has let go of the tensor.
 func killedProducerWhile(ctx context.Context, during func(*mp.Queue) (after func() error)) error {
 	qs, err := newQueues(2)
 	if err != nil {
