@@ -43,6 +43,8 @@ func TestMissingInit(t *testing.T) {
 			// that what other tests' processes make meanwhile is not
 			// taken for its leftovers.
 			session := fmt.Sprintf("noinit%dx%s", os.Getpid(), c.mode)
+			_, ok := shm.ParseName(shm.LockName(session))
+			require.True(t, ok, "a session name the program takes")
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
 			cmd := exec.CommandContext(ctx, bin)
