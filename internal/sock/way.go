@@ -31,10 +31,11 @@ import (
 // role sends and receives on the socket, as it would without a lane, and
 // a reader without it tries for it again each roleRetry, or at once when
 // it receives a message of the role's writer. A reader lets go of its
-// role when its end is sent to another process (LetGo), unless it is
-// receiving, and when it has not received for idleRole (100 to 200 ms): a
-// process that hands an end on and keeps its copy, or stops receiving,
-// does not keep the lane's messages from one that receives.
+// role when its end is sent to another process (LetGo; with a receive
+// under way, as the receive ends), and when it has not received for
+// idleRole (100 to 200 ms): a process that hands an end on and keeps its
+// copy, or stops receiving, does not keep the lane's messages from one
+// that receives.
 //
 // Order. The writer sends on the socket what the lane cannot carry
 // (descriptors, or more bytes than an entry holds), each such message
@@ -142,9 +143,12 @@ type Way struct {
 	pinLook     time.Duration
 	idleEvery   atomic.Int64
 	lookedAt    int64
-	// handOn: LetGo was called while another call held sem, which hands
-	// on as it ends.
-	handOn atomic.Bool
+	// handOn: a LetGo found sem held, and left the hand-on to its holder,
+	// which does it as it releases sem (unlock). Under handMu, which
+	// LetGo holds as it tries for sem and unlock as it releases it, so
+	// that one of the two sees the other.
+	handMu sync.Mutex
+	handOn bool
 
 	// The writer's, under sem.
 	owed    bool     // a marker is owed: a socket message went without one
@@ -359,12 +363,16 @@ func (w *Way) recvDone() {
 	w.unlock()
 }
 
-// unlock releases sem, and hands on if LetGo came while it was held
-// (handOn): LetGo leaves it to the holder, which may have looked before.
+// unlock releases sem, and hands on if a LetGo came while it was held
+// (handOn).
 func (w *Way) unlock() {
+	w.handMu.Lock()
 	<-w.sem
-	if w.handOn.Load() {
-		w.LetGo()
+	asked := w.handOn
+	w.handOn = false
+	w.handMu.Unlock()
+	if asked {
+		w.LetGo() // at once, or left to whoever took sem since
 	}
 }
 
@@ -400,9 +408,6 @@ func (w *Way) letGoIdle() {
 		return
 	}
 	defer w.unlock()
-	if w.handOn.Load() {
-		w.handOnNow() // LetGo came while another call held sem
-	}
 	switch {
 	case w.closed.Load():
 	case !w.held:
@@ -576,21 +581,24 @@ func (w *Way) LetGo() {
 	if w.writes {
 		return
 	}
-	w.handOn.Store(true)
+	w.handMu.Lock()
 	select {
 	case w.sem <- struct{}{}:
+		w.handOn = false // done now
+		w.handMu.Unlock()
 	default:
-		return // the call under way hands on as it ends (unlock)
+		w.handOn = true // the call under way hands on as it ends
+		w.handMu.Unlock()
+		return
 	}
-	defer func() { <-w.sem }()
+	defer w.unlock()
 	w.handOnNow()
 }
 
-// handOnNow does what LetGo asked for (handOn). A reader that let go of
-// the role idle left its list in the lane's page, which it unlists too.
-// The caller holds sem.
+// handOnNow does what LetGo asks for. A reader that let go of the role
+// idle left its list in the lane's page, which it unlists too. The
+// caller holds sem.
 func (w *Way) handOnNow() {
-	w.handOn.Store(false)
 	if w.closed.Load() {
 		return
 	}

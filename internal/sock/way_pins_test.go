@@ -4,9 +4,11 @@ package sock
 
 import (
 	"context"
+	"encoding/binary"
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -561,6 +563,29 @@ func TestWayWaitingReaderUnpinsWhatItsProducerLetGo(t *testing.T) {
 	}
 }
 
+// LetGo from two goroutines at once hands on, and leaves nothing asked
+// of the Way's next call: a receive after it keeps the role it takes.
+func TestWayLetGoTwiceAtOnce(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	w, r, _ := wayPair(t)
+	takeRoles(t, ctx, w, r, nil)
+	for i := range 200 {
+		var wg sync.WaitGroup
+		for range 2 {
+			wg.Go(r.LetGo)
+		}
+		wg.Wait()
+		require.False(t, holds(r), "round %d: handed on", i)
+		r.handMu.Lock()
+		asked := r.handOn
+		r.handMu.Unlock()
+		require.False(t, asked, "round %d: a hand-on left for nobody", i)
+	}
+	takeRoles(t, ctx, w, r, nil) // holds(r) after the receive's Done
+}
+
 // A queue's reader parked on its socket with pins, which waits in
 // slices, ends its receive as its caller's context says: context.Canceled
 // for a cancel, however it falls among the slices, and
@@ -584,17 +609,88 @@ func TestWayParkedReceiveEndsAsItsCallerSays(t *testing.T) {
 		}
 		return err
 	}
+	ended := func(done chan error) error {
+		select {
+		case err := <-done:
+			return err
+		case <-time.After(10 * time.Second):
+			t.Fatal("the receive outlived its caller's context by seconds")
+			return nil
+		}
+	}
 	for i := range 200 {
 		c, stop := context.WithCancel(ctx)
 		done := make(chan error, 1)
 		go func() { done <- recv(c) }()
 		time.Sleep(2*time.Millisecond + time.Duration(i%20)*10*time.Microsecond)
 		stop()
-		require.ErrorIs(t, <-done, context.Canceled, "cancel %d", i)
+		require.ErrorIs(t, ended(done), context.Canceled, "cancel %d", i)
 	}
 	c, stop := context.WithTimeout(ctx, 50*time.Millisecond)
 	defer stop()
-	assert.ErrorIs(t, recv(c), context.DeadlineExceeded)
+	done := make(chan error, 1)
+	go func() { done <- recv(c) }()
+	assert.ErrorIs(t, ended(done), context.DeadlineExceeded)
+	require.NoError(t, w.Send(ctx, []byte{1}, nil)) // for a receive left waiting
+}
+
+// A parked receive whose caller cancels as a message comes either
+// returns the message or leaves it for the next receive: each message is
+// received once, however the cancel and the send fall.
+func TestWayParkedCancelLosesNothing(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	w, r, _ := fairPair(t)
+	b, got := pinOne(t, ctx, w, r)
+	defer b.Release()
+	defer got.Release()
+	r.sem <- struct{}{}
+	r.sleep = time.Millisecond // parked on the socket soon
+	<-r.sem
+	seen := map[int]int{}
+	recv := func(c context.Context) error {
+		m, err := r.Recv(c)
+		if err == nil {
+			seen[int(binary.LittleEndian.Uint32(m.Data))]++
+			m.Done()
+		}
+		return err
+	}
+	const n = 600
+	for i := range n {
+		c, stop := context.WithCancel(ctx)
+		done := make(chan error, 1)
+		go func() { done <- recv(c) }()
+		time.Sleep(2 * time.Millisecond)
+		send := func() { assert.NoError(t, w.Send(ctx, wayMsg(i, 0), nil)) }
+		spin := time.Duration(i%40) * 5 * time.Microsecond
+		if i%2 == 0 {
+			go send()
+			for end := time.Now().Add(spin); time.Now().Before(end); {
+			}
+			stop()
+		} else {
+			stop()
+			for end := time.Now().Add(spin); time.Now().Before(end); {
+			}
+			go send()
+		}
+		if err := <-done; err != nil {
+			require.ErrorIs(t, err, context.Canceled)
+		}
+	}
+	for {
+		c, stop := context.WithTimeout(ctx, 300*time.Millisecond)
+		err := recv(c)
+		stop()
+		if err != nil {
+			break
+		}
+	}
+	for i := range n {
+		require.Equal(t, 1, seen[i], "message %d", i)
+	}
 }
 
 // LetGo while a receive waits hands the end on as the receive ends: the
