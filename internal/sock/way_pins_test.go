@@ -586,21 +586,31 @@ func TestWayLetGoTwiceAtOnce(t *testing.T) {
 	takeRoles(t, ctx, w, r, nil) // holds(r) after the receive's Done
 }
 
+// parkingWithPins returns a fair pair in their roles, its reader pinning
+// a segment and parking on its socket after a millisecond on the lane,
+// and a context for the test, after a look at what the test leaves.
+func parkingWithPins(t *testing.T) (w, r *Way, ctx context.Context) {
+	t.Helper()
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	t.Cleanup(cancel)
+	w, r, _ = fairPair(t)
+	b, got := pinOne(t, ctx, w, r)
+	t.Cleanup(func() { _, _ = got.Release(), b.Release() })
+	r.sem <- struct{}{}
+	r.sleep = time.Millisecond
+	<-r.sem
+	return w, r, ctx
+}
+
 // A queue's reader parked on its socket with pins, which waits in
 // slices, ends its receive as its caller's context says: context.Canceled
 // for a cancel, however it falls among the slices, and
 // context.DeadlineExceeded at its deadline.
 func TestWayParkedReceiveEndsAsItsCallerSays(t *testing.T) {
-	leakcheck.Check(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	w, r, _ := fairPair(t)
-	b, got := pinOne(t, ctx, w, r)
-	defer b.Release()
-	defer got.Release()
+	w, r, ctx := parkingWithPins(t)
 	r.sem <- struct{}{}
 	r.pinLook = 20 * time.Microsecond // slices end all the time
-	r.sleep = time.Millisecond        // and the lane's wait soon
 	<-r.sem
 	recv := func(c context.Context) error {
 		m, err := r.Recv(c)
@@ -638,16 +648,7 @@ func TestWayParkedReceiveEndsAsItsCallerSays(t *testing.T) {
 // returns the message or leaves it for the next receive: each message is
 // received once, however the cancel and the send fall.
 func TestWayParkedCancelLosesNothing(t *testing.T) {
-	leakcheck.Check(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	w, r, _ := fairPair(t)
-	b, got := pinOne(t, ctx, w, r)
-	defer b.Release()
-	defer got.Release()
-	r.sem <- struct{}{}
-	r.sleep = time.Millisecond // parked on the socket soon
-	<-r.sem
+	w, r, ctx := parkingWithPins(t)
 	seen := map[int]int{}
 	recv := func(c context.Context) error {
 		m, err := r.Recv(c)
