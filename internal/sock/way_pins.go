@@ -80,8 +80,9 @@ import (
 // A message named by identity is the reader's that pins its segments. A
 // reader that hands its end on (LetGo) unlists its pins first (or, with
 // a receive under way, as that receive ends), so the writer sends by the
-// socket from then on; one that closes unlists them too. A reader that takes the role over from another that left entries
-// untaken gets ErrNotMapped (shm) for each block they name (unless it
+// socket from then on; one that closes unlists them too. A reader that
+// takes the role over from another that left entries untaken gets
+// ErrNotMapped (shm) for each block they name (unless it
 // made the block, or pins the segment itself: then, the loan perhaps returned, it holds the
 // block or gets ErrStaleBlock, never another's, since the producer's
 // reclaim asks again after it bumps a generation), and the writer's loans
@@ -334,8 +335,8 @@ func (w *Way) Ahead(yield func(data []byte) bool) {
 }
 
 // prunePins unpins the segments whose producers have let go of them
-// (shm.Kept) once the reader has taken every entry the lane held when it
-// first saw so: a live producer lets go of a segment only once none of
+// (shm.Kept) once every entry the lane held when the reader first saw so
+// has been taken, by whichever reader: a live producer lets go of a segment only once none of
 // its blocks is in use, lent ones included, and a dead one sends nothing
 // more, so no entry sent after names them, whoever holds the reader's
 // role. A reader that holds the role rewrites its list without them; one

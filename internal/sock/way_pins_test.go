@@ -73,6 +73,27 @@ func pinsNow(r *Way, id shm.ID) bool {
 	return r.Pinned(id)
 }
 
+// pinnedIdle is pinOne, and then waits for r to let go of its role idle.
+func pinnedIdle(t *testing.T, ctx context.Context, w, r *Way) (b, got *shm.Block) {
+	t.Helper()
+	b, got = pinOne(t, ctx, w, r)
+	require.Eventually(t, func() bool { return !holds(r) }, 5*time.Second, 5*time.Millisecond, "r lets go of its role idle")
+	return b, got
+}
+
+// endedWithin returns the error of the receive got reports within 5 s;
+// else the test fails with why.
+func endedWithin(t *testing.T, got <-chan gotMsg, why string) error {
+	t.Helper()
+	select {
+	case g := <-got:
+		return g.err
+	case <-time.After(5 * time.Second):
+		t.Fatal(why)
+		return nil
+	}
+}
+
 // producerLetsGo releases b, a block of this process's pool, and waits
 // for the pool to let go of its segment (shm.Kept).
 func producerLetsGo(t *testing.T, b *shm.Block) {
@@ -418,9 +439,8 @@ func TestWayIdleReaderUnpinsWhatItsProducerLetGo(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	w, r, mem := wayPair(t)
-	b, got := pinOne(t, ctx, w, r)
+	b, got := pinnedIdle(t, ctx, w, r)
 	id := b.Segment().ID()
-	require.Eventually(t, func() bool { return !holds(r) }, 5*time.Second, 5*time.Millisecond, "r lets go of its role idle")
 	time.Sleep(5 * r.pinLook) // looks that find the producer keeping it
 	assert.True(t, pinsNow(r, id), "kept while its producer keeps it")
 
@@ -453,9 +473,8 @@ func TestWayIdleReaderKeepsPinForUntakenEntries(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	w, r, mem := wayPair(t)
-	b, got := pinOne(t, ctx, w, r)
+	b, got := pinnedIdle(t, ctx, w, r)
 	id := b.Segment().ID()
-	require.Eventually(t, func() bool { return !holds(r) }, 5*time.Second, 5*time.Millisecond, "r lets go of its role idle")
 	for range 2 {
 		require.NoError(t, w.Send(ctx, []byte{1}, nil)) // into the lane, for no reader now
 	}
@@ -480,10 +499,9 @@ func TestWayLetGoAfterIdleUnlists(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	w, r, _ := wayPair(t)
-	b, got := pinOne(t, ctx, w, r)
+	b, got := pinnedIdle(t, ctx, w, r)
 	defer b.Release()
 	defer got.Release()
-	require.Eventually(t, func() bool { return !holds(r) }, 5*time.Second, 5*time.Millisecond, "r lets go of its role idle")
 	require.True(t, w.Maps(b), "the list stays in the page")
 	r.LetGo()
 	assert.False(t, w.Maps(b), "unlisted as the end is handed on")
@@ -527,21 +545,10 @@ func TestWayWaitingReaderUnpinsWhatItsProducerLetGo(t *testing.T) {
 				require.NoError(t, err)
 				m.Done()
 				require.True(t, holds(r2))
-				go func() {
-					if m, err := r2.Recv(ctx); err == nil {
-						m.Done()
-					}
-				}()
+				recvLater(ctx, r2)
 				require.Eventually(t, func() bool { return r2.Waiting() > 0 }, 5*time.Second, time.Millisecond)
 			}
-			done := make(chan error, 1)
-			go func() {
-				m, err := r.Recv(ctx)
-				if err == nil {
-					m.Done()
-				}
-				done <- err
-			}()
+			done := recvLater(ctx, r)
 			require.Eventually(t, func() bool { return r.Waiting() > 0 }, 5*time.Second, time.Millisecond, "r waits")
 			require.True(t, mapsInode(t, id.Ino), "mapped, as /proc/self/maps says")
 			producerLetsGo(t, b)
@@ -550,15 +557,15 @@ func TestWayWaitingReaderUnpinsWhatItsProducerLetGo(t *testing.T) {
 				return !mapsInode(t, id.Ino)
 			}, 5*time.Second, 5*time.Millisecond, "unpinned, and unmapped, while the receive waits")
 			select {
-			case err := <-done:
-				t.Fatalf("the receive ended: %v", err)
+			case g := <-done:
+				t.Fatalf("the receive ended: %v", g.err)
 			default:
 			}
 			if c == "queue-without-the-role" {
-				require.NoError(t, w.Send(ctx, []byte{1}, nil)) // r2's
+				require.NoError(t, w.Send(ctx, wayMsg(1, 0), nil)) // r2's
 			}
-			require.NoError(t, w.Send(ctx, []byte{1}, nil))
-			require.NoError(t, <-done)
+			require.NoError(t, w.Send(ctx, wayMsg(2, 0), nil))
+			within(t, done, "the receive took no message")
 		})
 	}
 }
@@ -612,36 +619,18 @@ func TestWayParkedReceiveEndsAsItsCallerSays(t *testing.T) {
 	r.sem <- struct{}{}
 	r.pinLook = 20 * time.Microsecond // slices end all the time
 	<-r.sem
-	recv := func(c context.Context) error {
-		m, err := r.Recv(c)
-		if err == nil {
-			m.Done()
-		}
-		return err
-	}
-	ended := func(done chan error) error {
-		select {
-		case err := <-done:
-			return err
-		case <-time.After(10 * time.Second):
-			t.Fatal("the receive outlived its caller's context by seconds")
-			return nil
-		}
-	}
+	const outlived = "the receive outlived its caller's context by seconds"
 	for i := range 200 {
 		c, stop := context.WithCancel(ctx)
-		done := make(chan error, 1)
-		go func() { done <- recv(c) }()
+		done := recvLater(c, r)
 		time.Sleep(2*time.Millisecond + time.Duration(i%20)*10*time.Microsecond)
 		stop()
-		require.ErrorIs(t, ended(done), context.Canceled, "cancel %d", i)
+		require.ErrorIs(t, endedWithin(t, done, outlived), context.Canceled, "cancel %d", i)
 	}
 	c, stop := context.WithTimeout(ctx, 50*time.Millisecond)
 	defer stop()
-	done := make(chan error, 1)
-	go func() { done <- recv(c) }()
-	assert.ErrorIs(t, ended(done), context.DeadlineExceeded)
-	require.NoError(t, w.Send(ctx, []byte{1}, nil)) // for a receive left waiting
+	assert.ErrorIs(t, endedWithin(t, recvLater(c, r), outlived), context.DeadlineExceeded)
+	require.NoError(t, w.Send(ctx, wayMsg(0, 0), nil)) // for a receive left waiting
 }
 
 // A parked receive whose caller cancels as a message comes either
@@ -704,19 +693,12 @@ func TestWayLetGoDuringARecv(t *testing.T) {
 	b, got := pinOne(t, ctx, w, r)
 	defer b.Release()
 	defer got.Release()
-	done := make(chan error, 1)
-	go func() {
-		m, err := r.Recv(ctx)
-		if err == nil {
-			m.Done()
-		}
-		done <- err
-	}()
+	done := recvLater(ctx, r)
 	require.Eventually(t, func() bool { return r.Waiting() > 0 }, 5*time.Second, time.Millisecond)
 	r.LetGo() // the end is handed on
 	require.True(t, w.Maps(b), "listed while the receive is under way")
-	require.NoError(t, w.Send(ctx, []byte{1}, nil))
-	require.NoError(t, <-done)
+	require.NoError(t, w.Send(ctx, wayMsg(1, 0), nil))
+	within(t, done, "the receive took no message")
 	assert.False(t, holds(r), "let go of its role as the receive ended")
 	assert.False(t, w.Maps(b), "unlisted as the receive ended")
 }
