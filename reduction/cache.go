@@ -133,7 +133,7 @@ func registerBlock(s *tensor.Storage, b *shm.Block) *tensor.Storage {
 
 // userOf returns the registered user of the block m names in seg, or
 // nil.
-func userOf(seg shm.SegmentRef, m Meta) *tensor.StorageRef {
+func userOf(seg shm.SegmentRef, m *Meta) *tensor.StorageRef {
 	return blockUsers.Find(shm.BlockRef{Seg: seg, Offset: m.BlockOffset, Gen: m.Gen})
 }
 

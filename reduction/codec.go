@@ -170,11 +170,11 @@ func checkUsed(n, unused int, what string) error {
 
 // tensorOf rebuilds the tensor whose Meta payload holds (see rebuild).
 func tensorOf(payload []byte, src fdSource, made *[]*tensor.Storage, room []int) (*tensor.Tensor, error) {
-	m, err := parseMeta(payload, room)
-	if err != nil {
+	var m Meta
+	if err := parseMeta(payload, room, &m); err != nil {
 		return nil, fmt.Errorf("reduction: %w", err)
 	}
-	return rebuild(m, src, made)
+	return rebuild(&m, src, made)
 }
 
 // tensorReader is the reader of a Decoder or a BodyDecoder: the bytes of

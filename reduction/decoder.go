@@ -138,14 +138,14 @@ func (r *fdReader) attachAhead(items []byte, n int) {
 	for range n {
 		payload, rest, _ := nextBare(items)
 		items = rest
-		m, err := parseMeta(payload, r.dims[:])
-		if err != nil || !r.namedByLane(m) {
+		var m Meta
+		if err := parseMeta(payload, r.dims[:], &m); err != nil || !r.namedByLane(&m) {
 			continue
 		}
-		if liveUser(userOf(shm.SegmentRef{ID: m.segmentID()}, m), m.Size) != nil {
+		if liveUser(userOf(shm.SegmentRef{ID: m.segmentID()}, &m), m.Size) != nil {
 			continue // this process's own storage
 		}
-		refs = append(refs, laneRef(m))
+		refs = append(refs, laneRef(&m))
 	}
 	r.refs = refs
 	if len(refs) < 2 {
@@ -164,7 +164,7 @@ func (r *fdReader) attachAhead(items []byte, n int) {
 // a device slab, of a segment the lane's reader pins, not one of its own
 // pools' (a return, which its pool takes back with no lock: see
 // openBlock).
-func (r *fdReader) namedByLane(m Meta) bool {
+func (r *fdReader) namedByLane(m *Meta) bool {
 	return (m.Strategy == string(strategy.FileDescriptor) || m.Strategy == StrategyCUDAFD) && m.FDIndex == -1 && m.BlockOffset >= 0 &&
 		r.from != nil && r.from.Pinned(m.segmentID()) && !shm.Returnable(m.segmentID())
 }
@@ -213,8 +213,9 @@ func (r *fdReader) appendAhead(data []byte) bool {
 	for range n {
 		payload, rest, _ := nextBare(items)
 		items = rest
-		if m, err := parseBlockRef(payload); err == nil && r.namedByLane(m) {
-			r.refs = append(r.refs, laneRef(m))
+		var m Meta
+		if err := parseBlockRef(payload, &m); err == nil && r.namedByLane(&m) {
+			r.refs = append(r.refs, laneRef(&m))
 		}
 	}
 	return len(r.refs) < maxAhead

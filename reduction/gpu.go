@@ -208,7 +208,7 @@ func openSlabBlock(m *Meta, p device.Place, fds fdSource, made *[]*tensor.Storag
 	if err != nil {
 		return nil, err
 	}
-	if s := liveUser(userOf(shm.SegmentRef{ID: m.segmentID()}, *m), m.Size); s != nil {
+	if s := liveUser(userOf(shm.SegmentRef{ID: m.segmentID()}, m), m.Size); s != nil {
 		// On p, or refused by rebuildTensor; and the message's slab
 		// descriptor must be the slab's, as for a block not held yet.
 		if buf, ok := s.Backing().(tensor.Buffer); ok && memFD >= 0 {
@@ -220,13 +220,13 @@ func openSlabBlock(m *Meta, p device.Place, fds fdSource, made *[]*tensor.Storag
 	}
 	var b *shm.Block
 	if m.FDIndex == -1 {
-		ref := laneRef(*m)
+		ref := laneRef(m)
 		if b = fds.attached(ref); b == nil {
 			fds.lockAhead(ref)
 			b, err = shm.Attach(ref)
 		}
 	} else {
-		b, err = attachBlock(*m, fds)
+		b, err = attachBlock(m, fds)
 	}
 	if err != nil {
 		return nil, err

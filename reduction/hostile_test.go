@@ -412,7 +412,7 @@ func TestLaneDecodeLocksAhead(t *testing.T) {
 	}
 	others := laneBlocks(t, 2, 64<<10) // mapped, but not the lane's
 	require.NotEqual(t, ms[0].segmentID(), others[0].segmentID())
-	ref := func(m Meta) shm.BlockRef { return laneRef(m) }
+	ref := func(m Meta) shm.BlockRef { return laneRef(&m) }
 	notTensor, err := msgpack.Marshal(7)
 	require.NoError(t, err)
 	lane := aheadLane{pinnedLane: pinnedLane{ms[0].segmentID(): true}, looks: new(int)}

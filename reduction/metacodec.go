@@ -411,28 +411,26 @@ func (r *metaReader) appendInts(dst []int) []int {
 // nothing after: what a lane's reader needs of the messages behind the
 // one it takes, to lock their blocks ahead (fdReader.appendAhead). Each
 // message's metadata is parsed whole, and checked, when it is decoded.
-func parseBlockRef(b []byte) (Meta, error) {
+func parseBlockRef(b []byte, m *Meta) error {
 	r := &metaReader{b: b}
-	m, err := r.head()
-	if err != nil {
-		return Meta{}, err
+	if err := r.head(m); err != nil {
+		return err
 	}
 	if r.err != nil {
-		return Meta{}, fmt.Errorf("decoding tensor metadata: %w", r.err)
+		return fmt.Errorf("decoding tensor metadata: %w", r.err)
 	}
-	return m, nil
+	return nil
 }
 
-// head reads the fields of a tensor's metadata up to the block's
-// generation: those parseMeta and parseBlockRef share. It returns them
-// in a Meta, as parseMeta does, for the same reason.
-func (r *metaReader) head() (m Meta, err error) {
+// head reads into m the fields of a tensor's metadata up to the block's
+// generation: those parseMeta and parseBlockRef share.
+func (r *metaReader) head(m *Meta) error {
 	if n := r.arrayLen(); r.err == nil && n != metaFields {
-		return Meta{}, fmt.Errorf("tensor metadata has %d fields, want %d", n, metaFields)
+		return fmt.Errorf("tensor metadata has %d fields, want %d", n, metaFields)
 	}
 	version := r.uint()
 	if r.err == nil && version != Version {
-		return Meta{}, fmt.Errorf("metadata version %d, want %d", version, Version)
+		return fmt.Errorf("metadata version %d, want %d", version, Version)
 	}
 	m.Version = uint8(version)
 	m.Strategy = r.str()
@@ -444,19 +442,17 @@ func (r *metaReader) head() (m Meta, err error) {
 	m.SegmentSize = r.int()
 	m.BlockOffset = r.int()
 	m.Gen = r.uint()
-	return m, nil
+	return nil
 }
 
-// parseMeta reads a Meta from its encoding, which must be exactly one.
-// Its Shape and Strides are made in room if it has the capacity, so they
-// are the caller's only until it uses room again. The Meta is returned,
-// not written through a pointer: a stack Meta takes its fields without a
-// write barrier while the collector runs.
-func parseMeta(b []byte, room []int) (Meta, error) {
+// parseMeta reads into m a Meta from its encoding, which must be exactly
+// one. Its Shape and Strides are made in room if it has the capacity, so
+// they are the caller's only until it uses room again. On an error m
+// holds what was read before it, which the caller must not use.
+func parseMeta(b []byte, room []int, m *Meta) error {
 	r := &metaReader{b: b}
-	m, err := r.head()
-	if err != nil {
-		return Meta{}, err
+	if err := r.head(m); err != nil {
+		return err
 	}
 	m.Offset = r.int()
 	dt := r.uint()
@@ -490,10 +486,10 @@ func parseMeta(b []byte, room []int) (Meta, error) {
 	m.MemFDIndex = r.small()
 	m.DevUUID = r.bytes()
 	if r.err != nil {
-		return Meta{}, fmt.Errorf("decoding tensor metadata: %w", r.err)
+		return fmt.Errorf("decoding tensor metadata: %w", r.err)
 	}
 	if n := r.left(); n != 0 {
-		return Meta{}, fmt.Errorf("tensor metadata has %d trailing bytes", n)
+		return fmt.Errorf("tensor metadata has %d trailing bytes", n)
 	}
-	return m, nil
+	return nil
 }

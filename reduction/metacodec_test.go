@@ -29,7 +29,7 @@ func TestMetaCodecRoundTrip(t *testing.T) {
 	}
 	for _, m := range cases {
 		b := appendMeta(nil, &m)
-		got, err := parseMeta(b, nil)
+		got, err := parsedMeta(b, nil)
 		require.NoError(t, err)
 		assert.Equal(t, m, got)
 		// Growing the shape leaves the strides as they are.
@@ -37,7 +37,7 @@ func TestMetaCodecRoundTrip(t *testing.T) {
 		assert.Equal(t, m.Strides, got.Strides)
 		// Room the dims fit in is used; room too small is not.
 		for _, room := range [][]int{make([]int, 0, 3), make([]int, 40)} {
-			inRoom, err := parseMeta(b, room)
+			inRoom, err := parsedMeta(b, room)
 			require.NoError(t, err)
 			assert.Equal(t, m, inRoom)
 			fits := 2*len(m.Shape) <= cap(room) && len(m.Shape) > 0
@@ -50,7 +50,7 @@ func TestMetaCodecRoundTrip(t *testing.T) {
 		assert.Equal(t, m, viaLib)
 		lib, err := msgpack.Marshal(&m)
 		require.NoError(t, err)
-		fromLib, err := parseMeta(lib, nil)
+		fromLib, err := parsedMeta(lib, nil)
 		require.NoError(t, err)
 		assert.Equal(t, m.Shape, fromLib.Shape)
 		assert.Equal(t, m.Gen, fromLib.Gen)
@@ -58,7 +58,7 @@ func TestMetaCodecRoundTrip(t *testing.T) {
 
 		// parseBlockRef reads the same fields as far as the generation,
 		// and nothing after.
-		ref, err := parseBlockRef(b)
+		ref, err := parsedBlockRef(b)
 		require.NoError(t, err)
 		head := Meta{Version: m.Version, Strategy: m.Strategy, FDIndex: m.FDIndex, Dev: m.Dev, Ino: m.Ino, Name: m.Name,
 			Size: m.Size, SegmentSize: m.SegmentSize, BlockOffset: m.BlockOffset, Gen: m.Gen}
@@ -72,25 +72,25 @@ func TestParseBlockRefRejects(t *testing.T) {
 	m := validMeta(shm.ID{Dev: 7, Ino: 9})
 	m.FDIndex, m.BlockOffset, m.Gen = -1, 4096, 3
 	b := appendMeta(nil, &m)
-	_, err := parseBlockRef(b)
+	_, err := parsedBlockRef(b)
 	require.NoError(t, err)
 	end := 0 // where the generation ends
 	for n := range len(b) {
-		if _, err := parseBlockRef(b[:n]); err == nil {
+		if _, err := parsedBlockRef(b[:n]); err == nil {
 			end = n
 			break
 		}
 	}
 	require.NotZero(t, end, "some prefix holds the fields it reads")
 	for n := range end {
-		_, err := parseBlockRef(b[:n])
+		_, err := parsedBlockRef(b[:n])
 		assert.Error(t, err, "cut to %d of %d bytes", n, len(b))
 	}
 	other := m
 	other.Version = Version + 1
-	_, err = parseBlockRef(appendMeta(nil, &other))
+	_, err = parsedBlockRef(appendMeta(nil, &other))
 	assert.Error(t, err, "another version")
-	_, err = parseBlockRef([]byte{0x91, 0x01})
+	_, err = parsedBlockRef([]byte{0x91, 0x01})
 	assert.Error(t, err, "too few fields")
 }
 
@@ -106,7 +106,7 @@ func TestMetaCodecRejects(t *testing.T) {
 		"old version":    append([]byte{0xdc, 0x00, metaFields, 0x04}, good[4:]...),
 	} {
 		t.Run(name, func(t *testing.T) {
-			_, err := parseMeta(b, nil)
+			_, err := parsedMeta(b, nil)
 			assert.Error(t, err)
 		})
 	}
@@ -119,7 +119,8 @@ func BenchmarkMetaCodec(b *testing.B) {
 	b.ReportAllocs()
 	for b.Loop() {
 		buf = appendMeta(buf[:0], &m)
-		if _, err := parseMeta(buf, room[:]); err != nil {
+		var got Meta
+		if err := parseMeta(buf, room[:], &got); err != nil {
 			b.Fatal(err)
 		}
 	}
@@ -139,4 +140,18 @@ func TestMetaReaderRefusesAnIntegersNeighbours(t *testing.T) {
 		assert.NoError(t, r.err)
 		assert.Zero(t, r.left(), "fixint %#x is one byte", c)
 	}
+}
+
+// parsedMeta is parseMeta returning the Meta it reads.
+func parsedMeta(b []byte, room []int) (Meta, error) {
+	var m Meta
+	err := parseMeta(b, room, &m)
+	return m, err
+}
+
+// parsedBlockRef is parseBlockRef returning the Meta it reads.
+func parsedBlockRef(b []byte) (Meta, error) {
+	var m Meta
+	err := parseBlockRef(b, &m)
+	return m, err
 }

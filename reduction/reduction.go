@@ -241,7 +241,7 @@ func viewMeta(t *tensor.Tensor, room []int) Meta {
 // An error for metadata or descriptors that are not what they should be
 // wraps ErrMalformed.
 func Rebuild(m Meta, fds []int) (*tensor.Tensor, error) {
-	t, err := rebuild(m, borrowed(fds), nil)
+	t, err := rebuild(&m, borrowed(fds), nil)
 	return t, malformed(err)
 }
 
@@ -309,7 +309,7 @@ func (b borrowed) take(i int) (*fd.FD, error) {
 
 // rebuild builds a tensor from m. Storages it maps afresh are appended to
 // *made (when made is non-nil), so that a failed decode can release them.
-func rebuild(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tensor, error) {
+func rebuild(m *Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tensor, error) {
 	t, err := rebuildTensor(m, fds, made)
 	if err != nil {
 		return nil, fmt.Errorf("reduction: rebuild %s tensor %v: %w", m.DType, m.Shape, err)
@@ -317,12 +317,12 @@ func rebuild(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tensor, err
 	return t, nil
 }
 
-func rebuildTensor(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tensor, error) {
-	p, err := checkMeta(&m)
+func rebuildTensor(m *Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Tensor, error) {
+	p, err := checkMeta(m)
 	if err != nil {
 		return nil, err
 	}
-	s, err := open(&m, p, fds, made)
+	s, err := open(m, p, fds, made)
 	if err != nil {
 		return nil, err
 	}
@@ -440,9 +440,9 @@ func openFDStrategy(m *Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Sto
 	case m.Ino == 0:
 		return nil, errors.New("file_descriptor metadata names no segment")
 	case m.BlockOffset >= 0:
-		return openBlock(*m, fds, made)
+		return openBlock(m, fds, made)
 	}
-	return openFD(*m, fds, made)
+	return openFD(m, fds, made)
 }
 
 // openFSStrategy is the opener of file_system: a pooled block of a named
@@ -450,11 +450,11 @@ func openFDStrategy(m *Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Sto
 func openFSStrategy(m *Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
 	switch {
 	case m.BlockOffset >= 0:
-		return openNamedBlock(*m, fds, made)
+		return openNamedBlock(m, fds, made)
 	case m.FDIndex != -1:
 		return nil, errors.New("file_system metadata refers to a descriptor")
 	}
-	return openName(*m, made)
+	return openName(m, made)
 }
 
 func productNonZero(shape []int) bool {
@@ -468,7 +468,7 @@ func productNonZero(shape []int) bool {
 
 // openFD maps the segment m describes, or finds the storage this process
 // has for it already.
-func openFD(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
+func openFD(m *Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
 	if _, err := fds.fd(m.FDIndex); err != nil { // referenced even when the storage is cached
 		return nil, err
 	}
@@ -513,7 +513,7 @@ func openFD(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, err
 // scanner kept it while the message waited. A block received by
 // descriptor on a pipe that has a lane has its segment pinned for the
 // lane's next messages.
-func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
+func openBlock(m *Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
 	lane, byLane := fds.lane()
 	found := userOf(shm.SegmentRef{ID: m.segmentID()}, m)
 	if m.FDIndex == -1 {
@@ -558,7 +558,7 @@ func openBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, 
 // blocks, which is found in use (found) or taken back from its pool,
 // where the lane's scanner kept it while the message waited (see
 // shm.Revive). A block of any other segment is shm.ErrNotReturnable.
-func openReturned(m Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {
+func openReturned(m *Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {
 	ref := m.returnRef()
 	var deadline time.Time
 	revive := func() (*shm.Block, error) { return shm.Revive(ref, m.Size) }
@@ -595,13 +595,13 @@ const reviveWait = 250 * time.Millisecond
 // attachBlock attaches the pooled block m names, by the segment's
 // identity if this process maps it already, else from the message's
 // ticket.
-func attachBlock(m Meta, fds fdSource) (*shm.Block, error) {
+func attachBlock(m *Meta, fds fdSource) (*shm.Block, error) {
 	return attachIn(shm.SegmentRef{ID: m.segmentID(), Size: m.SegmentSize}, m, fds)
 }
 
 // attachIn attaches the block m names in seg, held by the message's
 // ticket, which covers it as fds says.
-func attachIn(seg shm.SegmentRef, m Meta, fds fdSource) (*shm.Block, error) {
+func attachIn(seg shm.SegmentRef, m *Meta, fds fdSource) (*shm.Block, error) {
 	ticket, err := fds.fd(m.FDIndex)
 	if err != nil {
 		return nil, err
@@ -612,7 +612,7 @@ func attachIn(seg shm.SegmentRef, m Meta, fds fdSource) (*shm.Block, error) {
 }
 
 // laneRef names the block m, of a lane's message, names by identity.
-func laneRef(m Meta) shm.BlockRef {
+func laneRef(m *Meta) shm.BlockRef {
 	return shm.BlockRef{Seg: shm.SegmentRef{ID: m.segmentID(), Size: m.SegmentSize},
 		Offset: m.BlockOffset, Size: m.Size, Gen: m.Gen, Ticket: -1}
 }
@@ -630,7 +630,7 @@ func (m *Meta) returnRef() shm.ReturnRef {
 
 // checkedStat returns the status of the message's descriptor for m,
 // which must be of the segment m names.
-func checkedStat(m Meta, fds fdSource) (shm.SegmentRef, error) {
+func checkedStat(m *Meta, fds fdSource) (shm.SegmentRef, error) {
 	st, err := fds.stat(m.FDIndex)
 	if err != nil {
 		return st, err
@@ -643,7 +643,7 @@ func checkedStat(m Meta, fds fdSource) (shm.SegmentRef, error) {
 
 // openNamedBlock is openBlock for a block of a named segment of this
 // process's session.
-func openNamedBlock(m Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
+func openNamedBlock(m *Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
 	if err := checkName(m.Name); err != nil {
 		return nil, err
 	}
@@ -672,7 +672,7 @@ func checkName(name string) error {
 // adoptBlock returns the storage this process has for the block whose
 // registered user (see shm.Users) is found, or attaches the
 // block, which then holds it for a new storage.
-func adoptBlock(found *tensor.StorageRef, m Meta, made *[]*tensor.Storage, attach func() (*shm.Block, error)) (*tensor.Storage, error) {
+func adoptBlock(found *tensor.StorageRef, m *Meta, made *[]*tensor.Storage, attach func() (*shm.Block, error)) (*tensor.Storage, error) {
 	if s := liveUser(found, m.Size); s != nil {
 		return s, nil
 	}
@@ -691,7 +691,7 @@ func adoptBlock(found *tensor.StorageRef, m Meta, made *[]*tensor.Storage, attac
 	return kept(s, registerBlock(s, b), made)
 }
 
-func openName(m Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {
+func openName(m *Meta, made *[]*tensor.Storage) (*tensor.Storage, error) {
 	if err := checkName(m.Name); err != nil {
 		return nil, err
 	}
