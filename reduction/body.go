@@ -83,7 +83,8 @@ func (w *bodyWriter) tensor(t *tensor.Tensor) ([]byte, error) {
 	if !t.Place().IsCPU() {
 		return nil, fmt.Errorf("reduction: encode %v: %w", t, ErrDeviceTensor)
 	}
-	m := viewMeta(t, nil)
+	var m Meta
+	viewMeta(&m, t, nil)
 	if t.Numel() > 0 {
 		s := t.Storage()
 		i, ok := w.index[s]

@@ -244,8 +244,8 @@ func (w *fdWriter) AddFD(f *fd.FD) (int, error) {
 // message's. The bytes are valid until the next tensor.
 func (w *fdWriter) tensor(t *tensor.Tensor) ([]byte, error) {
 	w.dims = slices.Grow(w.dims[:0], 2*t.Dim()) // room for reduce to fill
-	r, err := reduce(t, w.dims, w.ticket, w.lane)
-	if err != nil {
+	var r reduced
+	if err := reduce(&r, t, w.dims, w.ticket, w.lane); err != nil {
 		return nil, err
 	}
 	if r.lent != nil {

@@ -23,35 +23,35 @@ const tokenSize = 8
 // alone where the lane maps it (see reduceCPU), else by CUDA IPC
 // (cuda_ipc), whose export takes a ticket on the allocation's token for
 // the message, as reduce does.
-func reduceGPU(t *tensor.Tensor, room []int, pinned *shm.Ticket, lane carry.Lane) (reduced, error) {
-	r := reduced{ticket: -1, memFD: -1}
+func reduceGPU(r *reduced, t *tensor.Tensor, room []int, pinned *shm.Ticket, lane carry.Lane) error {
+	*r = reduced{ticket: -1, memFD: -1}
 	s := t.Storage()
 	if s.Released() {
-		return r, tensor.ErrReleased
+		return tensor.ErrReleased
 	}
 	buf, ok := s.Backing().(tensor.Buffer)
 	if !ok {
-		return r, tensor.ErrReleased
+		return tensor.ErrReleased
 	}
 	gs, err := gpushare.Get()
 	if err != nil {
-		return r, err
+		return err
 	}
-	r.Meta = viewMeta(t, room)
+	viewMeta(&r.Meta, t, room)
 	uuid, err := gs.UUID(t.Place().Index())
 	if err != nil {
-		return r, err
+		return err
 	}
 	r.DevUUID = uuid[:]
 	if t.Numel() == 0 {
-		return r, nil
+		return nil
 	}
 	sh, inSlab, err := gs.Share(buf)
 	if errors.Is(err, gpushare.ErrForeign) {
 		err = ErrDeviceTensor
 	}
 	if err != nil {
-		return r, err
+		return err
 	}
 	if inSlab && lane != nil && lane.Maps(sh.Block) && sh.Block.Lend() == nil {
 		// By identity alone, lent to the message: the lane's reader pins
@@ -64,23 +64,23 @@ func reduceGPU(t *tensor.Tensor, room []int, pinned *shm.Ticket, lane carry.Lane
 		r.setSegmentID(seg.ID())
 		registerBlock(s, b)
 		r.lent = b
-		return r, nil
+		return nil
 	}
 	if inSlab {
 		h, err := sh.Block.Share(pinned)
 		if err != nil {
-			return r, err
+			return err
 		}
 		r.Strategy = StrategyCUDAFD
 		r.Size, r.SegmentSize, r.BlockOffset, r.Gen = s.Size(), h.Segment, h.Offset, h.Gen
 		r.setSegmentID(h.ID)
 		remember(s, h)
 		r.ticket, r.memFD, r.lease = h.FD, sh.MemFD, h.Lease
-		return r, nil
+		return nil
 	}
 	h, err := gs.Export(buf)
 	if err != nil {
-		return r, err
+		return err
 	}
 	seg := h.Token.Segment()
 	r.Strategy = StrategyCUDAIPC
@@ -89,7 +89,7 @@ func reduceGPU(t *tensor.Tensor, room []int, pinned *shm.Ticket, lane carry.Lane
 	r.SegmentSize, r.BlockOffset, r.Gen = seg.Size(), h.Token.Offset(), h.Token.Gen()
 	storages.put(gpuKey(h.Mem, h.Offset), s)
 	r.ticket, r.lease = h.Ticket.FD(), h.Ticket
-	return r, nil
+	return nil
 }
 
 // localGPU returns this process's place of the device a GPU tensor's

@@ -53,8 +53,8 @@ func TestGPUTensorOpenedByAReceiver(t *testing.T) {
 	live := cudastub.Allocs()
 	x, err := tensor.On(legacyGPU).Full(tensor.Int32, 7, 8)
 	require.NoError(t, err)
-	r, err := reduce(x, nil, nil, nil)
-	require.NoError(t, err)
+	var r reduced
+	require.NoError(t, reduce(&r, x, nil, nil, nil))
 	meta, fd, tok := r.Meta, r.ticket, r.lease
 	require.NotNil(t, tok)
 	assert.Equal(t, -1, r.memFD)

@@ -84,7 +84,8 @@ const StrategyCUDAFD = "cuda_fd"
 // closing it unsent is how metadata that will never be rebuilt is
 // discarded.
 func Reduce(t *tensor.Tensor) (Meta, []int, error) {
-	r, err := reduce(t, nil, nil, nil)
+	var r reduced
+	err := reduce(&r, t, nil, nil, nil)
 	if err != nil || r.ticket < 0 {
 		return r.Meta, nil, err
 	}
@@ -129,41 +130,41 @@ type reduced struct {
 // covers is sent with it, and reduce returns no lease of its own. lane
 // is the lane the message may take, or nil: a block of this process's
 // pool whose segment the lane's reader maps is named by identity alone.
-func reduce(t *tensor.Tensor, room []int, pinned *shm.Ticket, lane carry.Lane) (reduced, error) {
-	var r reduced
+func reduce(r *reduced, t *tensor.Tensor, room []int, pinned *shm.Ticket, lane carry.Lane) error {
 	var err error
 	if t.Place().IsGPU() {
-		r, err = reduceGPU(t, room, pinned, lane)
+		err = reduceGPU(r, t, room, pinned, lane)
 	} else {
-		r, err = reduceCPU(t, room, pinned, lane)
+		err = reduceCPU(r, t, room, pinned, lane)
 	}
 	if err != nil {
-		return reduced{}, fmt.Errorf("reduction: reduce %v: %w", t, err)
+		*r = reduced{}
+		return fmt.Errorf("reduction: reduce %v: %w", t, err)
 	}
-	return r, nil
+	return nil
 }
 
 // reduceCPU is reduce for a tensor in CPU memory, whose message carries
 // one descriptor at most.
-func reduceCPU(t *tensor.Tensor, room []int, pinned *shm.Ticket, lane carry.Lane) (reduced, error) {
-	r := reduced{ticket: -1, memFD: -1}
+func reduceCPU(r *reduced, t *tensor.Tensor, room []int, pinned *shm.Ticket, lane carry.Lane) error {
+	*r = reduced{ticket: -1, memFD: -1}
 	if !t.Place().IsCPU() {
-		return r, ErrDeviceTensor
+		return ErrDeviceTensor
 	}
 	s := t.Storage()
-	r.Meta = viewMeta(t, room)
+	viewMeta(&r.Meta, t, room)
 	if s.Released() {
-		return r, tensor.ErrReleased
+		return tensor.ErrReleased
 	}
 	if t.Numel() == 0 {
-		return r, nil
+		return nil
 	}
 	if err := s.ShareMemory(strategy.Get()); err != nil {
-		return r, err
+		return err
 	}
 	sh, ok := s.Backing().(shm.Shared)
 	if !ok { // released since ShareMemory, which leaves shared memory of shm's
-		return r, tensor.ErrReleased
+		return tensor.ErrReleased
 	}
 	// By identity alone: a block of this process's pool, lent to the
 	// message, or one back to its producer, the lane's reader, which
@@ -180,12 +181,12 @@ func reduceCPU(t *tensor.Tensor, room []int, pinned *shm.Ticket, lane carry.Lane
 				registerBlock(s, b)
 			}
 			r.lent = b
-			return r, nil
+			return nil
 		}
 	}
 	h, err := sh.Share(pinned)
 	if err != nil {
-		return r, err
+		return err
 	}
 	r.Size, r.SegmentSize, r.BlockOffset, r.Gen = h.Size, h.Segment, h.Offset, h.Gen
 	if h.Name != "" {
@@ -196,7 +197,7 @@ func reduceCPU(t *tensor.Tensor, room []int, pinned *shm.Ticket, lane carry.Lane
 	}
 	remember(s, h)
 	r.ticket, r.lease = h.FD, h.Lease
-	return r, nil
+	return nil
 }
 
 // viewMeta returns the Meta of t's view of its storage, naming no
@@ -204,8 +205,8 @@ func reduceCPU(t *tensor.Tensor, room []int, pinned *shm.Ticket, lane carry.Lane
 // strides. Its shape and strides are appended to room[:0], which a caller
 // that encodes the Meta at once reuses for the next one; a nil room
 // makes them new.
-func viewMeta(t *tensor.Tensor, room []int) Meta {
-	m := Meta{
+func viewMeta(m *Meta, t *tensor.Tensor, room []int) {
+	*m = Meta{
 		Version:     Version,
 		FDIndex:     -1,
 		MemFDIndex:  -1,
@@ -221,7 +222,6 @@ func viewMeta(t *tensor.Tensor, room []int) Meta {
 		m.Offset = 0
 		m.Strides = make([]int, len(m.Shape))
 	}
-	return m
 }
 
 // Rebuild makes a tensor from metadata and the descriptors that came with
