@@ -515,7 +515,6 @@ func openFD(m *Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, er
 // lane's next messages.
 func openBlock(m *Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage, error) {
 	lane, byLane := fds.lane()
-	found := userOf(shm.SegmentRef{ID: m.segmentID()}, m)
 	if m.FDIndex == -1 {
 		if !byLane {
 			return nil, errors.New("a pooled block named without its descriptor, outside a lane")
@@ -532,7 +531,7 @@ func openBlock(m *Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage,
 			}
 			return s, err
 		}
-		return adoptBlock(found, m, made, func() (*shm.Block, error) {
+		return adoptBlock(userOf(shm.SegmentRef{ID: m.segmentID()}, m), m, made, func() (*shm.Block, error) {
 			ref := laneRef(m)
 			if b := fds.attached(ref); b != nil {
 				return b, nil
@@ -544,7 +543,7 @@ func openBlock(m *Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage,
 	if _, err := fds.fd(m.FDIndex); err != nil { // referenced even when the storage is cached
 		return nil, err
 	}
-	s, err := adoptBlock(found, m, made, func() (*shm.Block, error) {
+	s, err := adoptBlock(userOf(shm.SegmentRef{ID: m.segmentID()}, m), m, made, func() (*shm.Block, error) {
 		return attachBlock(m, fds)
 	})
 	if err == nil && lane != nil {
