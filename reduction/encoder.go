@@ -263,6 +263,10 @@ func (w *fdWriter) tensor(t *tensor.Tensor) ([]byte, error) {
 	if r.ticket >= 0 {
 		r.FDIndex = w.addFD(r.ticket) // kept open by its lease until the message is sent
 	}
-	w.meta = appendMeta(w.meta[:0], &r.Meta)
+	if r.lent != nil && compactable(&r.Meta) {
+		w.meta = appendCompact(w.meta[:0], &r.Meta) // a lane carries it
+	} else {
+		w.meta = appendMeta(w.meta[:0], &r.Meta)
+	}
 	return w.meta, nil // written out before the next tensor reuses it
 }

@@ -162,7 +162,8 @@ func TestHostileInput(t *testing.T) {
 		{"truncated", validMetaMsg(t, seg.ID())[:10], segFD, ""},
 		{"trailing bytes", append(validMetaMsg(t, seg.ID()), 0xc0), segFD, "bytes after the value"},
 		{"ext length past end", []byte{0xc7, 0xff, byte(tensorExt), 0x01}, segFD, "runs past the message"},
-		{"garbage payload", []byte{0xd4, byte(tensorExt), 0xc1}, segFD, "code 0xc1 where an array belongs"},
+		{"garbage payload", []byte{0xd4, byte(tensorExt), 0xc2}, segFD, "code 0xc2 where an array belongs"},
+		{"cut compact payload", []byte{0xd4, byte(tensorExt), compactTag}, segFD, "unexpected end of tensor metadata"},
 		{"storage for a tensor", []byte{0xd4, byte(storageExt), 0xc1}, segFD, "ext type"},
 		{"huge array header", []byte{0xdd, 0xdd, 0xdd, 0xdd, 0xdd, 0xc0}, segFD, "runs past the message"},
 		{"huge shape in metadata", hugeShapeMsg(t), segFD, "unexpected end of tensor metadata"},
@@ -229,6 +230,10 @@ func FuzzUnmarshal(f *testing.F) {
 	fs.Strategy, fs.FDIndex, fs.Name = "file_system", -1, shm.SessionPrefix()+"1_0123456789abcdef"
 	f.Add(extMessage(f, fs), uint8(0))
 	f.Add([]byte{0x92, 0x01, 0xc0}, uint8(2))
+	byIdentity := laneMeta()
+	byIdentity.setSegmentID(seg.ID())
+	byIdentity.SegmentSize, byIdentity.BlockOffset, byIdentity.Offset = 4096, 0, 0
+	f.Add(compactMessage(f, byIdentity), uint8(1))
 	base := leakcheck.Count()
 
 	f.Fuzz(func(t *testing.T, data []byte, nfds uint8) {
@@ -579,6 +584,19 @@ func FuzzLaneDecode(f *testing.F) {
 	f.Add(extMessage(f, ok1), batch(ok2, lane(blocks[3], blocks[3].Gen+1, 0)))
 	f.Add(batch(ok1, ok2), batch(ok3, other))
 	f.Add(extMessage(f, ok1), extMessage(f, lane(blocks[2], blocks[2].Gen, 4096)))
+	// The same in the compact form a lane's writer sends them in.
+	compactBatch := func(ms ...Meta) []byte {
+		b := appendArrayLen(nil, len(ms))
+		for _, m := range ms {
+			b = append(b, compactMessage(f, m)...)
+		}
+		return b
+	}
+	f.Add(compactMessage(f, ok1), []byte(nil))
+	f.Add(compactBatch(ok1, ok2, ok3), []byte(nil))
+	f.Add(compactBatch(ok1, lane(blocks[2], blocks[2].Gen+1, 0)), []byte(nil))
+	f.Add(compactMessage(f, ok1), compactBatch(ok2, other))
+	f.Add(compactMessage(f, ok1), extMessage(f, ok2))
 	reader := aheadLane{pinnedLane: pinnedLane{segID: true}, looks: new(int)}
 	base := leakcheck.Count()
 	var rebuilt atomic.Int64

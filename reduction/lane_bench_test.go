@@ -1,10 +1,9 @@
+//go:build linux
+
 package reduction
 
 import (
-	"bytes"
 	"testing"
-
-	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/carry"
@@ -87,17 +86,4 @@ func BenchmarkLaneHandOff(b *testing.B) {
 			}
 		}
 	})
-}
-
-// compactMessage is extMessage with m encoded as an Encoder encodes it
-// (appendMeta), integers in their shortest forms.
-func compactMessage(t testing.TB, m Meta) []byte {
-	t.Helper()
-	payload := appendMeta(nil, &m)
-	var buf bytes.Buffer
-	if err := msgpack.NewEncoder(&buf).EncodeExtHeader(tensorExt, len(payload)); err != nil {
-		t.Fatal(err)
-	}
-	buf.Write(payload)
-	return buf.Bytes()
 }

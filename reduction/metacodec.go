@@ -7,6 +7,7 @@ import (
 	"math"
 	"slices"
 
+	"github.com/tensormp/tensormp/strategy"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -412,6 +413,9 @@ func (r *metaReader) appendInts(dst []int) []int {
 // one it takes, to lock their blocks ahead (fdReader.appendAhead). Each
 // message's metadata is parsed whole, and checked, when it is decoded.
 func parseBlockRef(b []byte, m *Meta) error {
+	if len(b) > 0 && b[0] == compactTag {
+		return parseCompact(b, nil, m, true)
+	}
 	r := &metaReader{b: b}
 	if err := r.head(m); err != nil {
 		return err
@@ -450,6 +454,9 @@ func (r *metaReader) head(m *Meta) error {
 // they are the caller's only until it uses room again. On an error m
 // holds what was read before it, which the caller must not use.
 func parseMeta(b []byte, room []int, m *Meta) error {
+	if len(b) > 0 && b[0] == compactTag {
+		return parseCompact(b, room, m, false)
+	}
 	r := &metaReader{b: b}
 	if err := r.head(m); err != nil {
 		return err
@@ -491,5 +498,97 @@ func parseMeta(b []byte, room []int, m *Meta) error {
 	if n := r.left(); n != 0 {
 		return fmt.Errorf("tensor metadata has %d trailing bytes", n)
 	}
+	return nil
+}
+
+// A tensor that a lane's message names by identity alone (a block of a
+// segment the lane's reader maps, see carry.Lane) travels in a compact
+// form instead, the Meta of what a stream sends: a fixed binary layout,
+// written and read in a few stores and loads rather than field by
+// field. Only lanes carry it: a lane's header version (package sock)
+// keeps it from a peer that does not read it. It is read wherever a Meta
+// is, and what it gives is checked as any Meta's.
+//
+//	0      compactTag
+//	1      Version
+//	2      DType
+//	3      n, the dimensions (at most tensor.MaxDims)
+//	4      Dev, Ino, Size, SegmentSize, BlockOffset, Gen, Offset: 7 x 8 bytes
+//	60     Shape, then Strides: 2n x 8 bytes
+//
+// All integers are little-endian. The fields it has no room for are
+// those of a CPU tensor's pooled block of file_descriptor named without
+// a descriptor (see compactable).
+
+// compactTag begins a compact Meta: a byte msgpack never uses, which no
+// msgpack Meta starts with.
+const compactTag = 0xc1
+
+// compactHead is the length of a compact Meta's fixed part.
+const compactHead = 4 + 7*8
+
+// compactable reports whether m can travel compact, losing nothing.
+func compactable(m *Meta) bool {
+	return m.Strategy == string(strategy.FileDescriptor) && m.FDIndex == -1 && m.Name == "" && m.BlockOffset >= 0 &&
+		m.LoD == nil && m.Place == "cpu" && m.IPC == nil && m.IPCEvent == nil && m.DevOffset == 0 &&
+		m.MemFDIndex == -1 && m.DevUUID == nil && len(m.Shape) == len(m.Strides) && len(m.Shape) <= tensor.MaxDims
+}
+
+// appendCompact appends m's compact form to b; m must be compactable.
+func appendCompact(b []byte, m *Meta) []byte {
+	b = append(b, compactTag, m.Version, byte(m.DType), byte(len(m.Shape)))
+	for _, v := range [...]uint64{m.Dev, m.Ino, uint64(m.Size), uint64(m.SegmentSize), uint64(m.BlockOffset), m.Gen, uint64(m.Offset)} {
+		b = binary.LittleEndian.AppendUint64(b, v)
+	}
+	for _, v := range m.Shape {
+		b = binary.LittleEndian.AppendUint64(b, uint64(v))
+	}
+	for _, v := range m.Strides {
+		b = binary.LittleEndian.AppendUint64(b, uint64(v))
+	}
+	return b
+}
+
+// parseCompact is parseMeta for a compact Meta, b, and with head set
+// parseBlockRef's: the fixed part alone, what follows unread.
+func parseCompact(b []byte, room []int, m *Meta, head bool) error {
+	if len(b) < compactHead {
+		return fmt.Errorf("decoding tensor metadata: %w", errShort)
+	}
+	if b[1] != Version {
+		return fmt.Errorf("metadata version %d, want %d", b[1], Version)
+	}
+	n := int(b[3])
+	if n > tensor.MaxDims {
+		return fmt.Errorf("compact tensor metadata of %d dimensions, more than %d", n, tensor.MaxDims)
+	}
+	le := binary.LittleEndian
+	*m = Meta{
+		Version: b[1], Strategy: string(strategy.FileDescriptor), FDIndex: -1,
+		Dev: le.Uint64(b[4:]), Ino: le.Uint64(b[12:]),
+		Size: int64(le.Uint64(b[20:])), SegmentSize: int64(le.Uint64(b[28:])), BlockOffset: int64(le.Uint64(b[36:])),
+		Gen: le.Uint64(b[44:]), Offset: int64(le.Uint64(b[52:])), DType: tensor.DType(b[2]),
+		Place: "cpu", MemFDIndex: -1,
+	}
+	if head {
+		return nil
+	}
+	dims := b[compactHead:]
+	if len(dims) != 16*n {
+		return fmt.Errorf("compact tensor metadata of %d dimensions has %d bytes of them, want %d", n, len(dims), 16*n)
+	}
+	out := room[:0]
+	if cap(out) < 2*n || out == nil {
+		out = make([]int, 0, 2*n)
+	}
+	out = out[:2*n]
+	for i := range out {
+		v := int64(le.Uint64(dims[8*i:]))
+		if int64(int(v)) != v {
+			return fmt.Errorf("decoding tensor metadata: integer %d out of range", v)
+		}
+		out[i] = int(v)
+	}
+	m.Shape, m.Strides = out[:n:n], out[n:]
 	return nil
 }

@@ -74,7 +74,7 @@ var errCounts = fmt.Errorf("%w: the lane's counts", ErrMalformed)
 
 const (
 	laneMagic   = 0x454e4c54 // "TLNE" little-endian
-	laneVersion = 6          // 2: the bells sleep on a count, odd while armed; 3: the reader's bell; 4: none (a writer spins for its reader); 5: laneMisses; 6: a Pipe's reader parks on its socket, woken by a wake frame
+	laneVersion = 7          // 2: the bells sleep on a count, odd while armed; 3: the reader's bell; 4: none (a writer spins for its reader); 5: laneMisses; 6: a Pipe's reader parks on its socket, woken by a wake frame; 7: entries may hold tensors in package reduction's compact form
 	laneHeader  = 4096
 	entryHeader = 8 // position, length
 
