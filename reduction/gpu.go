@@ -24,7 +24,6 @@ const tokenSize = 8
 // (cuda_ipc), whose export takes a ticket on the allocation's token for
 // the message, as reduce does.
 func reduceGPU(r *reduced, t *tensor.Tensor, room []int, pinned *shm.Ticket, lane carry.Lane) error {
-	*r = reduced{ticket: -1, memFD: -1}
 	s := t.Storage()
 	if s.Released() {
 		return tensor.ErrReleased
