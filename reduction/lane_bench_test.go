@@ -3,6 +3,7 @@
 package reduction
 
 import (
+	"errors"
 	"testing"
 
 	"github.com/tensormp/tensormp/device"
@@ -49,18 +50,9 @@ func BenchmarkLaneHandOff(b *testing.B) {
 	})
 	b.Run("decode-pinned", func(b *testing.B) {
 		m := laneBlocks(b, 1, 4<<10)[0]
-		data, lane := compactMessage(b, m), pinnedLane{m.segmentID(): true}
-		var fds fd.Set
-		b.ReportAllocs()
-		for b.Loop() {
-			var x *tensor.Tensor
-			if err := carry.DecodeFrom(data, &fds, &x, lane, true); err != nil {
-				b.Fatal(err)
-			}
-			if err := x.Release(); err != nil {
-				b.Fatal(err)
-			}
-		}
+		benchDecode(b, compactMessage(b, m), pinnedLane{m.segmentID(): true}, func(x *tensor.Tensor) error {
+			return x.Release()
+		})
 	})
 	b.Run("decode-returned", func(b *testing.B) {
 		blk, err := shm.DefaultPool().Alloc(4 << 10)
@@ -73,17 +65,27 @@ func BenchmarkLaneHandOff(b *testing.B) {
 		}
 		defer s.Release()
 		registerBlock(s, blk)
-		data, lane := compactMessage(b, returnMeta(blk)), pinnedLane{}
-		var fds fd.Set
-		b.ReportAllocs()
-		for b.Loop() {
-			var x *tensor.Tensor
-			if err := carry.DecodeFrom(data, &fds, &x, lane, true); err != nil {
-				b.Fatal(err)
-			}
+		benchDecode(b, compactMessage(b, returnMeta(blk)), pinnedLane{}, func(x *tensor.Tensor) error {
 			if x.Storage() != s {
-				b.Fatal("the return came back on other memory")
+				return errors.New("the return came back on other memory")
 			}
-		}
+			return nil
+		})
 	})
+}
+
+// benchDecode decodes data, a message of lane, into a tensor b.N times,
+// each given to then.
+func benchDecode(b *testing.B, data []byte, lane carry.Lane, then func(*tensor.Tensor) error) {
+	var fds fd.Set
+	b.ReportAllocs()
+	for b.Loop() {
+		var x *tensor.Tensor
+		if err := carry.DecodeFrom(data, &fds, &x, lane, true); err != nil {
+			b.Fatal(err)
+		}
+		if err := then(x); err != nil {
+			b.Fatal(err)
+		}
+	}
 }
