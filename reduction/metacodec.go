@@ -408,9 +408,11 @@ func (r *metaReader) appendInts(dst []int) []int {
 
 // parseBlockRef reads from b a tensor's metadata as far as the pooled
 // block it names (its strategy and descriptor index, its segment's
-// identity and size, the block's offset, size and generation), and
-// nothing after: what a lane's reader needs of the messages behind the
-// one it takes, to lock their blocks ahead (fdReader.appendAhead). Each
+// identity and size, the block's offset, size and generation): what a
+// lane's reader needs of the messages behind the one it takes, to lock
+// their blocks ahead (fdReader.appendAhead). It reads no shape nor
+// strides, and of a msgpack Meta nothing after the generation (a compact
+// one's fixed part gives the view's offset and dtype too). Each
 // message's metadata is parsed whole, and checked, when it is decoded.
 func parseBlockRef(b []byte, m *Meta) error {
 	if len(b) > 0 && b[0] == compactTag {
@@ -452,7 +454,11 @@ func (r *metaReader) head(m *Meta) error {
 // parseMeta reads into m a Meta from its encoding, which must be exactly
 // one. Its Shape and Strides are made in room if it has the capacity, so
 // they are the caller's only until it uses room again. On an error m
-// holds what was read before it, which the caller must not use.
+// holds what was read before it, which the caller must not use. m is
+// written through a pointer, which pays a write barrier for its strings
+// and slices while the collector runs, where a Meta returned by value
+// would not; but a returned Meta is copied whole (288 bytes) into the
+// caller's, and that cost more (see BenchmarkLaneHandOff).
 func parseMeta(b []byte, room []int, m *Meta) error {
 	if len(b) > 0 && b[0] == compactTag {
 		return parseCompact(b, room, m, false)
@@ -502,10 +508,10 @@ func parseMeta(b []byte, room []int, m *Meta) error {
 }
 
 // A tensor that a lane's message names by identity alone (a block of a
-// segment the lane's reader maps, see carry.Lane) travels in a compact
-// form instead, the Meta of what a stream sends: a fixed binary layout,
-// written and read in a few stores and loads rather than field by
-// field. Only lanes carry it: a lane's header version (package sock)
+// segment the lane's reader maps, see carry.Lane), what a stream sends,
+// travels with a compact Meta instead of the msgpack one: a fixed binary
+// layout, written and read in a few stores and loads rather than field
+// by field. Only lanes carry it: a lane's header version (package sock)
 // keeps it from a peer that does not read it. It is read wherever a Meta
 // is, and what it gives is checked as any Meta's.
 //
