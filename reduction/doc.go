@@ -10,6 +10,13 @@
 // message is in flight (see package mmapalloc), and, under
 // file_system, the segment's name, which the receiver opens; an empty
 // tensor travels as metadata alone. Names of another session are refused.
+// On a lane (package mp's Pipe and Queue) a block whose segment the
+// reader maps is named by identity alone, without a descriptor: the
+// reader holds it by its own lock on the block's slot, taken before the
+// generation is checked, or, for a block it made, takes it back from its
+// pool (see openBlock). Such a Meta travels there in a compact binary
+// form (see compactTag), which only lanes carry and which is checked as
+// any Meta is.
 //
 // Ownership: descriptors returned by Reduce and Marshal are the caller's,
 // to send and close (closing one unsent drops the holds it stood for).
