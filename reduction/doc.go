@@ -14,9 +14,10 @@
 // reader maps is named by identity alone, without a descriptor: the
 // reader holds it by its own lock on the block's slot, taken before the
 // generation is checked, or, for a block it made, takes it back from its
-// pool (see openBlock). Such a Meta travels there in a compact binary
-// form (see compactTag), which only lanes carry and which is checked as
-// any Meta is.
+// pool (see openBlock). The Meta of such a block on the CPU, of a tensor
+// without a LoD, travels there in a compact binary form (see compactTag
+// and compactable), which only lanes carry and which is checked as any
+// Meta is; a device slab's block named so travels in msgpack.
 //
 // Ownership: descriptors returned by Reduce and Marshal are the caller's,
 // to send and close (closing one unsent drops the holds it stood for).
