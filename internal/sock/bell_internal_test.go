@@ -24,7 +24,7 @@ func TestBellStopsSpinningWhenSpinsMiss(t *testing.T) {
 	b.misses.Store(0)
 	last := b.Load()
 	for i := range maxMisses {
-		_, found := b.spin(last, monoNow())
+		_, found, _ := b.spin(last, monoNow())
 		require.False(t, found)
 		require.EqualValues(t, i+1, b.spun.Load(), "spin %d spun", i)
 	}
@@ -39,7 +39,7 @@ func TestBellStopsSpinningWhenSpinsMiss(t *testing.T) {
 	for b.waits.Load()%probeEvery != probeEvery-1 {
 		b.spin(last, monoNow())
 	}
-	_, found := b.spin(last, monoNow())
+	_, found, _ := b.spin(last, monoNow())
 	require.True(t, found, "the probe finds the ring")
 	spun := b.spun.Load()
 	b.spin(last, monoNow())
@@ -257,7 +257,7 @@ func TestBellStampsOnlyForASleeper(t *testing.T) {
 	b.misses.Store(0)
 	last = b.Load()
 	b.Ring()
-	_, found := b.spin(last, monoNow()-int64(30*time.Microsecond))
+	_, found, _ := b.spin(last, monoNow()-int64(30*time.Microsecond))
 	require.True(t, found)
 	assert.GreaterOrEqual(t, b.gap.Load(), int64(30*time.Microsecond)/4, "a quarter of the way from 0 to 30 µs or more")
 }
@@ -274,14 +274,14 @@ func TestBellSpinStampsItsTime(t *testing.T) {
 
 	b.misses.Store(0)
 	b.Ring()
-	_, found := b.spin(last, monoNow())
+	_, found, _ := b.spin(last, monoNow())
 	require.True(t, found)
 	assert.True(t, b.spunWithin(monoNow(), time.Hour), "a spin that finds its ring at once stamps as it begins")
 
 	atomic.StoreInt64(b.spunAt, 0)
 	last = b.Load()
 	before := monoNow()
-	_, found = b.spin(last, before)
+	_, found, _ = b.spin(last, before)
 	require.False(t, found)
 	spunAt := atomic.LoadInt64(b.spunAt)
 	assert.Greater(t, spunAt, stampAt(before), "stamped as it spun on, not only as it began")
@@ -306,7 +306,7 @@ func TestBellSpinsThroughAPeersWake(t *testing.T) {
 	b.gap.Store(int64(60 * time.Microsecond))
 	spun := b.spun.Load()
 	start := time.Now()
-	_, found := b.spin(b.Load(), monoNow())
+	_, found, _ := b.spin(b.Load(), monoNow())
 	assert.False(t, found)
 	assert.Equal(t, spun+1, b.spun.Load(), "a waiter whose rings take a wake's time did not spin")
 	assert.GreaterOrEqual(t, time.Since(start), spinCap, "a spin shorter than a wake and what the peer does after it")

@@ -276,13 +276,15 @@ func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint3
 // The wait reads the clock (monoNow) once as it begins, each spinTurns
 // turns of its spin, as its ring comes (for learn), and once before each
 // sleep (twice for a deadline made from a wall time): a read costs 50 ns
-// or more on a VM, and a stream or a round trip waits once a message.
+// or more on a VM, and a stream or a round trip waits once a message. A
+// waiter whose ringer shares its CPU yields it first, and reads none if
+// that brings the ring (see spin).
 func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, patience time.Duration, look func() error) (uint32, error) {
 	if w := atomic.LoadUint32(b.word); w != last {
 		return w, nil
 	}
-	start := monoNow()
-	if w, ok := b.spin(last, start); ok {
+	w, ok, start := b.spin(last, 0)
+	if ok {
 		return w, nil
 	}
 	// The times the wait ends at, on monoNow's clock: its patience's
@@ -406,7 +408,8 @@ func (b *Bell) Spin(last uint32) (uint32, bool) {
 	if w := atomic.LoadUint32(b.word); w != last {
 		return w, true
 	}
-	return b.spin(last, monoNow())
+	w, ok, _ := b.spin(last, 0)
+	return w, ok
 }
 
 // nudgeAtEnd makes the end of ctx Nudge b, and returns what undoes it:
@@ -429,7 +432,9 @@ func (b *Bell) nudgeAtEnd(ctx context.Context) (disarm func()) {
 }
 
 // spin spins on the word for about twice as long as rings have lately
-// taken to come (spinBudget), and reports what it found.
+// taken to come (spinBudget), and reports what it found, and when the
+// wait began: start, a reading of monoNow, or one it takes if start is 0
+// (monoNow never is).
 // A spin is worth it only when the ringer runs on another CPU meanwhile,
 // or, for a ringer on the waiter's CPU, when the waiter yields it as it
 // spins (sharesCPU); the stamps say which, where the processor or the
@@ -437,27 +442,47 @@ func (b *Bell) nudgeAtEnd(ctx context.Context) (disarm func()) {
 // waiter learns from its spins: after maxMisses in a row end without a
 // ring, it spins only to probe, one wait in probeEvery.
 //
-// start is when the wait began, a reading of monoNow.
-func (b *Bell) spin(last uint32, start int64) (uint32, bool) {
+// A ringer on the waiter's CPU cannot ring while the waiter runs: a
+// waiter that has not read the clock yields at once, and reads it only
+// if that did not bring the ring (the wait's beginning it returns is
+// then 0, and it learns nothing: the ring came within a yield). Its
+// spin's stamp is then when its process last ended a receive on a Way
+// (lastRecv, 0 if never), a time before the truth, so that it never
+// says the waiter spun later than it did: a writer that finds it too old
+// asks the kernel whether the reader lives (see Way.readerLive).
+func (b *Bell) spin(last uint32, start int64) (uint32, bool, int64) {
 	waits := b.waits.Add(1)
-	if b.misses.Load() >= maxMisses && waits%probeEvery != 0 {
-		return last, false
-	}
-	gap := b.gap.Load()
-	if gap >= int64(spinCap) && waits%probeEvery != 0 {
-		return last, false // rings come slower than a sleep and a wake-up
+	probe := waits%probeEvery == 0
+	if !probe && (b.misses.Load() >= maxMisses || b.gap.Load() >= int64(spinCap)) {
+		// Rings come slower than a sleep and a wake-up, or not while
+		// the waiter spins.
+		if start == 0 {
+			start = monoNow()
+		}
+		return last, false, start
 	}
 	b.spun.Add(1)
 	peer := atomic.LoadUint32(b.cpu)
+	if start == 0 && sameCPU(runningCPU(), peer) {
+		atomic.StoreInt64(b.spunAt, stampAt(lastRecv.Load()))
+		spinYield()
+		if w := atomic.LoadUint32(b.word); w != last {
+			b.misses.Store(0)
+			return w, true, 0
+		}
+	}
+	if start == 0 {
+		start = monoNow()
+	}
 	yield := sharesCPU(peer, start)
-	budget := spinBudget(gap, peer)
+	budget := spinBudget(b.gap.Load(), peer)
 	wall := stampAt(start)
 	atomic.StoreInt64(b.spunAt, wall)
 	for i := 1; ; i++ {
 		if w := atomic.LoadUint32(b.word); w != last {
 			b.misses.Store(0)
 			b.learn(monoNow() - start)
-			return w, true
+			return w, true, start
 		}
 		if i%spinTurns == 0 {
 			spun := monoNow() - start
@@ -466,7 +491,7 @@ func (b *Bell) spin(last uint32, start int64) (uint32, bool) {
 				if b.misses.Load() < maxMisses {
 					b.misses.Add(1)
 				}
-				return last, false
+				return last, false, start
 			}
 			if yield {
 				spinYield()

@@ -146,10 +146,17 @@ func runningCPU() uint32 {
 func spinYield() {
 	_, _, _ = unix.Syscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
 	spinYields.Add(1)
+	if hook := afterYield.Load(); hook != nil {
+		(*hook)()
+	}
 }
 
 // spinYields counts spinYield's yields, for tests.
 var spinYields atomic.Uint64
+
+// afterYield, if set, runs after each spinYield, for tests: what the
+// process the yield let run did meanwhile.
+var afterYield atomic.Pointer[func()]
 
 // pinnedCPU returns one more than the CPU the calling thread may only run
 // on, or 0 if it may run on more than one (or its affinity cannot be

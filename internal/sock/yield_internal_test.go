@@ -125,7 +125,7 @@ func TestBellSpinYieldsToItsRingersCPU(t *testing.T) {
 	last := b.Load()
 	atomic.StoreUint32(b.cpu, c)
 	n := spinYields.Load()
-	_, found := b.spin(last, monoNow())
+	_, found, _ := b.spin(last, monoNow())
 	require.False(t, found)
 	assert.Greater(t, spinYields.Load(), n, "the ringer shares its CPU")
 	atomic.StoreUint32(b.cpu, c+1)
@@ -133,6 +133,45 @@ func TestBellSpinYieldsToItsRingersCPU(t *testing.T) {
 	n = spinYields.Load()
 	b.spin(last, monoNow())
 	assert.Equal(t, n, spinYields.Load(), "the ringer runs elsewhere")
+}
+
+// A waiter pinned to its ringer's CPU yields it before it reads the
+// clock: a ring that the yield let come ends the spin with no reading
+// and nothing learnt, its stamp its process's last receive; a yield that
+// brings none leaves a spin that reads the clock and stamps its own time.
+func TestBellYieldsFirstToItsRingersCPU(t *testing.T) {
+	b := testBell(t)
+	b.misses.Store(0)
+	b.waits.Store(1) // not a probe
+	gap := int64(spinCap / 4)
+	b.gap.Store(gap)
+	c, _ := pinThread(t)
+	atomic.StoreUint32(b.cpu, c)
+	received := monoNow() - int64(time.Millisecond)
+	lastRecv.Store(received)
+	t.Cleanup(func() { lastRecv.Store(0) })
+	ring := func() { b.Ring() }
+	afterYield.Store(&ring)
+	t.Cleanup(func() { afterYield.Store(nil) })
+
+	last := b.Load()
+	n := spinYields.Load()
+	w, found, start := b.spin(last, 0)
+	require.True(t, found)
+	assert.Equal(t, last+1, w)
+	assert.Zero(t, start, "the clock was read")
+	assert.Equal(t, n+1, spinYields.Load(), "one yield")
+	assert.Equal(t, gap, b.gap.Load(), "a gap learnt from a ring within a yield")
+	assert.Equal(t, stampAt(received), atomic.LoadInt64(b.spunAt), "stamped as its last receive")
+
+	afterYield.Store(nil)
+	last = b.Load()
+	before := monoNow()
+	_, found, start = b.spin(last, 0)
+	require.False(t, found)
+	assert.GreaterOrEqual(t, start, before, "the spin's own beginning")
+	assert.Greater(t, spinYields.Load(), n+2, "yielding as it spun on")
+	assert.Greater(t, atomic.LoadInt64(b.spunAt), stampAt(start), "stamped as it spun on")
 }
 
 // A writer pinned to the CPU its busy reader last took an entry on yields
@@ -196,7 +235,7 @@ func TestBellSpinsLongerForARingerApart(t *testing.T) {
 	b.gap.Store(0)
 	atomic.StoreUint32(b.cpu, c+1)
 	start := time.Now()
-	_, found := b.spin(b.Load(), monoNow())
+	_, found, _ := b.spin(b.Load(), monoNow())
 	require.False(t, found)
 	assert.GreaterOrEqual(t, time.Since(start), spinApart, "the spin's budget")
 
