@@ -88,7 +88,7 @@ type Way struct {
 	mem    *fd.FD // the lane's memory, or nil for a pipe without one
 	writes bool   // this process writes the lane (else it reads it)
 
-	sem     chan struct{} // held by the one call, and a received Msg until Done
+	sem     callLock // held by the one call, and a received Msg until Done
 	closed  atomic.Bool
 	waiting atomic.Int32 // calls waiting for sem, or on the lane for a message
 
@@ -234,7 +234,8 @@ var (
 // says whether this end writes the lane or reads it. A nil mem makes a
 // Way that only uses the socket.
 func NewWay(shared *Conn, mem *fd.FD, writes bool) *Way {
-	w := &Way{shared: shared, mem: mem, writes: writes, sem: make(chan struct{}, 1), broken: mem == nil, sleep: laneSleep, parkFirst: parkSlice}
+	w := &Way{shared: shared, mem: mem, writes: writes, broken: mem == nil, sleep: laneSleep, parkFirst: parkSlice}
+	w.sem.freed = make(chan struct{}, 1)
 	w.onGone = w.nudgeLane
 	if writes {
 		w.alive = w.writerAlive
@@ -321,22 +322,18 @@ func (w *Way) lockCall(ctx context.Context, block bool) error {
 	if err := ctx.Err(); err != nil {
 		return err // a done context takes and sends nothing
 	}
-	select {
-	case w.sem <- struct{}{}:
-	default:
+	if !w.sem.tryLock() {
 		if !block {
 			return ErrWouldBlock
 		}
 		w.waiting.Add(1)
 		defer w.waiting.Add(-1)
-		select {
-		case w.sem <- struct{}{}:
-		case <-ctx.Done():
+		if !w.sem.lockOr(ctx.Done()) {
 			return ctx.Err()
 		}
 	}
 	if w.closed.Load() {
-		<-w.sem
+		w.sem.unlock()
 		return errWayClosed
 	}
 	return nil
@@ -367,7 +364,7 @@ func (w *Way) recvDone() {
 // (handOn).
 func (w *Way) unlock() {
 	w.handMu.Lock()
-	<-w.sem
+	w.sem.unlock()
 	asked := w.handOn
 	w.handOn = false
 	w.handMu.Unlock()
@@ -401,9 +398,7 @@ func (w *Way) letGoIdle() {
 	if w.closed.Load() {
 		return
 	}
-	select {
-	case w.sem <- struct{}{}:
-	default:
+	if !w.sem.tryLock() {
 		w.idle.Reset(time.Duration(w.idleEvery.Load())) // receiving
 		return
 	}
@@ -582,15 +577,13 @@ func (w *Way) LetGo() {
 		return
 	}
 	w.handMu.Lock()
-	select {
-	case w.sem <- struct{}{}:
-		w.handOn = false // done now
-		w.handMu.Unlock()
-	default:
+	if !w.sem.tryLock() {
 		w.handOn = true // the call under way hands on as it ends
 		w.handMu.Unlock()
 		return
 	}
+	w.handOn = false // done now
+	w.handMu.Unlock()
 	defer w.unlock()
 	w.handOnNow()
 }
@@ -651,7 +644,7 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 	if err := w.lockCall(ctx, block); err != nil {
 		return err
 	}
-	defer func() { <-w.sem }()
+	defer w.sem.unlock()
 	l := w.taken()
 	if l == nil {
 		if len(lent) > 0 {
@@ -1011,13 +1004,11 @@ func (w *Way) sendEntry(ctx context.Context, l *Lane, hdr, data []byte, block bo
 // untaken gives their blocks back though the writer never sends again.
 // The Send that lends while none is out arms it.
 func (w *Way) settleIdle() {
-	select {
-	case w.sem <- struct{}{}:
-	default:
+	if !w.sem.tryLock() {
 		w.settler.Reset(settleEvery) // sending: it settles
 		return
 	}
-	defer func() { <-w.sem }()
+	defer w.sem.unlock()
 	l := w.lane.Load()
 	if w.closed.Load() || l == nil {
 		w.settling = false
@@ -1818,13 +1809,11 @@ func (w *Way) Close() error {
 		if l := w.lane.Load(); l != nil {
 			l.Nudge()
 		}
-		select {
-		case w.sem <- struct{}{}:
-			taken = true
-		case <-time.After(time.Millisecond):
-		}
+		wait, cancel := context.WithTimeout(context.Background(), time.Millisecond)
+		taken = w.sem.lockOr(wait.Done())
+		cancel()
 	}
-	defer func() { <-w.sem }()
+	defer w.sem.unlock()
 	w.shared.unwatchGone(w) // the poller nudges the lane no more
 	if w.lane.Load() == nil && w.mem != nil && !w.broken && !w.fair {
 		// A peer asleep on the lane, a reader or a writer waiting for

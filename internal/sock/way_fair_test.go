@@ -203,7 +203,7 @@ func TestFairWayClaimedWaitGetsItsEntry(t *testing.T) {
 	got := recvLater(ctx, r)
 	waitsOnLane(t, r)
 
-	w.sem <- struct{}{}
+	w.sem.lock()
 	l := w.taken()
 	require.True(t, w.handsOver(l, l.Tail(), true, false), "the writer claims the wait")
 	time.Sleep(laneSleep + 50*time.Millisecond)
@@ -308,10 +308,10 @@ func TestFairWayOtherWritersComeFirst(t *testing.T) {
 		got := recvLater(ctx, r)
 		waitsOnLane(t, r)
 		require.NoError(t, w2.Send(ctx, wayMsg(k, 8), nil))
-		w.sem <- struct{}{}
+		w.sem.lock()
 		l := w.lane.Load()
 		lane := w.handsOver(l, l.Tail(), false, false)
-		<-w.sem
+		w.sem.unlock()
 		assert.False(t, lane, "message %d: the lane would take it", k+1)
 		require.NoError(t, w.Send(ctx, wayMsg(k+1, 8), nil))
 		g := <-got
@@ -358,10 +358,10 @@ func TestFairWayTryRecv(t *testing.T) {
 
 	// An entry in the lane, taken by a TryRecv: one a reader that waited
 	// was handed and did not take (its wait ended first).
-	w.sem <- struct{}{}
+	w.sem.lock()
 	l := w.taken()
 	require.NoError(t, w.sendEntry(ctx, l, []byte{kindValue}, wayMsg(3, 8), false, monoNow()))
-	<-w.sem
+	w.sem.unlock()
 	assert.True(t, tryRecvOne(t, ctx, r, 3), "by the lane")
 }
 
@@ -544,7 +544,7 @@ func TestFairWayDeadWritersClaim(t *testing.T) {
 func publishClaimed(t *testing.T, ctx context.Context, w *Way, l *Lane) {
 	t.Helper()
 	require.NoError(t, w.sendEntry(ctx, l, []byte{kindValue}, wayMsg(1, 8), true, monoNow()))
-	<-w.sem
+	w.sem.unlock()
 }
 
 // claimedArrives checks that the receive got took message 1, the claimed
@@ -566,7 +566,7 @@ func claimOutlived(t *testing.T) (w, r *Way, l *Lane, ctx context.Context) {
 	short, cancelShort := context.WithCancel(ctx)
 	got := recvLater(short, r)
 	waitsOnLane(t, r)
-	w.sem <- struct{}{}
+	w.sem.lock()
 	l = w.taken()
 	require.True(t, w.handsOver(l, l.Tail(), true, false), "the writer claims the wait")
 	cancelShort()
@@ -778,10 +778,10 @@ func TestFairWayStalledClaimLetsTheSocketIn(t *testing.T) {
 	w2 := anotherFair(t, w, mem, true)
 	got := recvLater(ctx, r)
 	waitsOnLane(t, r)
-	w.sem <- struct{}{}
+	w.sem.lock()
 	l := w.taken()
 	require.True(t, w.handsOver(l, l.Tail(), true, false), "the writer claims the wait")
-	<-w.sem // and publishes nothing
+	w.sem.unlock() // and publishes nothing
 	require.NoError(t, w2.Send(ctx, wayMsg(1, 8), nil))
 	g := within(t, got, "the reader waits for a claimed entry that does not come, not for the socket")
 	assert.Equal(t, 1, g.i)

@@ -58,8 +58,8 @@ func another(t *testing.T, w *Way, mem *fd.FD, writes bool) *Way {
 
 // holds reports whether w holds its role, as its calls see it.
 func holds(w *Way) bool {
-	w.sem <- struct{}{}
-	defer func() { <-w.sem }()
+	w.sem.lock()
+	defer w.sem.unlock()
 	return w.held
 }
 
@@ -173,12 +173,12 @@ func TestWayLeavesAnEarlySocketMessage(t *testing.T) {
 	// Message 1 by the socket, tagged as following entry 0, and no
 	// marker yet.
 	require.NoError(t, w.shared.send(ctx, wayMsg(1, 8), nil, int64(l.Tail()), true))
-	r.sem <- struct{}{} // as Recv holds it
+	r.sem.lock() // as Recv holds it
 	rl := r.taken()
 	require.NotNil(t, rl)
 	r.draining = true
 	_, ok, err := r.fromSocket(ctx, rl)
-	<-r.sem
+	r.sem.unlock()
 	require.NoError(t, err)
 	require.False(t, ok, "the socket's message came before entry 0")
 	assert.False(t, r.stashed || r.draining, "the message was received, or the drain goes on")
@@ -306,9 +306,9 @@ func TestWayBrokenCountsLeaveTheSocket(t *testing.T) {
 	require.NoError(t, w.shared.Send(ctx, wayMsg(1, 8), nil))
 	got, _ = recvIndex(t, ctx, r)
 	assert.Equal(t, 1, got)
-	r.sem <- struct{}{}
+	r.sem.lock()
 	assert.True(t, r.broken)
-	<-r.sem
+	r.sem.unlock()
 }
 
 // What a peer writes into the lane or the socket that the Way did not is
@@ -543,8 +543,8 @@ func keepAhead(t *testing.T, ctx context.Context, w, r *Way) {
 	r.tried = time.Now()
 	got, _ := recvIndex(t, ctx, r)
 	require.Equal(t, 0, got)
-	r.sem <- struct{}{}
-	defer func() { <-r.sem }()
+	r.sem.lock()
+	defer r.sem.unlock()
 	require.True(t, r.held && r.stashed, "message 2 is kept")
 }
 
@@ -606,13 +606,13 @@ func TestWayReaderTakesTheRoleAtOnce(t *testing.T) {
 	defer cancel()
 	require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil)) // w takes the role
 	r2 := another(t, r, mem, false)
-	r.sem <- struct{}{}
+	r.sem.lock()
 	require.NotNil(t, r.taken()) // r holds the reader's role
-	<-r.sem
+	r.sem.unlock()
 	require.NoError(t, w.Send(ctx, wayMsg(1, 2*WayEntry), nil)) // socket, then marker
-	r2.sem <- struct{}{}
+	r2.sem.lock()
 	require.Nil(t, r2.taken()) // r2's try fails, just now
-	<-r2.sem
+	r2.sem.unlock()
 	require.NoError(t, r.Close()) // the role is free
 	got, _ := recvIndex(t, ctx, r2)
 	assert.Equal(t, 0, got)

@@ -56,9 +56,9 @@ func takeRoles(t *testing.T, ctx context.Context, w, r *Way, f func()) {
 // (the producer's) and r's copy of it.
 func pinOne(t *testing.T, ctx context.Context, w, r *Way) (b, got *shm.Block) {
 	t.Helper()
-	r.sem <- struct{}{}
+	r.sem.lock()
 	r.pinLook = 10 * time.Millisecond
-	<-r.sem
+	r.sem.unlock()
 	b, err := shm.DefaultPool().Alloc(4 << 10)
 	require.NoError(t, err)
 	got = receivedCopy(t, b)
@@ -68,8 +68,8 @@ func pinOne(t *testing.T, ctx context.Context, w, r *Way) (b, got *shm.Block) {
 
 // pinsNow reports whether r pins segment id, as its calls see it.
 func pinsNow(r *Way, id shm.ID) bool {
-	r.sem <- struct{}{}
-	defer func() { <-r.sem }()
+	r.sem.lock()
+	defer r.sem.unlock()
 	return r.Pinned(id)
 }
 
@@ -362,10 +362,10 @@ func TestWayPinNeedsTheRole(t *testing.T) {
 	require.NoError(t, err)
 	m.Done()
 	require.True(t, holds(r))
-	r2.sem <- struct{}{} // as a receive of r2 would hold it
+	r2.sem.lock() // as a receive of r2 would hold it
 	r2.Pin(a.Segment().ID())
 	pinned := r2.Pinned(a.Segment().ID())
-	<-r2.sem
+	r2.sem.unlock()
 	assert.False(t, pinned, "r2 does not hold the role")
 	assert.False(t, w.Maps(a), "nor lists anything")
 }
@@ -406,9 +406,9 @@ func TestWayPinsAreBoundedAndPruned(t *testing.T) {
 	takeRoles(t, ctx, w, r, func() { r.Pin(bs[2].Segment().ID()) })
 	assert.True(t, w.Maps(bs[1]))
 	assert.True(t, w.Maps(bs[2]), "pinned in the room the first left")
-	r.sem <- struct{}{}
+	r.sem.lock()
 	assert.False(t, r.Pinned(bs[0].Segment().ID()), "unpinned once its producer let go of it")
-	<-r.sem
+	r.sem.unlock()
 
 	require.NoError(t, got[1].Release())
 	require.NoError(t, bs[1].Release())
@@ -421,8 +421,8 @@ func TestWayPinsAreBoundedAndPruned(t *testing.T) {
 	require.NoError(t, err)
 	m.Done()
 	assert.Eventually(t, func() bool {
-		r.sem <- struct{}{}
-		defer func() { <-r.sem }()
+		r.sem.lock()
+		defer r.sem.unlock()
 		return !r.Pinned(bs[1].Segment().ID())
 	}, 5*time.Second, 10*time.Millisecond, "unpinned at an idle look")
 	require.NoError(t, got[2].Release())
@@ -453,9 +453,9 @@ func TestWayIdleReaderUnpinsWhatItsProducerLetGo(t *testing.T) {
 	defer got2.Release()
 	takeRoles(t, ctx, w, r2, func() { r2.Pin(b2.Segment().ID()) })
 	l := r.lane.Load()
-	r2.sem <- struct{}{}
+	r2.sem.lock()
 	owner := r2.pins.owner
-	<-r2.sem
+	r2.sem.unlock()
 
 	require.NoError(t, got.Release())
 	producerLetsGo(t, b)
@@ -604,9 +604,9 @@ func parkingWithPins(t *testing.T) (w, r *Way, ctx context.Context) {
 	w, r, _ = fairPair(t)
 	b, got := pinOne(t, ctx, w, r)
 	t.Cleanup(func() { _, _ = got.Release(), b.Release() })
-	r.sem <- struct{}{}
+	r.sem.lock()
 	r.sleep = time.Millisecond
-	<-r.sem
+	r.sem.unlock()
 	return w, r, ctx
 }
 
@@ -616,9 +616,9 @@ func parkingWithPins(t *testing.T) (w, r *Way, ctx context.Context) {
 // context.DeadlineExceeded at its deadline.
 func TestWayParkedReceiveEndsAsItsCallerSays(t *testing.T) {
 	w, r, ctx := parkingWithPins(t)
-	r.sem <- struct{}{}
+	r.sem.lock()
 	r.pinLook = 20 * time.Microsecond // slices end all the time
-	<-r.sem
+	r.sem.unlock()
 	const outlived = "the receive outlived its caller's context by seconds"
 	for i := range 200 {
 		c, stop := context.WithCancel(ctx)
@@ -819,8 +819,8 @@ func TestWayPinOutlivesEarlierEntries(t *testing.T) {
 	producerLetsGo(t, b)
 	pinned := func() bool { return pinsNow(r, id) }
 	prune := func() {
-		r.sem <- struct{}{}
-		defer func() { <-r.sem }()
+		r.sem.lock()
+		defer r.sem.unlock()
 		r.prunePins(r.lane.Load())
 	}
 	take := func() {
