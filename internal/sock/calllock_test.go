@@ -11,6 +11,19 @@ import (
 
 func newTestCallLock() *callLock { return &callLock{freed: make(chan struct{}, 1)} }
 
+// lockedWithin returns what a lockOr reported on got, failing the test
+// if it has not returned within ten seconds: a waiter never woken.
+func lockedWithin(t *testing.T, got <-chan bool) bool {
+	t.Helper()
+	select {
+	case ok := <-got:
+		return ok
+	case <-time.After(10 * time.Second):
+		t.Fatal("a waiter was never woken")
+		return false
+	}
+}
+
 // A callLock is held by one caller at a time: callers that wait for it
 // each get it, none is left waiting when it is released for the last
 // time, and what they guard is never touched by two at once (the race
@@ -57,7 +70,7 @@ func TestCallLockWaits(t *testing.T) {
 	gave := make(chan bool)
 	go func() { gave <- c.lockOr(done) }()
 	close(done)
-	assert.False(t, <-gave, "the waiter gave up")
+	assert.False(t, lockedWithin(t, gave), "the waiter gave up")
 
 	got := make(chan bool)
 	go func() { got <- c.lockOr(nil) }()
@@ -70,12 +83,7 @@ func TestCallLockWaits(t *testing.T) {
 	case <-time.After(10 * time.Millisecond):
 	}
 	c.unlock()
-	select {
-	case ok := <-got:
-		assert.True(t, ok)
-	case <-time.After(10 * time.Second):
-		t.Fatal("the release did not wake the waiter")
-	}
+	assert.True(t, lockedWithin(t, got), "woken by the release")
 	assert.False(t, c.tryLock(), "the waiter holds it")
 	c.unlock()
 	assert.True(t, c.tryLock())
@@ -94,7 +102,7 @@ func TestCallLockHandsOver(t *testing.T) {
 	}
 	c.unlock()
 	assert.False(t, c.tryLock(), "taken back from the waiter")
-	require.True(t, <-got)
+	require.True(t, lockedWithin(t, got))
 	c.unlock()
 
 	// A waiter counted, handed the lock, gone before it took it.
