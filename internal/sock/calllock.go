@@ -12,8 +12,8 @@ import "sync/atomic"
 // Fair to those who wait: a release that finds a waiter hands the lock
 // to it, through freed, without letting it go, so that a caller in a
 // tight loop cannot take it back first. The lock is then held by
-// whichever waiter takes the token; one that gave up meanwhile leaves
-// it to the next waiter, or, if none is left, to the next tryLock. Its
+// whichever waiter takes the token, or, if the one it was meant for gave
+// up without it, by the next waiter or tryLock to take it. Its
 // zero value is not ready: NewWay makes freed.
 type callLock struct {
 	held    atomic.Bool // taken, by a caller or by the token in freed
@@ -21,9 +21,11 @@ type callLock struct {
 	// freed holds the lock's token while it is handed to a waiter; it
 	// is empty whenever a caller holds the lock.
 	freed chan struct{}
-	// beforeRelease, if set, runs in unlock between its look at the
-	// waiters and its release, for tests: a waiter that comes there.
-	beforeRelease func()
+	// beforeWait and beforeRelease, if set, run in lockOr between its
+	// first try and its count of the waiter, and in unlock between its
+	// look at the waiters and its release, for tests: a release, or a
+	// waiter, that comes there.
+	beforeWait, beforeRelease func()
 }
 
 // tryLock takes the lock if it is free, and reports whether it did.
@@ -47,24 +49,46 @@ func (c *callLock) tryLock() bool {
 func (c *callLock) lock() { c.lockOr(nil) }
 
 // lockOr takes the lock, waiting for it until done closes, and reports
-// whether it took it.
+// whether it took it: also when done closed as the lock was handed to
+// it (see giveUp).
 func (c *callLock) lockOr(done <-chan struct{}) bool {
 	if c.tryLock() {
 		return true
+	}
+	if c.beforeWait != nil {
+		c.beforeWait()
 	}
 	// Counted before the try that follows: a release either sees the
 	// waiter and hands it the lock, or let it go first, and the try
 	// finds it free (both sides' operations are sequentially
 	// consistent).
 	c.waiters.Add(1)
-	defer c.waiters.Add(-1)
 	if c.held.CompareAndSwap(false, true) {
+		c.waiters.Add(-1)
 		return true
 	}
 	select {
 	case <-c.freed:
+		c.waiters.Add(-1)
 		return true
 	case <-done:
+		return c.giveUp()
+	}
+}
+
+// giveUp ends a wait that its done ended, and reports whether the waiter
+// took the lock all the same: a release that counted it may have handed
+// the lock over meanwhile, and a tryLock fails while the waiter is
+// counted, so the token is the waiter's to take, as a send on a channel
+// of one goes through when its select finds both ready. One that comes
+// after the waiter looked, with no other waiter left, is the next
+// tryLock's.
+func (c *callLock) giveUp() bool {
+	c.waiters.Add(-1)
+	select {
+	case <-c.freed:
+		return true
+	default:
 		return false
 	}
 }

@@ -137,3 +137,40 @@ func TestCallLockSeesALateWaiter(t *testing.T) {
 	c.unlock()
 	assert.True(t, c.tryLock())
 }
+
+// A release between a waiter's first try and its count leaves the lock
+// free, and the waiter's next try takes it.
+func TestCallLockSeesAReleaseBeforeTheCount(t *testing.T) {
+	c := newTestCallLock()
+	require.True(t, c.tryLock())
+	c.beforeWait = func() {
+		c.beforeWait = nil
+		c.unlock()
+	}
+	got := make(chan bool)
+	go func() { got <- c.lockOr(nil) }()
+	assert.True(t, lockedWithin(t, got), "took the lock released before its count")
+	assert.False(t, c.tryLock(), "the waiter holds it")
+}
+
+// A waiter that gives up as the lock is handed to it takes it all the
+// same, so that nothing is left held by nobody: a tryLock fails while
+// that waiter is counted.
+func TestCallLockGivesUpWithTheToken(t *testing.T) {
+	c := newTestCallLock()
+	require.True(t, c.tryLock())
+	c.waiters.Add(1) // a waiter, counted, whose done has closed
+	c.unlock()
+	assert.False(t, c.tryLock(), "handed to the waiter")
+	assert.True(t, c.giveUp(), "the waiter took it as it gave up")
+	assert.Zero(t, c.waiters.Load())
+	assert.False(t, c.tryLock(), "the waiter holds it")
+	c.unlock()
+
+	// Nothing was handed over: it gives up without the lock.
+	require.True(t, c.tryLock())
+	c.waiters.Add(1)
+	assert.False(t, c.giveUp())
+	c.unlock()
+	assert.True(t, c.tryLock(), "free")
+}

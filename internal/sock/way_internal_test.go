@@ -747,3 +747,36 @@ func TestWayCloseWaitsForThePollersNudge(t *testing.T) {
 	require.NoError(t, <-closed)
 	time.Sleep(100 * time.Millisecond) // a nudge run after the lock would come meanwhile
 }
+
+// A LetGo that comes as a receive ends, and hands the Way's call to
+// another receive whose context ended meanwhile, lets the role go: that
+// receive, which takes the call as it gives up, hands on as it ends,
+// whichever it does first.
+func TestLetGoAsAWaitingReceiveGivesUp(t *testing.T) {
+	for i := range 50 {
+		w, r, _ := wayPair(t)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
+		recvIndex(t, ctx, r)
+		require.True(t, holds(r))
+		r.sem.lock() // as a receive holds it
+		waiting, stop := context.WithCancel(ctx)
+		done := make(chan error)
+		go func() {
+			m, err := r.Recv(waiting)
+			if err == nil {
+				m.Done()
+			}
+			done <- err
+		}()
+		for r.sem.waiters.Load() == 0 {
+			time.Sleep(10 * time.Microsecond)
+		}
+		stop()
+		r.unlock() // the receive's end
+		r.LetGo()
+		<-done
+		assert.False(t, holds(r), "try %d: the role is held still", i)
+		cancel()
+	}
+}

@@ -141,8 +141,8 @@ func TestBellSpinYieldsToItsRingersCPU(t *testing.T) {
 // brings none leaves a spin that reads the clock and stamps its own time.
 func TestBellYieldsFirstToItsRingersCPU(t *testing.T) {
 	b := testBell(t)
-	b.misses.Store(0)
-	b.waits.Store(1) // not a probe
+	b.misses.Store(maxMisses - 1) // it spins all the same
+	b.waits.Store(1)              // not a probe
 	gap := int64(spinCap / 4)
 	b.gap.Store(gap)
 	c, _ := pinThread(t)
@@ -161,6 +161,7 @@ func TestBellYieldsFirstToItsRingersCPU(t *testing.T) {
 	assert.Equal(t, last+1, w)
 	assert.Zero(t, start, "the clock was read")
 	assert.Equal(t, n+1, spinYields.Load(), "one yield")
+	assert.Zero(t, b.misses.Load(), "a spin that found its ring")
 	assert.Equal(t, gap, b.gap.Load(), "a gap learnt from a ring within a yield")
 	assert.Equal(t, stampAt(received), atomic.LoadInt64(b.spunAt), "stamped as its last receive")
 
