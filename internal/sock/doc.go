@@ -25,9 +25,9 @@
 // A Lane is the shared-memory path beside a socket: a ring of messages in
 // a sealed memfd, published and taken with atomic operations on words
 // both processes map, and a Bell on which a side that has nothing to do
-// spins briefly (yielding the CPU as it spins when both sides are pinned
-// to that one CPU), then sleeps on a futex, woken by the other side only
-// when it sleeps. A Lane carries bytes only. A Way puts one beside the
+// spins briefly (yielding the CPU first, and as it spins, when both
+// sides run on that one CPU), then sleeps on a futex, woken by the other
+// side only when it sleeps. A Lane carries bytes only. A Way puts one beside the
 // socket of a pipe's direction (NewWay) or of a queue (NewFairWay). Its
 // writer sends by it, when it holds the writer's role and the entry fits
 // (and, for a queue, handsOver finds the reader ready for it, or, for a
