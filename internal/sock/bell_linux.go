@@ -450,10 +450,10 @@ func (b *Bell) nudgeAtEnd(ctx context.Context) (disarm func()) {
 // (lastRecv, 0 if never), a time before the truth, so that it never
 // says the waiter spun later than it did: a writer that finds it too old
 // asks the kernel whether the reader lives (see Way.readerLive). That is
-// a system call on each Send that lends blocks to a reader on its CPU
-// which works longer than liveWindow between a receive and its next wait
-// (about a microsecond against its 20 or more), where the clock read
-// this saves is one on every wait.
+// a system call on each Send of a queue's writer (a fair Way's) that
+// lends blocks to a reader on its CPU which works longer than liveWindow
+// between a receive and its next wait (about a microsecond against its
+// 20 or more), where the clock read this saves is one on every wait.
 func (b *Bell) spin(last uint32, start int64) (uint32, bool, int64) {
 	waits := b.waits.Add(1)
 	probe := waits%probeEvery == 0

@@ -23,22 +23,22 @@
 // SIGURG to its thread.
 //
 // A Lane is the shared-memory path beside a socket: a ring of messages in
-// a sealed memfd, published and taken with atomic operations on words
-// both processes map, and a Bell on which a side that has nothing to do
-// spins briefly (yielding the CPU first, and as it spins, when both
-// sides run on that one CPU), then sleeps on a futex, woken by the other
-// side only when it sleeps. A Lane carries bytes only. A Way puts one beside the
-// socket of a pipe's direction (NewWay) or of a queue (NewFairWay). Its
-// writer sends by it, when it holds the writer's role and the entry fits
-// (and, for a queue, handsOver finds the reader ready for it, or, for a
-// tensor sent by a process that is answering, the reader comes back to
-// the lane while the writer spins for it: see awaitReader), what needs
-// no descriptor: values with no tensor, tensors of pooled blocks the
-// writer's own pool made, in segments the reader pins, lent until the
-// reader holds them (see way_pins.go), and tensors of pooled blocks the
-// reader made, sent back to it, which the reader holds while they wait
-// (see way_returns.go). Everything else goes by the socket, whose
-// descriptors are the message's holds in flight.
+// a sealed memfd, published and taken with atomic operations on words both
+// processes map, and a Bell on which a side that has nothing to do spins
+// briefly (yielding the CPU first, and as it spins, when both sides run on
+// that one CPU), then sleeps on a futex, woken by the other side only when
+// it sleeps. A Lane carries bytes only. A Way puts one beside the socket
+// of a pipe's direction (NewWay) or of a queue (NewFairWay). Its writer
+// sends by it, when it holds the writer's role and the entry fits (and,
+// for a queue, handsOver finds the reader ready for it, or, for a tensor
+// sent by a process that is answering, the reader comes back to the lane
+// while the writer spins for it: see awaitReader), what needs no
+// descriptor: values with no tensor, tensors of pooled blocks the writer's
+// own pool made, in segments the reader pins, lent until the reader holds
+// them (see way_pins.go), and tensors of pooled blocks the reader made,
+// sent back to it, which the reader holds while they wait (see
+// way_returns.go). Everything else goes by the socket, whose descriptors
+// are the message's holds in flight.
 //
 // Ownership: a Conn owns its descriptor until Close, which waits for the
 // calls using it; a received message's descriptors are the receiver's; a

@@ -144,10 +144,10 @@ func runningCPU() uint32 {
 // spinYield yields the CPU, as a spin for a peer that shares it does
 // every spinTurns turns: a raw system call, as the runtime's own yield
 // makes, since sched_yield waits for nothing but the CPU. The runtime
-// would hand the thread's P to another thread only after 20 µs in a
-// system call, which a yield outlasts only when the peer runs on for a
-// slice; a process pinned to the CPU it shares could not run that
-// thread meanwhile anyway. The runtime's bookkeeping around a system
+// would hand the thread's P to another thread only after at least one
+// tick of its monitor (20 µs or more) in a system call, which a yield
+// outlasts only when the peer runs on for a slice; a process pinned to
+// the CPU it shares could not run that thread meanwhile anyway. The runtime's bookkeeping around a system
 // call (entersyscall, exitsyscall) was 1.4% of the samples of a round
 // trip on one CPU (perf record).
 func spinYield() {

@@ -331,6 +331,13 @@ func (w *Way) lockCall(ctx context.Context, block bool) error {
 		if !w.sem.lockOr(ctx.Done()) {
 			return ctx.Err()
 		}
+		if err := ctx.Err(); err != nil {
+			// Handed the call as ctx ended (see callLock.giveUp):
+			// released as a call ends, which hands on a LetGo that
+			// found it taken.
+			w.unlock()
+			return err
+		}
 	}
 	if w.closed.Load() {
 		w.sem.unlock()

@@ -780,3 +780,40 @@ func TestLetGoAsAWaitingReceiveGivesUp(t *testing.T) {
 		cancel()
 	}
 }
+
+// A receive whose context ends as the Way's call is handed to it takes
+// nothing and returns the context's error, as one whose context ended
+// first does: the message is the next receive's.
+func TestRecvEndedAsItIsHandedTheCall(t *testing.T) {
+	w, r, _ := wayPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for range 20 {
+		require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
+		recvIndex(t, ctx, r)
+		require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
+		r.sem.lock() // as a receive holds it
+		waiting, stop := context.WithCancel(ctx)
+		done := make(chan error)
+		go func() {
+			m, err := r.Recv(waiting)
+			if err == nil {
+				m.Done()
+			}
+			done <- err
+		}()
+		for r.sem.waiters.Load() == 0 {
+			time.Sleep(10 * time.Microsecond)
+		}
+		stop()
+		r.unlock()
+		select {
+		case err := <-done:
+			assert.ErrorIs(t, err, context.Canceled)
+		case <-time.After(10 * time.Second):
+			t.Fatal("the receive did not return")
+		}
+		i, _ := recvIndex(t, ctx, r)
+		assert.Equal(t, 1, i, "the message was left for the next receive")
+	}
+}
