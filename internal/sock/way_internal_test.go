@@ -748,6 +748,42 @@ func TestWayCloseWaitsForThePollersNudge(t *testing.T) {
 	time.Sleep(100 * time.Millisecond) // a nudge run after the lock would come meanwhile
 }
 
+// recvGivingUp holds r's call, as a receive does, starts another
+// receive, which waits for the call, and ends that receive's context
+// once it is counted as waiting: the test's release of the call (r's
+// unlock) then hands it to a receive that has given up. It returns what
+// the receive returns.
+func recvGivingUp(ctx context.Context, r *Way) <-chan error {
+	r.sem.lock()
+	waiting, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() {
+		m, err := r.Recv(waiting)
+		if err == nil {
+			m.Done()
+		}
+		done <- err
+	}()
+	for r.sem.waiters.Load() == 0 {
+		time.Sleep(10 * time.Microsecond)
+	}
+	stop()
+	return done
+}
+
+// receiveReturns returns what done gives, failing the test if the
+// receive has not returned within ten seconds.
+func receiveReturns(t *testing.T, done <-chan error) error {
+	t.Helper()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(10 * time.Second):
+		t.Fatal("the receive did not return")
+		return nil
+	}
+}
+
 // A LetGo that comes as a receive ends, and hands the Way's call to
 // another receive whose context ended meanwhile, lets the role go: that
 // receive, which takes the call as it gives up, hands on as it ends,
@@ -759,23 +795,10 @@ func TestLetGoAsAWaitingReceiveGivesUp(t *testing.T) {
 		require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
 		recvIndex(t, ctx, r)
 		require.True(t, holds(r))
-		r.sem.lock() // as a receive holds it
-		waiting, stop := context.WithCancel(ctx)
-		done := make(chan error)
-		go func() {
-			m, err := r.Recv(waiting)
-			if err == nil {
-				m.Done()
-			}
-			done <- err
-		}()
-		for r.sem.waiters.Load() == 0 {
-			time.Sleep(10 * time.Microsecond)
-		}
-		stop()
+		done := recvGivingUp(ctx, r)
 		r.unlock() // the receive's end
 		r.LetGo()
-		<-done
+		receiveReturns(t, done)
 		assert.False(t, holds(r), "try %d: the role is held still", i)
 		cancel()
 	}
@@ -792,27 +815,9 @@ func TestRecvEndedAsItIsHandedTheCall(t *testing.T) {
 		require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
 		recvIndex(t, ctx, r)
 		require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
-		r.sem.lock() // as a receive holds it
-		waiting, stop := context.WithCancel(ctx)
-		done := make(chan error)
-		go func() {
-			m, err := r.Recv(waiting)
-			if err == nil {
-				m.Done()
-			}
-			done <- err
-		}()
-		for r.sem.waiters.Load() == 0 {
-			time.Sleep(10 * time.Microsecond)
-		}
-		stop()
+		done := recvGivingUp(ctx, r)
 		r.unlock()
-		select {
-		case err := <-done:
-			assert.ErrorIs(t, err, context.Canceled)
-		case <-time.After(10 * time.Second):
-			t.Fatal("the receive did not return")
-		}
+		assert.ErrorIs(t, receiveReturns(t, done), context.Canceled)
 		i, _ := recvIndex(t, ctx, r)
 		assert.Equal(t, 1, i, "the message was left for the next receive")
 	}
