@@ -151,12 +151,23 @@ func runWorker(name string, fn WorkerFunc) int {
 	m.Done()
 
 	// The backstop to Pdeathsig: the parent closing the control socket,
-	// or dying, ends the worker.
+	// or dying, ends the worker. Any other failure of the wait is this
+	// process's (its descriptors exhausted, so that the receive cannot
+	// park, say: the worker's function may lower its own limit), and the
+	// wait begins again a little later.
 	go func() {
-		var x struct{}
-		if err := get(context.Background(), ctl, &x, true); err != nil {
-			log.Debug("control socket closed: exiting", "error", err)
-			os.Exit(3)
+		for {
+			var x struct{}
+			err := get(context.Background(), ctl, &x, true)
+			if err == nil {
+				return // nothing comes after the arguments: a message ends the watch
+			}
+			if errors.Is(err, ErrClosed) {
+				log.Debug("control socket closed: exiting", "error", err)
+				os.Exit(3)
+			}
+			log.Debug("waiting on the control socket", "error", err)
+			time.Sleep(backstopRetry)
 		}
 	}()
 
@@ -187,6 +198,10 @@ func runWorker(name string, fn WorkerFunc) int {
 	}
 	return 0
 }
+
+// backstopRetry is how long a worker's wait on its control socket
+// pauses after a failure of its own before it waits again.
+const backstopRetry = 10 * time.Millisecond
 
 // errTerminated is the cause of a worker's context cancelled by SIGTERM.
 var errTerminated = errors.New("SIGTERM cancelled the worker's context")

@@ -2,6 +2,7 @@ package sock
 
 import (
 	"context"
+	"fmt"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -193,11 +194,13 @@ func (sl *waitSlot) wait(s int, ev int16) bool {
 // waiting on it, for every parked caller of every Conn, and every watch
 // of a socket's other end (watchGone). Sockets are registered one-shot,
 // when a caller parks or a watch is armed, so a socket nobody waits on or
-// watches wakes it at most once.
+// watches wakes it at most once. It starts at its first use (startPoller),
+// under startMu, and once started is never stopped: started is set last,
+// and epfd and parks are read only after it.
 var thePoller struct {
-	once sync.Once
-	epfd int
-	err  error
+	startMu sync.Mutex
+	started atomic.Bool
+	epfd    int
 
 	mu    sync.Mutex
 	next  uint64
@@ -226,9 +229,8 @@ func newParking() parking {
 // readiness is told on. A readiness told before is dropped first: the
 // caller has just found s not ready.
 func (p *parking) arm(s int, ev int16) (<-chan struct{}, error) {
-	thePoller.once.Do(startPoller)
-	if thePoller.err != nil {
-		return nil, thePoller.err
+	if err := startPoller(); err != nil {
+		return nil, err
 	}
 	ch := p.in
 	if ev != unix.POLLIN {
@@ -277,9 +279,8 @@ func (p *parking) registerLocked(s int) error {
 // unwatchGone(key) has returned it is not running and never runs. A
 // watchGone while the registration is armed makes no system call.
 func (p *parking) watchGone(s int, key any, f func()) error {
-	thePoller.once.Do(startPoller)
-	if thePoller.err != nil {
-		return thePoller.err
+	if err := startPoller(); err != nil {
+		return err
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -351,14 +352,29 @@ func tell(ch chan struct{}) {
 	}
 }
 
-func startPoller() {
-	thePoller.epfd, thePoller.err = unix.EpollCreate1(unix.EPOLL_CLOEXEC)
-	if thePoller.err != nil {
-		return
+// startPoller starts the package's poller if it has not started. A start
+// that fails (the process's descriptors exhausted, say) fails the call
+// that needed it, and the next call tries again: a process that ran out
+// of descriptors once can park its callers once it has some again.
+func startPoller() error {
+	if thePoller.started.Load() {
+		return nil
 	}
-	fd.KeepForLife(thePoller.epfd)
+	thePoller.startMu.Lock()
+	defer thePoller.startMu.Unlock()
+	if thePoller.started.Load() {
+		return nil
+	}
+	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		return fmt.Errorf("mp: starting the poller: %w", err)
+	}
+	fd.KeepForLife(epfd)
+	thePoller.epfd = epfd
 	thePoller.parks = make(map[uint64]*parking)
-	go pollLoop(thePoller.epfd)
+	go pollLoop(epfd)
+	thePoller.started.Store(true)
+	return nil
 }
 
 // pollLoop waits on the poller for the life of the process, in a thread
