@@ -11,17 +11,25 @@ import (
 
 func newTestCallLock() *callLock { return &callLock{freed: make(chan struct{}, 1)} }
 
-// lockedWithin returns what a lockOr reported on got, failing the test
-// if it has not returned within ten seconds: a waiter never woken.
-func lockedWithin(t *testing.T, got <-chan bool) bool {
+// gotWithin returns what ch gives, failing the test with why if nothing
+// comes within ten seconds: a waiter never woken, a call that never
+// returns.
+func gotWithin[T any](t *testing.T, ch <-chan T, why string) T {
 	t.Helper()
 	select {
-	case ok := <-got:
-		return ok
+	case v := <-ch:
+		return v
 	case <-time.After(10 * time.Second):
-		t.Fatal("a waiter was never woken")
-		return false
+		t.Fatal(why)
+		var zero T
+		return zero
 	}
+}
+
+// lockedWithin returns what a lockOr reported on got.
+func lockedWithin(t *testing.T, got <-chan bool) bool {
+	t.Helper()
+	return gotWithin(t, got, "a waiter was never woken")
 }
 
 // A callLock is held by one caller at a time: callers that wait for it

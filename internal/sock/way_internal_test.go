@@ -771,19 +771,6 @@ func recvGivingUp(ctx context.Context, r *Way) <-chan error {
 	return done
 }
 
-// receiveReturns returns what done gives, failing the test if the
-// receive has not returned within ten seconds.
-func receiveReturns(t *testing.T, done <-chan error) error {
-	t.Helper()
-	select {
-	case err := <-done:
-		return err
-	case <-time.After(10 * time.Second):
-		t.Fatal("the receive did not return")
-		return nil
-	}
-}
-
 // A LetGo that comes as a receive ends, and hands the Way's call to
 // another receive whose context ended meanwhile, lets the role go: that
 // receive, which takes the call as it gives up, hands on as it ends,
@@ -798,7 +785,7 @@ func TestLetGoAsAWaitingReceiveGivesUp(t *testing.T) {
 		done := recvGivingUp(ctx, r)
 		r.unlock() // the receive's end
 		r.LetGo()
-		receiveReturns(t, done)
+		gotWithin(t, done, "the receive did not return")
 		assert.False(t, holds(r), "try %d: the role is held still", i)
 		cancel()
 	}
@@ -817,7 +804,7 @@ func TestRecvEndedAsItIsHandedTheCall(t *testing.T) {
 		require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
 		done := recvGivingUp(ctx, r)
 		r.unlock()
-		assert.ErrorIs(t, receiveReturns(t, done), context.Canceled)
+		assert.ErrorIs(t, gotWithin(t, done, "the receive did not return"), context.Canceled)
 		i, _ := recvIndex(t, ctx, r)
 		assert.Equal(t, 1, i, "the message was left for the next receive")
 	}
