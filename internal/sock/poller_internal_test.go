@@ -5,6 +5,9 @@ package sock
 import (
 	"context"
 	"errors"
+	"os"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -14,7 +17,10 @@ import (
 	"github.com/tensormp/tensormp/internal/reexec"
 )
 
-func init() { reexec.Register("sock.poller-after-emfile", pollerAfterEMFILE) }
+func init() {
+	reexec.Register("sock.poller-after-emfile", pollerAfterEMFILE)
+	reexec.Register("sock.poller-started-once", pollerStartedOnce)
+}
 
 // The package's poller, whose start fails while the process has no
 // descriptor to spare, starts at a later call once it has: a process
@@ -26,6 +32,67 @@ func TestPollerStartsOnceDescriptorsAreBack(t *testing.T) {
 	cmd, err := reexec.Command(ctx, "sock.poller-after-emfile")
 	require.NoError(t, err)
 	require.NoError(t, cmd.Run(), "the helper's exit code says which step failed")
+}
+
+// Callers that start the poller at once start one: in a process of its
+// own, one more epoll instance than it had before.
+func TestPollerStartsOnce(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cmd, err := reexec.Command(ctx, "sock.poller-started-once")
+	require.NoError(t, err)
+	require.NoError(t, cmd.Run(), "the helper's exit code says which step failed")
+}
+
+// pollerStartedOnce is the helper of TestPollerStartsOnce.
+func pollerStartedOnce() int {
+	if thePoller.started.Load() {
+		return 10
+	}
+	time.Sleep(time.Millisecond) // the runtime's own epoll instance starts with its first timer
+	before, err := epollInstances()
+	if err != nil {
+		return 11
+	}
+	// The callers pass the look at started while the start is held
+	// up, as all but the first do when they come at once.
+	var wg sync.WaitGroup
+	var failed atomic.Bool
+	thePoller.startMu.Lock()
+	for range 8 {
+		wg.Go(func() {
+			if startPoller() != nil {
+				failed.Store(true)
+			}
+		})
+	}
+	time.Sleep(50 * time.Millisecond)
+	thePoller.startMu.Unlock()
+	wg.Wait()
+	after, err := epollInstances()
+	switch {
+	case failed.Load() || err != nil:
+		return 12
+	case after != before+1:
+		return 13 // none, or more than one
+	}
+	return 0
+}
+
+// epollInstances counts this process's descriptors of epoll instances
+// (the runtime's own among them).
+func epollInstances() (int, error) {
+	entries, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, e := range entries {
+		if target, err := os.Readlink("/proc/self/fd/" + e.Name()); err == nil && target == "anon_inode:[eventpoll]" {
+			n++
+		}
+	}
+	return n, nil
 }
 
 // pollerAfterEMFILE is the helper of TestPollerStartsOnceDescriptorsAreBack:

@@ -367,7 +367,7 @@ func startPoller() error {
 	}
 	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
 	if err != nil {
-		return fmt.Errorf("mp: starting the poller: %w", err)
+		return fmt.Errorf("starting the poller: %w", err) // the caller says what waited
 	}
 	fd.KeepForLife(epfd)
 	thePoller.epfd = epfd
