@@ -26,6 +26,26 @@ func gotWithin[T any](t *testing.T, ch <-chan T, why string) T {
 	}
 }
 
+// waitingLocker starts a lock of c, which it returns once the lock is
+// counted as waiting; what the lock reports comes on the channel.
+func waitingLocker(c *callLock) <-chan bool {
+	got := make(chan bool, 1)
+	go func() { got <- c.lockOr(nil) }()
+	for c.waiters.Load() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	return got
+}
+
+// heldTillReleased checks that c is held, by a waiter that took it, and
+// free once that waiter releases it (the test releases it for it).
+func heldTillReleased(t *testing.T, c *callLock) {
+	t.Helper()
+	assert.False(t, c.tryLock(), "the waiter holds it")
+	c.unlock()
+	assert.True(t, c.tryLock(), "free once the waiter let it go")
+}
+
 // lockedWithin returns what a lockOr reported on got.
 func lockedWithin(t *testing.T, got <-chan bool) bool {
 	t.Helper()
@@ -80,11 +100,7 @@ func TestCallLockWaits(t *testing.T) {
 	close(done)
 	assert.False(t, lockedWithin(t, gave), "the waiter gave up")
 
-	got := make(chan bool)
-	go func() { got <- c.lockOr(nil) }()
-	for c.waiters.Load() == 0 {
-		time.Sleep(time.Millisecond)
-	}
+	got := waitingLocker(c)
 	select {
 	case <-got:
 		t.Fatal("took a held lock")
@@ -92,9 +108,7 @@ func TestCallLockWaits(t *testing.T) {
 	}
 	c.unlock()
 	assert.True(t, lockedWithin(t, got), "woken by the release")
-	assert.False(t, c.tryLock(), "the waiter holds it")
-	c.unlock()
-	assert.True(t, c.tryLock())
+	heldTillReleased(t, c)
 }
 
 // A release hands the lock to the caller that waits for it, not to one
@@ -103,11 +117,7 @@ func TestCallLockWaits(t *testing.T) {
 func TestCallLockHandsOver(t *testing.T) {
 	c := newTestCallLock()
 	require.True(t, c.tryLock())
-	got := make(chan bool)
-	go func() { got <- c.lockOr(nil) }()
-	for c.waiters.Load() == 0 {
-		time.Sleep(time.Millisecond)
-	}
+	got := waitingLocker(c)
 	c.unlock()
 	assert.False(t, c.tryLock(), "taken back from the waiter")
 	require.True(t, lockedWithin(t, got))
@@ -141,9 +151,7 @@ func TestCallLockSeesALateWaiter(t *testing.T) {
 		t.Fatal("the waiter was not handed the lock")
 	}
 	c.waiters.Add(-1)
-	assert.False(t, c.tryLock(), "the waiter holds it")
-	c.unlock()
-	assert.True(t, c.tryLock())
+	heldTillReleased(t, c)
 }
 
 // A release between a waiter's first try and its count leaves the lock

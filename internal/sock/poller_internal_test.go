@@ -24,22 +24,25 @@ func init() {
 
 // The package's poller, whose start fails while the process has no
 // descriptor to spare, starts at a later call once it has: a process
-// that ran out of descriptors once can still park its callers. In a
-// process of its own, whose poller nothing has started.
+// that ran out of descriptors once can still park its callers.
 func TestPollerStartsOnceDescriptorsAreBack(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	cmd, err := reexec.Command(ctx, "sock.poller-after-emfile")
-	require.NoError(t, err)
-	require.NoError(t, cmd.Run(), "the helper's exit code says which step failed")
+	runHelper(t, "sock.poller-after-emfile")
 }
 
-// Callers that start the poller at once start one: in a process of its
-// own, one more epoll instance than it had before.
+// Callers that start the poller at once start one: one more epoll
+// instance in the process than it had before.
 func TestPollerStartsOnce(t *testing.T) {
+	runHelper(t, "sock.poller-started-once")
+}
+
+// runHelper runs the helper registered as name in a process of its own,
+// whose poller nothing has started, and fails the test unless it exits
+// 0: its exit code says which of its steps failed.
+func runHelper(t *testing.T, name string) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	cmd, err := reexec.Command(ctx, "sock.poller-started-once")
+	cmd, err := reexec.Command(ctx, name)
 	require.NoError(t, err)
 	require.NoError(t, cmd.Run(), "the helper's exit code says which step failed")
 }

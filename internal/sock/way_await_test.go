@@ -67,19 +67,6 @@ func sendLater(t *testing.T, w *Way, lend func() error) <-chan error {
 	return done
 }
 
-// sentWithin returns what done reports within 5 s; else the test fails
-// with why.
-func sentWithin(t *testing.T, done <-chan error, why string) error {
-	t.Helper()
-	select {
-	case err := <-done:
-		return err
-	case <-time.After(5 * time.Second):
-		t.Fatal(why)
-		return nil
-	}
-}
-
 // A fair Way's writer with a message that names blocks, which only a
 // reader waiting on the lane may be handed, waits for its busy reader
 // (the end's only one) to come back to the lane, and hands it the entry
@@ -92,7 +79,7 @@ func TestFairWayWriterWaitsForItsBusyReader(t *testing.T) {
 	assert.True(t, w.Maps(b), "one that answers waits: the writer names its pins")
 	sent := sendLater(t, w, lend)
 	got := recvLater(ctx, r)
-	require.NoError(t, sentWithin(t, sent, "the reader came back, but the writer waited on"))
+	require.NoError(t, gotWithin(t, sent, "the reader came back, but the writer waited on"))
 	g := within(t, got, "the entry never came")
 	assert.Equal(t, 7, g.i)
 	assert.True(t, g.byLane, "handed to the reader once it waited on the lane")
@@ -135,7 +122,7 @@ func TestFairWayWriterGivesUpOnABusyReader(t *testing.T) {
 	w.wait.spin = time.Minute
 	sent := sendLater(t, w, lend)
 	got := recvLater(ctx, r)
-	require.NoError(t, sentWithin(t, sent, "the reader came back, but the writer waited on"))
+	require.NoError(t, gotWithin(t, sent, "the reader came back, but the writer waited on"))
 	assert.True(t, within(t, got, "the entry never came").byLane)
 	assert.Zero(t, w.wait.misses.Load())
 	answered(t)
@@ -165,7 +152,7 @@ func TestFairWayWriterStopsWaitingForAReaderThatGoes(t *testing.T) {
 			w, r, _, ctx, lend := busyReader(t, time.Minute)
 			sent := sendLater(t, w, lend)
 			got := tc.move(ctx, r)
-			require.ErrorIs(t, sentWithin(t, sent, "the reader went, but the writer waited on"), carry.ErrNoLane)
+			require.ErrorIs(t, gotWithin(t, sent, "the reader went, but the writer waited on"), carry.ErrNoLane)
 			assert.Zero(t, w.wait.misses.Load())
 			if got != nil {
 				require.NoError(t, w.Send(ctx, wayMsg(8, 8), nil))
@@ -203,7 +190,7 @@ func TestFairWayWriterStopsSpinningAtItsContext(t *testing.T) {
 	require.Eventually(t, func() bool { return w.wait.waits.Load() > before }, 10*time.Second, 50*time.Microsecond,
 		"the writer never spun for its busy reader")
 	cancel()
-	err := sentWithin(t, done, "the writer spun on past its context")
+	err := gotWithin(t, done, "the writer spun on past its context")
 	if err != nil {
 		b.Return()
 	}

@@ -118,7 +118,7 @@ func TestFairWayReturnsOnlyToAWaitingReader(t *testing.T) {
 		return w.SendLent(ctx, binary.LittleEndian.AppendUint32(nil, 6), nil, []*shm.Block{got})
 	})
 	g := within(t, recvLater(ctx, r), "the return never came")
-	require.NoError(t, sentWithin(t, s, "the getter came back, but the writer waited on"))
+	require.NoError(t, gotWithin(t, s, "the getter came back, but the writer waited on"))
 	assert.True(t, g.byLane)
 	assert.Equal(t, 6, g.i)
 	assert.Equal(t, sent+1, ReturnsSent())
