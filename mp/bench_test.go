@@ -112,6 +112,68 @@ func BenchmarkPutMany4K(b *testing.B) {
 	}
 }
 
+// BenchmarkQueueTensorStream streams new shared 4 KiB tensors one way
+// through a queue, each released once put, to a worker that gets and
+// releases each: spawn bench's stream case, as a benchmark. lent/op is
+// the share of tensors that went by the queue's lane, named by identity;
+// the others went by its socket, with a descriptor each.
+func BenchmarkQueueTensorStream(b *testing.B) {
+	ctx := context.Background()
+	in, out := newQueue(b), newQueue(b)
+	n := b.N
+	g, err := mp.Spawn(ctx, "queue-count", 1, mp.WithArgs(queueLaneArgs{In: in, Out: out, N: n}))
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.ReportAllocs()
+	before := sock.LentSent()
+	b.ResetTimer()
+	for range n {
+		x, err := tensor.On(device.CPU()).Shared().Zeros(tensor.Int64, 512)
+		if err != nil {
+			b.Fatal(err)
+		}
+		err = in.Put(ctx, x)
+		_ = x.Release()
+		if err != nil {
+			b.Fatal(err)
+		}
+	}
+	var got int
+	if err := out.Get(ctx, &got); err != nil {
+		b.Fatal(err)
+	}
+	b.StopTimer()
+	b.ReportMetric(float64(sock.LentSent()-before)/float64(n), "lent/op")
+	if got != n {
+		b.Fatalf("the worker got %d tensors of %d", got, n)
+	}
+	if err := g.Join(); err != nil {
+		b.Fatal(err)
+	}
+}
+
+func init() { mp.Register("queue-count", workerQueueCount) }
+
+// workerQueueCount gets N tensors from In, releasing each, and puts N on
+// Out: BenchmarkQueueTensorStream.
+func workerQueueCount(ctx context.Context, w *mp.Worker) error {
+	var a queueLaneArgs
+	if err := w.Args(&a); err != nil {
+		return err
+	}
+	for range a.N {
+		var x *tensor.Tensor
+		if err := a.In.Get(ctx, &x); err != nil {
+			return err
+		}
+		if err := x.Release(); err != nil {
+			return err
+		}
+	}
+	return a.Out.Put(ctx, a.N)
+}
+
 func init() { mp.Register("queue-echo", workerQueueEcho) }
 
 // workerQueueEcho puts back on Out each tensor it gets from In, until it
