@@ -118,60 +118,81 @@ func BenchmarkPutMany4K(b *testing.B) {
 // the share of tensors that went by the queue's lane, named by identity;
 // the others went by its socket, with a descriptor each.
 func BenchmarkQueueTensorStream(b *testing.B) {
-	ctx := context.Background()
-	in, out := newQueue(b), newQueue(b)
-	n := b.N
-	g, err := mp.Spawn(ctx, "queue-count", 1, mp.WithArgs(queueLaneArgs{In: in, Out: out, N: n}))
-	if err != nil {
-		b.Fatal(err)
-	}
 	b.ReportAllocs()
 	before := sock.LentSent()
-	b.ResetTimer()
-	for range n {
-		x, err := tensor.On(device.CPU()).Shared().Zeros(tensor.Int64, 512)
-		if err != nil {
-			b.Fatal(err)
+	streamToCounter(b, b.N, false, b.ResetTimer)
+	b.StopTimer()
+	b.ReportMetric(float64(sock.LentSent()-before)/float64(b.N), "lent/op")
+}
+
+// A stream of new tensors through a queue, each released once put,
+// reaches the worker whole and in order, and every block comes back to
+// the pool once the worker has released them.
+func TestQueueTensorStreamArrivesInOrder(t *testing.T) {
+	leakcheck.Check(t)
+	streamToCounter(t, 2000, true, func() {})
+	require.Eventually(t, func() bool { return shm.DefaultPool().InUse() == 0 }, 5*time.Second, 5*time.Millisecond,
+		"every block comes back")
+}
+
+// streamToCounter puts n new shared tensors of 512 int64s on a queue to
+// a queue-count worker, releasing each once put, after calling start;
+// with check, tensor i holds i, and the worker checks each.
+func streamToCounter(t testing.TB, n int, check bool, start func()) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	in, out := newQueue(t), newQueue(t)
+	g, err := mp.Spawn(ctx, "queue-count", 1, mp.WithArgs(queueLaneArgs{In: in, Out: out, N: n, Check: check}))
+	require.NoError(t, err)
+	start()
+	for i := range n {
+		var x *tensor.Tensor
+		if check {
+			x, err = tensor.On(device.CPU()).Shared().Full(tensor.Int64, float64(i), 512)
+		} else {
+			x, err = tensor.On(device.CPU()).Shared().Zeros(tensor.Int64, 512)
 		}
+		require.NoError(t, err)
 		err = in.Put(ctx, x)
 		_ = x.Release()
-		if err != nil {
-			b.Fatal(err)
-		}
+		require.NoError(t, err)
 	}
 	var got int
-	if err := out.Get(ctx, &got); err != nil {
-		b.Fatal(err)
-	}
-	b.StopTimer()
-	b.ReportMetric(float64(sock.LentSent()-before)/float64(n), "lent/op")
-	if got != n {
-		b.Fatalf("the worker got %d tensors of %d", got, n)
-	}
-	if err := g.Join(); err != nil {
-		b.Fatal(err)
-	}
+	require.NoError(t, out.Get(ctx, &got))
+	require.Equal(t, n, got, "tensors the worker got whole and in order")
+	require.NoError(t, g.Join())
 }
 
 func init() { mp.Register("queue-count", workerQueueCount) }
 
-// workerQueueCount gets N tensors from In, releasing each, and puts N on
-// Out: BenchmarkQueueTensorStream.
+// workerQueueCount gets N tensors from In, releasing each, and puts on
+// Out how many it got before the first that was not whole (with Check,
+// tensor i holds i in each of its 512 elements): streamToCounter.
 func workerQueueCount(ctx context.Context, w *mp.Worker) error {
 	var a queueLaneArgs
 	if err := w.Args(&a); err != nil {
 		return err
 	}
-	for range a.N {
+	good := -1
+	for i := range a.N {
 		var x *tensor.Tensor
 		if err := a.In.Get(ctx, &x); err != nil {
 			return err
+		}
+		if a.Check && good < 0 {
+			v, err := tensor.Values[int64](x)
+			if err != nil || len(v) != 512 || v[0] != int64(i) || v[511] != int64(i) {
+				good = i
+			}
 		}
 		if err := x.Release(); err != nil {
 			return err
 		}
 	}
-	return a.Out.Put(ctx, a.N)
+	if good < 0 {
+		good = a.N
+	}
+	return a.Out.Put(ctx, good)
 }
 
 func init() { mp.Register("queue-echo", workerQueueEcho) }

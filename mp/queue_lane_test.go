@@ -31,6 +31,7 @@ type queueLaneArgs struct {
 	In, Out *mp.Queue
 	N       int
 	Wait    bool // queue-lane-keep: then waits in a Get, not on its context
+	Check   bool // queue-count: checks what each tensor holds
 }
 
 // workerQueueLaneAnswer takes N tensors from In, checks each (tensor i
