@@ -38,10 +38,12 @@ import (
 // A writer publishes an entry by filling it and then ringing; a reader
 // copies an entry out, checks it, and takes it by moving the taken count
 // from its position to the next (a compare-and-swap, so that readers in
-// several processes take each message once). Neither side trusts what the
-// other wrote: a count that runs ahead of the ring, an entry whose position
-// or length is not the one expected, are errors wrapping ErrMalformed, for
-// the reader, which goes on past a bad entry, or the writer. A process
+// several processes take each message once). The writer reads the taken
+// count only when the count it read last leaves no room. Neither side
+// trusts what the other wrote: a count that runs ahead of the ring, an
+// entry whose position or length is not the one expected, are errors
+// wrapping ErrMalformed, for the reader, which goes on past a bad entry,
+// or the writer, at its next look at the taken count. A process
 // killed anywhere leaves nothing half done: an entry is published or
 // taken by one atomic store or swap.
 type Lane struct {
@@ -53,6 +55,11 @@ type Lane struct {
 
 	wmu  sync.Mutex
 	tail uint32 // the writer's own count of what it published, under wmu
+	// seen is the taken count as the writer last read it, under wmu: it
+	// publishes up to seen+entries without reading it again, so that the
+	// taken word's line, which each take writes, stays with the readers
+	// while the lane has room.
+	seen uint32
 	rmu  sync.Mutex
 	// nudged wakes this process's writer waiting for room without a
 	// thread (see waitRoom) at a Nudge; it holds one wake at most.
@@ -74,7 +81,7 @@ var errCounts = fmt.Errorf("%w: the lane's counts", ErrMalformed)
 
 const (
 	laneMagic   = 0x454e4c54 // "TLNE" little-endian
-	laneVersion = 7          // 2: the bells sleep on a count, odd while armed; 3: the reader's bell; 4: none (a writer spins for its reader); 5: laneMisses; 6: a Pipe's reader parks on its socket, woken by a wake frame; 7: entries may hold tensors in package reduction's compact form
+	laneVersion = 8          // 2: the bells sleep on a count, odd while armed; 3: the reader's bell; 4: none (a writer spins for its reader); 5: laneMisses; 6: a Pipe's reader parks on its socket, woken by a wake frame; 7: entries may hold tensors in package reduction's compact form; 8: the reader's acked count on a cache line of its own
 	laneHeader  = 4096
 	entryHeader = 8 // position, length
 
@@ -194,7 +201,7 @@ func OpenLane(f *fd.FD) (*Lane, error) {
 		_ = unix.Munmap(mem)
 		return nil, err
 	}
-	l.tail = l.sent.Load()
+	l.tail, l.seen = l.sent.Load(), l.taken.Load()
 	return l, nil
 }
 
@@ -239,7 +246,7 @@ func (l *Lane) Resume() {
 	l.wmu.Lock()
 	defer l.wmu.Unlock()
 	if l.mem != nil {
-		l.tail = l.sent.Load()
+		l.tail, l.seen = l.sent.Load(), l.taken.Load()
 	}
 }
 
@@ -326,11 +333,15 @@ func (l *Lane) send(ctx context.Context, data []byte, alive func() error, block 
 	}
 	var slice time.Duration // see waitRoom
 	for pass := 1; ; pass++ {
+		if l.tail-l.seen < l.entries {
+			break // room as of the last look: takes only move the count on
+		}
 		taken := l.taken.Load()
 		used := l.tail - taken
 		if used > l.entries {
 			return fmt.Errorf("mp: sending on a lane: %w: %d taken of %d sent", errCounts, taken, l.tail)
 		}
+		l.seen = taken
 		if used < l.entries {
 			break
 		}
@@ -572,4 +583,4 @@ func (l *Lane) setReaderID(off int, id shm.ID) {
 // The reader's page lies in the lane's header, after the bells.
 const readerPage = 1024
 
-var _ [laneHeader - readerPage - laneMisses - 4]byte // it fits, the last word included
+var _ [laneHeader - readerPage - pinAcked - 64]byte // it fits, the acked word's line, the last, included

@@ -339,8 +339,42 @@ func FuzzLane(f *testing.F) {
 	})
 }
 
+// A writer that opens a lane, or resumes after another writer of the
+// same memory, counts the entries that writer left untaken: it does not
+// write over them, and has room again once they are taken.
+func TestLaneWriterCountsWhatItFinds(t *testing.T) {
+	f, first := newLane(t)
+	resumed, err := sock.OpenLane(f) // opened before the first writer sends
+	require.NoError(t, err)
+	defer resumed.Close()
+	for i := range laneEntries {
+		require.NoError(t, first.TrySend([]byte{byte(i)}))
+	}
+	opened, err := sock.OpenLane(f)
+	require.NoError(t, err)
+	defer opened.Close()
+	resumed.Resume()
+	for _, l := range []*sock.Lane{opened, resumed} {
+		assert.ErrorIs(t, l.TrySend([]byte("over")), sock.ErrWouldBlock, "the lane is full")
+	}
+	buf, _, err := opened.TryRecv(nil)
+	require.NoError(t, err)
+	assert.Equal(t, []byte{0}, buf, "the first entry, not written over")
+	require.NoError(t, resumed.TrySend([]byte("next")), "room once one is taken")
+	for i := 1; i < laneEntries; i++ {
+		buf, _, err := opened.TryRecv(nil)
+		require.NoError(t, err)
+		assert.Equal(t, []byte{byte(i)}, buf)
+	}
+	buf, _, err = opened.TryRecv(nil)
+	require.NoError(t, err)
+	assert.Equal(t, []byte("next"), buf)
+}
+
 // A reader that says it took more than was sent is an error wrapping
-// ErrMalformed for the writer, not a wait for room that never comes.
+// ErrMalformed for the writer, once the room it saw at its last look at
+// the taken count is used up: not a wait for room that never comes, nor
+// an entry written over one not taken.
 func TestLaneRefusesAReaderAhead(t *testing.T) {
 	f, l := newLane(t)
 	mem := laneMemory(t, f)
@@ -349,6 +383,9 @@ func TestLaneRefusesAReaderAhead(t *testing.T) {
 	alive := func() error { return nil }
 	require.NoError(t, l.Send(ctx, []byte("one"), alive))
 	binary.LittleEndian.PutUint32(mem[256:], 1+laneEntries+5) // the taken word
+	for i := 1; i < laneEntries; i++ {
+		require.NoError(t, l.Send(ctx, []byte("more"), alive), "send %d: room as of the writer's last look", i)
+	}
 	assert.ErrorIs(t, l.Send(ctx, []byte("two"), alive), sock.ErrMalformed)
 }
 

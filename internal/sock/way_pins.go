@@ -95,7 +95,6 @@ import (
 //	+0   seq: odd while the holder rewrites the list
 //	+4   owner: the mark of the Way whose list it is
 //	+8   count: segments listed
-//	+12  acked: the reader has done with every entry before this position
 //	+16  the list: count identities (device, inode), 16 bytes each
 //	+1040 waits: a fair Way's reader's wait (see waitFair), which the
 //	     writer claims before it hands the lane an entry; a Pipe's
@@ -109,13 +108,18 @@ import (
 //	+2080 laneMisses: a count of the messages the writer sent by the
 //	     socket that the lane would have taken from a reader waiting on
 //	     it (see socketRun)
+//	+2112 acked: the reader has done with every entry before this
+//	     position; alone on its cache line, as the reader writes it at
+//	     every receive, and the writer reads the list's words (seq) at
+//	     every Send that may name a block: on one line, each would take
+//	     the line from the other's cache
 
 const (
 	pinSeq   = 0
 	pinOwner = 4
 	pinCount = 8
-	pinAcked = 12
 	pinTable = 16
+	pinAcked = (readerPage+laneMisses+4+63)&^63 - readerPage // the next line's start
 
 	readerWaits = pinTable + 16*maxPins
 	waitsAt     = readerWaits + 4

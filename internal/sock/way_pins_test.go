@@ -280,6 +280,9 @@ func TestWayReadersPageLayout(t *testing.T) {
 	assert.GreaterOrEqual(t, takenBell, sentBell+bellSize)
 	assert.GreaterOrEqual(t, readerPage, takenBell+bellSize)
 	assert.LessOrEqual(t, readerPage+pinTable+16*maxPins, laneHeader)
+	assert.Zero(t, (readerPage+pinAcked)%64, "the acked word starts a cache line")
+	assert.GreaterOrEqual(t, pinAcked, laneMisses+4, "after every other word of the page")
+	assert.LessOrEqual(t, readerPage+pinAcked+64, laneHeader, "its line in the header")
 	var p [2]int
 	require.NoError(t, unix.Pipe2(p[:], unix.O_CLOEXEC))
 	f := fd.New(p[0])
