@@ -580,7 +580,4 @@ func (l *Lane) setReaderID(off int, id shm.ID) {
 	(*atomic.Uint64)(unsafe.Add(p, 8)).Store(id.Ino)
 }
 
-// The reader's page lies in the lane's header, after the bells.
-const readerPage = 1024
-
 var _ [laneHeader - readerPage - pinAcked - 64]byte // it fits, the acked word's line, the last, included

@@ -114,6 +114,9 @@ import (
 //	     every Send that may name a block: on one line, each would take
 //	     the line from the other's cache
 
+// The reader's page lies in the lane's header, after the bells.
+const readerPage = 1024
+
 const (
 	pinSeq   = 0
 	pinOwner = 4
