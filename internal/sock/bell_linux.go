@@ -29,6 +29,9 @@ import (
 //	16  int64   when a waiter last spun, Unix nanoseconds (see stamp):
 //	            stamped as its spin begins and each spinTurns turns (see
 //	            spunWithin)
+//	24  the rest of the word's line, to 64, is the caller's (bellOwn):
+//	    words that change when the word does share their move between
+//	    CPUs with it
 //	64  uint32  odd once a waiter is about to sleep, made even by the ringer
 //	            that wakes it: the futex the waiters sleep on
 //	72  uint32  the CPU the last ringer ran on as it rang, plus one (0:
@@ -73,6 +76,9 @@ var beforeSleep atomic.Pointer[func()]
 // and its saying it is done, for tests: a callback that the scheduler
 // runs slowly.
 var afterNudge atomic.Pointer[func()]
+
+// bellOwn is the bytes of its first cache line that a Bell uses.
+const bellOwn = 24
 
 // bellSize is the bytes a Bell takes.
 const bellSize = 128

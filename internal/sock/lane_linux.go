@@ -31,7 +31,9 @@ import (
 //
 //	0      header: magic, version, entries, entry size
 //	       +128  the writer's bell: its word counts messages published
-//	       +256  the readers' bell: its word counts messages taken
+//	       +256  the readers' bell: its word counts messages taken;
+//	             the rest of its first line holds the words a Way's
+//	             reader writes as it takes messages (see way_pins.go)
 //	       +1024 a Way's reader's page (see way_pins.go)
 //	4096   entries, each: uint32 its position, uint32 length, the bytes
 //
@@ -81,7 +83,7 @@ var errCounts = fmt.Errorf("%w: the lane's counts", ErrMalformed)
 
 const (
 	laneMagic   = 0x454e4c54 // "TLNE" little-endian
-	laneVersion = 8          // 2: the bells sleep on a count, odd while armed; 3: the reader's bell; 4: none (a writer spins for its reader); 5: laneMisses; 6: a Pipe's reader parks on its socket, woken by a wake frame; 7: entries may hold tensors in package reduction's compact form; 8: the reader's acked count on a cache line of its own
+	laneVersion = 8          // 2: the bells sleep on a count, odd while armed; 3: the reader's bell; 4: none (a writer spins for its reader); 5: laneMisses; 6: a Pipe's reader parks on its socket, woken by a wake frame; 7: entries may hold tensors in package reduction's compact form; 8: the reader's words on the taken count's line
 	laneHeader  = 4096
 	entryHeader = 8 // position, length
 
@@ -580,4 +582,12 @@ func (l *Lane) setReaderID(off int, id shm.ID) {
 	(*atomic.Uint64)(unsafe.Add(p, 8)).Store(id.Ino)
 }
 
-var _ [laneHeader - readerPage - pinAcked - 64]byte // it fits, the acked word's line, the last, included
+var _ [laneHeader - readerPage - laneMisses - 4]byte // it fits, the last word included
+
+// The reader's words on the taken bell's first line (takenLine) start
+// where the bell's own words end, and end within the line.
+var (
+	_ [readerPage + takenLine - (takenBell + bellOwn)]struct{}
+	_ [takenBell + bellOwn - (readerPage + takenLine)]struct{}
+	_ [takenBell + 64 - (readerPage + sockSends + 4)]struct{}
+)

@@ -96,23 +96,27 @@ import (
 //	+4   owner: the mark of the Way whose list it is
 //	+8   count: segments listed
 //	+16  the list: count identities (device, inode), 16 bytes each
-//	+1040 waits: a fair Way's reader's wait (see waitFair), which the
-//	     writer claims before it hands the lane an entry; a Pipe's
-//	     reader's, which the writer wakes on the socket (see park)
-//	+1044 waitsAt: sockSends as the reader last found the socket empty
-//	+1048 sockSends: a count of the messages writers sent by the
-//	     socket, which they bump (a fair Way's)
-//	+1052 prodCount: segments listed as the reader's own (see
+//	+1040 prodCount: segments listed as the reader's own (see
 //	     way_returns.go), under seq too
-//	+1056 that list: prodCount identities, 16 bytes each
-//	+2080 laneMisses: a count of the messages the writer sent by the
+//	+1048 that list: prodCount identities, 16 bytes each
+//	+2072 laneMisses: a count of the messages the writer sent by the
 //	     socket that the lane would have taken from a reader waiting on
 //	     it (see socketRun)
-//	+2112 acked: the reader has done with every entry before this
-//	     position; alone on its cache line, as the reader writes it at
-//	     every receive, and the writer reads the list's words (seq) at
-//	     every Send that may name a block: on one line, each would take
-//	     the line from the other's cache
+//
+// The reader's words that change as it takes messages lie before the
+// page, on the first cache line of the lane's taken bell, after the
+// bell's own words (takenLine; see Bell), where each take writes the
+// taken count. A writer that reads them and the count then moves one line
+// between the two CPUs each message, not one a word, and so does the
+// reader that writes them:
+//
+//	acked: the reader has done with every entry before this position
+//	waits: a fair Way's reader's wait (see waitFair), which the writer
+//	     claims before it hands the lane an entry; a Pipe's reader's,
+//	     which the writer wakes on the socket (see park)
+//	waitsAt: sockSends as the reader last found the socket empty
+//	sockSends: a count of the messages writers sent by the socket,
+//	     which they bump (a fair Way's)
 
 // The reader's page lies in the lane's header, after the bells.
 const readerPage = 1024
@@ -122,11 +126,15 @@ const (
 	pinOwner = 4
 	pinCount = 8
 	pinTable = 16
-	pinAcked = (readerPage+laneMisses+4+63)&^63 - readerPage // the next line's start
 
-	readerWaits = pinTable + 16*maxPins
-	waitsAt     = readerWaits + 4
-	sockSends   = readerWaits + 8
+	// takenLine is where the taken bell's first line is free for its
+	// caller (offset 24 of the bell at 256; lane_linux.go asserts it), as
+	// an offset from the reader's page.
+	takenLine   = 256 + 24 - readerPage
+	pinAcked    = takenLine
+	readerWaits = takenLine + 4
+	waitsAt     = takenLine + 8
+	sockSends   = takenLine + 12
 
 	// maxPins and maxPinBytes bound the segments a reader pins for a
 	// Way: pinned segments keep their memory until the Way closes, or

@@ -57,8 +57,8 @@ const (
 // The reader's list of the segments it produced, in its page (see
 // way_pins.go), rewritten under pinSeq.
 const (
-	prodCount = sockSends + 4
-	prodTable = prodCount + 4
+	prodCount = pinTable + 16*maxPins
+	prodTable = prodCount + 8 // 8-aligned, as its words are loaded whole
 )
 
 // laneMisses, in the reader's page after the list of its own segments,
