@@ -560,8 +560,10 @@ func (l *Lane) ahead(buf []byte, limit int, yield func(data []byte) bool) []byte
 	return buf
 }
 
-// readerWord returns the word at off in the lane's reader's page (see
-// Way), or nil for a closed lane. The caller keeps the lane open.
+// readerWord returns the word at off from the lane's reader's page (see
+// Way; the words before the page, at negative offsets, lie on the taken
+// count's line), or nil for a closed lane. The caller keeps the lane
+// open.
 func (l *Lane) readerWord(off int) *atomic.Uint32 {
 	if l.mem == nil {
 		return nil

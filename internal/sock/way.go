@@ -58,7 +58,7 @@ import (
 // (laneWaiters), once a receive and for at most laneSleep; else it waits
 // on the socket as a Conn waits (in one of a few kernel waits for a
 // millisecond, then on the package's poller), and says so in the
-// reader's page: a Pipe's writer that publishes an entry then wakes it
+// reader's words (readerWaits): a Pipe's writer that publishes an entry then wakes it
 // with a wake frame (see park), and a fair Way's sends there (see
 // waitFair). A Pipe's reader looks at the lane again at the end of each
 // of its slices on the socket (see park). A writer that waits for room
@@ -264,7 +264,7 @@ func NewWay(shared *Conn, mem *fd.FD, writes bool) *Way {
 // role (idleRole), and it has taken the role (within laneSleep).
 //
 // Order: a fair writer sends by the socket with no marker, and counts the
-// message in the lane's reader page (sockSends); the lane takes a message
+// message in the lane's reader's words (sockSends); the lane takes a message
 // only from a writer that sees the count unchanged since the reader last
 // found the socket empty, and the reader takes the lane's entries before
 // the socket's. So a message does not overtake one that any writer
@@ -1284,7 +1284,7 @@ func (w *Way) recv(ctx context.Context, block bool) (Msg, error) {
 	}
 }
 
-// The states of a fair Way's reader, in the reader's page (readerWaits),
+// The states of a fair Way's reader, in the reader's words (readerWaits),
 // which the reader moves between its own states and the writer claims:
 // the writer hands an entry to the lane only with a claim, from
 // waitOnLane, or from waitBusy while no other process reads the end
@@ -1507,7 +1507,7 @@ var parkStep atomic.Pointer[func(step int)]
 
 // park waits on the socket as a Pipe's reader whose lane is empty (last
 // its count of entries sent) and that holds no lane wait: it says so in
-// the reader's page (waitParked), and the writer that publishes an entry
+// the reader's words (waitParked), and the writer that publishes an entry
 // then wakes it with a wake frame (see wakeParked). Either the writer
 // sees the word, or the reader sees the entry before it receives
 // (Dekker's pattern, both sides sequentially consistent). A message that

@@ -56,7 +56,7 @@ import (
 //     goes within shm's aheadKeep and a transfer, and with the reader's
 //     process, SIGKILL included.
 //   - Acks. When a receive is done, the reader writes the count of entries
-//     it has taken to the page (acked). The writer returns the loans of
+//     it has taken to its words (acked, on the taken count's line). The writer returns the loans of
 //     entries below it at its next Send, while it waits for room, each
 //     settleEvery while it sends nothing, and at Close; and all its loans
 //     once no process holds pinnerByte (every reader that took the role is

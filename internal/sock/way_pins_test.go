@@ -282,8 +282,15 @@ func TestWayReadersPageLayout(t *testing.T) {
 	assert.LessOrEqual(t, readerPage+pinTable+16*maxPins, laneHeader)
 	assert.LessOrEqual(t, readerPage+laneMisses+4, laneHeader)
 	assert.Zero(t, (readerPage+prodTable)%8, "identities load whole")
+	assert.Zero(t, (readerPage+pinTable)%8, "identities load whole")
+	seen := map[int]bool{}
 	for _, off := range []int{pinAcked, readerWaits, waitsAt, sockSends} {
 		at := readerPage + off
+		assert.Zero(t, at%4, "the word at %d is aligned", at)
+		for b := at; b < at+4; b++ {
+			assert.False(t, seen[b], "byte %d of two words", b)
+			seen[b] = true
+		}
 		assert.Equal(t, takenBell/64, at/64, "a reader's word at %d shares the taken count's line", at)
 		assert.GreaterOrEqual(t, at, takenBell+bellOwn, "past the bell's own words")
 	}
