@@ -3,7 +3,6 @@ package sock
 import (
 	"context"
 	"fmt"
-	"math"
 	"sync/atomic"
 	"time"
 	"unsafe"
@@ -27,8 +26,8 @@ import (
 //	8   int64   when the last Ring (or Nudge) that found a waiter asleep
 //	            was, Unix nanoseconds (see stamp)
 //	16  int64   when a waiter last spun, Unix nanoseconds (see stamp):
-//	            stamped as its spin begins and each spinTurns turns (see
-//	            spunWithin)
+//	            stamped each stampEvery as its spin goes on, not as it
+//	            begins (see spunWithin)
 //	24  the rest of the word's line, to 64, is the caller's (bellOwn):
 //	    words that change when the word does share their move between
 //	    CPUs with it
@@ -121,6 +120,10 @@ const (
 	// of its own: 110–160k/s against 200–300k/s alone); one that did so
 	// each second cost nothing that showed.
 	maxSleepSlice = time.Second
+	// stampEvery is how often a spin stamps that it goes on (spunAt):
+	// well within the window in which a writer takes a stamp as a sign
+	// of life (liveWindow).
+	stampEvery = 4 * time.Microsecond
 	// spinMin is the shortest spin: what a ring from a ringer already
 	// running on another CPU takes to be seen, with room to spare.
 	spinMin = 2 * time.Microsecond
@@ -198,8 +201,7 @@ func (b *Bell) stampCPU() {
 // stamp). One that stamped since the caller read its clock, ahead of now
 // by less than d, spun within d too.
 func (b *Bell) spunWithin(now int64, d time.Duration) bool {
-	age := stampAt(now) - atomic.LoadInt64(b.spunAt)
-	return age > -int64(d) && age < int64(d)
+	return stampedWithin(atomic.LoadInt64(b.spunAt), now, d)
 }
 
 // RingerCPU returns what the last ringer stamped (see stampCPU).
@@ -451,15 +453,13 @@ func (b *Bell) nudgeAtEnd(ctx context.Context) (disarm func()) {
 // A ringer on the waiter's CPU cannot ring while the waiter runs: a
 // waiter that has not read the clock yields at once, and reads it only
 // if that did not bring the ring (the wait's beginning it returns is
-// then 0, and it learns nothing: the ring came within a yield). Its
-// spin's stamp is then when its process last ended a receive on a Way
-// (lastRecv, 0 if never), a time before the truth, so that it never
-// says the waiter spun later than it did: a writer that finds it too old
-// asks the kernel whether the reader lives (see Way.readerLive). That is
-// a system call on each Send of a queue's writer (a fair Way's) that
-// lends blocks to a reader on its CPU which works longer than liveWindow
-// between a receive and its next wait (about a microsecond against its
-// 20 or more), where the clock read this saves is one on every wait.
+// then 0, and it learns nothing: the ring came within a yield).
+//
+// A spin stamps that it goes on (spunAt) each stampEvery, not as it
+// begins: a spin of a round trip's few microseconds writes nothing to the
+// word's line, which the ringer then takes from the waiter's cache once,
+// to ring. A caller that must say that its process waits says so as the
+// wait begins, where the ringer reads it anyway (Way.waitFair).
 func (b *Bell) spin(last uint32, start int64) (uint32, bool, int64) {
 	waits := b.waits.Add(1)
 	probe := waits%probeEvery == 0
@@ -474,7 +474,6 @@ func (b *Bell) spin(last uint32, start int64) (uint32, bool, int64) {
 	b.spun.Add(1)
 	peer := atomic.LoadUint32(b.cpu)
 	if start == 0 && sameCPU(runningCPU(), peer) {
-		atomic.StoreInt64(b.spunAt, stampAt(lastRecv.Load()))
 		spinYield()
 		if w := atomic.LoadUint32(b.word); w != last {
 			b.misses.Store(0)
@@ -487,7 +486,7 @@ func (b *Bell) spin(last uint32, start int64) (uint32, bool, int64) {
 	yield := sharesCPU(peer, start)
 	budget := spinBudget(b.gap.Load(), peer)
 	wall := stampAt(start)
-	atomic.StoreInt64(b.spunAt, wall)
+	var stamped int64 // how far into the spin its last stamp was
 	for i := 1; ; i++ {
 		if w := atomic.LoadUint32(b.word); w != last {
 			b.misses.Store(0)
@@ -496,7 +495,10 @@ func (b *Bell) spin(last uint32, start int64) (uint32, bool, int64) {
 		}
 		if i%spinTurns == 0 {
 			spun := monoNow() - start
-			atomic.StoreInt64(b.spunAt, wall+spun)
+			if spun-stamped >= int64(stampEvery) {
+				atomic.StoreInt64(b.spunAt, wall+spun)
+				stamped = spun
+			}
 			if spun > budget {
 				if b.misses.Load() < maxMisses {
 					b.misses.Add(1)
@@ -534,33 +536,3 @@ func (b *Bell) learn(gap int64) {
 	old := b.gap.Load()
 	b.gap.Store(old + (gap-old)/4)
 }
-
-// stamp returns the time of a ring or a spin for the waiters and ringers
-// of every process to read, in Unix nanoseconds: the wall clock as this
-// process read it as it started (monoBase), advanced since by the
-// monotonic clock, which the system's time adjustments slew alike. One
-// read of the clock (monoNow), where time.Now makes two. Processes agree
-// on it as on the wall clock, except where the wall clock moved against
-// the monotonic one between their starts (a step set by hand or by a
-// time daemon, a leap second, a suspend): they disagree by as much for as
-// long as both run. That costs a waiter gaps learnt wrong, within learn's
-// bounds (spins too long or too short), and a writer a look at whether
-// its reader lives on each Send that lends blocks (see spunWithin);
-// never a ring.
-func stamp() int64 { return stampAt(monoNow()) }
-
-// stampAt is stamp at now, a reading of monoNow.
-func stampAt(now int64) int64 { return stampBase + now }
-
-// stampBase is stamp at monoNow's zero: the wall clock less the
-// monotonic clock, each as time.Now reads them, the wall clock first.
-// The time between the two reads makes the difference too small by as
-// much, so the largest of a few is the closest.
-var stampBase = func() int64 {
-	base := int64(math.MinInt64)
-	for range 8 {
-		t := time.Now()
-		base = max(base, t.UnixNano()-int64(t.Sub(monoBase)))
-	}
-	return base
-}()

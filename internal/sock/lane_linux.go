@@ -272,6 +272,15 @@ func (l *Lane) Taken() uint32 { return l.taken.Load() }
 // stamped (stampCPU), ran on then, plus one, or 0 (see Bell.RingerCPU).
 func (l *Lane) readerCPU() uint32 { return l.taken.RingerCPU() }
 
+// readerStamp returns the stamp at off (readerAt) on the taken count's
+// line (see way_pins.go), or nil once the lane is closed.
+func (l *Lane) readerStamp(off int) *atomic.Int64 {
+	if l.mem == nil {
+		return nil
+	}
+	return (*atomic.Int64)(unsafe.Pointer(&l.mem[readerPage+off]))
+}
+
 // readerSpunWithin reports whether a reader spun on the lane, waiting for
 // an entry, within d of now, a reading of monoNow (see Bell.spunWithin).
 func (l *Lane) readerSpunWithin(now int64, d time.Duration) bool { return l.sent.spunWithin(now, d) }
@@ -591,5 +600,5 @@ var _ [laneHeader - readerPage - laneMisses - 4]byte // it fits, the last word i
 var (
 	_ [readerPage + takenLine - (takenBell + bellOwn)]struct{}
 	_ [takenBell + bellOwn - (readerPage + takenLine)]struct{}
-	_ [takenBell + 64 - (readerPage + sockSends + 4)]struct{}
+	_ [takenBell + 64 - (readerPage + readerAt + 8)]struct{}
 )

@@ -73,6 +73,8 @@ func (l *Lane) readerCPU() uint32 { return 0 }
 
 func (l *Lane) readerSpunWithin(int64, time.Duration) bool { return false }
 
+func (l *Lane) readerStamp(int) *atomic.Int64 { return nil }
+
 func (l *Lane) stampCPU(bool) {}
 
 // Nudge does nothing.

@@ -941,26 +941,32 @@ func (w *Way) readerHeld() bool {
 	return err == nil && held
 }
 
-// liveWindow is how lately a fair Way's reader must have spun on the
-// lane for its writer to take it as alive without asking the kernel (see
-// readerLive): about what a writer on the reader's CPU takes, once the
-// reader yields it, to come to its Send.
+// liveWindow is how lately a fair Way's reader must have begun a wait on
+// the lane, or spun there, for its writer to take it as alive without
+// asking the kernel (see readerLive): about what a writer on the
+// reader's CPU takes, once the reader yields it, to come to its Send.
 const liveWindow = 20 * time.Microsecond
 
 // heldLooks counts readerLive's looks at the reader's role, for tests.
 var heldLooks atomic.Uint64
 
 // readerLive reports whether the role's reader of a fair Way is alive, as
-// readerHeld does, but without readerHeld's system call for a reader that
-// spun on the lane l within the Way's live (liveWindow; see
-// Bell.spunWithin), as a reader waiting for a round trip's next message
-// does: its process was alive then. A reader killed within that window is
-// taken as alive, as one killed just after readerHeld's look is: the
-// message named for its pins is in flight to it, lost with it, and its
-// blocks come back to the writer with the loan. now is a reading of
-// monoNow.
+// readerHeld does, but without readerHeld's system call for a reader
+// whose process was alive within the Way's live (liveWindow) of now, as
+// a reader waiting for a round trip's next message is. Its wait on the
+// lane l is stamped as it begins (readerAt, on the line of the reader's
+// words, which the writer reads already), with its process's last
+// receive (lastRecv), a time before the truth that costs no clock read;
+// a spin that goes on is stamped each stampEvery (Bell.spunWithin). A
+// reader that works longer than the window between a receive and its
+// next wait so costs its writer a system call, about a microsecond, on
+// each Send that lends it blocks in the first stampEvery of that wait. A
+// reader killed within the window is taken as alive, as one killed just
+// after readerHeld's look is: the message named for its pins is in
+// flight to it, lost with it, and its blocks come back to the writer
+// with the loan. now is a reading of monoNow.
 func (w *Way) readerLive(l *Lane, now int64) bool {
-	if l.readerSpunWithin(now, w.live) {
+	if s := l.readerStamp(readerAt); s != nil && stampedWithin(s.Load(), now, w.live) || l.readerSpunWithin(now, w.live) {
 		return true
 	}
 	heldLooks.Add(1)
@@ -1366,6 +1372,7 @@ func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32, lane bool) (Ms
 	if lane && takeLaneWait() {
 		w.missSeen = l.readerWord(laneMisses).Load()
 		l.readerWord(waitsAt).Store(w.sockSeen)
+		l.readerStamp(readerAt).Store(stampAt(lastRecv.Load())) // see readerLive
 		if !moveWait(waits, waitOnLane) {
 			laneSleepers.Add(-1)
 			return Msg{}, false, w.waitClaimed(ctx, l, last)

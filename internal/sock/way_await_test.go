@@ -234,15 +234,17 @@ func TestFairWayMissedNameBringsTheReaderToTheLane(t *testing.T) {
 
 // A fair Way's writer asks the kernel whether the role's reader lives
 // (readerHeld) before it names a block for the reader's pins, unless the
-// reader spun on the lane within the Way's live: a reader killed as it
+// reader began its wait on the lane, or spun there, within the Way's
+// live: a reader killed as it
 // waits leaves its wait behind, and a block named for its pins would be
 // lost to the next reader, which maps none of them.
 func TestFairWayAsksWhetherItsReaderLives(t *testing.T) {
 	w, r, _, ctx, lend := busyReader(t, time.Millisecond)
 	l := w.lane.Load()
-	// sendAsleep sends a named block to r, asleep on the lane, whose last
-	// spin is stamped spunAt, and returns how often the writer asked.
-	sendAsleep := func(spunAt int64) uint64 {
+	// sendAsleep sends a named block to r, asleep on the lane, whose wait
+	// is stamped waited (-1: as the reader stamped it) and its last spin
+	// spunAt, and returns how often the writer asked.
+	sendAsleep := func(waited, spunAt int64) uint64 {
 		t.Helper()
 		asleep := make(chan struct{})
 		onceBeforeSleep(t, func() { close(asleep) }) // past its spin: it stamps no more
@@ -253,6 +255,9 @@ func TestFairWayAsksWhetherItsReaderLives(t *testing.T) {
 			t.Fatal("the reader never slept on the lane")
 		}
 		waitsOnLane(t, r)
+		if waited != -1 {
+			l.readerStamp(readerAt).Store(waited)
+		}
 		atomic.StoreInt64(l.sent.spunAt, spunAt)
 		looks := heldLooks.Load()
 		require.NoError(t, lend())
@@ -262,14 +267,19 @@ func TestFairWayAsksWhetherItsReaderLives(t *testing.T) {
 		return heldLooks.Load() - looks
 	}
 	w.live = time.Hour // however late the test's next step runs
-	assert.Zero(t, sendAsleep(stamp()), "a reader that spun lately lives: no look")
-	assert.EqualValues(t, 1, sendAsleep(stamp()-int64(2*time.Hour)), "a spin too old: a look")
-	assert.EqualValues(t, 1, sendAsleep(stamp()+int64(2*time.Hour)), "a spin further ahead than live (stamps that disagree): a look")
+	old, ahead := stamp()-int64(2*time.Hour), stamp()+int64(2*time.Hour)
+	lastRecv.Store(monoNow())
+	assert.Zero(t, sendAsleep(-1, old), "a reader stamps its wait as its process's last receive: no look")
+	assert.Zero(t, sendAsleep(stamp(), old), "a reader that began its wait lately lives: no look")
+	assert.Zero(t, sendAsleep(old, stamp()), "a reader that spun lately lives: no look")
+	assert.EqualValues(t, 1, sendAsleep(old, old), "a wait and a spin too old: a look")
+	assert.EqualValues(t, 1, sendAsleep(ahead, ahead), "stamps further ahead than live (stamps that disagree): a look")
 
 	// A reader gone, its wait left behind as a killed one leaves it.
 	require.NoError(t, r.Close())
 	l.readerWord(readerWaits).Store(waitOnLane)
-	atomic.StoreInt64(l.sent.spunAt, stamp()-int64(2*time.Hour))
+	l.readerStamp(readerAt).Store(old)
+	atomic.StoreInt64(l.sent.spunAt, old)
 	looks := heldLooks.Load()
 	assert.ErrorIs(t, lend(), carry.ErrNoLane, "a block named for the pins of a reader gone")
 	assert.EqualValues(t, 1, heldLooks.Load()-looks)

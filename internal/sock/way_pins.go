@@ -72,8 +72,8 @@ import (
 //
 // A reader killed as it waits on a fair Way's lane leaves its wait and
 // its list behind: the writer names blocks only for a reader that holds
-// the role, as the kernel says (readerHeld), or that spun on the lane
-// within liveWindow (readerLive). A reader killed within that window may
+// the role, as the kernel says (readerHeld), or that began a wait on the
+// lane, or spun there, within liveWindow (readerLive). A reader killed within that window may
 // be named for, as one killed just after the kernel's answer may: the
 // message is lost with it, and its blocks come back with the loan.
 //
@@ -117,6 +117,8 @@ import (
 //	waitsAt: sockSends as the reader last found the socket empty
 //	sockSends: a count of the messages writers sent by the socket,
 //	     which they bump (a fair Way's)
+//	readerAt: when a fair Way's reader last began a wait on the lane, a
+//	     stamp (see stamp, and readerLive)
 
 // The reader's page lies in the lane's header, after the bells.
 const readerPage = 1024
@@ -135,6 +137,7 @@ const (
 	readerWaits = takenLine + 4
 	waitsAt     = takenLine + 8
 	sockSends   = takenLine + 12
+	readerAt    = takenLine + 16 // an int64, 8-aligned
 
 	// maxPins and maxPinBytes bound the segments a reader pins for a
 	// Way: pinned segments keep their memory until the Way closes, or
