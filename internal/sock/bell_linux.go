@@ -193,9 +193,10 @@ func (b *Bell) stampCPU() {
 	}
 }
 
-// spunWithin reports whether a waiter spun on the word within d of now,
-// a reading of monoNow the caller took, as its stamps say: the waiter's
-// process was alive then. A waiter whose stamp is d or more older has
+// spunWithin reports whether a waiter stamped a spin on the word within d
+// of now, a reading of monoNow the caller took: the waiter's process was
+// alive then. A spin stamps only once it has gone on for stampEvery, so a
+// shorter one says nothing. A waiter whose stamp is d or more older has
 // not, nor one asleep, nor one that stopped spinning; nor one whose stamp
 // is d or more ahead (its process's stamps disagree with this one's: see
 // stamp). One that stamped since the caller read its clock, ahead of now

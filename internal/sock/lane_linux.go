@@ -281,8 +281,9 @@ func (l *Lane) readerStamp(off int) *atomic.Int64 {
 	return (*atomic.Int64)(unsafe.Pointer(&l.mem[readerPage+off]))
 }
 
-// readerSpunWithin reports whether a reader spun on the lane, waiting for
-// an entry, within d of now, a reading of monoNow (see Bell.spunWithin).
+// readerSpunWithin reports whether a reader stamped a spin on the lane,
+// waiting for an entry, within d of now, a reading of monoNow (see
+// Bell.spunWithin: a spin shorter than stampEvery stamps nothing).
 func (l *Lane) readerSpunWithin(now int64, d time.Duration) bool { return l.sent.spunWithin(now, d) }
 
 // stampCPU stamps the CPU this process runs on (see runningCPU)
@@ -601,4 +602,5 @@ var (
 	_ [readerPage + takenLine - (takenBell + bellOwn)]struct{}
 	_ [takenBell + bellOwn - (readerPage + takenLine)]struct{}
 	_ [takenBell + 64 - (readerPage + readerAt + 8)]struct{}
+	_ [1 - (readerPage+readerAt)%8]struct{} // readerAt loads whole
 )

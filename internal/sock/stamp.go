@@ -5,8 +5,8 @@ import (
 	"time"
 )
 
-// stamp returns the time of a ring or a spin for the waiters and ringers
-// of every process to read, in Unix nanoseconds: the wall clock as this
+// stamp returns the time of a ring, a spin or a wait for the waiters and
+// ringers of every process to read, in Unix nanoseconds: the wall clock as this
 // process read it as it started (monoBase), advanced since by the
 // monotonic clock, which the system's time adjustments slew alike. One
 // read of the clock (monoNow), where time.Now makes two. Processes agree
@@ -15,8 +15,8 @@ import (
 // time daemon, a leap second, a suspend): they disagree by as much for as
 // long as both run. That costs a waiter gaps learnt wrong, within learn's
 // bounds (spins too long or too short), and a writer a look at whether
-// its reader lives on each Send that lends blocks (see spunWithin);
-// never a ring.
+// its reader lives on each Send that lends blocks (see stampedWithin,
+// and Way.readerLive); never a ring.
 func stamp() int64 { return stampAt(monoNow()) }
 
 // stampAt is stamp at now, a reading of monoNow.

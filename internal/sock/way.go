@@ -941,10 +941,11 @@ func (w *Way) readerHeld() bool {
 	return err == nil && held
 }
 
-// liveWindow is how lately a fair Way's reader must have begun a wait on
-// the lane, or spun there, for its writer to take it as alive without
-// asking the kernel (see readerLive): about what a writer on the
-// reader's CPU takes, once the reader yields it, to come to its Send.
+// liveWindow is how recent a fair Way's reader's stamp must be (its wait
+// on the lane's, which is its process's last receive, or its spin's) for
+// its writer to take it as alive without asking the kernel (see
+// readerLive): about what a writer on the reader's CPU takes, once the
+// reader yields it, to come to its Send.
 const liveWindow = 20 * time.Microsecond
 
 // heldLooks counts readerLive's looks at the reader's role, for tests.
@@ -960,7 +961,8 @@ var heldLooks atomic.Uint64
 // a spin that goes on is stamped each stampEvery (Bell.spunWithin). A
 // reader that works longer than the window between a receive and its
 // next wait so costs its writer a system call, about a microsecond, on
-// each Send that lends it blocks in the first stampEvery of that wait. A
+// each Send that lends it blocks before that wait has spun stampEvery:
+// for the whole wait, if it spins less than that, or sleeps first. A
 // reader killed within the window is taken as alive, as one killed just
 // after readerHeld's look is: the message named for its pins is in
 // flight to it, lost with it, and its blocks come back to the writer

@@ -72,8 +72,9 @@ import (
 //
 // A reader killed as it waits on a fair Way's lane leaves its wait and
 // its list behind: the writer names blocks only for a reader that holds
-// the role, as the kernel says (readerHeld), or that began a wait on the
-// lane, or spun there, within liveWindow (readerLive). A reader killed within that window may
+// the role, as the kernel says (readerHeld), or whose stamps say its
+// process ran within liveWindow (readerLive: its wait's, which is its
+// last receive, or its spin's). A reader killed within that window may
 // be named for, as one killed just after the kernel's answer may: the
 // message is lost with it, and its blocks come back with the loan.
 //
@@ -117,8 +118,9 @@ import (
 //	waitsAt: sockSends as the reader last found the socket empty
 //	sockSends: a count of the messages writers sent by the socket,
 //	     which they bump (a fair Way's)
-//	readerAt: when a fair Way's reader last began a wait on the lane, a
-//	     stamp (see stamp, and readerLive)
+//	readerAt: a fair Way's reader's stamp of its last wait on the lane,
+//	     which is its process's last receive before it (see stamp,
+//	     and readerLive)
 
 // The reader's page lies in the lane's header, after the bells.
 const readerPage = 1024

@@ -284,10 +284,11 @@ func TestWayReadersPageLayout(t *testing.T) {
 	assert.Zero(t, (readerPage+prodTable)%8, "identities load whole")
 	assert.Zero(t, (readerPage+pinTable)%8, "identities load whole")
 	seen := map[int]bool{}
-	for _, off := range []int{pinAcked, readerWaits, waitsAt, sockSends} {
-		at := readerPage + off
-		assert.Zero(t, at%4, "the word at %d is aligned", at)
-		for b := at; b < at+4; b++ {
+	for _, w := range []struct{ off, size int }{{pinAcked, 4}, {readerWaits, 4}, {waitsAt, 4}, {sockSends, 4}, {readerAt, 8}} {
+		at := readerPage + w.off
+		assert.Zero(t, at%w.size, "the word at %d is aligned", at)
+		assert.Equal(t, takenBell/64, (at+w.size-1)/64, "the word at %d ends on the taken count's line", at)
+		for b := at; b < at+w.size; b++ {
 			assert.False(t, seen[b], "byte %d of two words", b)
 			seen[b] = true
 		}
