@@ -34,6 +34,36 @@ func init() {
 	mp.Register("put-and-exit", workerPutAndExit)
 	mp.Register("send-many", workerSendMany)
 	mp.Register("low-fd-limit", workerLowFDLimit)
+	mp.Register("backstop-fails", workerBackstopFails)
+}
+
+// workerBackstopFails returns once its backstop's wait on the control
+// socket has failed three times (see TENSORMP_TEST_BACKSTOP_FAILS in
+// export_test.go), and has begun again since: a worker whose process
+// lives on past them.
+func workerBackstopFails(ctx context.Context, w *mp.Worker) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for mp.BackstopFailures() < 3 {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("the backstop's wait failed %d times in 10 s, not 3", mp.BackstopFailures())
+		}
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(50 * time.Millisecond) // the third failure's pause, and a wait again
+	return nil
+}
+
+// A worker's backstop ends the worker only when its parent is gone: a
+// wait on the control socket that fails otherwise (the worker's
+// descriptors exhausted, so that the receive cannot park, say) is waited
+// again a little later, and the worker's function returns as usual.
+func TestWorkerBackstopWaitsAgainAfterItsOwnFailure(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	g, err := mp.Spawn(ctx, "backstop-fails", 1, mp.WithEnv("TENSORMP_TEST_BACKSTOP_FAILS=3"))
+	require.NoError(t, err)
+	require.NoError(t, g.Join(), "the worker ran to its end")
 }
 
 type spawnArgs struct {

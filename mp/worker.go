@@ -157,8 +157,7 @@ func runWorker(name string, fn WorkerFunc) int {
 	// wait begins again a little later.
 	go func() {
 		for {
-			var x struct{}
-			err := get(context.Background(), ctl, &x, true)
+			err := backstopWait(ctl)
 			if err == nil {
 				return // nothing comes after the arguments: a message ends the watch
 			}
@@ -202,6 +201,14 @@ func runWorker(name string, fn WorkerFunc) int {
 // backstopRetry is how long a worker's wait on its control socket
 // pauses after a failure of its own before it waits again.
 const backstopRetry = 10 * time.Millisecond
+
+// backstopWait is the backstop's wait on the control socket ctl, for a
+// message that never comes: it returns the receive's error. Tests set it
+// as the package initialises, before any worker runs.
+var backstopWait = func(ctl *sock.Conn) error {
+	var x struct{}
+	return get(context.Background(), ctl, &x, true)
+}
 
 // errTerminated is the cause of a worker's context cancelled by SIGTERM.
 var errTerminated = errors.New("SIGTERM cancelled the worker's context")
