@@ -58,13 +58,13 @@ import (
 // (laneWaiters), once a receive and for at most laneSleep; else it waits
 // on the socket as a Conn waits (in one of a few kernel waits for a
 // millisecond, then on the package's poller), and says so in the
-// reader's words (readerWaits): a Pipe's writer that publishes an entry then wakes it
-// with a wake frame (see park), and a fair Way's sends there (see
-// waitFair). A Pipe's reader looks at the lane again at the end of each
-// of its slices on the socket (see park). A writer that waits for room
-// in a full lane sleeps on the lane only while it holds a lane wait too,
-// and past laneSleep only while no other wait was refused one; else its
-// goroutine sleeps on a timer between looks at the lane (see
+// reader's words (readerWaits): a Pipe's writer that publishes an entry
+// then wakes it with a wake frame (see park), and a fair Way's sends
+// there (see waitFair). A Pipe's reader looks at the lane again at the
+// end of each of its slices on the socket (see park). A writer that waits
+// for room in a full lane sleeps on the lane only while it holds a lane
+// wait too, and past laneSleep only while no other wait was refused one;
+// else its goroutine sleeps on a timer between looks at the lane (see
 // Lane.waitRoom).
 //
 // Ends. A reader whose writers are all gone (the socket's other end is
