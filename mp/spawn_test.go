@@ -37,33 +37,56 @@ func init() {
 	mp.Register("backstop-fails", workerBackstopFails)
 }
 
-// workerBackstopFails returns once its backstop's wait on the control
-// socket has failed three times (see TENSORMP_TEST_BACKSTOP_FAILS in
-// export_test.go), and has begun again since: a worker whose process
-// lives on past them.
+// backstopFails is how many times the backstop-fails worker's backstop
+// wait fails on its own (see mp.BackstopFailsEnv).
+const backstopFails = 3
+
+// workerBackstopFails waits until its backstop's wait on the control
+// socket has failed backstopFails times, lives on past them and puts how
+// many on its queue, and then shuts its control socket's reading side, as
+// a parent gone ends it: the backstop, waiting there again, ends the
+// worker (code 3) before the function's own end, an error, 10 s later.
 func workerBackstopFails(ctx context.Context, w *mp.Worker) error {
+	var q *mp.Queue
+	if err := w.Args(&q); err != nil {
+		return err
+	}
 	deadline := time.Now().Add(10 * time.Second)
-	for mp.BackstopFailures() < 3 {
+	for mp.BackstopFailures() < backstopFails {
 		if time.Now().After(deadline) {
-			return fmt.Errorf("the backstop's wait failed %d times in 10 s, not 3", mp.BackstopFailures())
+			return fmt.Errorf("the backstop's wait failed %d times in 10 s, not %d", mp.BackstopFailures(), backstopFails)
 		}
 		time.Sleep(time.Millisecond)
 	}
-	time.Sleep(50 * time.Millisecond) // the third failure's pause, and a wait again
-	return nil
+	time.Sleep(50 * time.Millisecond) // past the last failure's pause
+	if err := q.Put(ctx, mp.BackstopFailures()); err != nil {
+		return err
+	}
+	if err := mp.ShutControlReads(w); err != nil {
+		return err
+	}
+	time.Sleep(10 * time.Second)
+	return errors.New("the backstop did not end the worker")
 }
 
-// A worker's backstop ends the worker only when its parent is gone: a
-// wait on the control socket that fails otherwise (the worker's
-// descriptors exhausted, so that the receive cannot park, say) is waited
-// again a little later, and the worker's function returns as usual.
+// A worker's backstop ends the worker only when its control socket ends
+// (its parent is gone): a wait on the socket that fails otherwise (the
+// worker's descriptors exhausted, so that the receive cannot park, say)
+// is waited again a little later, and the worker lives on; the wait that
+// follows still ends it when the socket ends.
 func TestWorkerBackstopWaitsAgainAfterItsOwnFailure(t *testing.T) {
 	leakcheck.Check(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	g, err := mp.Spawn(ctx, "backstop-fails", 1, mp.WithEnv("TENSORMP_TEST_BACKSTOP_FAILS=3"))
+	q := newQueue(t)
+	g, err := mp.Spawn(ctx, "backstop-fails", 1, mp.WithArgs(q), mp.WithEnv(fmt.Sprintf("%s=%d", mp.BackstopFailsEnv, backstopFails)))
 	require.NoError(t, err)
-	require.NoError(t, g.Join(), "the worker ran to its end")
+	var failed int
+	require.NoError(t, q.Get(g.Context(), &failed), "the worker lived past its backstop's failures")
+	assert.Equal(t, backstopFails, failed)
+	var xe *mp.ExitError
+	require.ErrorAs(t, g.Join(), &xe, "the backstop ended the worker")
+	assert.Equal(t, 3, xe.Code, "the backstop's code")
 }
 
 type spawnArgs struct {
