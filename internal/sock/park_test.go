@@ -356,14 +356,7 @@ func TestPipeParkedReaderSeesEveryEnd(t *testing.T) {
 			r.sleep = time.Millisecond
 			recvCtx, stop := context.WithCancel(ctx)
 			defer stop()
-			done := make(chan error, 1)
-			go func() {
-				m, err := r.Recv(recvCtx)
-				if err == nil {
-					m.Done()
-				}
-				done <- err
-			}()
+			done := recvErr(recvCtx, r)
 			require.Eventually(t, func() bool { return parked(r) }, 5*time.Second, time.Millisecond)
 			start := time.Now()
 			c.end(w, r, stop)

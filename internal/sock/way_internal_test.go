@@ -756,18 +756,26 @@ func TestWayCloseWaitsForThePollersNudge(t *testing.T) {
 func recvGivingUp(ctx context.Context, r *Way) <-chan error {
 	r.sem.lock()
 	waiting, stop := context.WithCancel(ctx)
+	done := recvErr(waiting, r)
+	for r.sem.waiters.Load() == 0 {
+		time.Sleep(10 * time.Microsecond)
+	}
+	stop()
+	return done
+}
+
+// recvErr receives one message on r in a goroutine, under ctx, and
+// returns what the receive returns; a message received is done with at
+// once.
+func recvErr(ctx context.Context, r *Way) <-chan error {
 	done := make(chan error, 1)
 	go func() {
-		m, err := r.Recv(waiting)
+		m, err := r.Recv(ctx)
 		if err == nil {
 			m.Done()
 		}
 		done <- err
 	}()
-	for r.sem.waiters.Load() == 0 {
-		time.Sleep(10 * time.Microsecond)
-	}
-	stop()
 	return done
 }
 
