@@ -77,6 +77,7 @@ func get(ctx context.Context, c *sock.Conn, v any, block bool) error {
 // blocks its lane's reader maps (see carry.EncodeLane), waiting for room
 // unless not block.
 func sendLane(ctx context.Context, w *sock.Way, v any, block bool) error {
+	w.Warm()
 	s := laneSenders.Get().(*laneSender)
 	s.ctx, s.w, s.block, s.err = ctx, w, block, nil
 	err := carry.EncodeLane(v, w, s.fn)

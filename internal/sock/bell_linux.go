@@ -62,6 +62,9 @@ type Bell struct {
 	misses atomic.Int32
 	waits  atomic.Uint32
 	spun   atomic.Uint64 // waits that spun, for tests and benchmarks
+	// woke is when a spin last saw the word move, on monoNow's clock,
+	// as of its last look at the clock (see spin), until Woke takes it.
+	woke atomic.Int64
 	// timeouts counts sleeps that ended by their time with the word
 	// moved: rings slept through, for tests.
 	timeouts atomic.Uint64
@@ -283,8 +286,8 @@ func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint3
 // after the arm wakes it.
 //
 // The wait reads the clock (monoNow) once as it begins, each spinTurns
-// turns of its spin, as its ring comes (for learn), and once before each
-// sleep (twice for a deadline made from a wall time): a read costs 50 ns
+// turns of its spin, and once before each sleep; not as its ring comes
+// (see Woke) (twice for a deadline made from a wall time): a read costs 50 ns
 // or more on a VM, and a stream or a round trip waits once a message. A
 // waiter whose ringer shares its CPU yields it first, and reads none if
 // that brings the ring (see spin).
@@ -410,6 +413,13 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, p
 	}
 }
 
+// Woke returns the time a spin last saw the word move, on monoNow's
+// clock and before the truth by a spin's look at the clock at most, and
+// forgets it; 0 if no spin has seen it move since Woke was last called.
+// A waiter that took its word's move from a spin knows when, within a
+// fraction of a microsecond, without a read of the clock.
+func (b *Bell) Woke() int64 { return b.woke.Swap(0) }
+
 // Spin spins on the word as a wait does before it sleeps (see
 // WaitUntil), and returns it and true if it moved from last meanwhile:
 // for a waiter that then waits elsewhere, with nothing armed here.
@@ -456,6 +466,11 @@ func (b *Bell) nudgeAtEnd(ctx context.Context) (disarm func()) {
 // if that did not bring the ring (the wait's beginning it returns is
 // then 0, and it learns nothing: the ring came within a yield).
 //
+// A spin reads the clock as it begins and each spinTurns turns, not as
+// the ring comes: the gap it learns, and the time it leaves for Woke,
+// are as of its last read, short by one look's turns at most. A reader
+// of a round trip so goes to its message one read sooner.
+//
 // A spin stamps that it goes on (spunAt) each stampEvery, not as it
 // begins: a spin of a round trip's few microseconds writes nothing to the
 // word's line, which the ringer then takes from the waiter's cache once,
@@ -481,21 +496,28 @@ func (b *Bell) spin(last uint32, start int64) (uint32, bool, int64) {
 			return w, true, 0
 		}
 	}
+	now := monoNow()
 	if start == 0 {
-		start = monoNow()
+		start = now
 	}
+	spun := now - start // how long it had waited at its last look at the clock
 	yield := sharesCPU(peer, start)
 	budget := spinBudget(b.gap.Load(), peer)
 	wall := stampAt(start)
 	var stamped int64 // how far into the spin its last stamp was
 	for i := 1; ; i++ {
 		if w := atomic.LoadUint32(b.word); w != last {
+			// As of the last look at the clock, which costs a read
+			// less on the way to the message: a gap learnt short by
+			// a look's turns at most, and a wake time before the
+			// truth.
 			b.misses.Store(0)
-			b.learn(monoNow() - start)
+			b.learn(spun)
+			b.woke.Store(start + spun)
 			return w, true, start
 		}
 		if i%spinTurns == 0 {
-			spun := monoNow() - start
+			spun = monoNow() - start
 			if spun-stamped >= int64(stampEvery) {
 				atomic.StoreInt64(b.spunAt, wall+spun)
 				stamped = spun

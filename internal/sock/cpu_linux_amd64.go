@@ -99,3 +99,41 @@ func cpuidBit(leaf, sub uint32, reg, bit int) bool {
 func cpuid(leaf, sub uint32) (a, b, c, d uint32)
 func rdpid() uint32
 func rdtscpAux() uint32
+
+// Implemented in cpu_linux_amd64.s: PREFETCHW and PREFETCHT0, which ask
+// for the cache line at p, for writing or for reading, without waiting
+// for it. PREFETCHW only where the processor has it (prefetchW).
+//
+//go:noescape
+func prefetchw(p unsafe.Pointer)
+
+//go:noescape
+func prefetcht0(p unsafe.Pointer)
+
+// hasPREFETCHW reports whether the processor has PREFETCHW, as CPUID
+// says (the flag /proc/cpuinfo calls 3dnowprefetch).
+func hasPREFETCHW() bool {
+	leaves, _, _, _ := cpuid(0x80000000, 0)
+	return leaves >= 0x80000001 && cpuidBit(0x80000001, 0, 2, 8)
+}
+
+// prefetchW is hasPREFETCHW's answer, asked once: CPUID costs more than
+// a prefetch saves.
+var prefetchW = hasPREFETCHW()
+
+// forWrite asks for the cache line at p in the state a write needs (for
+// reading only, where the processor cannot ask for that), and returns at
+// once: a line that another CPU wrote last then moves while the caller
+// works, not at its first store or atomic operation on it, which waits
+// for the move. It faults on nothing; p must point into memory the
+// caller maps all the same.
+func forWrite(p unsafe.Pointer) {
+	if prefetchW {
+		prefetchw(p)
+	} else {
+		prefetcht0(p)
+	}
+}
+
+// forRead asks for the cache line at p for reading, and returns at once.
+func forRead(p unsafe.Pointer) { prefetcht0(p) }

@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"unsafe"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -53,5 +54,23 @@ func TestCPUNowMatchesTheKernel(t *testing.T) {
 		if slices.Contains(flags, "rdtscp") {
 			assert.Equal(t, uint32(c), rdtscpAux()&0xfff, "RDTSCP on CPU %d", c)
 		}
+	}
+}
+
+// forWrite asks for a line to write with PREFETCHW where CPUID says the
+// processor has it, as /proc/cpuinfo does (3dnowprefetch), else reads
+// it in; neither faults on memory the caller maps.
+func TestPrefetchWMatchesTheKernel(t *testing.T) {
+	info, err := os.ReadFile("/proc/cpuinfo")
+	require.NoError(t, err)
+	has := slices.Contains(strings.Fields(string(info)), "3dnowprefetch")
+	assert.Equal(t, has, hasPREFETCHW(), "CPUID's answer for PREFETCHW")
+	assert.Equal(t, has, prefetchW)
+	line := make([]byte, 128)
+	forWrite(unsafe.Pointer(&line[64]))
+	forRead(unsafe.Pointer(&line[0]))
+	prefetcht0(unsafe.Pointer(&line[0]))
+	if has {
+		prefetchw(unsafe.Pointer(&line[0]))
 	}
 }

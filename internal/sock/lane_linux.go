@@ -265,6 +265,51 @@ func (l *Lane) Tail() uint32 {
 
 // Sent returns the count of messages published, and Taken the count of
 // those taken, as the lane's memory says now.
+// warmSend asks, without waiting, for the cache lines the writer's next
+// Send writes that the reader wrote last: the first line of the entry
+// after the last one published, and with taken, the taken count's line
+// (a fair Way's writer claims its reader there). They then move from the
+// reader's CPU while the caller encodes the message, not at the send's
+// first store or atomic operation. The sent count's line is left alone:
+// a reader spinning on it would only take it back before the ring.
+func (l *Lane) warmSend(taken bool) {
+	mem := l.mem
+	if mem == nil {
+		return
+	}
+	if taken {
+		forWrite(unsafe.Pointer(&mem[takenBell]))
+	}
+	// The writer's own count, not the sent count, whose line a reader
+	// may have written since (its spin's stamp); none while another of
+	// this process's goroutines sends.
+	if l.wmu.TryLock() {
+		off := laneHeader + int(l.tail&(l.entries-1))*l.size
+		l.wmu.Unlock()
+		forWrite(unsafe.Pointer(&mem[off]))
+	}
+}
+
+// sentWoke returns when a spin of this process's reader last saw the
+// sent count move, and forgets it (see Bell.Woke); 0 if none has since,
+// or l is nil.
+func (l *Lane) sentWoke() int64 {
+	if l == nil {
+		return 0
+	}
+	return l.sent.Woke()
+}
+
+// warmTake asks, without waiting, for the first line of the entry at
+// position pos, which a reader takes next.
+func (l *Lane) warmTake(pos uint32) {
+	mem := l.mem
+	if mem == nil {
+		return
+	}
+	forRead(unsafe.Pointer(&mem[laneHeader+int(pos&(l.entries-1))*l.size]))
+}
+
 func (l *Lane) Sent() uint32  { return l.sent.Load() }
 func (l *Lane) Taken() uint32 { return l.taken.Load() }
 

@@ -65,6 +65,10 @@ func (l *Lane) Heads(buf []byte, limit int, yield func(head []byte) bool) []byte
 func (l *Lane) Room() int { return 0 }
 
 // Tail, Sent and Taken return 0.
+func (l *Lane) warmSend(bool)   {}
+func (l *Lane) sentWoke() int64 { return 0 }
+func (l *Lane) warmTake(uint32) {}
+
 func (l *Lane) Tail() uint32  { return 0 }
 func (l *Lane) Sent() uint32  { return 0 }
 func (l *Lane) Taken() uint32 { return 0 }

@@ -350,15 +350,24 @@ func (w *Way) lockCall(ctx context.Context, block bool) error {
 // writer what the reader has done with (see ack).
 func (w *Way) recvDone() {
 	w.recvs++
-	now := monoNow()
+	var l *Lane
+	if w.held {
+		l = w.lane.Load()
+	}
+	// When the receive's wait saw its message come, if a spin did: a
+	// read of the clock less between a message and its receiver, on a
+	// VM 50 ns or more.
+	now := l.sentWoke()
+	if now == 0 {
+		now = monoNow()
+	}
 	lastRecv.Store(now)
 	if len(w.taking) > 0 {
 		w.takeMu.Lock()
 		w.taking = w.taking[:0] // revived, or never to be
 		w.takeMu.Unlock()
 	}
-	if w.held {
-		l := w.lane.Load()
+	if l != nil {
 		ack(l)
 		w.relistProduced(l)
 		lookCPU(now)
@@ -1381,6 +1390,7 @@ func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32, lane bool) (Ms
 		}
 		w.waiting.Add(1)
 		_, err := l.WaitSentUntil(ctx, last, w.alive, w.sleep, w.sockMoved)
+		l.warmTake(last) // moves while the wait's word does
 		w.waiting.Add(-1)
 		laneSleepers.Add(-1)
 		to := uint32(waitBusy)
@@ -1465,6 +1475,7 @@ func (w *Way) waitPipe(ctx context.Context, l *Lane, last uint32) (Msg, bool, er
 	}
 	w.waiting.Add(1)
 	_, err := l.WaitSentUntil(ctx, last, w.alive, w.sleep, nil)
+	l.warmTake(last)
 	w.waiting.Add(-1)
 	laneSleepers.Add(-1)
 	if !errors.Is(err, errWaitedEnough) {

@@ -215,6 +215,22 @@ func (g *ledger) out() []loan { return g.loans[g.returned:] }
 // lane would take a message now (handsOver).
 func (w *Way) Maps(b *shm.Block) bool { return w.names(b, true) }
 
+// Warm asks, without waiting, for the cache lines of the lane that this
+// Way's next send writes and its reader, on another CPU, wrote last (see
+// Lane.warmSend): a writer calls it as it begins a message, so that they
+// move while it encodes. It does nothing unless this process holds the
+// writer's role.
+func (w *Way) Warm() {
+	if !w.writes || !w.writing.Load() {
+		return
+	}
+	w.viewMu.Lock()
+	if l := w.lane.Load(); l != nil && !w.viewClosed {
+		l.warmSend(w.fair)
+	}
+	w.viewMu.Unlock()
+}
+
 // names is Maps for a block of this process's pool (own), and Returns for
 // one received here: the reader lists b's segment among its pins, or
 // among the segments it made. A block of a device slab is never a

@@ -190,6 +190,54 @@ func TestWayLoansFollowAcks(t *testing.T) {
 	assert.Equal(t, 0, pool.InUse(), "no reader pins: every loan is returned")
 }
 
+// Warm, which a writer calls as it begins a message, touches the lane's
+// memory only while the Way holds the writer's role and its lane is
+// mapped: on a reader, on a writer with no lane yet, while another
+// goroutine closes the writer (the race detector watches the lane's
+// mapping), and once it is closed, it asks for nothing and faults on
+// nothing.
+func TestWayWarmOnlyWhileTheLaneIsMapped(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	for _, fair := range []bool{false, true} {
+		var w, r *Way
+		if fair {
+			w, r, _ = fairPair(t)
+		} else {
+			w, r, _ = wayPair(t)
+		}
+		w.Warm() // no lane yet
+		require.NoError(t, w.Send(ctx, wayMsg(0, 8), nil))
+		recvWay(t, ctx, r)
+		r.Warm() // a reader sends nothing
+		w.Warm()
+		require.NoError(t, w.Send(ctx, wayMsg(1, 8), nil))
+		i, byLane := recvWay(t, ctx, r)
+		require.Equal(t, 1, i)
+		require.True(t, byLane || fair, "a pipe's lane carries it") // a queue's, to a waiting reader only
+		warming, closed, done := make(chan struct{}), make(chan struct{}), make(chan struct{})
+		go func() {
+			defer close(done)
+			close(warming)
+			for {
+				select {
+				case <-closed:
+					return
+				default:
+					w.Warm()
+				}
+			}
+		}()
+		<-warming
+		require.NoError(t, w.Close())
+		close(closed)
+		<-done
+		w.Warm()
+		require.NoError(t, r.Close())
+	}
+}
+
 // A writer's loans are settled without a Send, each time loans are out
 // again, and by a closed writer.
 func TestWayLoansSettleIdleAndClosed(t *testing.T) {
