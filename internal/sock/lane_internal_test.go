@@ -3,7 +3,9 @@
 package sock
 
 import (
+	"context"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -42,4 +44,55 @@ func TestLaneWriterKeepsItsLook(t *testing.T) {
 	assert.Equal(t, r.Taken()-1, w.seen, "no look while the room it found lasts")
 	require.NoError(t, w.TrySend([]byte{6}), "a look, once that room is used up")
 	assert.Equal(t, r.Taken(), w.seen)
+}
+
+// Tail is the writer's own count, read without the writer's lock: a
+// Way's writer reads it at each message (and Maps as it encodes one),
+// while another of its goroutines may hold the lock, waiting for room.
+// It follows each message published, and a writer that resumes after
+// another counts from what that one published.
+func TestLaneTailWhileASendWaits(t *testing.T) {
+	f, err := CreateLane(4, 256)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = f.Close() })
+	w, err := OpenLane(f)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = w.Close() })
+	r, err := OpenLane(f)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = r.Close() })
+
+	for i := range 4 {
+		require.Equal(t, uint32(i), w.Tail())
+		require.NoError(t, w.TrySend([]byte{byte(i)}))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	sent := make(chan error, 1)
+	go func() { sent <- w.Send(ctx, []byte{4}, nil) }() // waits for room, holding wmu
+	require.Eventually(t, func() bool {
+		if !w.wmu.TryLock() {
+			return true
+		}
+		w.wmu.Unlock()
+		return false
+	}, 5*time.Second, time.Millisecond, "the send never waited")
+	done := make(chan uint32, 1)
+	go func() { done <- w.Tail() }()
+	select {
+	case tail := <-done:
+		assert.Equal(t, uint32(4), tail, "four published while the fifth waits")
+	case <-time.After(5 * time.Second):
+		t.Fatal("Tail waited for the send that waits for room")
+	}
+	_, _, err = r.TryRecv(nil)
+	require.NoError(t, err)
+	require.NoError(t, <-sent)
+	assert.Equal(t, uint32(5), w.Tail())
+
+	other, err := OpenLane(f) // another writer, after this one
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = other.Close() })
+	other.Resume()
+	assert.Equal(t, uint32(5), other.Tail(), "counts from what the last writer published")
 }

@@ -55,8 +55,12 @@ type Lane struct {
 	sent    *Bell
 	taken   *Bell
 
-	wmu  sync.Mutex
-	tail uint32 // the writer's own count of what it published, under wmu
+	wmu sync.Mutex
+	// tail is the writer's own count of what it published, changed
+	// under wmu and read without it (Tail), as a Way's writer and its
+	// Maps read it at each message: this process's word, not the sent
+	// count, whose line its reader reads and may write.
+	tail atomic.Uint32
 	// seen is the taken count as the writer last read it, under wmu: it
 	// publishes up to seen+entries without reading it again, so that the
 	// taken word's line, which each take writes, stays with the readers
@@ -203,7 +207,8 @@ func OpenLane(f *fd.FD) (*Lane, error) {
 		_ = unix.Munmap(mem)
 		return nil, err
 	}
-	l.tail, l.seen = l.sent.Load(), l.taken.Load()
+	l.tail.Store(l.sent.Load())
+	l.seen = l.taken.Load()
 	return l, nil
 }
 
@@ -248,7 +253,8 @@ func (l *Lane) Resume() {
 	l.wmu.Lock()
 	defer l.wmu.Unlock()
 	if l.mem != nil {
-		l.tail, l.seen = l.sent.Load(), l.taken.Load()
+		l.tail.Store(l.sent.Load())
+		l.seen = l.taken.Load()
 	}
 }
 
@@ -257,11 +263,7 @@ func (l *Lane) Room() int { return l.size - entryHeader }
 
 // Tail returns the position the next message sent will have: every
 // message this Lane sent has a position before it.
-func (l *Lane) Tail() uint32 {
-	l.wmu.Lock()
-	defer l.wmu.Unlock()
-	return l.tail
-}
+func (l *Lane) Tail() uint32 { return l.tail.Load() }
 
 // Sent returns the count of messages published, and Taken the count of
 // those taken, as the lane's memory says now.
@@ -281,13 +283,8 @@ func (l *Lane) warmSend(taken bool) {
 		forWrite(unsafe.Pointer(&mem[takenBell]))
 	}
 	// The writer's own count, not the sent count, whose line a reader
-	// may have written since (its spin's stamp); none while another of
-	// this process's goroutines sends.
-	if l.wmu.TryLock() {
-		off := laneHeader + int(l.tail&(l.entries-1))*l.size
-		l.wmu.Unlock()
-		forWrite(unsafe.Pointer(&mem[off]))
-	}
+	// may have written since (its spin's stamp).
+	forWrite(unsafe.Pointer(&mem[laneHeader+int(l.tail.Load()&(l.entries-1))*l.size]))
 }
 
 // sentWoke returns when a spin of this process's reader last saw the
@@ -389,14 +386,15 @@ func (l *Lane) send(ctx context.Context, data []byte, alive func() error, block 
 		return errLaneClosed
 	}
 	var slice time.Duration // see waitRoom
+	tail := l.tail.Load()
 	for pass := 1; ; pass++ {
-		if l.tail-l.seen < l.entries {
+		if tail-l.seen < l.entries {
 			break // room as of the last look: takes only move the count on
 		}
 		taken := l.taken.Load()
-		used := l.tail - taken
+		used := tail - taken
 		if used > l.entries {
-			return fmt.Errorf("mp: sending on a lane: %w: %d taken of %d sent", errCounts, taken, l.tail)
+			return fmt.Errorf("mp: sending on a lane: %w: %d taken of %d sent", errCounts, taken, tail)
 		}
 		l.seen = taken
 		if used < l.entries {
@@ -413,11 +411,11 @@ func (l *Lane) send(ctx context.Context, data []byte, alive func() error, block 
 			return err
 		}
 	}
-	e := l.entry(l.tail)
-	binary.LittleEndian.PutUint32(e[0:], l.tail)
+	e := l.entry(tail)
+	binary.LittleEndian.PutUint32(e[0:], tail)
 	binary.LittleEndian.PutUint32(e[4:], uint32(len(data)))
 	copy(e[entryHeader:], data)
-	l.tail++
+	l.tail.Store(tail + 1)
 	l.sent.Ring() // the word's atomic add publishes the entry
 	return nil
 }

@@ -852,7 +852,7 @@ func (p *patience) miss() {
 // fair Way's reader, busy as the end's only reader with every entry taken
 // (see awaitReader), as Maps asks before it names any.
 func (w *Way) mayAwait(l *Lane) bool {
-	return w.fair && w.busyAlone(l, l.Sent()) && w.wait.willWait()
+	return w.fair && w.busyAlone(l, l.Tail()) && w.wait.willWait()
 }
 
 // busyAlone reports whether the role's reader of a fair Way is busy as

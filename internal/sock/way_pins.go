@@ -248,7 +248,7 @@ func (w *Way) names(b *shm.Block, own bool) bool {
 	if own && !w.view.listed[b.Segment().ID()] || !own && !w.view.produced[b.Segment().ID()] {
 		return false
 	}
-	if w.handsOver(l, l.Sent(), false, true) || w.mayAwait(l) {
+	if w.handsOver(l, l.Tail(), false, true) || w.mayAwait(l) {
 		return true
 	}
 	if w.fair {
