@@ -466,8 +466,8 @@ func (b *Bell) nudgeAtEnd(ctx context.Context) (disarm func()) {
 // if that did not bring the ring (the wait's beginning it returns is
 // then 0, and it learns nothing: the ring came within a yield).
 //
-// A spin reads the clock as it begins and each spinTurns turns, not as
-// the ring comes: the gap it learns, and the time it leaves for Woke,
+// A spin reads the clock as it begins, each spinTurns turns, and after
+// each yield, not as the ring comes: the gap it learns, and the time it leaves for Woke,
 // are as of its last read, short by one look's turns at most. A reader
 // of a round trip so goes to its message one read sooner.
 //
@@ -530,6 +530,10 @@ func (b *Bell) spin(last uint32, start int64) (uint32, bool, int64) {
 			}
 			if yield {
 				spinYield()
+				// The ringer may have run all the while: a yield
+				// costs more than a read, and the look before it is
+				// no longer the spin's.
+				spun = monoNow() - start
 			}
 		}
 	}
