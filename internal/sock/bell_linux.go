@@ -62,9 +62,6 @@ type Bell struct {
 	misses atomic.Int32
 	waits  atomic.Uint32
 	spun   atomic.Uint64 // waits that spun, for tests and benchmarks
-	// woke is when a spin last saw the word move, on monoNow's clock,
-	// as of its last look at the clock (see spin), until Woke takes it.
-	woke atomic.Int64
 	// timeouts counts sleeps that ended by their time with the word
 	// moved: rings slept through, for tests.
 	timeouts atomic.Uint64
@@ -286,11 +283,12 @@ func (b *Bell) Wait(ctx context.Context, last uint32, alive func() error) (uint3
 // after the arm wakes it.
 //
 // The wait reads the clock (monoNow) once as it begins, each spinTurns
-// turns of its spin, and once before each sleep; not as its ring comes
-// (see Woke) (twice for a deadline made from a wall time): a read costs 50 ns
-// or more on a VM, and a stream or a round trip waits once a message. A
-// waiter whose ringer shares its CPU yields it first, and reads none if
-// that brings the ring (see spin).
+// turns of its spin and after each of its yields, once before each sleep
+// (twice for a deadline made from a wall time), and once as it finds its
+// ring after its flag is armed, before any sleep (for learn); not as a
+// spin sees its ring (see spin): a read costs 50 ns or more on a VM, and
+// a stream or a round trip waits once a message. A waiter whose ringer
+// shares its CPU yields it first, and reads none if that brings the ring.
 func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, patience time.Duration, look func() error) (uint32, error) {
 	if w := atomic.LoadUint32(b.word); w != last {
 		return w, nil
@@ -413,13 +411,6 @@ func (b *Bell) WaitUntil(ctx context.Context, last uint32, alive func() error, p
 	}
 }
 
-// Woke returns the time a spin last saw the word move, on monoNow's
-// clock and before the truth by a spin's look at the clock at most, and
-// forgets it; 0 if no spin has seen it move since Woke was last called.
-// A waiter that took its word's move from a spin knows when, within a
-// fraction of a microsecond, without a read of the clock.
-func (b *Bell) Woke() int64 { return b.woke.Swap(0) }
-
 // Spin spins on the word as a wait does before it sleeps (see
 // WaitUntil), and returns it and true if it moved from last meanwhile:
 // for a waiter that then waits elsewhere, with nothing armed here.
@@ -467,9 +458,10 @@ func (b *Bell) nudgeAtEnd(ctx context.Context) (disarm func()) {
 // then 0, and it learns nothing: the ring came within a yield).
 //
 // A spin reads the clock as it begins, each spinTurns turns, and after
-// each yield, not as the ring comes: the gap it learns, and the time it leaves for Woke,
-// are as of its last read, short by one look's turns at most. A reader
-// of a round trip so goes to its message one read sooner.
+// each yield (whose ringer may have run all the while), not as the ring
+// comes: the gap it learns is as of its last read, short by one look's
+// turns at most. A reader of a round trip so goes to its message one
+// read sooner.
 //
 // A spin stamps that it goes on (spunAt) each stampEvery, not as it
 // begins: a spin of a round trip's few microseconds writes nothing to the
@@ -507,13 +499,11 @@ func (b *Bell) spin(last uint32, start int64) (uint32, bool, int64) {
 	var stamped int64 // how far into the spin its last stamp was
 	for i := 1; ; i++ {
 		if w := atomic.LoadUint32(b.word); w != last {
-			// As of the last look at the clock, which costs a read
-			// less on the way to the message: a gap learnt short by
-			// a look's turns at most, and a wake time before the
-			// truth.
+			// As of the last look at the clock, a read less on the
+			// way to the message: a gap learnt short by a look's
+			// turns at most.
 			b.misses.Store(0)
 			b.learn(spun)
-			b.woke.Store(start + spun)
 			return w, true, start
 		}
 		if i%spinTurns == 0 {

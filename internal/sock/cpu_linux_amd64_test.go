@@ -59,11 +59,18 @@ func TestCPUNowMatchesTheKernel(t *testing.T) {
 
 // forWrite asks for a line to write with PREFETCHW where CPUID says the
 // processor has it, as /proc/cpuinfo does (3dnowprefetch), else reads
-// it in; neither faults on memory the caller maps.
+// it in; neither faults on memory the caller maps. Linux also says so
+// of an AMD processor with long mode whose CPUID does not (a
+// hypervisor's that hides the bit): PREFETCHW is asked of CPUID alone.
 func TestPrefetchWMatchesTheKernel(t *testing.T) {
 	info, err := os.ReadFile("/proc/cpuinfo")
 	require.NoError(t, err)
-	has := slices.Contains(strings.Fields(string(info)), "3dnowprefetch")
+	fields := strings.Fields(string(info))
+	has := slices.Contains(fields, "3dnowprefetch")
+	if has && !hasPREFETCHW() && slices.Contains(fields, "AuthenticAMD") {
+		t.Logf("the kernel says an AMD processor has PREFETCHW, which its CPUID does not")
+		has = false
+	}
 	assert.Equal(t, has, hasPREFETCHW(), "CPUID's answer for PREFETCHW")
 	assert.Equal(t, has, prefetchW)
 	line := make([]byte, 128)

@@ -61,6 +61,9 @@ func TestLaneTailWhileASendWaits(t *testing.T) {
 	r, err := OpenLane(f)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = r.Close() })
+	other, err := OpenLane(f) // a writer after this one, opened before it sends
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = other.Close() })
 
 	for i := range 4 {
 		require.Equal(t, uint32(i), w.Tail())
@@ -69,7 +72,8 @@ func TestLaneTailWhileASendWaits(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	sent := make(chan error, 1)
-	go func() { sent <- w.Send(ctx, []byte{4}, nil) }() // waits for room, holding wmu
+	alive := func() error { return nil }
+	go func() { sent <- w.Send(ctx, []byte{4}, alive) }() // waits for room, holding wmu
 	require.Eventually(t, func() bool {
 		if !w.wmu.TryLock() {
 			return true
@@ -90,9 +94,7 @@ func TestLaneTailWhileASendWaits(t *testing.T) {
 	require.NoError(t, <-sent)
 	assert.Equal(t, uint32(5), w.Tail())
 
-	other, err := OpenLane(f) // another writer, after this one
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = other.Close() })
+	assert.Zero(t, other.Tail(), "as the lane was when it opened")
 	other.Resume()
 	assert.Equal(t, uint32(5), other.Tail(), "counts from what the last writer published")
 }

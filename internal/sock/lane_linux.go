@@ -267,6 +267,9 @@ func (l *Lane) Tail() uint32 { return l.tail.Load() }
 
 // Sent returns the count of messages published, and Taken the count of
 // those taken, as the lane's memory says now.
+func (l *Lane) Sent() uint32  { return l.sent.Load() }
+func (l *Lane) Taken() uint32 { return l.taken.Load() }
+
 // warmSend asks, without waiting, for the cache lines the writer's next
 // Send writes that the reader wrote last: the first line of the entry
 // after the last one published, and with taken, the taken count's line
@@ -282,19 +285,9 @@ func (l *Lane) warmSend(taken bool) {
 	if taken {
 		forWrite(unsafe.Pointer(&mem[takenBell]))
 	}
-	// The writer's own count, not the sent count, whose line a reader
-	// may have written since (its spin's stamp).
+	// The writer's own count, not the sent count, whose line the
+	// reader's spin takes from this CPU's cache as it reads it.
 	forWrite(unsafe.Pointer(&mem[laneHeader+int(l.tail.Load()&(l.entries-1))*l.size]))
-}
-
-// sentWoke returns when a spin of this process's reader last saw the
-// sent count move, and forgets it (see Bell.Woke); 0 if none has since,
-// or l is nil.
-func (l *Lane) sentWoke() int64 {
-	if l == nil {
-		return 0
-	}
-	return l.sent.Woke()
 }
 
 // warmTake asks, without waiting, for the first line of the entry at
@@ -306,9 +299,6 @@ func (l *Lane) warmTake(pos uint32) {
 	}
 	forRead(unsafe.Pointer(&mem[laneHeader+int(pos&(l.entries-1))*l.size]))
 }
-
-func (l *Lane) Sent() uint32  { return l.sent.Load() }
-func (l *Lane) Taken() uint32 { return l.taken.Load() }
 
 // readerCPU returns the CPU the reader that last took an entry, or
 // stamped (stampCPU), ran on then, plus one, or 0 (see Bell.RingerCPU).

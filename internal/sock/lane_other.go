@@ -64,11 +64,11 @@ func (l *Lane) Heads(buf []byte, limit int, yield func(head []byte) bool) []byte
 // Room returns 0.
 func (l *Lane) Room() int { return 0 }
 
-// Tail, Sent and Taken return 0.
+// warmSend and warmTake ask for nothing.
 func (l *Lane) warmSend(bool)   {}
-func (l *Lane) sentWoke() int64 { return 0 }
 func (l *Lane) warmTake(uint32) {}
 
+// Tail, Sent and Taken return 0.
 func (l *Lane) Tail() uint32  { return 0 }
 func (l *Lane) Sent() uint32  { return 0 }
 func (l *Lane) Taken() uint32 { return 0 }

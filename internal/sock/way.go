@@ -162,10 +162,15 @@ type Way struct {
 	// settles them while no Send does (made in NewWay), and its copy of
 	// the reader's list, under viewMu, which Close takes before it unmaps
 	// the lane.
-	ledger     ledger
-	settler    *time.Timer
-	settling   bool        // under sem: settler is armed, or about to be
-	writing    atomic.Bool // this process holds the writer's role (held, for Maps)
+	ledger   ledger
+	settler  *time.Timer
+	settling bool        // under sem: settler is armed, or about to be
+	writing  atomic.Bool // this process holds the writer's role (held, for Maps)
+	// byLane says whether the writer's last message went by the lane:
+	// Warm asks for the taken count's line, which a fair Way's writer
+	// claims its reader on, only then. Written under sem, when it
+	// changes.
+	byLane     atomic.Bool
 	viewMu     sync.Mutex
 	view       pinView
 	viewClosed bool // under viewMu: the lane may be unmapped
@@ -354,13 +359,7 @@ func (w *Way) recvDone() {
 	if w.held {
 		l = w.lane.Load()
 	}
-	// When the receive's wait saw its message come, if a spin did: a
-	// read of the clock less between a message and its receiver, on a
-	// VM 50 ns or more.
-	now := l.sentWoke()
-	if now == 0 {
-		now = monoNow()
-	}
+	now := monoNow() // as the receive ends: its caller may have held the message long
 	lastRecv.Store(now)
 	if len(w.taking) > 0 {
 		w.takeMu.Lock()
@@ -693,7 +692,11 @@ func (w *Way) send(ctx context.Context, data []byte, fds []int, lent []*shm.Bloc
 	hdr, ok := appendReturns(w.hbuf[:0], lent)
 	w.hbuf = hdr
 	fits := ok && len(fds) == 0 && len(hdr)+len(data) <= l.Room() && !w.owed
-	if fits && w.lanes(ctx, l, len(lent) > 0, block) {
+	handed := fits && w.lanes(ctx, l, len(lent) > 0, block)
+	if w.byLane.Load() != handed {
+		w.byLane.Store(handed)
+	}
+	if handed {
 		pos := l.Tail()
 		err := w.sendEntry(ctx, l, hdr, data, block, now)
 		switch {
@@ -1390,7 +1393,7 @@ func (w *Way) waitFair(ctx context.Context, l *Lane, last uint32, lane bool) (Ms
 		}
 		w.waiting.Add(1)
 		_, err := l.WaitSentUntil(ctx, last, w.alive, w.sleep, w.sockMoved)
-		l.warmTake(last) // moves while the wait's word does
+		l.warmTake(last) // whatever ended the wait: an entry it does not take costs nothing
 		w.waiting.Add(-1)
 		laneSleepers.Add(-1)
 		to := uint32(waitBusy)

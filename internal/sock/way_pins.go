@@ -218,15 +218,17 @@ func (w *Way) Maps(b *shm.Block) bool { return w.names(b, true) }
 // Warm asks, without waiting, for the cache lines of the lane that this
 // Way's next send writes and its reader, on another CPU, wrote last (see
 // Lane.warmSend): a writer calls it as it begins a message, so that they
-// move while it encodes. It does nothing unless this process holds the
-// writer's role.
+// move while it encodes. The taken count's line only while the lane
+// takes this writer's messages: a fair Way's reader that gets them by the
+// socket writes that line at each receive. It does nothing unless this
+// process holds the writer's role.
 func (w *Way) Warm() {
 	if !w.writes || !w.writing.Load() {
 		return
 	}
 	w.viewMu.Lock()
 	if l := w.lane.Load(); l != nil && !w.viewClosed {
-		l.warmSend(w.fair)
+		l.warmSend(w.fair && w.byLane.Load())
 	}
 	w.viewMu.Unlock()
 }

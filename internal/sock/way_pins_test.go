@@ -216,6 +216,16 @@ func TestWayWarmOnlyWhileTheLaneIsMapped(t *testing.T) {
 		i, byLane := recvWay(t, ctx, r)
 		require.Equal(t, 1, i)
 		require.True(t, byLane || fair, "a pipe's lane carries it") // a queue's, to a waiting reader only
+		assert.Equal(t, byLane, w.byLane.Load(), "the writer knows which way its last message went (fair %v)", fair)
+		if fair {
+			got := recvLater(ctx, r)
+			waitsOnLane(t, r) // a waiting reader: the lane takes it
+			require.NoError(t, w.Send(ctx, wayMsg(2, 8), nil))
+			g := <-got
+			require.NoError(t, g.err)
+			require.True(t, g.byLane)
+			assert.True(t, w.byLane.Load())
+		}
 		warming, closed, done := make(chan struct{}), make(chan struct{}), make(chan struct{})
 		go func() {
 			defer close(done)

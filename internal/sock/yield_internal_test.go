@@ -173,10 +173,9 @@ func TestBellYieldsFirstToItsRingersCPU(t *testing.T) {
 }
 
 // A spin whose ring comes while it yields its CPU to the ringer (here,
-// after its third yield, a millisecond into it) learns the gap, and
-// leaves the wake time for Woke, as of a look at the clock after the
-// yield, not before it: the look before is not the spin's once the
-// ringer has run.
+// after its third yield, a millisecond into it) learns the gap as of a
+// look at the clock after the yield, not before it: the look before is
+// not the spin's once the ringer has run.
 func TestBellSpinLooksAtTheClockAfterAYield(t *testing.T) {
 	b := testBell(t)
 	b.misses.Store(0)
@@ -194,11 +193,9 @@ func TestBellSpinLooksAtTheClockAfterAYield(t *testing.T) {
 	afterYield.Store(&ring)
 	t.Cleanup(func() { afterYield.Store(nil) })
 	last := b.Load()
-	_, found, start := b.spin(last, 0)
+	_, found, _ := b.spin(last, 0)
 	require.True(t, found)
-	woke := b.Woke()
-	assert.GreaterOrEqual(t, woke-start, int64(time.Millisecond), "the wake time, after the yield's millisecond")
-	assert.Equal(t, int64(spinCap)/2-1+(2*int64(spinCap)-(int64(spinCap)/2-1))/4, b.gap.Load(), "a quarter of the way to the longest gap learnt")
+	assert.Equal(t, int64(spinCap)/2-1+(2*int64(spinCap)-(int64(spinCap)/2-1))/4, b.gap.Load(), "a quarter of the way to the longest gap learnt: the yield's millisecond and more")
 }
 
 // A writer pinned to the CPU its busy reader last took an entry on yields
