@@ -11,20 +11,30 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
+// openLanes makes a lane of entries entries of 256 bytes and maps it n
+// times, each Lane closed, and the lane's descriptor, as the test ends.
+func openLanes(t *testing.T, entries, n int) []*Lane {
+	t.Helper()
+	f, err := CreateLane(entries, 256)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = f.Close() })
+	ls := make([]*Lane, n)
+	for i := range ls {
+		l, err := OpenLane(f)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = l.Close() })
+		ls[i] = l
+	}
+	return ls
+}
+
 // A writer whose lane is full as of its last look at the taken count
 // looks again, and keeps what it read: it takes the room that look
 // found without reading the count again, and looks again once that is
 // used up.
 func TestLaneWriterKeepsItsLook(t *testing.T) {
-	f, err := CreateLane(8, 256)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = f.Close() })
-	w, err := OpenLane(f)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = w.Close() })
-	r, err := OpenLane(f)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = r.Close() })
+	l := openLanes(t, 8, 2)
+	w, r := l[0], l[1]
 
 	for range 8 {
 		require.NoError(t, w.TrySend([]byte{1}))
@@ -39,7 +49,7 @@ func TestLaneWriterKeepsItsLook(t *testing.T) {
 	assert.Equal(t, r.Taken(), w.seen, "the look's count, kept")
 	require.NoError(t, w.TrySend([]byte{4}))
 	require.NoError(t, w.TrySend([]byte{5}))
-	_, _, err = r.TryRecv(nil)
+	_, _, err := r.TryRecv(nil)
 	require.NoError(t, err)
 	assert.Equal(t, r.Taken()-1, w.seen, "no look while the room it found lasts")
 	require.NoError(t, w.TrySend([]byte{6}), "a look, once that room is used up")
@@ -52,18 +62,8 @@ func TestLaneWriterKeepsItsLook(t *testing.T) {
 // It follows each message published, and a writer that resumes after
 // another counts from what that one published.
 func TestLaneTailWhileASendWaits(t *testing.T) {
-	f, err := CreateLane(4, 256)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = f.Close() })
-	w, err := OpenLane(f)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = w.Close() })
-	r, err := OpenLane(f)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = r.Close() })
-	other, err := OpenLane(f) // a writer after this one, opened before it sends
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = other.Close() })
+	l := openLanes(t, 4, 3)
+	w, r, other := l[0], l[1], l[2] // other: a writer after w, opened before it sends
 
 	for i := range 4 {
 		require.Equal(t, uint32(i), w.Tail())
@@ -89,7 +89,7 @@ func TestLaneTailWhileASendWaits(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("Tail waited for the send that waits for room")
 	}
-	_, _, err = r.TryRecv(nil)
+	_, _, err := r.TryRecv(nil)
 	require.NoError(t, err)
 	require.NoError(t, <-sent)
 	assert.Equal(t, uint32(5), w.Tail())
