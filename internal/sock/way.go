@@ -166,10 +166,11 @@ type Way struct {
 	settler  *time.Timer
 	settling bool        // under sem: settler is armed, or about to be
 	writing  atomic.Bool // this process holds the writer's role (held, for Maps)
-	// byLane says whether the writer's last message went by the lane:
-	// Warm asks for the taken count's line, which a fair Way's writer
-	// claims its reader on, only then. Written under sem, when it
-	// changes.
+	// byLane says whether the lane took the writer's last message (its
+	// send may still have gone by the socket, if the lane then refused
+	// it): Warm asks for the taken count's line, which a fair Way's
+	// writer claims its reader on, only then. Written under sem, when it
+	// changes; a stale value costs a prefetch, or misses one.
 	byLane     atomic.Bool
 	viewMu     sync.Mutex
 	view       pinView
