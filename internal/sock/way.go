@@ -356,10 +356,6 @@ func (w *Way) lockCall(ctx context.Context, block bool) error {
 // writer what the reader has done with (see ack).
 func (w *Way) recvDone() {
 	w.recvs++
-	var l *Lane
-	if w.held {
-		l = w.lane.Load()
-	}
 	now := monoNow() // as the receive ends: its caller may have held the message long
 	lastRecv.Store(now)
 	if len(w.taking) > 0 {
@@ -367,7 +363,8 @@ func (w *Way) recvDone() {
 		w.taking = w.taking[:0] // revived, or never to be
 		w.takeMu.Unlock()
 	}
-	if l != nil {
+	if w.held {
+		l := w.lane.Load()
 		ack(l)
 		w.relistProduced(l)
 		lookCPU(now)
