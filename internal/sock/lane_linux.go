@@ -230,9 +230,13 @@ func (l *Lane) Close() error {
 
 // entry returns the memory of the entry at position pos.
 func (l *Lane) entry(pos uint32) []byte {
-	off := laneHeader + int(pos&(l.entries-1))*l.size
+	off := l.entryAt(pos)
 	return l.mem[off : off+l.size : off+l.size]
 }
+
+// entryAt returns the offset in the lane's memory of the entry at
+// position pos.
+func (l *Lane) entryAt(pos uint32) int { return laneHeader + int(pos&(l.entries-1))*l.size }
 
 // Send publishes data as the next message, waiting while the ring is full
 // until ctx ends or alive reports the readers gone (see waitRoom). Once
@@ -287,7 +291,7 @@ func (l *Lane) warmSend(taken bool) {
 	}
 	// The writer's own count, not the sent count, whose line the
 	// reader's spin takes from this CPU's cache as it reads it.
-	forWrite(unsafe.Pointer(&mem[laneHeader+int(l.tail.Load()&(l.entries-1))*l.size]))
+	forWrite(unsafe.Pointer(&mem[l.entryAt(l.tail.Load())]))
 }
 
 // warmTake asks, without waiting, for the first line of the entry at
@@ -297,7 +301,7 @@ func (l *Lane) warmTake(pos uint32) {
 	if mem == nil {
 		return
 	}
-	forRead(unsafe.Pointer(&mem[laneHeader+int(pos&(l.entries-1))*l.size]))
+	forRead(unsafe.Pointer(&mem[l.entryAt(pos)]))
 }
 
 // readerCPU returns the CPU the reader that last took an entry, or
