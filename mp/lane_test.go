@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime/metrics"
 	"syscall"
 	"testing"
 	"time"
@@ -156,9 +157,11 @@ func workerLaneCheck(ctx context.Context, w *mp.Worker) error {
 	}
 	bad := 0
 	var locks uint64
+	var heap heapAllocs
 	for i := 0; i <= a.N; i++ {
 		if i == 1 {
 			locks = shm.AttachLocks()
+			heap.start()
 		}
 		if a.Batch > 0 && i > 0 {
 			var xs []*tensor.Tensor
@@ -197,10 +200,34 @@ func workerLaneCheck(ctx context.Context, w *mp.Worker) error {
 		}
 	}
 	locks = shm.AttachLocks() - locks
+	objects, bytes := heap.since()
 	if err := a.Status.Put(ctx, bad); err != nil || !a.Quick {
 		return err
 	}
-	return a.Status.Put(ctx, locks)
+	return a.Status.Put(ctx, [3]uint64{locks, objects, bytes})
+}
+
+// heapAllocs counts the heap allocations a process makes, in objects and
+// bytes, from start to since.
+type heapAllocs struct{ objects, bytes uint64 }
+
+var heapAllocMetrics = []string{"/gc/heap/allocs:objects", "/gc/heap/allocs:bytes"}
+
+func readHeapAllocs() heapAllocs {
+	ms := make([]metrics.Sample, len(heapAllocMetrics))
+	for i, name := range heapAllocMetrics {
+		ms[i].Name = name
+	}
+	metrics.Read(ms)
+	return heapAllocs{ms[0].Value.Uint64(), ms[1].Value.Uint64()}
+}
+
+func (h *heapAllocs) start() { *h = readHeapAllocs() }
+
+// since returns the objects and bytes allocated since start.
+func (h *heapAllocs) since() (objects, bytes uint64) {
+	now := readHeapAllocs()
+	return now.objects - h.objects, now.bytes - h.bytes
 }
 
 // workerLaneBacklog takes the first tensor, says so, and once Close gives
@@ -689,12 +716,16 @@ func benchPipeTensorStream(b *testing.B, idle bool, batch int) {
 			require.NoError(b, status.Get(ctx, &first))
 		}
 	}
-	var bad, locks int
+	var bad int
+	var reader [3]uint64 // the reader's lock calls, heap objects and heap bytes
 	require.NoError(b, status.Get(ctx, &bad))
 	b.StopTimer()
 	require.Zero(b, bad)
-	require.NoError(b, status.Get(ctx, &locks))
-	b.ReportMetric(float64(locks)/float64(n*batch), "locks/op") // the reader's lock calls a tensor
+	require.NoError(b, status.Get(ctx, &reader))
+	tensors := float64(n * batch)
+	b.ReportMetric(float64(reader[0])/tensors, "locks/op")
+	b.ReportMetric(float64(reader[1])/tensors, "reader-allocs/op")
+	b.ReportMetric(float64(reader[2])/tensors, "reader-B/op")
 	require.NoError(b, g.Join())
 }
 
