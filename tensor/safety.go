@@ -134,9 +134,9 @@ func afterEachGC(f func()) {
 // before that. A cache of storages, such as the one package reduction keeps
 // of those it received, is keyed by their references (see Storage.Ref).
 type StorageRef struct {
-	young atomic.Pointer[Storage]               // the Storage, while young and unreleased
-	weak  atomic.Pointer[weak.Pointer[Storage]] // set before young is cleared, once it ages
-	born  uint32                                // the net's sweeps when it was made
+	young ptr[Storage]               // the Storage, while young and unreleased
+	weak  ptr[weak.Pointer[Storage]] // set before young is cleared, once it ages
+	born  uint32                     // the net's sweeps when it was made
 }
 
 // Value returns the Storage r refers to, or nil once it was collected or,
@@ -155,7 +155,7 @@ func (r *StorageRef) Value() *Storage {
 func weakRef(s *Storage) *StorageRef {
 	r := &StorageRef{}
 	w := weak.Make(s)
-	r.weak.Store(&w)
+	r.weak.init(&w)
 	return r
 }
 

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"sync"
-	"sync/atomic"
 	"unsafe"
 
 	"github.com/tensormp/tensormp/device"
@@ -148,15 +147,15 @@ type Storage struct {
 	nbytes int64
 
 	mu        sync.Mutex // serialises changes of mem, ref, armed and slot, and onRelease
-	mem       atomic.Pointer[memory]
-	ref       atomic.Pointer[StorageRef] // set once, by Ref or arm, under mu
-	armed     bool                       // mem is in the safety net,
-	slot      int32                      // in this slot
-	onRelease []func()                   // run by Release, once
+	mem       ptr[memory]
+	ref       ptr[StorageRef] // set once, by Ref or arm, under mu
+	armed     bool            // mem is in the safety net,
+	slot      int32           // in this slot
+	onRelease []func()        // run by Release, once
 
 	// spare is the Tensor made in one allocation with the Storage, until
 	// the first tensor made on the Storage takes it (see newTensor).
-	spare atomic.Pointer[Tensor]
+	spare ptr[Tensor]
 }
 
 // storageAndTensor is a Storage and the Tensor that is usually made on it
@@ -172,7 +171,7 @@ type storageAndTensor struct {
 // a spare Tensor.
 func allocStorage(p device.Place, nbytes int64) *Storage {
 	st := &storageAndTensor{s: Storage{place: p, nbytes: nbytes}}
-	st.s.spare.Store(&st.t)
+	st.s.spare.init(&st.t)
 	return &st.s
 }
 
@@ -200,7 +199,7 @@ func newHeapStorage(nbytes int64) (*Storage, error) {
 		b = []byte{}
 	}
 	s := allocStorage(device.CPU(), nbytes)
-	s.mem.Store(&memory{bytes: b})
+	s.mem.init(&memory{bytes: b})
 	return s, nil
 }
 
@@ -223,7 +222,7 @@ func newStorage(p device.Place, nbytes int64) (*Storage, error) {
 		return nil, fmt.Errorf("tensor: allocating %d bytes on %s: %w", nbytes, p, err)
 	}
 	s := allocStorage(p, nbytes)
-	s.arm(memory{backing: buf, dev: buf, shared: true})
+	s.arm(memory{backing: buf, dev: buf, shared: true}, true)
 	return s, nil
 }
 
@@ -255,7 +254,7 @@ func NewStorage(p device.Place, b Backing) (*Storage, error) {
 		return nil, fmt.Errorf("tensor: %d bytes of host memory on %s", size, p)
 	}
 	s := allocStorage(p, size)
-	s.arm(memory{bytes: bytes, backing: b, dev: buf, shared: onDevice || sharedHost(b)})
+	s.arm(memory{bytes: bytes, backing: b, dev: buf, shared: onDevice || sharedHost(b)}, true)
 	return s, nil
 }
 
@@ -282,18 +281,27 @@ type armedMemory struct {
 }
 
 // arm makes m s's memory and puts it in the safety net, which releases it
-// if s becomes unreachable unreleased. Callers hold s.mu or own s
-// exclusively.
-func (s *Storage) arm(m memory) {
+// if s becomes unreachable unreleased. Callers hold s.mu, or made s and
+// have let no other goroutine see it yet (fresh): its pointers are then
+// set with plain stores (see ptr).
+func (s *Storage) arm(m memory, fresh bool) {
 	am := &armedMemory{memory: m}
 	r := s.ref.Load()
 	if r == nil {
-		am.ref.young.Store(s)
+		am.ref.young.init(s)
 		am.ref.born = safety.sweeps.Load()
 		r = &am.ref
-		s.ref.Store(r)
+		if fresh {
+			s.ref.init(r)
+		} else {
+			s.ref.Store(r)
+		}
 	}
-	s.mem.Store(&am.memory)
+	if fresh {
+		s.mem.init(&am.memory)
+	} else {
+		s.mem.Store(&am.memory)
+	}
 	s.slot, s.armed = safety.arm(r, &am.memory), true
 }
 
@@ -388,7 +396,7 @@ func (s *Storage) ShareMemory(st strategy.Strategy) error {
 			return fmt.Errorf("tensor: share memory (%d bytes, %s): %w", s.nbytes, st, err)
 		}
 		s.disarm()
-		s.arm(nm)
+		s.arm(nm, false)
 	}
 	if err := m.release(); err != nil {
 		return fmt.Errorf("tensor: share memory: giving back the private memory: %w", err)
@@ -413,14 +421,14 @@ func AllocSharedStorage(nbytes int64) (*Storage, error) {
 func newSharedStorage(nbytes int64, st strategy.Strategy, zero bool) (*Storage, error) {
 	s := allocStorage(device.CPU(), nbytes)
 	if nbytes == 0 {
-		s.mem.Store(&memory{bytes: []byte{}, shared: true})
+		s.mem.init(&memory{bytes: []byte{}, shared: true})
 		return s, nil
 	}
 	m, err := newSharedMemory(nbytes, st, zero)
 	if err != nil {
 		return nil, err
 	}
-	s.arm(m)
+	s.arm(m, true)
 	return s, nil
 }
 
