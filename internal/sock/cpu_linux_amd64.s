@@ -22,15 +22,3 @@ TEXT ·rdtscpAux(SB), NOSPLIT, $0-4
 	RDTSCP
 	MOVL CX, ret+0(FP)
 	RET
-
-// func prefetchw(p unsafe.Pointer)
-TEXT ·prefetchw(SB), NOSPLIT, $0-8
-	MOVQ p+0(FP), AX
-	BYTE $0x0F; BYTE $0x0D; BYTE $0x08 // PREFETCHW (AX)
-	RET
-
-// func prefetcht0(p unsafe.Pointer)
-TEXT ·prefetcht0(SB), NOSPLIT, $0-8
-	MOVQ p+0(FP), AX
-	PREFETCHT0 (AX)
-	RET

@@ -6,7 +6,6 @@ import (
 	"slices"
 	"strings"
 	"testing"
-	"unsafe"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -54,30 +53,5 @@ func TestCPUNowMatchesTheKernel(t *testing.T) {
 		if slices.Contains(flags, "rdtscp") {
 			assert.Equal(t, uint32(c), rdtscpAux()&0xfff, "RDTSCP on CPU %d", c)
 		}
-	}
-}
-
-// forWrite asks for a line to write with PREFETCHW where CPUID says the
-// processor has it, as /proc/cpuinfo does (3dnowprefetch), else reads
-// it in; neither faults on memory the caller maps. Linux also says so
-// of an AMD processor with long mode whose CPUID does not (a
-// hypervisor's that hides the bit): PREFETCHW is asked of CPUID alone.
-func TestPrefetchWMatchesTheKernel(t *testing.T) {
-	info, err := os.ReadFile("/proc/cpuinfo")
-	require.NoError(t, err)
-	fields := strings.Fields(string(info))
-	has := slices.Contains(fields, "3dnowprefetch")
-	if has && !hasPREFETCHW() && slices.Contains(fields, "AuthenticAMD") {
-		t.Logf("the kernel says an AMD processor has PREFETCHW, which its CPUID does not")
-		has = false
-	}
-	assert.Equal(t, has, hasPREFETCHW(), "CPUID's answer for PREFETCHW")
-	assert.Equal(t, has, prefetchW)
-	line := make([]byte, 128)
-	forWrite(unsafe.Pointer(&line[64]))
-	forRead(unsafe.Pointer(&line[0]))
-	prefetcht0(unsafe.Pointer(&line[0]))
-	if has {
-		prefetchw(unsafe.Pointer(&line[0]))
 	}
 }

@@ -2,8 +2,6 @@
 
 package sock
 
-import "unsafe"
-
 // cpuNow returns 0 here: no instruction reads the CPU without a system
 // call (see cpu_linux_amd64.go), so a thread's CPU is known only where it
 // is pinned (pinnedCPU).
@@ -18,7 +16,3 @@ const (
 
 // cpuWay returns cpuNow's way: none.
 func cpuWay() int { return readNone }
-
-// forWrite and forRead ask for nothing here.
-func forWrite(unsafe.Pointer) {}
-func forRead(unsafe.Pointer)  {}

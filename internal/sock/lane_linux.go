@@ -12,6 +12,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/tensormp/tensormp/internal/cacheline"
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/shm"
 )
@@ -287,11 +288,11 @@ func (l *Lane) warmSend(taken bool) {
 		return
 	}
 	if taken {
-		forWrite(unsafe.Pointer(&mem[takenBell]))
+		cacheline.ForWrite(unsafe.Pointer(&mem[takenBell]))
 	}
 	// The writer's own count, not the sent count, whose line the
 	// reader's spin takes from this CPU's cache as it reads it.
-	forWrite(unsafe.Pointer(&mem[l.entryAt(l.tail.Load())]))
+	cacheline.ForWrite(unsafe.Pointer(&mem[l.entryAt(l.tail.Load())]))
 }
 
 // warmTake asks, without waiting, for the first line of the entry at
@@ -301,7 +302,7 @@ func (l *Lane) warmTake(pos uint32) {
 	if mem == nil {
 		return
 	}
-	forRead(unsafe.Pointer(&mem[l.entryAt(pos)]))
+	cacheline.ForRead(unsafe.Pointer(&mem[l.entryAt(pos)]))
 }
 
 // readerCPU returns the CPU the reader that last took an entry, or
