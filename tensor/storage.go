@@ -457,15 +457,13 @@ func newSharedMemory(nbytes int64, st strategy.Strategy, zero bool) (memory, err
 
 // blockMemory returns nbytes of a block of pool, cleared with zero.
 func blockMemory(pool *shm.Pool, nbytes int64, st strategy.Strategy, zero bool) (memory, error) {
-	b, err := pool.Alloc(nbytes)
+	alloc := pool.Alloc
+	if zero {
+		alloc = pool.AllocZeroed
+	}
+	b, err := alloc(nbytes)
 	if err != nil {
 		return memory{}, fmt.Errorf("tensor: share memory (%d bytes, %s): %w", nbytes, st, err)
-	}
-	if zero {
-		if err := shm.Guard(func() { clear(b.Bytes()) }); err != nil {
-			_ = b.Release()
-			return memory{}, fmt.Errorf("tensor: share memory (%d bytes, %s): %w", nbytes, st, err)
-		}
 	}
 	return memory{bytes: b.Bytes(), backing: b, shared: true}, nil
 }

@@ -10,6 +10,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/tensormp/tensormp/internal/cacheline"
 )
 
 // sizeClass holds the free and pending blocks of one capacity. A
@@ -100,8 +102,44 @@ func classCap(size int64) int64 {
 // Alloc returns a block of at least size bytes, zeroed only if new: a
 // recycled block holds its last user's bytes, which callers overwrite.
 func (p *Pool) Alloc(size int64) (*Block, error) {
+	b, _, err := p.alloc(size)
+	return b, err
+}
+
+// AllocZeroed is Alloc for a caller that needs the block's bytes zero,
+// such as a tensor made by Zeros: it clears them, a fault doing so (a
+// segment that a peer truncated, or whose page the system could not give)
+// being an error wrapping ErrFault, with no block held. For a small
+// block it then asks the processor for the lines of the block that the
+// pool hands out next, without waiting for them: a program that makes
+// one tensor after another clears that one next, and the block it gets
+// back from a reader some thousand messages behind has left this CPU's
+// caches. The lines then move while the caller uses the block it has,
+// not at the next one's first stores, which would wait for them.
+func (p *Pool) AllocZeroed(size int64) (*Block, error) {
+	b, next, err := p.alloc(size)
+	if err != nil {
+		return nil, err
+	}
+	if err := Guard(func() { clear(b.Bytes()) }); err != nil {
+		_ = b.Release()
+		return nil, err
+	}
+	cacheline.WriteAhead(next) // after the clearing, whose lines would wait behind these
+	return b, nil
+}
+
+// askAheadMax is the largest block whose successor AllocZeroed asks the
+// processor for: 128 lines.
+const askAheadMax = 8 << 10
+
+// alloc is Alloc, which also returns the bytes of the block its class
+// hands out next if the class's blocks are at most askAheadMax bytes:
+// only an address to prefetch, which another goroutine may take, or a
+// trim unmap, once the lock is let go.
+func (p *Pool) alloc(size int64) (b *Block, next []byte, err error) {
 	if size <= 0 {
-		return nil, &Error{Op: "alloc", Err: fmt.Errorf("block of %d bytes: size must be positive", size)}
+		return nil, nil, &Error{Op: "alloc", Err: fmt.Errorf("block of %d bytes: size must be positive", size)}
 	}
 	capacity := classCap(size)
 	p.mu.Lock()
@@ -128,12 +166,12 @@ func (p *Pool) Alloc(size int64) (*Block, error) {
 			continue
 		}
 		if err := p.growOnce(c); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 	}
-	b := c.free[len(c.free)-1]
+	b = c.free[len(c.free)-1]
 	if err := p.reserveLocked(b); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	c.free[len(c.free)-1] = nil
 	c.free = c.free[:len(c.free)-1]
@@ -141,7 +179,12 @@ func (p *Pool) Alloc(size int64) (*Block, error) {
 	b.size = size // b.gen is the generation reclaim (or grow) gave the slot
 	b.released.Store(false)
 	b.seg.inUse++
-	return b, nil
+	if k := len(c.free); k > 0 && c.cap <= askAheadMax && !c.free[k-1].seg.external {
+		n := c.free[k-1]
+		start := n.seg.slotOffset(n.slot)
+		next = n.seg.alloc.mapping[start : start+c.cap]
+	}
+	return b, next, nil
 }
 
 // reserveLocked gives free block b its pages, unless it has them. Out of

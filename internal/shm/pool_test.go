@@ -1518,3 +1518,55 @@ func BenchmarkReturnable(b *testing.B) {
 		}
 	})
 }
+
+// AllocZeroed hands out blocks cleared of what their last user wrote.
+func TestAllocZeroedClears(t *testing.T) {
+	p := testPool(t)
+	const size = 4 << 10
+	var bs []*shm.Block
+	for range 64 {
+		b := mustAlloc(t, p, size)
+		for i := range b.Bytes() {
+			b.Bytes()[i] = 0xee
+		}
+		bs = append(bs, b)
+	}
+	for _, b := range bs {
+		require.NoError(t, b.Release())
+	}
+	for range 2 * len(bs) { // the dirty ones, then others
+		b, err := p.AllocZeroed(size)
+		require.NoError(t, err)
+		require.Len(t, b.Bytes(), size)
+		require.False(t, slices.ContainsFunc(b.Bytes(), func(c byte) bool { return c != 0 }),
+			"the block at %d holds its last user's bytes", b.Offset())
+		require.NoError(t, b.Release())
+	}
+}
+
+// A block that AllocZeroed cannot clear, in a named segment that a peer
+// cut short under the pool (a memfd's seals forbid that), is an error
+// wrapping ErrFault, not a SIGBUS, and stays the pool's.
+func TestAllocZeroedOfACutSegmentIsAnError(t *testing.T) {
+	leakcheck.Check(t)
+	shm.EnableNamedPool()
+	p := shm.NamedPool()
+	t.Cleanup(func() { shm.Trim() }) // the cut segment goes with its slots free
+	const size = 4 << 10
+	b := mustAlloc(t, p, size)
+	seg := b.Segment()
+	require.NoError(t, os.Truncate(filepath.Join(shm.Dir(), seg.Name()), b.Offset()))
+	require.NoError(t, b.Release())
+	for range 4096 { // until the pool hands out a block past the cut
+		inUse := p.InUse()
+		z, err := p.AllocZeroed(size)
+		if err != nil {
+			require.ErrorIs(t, err, shm.ErrFault)
+			assert.Equal(t, inUse, p.InUse(), "the block that faulted is not held")
+			return
+		}
+		defer z.Release()
+		require.Equal(t, seg, z.Segment(), "a block of another segment before one past the cut")
+	}
+	t.Fatal("no block past the cut was handed out")
+}
