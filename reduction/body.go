@@ -185,6 +185,7 @@ func (r *bodyReader) covers(int, shm.ID) bool                { return false }
 func (r *bodyReader) lane() (carry.Lane, bool)               { return nil, false }
 func (r *bodyReader) attached(shm.BlockRef) *shm.Block       { return nil }
 func (r *bodyReader) lockAhead(shm.BlockRef)                 {}
+func (r *bodyReader) found() (*tensor.StorageRef, bool)      { return nil, false }
 func (r *fdReader) body(int, int64) (*tensor.Storage, error) { return nil, errNoBodies }
 func (b borrowed) body(int, int64) (*tensor.Storage, error)  { return nil, errNoBodies }
 

@@ -1,6 +1,7 @@
 package reduction
 
 import (
+	"fmt"
 	"io"
 	"slices"
 	"sync"
@@ -105,17 +106,33 @@ func (r *fdReader) decodeBare(payload []byte, p **tensor.Tensor) error {
 
 // decodeBatch decodes the n tensor extensions of items, which bareBatch
 // checked, into *p, reusing its room as msgpack would but without its
-// reflection.
+// reflection. Each tensor's metadata is parsed once, into r.batch, for
+// attachAhead and for the tensor.
 func (r *fdReader) decodeBatch(items []byte, n int, p *[]*tensor.Tensor) error {
+	r.batch = slices.Grow(r.batch[:0], n)[:n]
+	defer func() {
+		clear(r.batch) // what the metadata holds (LoD, names) goes with the message
+		r.batch, r.cur = r.batch[:0], nil
+	}()
+	for i := range r.batch {
+		payload, rest, _ := nextBare(items)
+		items = rest
+		it := &r.batch[i]
+		it.err = parseMeta(payload, it.dims[:], &it.m)
+	}
 	if r.byLane {
-		r.attachAhead(items, n)
+		r.attachAhead()
 	}
 	ts := slices.Grow((*p)[:0], n)
 	defer func() { *p = ts }()
-	for range n {
-		payload, rest, _ := nextBare(items)
-		items = rest
-		t, err := tensorOf(payload, r, &r.storages, r.dims[:])
+	for i := range r.batch {
+		it := &r.batch[i]
+		if it.err != nil {
+			return fmt.Errorf("reduction: %w", it.err)
+		}
+		r.cur = it
+		t, err := rebuild(&it.m, r, &r.storages)
+		r.cur = nil
 		if err != nil {
 			return err
 		}
@@ -124,28 +141,37 @@ func (r *fdReader) decodeBatch(items []byte, n int, p *[]*tensor.Tensor) error {
 	return nil
 }
 
-// attachAhead attaches the blocks that the n tensor extensions of items,
-// a batch that came by a lane, name by identity, all at once: one lock
-// call per run of neighbouring slots instead of one per block (see
-// shm.AttachAll). Their tensors take them from r.ahead; a batch that
-// cannot be attached so is left to the tensors one by one, which say
-// what is wrong with it. A batch does not look at the messages behind it
-// (lockWithAhead): its own blocks share their calls already, and reading
-// the batches behind it twice cost a stream of batches more than the
-// calls it saved.
-func (r *fdReader) attachAhead(items []byte, n int) {
+// batchItem is one tensor of a batch being decoded: its metadata, parsed
+// once, and the user of its block that attachAhead found, if it looked.
+type batchItem struct {
+	m      Meta
+	err    error // parseMeta's
+	dims   [2 * roomDims]int
+	user   *tensor.StorageRef
+	looked bool
+}
+
+// attachAhead attaches the blocks that the tensors of r.batch, a batch
+// that came by a lane, name by identity, all at once: one lock call per
+// run of neighbouring slots instead of one per block (see shm.AttachAll).
+// Their tensors take them from r.ahead; a batch that cannot be attached
+// so is left to the tensors one by one, which say what is wrong with it.
+// A batch does not look at the messages behind it (lockWithAhead): its
+// own blocks share their calls already, and reading the batches behind
+// it twice cost a stream of batches more than the calls it saved. The
+// users it finds stay with the batch, for the tensors' opening (found).
+func (r *fdReader) attachAhead() {
 	refs := r.refs[:0]
-	for range n {
-		payload, rest, _ := nextBare(items)
-		items = rest
-		var m Meta
-		if err := parseMeta(payload, r.dims[:], &m); err != nil || !r.namedByLane(&m) {
+	for i := range r.batch {
+		it := &r.batch[i]
+		if it.err != nil || !r.namedByLane(&it.m) {
 			continue
 		}
-		if liveUser(userOf(shm.SegmentRef{ID: m.segmentID()}, &m), m.Size) != nil {
+		it.user, it.looked = userOf(shm.SegmentRef{ID: it.m.segmentID()}, &it.m), true
+		if liveUser(it.user, it.m.Size) != nil {
 			continue // this process's own storage
 		}
-		refs = append(refs, laneRef(&m))
+		refs = append(refs, laneRef(&it.m))
 	}
 	r.refs = refs
 	if len(refs) < 2 {
@@ -156,6 +182,18 @@ func (r *fdReader) attachAhead(items []byte, n int) {
 		return
 	}
 	r.ahead = append(r.ahead[:0], bs...)
+}
+
+// found returns the user of the block of the batch's tensor being
+// opened that attachAhead found, if it looked: the registry is not asked
+// twice for a tensor. A user registered since, or released since, is as
+// one a concurrent decode registers, or releases, between the registry's
+// answer and the attach; adoptBlock and registerBlock take either.
+func (r *fdReader) found() (*tensor.StorageRef, bool) {
+	if r.cur == nil || !r.cur.looked {
+		return nil, false
+	}
+	return r.cur.user, true
 }
 
 // namedByLane reports whether m, a tensor's metadata in a message that
@@ -275,6 +313,10 @@ type fdReader struct {
 	// tensors take them (see attachAhead); refs, its room.
 	ahead []*shm.Block
 	refs  []shm.BlockRef
+	// batch: the tensors of the batch being decoded (decodeBatch); cur,
+	// the one being opened.
+	batch []batchItem
+	cur   *batchItem
 	// yieldAhead: appendAhead, made once.
 	yieldAhead func(data []byte) bool
 }

@@ -3,8 +3,11 @@
 package reduction
 
 import (
+	"bytes"
 	"errors"
 	"testing"
+
+	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/tensormp/tensormp/device"
 	"github.com/tensormp/tensormp/internal/carry"
@@ -53,6 +56,35 @@ func BenchmarkLaneHandOff(b *testing.B) {
 		benchDecode(b, compactMessage(b, m), pinnedLane{m.segmentID(): true}, func(x *tensor.Tensor) error {
 			return x.Release()
 		})
+	})
+	b.Run("decode-batch-of-16", func(b *testing.B) {
+		const n = 16
+		ms := laneBlocks(b, n, 4<<10)
+		var data bytes.Buffer
+		if err := msgpack.NewEncoder(&data).EncodeArrayLen(n); err != nil {
+			b.Fatal(err)
+		}
+		for _, m := range ms {
+			data.Write(compactMessage(b, m))
+		}
+		lane := pinnedLane{ms[0].segmentID(): true}
+		var fds fd.Set
+		var xs []*tensor.Tensor
+		b.ReportAllocs()
+		for b.Loop() {
+			if err := carry.DecodeFrom(data.Bytes(), &fds, &xs, lane, true); err != nil {
+				b.Fatal(err)
+			}
+			if len(xs) != n {
+				b.Fatalf("%d tensors of a batch of %d", len(xs), n)
+			}
+			for _, x := range xs {
+				if err := x.Release(); err != nil {
+					b.Fatal(err)
+				}
+			}
+		}
+		b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*n), "ns/tensor")
 	})
 	b.Run("decode-returned", func(b *testing.B) {
 		blk, err := shm.DefaultPool().Alloc(4 << 10)

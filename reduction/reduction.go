@@ -266,14 +266,19 @@ type fdSource interface {
 	// names by identity, with that of the blocks the messages behind it
 	// in the lane name (see fdReader.lockAhead).
 	lockAhead(ref shm.BlockRef)
+	// found returns the registered user of the block of the tensor being
+	// opened, as the decode found it already, and true; else false (see
+	// fdReader.found).
+	found() (*tensor.StorageRef, bool)
 }
 
 type borrowed []int
 
-func (b borrowed) covers(int, shm.ID) bool          { return false }
-func (b borrowed) lane() (carry.Lane, bool)         { return nil, false }
-func (b borrowed) attached(shm.BlockRef) *shm.Block { return nil }
-func (b borrowed) lockAhead(shm.BlockRef)           {}
+func (b borrowed) covers(int, shm.ID) bool           { return false }
+func (b borrowed) lane() (carry.Lane, bool)          { return nil, false }
+func (b borrowed) attached(shm.BlockRef) *shm.Block  { return nil }
+func (b borrowed) lockAhead(shm.BlockRef)            {}
+func (b borrowed) found() (*tensor.StorageRef, bool) { return nil, false }
 
 func (b borrowed) fd(i int) (int, error) {
 	if i < 0 || i >= len(b) {
@@ -526,7 +531,11 @@ func openBlock(m *Meta, fds fdSource, made *[]*tensor.Storage) (*tensor.Storage,
 			}
 			return s, err
 		}
-		return adoptBlock(userOf(shm.SegmentRef{ID: m.segmentID()}, m), m, made, func() (*shm.Block, error) {
+		user, ok := fds.found()
+		if !ok {
+			user = userOf(shm.SegmentRef{ID: m.segmentID()}, m)
+		}
+		return adoptBlock(user, m, made, func() (*shm.Block, error) {
 			ref := laneRef(m)
 			if b := fds.attached(ref); b != nil {
 				return b, nil
