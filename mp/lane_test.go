@@ -158,10 +158,12 @@ func workerLaneCheck(ctx context.Context, w *mp.Worker) error {
 	bad := 0
 	var locks uint64
 	var heap heapAllocs
+	var cpu time.Duration
 	for i := 0; i <= a.N; i++ {
 		if i == 1 {
 			locks = shm.AttachLocks()
 			heap.start()
+			cpu = processCPU()
 		}
 		if a.Batch > 0 && i > 0 {
 			var xs []*tensor.Tensor
@@ -201,10 +203,21 @@ func workerLaneCheck(ctx context.Context, w *mp.Worker) error {
 	}
 	locks = shm.AttachLocks() - locks
 	objects, bytes := heap.since()
+	cpu = processCPU() - cpu
 	if err := a.Status.Put(ctx, bad); err != nil || !a.Quick {
 		return err
 	}
-	return a.Status.Put(ctx, [3]uint64{locks, objects, bytes})
+	return a.Status.Put(ctx, [4]uint64{locks, objects, bytes, uint64(cpu)})
+}
+
+// processCPU returns the CPU time the process has used, in user and
+// kernel mode, all its threads together.
+func processCPU() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 // heapAllocs counts the heap allocations a process makes, in objects and
@@ -690,6 +703,7 @@ func benchPipeTensorStream(b *testing.B, idle bool, batch int) {
 	xs := make([]*tensor.Tensor, batch)
 	b.ReportAllocs()
 	b.ResetTimer()
+	cpu := processCPU()
 	for i := 0; i <= n; i++ {
 		k := batch
 		if i == 0 {
@@ -717,15 +731,18 @@ func benchPipeTensorStream(b *testing.B, idle bool, batch int) {
 		}
 	}
 	var bad int
-	var reader [3]uint64 // the reader's lock calls, heap objects and heap bytes
+	var reader [4]uint64 // the reader's lock calls, heap objects, heap bytes and CPU time
 	require.NoError(b, status.Get(ctx, &bad))
 	b.StopTimer()
+	cpu = processCPU() - cpu
 	require.Zero(b, bad)
 	require.NoError(b, status.Get(ctx, &reader))
 	tensors := float64(n * batch)
 	b.ReportMetric(float64(reader[0])/tensors, "locks/op")
 	b.ReportMetric(float64(reader[1])/tensors, "reader-allocs/op")
 	b.ReportMetric(float64(reader[2])/tensors, "reader-B/op")
+	b.ReportMetric(float64(reader[3])/tensors, "reader-cpu-ns/op")
+	b.ReportMetric(float64(cpu.Nanoseconds())/tensors, "writer-cpu-ns/op")
 	require.NoError(b, g.Join())
 }
 
