@@ -25,10 +25,11 @@ func ForWrite(p unsafe.Pointer) { forWrite(p) }
 // ForRead asks for the line at p for reading, and returns at once.
 func ForRead(p unsafe.Pointer) { forRead(p) }
 
-// WriteAhead asks for every line of b as ForWrite does, from the first,
-// and returns once it has asked for all of them: a few nanoseconds a
-// line, which is for small memory about to be written whole (a 4 KiB
-// block is 64 lines).
+// WriteAhead asks for every line of b for writing, from the first, and
+// returns once it has asked for all of them: a few nanoseconds a line,
+// which is for small memory about to be written whole (a 4 KiB block is
+// 64 lines). Where the processor cannot ask for a line to write, it asks
+// for nothing.
 func WriteAhead(b []byte) {
 	if len(b) == 0 {
 		return

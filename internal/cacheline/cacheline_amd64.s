@@ -1,16 +1,5 @@
 #include "textflag.h"
 
-// func cpuid(leaf, sub uint32) (a, b, c, d uint32)
-TEXT ·cpuid(SB), NOSPLIT, $0-24
-	MOVL leaf+0(FP), AX
-	MOVL sub+4(FP), CX
-	CPUID
-	MOVL AX, a+8(FP)
-	MOVL BX, b+12(FP)
-	MOVL CX, c+16(FP)
-	MOVL DX, d+20(FP)
-	RET
-
 // func prefetchw(p unsafe.Pointer)
 TEXT ·prefetchw(SB), NOSPLIT, $0-8
 	MOVQ p+0(FP), AX
@@ -31,20 +20,6 @@ TEXT ·prefetchwLines(SB), NOSPLIT, $0-16
 	JZ done
 loop:
 	BYTE $0x0F; BYTE $0x0D; BYTE $0x08 // PREFETCHW (AX)
-	ADDQ $64, AX
-	DECQ CX
-	JNZ loop
-done:
-	RET
-
-// func prefetcht0Lines(p unsafe.Pointer, n uintptr)
-TEXT ·prefetcht0Lines(SB), NOSPLIT, $0-16
-	MOVQ p+0(FP), AX
-	MOVQ n+8(FP), CX
-	TESTQ CX, CX
-	JZ done
-loop:
-	PREFETCHT0 (AX)
 	ADDQ $64, AX
 	DECQ CX
 	JNZ loop

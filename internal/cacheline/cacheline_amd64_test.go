@@ -31,7 +31,6 @@ func TestPrefetchWMatchesTheKernel(t *testing.T) {
 	ForWrite(unsafe.Pointer(&line[Size]))
 	ForRead(unsafe.Pointer(&line[0]))
 	prefetcht0(unsafe.Pointer(&line[0]))
-	prefetcht0Lines(unsafe.Pointer(&line[0]), 2)
 	if has {
 		prefetchw(unsafe.Pointer(&line[0]))
 		prefetchwLines(unsafe.Pointer(&line[0]), 2)

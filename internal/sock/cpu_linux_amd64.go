@@ -6,6 +6,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/cpuid"
 )
 
 // cpuNow returns one more than the CPU the calling thread runs on now, as
@@ -77,25 +79,12 @@ func pickCPUReader() int {
 }
 
 // hasRDPID and hasRDTSCP report whether the processor has the
-// instruction, as CPUID says.
-func hasRDPID() bool {
-	leaves, _, _, _ := cpuid(0, 0)
-	return leaves >= 7 && cpuidBit(7, 0, 2, 22)
-}
+// instruction, as CPUID says (leaf 7 ECX bit 22; leaf 0x80000001 EDX bit
+// 27).
+func hasRDPID() bool { return cpuid.Has(7, 0, cpuid.ECX, 22) }
 
-func hasRDTSCP() bool {
-	leaves, _, _, _ := cpuid(0x80000000, 0)
-	return leaves >= 0x80000001 && cpuidBit(0x80000001, 0, 3, 27)
-}
-
-// cpuidBit reports whether bit of register reg (0 EAX, 1 EBX, 2 ECX,
-// 3 EDX) of CPUID leaf, sub is set.
-func cpuidBit(leaf, sub uint32, reg, bit int) bool {
-	a, b, c, d := cpuid(leaf, sub)
-	return [4]uint32{a, b, c, d}[reg]&(1<<bit) != 0
-}
+func hasRDTSCP() bool { return cpuid.Has(0x80000001, 0, cpuid.EDX, 27) }
 
 // Implemented in cpu_linux_amd64.s.
-func cpuid(leaf, sub uint32) (a, b, c, d uint32)
 func rdpid() uint32
 func rdtscpAux() uint32
