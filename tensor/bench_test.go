@@ -12,33 +12,13 @@ import (
 // does: each new tensor takes a recycled block that has left the caches.
 // Zeros clears it; Empty does not.
 func BenchmarkShared4K(b *testing.B) {
-	const window = 4096
 	shared := tensor.On(device.CPU()).Shared()
 	for _, c := range []struct {
 		name string
 		make func(tensor.DType, ...int) (*tensor.Tensor, error)
 	}{{"Zeros", shared.Zeros}, {"Empty", shared.Empty}} {
 		b.Run(c.name, func(b *testing.B) {
-			live := make([]*tensor.Tensor, window)
-			defer func() {
-				for _, x := range live {
-					if x != nil {
-						_ = x.Release()
-					}
-				}
-			}()
-			i := 0
-			for b.Loop() {
-				x, err := c.make(tensor.Uint8, 4<<10)
-				if err != nil {
-					b.Fatal(err)
-				}
-				if old := live[i]; old != nil {
-					_ = old.Release()
-				}
-				live[i] = x
-				i = (i + 1) % window
-			}
+			benchWindow(b, func() (*tensor.Tensor, error) { return c.make(tensor.Uint8, 4<<10) })
 		})
 	}
 }
@@ -48,8 +28,21 @@ func BenchmarkShared4K(b *testing.B) {
 // made a window before: the cost package tensor adds to each tensor
 // received, without the memory's own.
 func BenchmarkNewStorage(b *testing.B) {
-	const window = 4096
 	mem := &heldBytes{make([]byte, 4<<10)}
+	benchWindow(b, func() (*tensor.Tensor, error) {
+		s, err := tensor.NewStorage(device.CPU(), mem)
+		if err != nil {
+			return nil, err
+		}
+		return tensor.FromStorage(s, tensor.Int64, 0, []int{512}, []int{1})
+	})
+}
+
+// benchWindow makes a tensor with next for each of b's iterations and
+// keeps the last window of them alive, releasing each as it leaves the
+// window, and the rest once b is done.
+func benchWindow(b *testing.B, next func() (*tensor.Tensor, error)) {
+	const window = 4096
 	live := make([]*tensor.Tensor, window)
 	defer func() {
 		for _, x := range live {
@@ -61,11 +54,7 @@ func BenchmarkNewStorage(b *testing.B) {
 	b.ReportAllocs()
 	i := 0
 	for b.Loop() {
-		s, err := tensor.NewStorage(device.CPU(), mem)
-		if err != nil {
-			b.Fatal(err)
-		}
-		x, err := tensor.FromStorage(s, tensor.Int64, 0, []int{512}, []int{1})
+		x, err := next()
 		if err != nil {
 			b.Fatal(err)
 		}
