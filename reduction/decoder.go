@@ -106,40 +106,50 @@ func (r *fdReader) decodeBare(payload []byte, p **tensor.Tensor) error {
 
 // decodeBatch decodes the n tensor extensions of items, which bareBatch
 // checked, into *p, reusing its room as msgpack would but without its
-// reflection. Each tensor's metadata is parsed once, into r.batch, for
-// attachAhead and for the tensor.
+// reflection. It takes them batchWindow at a time: each tensor's
+// metadata is parsed once, into r.batch, for attachAhead and for the
+// tensor.
 func (r *fdReader) decodeBatch(items []byte, n int, p *[]*tensor.Tensor) error {
-	r.batch = slices.Grow(r.batch[:0], n)[:n]
+	ts := slices.Grow((*p)[:0], min(n, batchWindow))
+	defer func() { *p = ts }()
 	defer func() {
 		clear(r.batch) // what the metadata holds (LoD, names) goes with the message
 		r.batch, r.cur = r.batch[:0], nil
 	}()
-	for i := range r.batch {
-		payload, rest, _ := nextBare(items)
-		items = rest
-		it := &r.batch[i]
-		it.err = parseMeta(payload, it.dims[:], &it.m)
-	}
-	if r.byLane {
-		r.attachAhead()
-	}
-	ts := slices.Grow((*p)[:0], n)
-	defer func() { *p = ts }()
-	for i := range r.batch {
-		it := &r.batch[i]
-		if it.err != nil {
-			return fmt.Errorf("reduction: %w", it.err)
+	for left := n; left > 0; left -= len(r.batch) {
+		r.batch = slices.Grow(r.batch[:0], batchWindow)[:min(left, batchWindow)]
+		for i := range r.batch {
+			payload, rest, _ := nextBare(items)
+			items = rest
+			it := &r.batch[i]
+			*it = batchItem{}
+			it.err = parseMeta(payload, it.dims[:], &it.m)
 		}
-		r.cur = it
-		t, err := rebuild(&it.m, r, &r.storages)
-		r.cur = nil
-		if err != nil {
-			return err
+		if r.byLane {
+			r.attachAhead()
 		}
-		ts = append(ts, t)
+		for i := range r.batch {
+			it := &r.batch[i]
+			if it.err != nil {
+				return fmt.Errorf("reduction: %w", it.err)
+			}
+			r.cur = it
+			t, err := rebuild(&it.m, r, &r.storages)
+			r.cur = nil
+			if err != nil {
+				return err
+			}
+			ts = append(ts, t)
+		}
 	}
 	return nil
 }
+
+// batchWindow is the most tensors of a batch that decodeBatch parses and
+// attaches at once: the room a message makes the decoder take before it
+// checks a tensor is bounded, whatever count the message says (an item
+// of the window is some 400 bytes, and a tensor extension as few as 3).
+const batchWindow = 64
 
 // batchItem is one tensor of a batch being decoded: its metadata, parsed
 // once, and the user of its block that attachAhead found, if it looked.
@@ -181,7 +191,7 @@ func (r *fdReader) attachAhead() {
 	if err != nil {
 		return
 	}
-	r.ahead = append(r.ahead[:0], bs...)
+	r.ahead = append(r.ahead, bs...) // after any the last window left, which the decode's end lets go of
 }
 
 // found returns the user of the block of the batch's tensor being
@@ -337,7 +347,7 @@ func (r *fdReader) reset(data []byte, fds *fd.Set) {
 	r.from, r.byLane = nil, false
 	for i, b := range r.ahead {
 		if b != nil {
-			_ = b.Release() // named twice in the batch: its tensor found the first
+			_ = b.Release() // no tensor took it: one before its own failed, say
 		}
 		r.ahead[i] = nil
 	}
