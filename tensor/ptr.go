@@ -12,7 +12,17 @@ import (
 // waits for every store before it to reach the cache: in a Storage just
 // allocated, the runtime's clearing of it. Each storage made, for every
 // tensor made, sent or received, sets four such pointers.
-type ptr[T any] struct{ p unsafe.Pointer }
+type ptr[T any] struct {
+	_ noCopy
+	p unsafe.Pointer
+}
+
+// noCopy makes go vet's copylocks check report a copy of what holds it,
+// as atomic.Pointer's does.
+type noCopy struct{}
+
+func (*noCopy) Lock()   {}
+func (*noCopy) Unlock() {}
 
 func (x *ptr[T]) Load() *T { return (*T)(atomic.LoadPointer(&x.p)) }
 

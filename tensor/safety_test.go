@@ -147,3 +147,26 @@ func TestStorageRefConcurrent(t *testing.T) {
 		return tensor.Armed() == base
 	}, 5*time.Second, 10*time.Millisecond, "every storage left the net")
 }
+
+// A heap storage, which the net does not hold, gets its reference at the
+// first Ref, from whichever of many goroutines asks first, and the
+// others find that one: under the race detector this checks that a
+// storage others can see sets its reference atomically.
+func TestStorageRefFirstAskedFromManyGoroutines(t *testing.T) {
+	for range 50 {
+		x, err := tensor.Zeros(tensor.Uint8, 64)
+		require.NoError(t, err)
+		s := x.Storage()
+		refs := make([]*tensor.StorageRef, 4)
+		var wg sync.WaitGroup
+		for g := range refs {
+			wg.Go(func() { refs[g] = s.Ref() })
+		}
+		wg.Wait()
+		for _, r := range refs {
+			require.Same(t, refs[0], r)
+		}
+		require.Same(t, s, refs[0].Value())
+		require.NoError(t, x.Release())
+	}
+}

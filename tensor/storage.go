@@ -222,7 +222,7 @@ func newStorage(p device.Place, nbytes int64) (*Storage, error) {
 		return nil, fmt.Errorf("tensor: allocating %d bytes on %s: %w", nbytes, p, err)
 	}
 	s := allocStorage(p, nbytes)
-	s.arm(memory{backing: buf, dev: buf, shared: true}, true)
+	s.armNew(memory{backing: buf, dev: buf, shared: true})
 	return s, nil
 }
 
@@ -254,7 +254,7 @@ func NewStorage(p device.Place, b Backing) (*Storage, error) {
 		return nil, fmt.Errorf("tensor: %d bytes of host memory on %s", size, p)
 	}
 	s := allocStorage(p, size)
-	s.arm(memory{bytes: bytes, backing: b, dev: buf, shared: onDevice || sharedHost(b)}, true)
+	s.armNew(memory{bytes: bytes, backing: b, dev: buf, shared: onDevice || sharedHost(b)})
 	return s, nil
 }
 
@@ -281,10 +281,14 @@ type armedMemory struct {
 }
 
 // arm makes m s's memory and puts it in the safety net, which releases it
-// if s becomes unreachable unreleased. Callers hold s.mu, or made s and
-// have let no other goroutine see it yet (fresh): its pointers are then
-// set with plain stores (see ptr).
-func (s *Storage) arm(m memory, fresh bool) {
+// if s becomes unreachable unreleased. Callers hold s.mu.
+func (s *Storage) arm(m memory) { s.armAs(m, false) }
+
+// armNew is arm for a storage that its caller made and has let no other
+// goroutine see yet: its pointers are set with plain stores (see ptr).
+func (s *Storage) armNew(m memory) { s.armAs(m, true) }
+
+func (s *Storage) armAs(m memory, fresh bool) {
 	am := &armedMemory{memory: m}
 	r := s.ref.Load()
 	if r == nil {
@@ -396,7 +400,7 @@ func (s *Storage) ShareMemory(st strategy.Strategy) error {
 			return fmt.Errorf("tensor: share memory (%d bytes, %s): %w", s.nbytes, st, err)
 		}
 		s.disarm()
-		s.arm(nm, false)
+		s.arm(nm)
 	}
 	if err := m.release(); err != nil {
 		return fmt.Errorf("tensor: share memory: giving back the private memory: %w", err)
@@ -428,7 +432,7 @@ func newSharedStorage(nbytes int64, st strategy.Strategy, zero bool) (*Storage, 
 	if err != nil {
 		return nil, err
 	}
-	s.arm(m, true)
+	s.armNew(m)
 	return s, nil
 }
 
