@@ -144,3 +144,7 @@ func HoldIdleChecks(t interface{ Cleanup(func()) }) (resume func()) {
 // UnlockCalls returns how many calls this process has made to unlock
 // runs of received segments' slots.
 func UnlockCalls() uint64 { return unlockCalls.Load() }
+
+// FirstSlabSlots is how many blocks of size bytes a pool's first
+// segment for them holds.
+func FirstSlabSlots(size int64) int { return int(slabSlots(classCap(size), 0)) }

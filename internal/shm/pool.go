@@ -102,7 +102,7 @@ func classCap(size int64) int64 {
 // Alloc returns a block of at least size bytes, zeroed only if new: a
 // recycled block holds its last user's bytes, which callers overwrite.
 func (p *Pool) Alloc(size int64) (*Block, error) {
-	b, _, err := p.alloc(size)
+	b, _, err := p.alloc(size, false)
 	return b, err
 }
 
@@ -117,7 +117,7 @@ func (p *Pool) Alloc(size int64) (*Block, error) {
 // caches. The lines then move while the caller uses the block it has,
 // not at the next one's first stores, which would wait for them.
 func (p *Pool) AllocZeroed(size int64) (*Block, error) {
-	b, next, err := p.alloc(size)
+	b, next, err := p.alloc(size, true)
 	if err != nil {
 		return nil, err
 	}
@@ -133,11 +133,11 @@ func (p *Pool) AllocZeroed(size int64) (*Block, error) {
 // processor for: 128 lines.
 const askAheadMax = 8 << 10
 
-// alloc is Alloc, which also returns the bytes of the block its class
-// hands out next if the class's blocks are at most askAheadMax bytes:
-// only an address to prefetch, which another goroutine may take, or a
-// trim unmap, once the lock is let go.
-func (p *Pool) alloc(size int64) (b *Block, next []byte, err error) {
+// alloc is Alloc, which with ahead also returns the bytes of the block
+// its class hands out next if the class's blocks are at most askAheadMax
+// bytes: only an address to prefetch, which another goroutine may take,
+// or a trim unmap, once the lock is let go.
+func (p *Pool) alloc(size int64, ahead bool) (b *Block, next []byte, err error) {
 	if size <= 0 {
 		return nil, nil, &Error{Op: "alloc", Err: fmt.Errorf("block of %d bytes: size must be positive", size)}
 	}
@@ -179,7 +179,7 @@ func (p *Pool) alloc(size int64) (b *Block, next []byte, err error) {
 	b.size = size // b.gen is the generation reclaim (or grow) gave the slot
 	b.released.Store(false)
 	b.seg.inUse++
-	if k := len(c.free); k > 0 && c.cap <= askAheadMax && !c.free[k-1].seg.external {
+	if k := len(c.free); ahead && k > 0 && c.cap <= askAheadMax && !c.free[k-1].seg.external {
 		n := c.free[k-1]
 		start := n.seg.slotOffset(n.slot)
 		next = n.seg.alloc.mapping[start : start+c.cap]

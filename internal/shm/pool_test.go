@@ -1519,28 +1519,36 @@ func BenchmarkReturnable(b *testing.B) {
 	})
 }
 
-// AllocZeroed hands out blocks cleared of what their last user wrote.
+// AllocZeroed hands out blocks cleared of what their last user wrote:
+// the pool's first segment, filled, written all over and released, is
+// what it hands out next, each block cleared.
 func TestAllocZeroedClears(t *testing.T) {
 	p := testPool(t)
 	const size = 4 << 10
+	dirty := map[int64]bool{}
 	var bs []*shm.Block
-	for range 64 {
+	for range shm.FirstSlabSlots(size) {
 		b := mustAlloc(t, p, size)
 		for i := range b.Bytes() {
 			b.Bytes()[i] = 0xee
 		}
+		dirty[b.Offset()] = true
 		bs = append(bs, b)
 	}
+	require.Len(t, dirty, len(bs))
 	for _, b := range bs {
+		require.Same(t, bs[0].Segment(), b.Segment(), "one segment")
 		require.NoError(t, b.Release())
 	}
-	for range 2 * len(bs) { // the dirty ones, then others
+	for range bs {
 		b, err := p.AllocZeroed(size)
 		require.NoError(t, err)
+		defer b.Release()
+		require.Same(t, bs[0].Segment(), b.Segment(), "a block of the released ones")
+		require.True(t, dirty[b.Offset()])
 		require.Len(t, b.Bytes(), size)
 		require.False(t, slices.ContainsFunc(b.Bytes(), func(c byte) bool { return c != 0 }),
 			"the block at %d holds its last user's bytes", b.Offset())
-		require.NoError(t, b.Release())
 	}
 }
 
