@@ -1,40 +1,10 @@
 package cpuid
 
 import (
-	"os"
-	"slices"
-	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
-	"github.com/stretchr/testify/require"
 )
-
-// Has answers as the kernel's reading of CPUID does, in /proc/cpuinfo's
-// flags, for bits of a basic leaf and of an extended one in each
-// register, and says no for leaves beyond the processor's highest.
-func TestHasMatchesTheKernel(t *testing.T) {
-	info, err := os.ReadFile("/proc/cpuinfo")
-	require.NoError(t, err)
-	flags := strings.Fields(string(info))
-	for _, c := range []struct {
-		flag      string
-		leaf, sub uint32
-		reg       Reg
-		bit       int
-	}{
-		{"fpu", 1, 0, EDX, 0},
-		{"sse2", 1, 0, EDX, 26},
-		{"pni", 1, 0, ECX, 0}, // SSE3
-		{"bmi1", 7, 0, EBX, 3},
-		{"rdpid", 7, 0, ECX, 22},
-		{"lm", 0x80000001, 0, EDX, 29},
-		{"rdtscp", 0x80000001, 0, EDX, 27},
-		{"lahf_lm", 0x80000001, 0, ECX, 0},
-	} {
-		assert.Equal(t, slices.Contains(flags, c.flag), Has(c.leaf, c.sub, c.reg, c.bit), c.flag)
-	}
-}
 
 // A leaf past the top of its range is not asked: an Intel processor
 // answers it with the highest basic leaf's bits, as this stand-in does.
