@@ -148,8 +148,9 @@ func workerLaneTake(ctx context.Context, w *mp.Worker) error {
 // workerLaneCheck takes the first tensor, says so, and takes N more, the
 // i-th of which must hold i, releasing each; it puts how many did not.
 // With a Batch, it takes N batches, tensor k of the i-th holding
-// i*Batch+k. With Quick it releases each unread, and then puts the lock
-// calls its attaches made for the N (shm.AttachLocks) too.
+// i*Batch+k. With Quick it releases each unread, and then puts what it
+// spent on the N too: the lock calls its attaches made
+// (shm.AttachLocks), its heap objects and bytes, and its CPU time.
 func workerLaneCheck(ctx context.Context, w *mp.Worker) error {
 	var a laneArgs
 	if err := w.Args(&a); err != nil {
@@ -224,7 +225,10 @@ func processCPU() time.Duration {
 // bytes, from start to since.
 type heapAllocs struct{ objects, bytes uint64 }
 
-var heapAllocMetrics = []string{"/gc/heap/allocs:objects", "/gc/heap/allocs:bytes"}
+// heapAllocMetrics are what readHeapAllocs reads: the heap objects,
+// counted as testing's allocs/op counts them (tiny ones one by one, which
+// the first metric counts by the block they share), and bytes.
+var heapAllocMetrics = []string{"/gc/heap/allocs:objects", "/gc/heap/tiny/allocs:objects", "/gc/heap/allocs:bytes"}
 
 func readHeapAllocs() heapAllocs {
 	ms := make([]metrics.Sample, len(heapAllocMetrics))
@@ -232,7 +236,7 @@ func readHeapAllocs() heapAllocs {
 		ms[i].Name = name
 	}
 	metrics.Read(ms)
-	return heapAllocs{ms[0].Value.Uint64(), ms[1].Value.Uint64()}
+	return heapAllocs{ms[0].Value.Uint64() + ms[1].Value.Uint64(), ms[2].Value.Uint64()}
 }
 
 func (h *heapAllocs) start() { *h = readHeapAllocs() }
