@@ -14,6 +14,7 @@ import (
 	"github.com/tensormp/tensormp/internal/carry"
 	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/leakcheck"
+	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -105,12 +106,61 @@ func TestLongBatchNamingABlockTwiceLeavesNoHold(t *testing.T) {
 	ms := laneBlocks(t, batchWindow+6, 4096)
 	named := append([]Meta{ms[3]}, ms...) // ms[3] twice in the first window
 	lane := pinnedLane{ms[0].segmentID(): true}
+	before := blockHolds(ms)
 	var fds fd.Set
 	var xs []*tensor.Tensor
 	require.NoError(t, carry.DecodeFrom(batchMessage(t, named...), &fds, &xs, lane, true))
 	require.Len(t, xs, len(named))
 	assert.Same(t, xs[0].Storage(), xs[4].Storage(), "the block named twice is one storage")
+	assert.Equal(t, before[3]+1, shm.Holds(laneRef(&ms[3])), "one hold more, the storage's")
 	for _, x := range xs {
 		require.NoError(t, x.Release())
 	}
+	assert.Equal(t, before, blockHolds(ms), "the holds once the tensors are released")
+}
+
+// blockHolds returns this process's holds on each block of ms (laneBlocks
+// holds the first).
+func blockHolds(ms []Meta) []int {
+	n := make([]int, len(ms))
+	for i := range ms {
+		n[i] = shm.Holds(laneRef(&ms[i]))
+	}
+	return n
+}
+
+// The tensors of a batch's second window start afresh: the first
+// window's tensor in the same room, which carried a LoD, leaves none.
+func TestBatchWindowsDoNotShareMetadata(t *testing.T) {
+	leakcheck.Check(t)
+	ms := laneBlocks(t, batchWindow+1, 4096)
+	ms[0].LoD = [][]int{{0, 4096}}
+	lane := pinnedLane{ms[0].segmentID(): true}
+	var fds fd.Set
+	var xs []*tensor.Tensor
+	require.NoError(t, carry.DecodeFrom(batchMessage(t, ms...), &fds, &xs, lane, true))
+	defer func() {
+		for _, x := range xs {
+			assert.NoError(t, x.Release())
+		}
+	}()
+	require.Len(t, xs, len(ms))
+	assert.Equal(t, ms[0].LoD, xs[0].LoD())
+	assert.Nil(t, xs[batchWindow].LoD(), "the second window's first tensor")
+}
+
+// A batch whose third tensor is wrong (its shape needs more bytes than
+// its block has) fails after the blocks of the whole window were
+// attached: the decode lets go of every one of them, those of the
+// tensors it made and those of the tensors it never came to.
+func TestFailedBatchLetsGoOfItsBlocks(t *testing.T) {
+	leakcheck.Check(t)
+	ms := laneBlocks(t, 4, 4096)
+	ms[2].Shape = []int{8192}
+	lane := pinnedLane{ms[0].segmentID(): true}
+	before := blockHolds(ms)
+	var fds fd.Set
+	var xs []*tensor.Tensor
+	require.ErrorIs(t, carry.DecodeFrom(batchMessage(t, ms...), &fds, &xs, lane, true), ErrMalformed)
+	assert.Equal(t, before, blockHolds(ms), "the holds after the failed decode")
 }

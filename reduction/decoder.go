@@ -113,7 +113,7 @@ func (r *fdReader) decodeBatch(items []byte, n int, p *[]*tensor.Tensor) error {
 	ts := slices.Grow((*p)[:0], min(n, batchWindow))
 	defer func() { *p = ts }()
 	defer func() {
-		clear(r.batch) // what the metadata holds (LoD, names) goes with the message
+		clear(r.batch[:cap(r.batch)]) // what the metadata holds (LoD, names) goes with the message
 		r.batch, r.cur = r.batch[:0], nil
 	}()
 	for left := n; left > 0; left -= len(r.batch) {
@@ -122,7 +122,7 @@ func (r *fdReader) decodeBatch(items []byte, n int, p *[]*tensor.Tensor) error {
 			payload, rest, _ := nextBare(items)
 			items = rest
 			it := &r.batch[i]
-			*it = batchItem{}
+			*it = batchItem{} // the last window's: parseMeta leaves what a tensor does not carry, its LoD say
 			it.err = parseMeta(payload, it.dims[:], &it.m)
 		}
 		if r.byLane {
@@ -191,7 +191,14 @@ func (r *fdReader) attachAhead() {
 	if err != nil {
 		return
 	}
-	r.ahead = append(r.ahead, bs...) // after any the last window left, which the decode's end lets go of
+	kept := r.ahead[:0] // the last window's tensors took theirs
+	for _, b := range r.ahead {
+		if b != nil {
+			kept = append(kept, b)
+		}
+	}
+	clear(r.ahead[len(kept):])
+	r.ahead = append(kept, bs...)
 }
 
 // found returns the user of the block of the batch's tensor being

@@ -597,6 +597,13 @@ func FuzzLaneDecode(f *testing.F) {
 	f.Add(compactBatch(ok1, lane(blocks[2], blocks[2].Gen+1, 0)), []byte(nil))
 	f.Add(compactMessage(f, ok1), compactBatch(ok2, other))
 	f.Add(compactMessage(f, ok1), extMessage(f, ok2))
+	// A batch longer than a window (batchWindow), the same blocks over
+	// and over, with a wrong one in the second window.
+	long := make([]Meta, 0, batchWindow+3)
+	for len(long) < batchWindow+2 {
+		long = append(long, ok1, ok2, ok3)
+	}
+	f.Add(compactBatch(append(long[:batchWindow+1], other)...), []byte(nil))
 	reader := aheadLane{pinnedLane: pinnedLane{segID: true}, looks: new(int)}
 	base := leakcheck.Count()
 	var rebuilt atomic.Int64

@@ -320,6 +320,24 @@ func Locked(ref BlockRef) bool {
 	return st.holds > 0 || st.onFD
 }
 
+// Holds returns how many holds this process's Blocks take on the slot of
+// the block ref names by identity, or 0 where it maps no such segment or
+// slot. Tests look at it to see that a decode gave back every hold it
+// took.
+func Holds(ref BlockRef) int {
+	attached.mu.Lock()
+	defer attached.mu.Unlock()
+	seg, ok := attached.m[ref.Seg.ID]
+	if !ok {
+		return 0
+	}
+	slot, ok := seg.slotAt(ref.Offset)
+	if !ok {
+		return 0
+	}
+	return int(seg.slots.get(slot).holds)
+}
+
 // LockAhead locks, through this process's own description, the slots of
 // the blocks refs name by identity in segments this process maps, one
 // call per run of neighbouring slots, as AttachAll does for the blocks
