@@ -11,8 +11,8 @@ import (
 )
 
 // Has answers as the kernel's reading of CPUID does, in /proc/cpuinfo's
-// flags, for bits of a basic leaf and of an extended one in each
-// register, and says no for leaves beyond the processor's highest.
+// flags, for bits of basic and extended leaves in three of the
+// registers. Leaves past the top are TestHasAsksNoLeafPastTheTop's.
 func TestHasMatchesTheKernel(t *testing.T) {
 	info, err := os.ReadFile("/proc/cpuinfo")
 	require.NoError(t, err)
