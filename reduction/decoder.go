@@ -112,17 +112,22 @@ func (r *fdReader) decodeBare(payload []byte, p **tensor.Tensor) error {
 func (r *fdReader) decodeBatch(items []byte, n int, p *[]*tensor.Tensor) error {
 	ts := slices.Grow((*p)[:0], min(n, batchWindow))
 	defer func() { *p = ts }()
+	// The room is zero beyond its length between decodes: each clears
+	// what it used, so that what the metadata holds (LoD, names) goes
+	// with the message, and a window takes none of the last window's.
+	room := min(n, batchWindow)
+	r.batch = slices.Grow(r.batch[:0], room)
 	defer func() {
-		clear(r.batch[:cap(r.batch)]) // what the metadata holds (LoD, names) goes with the message
+		clear(r.batch[:room])
 		r.batch, r.cur = r.batch[:0], nil
 	}()
 	for left := n; left > 0; left -= len(r.batch) {
-		r.batch = slices.Grow(r.batch[:0], batchWindow)[:min(left, batchWindow)]
+		clear(r.batch) // the last window's; parseMeta leaves what a tensor does not carry, its LoD say
+		r.batch = r.batch[:min(left, batchWindow)]
 		for i := range r.batch {
 			payload, rest, _ := nextBare(items)
 			items = rest
 			it := &r.batch[i]
-			*it = batchItem{} // the last window's: parseMeta leaves what a tensor does not carry, its LoD say
 			it.err = parseMeta(payload, it.dims[:], &it.m)
 		}
 		if r.byLane {
