@@ -159,6 +159,7 @@ func TestFailedBatchLetsGoOfItsBlocks(t *testing.T) {
 	ms[2].Shape = []int{8192}
 	lane := pinnedLane{ms[0].segmentID(): true}
 	before := blockHolds(ms)
+	require.Positive(t, before[0], "laneBlocks holds the first: the holds are seen")
 	var fds fd.Set
 	var xs []*tensor.Tensor
 	require.ErrorIs(t, carry.DecodeFrom(batchMessage(t, ms...), &fds, &xs, lane, true), ErrMalformed)

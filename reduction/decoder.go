@@ -113,8 +113,9 @@ func (r *fdReader) decodeBatch(items []byte, n int, p *[]*tensor.Tensor) error {
 	ts := slices.Grow((*p)[:0], min(n, batchWindow))
 	defer func() { *p = ts }()
 	// The room is zero beyond its length between decodes: each clears
-	// what it used, so that what the metadata holds (LoD, names) goes
-	// with the message, and a window takes none of the last window's.
+	// all the room it used as it ends, so that what the metadata holds
+	// (LoD, names) goes with the message, and each window clears the
+	// last one's before it parses, so that it takes none of it.
 	room := min(n, batchWindow)
 	r.batch = slices.Grow(r.batch[:0], room)
 	defer func() {

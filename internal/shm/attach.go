@@ -321,9 +321,9 @@ func Locked(ref BlockRef) bool {
 }
 
 // Holds returns how many holds this process's Blocks take on the slot of
-// the block ref names by identity, or 0 where it maps no such segment or
-// slot. Tests look at it to see that a decode gave back every hold it
-// took.
+// the block ref names by identity, whatever their generation, or 0 where
+// it maps no such segment or slot. Tests look at it to see that a decode
+// gave back every hold it took.
 func Holds(ref BlockRef) int {
 	attached.mu.Lock()
 	defer attached.mu.Unlock()
