@@ -148,3 +148,18 @@ func UnlockCalls() uint64 { return unlockCalls.Load() }
 // FirstSlabSlots is how many blocks of size bytes a pool's first
 // segment for them holds.
 func FirstSlabSlots(size int64) int { return int(slabSlots(classCap(size), 0)) }
+
+// ReclaimBatch is how many blocks a class takes released before it
+// reclaims them with free blocks left.
+const ReclaimBatch = reclaimBatch
+
+// Reclaims returns how many reclaims p's class of blocks of size bytes
+// has run.
+func Reclaims(p *Pool, size int64) int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if c := p.classes[classCap(size)]; c != nil {
+		return c.reclaims
+	}
+	return 0
+}

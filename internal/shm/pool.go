@@ -18,15 +18,17 @@ import (
 // producer's Block objects are made once per slot and handed out again at
 // every reuse, so that taking a recycled block allocates nothing.
 type sizeClass struct {
-	cap     int64
-	free    []*Block               // nobody holds them
-	pending []*Block               // released here, perhaps still held elsewhere
-	asking  []*Block               // reclaimLocked's room
-	again   []*Block               // and askAgain's
-	runs    runRoom                // and askInRuns'
-	named   map[ReturnRef]struct{} // and the returns' (see Returns)
-	segs    []*segment
-	growing bool // a goroutine makes a segment for the class, the pool's lock let go (see newSegment)
+	cap      int64
+	free     []*Block               // nobody holds them
+	pending  []*Block               // released here, perhaps still held elsewhere
+	asking   []*Block               // reclaimLocked's room
+	again    []*Block               // and askAgain's
+	runs     runRoom                // and askInRuns' and appendInSlotOrder's
+	named    map[ReturnRef]struct{} // and the returns' (see Returns)
+	kept     int                    // pending blocks the last reclaim found held (see reclaimDue)
+	reclaims int                    // reclaims run, for tests
+	segs     []*segment
+	growing  bool // a goroutine makes a segment for the class, the pool's lock let go (see newSegment)
 }
 
 // Pool hands out blocks of pooled segments and recycles them (see
@@ -149,6 +151,9 @@ func (p *Pool) alloc(size int64, ahead bool) (b *Block, next []byte, err error) 
 		c = &sizeClass{cap: capacity}
 		p.classes[capacity] = c
 	}
+	if c.reclaimDue() {
+		p.reclaimLocked(c)
+	}
 	for len(c.free) == 0 {
 		if len(c.pending) > 0 {
 			p.reclaimLocked(c)
@@ -206,6 +211,26 @@ func (p *Pool) reserveLocked(b *Block) error {
 	return seg.reserveLocked(off, seg.cap)
 }
 
+// reclaimDue reports whether the class has had enough blocks released
+// since its last reclaim to reclaim them before it hands out a free one:
+// reclaimBatch, and at least as many as that reclaim found held, so that
+// asking about the held ones again costs no more than a question per
+// block released. A stream's producer so hands out the blocks its
+// readers gave back last, still in its caches, and the free blocks of
+// the segments it grew to during a burst stay unused, not cycled through
+// (see reclaimBatch).
+func (c *sizeClass) reclaimDue() bool {
+	return len(c.pending)-c.kept >= max(reclaimBatch, c.kept)
+}
+
+// reclaimBatch is how many blocks a class takes released before it
+// reclaims them with free blocks left (see reclaimDue): 1 MiB of 4 KiB
+// tensors, which a stream's producer then clears out of its own cache
+// rather than out of memory that the last burst's thousands of blocks
+// pushed it out to, and enough neighbouring slots that the lane's reader
+// locks them in a few runs.
+const reclaimBatch = 256
+
 // reclaimLocked moves the class's pending slots that no other description
 // holds to its free list, bumping their generations. The kernel is asked
 // once per segment about all its slots: the common answers, nobody holds
@@ -214,6 +239,7 @@ func (p *Pool) reserveLocked(b *Block) error {
 // is not asked about, and only the pending slots of a segment held in
 // part are asked about in runs (see askHeld).
 func (p *Pool) reclaimLocked(c *sizeClass) {
+	c.reclaims++
 	ask := c.asking[:0]
 	for _, b := range c.pending {
 		seg := b.seg
@@ -260,7 +286,7 @@ func (p *Pool) reclaimLocked(c *sizeClass) {
 	// that reads the new generation gives up the lock as stale.
 	kept := c.pending[:0]
 	bumped := c.asking[:0]
-	for _, b := range c.pending { // in the order released: the last is the warmest, handed out first
+	for _, b := range c.pending {
 		b.seg.held = unasked // for the next reclaim
 		if b.held {
 			kept = append(kept, b)
@@ -279,6 +305,7 @@ func (p *Pool) reclaimLocked(c *sizeClass) {
 		bumped = append(bumped, b)
 	}
 	c.again = askAgain(bumped, c.again[:0], &c.runs)
+	free := bumped[:0]
 	for _, b := range bumped {
 		b.seg.held = unasked
 		if b.held {
@@ -287,12 +314,47 @@ func (p *Pool) reclaimLocked(c *sizeClass) {
 		}
 		b.seg.inUse--
 		b.free = true
-		c.free = append(c.free, b)
+		free = append(free, b)
 	}
+	c.free = appendInSlotOrder(c.free, free, &c.runs)
 	clear(bumped)
 	c.asking = bumped[:0]
 	clear(c.pending[len(kept):])
 	c.pending = kept
+	c.kept = len(kept)
+}
+
+// appendInSlotOrder appends bs to free so that they are handed out
+// (from free's end) in slot order, segment by segment: a stream's blocks
+// then lie side by side, and its reader locks each message's slots in
+// one run, not one a block (see LockAhead). Like askInRuns, it marks the
+// blocks in their segments' bitmaps rather than sorting; r is its room,
+// left empty.
+func appendInSlotOrder(free, bs []*Block, r *runRoom) []*Block {
+	segs := r.segs[:0]
+	for _, b := range bs {
+		s := b.seg
+		if s.marks == nil {
+			s.marks = make([]uint64, (s.nslots+63)/64)
+		}
+		if !s.marked {
+			s.marked = true
+			segs = append(segs, s)
+		}
+		s.marks[b.slot/64] |= 1 << (b.slot % 64)
+	}
+	for _, s := range segs {
+		for w := len(s.marks) - 1; w >= 0; w-- {
+			for word := s.marks[w]; word != 0; word &^= 1 << (63 - bits.LeadingZeros64(word)) {
+				free = append(free, s.blocks[w*64+63-bits.LeadingZeros64(word)])
+			}
+			s.marks[w] = 0
+		}
+		s.marked = false
+	}
+	clear(segs)
+	r.segs = segs[:0]
+	return free
 }
 
 // beforeBump, if set, runs in a reclaim between its first question to

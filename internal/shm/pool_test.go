@@ -1578,3 +1578,107 @@ func TestAllocZeroedOfACutSegmentIsAnError(t *testing.T) {
 	}
 	t.Fatal("no block past the cut was handed out")
 }
+
+// A stream's producer, after a burst that grew its pool to thousands of
+// blocks, hands out again the few hundred its consumers gave back last,
+// still in its caches, not every block the burst made in turn.
+func TestPoolHandsOutWhatCameBackLast(t *testing.T) {
+	p := testPool(t)
+	const size, burst, window = 4 << 10, 4000, 64
+	var bs []*shm.Block
+	for range burst {
+		bs = append(bs, mustAlloc(t, p, size))
+	}
+	for _, b := range bs {
+		require.NoError(t, b.Release())
+	}
+	// Each block is released a window of blocks after it was taken.
+	type at struct {
+		seg *shm.Allocation
+		off int64
+	}
+	seen := map[at]bool{}
+	live := make([]*shm.Block, 0, window)
+	for i := range 3 * burst {
+		b := mustAlloc(t, p, size)
+		if i >= burst {
+			seen[at{b.Segment(), b.Offset()}] = true
+		}
+		live = append(live, b)
+		if len(live) == window {
+			require.NoError(t, live[0].Release())
+			live = append(live[:0], live[1:]...)
+		}
+	}
+	for _, b := range live {
+		require.NoError(t, b.Release())
+	}
+	assert.LessOrEqual(t, len(seen), 2*(shm.ReclaimBatch+window),
+		"blocks the stream went through, of the %d the burst made", burst)
+}
+
+// Blocks reclaimed together are handed out in slot order, whatever the
+// order they were released in: a lane's reader locks a message's slots
+// in one run only if they lie side by side.
+func TestPoolHandsOutReclaimedBlocksInSlotOrder(t *testing.T) {
+	p := testPool(t)
+	const size = 4 << 10
+	n := shm.FirstSlabSlots(size)
+	var bs []*shm.Block
+	for range n {
+		bs = append(bs, mustAlloc(t, p, size))
+	}
+	for i := range bs { // 0, n-1, 1, n-2, ...: far from slot order
+		k := i / 2
+		if i%2 == 1 {
+			k = n - 1 - k
+		}
+		require.NoError(t, bs[k].Release())
+	}
+	last := -1
+	for range n {
+		b := mustAlloc(t, p, size)
+		defer b.Release()
+		require.Same(t, bs[0].Segment(), b.Segment(), "a block of the released ones")
+		require.Greater(t, shm.SlotOf(b), last, "handed out in slot order")
+		last = shm.SlotOf(b)
+	}
+}
+
+// A class whose released blocks another description holds for long asks
+// about them again only as often as as many blocks again are released:
+// a stream beside a consumer that keeps thousands of blocks costs a
+// question or so per block released, not thousands per reclaimBatch.
+func TestPoolAsksAboutHeldBlocksOnlyAsOftenAsTheyAreOutnumbered(t *testing.T) {
+	p := testPool(t)
+	const size, kept = 4 << 10, 2000
+	var bs []*shm.Block
+	for range kept {
+		bs = append(bs, mustAlloc(t, p, size))
+	}
+	// Held elsewhere, segment by segment, as a consumer holds them.
+	bySeg := map[*shm.Allocation][]int{}
+	first := map[*shm.Allocation]*shm.Block{}
+	for _, b := range bs {
+		bySeg[b.Segment()] = append(bySeg[b.Segment()], shm.SlotOf(b))
+		if first[b.Segment()] == nil {
+			first[b.Segment()] = b
+		}
+	}
+	for seg, slots := range bySeg {
+		release, err := shm.HoldSlots(first[seg], slots...)
+		require.NoError(t, err)
+		defer release()
+	}
+	for _, b := range bs {
+		require.NoError(t, b.Release())
+	}
+	before := shm.Reclaims(p, size)
+	const stream = 3000
+	for range stream {
+		b := mustAlloc(t, p, size)
+		require.NoError(t, b.Release())
+	}
+	assert.LessOrEqual(t, shm.Reclaims(p, size)-before, stream/kept+1,
+		"reclaims over %d blocks released beside %d held", stream, kept)
+}
