@@ -279,7 +279,7 @@ func (seg *segment) lockRunsLocked(slots []int, ahead bool, now int64) {
 		attachLocks.Add(1)
 		ok, err := lockRead(seg.alloc.fd(), slotByte(r[0]), int64(r[1]))
 		if err != nil || !ok {
-			continue // the producer reclaims one of them: holdLocked says which
+			continue // write-locked for a moment (see abandoned): holdLocked locks each again
 		}
 		for slot := r[0]; slot < r[0]+r[1]; slot++ {
 			seg.slots.setOnFD(slot, true)

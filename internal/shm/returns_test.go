@@ -177,3 +177,23 @@ func TestReclaimLeavesHeldSlotsToTheirHolders(t *testing.T) {
 	require.NoError(t, r.Release())
 	require.NoError(t, back.Release())
 }
+
+// Produced lists, and Returnable answers for, only segments whose blocks
+// a message may return by identity: a named pool's are not among them
+// (a lane's writer never names their blocks so), an unnamed pool's are.
+func TestProducedListsNoNamedSegment(t *testing.T) {
+	p := testPool(t)
+	shm.EnableNamedPool()
+	t.Cleanup(func() { shm.Trim() }) // the named pool's names go, whatever the test's end
+	named := mustAlloc(t, shm.NamedPool(), small)
+	defer named.Release()
+	require.NotEmpty(t, named.Segment().Name())
+	b := mustAlloc(t, p, small)
+	defer b.Release()
+
+	ids, _ := shm.Produced(nil, 1<<20)
+	assert.Contains(t, ids, b.Segment().ID())
+	assert.True(t, shm.Returnable(b.Segment().ID()))
+	assert.NotContains(t, ids, named.Segment().ID(), "a named segment is listed as returnable")
+	assert.False(t, shm.Returnable(named.Segment().ID()), "a named segment")
+}

@@ -977,3 +977,41 @@ func TestLedgerReturnsEachLoanOnce(t *testing.T) {
 	g.returnAll()
 	assert.Equal(t, before, pool.InUse())
 }
+
+// A pin whose producer let go of its segment stays while the lane is
+// full of entries sent before the reader saw so: a mark a whole lane's
+// length ahead of what was taken is a mark an honest writer makes, not
+// one to give up on. The pin goes once they are taken.
+func TestWayPinOutlivesAFullLane(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	w, r, _ := wayPair(t)
+	pool := shm.DefaultPool()
+	b, err := pool.Alloc(4 << 10)
+	require.NoError(t, err)
+	got := receivedCopy(t, b)
+	id := b.Segment().ID()
+	takeRoles(t, ctx, w, r, func() { r.Pin(id) })
+	require.NoError(t, got.Release())
+	producerLetsGo(t, b)
+	l := r.lane.Load()
+	for range l.entries {
+		require.NoError(t, w.Send(ctx, []byte{1}, nil)) // sent before the reader looks
+	}
+	require.Equal(t, l.entries, l.Sent()-l.Taken(), "the lane is full")
+	prune := func() {
+		r.sem.lock()
+		defer r.sem.unlock()
+		r.prunePins(l)
+	}
+	prune() // sees the producer gone: marks the segment a lane ahead
+	assert.True(t, pinsNow(r, id), "a whole lane of entries before the mark is untaken")
+	for range l.entries {
+		m, err := r.Recv(ctx)
+		require.NoError(t, err)
+		m.Done()
+	}
+	prune()
+	assert.False(t, pinsNow(r, id), "every entry before the mark is taken")
+}

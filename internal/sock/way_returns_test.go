@@ -141,3 +141,24 @@ func TestWayRefusesAShortReturn(t *testing.T) {
 	_, err = r.Recv(ctx)
 	assert.ErrorIs(t, err, ErrMalformed)
 }
+
+// A reader registers its scanner once, however often it takes the role,
+// and Close unregisters it: no scanner of a closed reader is left for
+// the pools' reclaims to call, reading a lane that is gone.
+func TestWayRegistersItsScannerOnce(t *testing.T) {
+	leakcheck.Check(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	before := shm.ReturnScanners()
+	w, r, _ := wayPair(t)
+	takeRoles(t, ctx, w, r, nil)
+	assert.Equal(t, before+1, shm.ReturnScanners(), "registered as it takes the role")
+	for range 3 {
+		r.LetGo()
+		require.False(t, holds(r))
+		takeRoles(t, ctx, w, r, nil) // takes it again
+	}
+	assert.Equal(t, before+1, shm.ReturnScanners(), "once, however often it takes the role")
+	require.NoError(t, r.Close())
+	assert.Equal(t, before, shm.ReturnScanners(), "the closed reader's scanner is gone")
+}
