@@ -165,3 +165,27 @@ func TestFailedBatchLetsGoOfItsBlocks(t *testing.T) {
 	require.ErrorIs(t, carry.DecodeFrom(batchMessage(t, ms...), &fds, &xs, lane, true), ErrMalformed)
 	assert.Equal(t, before, blockHolds(ms), "the holds after the failed decode")
 }
+
+// A decoder's next batch starts afresh too: the tensor of the batch it
+// decoded last in the same room, which carried a LoD, leaves none to the
+// next batch's, which carries none.
+func TestBatchDecodesDoNotShareMetadata(t *testing.T) {
+	leakcheck.Check(t)
+	ms := laneBlocks(t, 2, 4096)
+	lane := pinnedLane{ms[0].segmentID(): true}
+	withLoD := ms[1]
+	withLoD.LoD = [][]int{{0, 4096}}
+	d := NewDecoder() // one decoder for both, not carry's pool's
+	var fds fd.Set
+	var xs, ys []*tensor.Tensor
+	require.NoError(t, d.decode(batchMessage(t, withLoD, ms[0]), &fds, &xs, lane, true))
+	require.Len(t, xs, 2)
+	assert.Equal(t, withLoD.LoD, xs[0].LoD())
+	for _, x := range xs {
+		require.NoError(t, x.Release())
+	}
+	require.NoError(t, d.decode(batchMessage(t, ms[1]), &fds, &ys, lane, true))
+	require.Len(t, ys, 1)
+	assert.Nil(t, ys[0].LoD(), "the next batch's tensor, in the room of the last one's")
+	require.NoError(t, ys[0].Release())
+}

@@ -409,3 +409,59 @@ func TestPinOfASlabCountsItsDeviceMemory(t *testing.T) {
 	defer unpin()
 	assert.GreaterOrEqual(t, size, rx.Storage().Size())
 }
+
+// A lane's batch that names a slab block twice leaves the second attach
+// of it untaken (its tensor finds the first one's storage): each tensor
+// after it takes its own block, not that one, and the decode lets go of
+// it, also once a later window attached blocks of its own.
+func TestSlabBatchNamingABlockTwice(t *testing.T) {
+	leakcheck.Check(t)
+	t.Cleanup(shm.Trim)
+	x, err := tensor.On(slabGPU).Zeros(tensor.Int32, 256)
+	require.NoError(t, err)
+	mx, fx := messageOf(t, x)
+	rx, err := Rebuild(mx, fx[:]) // the slab imported, as with a block received by descriptor
+	require.NoError(t, err)
+	fd.CloseAll(fx[:])
+	defer rx.Release()
+	// Four blocks of the slab in flight, block i full of i+1.
+	var ms []Meta
+	for i := range 4 {
+		y, err := tensor.On(slabGPU).Full(tensor.Int32, float64(i+1), 256)
+		require.NoError(t, err)
+		m, fds := messageOf(t, y) // its ticket holds its block
+		defer fd.CloseAll(fds[:])
+		require.Equal(t, mx.segmentID(), m.segmentID(), "one slab")
+		m.FDIndex, m.MemFDIndex = -1, -1
+		ms = append(ms, m)
+	}
+	lane := pinnedLane{mx.segmentID(): true}
+	// The first window: A twice, B, then C to its end; the second: D twice.
+	which := []int{0, 0, 1}
+	for len(which) < batchWindow {
+		which = append(which, 2)
+	}
+	which = append(which, 3, 3)
+	var named []Meta
+	for _, i := range which {
+		named = append(named, ms[i])
+	}
+	before := blockHolds(ms)
+	var fds fd.Set
+	var xs []*tensor.Tensor
+	require.NoError(t, carry.DecodeFrom(batchMessage(t, named...), &fds, &xs, lane, true))
+	require.Len(t, xs, len(named))
+	for i, x := range xs {
+		host, err := x.To(device.CPU())
+		require.NoError(t, err)
+		vals, err := tensor.Values[int32](host)
+		require.NoError(t, err)
+		require.NoError(t, host.Release())
+		assert.Equal(t, slices.Repeat([]int32{int32(which[i] + 1)}, 256), vals, "tensor %d, of block %d", i, which[i])
+	}
+	assert.Same(t, xs[0].Storage(), xs[1].Storage(), "the block named twice is one storage")
+	for _, x := range xs {
+		require.NoError(t, x.Release())
+	}
+	assert.Equal(t, before, blockHolds(ms), "the holds once the tensors are released")
+}

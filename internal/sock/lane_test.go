@@ -246,7 +246,16 @@ func TestOpenLaneRefuses(t *testing.T) {
 		}
 		return f
 	}
-	const magic, version = 0x454e4c54, 2
+	// A lane's own magic and version, so that each case is refused for
+	// what it names, not for an old version.
+	made, err := sock.CreateLane(laneEntries, laneEntry)
+	require.NoError(t, err)
+	hdr := make([]byte, 8)
+	_, err = unix.Pread(made.Num(), hdr, 0)
+	require.NoError(t, err)
+	require.NoError(t, made.Close())
+	magic, version := binary.LittleEndian.Uint32(hdr), binary.LittleEndian.Uint32(hdr[4:])
+	require.Equal(t, uint32(0x454e4c54), magic)
 	for _, c := range []struct {
 		name string
 		f    *fd.FD
@@ -443,4 +452,60 @@ func TestLaneMappingIsCounted(t *testing.T) {
 	after, err := leakcheck.Mappings()
 	require.NoError(t, err)
 	assert.Equal(t, before, after, "the lane unmapped")
+}
+
+// Counts that no honest writer or reader leaves are an error wrapping
+// ErrMalformed at once, for a receive that waits and one that does not:
+// a sent count further ahead of the taken one than the ring holds, though
+// the entry at the taken count is a good one, and a taken count that
+// stays ahead of the sent one (other readers' takes explain that only for
+// a while), not a spin without end.
+func TestLaneRefusesCountsNoPeerLeaves(t *testing.T) {
+	f, l := newLane(t)
+	mem := laneMemory(t, f)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	alive := func() error { return nil }
+	require.NoError(t, l.TrySend([]byte("honest")))
+	sent, taken := mem[128:], mem[256:] // the bells' words
+	binary.LittleEndian.PutUint32(sent, laneEntries+1)
+	_, err := l.Recv(ctx, nil, alive)
+	assert.ErrorIs(t, err, sock.ErrMalformed, "a sent count beyond the ring")
+	_, _, err = l.TryRecv(nil)
+	assert.ErrorIs(t, err, sock.ErrMalformed, "a sent count beyond the ring, without waiting")
+
+	binary.LittleEndian.PutUint32(sent, 1)
+	binary.LittleEndian.PutUint32(taken, 5)
+	_, err = l.Recv(ctx, nil, alive)
+	assert.ErrorIs(t, err, sock.ErrMalformed, "a taken count that stays ahead")
+	done := make(chan error, 1)
+	go func() {
+		_, _, err := l.TryRecv(nil)
+		done <- err
+	}()
+	select {
+	case err = <-done:
+		assert.ErrorIs(t, err, sock.ErrMalformed, "a taken count that stays ahead, without waiting")
+	case <-time.After(5 * time.Second):
+		binary.LittleEndian.PutUint32(taken, 1) // ends the spin, so that the lane closes
+		<-done
+		t.Fatal("TryRecv spun on a taken count ahead of the sent one")
+	}
+}
+
+// A message that fills its entry is shown whole by Ahead, as a receive
+// takes it.
+func TestLaneAheadShowsAFullEntry(t *testing.T) {
+	_, l := newLane(t)
+	full := bytes.Repeat([]byte{7}, l.Room())
+	require.NoError(t, l.TrySend(full))
+	var got [][]byte
+	l.Ahead(nil, func(data []byte) bool {
+		got = append(got, bytes.Clone(data))
+		return true
+	})
+	assert.Equal(t, [][]byte{full}, got)
+	buf, _, err := l.TryRecv(nil)
+	require.NoError(t, err)
+	assert.Equal(t, full, buf)
 }
