@@ -331,22 +331,13 @@ func (p *Pool) reclaimLocked(c *sizeClass) {
 // blocks in their segments' bitmaps rather than sorting; r is its room,
 // left empty.
 func appendInSlotOrder(free, bs []*Block, r *runRoom) []*Block {
-	segs := r.segs[:0]
-	for _, b := range bs {
-		s := b.seg
-		if s.marks == nil {
-			s.marks = make([]uint64, (s.nslots+63)/64)
-		}
-		if !s.marked {
-			s.marked = true
-			segs = append(segs, s)
-		}
-		s.marks[b.slot/64] |= 1 << (b.slot % 64)
-	}
+	segs := r.mark(bs)
 	for _, s := range segs {
 		for w := len(s.marks) - 1; w >= 0; w-- {
-			for word := s.marks[w]; word != 0; word &^= 1 << (63 - bits.LeadingZeros64(word)) {
-				free = append(free, s.blocks[w*64+63-bits.LeadingZeros64(word)])
+			for word := s.marks[w]; word != 0; {
+				top := 63 - bits.LeadingZeros64(word)
+				free = append(free, s.blocks[w*64+top])
+				word &^= 1 << top
 			}
 			s.marks[w] = 0
 		}
@@ -387,18 +378,7 @@ func askAgain(bs, part []*Block, r *runRoom) []*Block {
 // order, which costs a bit a block and a word per 64 slots rather than
 // a sort. r is its room, left empty.
 func askInRuns(bs []*Block, r *runRoom) {
-	segs := r.segs[:0]
-	for _, b := range bs {
-		s := b.seg
-		if s.marks == nil {
-			s.marks = make([]uint64, (s.nslots+63)/64)
-		}
-		if !s.marked {
-			s.marked = true
-			segs = append(segs, s)
-		}
-		s.marks[b.slot/64] |= 1 << (b.slot % 64)
-	}
+	segs := r.mark(bs)
 	for _, s := range segs {
 		run := r.run[:0]
 		for w, word := range s.marks {
@@ -417,11 +397,31 @@ func askInRuns(bs []*Block, r *runRoom) {
 	r.segs = segs[:0]
 }
 
-// runRoom is askInRuns' room, kept by a size class: the segments it
-// marked slots of, and one segment's blocks in slot order.
+// runRoom is askInRuns' room, and appendInSlotOrder's, kept by a size
+// class: the segments they marked slots of, and one segment's blocks in
+// slot order.
 type runRoom struct {
 	segs []*segment
 	run  []*Block
+}
+
+// mark marks each of bs in its segment's bitmap of slots and returns the
+// segments it marked, in r's room: the caller reads each one's bitmap
+// back, clearing it and its marked, then clears the room.
+func (r *runRoom) mark(bs []*Block) []*segment {
+	segs := r.segs[:0]
+	for _, b := range bs {
+		s := b.seg
+		if s.marks == nil {
+			s.marks = make([]uint64, (s.nslots+63)/64)
+		}
+		if !s.marked {
+			s.marked = true
+			segs = append(segs, s)
+		}
+		s.marks[b.slot/64] |= 1 << (b.slot % 64)
+	}
+	return segs
 }
 
 // Answers of segment.askWhole: which of a segment's slots other

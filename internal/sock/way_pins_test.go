@@ -106,6 +106,29 @@ func producerLetsGo(t *testing.T, b *shm.Block) {
 	}, 5*time.Second, 5*time.Millisecond)
 }
 
+// pinOfAGoneProducer has r, with w, take their roles and pin the segment
+// of a block of this process's pool that r received, which the pool then
+// lets go of, and returns the segment's identity.
+func pinOfAGoneProducer(t *testing.T, ctx context.Context, w, r *Way) shm.ID {
+	t.Helper()
+	b, err := shm.DefaultPool().Alloc(4 << 10)
+	require.NoError(t, err)
+	got := receivedCopy(t, b)
+	id := b.Segment().ID()
+	takeRoles(t, ctx, w, r, func() { r.Pin(id) })
+	require.NoError(t, got.Release())
+	producerLetsGo(t, b)
+	return id
+}
+
+// pruneNow has r look at its pins now, as its receives and its idle
+// timer do.
+func pruneNow(r *Way) {
+	r.sem.lock()
+	defer r.sem.unlock()
+	r.prunePins(r.lane.Load())
+}
+
 // A reader lists the segments it pins, while it holds its role; the
 // writer names by identity only blocks of its own pool in them. Another
 // reader that takes the role lists its own (none), and a reader that
@@ -882,20 +905,8 @@ func TestWayPinOutlivesEarlierEntries(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	w, r, _ := wayPair(t)
-	pool := shm.DefaultPool()
-	b, err := pool.Alloc(4 << 10)
-	require.NoError(t, err)
-	got := receivedCopy(t, b)
-	id := b.Segment().ID()
-	takeRoles(t, ctx, w, r, func() { r.Pin(id) })
-	require.NoError(t, got.Release())
-	producerLetsGo(t, b)
+	id := pinOfAGoneProducer(t, ctx, w, r)
 	pinned := func() bool { return pinsNow(r, id) }
-	prune := func() {
-		r.sem.lock()
-		defer r.sem.unlock()
-		r.prunePins(r.lane.Load())
-	}
 	take := func() {
 		m, err := r.Recv(ctx)
 		require.NoError(t, err)
@@ -904,14 +915,14 @@ func TestWayPinOutlivesEarlierEntries(t *testing.T) {
 	for range 2 {
 		require.NoError(t, w.Send(ctx, []byte{1}, nil)) // sent before the reader looks
 	}
-	prune() // sees the producer gone: marks the segment
+	pruneNow(r) // sees the producer gone: marks the segment
 	assert.True(t, pinned(), "two entries before the mark are untaken")
 	take()
 	require.NoError(t, w.Send(ctx, []byte{1}, nil)) // after the mark
-	prune()
+	pruneNow(r)
 	assert.True(t, pinned(), "one entry before the mark is untaken")
 	take()
-	prune()
+	pruneNow(r)
 	assert.False(t, pinned(), "every entry before the mark is taken, one after it waiting")
 	take()
 }
@@ -987,31 +998,19 @@ func TestWayPinOutlivesAFullLane(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	w, r, _ := wayPair(t)
-	pool := shm.DefaultPool()
-	b, err := pool.Alloc(4 << 10)
-	require.NoError(t, err)
-	got := receivedCopy(t, b)
-	id := b.Segment().ID()
-	takeRoles(t, ctx, w, r, func() { r.Pin(id) })
-	require.NoError(t, got.Release())
-	producerLetsGo(t, b)
+	id := pinOfAGoneProducer(t, ctx, w, r)
 	l := r.lane.Load()
 	for range l.entries {
 		require.NoError(t, w.Send(ctx, []byte{1}, nil)) // sent before the reader looks
 	}
 	require.Equal(t, l.entries, l.Sent()-l.Taken(), "the lane is full")
-	prune := func() {
-		r.sem.lock()
-		defer r.sem.unlock()
-		r.prunePins(l)
-	}
-	prune() // sees the producer gone: marks the segment a lane ahead
+	pruneNow(r) // sees the producer gone: marks the segment a lane ahead
 	assert.True(t, pinsNow(r, id), "a whole lane of entries before the mark is untaken")
 	for range l.entries {
 		m, err := r.Recv(ctx)
 		require.NoError(t, err)
 		m.Done()
 	}
-	prune()
+	pruneNow(r)
 	assert.False(t, pinsNow(r, id), "every entry before the mark is taken")
 }
