@@ -141,8 +141,8 @@ type segment struct {
 	class    *sizeClass
 	inUse    int      // slots handed out or waiting in pending
 	blocks   []*Block // each slot's Block, made once (see Revive)
-	marks    []uint64 // askInRuns' bitmap of slots, empty between its calls
-	marked   bool     // askInRuns has marked slots of it
+	marks    []uint64 // a bitmap of slots (see runRoom.mark), empty between calls
+	marked   bool     // runRoom.mark has marked slots of it
 	reserved []uint64 // bit i: the segment's reserveChunk i has its pages
 	held     int8     // reclaimLocked's answer of askWhole while it runs, else unasked
 

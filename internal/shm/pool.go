@@ -151,7 +151,7 @@ func (p *Pool) alloc(size int64, ahead bool) (b *Block, next []byte, err error) 
 		c = &sizeClass{cap: capacity}
 		p.classes[capacity] = c
 	}
-	if c.reclaimDue() {
+	if len(c.free) > 0 && c.reclaimDue() { // else the loop reclaims
 		p.reclaimLocked(c)
 	}
 	for len(c.free) == 0 {
@@ -218,7 +218,8 @@ func (p *Pool) reserveLocked(b *Block) error {
 // block released. A stream's producer so hands out the blocks its
 // readers gave back last, still in its caches, and the free blocks of
 // the segments it grew to during a burst stay unused, not cycled through
-// (see reclaimBatch).
+// (see reclaimBatch). Each such reclaim also runs the process's return
+// scanners (see Returns), over the untaken entries of its lanes, once.
 func (c *sizeClass) reclaimDue() bool {
 	return len(c.pending)-c.kept >= max(reclaimBatch, c.kept)
 }

@@ -1646,7 +1646,7 @@ func TestPoolHandsOutReclaimedBlocksInSlotOrder(t *testing.T) {
 }
 
 // A class whose released blocks another description holds for long asks
-// about them again only as often as as many blocks again are released:
+// about them again only once as many blocks again are released:
 // a stream beside a consumer that keeps thousands of blocks costs a
 // question or so per block released, not thousands per reclaimBatch.
 func TestPoolAsksAboutHeldBlocksOnlyAsOftenAsTheyAreOutnumbered(t *testing.T) {
@@ -1681,4 +1681,40 @@ func TestPoolAsksAboutHeldBlocksOnlyAsOftenAsTheyAreOutnumbered(t *testing.T) {
 	}
 	assert.LessOrEqual(t, shm.Reclaims(p, size)-before, stream/kept+1,
 		"reclaims over %d blocks released beside %d held", stream, kept)
+}
+
+// A block is handed out once until it is released again, however its
+// segment's slots were reclaimed before: half of a slab reclaimed and
+// handed out again, then the other half.
+func TestPoolHandsOutNoBlockTwice(t *testing.T) {
+	p := testPool(t)
+	const size = 4 << 10
+	n := shm.FirstSlabSlots(size)
+	out := map[*shm.Block]bool{}
+	take := func() {
+		b := mustAlloc(t, p, size)
+		require.False(t, out[b], "slot %d handed out while it is out", shm.SlotOf(b))
+		out[b] = true
+	}
+	for range n {
+		take()
+	}
+	for _, half := range []int{0, 1} {
+		var back []*shm.Block
+		for b := range out {
+			if shm.SlotOf(b)%2 == half {
+				back = append(back, b)
+			}
+		}
+		for _, b := range back {
+			require.NoError(t, b.Release())
+			delete(out, b)
+		}
+		for range back {
+			take()
+		}
+	}
+	for b := range out {
+		require.NoError(t, b.Release())
+	}
 }

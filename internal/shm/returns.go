@@ -160,6 +160,9 @@ func (p *Pool) unpendLocked(b *Block) bool {
 			copy(c.pending[i:], c.pending[i+1:])
 			c.pending[len(c.pending)-1] = nil
 			c.pending = c.pending[:len(c.pending)-1]
+			if i < c.kept { // one the last reclaim found held: those lead the list
+				c.kept--
+			}
 			return true
 		}
 	}

@@ -197,3 +197,50 @@ func TestProducedListsNoNamedSegment(t *testing.T) {
 	assert.NotContains(t, ids, named.Segment().ID(), "a named segment is listed as returnable")
 	assert.False(t, shm.Returnable(named.Segment().ID()), "a named segment")
 }
+
+// Blocks a reclaim found held by a lane's returns, and that the returns
+// then took back, no longer count as held: the class reclaims again once
+// reclaimBatch blocks came back, not once as many as it thought held did.
+func TestRevivedBlocksLeaveTheReclaimsOnTime(t *testing.T) {
+	p := testPool(t)
+	const size, burst, named, stream = 4 << 10, 6000, 2000, 3000
+	var bs []*shm.Block
+	for range burst { // free blocks enough for the stream without a reclaim
+		bs = append(bs, mustAlloc(t, p, size))
+	}
+	for _, b := range bs {
+		require.NoError(t, b.Release())
+	}
+	require.Zero(t, p.InUse())
+	var refs []shm.ReturnRef
+	bs = bs[:0]
+	for range named {
+		b := mustAlloc(t, p, size)
+		bs = append(bs, b)
+		refs = append(refs, returnOf(b))
+	}
+	unregister := shm.RegisterReturns(func(yield func(shm.ReturnRef)) {
+		for _, r := range refs {
+			yield(r)
+		}
+	})
+	for _, b := range bs {
+		require.NoError(t, b.Release())
+	}
+	require.Equal(t, named, p.InUse(), "held for the messages that return them")
+	unregister()
+	for i, r := range refs {
+		b, err := shm.Revive(r, size)
+		require.NoError(t, err)
+		bs[i] = b
+	}
+	before := shm.Reclaims(p, size)
+	for range stream {
+		require.NoError(t, mustAlloc(t, p, size).Release())
+	}
+	assert.GreaterOrEqual(t, shm.Reclaims(p, size)-before, stream/shm.ReclaimBatch,
+		"reclaims over %d blocks released after %d held ones were taken back", stream, named)
+	for _, b := range bs {
+		require.NoError(t, b.Release())
+	}
+}
