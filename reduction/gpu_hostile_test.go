@@ -465,3 +465,55 @@ func TestSlabBatchNamingABlockTwice(t *testing.T) {
 	}
 	assert.Equal(t, before, blockHolds(ms), "the holds once the tensors are released")
 }
+
+// A lane's batch that names a slab block twice with one size, and then
+// once more with a larger one, decodes the last tensor from the attach
+// made for it: the second attach, left untaken (its tensor finds the
+// first one's storage), is of the smaller size and may not stand in for
+// it. The last tensor is a storage of the size it names, over the whole
+// block, and the decode gives back every hold it took.
+func TestSlabBatchNamingABlockTwiceWithTwoSizes(t *testing.T) {
+	leakcheck.Check(t)
+	t.Cleanup(shm.Trim)
+	x, err := tensor.On(slabGPU).Zeros(tensor.Int32, 256)
+	require.NoError(t, err)
+	mx, fx := messageOf(t, x)
+	rx, err := Rebuild(mx, fx[:]) // the slab imported, as with a block received by descriptor
+	require.NoError(t, err)
+	fd.CloseAll(fx[:])
+	defer rx.Release()
+	y, err := tensor.On(slabGPU).Arange(tensor.Int32, 256)
+	require.NoError(t, err)
+	whole, fds := messageOf(t, y) // its ticket holds its block
+	defer fd.CloseAll(fds[:])
+	require.Equal(t, mx.segmentID(), whole.segmentID(), "one slab")
+	whole.FDIndex, whole.MemFDIndex = -1, -1
+	half := whole // the block's first 128 int32s
+	half.Size, half.Shape = whole.Size/2, []int{128}
+	lane := pinnedLane{whole.segmentID(): true}
+
+	before := blockHolds([]Meta{whole})
+	var dec fd.Set
+	var xs []*tensor.Tensor
+	require.NoError(t, carry.DecodeFrom(batchMessage(t, half, half, whole), &dec, &xs, lane, true))
+	require.Len(t, xs, 3)
+	assert.Same(t, xs[0].Storage(), xs[1].Storage(), "the block named twice with one size is one storage")
+	assert.Equal(t, whole.Size/2, xs[0].Storage().Size())
+	assert.Equal(t, whole.Size, xs[2].Storage().Size(), "the block named with its whole size")
+	for i, n := range []int{128, 128, 256} {
+		host, err := xs[i].To(device.CPU())
+		require.NoError(t, err)
+		vals, err := tensor.Values[int32](host)
+		require.NoError(t, err)
+		require.NoError(t, host.Release())
+		want := make([]int32, n)
+		for j := range want {
+			want[j] = int32(j)
+		}
+		assert.Equal(t, want, vals, "tensor %d", i)
+	}
+	for _, x := range xs {
+		require.NoError(t, x.Release())
+	}
+	assert.Equal(t, before, blockHolds([]Meta{whole}), "the holds once the tensors are released")
+}

@@ -29,6 +29,27 @@ func WatchingOrphan(name string) bool {
 	return ok
 }
 
+// OrphanLooked reports whether the watch of the segment name in Dir has
+// looked at it, and goes on watching it.
+func OrphanLooked(name string) bool {
+	orphans.mu.Lock()
+	defer orphans.mu.Unlock()
+	o, ok := orphans.due[filepath.Join(Dir(), name)]
+	return ok && o.wait > orphanFirst
+}
+
+// IdleCheckDelay is how long a received segment no block uses waits for
+// its idle check.
+const IdleCheckDelay = idleCheckDelay
+
+// IdleSegments returns how many received segments this process keeps
+// mapped with no block of theirs in use.
+func IdleSegments() int {
+	attached.mu.Lock()
+	defer attached.mu.Unlock()
+	return len(attached.idle)
+}
+
 // WatchSegmentsOf is what package mp has run for each worker it reaps.
 var WatchSegmentsOf = watchSegmentsOf
 

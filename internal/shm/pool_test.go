@@ -674,6 +674,136 @@ func TestAdoptedTicketsCloseInBatches(t *testing.T) {
 	require.Eventually(t, func() bool { return p.InUse() == 0 }, time.Second, 5*time.Millisecond, "and the block is free again")
 }
 
+// A receiver that still holds the blocks that adopted descriptors cover
+// keeps those descriptors until it has twice AdoptMax, with its timed
+// transfers held off: then it moves its holds to its own description and
+// closes them all at once. The blocks stay held for it.
+func TestAdoptedTicketsOfHeldBlocksCloseAtTwiceAdoptMax(t *testing.T) {
+	p := testPool(t)
+	a := mustAlloc(t, p, 4<<10)
+	seg, off, gen := a.Segment(), a.Offset(), a.Gen()
+	id := statOf(t, seg.FD()).ID
+	open := func(fd int) bool { // still the segment's: not closed, nor reused
+		got, err := shm.Stat(fd)
+		return err == nil && got.ID == id
+	}
+	var held []*shm.Block
+	receive := func() int {
+		msg := send(t, a)
+		// As another process's receiver, as in TestAdoptedTicketsCloseInBatches.
+		r, err := shm.AttachAsAnother(shm.BlockRef{Seg: shm.SegmentRef{ID: id, Size: seg.Size()}, Offset: off, Size: 4 << 10, Gen: gen, Ticket: msg, Covers: covering})
+		require.NoError(t, err)
+		shm.AdoptTicket(msg, id)
+		held = append(held, r)
+		return msg
+	}
+
+	resume := shm.HoldTransfers(t)
+	var kept []int
+	for range 2*shm.AdoptMax - 1 {
+		kept = append(kept, receive())
+	}
+	for _, fd := range kept {
+		assert.True(t, open(fd), "fewer than twice AdoptMax descriptors are kept while blocks of theirs are held")
+	}
+	last := receive()
+	for _, fd := range append(kept, last) {
+		assert.False(t, open(fd), "the 2*AdoptMax-th closes them all")
+	}
+	assert.True(t, a.Busy(), "the receiver's own description holds the block now")
+
+	resume()
+	for _, r := range held {
+		require.NoError(t, r.Release())
+	}
+	require.NoError(t, a.Release())
+	require.Eventually(t, func() bool { return p.InUse() == 0 }, time.Second, 5*time.Millisecond, "the block is free once let go of")
+}
+
+// A receiver keeps at most an eighth of the descriptors it may have in
+// idle mappings, each of which keeps one, once it has more than a few:
+// under a low limit, fewer than idle mappings' own bound.
+func TestIdleMappingsBoundedByTheDescriptorLimit(t *testing.T) {
+	leakcheck.Check(t)
+	var old unix.Rlimit
+	require.NoError(t, unix.Getrlimit(unix.RLIMIT_NOFILE, &old))
+	const limit = 128 // an eighth of it, 16, is fewer than the 20 segments below
+	require.NoError(t, unix.Setrlimit(unix.RLIMIT_NOFILE, &unix.Rlimit{Cur: limit, Max: old.Max}))
+	t.Cleanup(func() { _ = unix.Setrlimit(unix.RLIMIT_NOFILE, &old) })
+	t.Cleanup(func() { require.NoError(t, shm.DropIdle()) })
+	shm.HoldIdleChecks(t) // the mappings are counted before any check
+	for range 20 {        // a segment of a pool of its own each, whose producer lives
+		p := shm.NewPool(1 << 30)
+		t.Cleanup(func() { p.Trim(0) })
+		b := mustAlloc(t, p, 4<<10)
+		msg := send(t, b)
+		r, err := shm.AttachAsAnother(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: b.Segment().Size()}, Offset: b.Offset(), Size: 4 << 10, Gen: b.Gen(), Ticket: msg})
+		require.NoError(t, unix.Close(msg))
+		require.NoError(t, err)
+		require.NoError(t, r.Release())
+		require.NoError(t, b.Release())
+	}
+	assert.Equal(t, limit/8, shm.IdleSegments(), "the last ones let go of")
+}
+
+// A received segment used again is no longer idle: dropping the idle
+// mappings leaves it, and the block in use, mapped.
+func TestSegmentUsedAgainIsNotIdle(t *testing.T) {
+	p := testPool(t)
+	shm.HoldIdleChecks(t)
+	a := mustAlloc(t, p, 4<<10)
+	copy(a.Bytes(), "again")
+	msg := send(t, a)
+	defer unix.Close(msg)
+	ref := shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: a.Segment().Size()}, Offset: a.Offset(), Size: 4 << 10, Gen: a.Gen(), Ticket: msg}
+	idle := shm.IdleSegments()
+	r, err := shm.AttachAsAnother(ref)
+	require.NoError(t, err)
+	require.NoError(t, r.Release())
+	require.Equal(t, idle+1, shm.IdleSegments(), "let go of: kept mapped, idle")
+	r, err = shm.AttachAsAnother(ref)
+	require.NoError(t, err)
+	if assert.Equal(t, idle, shm.IdleSegments(), "in use again") {
+		require.NoError(t, shm.DropIdle())
+		assert.Equal(t, "again", string(r.Bytes()[:5]), "its mapping stays")
+	}
+	require.NoError(t, r.Release())
+	require.NoError(t, a.Release())
+}
+
+// An attach that maps a segment and then finds its block stale leaves
+// the mapping idle, as any other mapping no block uses, to be dropped
+// with the others: not mapped for as long as the process lives.
+func TestStaleAttachLeavesItsMappingIdle(t *testing.T) {
+	p := testPool(t)
+	shm.HoldIdleChecks(t)
+	a := mustAlloc(t, p, 4<<10)
+	msg := send(t, a)
+	defer unix.Close(msg)
+	idle := shm.IdleSegments()
+	_, err := shm.AttachAsAnother(shm.BlockRef{Seg: shm.SegmentRef{ID: statOf(t, msg).ID, Size: a.Segment().Size()}, Offset: a.Offset(), Size: 4 << 10, Gen: a.Gen() + 1, Ticket: msg})
+	require.ErrorIs(t, err, shm.ErrStaleBlock)
+	assert.Equal(t, idle+1, shm.IdleSegments(), "the mapping it made is idle")
+	require.NoError(t, a.Release())
+}
+
+// A descriptor handed over for a segment this process does not map (the
+// blocks it covered were let go of, and their segment dropped, before the
+// message's decode handed it over) is closed at once: nothing would close
+// it later, and its description, which locks every slot of the segment,
+// would keep the producer's blocks as long as this process lives.
+func TestTicketAdoptedForAnUnmappedSegmentIsClosed(t *testing.T) {
+	p := testPool(t)
+	a := mustAlloc(t, p, 4<<10)
+	id := statOf(t, a.Segment().FD()).ID
+	msg := send(t, a)
+	shm.AdoptTicket(msg, id) // no block of it attached here: this process maps none as a receiver
+	got, err := shm.Stat(msg)
+	assert.False(t, err == nil && got.ID == id, "closed at once")
+	require.NoError(t, a.Release())
+	require.Eventually(t, func() bool { return p.InUse() == 0 }, time.Second, 5*time.Millisecond, "and the block is free again")
+}
+
 func TestAttachBlock(t *testing.T) {
 	p := testPool(t)
 	a := mustAlloc(t, p, 4<<10)

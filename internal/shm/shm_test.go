@@ -344,6 +344,58 @@ func helperProduceNamedAndDie() int {
 // dropped.
 func TestOrphanedNamedSegmentIsRemoved(t *testing.T) {
 	leakcheck.Check(t)
+	name, unread := orphanHeldByAnUnreadMessage(t)
+	require.NoError(t, unix.Close(unread[0]))
+	require.NoError(t, unix.Close(unread[1])) // the message is dropped unread
+	assert.Eventually(t, func() bool { return !inDir(name) }, 5*time.Second, 10*time.Millisecond,
+		"the receiver looked again and removed the name")
+}
+
+// A watched name found held at a look is looked at again, on the watch's
+// own timer: the message that holds a killed producer's named segment
+// may be dropped only after the receiver's first looks, and the name
+// goes then, with nothing else in the process to wake the watch.
+func TestOrphanedNamedSegmentIsLookedAtUntilItGoes(t *testing.T) {
+	leakcheck.Check(t)
+	name, unread := orphanHeldByAnUnreadMessage(t)
+	require.Eventually(t, func() bool { return shm.OrphanLooked(name) }, 5*time.Second, time.Millisecond,
+		"the receiver looks at the name once it let go of it")
+	assert.True(t, inDir(name), "the look found the message's hold")
+
+	require.NoError(t, unix.Close(unread[0]))
+	require.NoError(t, unix.Close(unread[1])) // the message is dropped unread, after the look
+	assert.Eventually(t, func() bool { return !inDir(name) }, 5*time.Second, 10*time.Millisecond,
+		"the receiver looked again and removed the name")
+}
+
+// orphanHeldByAnUnreadMessage has a producer send a block of its named
+// segment and die; this process, the receiver, attaches and lets go of
+// the block after a copy of the message went into a socket nobody reads,
+// and unmaps the segment. It returns the segment's name, which the unread
+// message keeps, and that socket pair, which the caller closes.
+func orphanHeldByAnUnreadMessage(t *testing.T) (string, [2]int) {
+	t.Helper()
+	ref := blockOfAKilledProducer(t)
+	// A copy of the message goes into a socket nobody reads.
+	unread, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	require.NoError(t, err)
+	require.NoError(t, unix.Sendmsg(unread[0], []byte("m"), unix.UnixRights(ref.Ticket), nil, 0))
+
+	r, err := shm.Attach(ref)
+	require.NoError(t, err)
+	require.NoError(t, unix.Close(ref.Ticket))
+	assert.Equal(t, "orphan", string(r.Bytes()[:6]))
+	require.NoError(t, r.Release())
+	shm.Trim() // unmaps it; the unread message still holds the block
+	assert.True(t, inDir(ref.Seg.Name), "a segment a message holds keeps its name")
+	return ref.Seg.Name, [2]int{unread[0], unread[1]}
+}
+
+// blockOfAKilledProducer has a producer send a block of its named segment
+// and die, and returns the block as the message names it, with the
+// message's descriptor, which the caller closes.
+func blockOfAKilledProducer(t *testing.T) shm.BlockRef {
+	t.Helper()
 	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	require.NoError(t, err)
 	defer unix.Close(pair[0])
@@ -372,24 +424,30 @@ func TestOrphanedNamedSegmentIsRemoved(t *testing.T) {
 	_, err = fmt.Sscan(string(buf[:n]), &name, &segSize, &off, &gen)
 	require.NoError(t, err)
 	require.ErrorContains(t, cmd.Wait(), "killed")
+	return shm.BlockRef{Seg: shm.SegmentRef{Name: name, Size: segSize}, Offset: off, Size: 4 << 10, Gen: gen, Ticket: ticket}
+}
 
-	// A copy of the message goes into a socket nobody reads.
-	unread, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+// A received segment whose producer is gone, let go of and attached again
+// before its idle check, is in use when the check comes: the check leaves
+// it, and its name, alone. Once its block is let go of, the name goes.
+func TestOrphanInUseAgainIsKept(t *testing.T) {
+	leakcheck.Check(t)
+	ref := blockOfAKilledProducer(t)
+	resume := shm.HoldIdleChecks(t)
+	r, err := shm.Attach(ref)
+	require.NoError(t, unix.Close(ref.Ticket))
 	require.NoError(t, err)
-	require.NoError(t, unix.Sendmsg(unread[0], []byte("m"), unix.UnixRights(ticket), nil, 0))
-
-	r, err := shm.Attach(shm.BlockRef{Seg: shm.SegmentRef{Name: name, Size: segSize}, Offset: off, Size: 4 << 10, Gen: gen, Ticket: ticket})
+	require.NoError(t, r.Release()) // its idle check is due
+	r, err = shm.Attach(ref)        // and it is in use again, found by its name
 	require.NoError(t, err)
-	require.NoError(t, unix.Close(ticket))
-	assert.Equal(t, "orphan", string(r.Bytes()[:6]))
+	resume()
+	time.Sleep(10 * shm.IdleCheckDelay) // the check comes
+	if assert.True(t, inDir(ref.Seg.Name), "a segment in use keeps its name") {
+		assert.Equal(t, "orphan", string(r.Bytes()[:6]), "and its mapping")
+	}
 	require.NoError(t, r.Release())
-	shm.Trim() // unmaps it; the unread message still holds the block
-	assert.True(t, inDir(name), "a segment a message holds keeps its name")
-
-	require.NoError(t, unix.Close(unread[0]))
-	require.NoError(t, unix.Close(unread[1])) // the message is dropped unread
-	assert.Eventually(t, func() bool { return !inDir(name) }, 5*time.Second, 10*time.Millisecond,
-		"the receiver looked again and removed the name")
+	assert.Eventually(t, func() bool { return !inDir(ref.Seg.Name) }, 5*time.Second, 10*time.Millisecond,
+		"the receiver, its last holder, removed the name once it let go of it")
 }
 
 // A watched name whose producer lives stays: the producer's own lock is in
