@@ -410,20 +410,29 @@ func TestPinOfASlabCountsItsDeviceMemory(t *testing.T) {
 	assert.GreaterOrEqual(t, size, rx.Storage().Size())
 }
 
+// importedSlab imports slabGPU's slab into this process, as a block of
+// it received by descriptor does, until the test's end, and returns that
+// block's message.
+func importedSlab(t *testing.T) Meta {
+	t.Helper()
+	t.Cleanup(shm.Trim) // after the release below
+	x, err := tensor.On(slabGPU).Zeros(tensor.Int32, 256)
+	require.NoError(t, err)
+	mx, fx := messageOf(t, x)
+	rx, err := Rebuild(mx, fx[:])
+	require.NoError(t, err)
+	fd.CloseAll(fx[:])
+	t.Cleanup(func() { _ = rx.Release() })
+	return mx
+}
+
 // A lane's batch that names a slab block twice leaves the second attach
 // of it untaken (its tensor finds the first one's storage): each tensor
 // after it takes its own block, not that one, and the decode lets go of
 // it, also once a later window attached blocks of its own.
 func TestSlabBatchNamingABlockTwice(t *testing.T) {
 	leakcheck.Check(t)
-	t.Cleanup(shm.Trim)
-	x, err := tensor.On(slabGPU).Zeros(tensor.Int32, 256)
-	require.NoError(t, err)
-	mx, fx := messageOf(t, x)
-	rx, err := Rebuild(mx, fx[:]) // the slab imported, as with a block received by descriptor
-	require.NoError(t, err)
-	fd.CloseAll(fx[:])
-	defer rx.Release()
+	mx := importedSlab(t)
 	// Four blocks of the slab in flight, block i full of i+1.
 	var ms []Meta
 	for i := range 4 {
@@ -474,14 +483,7 @@ func TestSlabBatchNamingABlockTwice(t *testing.T) {
 // block, and the decode gives back every hold it took.
 func TestSlabBatchNamingABlockTwiceWithTwoSizes(t *testing.T) {
 	leakcheck.Check(t)
-	t.Cleanup(shm.Trim)
-	x, err := tensor.On(slabGPU).Zeros(tensor.Int32, 256)
-	require.NoError(t, err)
-	mx, fx := messageOf(t, x)
-	rx, err := Rebuild(mx, fx[:]) // the slab imported, as with a block received by descriptor
-	require.NoError(t, err)
-	fd.CloseAll(fx[:])
-	defer rx.Release()
+	mx := importedSlab(t)
 	y, err := tensor.On(slabGPU).Arange(tensor.Int32, 256)
 	require.NoError(t, err)
 	whole, fds := messageOf(t, y) // its ticket holds its block

@@ -625,6 +625,17 @@ func TestTwiceDeliveredKeepsItsHold(t *testing.T) {
 	require.NoError(t, c.Release())
 }
 
+// segmentAndItsDescriptors returns seg's identity, and a test of whether
+// a descriptor is still one of seg's: not closed, nor reused.
+func segmentAndItsDescriptors(t *testing.T, seg *shm.Allocation) (shm.ID, func(fd int) bool) {
+	t.Helper()
+	id := statOf(t, seg.FD()).ID
+	return id, func(fd int) bool {
+		got, err := shm.Stat(fd)
+		return err == nil && got.ID == id
+	}
+}
+
 // A receiver that lets go of every block it had of a segment keeps the
 // descriptors of the messages that brought them until it has AdoptMax,
 // then closes them all; fewer go within milliseconds. Either way the
@@ -633,11 +644,7 @@ func TestAdoptedTicketsCloseInBatches(t *testing.T) {
 	p := testPool(t)
 	a := mustAlloc(t, p, 4<<10)
 	seg, off, gen := a.Segment(), a.Offset(), a.Gen()
-	id := statOf(t, seg.FD()).ID
-	open := func(fd int) bool { // still the segment's: not closed, nor reused
-		got, err := shm.Stat(fd)
-		return err == nil && got.ID == id
-	}
+	id, open := segmentAndItsDescriptors(t, seg)
 	receive := func() int {
 		msg := send(t, a)
 		// As another process's receiver: this process's own would take a
@@ -682,11 +689,7 @@ func TestAdoptedTicketsOfHeldBlocksCloseAtTwiceAdoptMax(t *testing.T) {
 	p := testPool(t)
 	a := mustAlloc(t, p, 4<<10)
 	seg, off, gen := a.Segment(), a.Offset(), a.Gen()
-	id := statOf(t, seg.FD()).ID
-	open := func(fd int) bool { // still the segment's: not closed, nor reused
-		got, err := shm.Stat(fd)
-		return err == nil && got.ID == id
-	}
+	id, open := segmentAndItsDescriptors(t, seg)
 	var held []*shm.Block
 	receive := func() int {
 		msg := send(t, a)
