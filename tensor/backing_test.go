@@ -2,6 +2,8 @@ package tensor_test
 
 import (
 	"errors"
+	"fmt"
+	"sync"
 	"sync/atomic"
 	"testing"
 
@@ -109,4 +111,57 @@ func TestBackingOfHeapMemory(t *testing.T) {
 	assert.Equal(t, x.Storage().Bytes(), b.Bytes())
 	require.NoError(t, x.Release())
 	assert.Nil(t, x.Storage().Backing())
+}
+
+// ShareMemory of a storage on a private backing of the caller's takes that
+// backing out of the safety net as it gives it back, for an empty storage
+// too: the net holds only the shared memory, Release takes that out, and
+// neither is given back twice.
+func TestShareMemoryTakesAPrivateBackingOutOfTheNet(t *testing.T) {
+	for _, size := range []int{4, 0} {
+		t.Run(fmt.Sprint(size, " bytes"), func(t *testing.T) {
+			leakcheck.Check(t)
+			base := tensor.Armed()
+			u := &userMemory{b: make([]byte, size)}
+			s, err := tensor.NewStorage(device.CPU(), u)
+			require.NoError(t, err)
+			assert.Equal(t, base+1, tensor.Armed(), "a backing of the caller's is netted")
+			r := s.Ref()
+			require.NoError(t, s.ShareMemory(strategy.Get()))
+			assert.Equal(t, int32(1), u.releases.Load(), "the private backing is given back")
+			want := base + 1
+			if size == 0 {
+				want = base // an empty storage needs no shared memory
+			}
+			assert.Equal(t, want, tensor.Armed(), "the private backing left the net")
+			assert.Same(t, r, s.Ref(), "sharing keeps the storage's reference")
+			require.NoError(t, s.Release())
+			assert.Equal(t, base, tensor.Armed(), "Release takes the storage out of the net, once")
+			assert.Equal(t, int32(1), u.releases.Load(), "not released again")
+		})
+	}
+}
+
+// A heap storage whose reference is asked for while it moves into shared
+// memory has one reference, set atomically: under the race detector this
+// checks the store of a reference that ShareMemory makes.
+func TestRefWhileSharing(t *testing.T) {
+	leakcheck.Check(t)
+	for range 50 {
+		x, err := tensor.Zeros(tensor.Uint8, 64)
+		require.NoError(t, err)
+		s := x.Storage()
+		refs := make([]*tensor.StorageRef, 4)
+		var wg sync.WaitGroup
+		wg.Go(func() { assert.NoError(t, x.ShareMemory()) })
+		for g := range refs {
+			wg.Go(func() { refs[g] = s.Ref() })
+		}
+		wg.Wait()
+		for _, r := range refs {
+			require.Same(t, refs[0], r)
+		}
+		require.Same(t, s, refs[0].Value())
+		require.NoError(t, x.Release())
+	}
 }

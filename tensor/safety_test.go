@@ -170,3 +170,76 @@ func TestStorageRefFirstAskedFromManyGoroutines(t *testing.T) {
 		require.NoError(t, x.Release())
 	}
 }
+
+// A reference made between two sweeps stays young through the first sweep
+// that follows, whose collection may have begun before the storage was
+// made, and turns weak at the second: most storages are released before
+// then and never cost the runtime a weak handle.
+func TestStorageRefAgesAtTheSecondSweep(t *testing.T) {
+	leakcheck.Check(t)
+	tensor.Sweep()
+	tensor.Sweep() // the net's count of sweeps is past 2, as in any long-running process
+	for attempt := 0; ; attempt++ {
+		require.Less(t, attempt, 100, "collections kept sweeping between the test's own sweeps")
+		before := tensor.Sweeps()
+		x, err := tensor.On(device.CPU()).Shared().Zeros(tensor.Uint8, 4<<10)
+		require.NoError(t, err)
+		r := x.Storage().Ref()
+		tensor.Sweep()
+		young := tensor.Young(r)
+		if tensor.Sweeps() != before+1 {
+			require.NoError(t, x.Release()) // a collection swept too: try again
+			continue
+		}
+		assert.True(t, young, "young through the first sweep after it was made")
+		tensor.Sweep()
+		assert.False(t, tensor.Young(r), "weak from the second sweep on")
+		assert.Same(t, x.Storage(), r.Value())
+		require.NoError(t, x.Release())
+		return
+	}
+}
+
+// A live storage is found through its reference while a sweep ages it:
+// the weak pointer is set before the reference lets the storage go.
+func TestStorageRefFoundWhileItAges(t *testing.T) {
+	leakcheck.Check(t)
+	const n = 256
+	xs := make([]*tensor.Tensor, n)
+	refs := make([]*tensor.StorageRef, n)
+	for round := range 200 {
+		for i := range xs {
+			x, err := tensor.On(device.CPU()).Shared().Zeros(tensor.Uint8, 64)
+			require.NoError(t, err)
+			xs[i], refs[i] = x, x.Storage().Ref()
+		}
+		stop := make(chan struct{})
+		var wg sync.WaitGroup
+		wg.Go(func() {
+			for {
+				for i, r := range refs {
+					if r.Value() == nil {
+						t.Errorf("round %d: live storage %d not found through its reference", round, i)
+						return
+					}
+				}
+				select {
+				case <-stop:
+					return
+				default:
+				}
+			}
+		})
+		tensor.Sweep()
+		tensor.Sweep()
+		tensor.Sweep()
+		close(stop)
+		wg.Wait()
+		for _, x := range xs {
+			require.NoError(t, x.Release())
+		}
+		if t.Failed() {
+			return
+		}
+	}
+}

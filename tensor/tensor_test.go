@@ -677,3 +677,33 @@ func TestCopyOfAHugeViewIsAnError(t *testing.T) {
 	require.NoError(t, err, "its elements are still readable one by one")
 	assert.Equal(t, float32(0), v)
 }
+
+// Many goroutines making the first tensors on a storage at once get a
+// tensor each: only one takes the storage's spare.
+func TestFirstTensorsFromManyGoroutinesAreTheirOwn(t *testing.T) {
+	const n = 4
+	for range 500 {
+		s, err := tensor.AllocSharedStorage(0)
+		require.NoError(t, err)
+		made := make([]*tensor.Tensor, n)
+		start := make(chan struct{})
+		var wg sync.WaitGroup
+		for i := range made {
+			wg.Go(func() {
+				<-start
+				x, err := tensor.FromStorage(s, tensor.Float32, 0, []int{0, i}, []int{i, 1})
+				assert.NoError(t, err)
+				made[i] = x
+			})
+		}
+		close(start)
+		wg.Wait()
+		for i, x := range made {
+			require.NotNil(t, x)
+			require.Equal(t, []int{0, i}, x.Shape(), "tensor %d kept its own shape", i)
+			for _, y := range made[:i] {
+				require.NotSame(t, x, y)
+			}
+		}
+	}
+}
