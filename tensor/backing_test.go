@@ -3,7 +3,6 @@ package tensor_test
 import (
 	"errors"
 	"fmt"
-	"sync"
 	"sync/atomic"
 	"testing"
 
@@ -147,21 +146,5 @@ func TestShareMemoryTakesAPrivateBackingOutOfTheNet(t *testing.T) {
 // checks the store of a reference that ShareMemory makes.
 func TestRefWhileSharing(t *testing.T) {
 	leakcheck.Check(t)
-	for range 50 {
-		x, err := tensor.Zeros(tensor.Uint8, 64)
-		require.NoError(t, err)
-		s := x.Storage()
-		refs := make([]*tensor.StorageRef, 4)
-		var wg sync.WaitGroup
-		wg.Go(func() { assert.NoError(t, x.ShareMemory()) })
-		for g := range refs {
-			wg.Go(func() { refs[g] = s.Ref() })
-		}
-		wg.Wait()
-		for _, r := range refs {
-			require.Same(t, refs[0], r)
-		}
-		require.Same(t, s, refs[0].Value())
-		require.NoError(t, x.Release())
-	}
+	refsAskedAtOnce(t, func(x *tensor.Tensor) { assert.NoError(t, x.ShareMemory()) })
 }

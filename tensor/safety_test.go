@@ -153,12 +153,24 @@ func TestStorageRefConcurrent(t *testing.T) {
 // others find that one: under the race detector this checks that a
 // storage others can see sets its reference atomically.
 func TestStorageRefFirstAskedFromManyGoroutines(t *testing.T) {
+	refsAskedAtOnce(t, nil)
+}
+
+// refsAskedAtOnce has four goroutines at once ask a new heap storage for
+// its reference, with alongside, if not nil, run on the storage's tensor
+// on a fifth, fifty times, and checks that they all got one reference,
+// the storage's.
+func refsAskedAtOnce(t *testing.T, alongside func(x *tensor.Tensor)) {
+	t.Helper()
 	for range 50 {
 		x, err := tensor.Zeros(tensor.Uint8, 64)
 		require.NoError(t, err)
 		s := x.Storage()
 		refs := make([]*tensor.StorageRef, 4)
 		var wg sync.WaitGroup
+		if alongside != nil {
+			wg.Go(func() { alongside(x) })
+		}
 		for g := range refs {
 			wg.Go(func() { refs[g] = s.Ref() })
 		}
