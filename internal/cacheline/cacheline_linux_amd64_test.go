@@ -1,14 +1,13 @@
 package cacheline
 
 import (
-	"os"
 	"slices"
-	"strings"
 	"testing"
 	"unsafe"
 
 	"github.com/stretchr/testify/assert"
-	"github.com/stretchr/testify/require"
+
+	"github.com/tensormp/tensormp/internal/cpuid/cpuidtest"
 )
 
 // ForWrite asks for a line to write with PREFETCHW where CPUID says the
@@ -17,9 +16,7 @@ import (
 // of an AMD processor with long mode whose CPUID does not (a
 // hypervisor's that hides the bit): PREFETCHW is asked of CPUID alone.
 func TestPrefetchWMatchesTheKernel(t *testing.T) {
-	info, err := os.ReadFile("/proc/cpuinfo")
-	require.NoError(t, err)
-	fields := strings.Fields(string(info))
+	fields := cpuidtest.KernelFlags(t)
 	has := slices.Contains(fields, "3dnowprefetch")
 	if has && !hasPREFETCHW() && slices.Contains(fields, "AuthenticAMD") {
 		t.Logf("the kernel says an AMD processor has PREFETCHW, which its CPUID does not")

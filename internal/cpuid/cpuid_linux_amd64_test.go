@@ -1,22 +1,19 @@
 package cpuid
 
 import (
-	"os"
 	"slices"
-	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
-	"github.com/stretchr/testify/require"
+
+	"github.com/tensormp/tensormp/internal/cpuid/cpuidtest"
 )
 
 // Has answers as the kernel's reading of CPUID does, in /proc/cpuinfo's
 // flags, for bits of basic and extended leaves in three of the
 // registers. Leaves past the top are TestHasAsksNoLeafPastTheTop's.
 func TestHasMatchesTheKernel(t *testing.T) {
-	info, err := os.ReadFile("/proc/cpuinfo")
-	require.NoError(t, err)
-	flags := strings.Fields(string(info))
+	flags := cpuidtest.KernelFlags(t)
 	for _, c := range []struct {
 		flag      string
 		leaf, sub uint32

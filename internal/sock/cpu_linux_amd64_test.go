@@ -1,24 +1,22 @@
 package sock
 
 import (
-	"os"
 	"runtime"
 	"slices"
-	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
+
+	"github.com/tensormp/tensormp/internal/cpuid/cpuidtest"
 )
 
 // cpuNow reads the CPU the thread runs on as the kernel places it, on
 // each CPU the process may run on, with the instruction /proc/cpuinfo
 // says the processor has (rdpid first, then rdtscp).
 func TestCPUNowMatchesTheKernel(t *testing.T) {
-	info, err := os.ReadFile("/proc/cpuinfo")
-	require.NoError(t, err)
-	flags := strings.Fields(string(info))
+	flags := cpuidtest.KernelFlags(t)
 	want := readNone
 	switch {
 	case slices.Contains(flags, "rdpid"):
