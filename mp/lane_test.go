@@ -16,6 +16,7 @@ import (
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/shm"
 	"github.com/tensormp/tensormp/internal/sock"
+	"github.com/tensormp/tensormp/internal/testmain"
 	"github.com/tensormp/tensormp/mp"
 	"github.com/tensormp/tensormp/tensor"
 )
@@ -164,7 +165,7 @@ func workerLaneCheck(ctx context.Context, w *mp.Worker) error {
 		if i == 1 {
 			locks = shm.AttachLocks()
 			heap.start()
-			cpu = processCPU()
+			cpu = testmain.ProcessCPU()
 		}
 		if a.Batch > 0 && i > 0 {
 			var xs []*tensor.Tensor
@@ -204,21 +205,11 @@ func workerLaneCheck(ctx context.Context, w *mp.Worker) error {
 	}
 	locks = shm.AttachLocks() - locks
 	objects, bytes := heap.since()
-	cpu = processCPU() - cpu
+	cpu = testmain.ProcessCPU() - cpu
 	if err := a.Status.Put(ctx, bad); err != nil || !a.Quick {
 		return err
 	}
 	return a.Status.Put(ctx, [4]uint64{locks, objects, bytes, uint64(cpu)})
-}
-
-// processCPU returns the CPU time the process has used, in user and
-// kernel mode, all its threads together.
-func processCPU() time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		return 0
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 // heapAllocs counts the heap allocations a process makes, in objects and
@@ -707,7 +698,7 @@ func benchPipeTensorStream(b *testing.B, idle bool, batch int) {
 	xs := make([]*tensor.Tensor, batch)
 	b.ReportAllocs()
 	b.ResetTimer()
-	cpu := processCPU()
+	cpu := testmain.ProcessCPU()
 	for i := 0; i <= n; i++ {
 		k := batch
 		if i == 0 {
@@ -738,7 +729,7 @@ func benchPipeTensorStream(b *testing.B, idle bool, batch int) {
 	var reader [4]uint64 // the reader's lock calls, heap objects, heap bytes and CPU time
 	require.NoError(b, status.Get(ctx, &bad))
 	b.StopTimer()
-	cpu = processCPU() - cpu
+	cpu = testmain.ProcessCPU() - cpu
 	require.Zero(b, bad)
 	require.NoError(b, status.Get(ctx, &reader))
 	tensors := float64(n * batch)

@@ -4,6 +4,7 @@ import (
 	"testing"
 
 	"github.com/tensormp/tensormp/device"
+	"github.com/tensormp/tensormp/internal/testmain"
 	"github.com/tensormp/tensormp/tensor"
 )
 
@@ -38,6 +39,31 @@ func BenchmarkNewStorage(b *testing.B) {
 	})
 }
 
+// BenchmarkTensorObjects allocates the heap objects a tensor is, for
+// each iteration, and keeps the last window of them alive as benchWindow
+// does, doing nothing else with them: what the allocator and the
+// collector cost each tensor a process makes or receives, beneath this
+// package's own work. Tensor: the Tensor alone, the least a tensor handed
+// to a caller is; Storage: what NewStorage allocates, a Storage with its
+// spare Tensor, and its memory's record.
+func BenchmarkTensorObjects(b *testing.B) {
+	b.Run("Tensor", func(b *testing.B) { benchObjects(b, func() *tensor.Tensor { return new(tensor.Tensor) }) })
+	b.Run("Storage", func(b *testing.B) { benchObjects(b, func() *tensor.Storage { return tensor.BareStorage(4 << 10) }) })
+}
+
+func benchObjects[T any](b *testing.B, next func() *T) {
+	const window = 4096
+	live := make([]*T, window)
+	b.ReportAllocs()
+	cpu := testmain.ProcessCPU()
+	i := 0
+	for b.Loop() {
+		live[i] = next()
+		i = (i + 1) % window
+	}
+	b.ReportMetric(float64(testmain.ProcessCPU()-cpu)/float64(b.N), "cpu-ns/op")
+}
+
 // benchWindow makes a tensor with next for each of b's iterations and
 // keeps the last window of them alive, releasing each as it leaves the
 // window, and the rest once b is done.
@@ -52,6 +78,7 @@ func benchWindow(b *testing.B, next func() (*tensor.Tensor, error)) {
 		}
 	}()
 	b.ReportAllocs()
+	cpu := testmain.ProcessCPU()
 	i := 0
 	for b.Loop() {
 		x, err := next()
@@ -64,6 +91,7 @@ func benchWindow(b *testing.B, next func() (*tensor.Tensor, error)) {
 		live[i] = x
 		i = (i + 1) % window
 	}
+	b.ReportMetric(float64(testmain.ProcessCPU()-cpu)/float64(b.N), "cpu-ns/op")
 }
 
 // heldBytes is host memory that something else owns: Release gives

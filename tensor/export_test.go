@@ -1,5 +1,7 @@
 package tensor
 
+import "github.com/tensormp/tensormp/device"
+
 // Armed returns how many storages the safety net holds.
 func Armed() int { return safety.len() }
 
@@ -12,3 +14,12 @@ func Sweep() { safety.sweep() }
 
 // Sweeps returns how many sweeps of the safety net have begun.
 func Sweeps() uint32 { return safety.sweeps.Load() }
+
+// BareStorage allocates the heap objects NewStorage makes for a Storage
+// of nbytes (the Storage with its spare Tensor, and its memory's record)
+// and does nothing else: no memory, no safety net.
+func BareStorage(nbytes int64) *Storage {
+	s := allocStorage(device.CPU(), nbytes)
+	s.mem.init(&memory{})
+	return s
+}
