@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/tensormp/tensormp/internal/fd"
 	"github.com/tensormp/tensormp/internal/leakcheck"
 	"github.com/tensormp/tensormp/internal/shm"
 )
@@ -84,6 +85,21 @@ func TestFindsLeakedAnonInodes(t *testing.T) {
 			assert.Contains(t, r.errs[0], "anon_inode:")
 		})
 	}
+}
+
+// A descriptor a package keeps for the process's life is not counted,
+// so that a count taken before the package's first use and one after
+// agree; any other is.
+func TestCountLeavesOutLifelongDescriptors(t *testing.T) {
+	base := leakcheck.Count()
+	other, err := unix.Eventfd(0, unix.EFD_CLOEXEC)
+	require.NoError(t, err)
+	assert.Equal(t, base+1, leakcheck.Count(), "a descriptor opened")
+	require.NoError(t, unix.Close(other))
+	lifelong, err := unix.Eventfd(0, unix.EFD_CLOEXEC)
+	require.NoError(t, err)
+	fd.KeepForLife(lifelong) // open until the process exits
+	assert.Equal(t, base, leakcheck.Count(), "a lifelong descriptor")
 }
 
 // released counts its releases.
