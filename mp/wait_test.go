@@ -134,7 +134,7 @@ func TestThousandBlockedGetsHoldFewThreads(t *testing.T) {
 // it confirms instead of sleeping for it.
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	require.Eventually(t, cond, 10*time.Second, 100*time.Microsecond, "never: %s", what)
+	require.Eventually(t, cond, 10*time.Second, time.Millisecond, "never: %s", what)
 }
 
 // A Put blocked on a full queue goes on when Gets make room, and returns at

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -302,8 +303,12 @@ func TestPipeWriterLooksAfterItPublishes(t *testing.T) {
 // lane wait to be had spins and parks while its writer publishes at
 // points spread over the spin and the park. No entry is missed (the
 // reader's slices on the socket last an hour: a lost wake would hang it).
+// The two run in parallel, on two Ps at least (with one, the reader would
+// run only once the writer blocks, never parked as it sends), and one
+// round in 64 waits for the reader to park before it sends.
 func TestPipeParkRace(t *testing.T) {
 	leakcheck.Check(t)
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(max(2, runtime.GOMAXPROCS(0))))
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	w, r, _ := mappedPair(t, ctx)
@@ -320,6 +325,11 @@ func TestPipeParkRace(t *testing.T) {
 			got <- err
 		}()
 		for spin := rounds % 128 * 1024; spin > 0; spin-- {
+		}
+		if rounds%64 == 63 { // some sends find it parked, on one CPU too
+			for deadline := time.Now().Add(time.Second); !parked(r) && time.Now().Before(deadline); {
+				time.Sleep(50 * time.Microsecond)
+			}
 		}
 		if parked(r) {
 			parkedAt++
