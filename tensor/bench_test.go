@@ -45,31 +45,35 @@ func BenchmarkNewStorage(b *testing.B) {
 // collector cost each tensor a process makes or receives, beneath this
 // package's own work. Tensor: the Tensor alone, the least a tensor handed
 // to a caller is; Storage: what NewStorage allocates, a Storage with its
-// spare Tensor, and its memory's record.
+// spare Tensor, and its memory's record with the Storage's reference.
 func BenchmarkTensorObjects(b *testing.B) {
 	b.Run("Tensor", func(b *testing.B) { benchObjects(b, func() *tensor.Tensor { return new(tensor.Tensor) }) })
 	b.Run("Storage", func(b *testing.B) { benchObjects(b, func() *tensor.Storage { return tensor.BareStorage(4 << 10) }) })
 }
 
+// benchObjects keeps what next returns for each of b's iterations alive
+// for the last benchWindowSize of them, and drops it then.
 func benchObjects[T any](b *testing.B, next func() *T) {
-	const window = 4096
-	live := make([]*T, window)
+	live := make([]*T, benchWindowSize)
 	b.ReportAllocs()
 	cpu := testmain.ProcessCPU()
 	i := 0
 	for b.Loop() {
 		live[i] = next()
-		i = (i + 1) % window
+		i = (i + 1) % benchWindowSize
 	}
 	b.ReportMetric(float64(testmain.ProcessCPU()-cpu)/float64(b.N), "cpu-ns/op")
 }
+
+// benchWindowSize is how many of the tensors, or objects, a benchmark
+// made last it keeps alive: as many as a stream's writer has in flight.
+const benchWindowSize = 4096
 
 // benchWindow makes a tensor with next for each of b's iterations and
 // keeps the last window of them alive, releasing each as it leaves the
 // window, and the rest once b is done.
 func benchWindow(b *testing.B, next func() (*tensor.Tensor, error)) {
-	const window = 4096
-	live := make([]*tensor.Tensor, window)
+	live := make([]*tensor.Tensor, benchWindowSize)
 	defer func() {
 		for _, x := range live {
 			if x != nil {
@@ -89,7 +93,7 @@ func benchWindow(b *testing.B, next func() (*tensor.Tensor, error)) {
 			_ = old.Release()
 		}
 		live[i] = x
-		i = (i + 1) % window
+		i = (i + 1) % benchWindowSize
 	}
 	b.ReportMetric(float64(testmain.ProcessCPU()-cpu)/float64(b.N), "cpu-ns/op")
 }

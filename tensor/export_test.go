@@ -16,10 +16,14 @@ func Sweep() { safety.sweep() }
 func Sweeps() uint32 { return safety.sweeps.Load() }
 
 // BareStorage allocates the heap objects NewStorage makes for a Storage
-// of nbytes (the Storage with its spare Tensor, and its memory's record)
-// and does nothing else: no memory, no safety net.
+// of nbytes and sets their pointers as armAs does (the Storage with its
+// spare Tensor, and its memory's record with the Storage's reference),
+// and does nothing else: no memory, no slot in the safety net.
 func BareStorage(nbytes int64) *Storage {
 	s := allocStorage(device.CPU(), nbytes)
-	s.mem.init(&memory{})
+	am := &armedMemory{}
+	am.ref.young.init(s)
+	s.ref.init(&am.ref)
+	s.mem.init(&am.memory)
 	return s
 }

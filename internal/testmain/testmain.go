@@ -2,6 +2,7 @@
 // cross-process tests start helper processes that are the test binary
 // itself, re-executed (mp workers, session keepers, reexec helpers), so
 // every test binary begins and ends the same way; Run is that way, once.
+// ProcessCPU is what their benchmarks read to report CPU time.
 package testmain
 
 import (
