@@ -198,14 +198,17 @@ func (t *segmentTable) attachMappedLocked(refs []BlockRef) ([]*Block, error) {
 		}
 	}
 	t.lockLocked(refs, false)
+	// The batch's blocks are made in one allocation: each keeps the
+	// others' few bytes until all are unreachable, never their holds.
+	blocks := make([]Block, len(refs))
 	bs := make([]*Block, 0, len(refs))
-	for _, ref := range refs {
+	for i, ref := range refs {
 		seg := t.m[ref.Seg.ID]
 		if seg.users == 0 {
 			t.unidleLocked(seg)
 		}
-		b, err := seg.holdLocked(ref.Offset, ref.Size, ref.Gen, false)
-		if err != nil {
+		b := &blocks[i]
+		if err := seg.holdLocked(b, ref.Offset, ref.Size, ref.Gen, false); err != nil {
 			for _, b := range bs {
 				_ = b.seg.releaseLocked(b.slot)
 			}
@@ -587,8 +590,8 @@ func (t *segmentTable) attachLocked(id ID, covered bool, ref BlockRef, open func
 	} else if seg.users == 0 {
 		t.unidleLocked(seg)
 	}
-	b, err := seg.holdLocked(ref.Offset, ref.Size, ref.Gen, covered)
-	if err != nil {
+	b := new(Block)
+	if err := seg.holdLocked(b, ref.Offset, ref.Size, ref.Gen, covered); err != nil {
 		_ = t.settleLocked(seg)
 		return nil, err
 	}
@@ -658,14 +661,15 @@ const aheadKeep = 100 * time.Millisecond
 // wakes a thread.
 const transferDelay = 10 * time.Millisecond
 
-// holdLocked takes this process's hold on the block at data offset off:
-// the slot held first (through an adopted descriptor, or a lock of this
-// process's own), the generation checked second, so that the producer,
-// which bumps the generation only while nobody holds the slot, cannot
-// recycle it under us. The caller holds attached.mu.
-func (seg *segment) holdLocked(off, size int64, gen uint64, covered bool) (*Block, error) {
-	bad := func(err error) (*Block, error) {
-		return nil, &Error{Op: "attach", Path: fmt.Sprintf("block %d+%d of %v", off, size, seg.alloc), Err: err}
+// holdLocked takes this process's hold on the block at data offset off,
+// and makes b that block: the slot held first (through an adopted
+// descriptor, or a lock of this process's own), the generation checked
+// second, so that the producer, which bumps the generation only while
+// nobody holds the slot, cannot recycle it under us. b is left as it was
+// if holdLocked fails. The caller holds attached.mu.
+func (seg *segment) holdLocked(b *Block, off, size int64, gen uint64, covered bool) error {
+	bad := func(err error) error {
+		return &Error{Op: "attach", Path: fmt.Sprintf("block %d+%d of %v", off, size, seg.alloc), Err: err}
 	}
 	slot, ok := seg.slotAt(off)
 	if !ok || size <= 0 || size > seg.cap {
@@ -677,7 +681,7 @@ func (seg *segment) holdLocked(off, size int64, gen uint64, covered bool) (*Bloc
 			attachLocks.Add(1)
 			ok, err := lockRead(seg.alloc.fd(), slotByte(slot), 1)
 			if err != nil {
-				return nil, err
+				return err
 			}
 			if !ok {
 				return bad(ErrStaleBlock)
@@ -700,7 +704,8 @@ func (seg *segment) holdLocked(off, size int64, gen uint64, covered bool) (*Bloc
 	}
 	seg.slots.hold(slot)
 	seg.users++
-	return &Block{seg: seg, slot: slot, size: size, gen: gen}, nil
+	*b = Block{seg: seg, slot: slot, size: size, gen: gen}
+	return nil
 }
 
 // detach gives up a receiver's block.
