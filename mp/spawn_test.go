@@ -243,8 +243,10 @@ func workerSendMany(ctx context.Context, w *mp.Worker) error {
 	return q.Put(ctx, ts)
 }
 
-// workerLowFDLimit lowers its descriptor limit to 20 above what it has
-// open and gets workerSendMany's message, which must fail, and returns
+// workerLowFDLimit lowers its descriptor limit to 20 above the number of
+// descriptors leakcheck.Count finds open (a limit on numbers, leaving
+// room for 20 new ones at most, fewer for each that Count leaves out)
+// and gets workerSendMany's message of 100, which must fail, and returns
 // that error: the receiver of TestDescriptorLimitIsAnError.
 func workerLowFDLimit(ctx context.Context, w *mp.Worker) error {
 	var q *mp.Queue

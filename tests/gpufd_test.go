@@ -73,7 +73,9 @@ func gpufdPut(ctx context.Context, a slabArgs) error {
 // on the GPU and whole, holds them, says so with the number of
 // descriptors it holds more than when it started, and waits to be
 // killed or told to let go: the receiver of the cases killed-receiver,
-// zeros-arrive and many.
+// zeros-arrive and many. The number is leakcheck.Count's, without those
+// a package keeps for the process's life (sock's waiting, from the
+// first Get), which spawn bench's count of a receiver's includes.
 func gpufdHold(ctx context.Context, a slabArgs) error {
 	before := leakcheck.Count()
 	var held []*tensor.Tensor
