@@ -244,10 +244,10 @@ func workerSendMany(ctx context.Context, w *mp.Worker) error {
 }
 
 // workerLowFDLimit lowers its descriptor limit to 20 above the number of
-// descriptors leakcheck.Count finds open (a limit on numbers, leaving
-// room for 20 new ones at most, fewer for each that Count leaves out)
-// and gets workerSendMany's message of 100, which must fail, and returns
-// that error: the receiver of TestDescriptorLimitIsAnError.
+// descriptors leakcheck.Count finds open (a limit on descriptor numbers:
+// room for 20 new ones at most) and gets workerSendMany's message of
+// 100, which must fail, and returns that error: the receiver of
+// TestDescriptorLimitIsAnError.
 func workerLowFDLimit(ctx context.Context, w *mp.Worker) error {
 	var q *mp.Queue
 	if err := w.Args(&q); err != nil {
