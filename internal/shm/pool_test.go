@@ -661,17 +661,7 @@ func TestAdoptedTicketsCloseInBatches(t *testing.T) {
 	// the idle check's of a segment nobody uses, 20 ms after its last
 	// block was let go of) do not fire until they are resumed below.
 	resumeTransfers, resumeChecks := shm.HoldTransfers(t), shm.HoldIdleChecks(t)
-	var kept []int
-	for range shm.AdoptMax - 1 {
-		kept = append(kept, receive())
-	}
-	for _, fd := range kept {
-		assert.True(t, open(fd), "fewer than AdoptMax descriptors are kept a while")
-	}
-	last := receive()
-	for _, fd := range append(kept, last) {
-		assert.False(t, open(fd), "the AdoptMax-th closes them all")
-	}
+	closedAtThe(t, shm.AdoptMax, receive, open)
 
 	resumeTransfers()
 	resumeChecks()
@@ -679,6 +669,23 @@ func TestAdoptedTicketsCloseInBatches(t *testing.T) {
 	require.NoError(t, a.Release())
 	require.Eventually(t, func() bool { return !open(few[0]) && !open(few[1]) }, time.Second, 5*time.Millisecond, "fewer go within milliseconds")
 	require.Eventually(t, func() bool { return p.InUse() == 0 }, time.Second, 5*time.Millisecond, "and the block is free again")
+}
+
+// closedAtThe receives n messages: the descriptors of the first n-1 stay
+// open, and the n-th receive closes them all, its own included.
+func closedAtThe(t *testing.T, n int, receive func() int, open func(int) bool) {
+	t.Helper()
+	var kept []int
+	for range n - 1 {
+		kept = append(kept, receive())
+	}
+	for _, fd := range kept {
+		assert.True(t, open(fd), "fewer than %d descriptors are kept", n)
+	}
+	last := receive()
+	for _, fd := range append(kept, last) {
+		assert.False(t, open(fd), "the %d-th closes them all", n)
+	}
 }
 
 // A receiver that still holds the blocks that adopted descriptors cover
@@ -702,17 +709,7 @@ func TestAdoptedTicketsOfHeldBlocksCloseAtTwiceAdoptMax(t *testing.T) {
 	}
 
 	resume := shm.HoldTransfers(t)
-	var kept []int
-	for range 2*shm.AdoptMax - 1 {
-		kept = append(kept, receive())
-	}
-	for _, fd := range kept {
-		assert.True(t, open(fd), "fewer than twice AdoptMax descriptors are kept while blocks of theirs are held")
-	}
-	last := receive()
-	for _, fd := range append(kept, last) {
-		assert.False(t, open(fd), "the 2*AdoptMax-th closes them all")
-	}
+	closedAtThe(t, 2*shm.AdoptMax, receive, open)
 	assert.True(t, a.Busy(), "the receiver's own description holds the block now")
 
 	resume()
